@@ -1,0 +1,1 @@
+"""Benchmarks behind ``zerosim bench``."""

@@ -1,0 +1,54 @@
+"""The ``zerosim`` command line.
+
+Each subcommand lives in its own module ``zerosim.cli.<name>`` exposing
+``register(subparsers) -> None``; the registered parser's ``func(args) -> int`` runs it.
+A ZeroSimError anywhere becomes ``error: <message>`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import ZeroSimError
+
+COMMAND_MODULES = ("plan", "check", "simulate", "memory", "comm", "report", "bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zerosim",
+        description="Verify and measure ZeRO-style sharded data-parallel training.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:  # a command still being written
+            if e.name == f"{__name__}.{name}":
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ZeroSimError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""``zerosim bench <what>``: benchmarks that print ratios measured side by side and write JSON to reports/.
+
+Each benchmark lives in ``zerosim.bench.<what>`` and exposes ``register(subparsers)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+BENCH_MODULES = ("sim", "mpi", "check")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks (ratios measured side by side, JSON under reports/)")
+    inner = p.add_subparsers(dest="bench", metavar="BENCH")
+    for name in BENCH_MODULES:
+        try:
+            module = importlib.import_module(f"zerosim.bench.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"zerosim.bench.{name}":
+                continue
+            raise
+        module.register(inner)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
