@@ -1,0 +1,84 @@
+"""Verdicts: what a contract check returns. Pure data, the same for every backend.
+
+A check is a pure function from observations (plans, arrays, counters) to a ``Verdict``. Each
+``Violation`` carries what a person needs to find the bug: contract id, clause, step, rank(s),
+tensor, flat element range, expected vs got.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Violation:
+    contract: str
+    clause: str
+    message: str
+    step: int | None = None
+    ranks: tuple[int, ...] = ()
+    tensor: str | None = None
+    interval: tuple[int, int] | None = None  # flat [start, end)
+    expected: Any = None
+    got: Any = None
+    context: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        parts = [self.contract, self.clause]
+        if self.context:
+            parts += [f"{k}={v}" for k, v in self.context.items()]
+        if self.step is not None:
+            parts.append(f"step={self.step}")
+        if self.ranks:
+            parts.append("rank=" + ",".join(map(str, self.ranks)))
+        if self.tensor is not None:
+            parts.append(f"tensor={self.tensor}")
+        if self.interval is not None:
+            parts.append(f"range=[{self.interval[0]}, {self.interval[1]})")
+        if self.expected is not None or self.got is not None:
+            parts.append(f"expected={self.expected!r} got={self.got!r}")
+        return " ".join(parts) + f": {self.message}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "contract": self.contract, "clause": self.clause, "message": self.message, "step": self.step,
+            "ranks": list(self.ranks), "tensor": self.tensor,
+            "interval": list(self.interval) if self.interval else None,
+            "expected": _jsonable(self.expected), "got": _jsonable(self.got),
+            "context": {k: _jsonable(v) for k, v in self.context.items()},
+        }
+
+
+@dataclass
+class Verdict:
+    contract: str
+    violations: list[Violation] = field(default_factory=list)
+    checked: int = 0  # how many things (ranks, steps, tensors, plans) the check looked at
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.violations
+
+    def extend(self, other: Verdict) -> None:
+        self.violations.extend(other.violations)
+        self.checked += other.checked
+
+    def to_json(self) -> dict[str, Any]:
+        return {"contract": self.contract, "passed": self.passed, "checked": self.checked,
+                "violations": [v.to_json() for v in self.violations],
+                "details": {k: _jsonable(v) for k, v in self.details.items()}}
+
+
+def _jsonable(v: Any) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return repr(v)
