@@ -12,3 +12,9 @@ __all__ = [
     "ConfigError", "GPTConfig", "PRESETS", "ParamLayout", "ShardingStrategy", "StatePlan",
     "StrategyKind", "TensorSpec", "Topology", "ZeroSimError", "build_plan",
 ]
+
+# Core (issue 2): the seed's partition API and the user-facing partition checker.
+from .check_impl import PartitionReport, check_partition  # noqa: E402
+from .partition.seed import OptimizerShard, ZeroShardMap  # noqa: E402
+
+__all__ += ["OptimizerShard", "PartitionReport", "ZeroShardMap", "check_partition"]

@@ -1,0 +1,98 @@
+"""``zerosim memory`` and ``zerosim comm``: JSON in bytes, tables that name their unit, exit 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from zerosim.cli import main
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_memory_json_reproduces_the_paper_for_every_strategy(capsys):
+    code, out, _ = run_cli(capsys, "memory", "--params", "7.5e9", "--world-size", "64", "--strategy", "all", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["units"] == "bytes" and data["settings"]["K"] == 12
+    totals = {name: s["per_rank"]["total"]["device"] for name, s in data["strategies"].items()}
+    assert totals == {"no_shard": 120_000_000_000, "shard_optimizer": 31_406_250_000,
+                      "shard_grad_op": 16_640_625_000, "full_shard": 1_875_000_000}
+    for s in data["strategies"].values():
+        for cat in ("params", "grads", "optimizer_states", "total"):
+            assert set(s["per_rank"][cat]) == {"device", "host"}
+
+
+def test_memory_table_names_its_unit(capsys):
+    code, out, _ = run_cli(capsys, "memory", "--params", "7.5e9", "--world-size", "64", "--strategy", "zero3",
+                           "--unit", "GiB")
+    assert code == 0 and "GiB = 1,073,741,824 bytes" in out and "params [GiB]" in out
+    assert "1.746" in out  # 1.875e9 bytes in GiB
+    code, out, _ = run_cli(capsys, "memory", "--params", "7.5e9", "--world-size", "64", "--strategy", "zero1")
+    assert "GB = 1,000,000,000 bytes" in out and "31.41" in out
+
+
+def test_memory_with_a_preset_hybrid_offload_and_sgd(capsys):
+    code, out, _ = run_cli(capsys, "memory", "--model", "gpt2-small", "--world-size", "16", "--ranks-per-node", "4",
+                           "--strategy", "hybrid_shard", "--offload", "params+optimizer", "--optimizer", "sgd-momentum",
+                           "--precision", "fp32", "--json")
+    assert code == 0
+    s = json.loads(out)["strategies"]["hybrid_shard:4"]
+    n = s["per_rank"]["numel"]["params"]
+    assert s["shard_group_size"] == 4 and s["per_rank"]["params"] == {"device": 0, "host": 4 * n}
+    assert s["per_rank"]["optimizer_states"]["host"] == 4 * n  # fp32 + SGD momentum: one 4-byte buffer
+    assert s["per_rank"]["transient"]["device"] > 0
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--params", "lots", "--world-size", "4"], "params"),
+    (["--params", "0", "--world-size", "4"], "params"),
+    (["--params=-1e9", "--world-size", "4"], "params"),
+    (["--params", "1e9", "--world-size", "0"], "world-size"),
+    (["--params", "1e9", "--world-size", "-8"], "world-size"),
+    (["--params", "1e9", "--world-size", "two"], "world-size"),
+    (["--params", "1e9", "--world-size", "6", "--ranks-per-node", "4"], "ranks-per-node"),
+    (["--params", "1e9", "--world-size", "8", "--ranks-per-node", "0"], "ranks-per-node"),
+    (["--params", "1e9", "--world-size", "8", "--strategy", "zero9"], "strategy"),
+    (["--params", "1e9", "--world-size", "8", "--precision", "fp4"], "precision"),
+    (["--params", "1e9", "--world-size", "8", "--prefetch-depth", "-1"], "prefetch-depth"),
+    (["--params", "1e9", "--world-size", "8", "--unit", "parsecs"], "unit"),
+    (["--params", "1e9", "--world-size", "8", "--strategy", "zero2", "--offload", "params+optimizer"], "offload"),
+    (["--world-size", "8"], "params"),
+    (["--model", "gpt5", "--world-size", "8"], "model"),
+])
+def test_memory_bad_input_is_one_line_and_exit_2(capsys, argv, field):
+    code, out, err = run_cli(capsys, "memory", *argv)
+    assert code == 2 and out == ""
+    assert err.startswith("error: invalid ") and field in err and err.count("\n") == 1
+
+
+def test_argparse_errors_are_one_line_and_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["memory", "--params", "-1e9", "--world-size", "4"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--params" in err
+
+
+def test_bad_input_through_the_console_script_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "zerosim", "memory", "--params", "abc", "--world-size", "4"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "params" in proc.stderr
+
+
+def test_memory_compare_deepspeed_runs_with_or_without_deepspeed(capsys):
+    code, out, err = run_cli(capsys, "memory", "--model", "gpt2-small", "--world-size", "8", "--ranks-per-node", "4",
+                             "--compare-deepspeed", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert len(report["rows"]) == 5 and report["num_nodes"] == 2
+    code, _, err = run_cli(capsys, "memory", "--params", "1e9", "--world-size", "8", "--compare-deepspeed")
+    assert code == 2 and "model" in err

@@ -1,0 +1,226 @@
+"""``zerosim bench mpi``: the MPI communicator's collectives against raw mpi4py calls, side by side.
+
+For each world size (``--ranks``, default 2 and 4) the command launches ``mpiexec`` once. Inside
+every rank, for each buffer size (``--min-bytes`` .. ``--max-bytes``, powers of 4) and collective
+(all-reduce, reduce-scatter, all-gather on float32 buffers) it times, interleaved and in rotating
+order, on the **same** input and output buffers:
+
+- ``raw``: ``comm.Allreduce(x, y, MPI.SUM)`` / ``Reduce_scatter_block`` / ``Allgather``;
+- ``ours``: ``MpiCommunicator.all_reduce(x, "sum", out=y)`` ... (``timeout_mode="abort"``, the
+  default: blocking call + watchdog);
+- ``ours_new``: the same call without ``out=`` (a fresh result array each call, as the engine calls it);
+- ``ours_raise``: ``timeout_mode="raise"`` (nonblocking call polled until a deadline), with ``out=``.
+
+A measurement is the slowest rank's mean time over enough calls to fill ``--target-ms``; each
+variant is measured ``--repeats`` times. ``ratio`` is the median over repeats of raw time / our
+time (paired, so drifting machine load cancels). GB/s is the algorithm bandwidth: the full buffer
+size (all-reduce input, reduce-scatter input, all-gather output) over the time. Rank 0 of each
+launch writes its rows; this process prints the table and writes ``reports/bench_mpi.json``.
+Target: ``ours`` at least 0.9x ``raw`` at every size from 64 KiB up; shortfalls are flagged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, require_positive_int
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+VARIANTS = ("raw", "ours", "ours_new", "ours_raise")
+TARGET_RATIO = 0.9
+TARGET_FROM_BYTES = 64 * 1024
+DEFAULT_OUT = Path("reports") / "bench_mpi.json"
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("mpi", help="MPI communicator vs raw mpi4py collectives (launches mpiexec)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to launch (default: 2 4)")
+    p.add_argument("--min-bytes", type=int, default=1024, help="smallest buffer (default 1 KiB)")
+    p.add_argument("--max-bytes", type=int, default=64 * 1024 * 1024, help="largest buffer (default 64 MiB)")
+    p.add_argument("--repeats", type=int, default=7, help="measurements per variant (median taken; default 7)")
+    p.add_argument("--target-ms", type=float, default=20.0, help="time filled by one measurement (default 20 ms)")
+    p.add_argument("--launch-timeout", type=float, default=900.0, help="wall-clock limit per mpiexec launch (s)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
+    p.set_defaults(func=run)
+
+
+def buffer_sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    """Powers of 4 times ``min_bytes`` up to ``max_bytes`` (both included when ``max`` is on the grid)."""
+    require_positive_int("min_bytes", min_bytes)
+    require_positive_int("max_bytes", max_bytes)
+    if max_bytes < min_bytes:
+        raise ConfigError("max_bytes", max_bytes, f"must be >= min_bytes={min_bytes}")
+    sizes, s = [], min_bytes
+    while s <= max_bytes:
+        sizes.append(s)
+        s *= 4
+    if sizes[-1] != max_bytes:
+        sizes.append(max_bytes)
+    return sizes
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..mpi.launch import run_mpiexec
+
+    sizes = buffer_sizes(args.min_bytes, args.max_bytes)
+    for n in args.ranks:
+        require_positive_int("ranks", n)
+    require_positive_int("repeats", args.repeats)
+    if not args.target_ms > 0:
+        raise ConfigError("target_ms", args.target_ms, "must be positive")
+    rows: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="zerosim-bench-mpi-") as tmp:
+        for n in args.ranks:
+            part = Path(tmp) / f"ranks{n}.json"
+            argv = ["-m", "zerosim.mpi", "bench-worker", "--sizes", *map(str, sizes), "--repeats", str(args.repeats),
+                    "--target-ms", str(args.target_ms), "--out", str(part)]
+            print(f"launching mpiexec -n {n} ({len(sizes)} sizes x {len(COLLECTIVES)} collectives)...", file=sys.stderr)
+            result = run_mpiexec(n, argv, args.launch_timeout)
+            if result.returncode != 0 or not part.exists():
+                sys.stderr.write(result.stderr or "")
+                print(f"error: the {n}-rank benchmark failed (exit {result.returncode}"
+                      f"{', timed out' if result.timed_out else ''})", file=sys.stderr)
+                return 1
+            data = json.loads(part.read_text())
+            rows.extend(data["rows"])
+            meta = data["meta"]
+    below = [r for r in rows if r["bytes"] >= TARGET_FROM_BYTES and r["ratio"] < TARGET_RATIO]
+    report = {
+        "benchmark": "zerosim bench mpi",
+        "target": {"ratio": TARGET_RATIO, "from_bytes": TARGET_FROM_BYTES, "variant": "ours"},
+        "config": {"ranks": args.ranks, "sizes": sizes, "repeats": args.repeats, "target_ms": args.target_ms},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    **meta},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "rows": rows,
+        "below_target": [{k: r[k] for k in ("collective", "ranks", "bytes", "ratio")} for r in below],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print_table(rows)
+    verdict = "met" if not below else f"MISSED at {len(below)} point(s) (flagged with !)"
+    print(f"target: ours >= {TARGET_RATIO}x raw at every size >= {TARGET_FROM_BYTES // 1024} KiB: {verdict}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _human(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="MpiCommunicator vs raw mpi4py (GB/s = full buffer / time; ratio = raw time / ours)")
+    for col in ("size", "collective", "ranks", "ours GB/s", "raw GB/s", "ratio", "new-array ratio", "raise-mode ratio"):
+        table.add_column(col, justify="left" if col == "collective" else "right")
+    for r in sorted(rows, key=lambda r: (r["ranks"], r["collective"], r["bytes"])):
+        flag = " !" if r["bytes"] >= TARGET_FROM_BYTES and r["ratio"] < TARGET_RATIO else ""
+        table.add_row(_human(r["bytes"]), r["collective"], str(r["ranks"]), f"{r['gbps']['ours']:.3f}",
+                      f"{r['gbps']['raw']:.3f}", f"{r['ratio']:.3f}{flag}", f"{r['ratio_new']:.3f}",
+                      f"{r['ratio_raise']:.3f}")
+    Console(width=140).print(table)
+
+
+def _paired(times: dict[str, list[float]], variant: str) -> float:
+    """Median over repeats of raw time / ``variant`` time (each pair measured back to back)."""
+    return statistics.median(r / o for r, o in zip(times["raw"], times[variant], strict=True))
+
+
+# ---- inside each rank (python -m zerosim.mpi bench-worker ...) ------------------------------------
+
+def worker_main(argv: list[str]) -> int:
+    """One rank of the benchmark. Rank 0 writes ``--out``."""
+    p = argparse.ArgumentParser(prog="python -m zerosim.mpi bench-worker")
+    p.add_argument("--sizes", type=int, nargs="+", required=True)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--target-ms", type=float, default=20.0)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+
+    import mpi4py
+    import numpy as np
+    from mpi4py import MPI
+
+    from ..comm.mpi import MpiCommunicator
+
+    world = MPI.COMM_WORLD
+    n, me = world.Get_size(), world.Get_rank()
+    ours = MpiCommunicator(world, timeout_mode="abort", timeout_s=300.0)
+    ours_raise = MpiCommunicator(world, timeout_mode="raise", timeout_s=300.0, group_name="world.raise")
+
+    def variants(collective: str, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+        if collective == "all_reduce":
+            return {"raw": lambda: world.Allreduce(x, y, MPI.SUM),
+                    "ours": lambda: ours.all_reduce(x, "sum", out=y),
+                    "ours_new": lambda: ours.all_reduce(x, "sum"),
+                    "ours_raise": lambda: ours_raise.all_reduce(x, "sum", out=y)}
+        if collective == "reduce_scatter":
+            return {"raw": lambda: world.Reduce_scatter_block(x, y, MPI.SUM),
+                    "ours": lambda: ours.reduce_scatter(x, "sum", out=y),
+                    "ours_new": lambda: ours.reduce_scatter(x, "sum"),
+                    "ours_raise": lambda: ours_raise.reduce_scatter(x, "sum", out=y)}
+        return {"raw": lambda: world.Allgather(x, y),
+                "ours": lambda: ours.all_gather(x, out=y),
+                "ours_new": lambda: ours.all_gather(x),
+                "ours_raise": lambda: ours_raise.all_gather(x, out=y)}
+
+    slowest = np.empty(1)
+
+    def timed(fn: Any, iters: int) -> float:
+        """Mean seconds per call of the slowest rank."""
+        world.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        dt = np.array([(time.perf_counter() - t0) / iters])
+        world.Allreduce(dt, slowest, MPI.MAX)
+        return float(slowest[0])
+
+    rows = []
+    for nbytes in args.sizes:
+        full = max(n, nbytes // 4 // n * n)  # float32 elements, divisible by the group size
+        for collective in COLLECTIVES:
+            if collective == "all_reduce":
+                x, y = np.ones(full, np.float32), np.empty(full, np.float32)
+            elif collective == "reduce_scatter":
+                x, y = np.ones(full, np.float32), np.empty(full // n, np.float32)
+            else:
+                x, y = np.ones(full // n, np.float32), np.empty(full, np.float32)
+            fns = variants(collective, x, y)
+            for fn in fns.values():  # warm up: connections, pages, algorithm selection
+                fn()
+            probe = timed(fns["raw"], 3)
+            iters = max(1, min(2000, int(args.target_ms / 1e3 / max(probe, 1e-7))))
+            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for rep in range(args.repeats):
+                order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]
+                for v in order:
+                    times[v].append(timed(fns[v], iters))
+            payload = full * 4
+            med = {v: statistics.median(ts) for v, ts in times.items()}
+            rows.append({"collective": collective, "ranks": n, "bytes": payload, "iters": iters,
+                         "median_s": med, "min_s": {v: min(ts) for v, ts in times.items()},
+                         "gbps": {v: payload / t / 1e9 for v, t in med.items()},
+                         "ratio": _paired(times, "ours"), "ratio_new": _paired(times, "ours_new"),
+                         "ratio_raise": _paired(times, "ours_raise")})
+    if me == 0:
+        meta = {"mpi_library": MPI.Get_library_version().strip().splitlines()[0], "mpi4py": mpi4py.__version__,
+                "numpy": np.__version__, "thread_level": MPI.Query_thread()}
+        args.out.write_text(json.dumps({"rows": rows, "meta": meta}))
+    return 0

@@ -1,0 +1,274 @@
+"""Check someone else's partition function against C-ZERO-001.
+
+A user function ``fn(rank, world_size, total)`` returns the flat range(s) ``rank`` owns:
+
+* ``(start, end)`` (or ``[start, end]``, ``range(start, end)``, or any object with ``param_start`` /
+  ``param_end`` such as :class:`zerosim.OptimizerShard`), or
+* a list of such ranges (possibly empty: the rank owns nothing).
+
+:func:`check_partition` calls it for every rank of every (world size, total) in a sweep, turns the
+answers into a ShardPlan per case and runs :func:`zerosim.checks.partition.check_partition_plan` on
+it. The default sweep: world sizes 1..64 and 1024; totals 0, 1, small primes, totals smaller than
+the world size, 10^12 and 2^61 - 1 (beyond float precision). About 56,000 calls: a second or two.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import numbers
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checks.partition import CONTRACT, check_partition_plan
+from .errors import ConfigError, ImplementationError, require_non_negative_int, require_positive_int
+from .partition.base import RankShard, ShardPlan
+from .verdict import Violation
+
+DEFAULT_WORLD_SIZES: tuple[int, ...] = tuple(range(1, 65)) + (1024,)
+DEFAULT_TOTALS: tuple[int, ...] = (
+    0, 1, 2, 3, 5, 7, 13, 31, 63, 64, 100, 1023, 1025, 65_537, 1_000_003, 2**31 - 1, 10**12, 2**61 - 1,
+)
+BALANCE_MODES = ("seed", "chunk", "none")
+
+PartitionFn = Callable[[int, int, int], Any]
+
+
+@dataclass
+class PartitionReport:
+    """The outcome of sweeping a partition function: every C-ZERO-001 violation, with its case."""
+
+    impl: str
+    world_sizes: tuple[int, ...]
+    totals: tuple[int, ...]
+    balance: str
+    cases: int = 0
+    calls: int = 0
+    violations: list[Violation] = field(default_factory=list)
+    violations_by_clause: Counter = field(default_factory=Counter)
+    failing_cases: list[tuple[int, int]] = field(default_factory=list)
+    suppressed: int = 0  # violations counted but not kept (per-case and overall caps)
+    elapsed_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.violations and not self.suppressed
+
+    @property
+    def total_violations(self) -> int:
+        return len(self.violations) + self.suppressed
+
+    def lines(self, limit: int | None = None) -> list[str]:
+        """One line per violation (the first ``limit``), then a line saying how many were left out."""
+        shown = self.violations if limit is None else self.violations[:limit]
+        out = [str(v) for v in shown]
+        hidden = self.total_violations - len(shown)
+        if hidden > 0:
+            out.append(f"... {hidden} more violations not shown (use --limit 0 or --json)")
+        return out
+
+    def summary(self) -> str:
+        ws = describe_ints(self.world_sizes)
+        head = (f"{self.cases} cases (world sizes {ws}; {len(self.totals)} totals), {self.calls:,} calls, "
+                f"{self.elapsed_s:.2f} s")
+        if self.passed:
+            return f"{CONTRACT} holds for {self.impl}: {head}"
+        clauses = ", ".join(f"{k} x{v}" for k, v in sorted(self.violations_by_clause.items()))
+        return (f"{CONTRACT} violated by {self.impl}: {self.total_violations} violations ({clauses}) in "
+                f"{len(self.failing_cases)} of {head}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "contract": CONTRACT, "impl": self.impl, "passed": self.passed, "balance": self.balance,
+            "world_sizes": list(self.world_sizes), "totals": list(self.totals), "cases": self.cases,
+            "calls": self.calls, "elapsed_s": self.elapsed_s, "total_violations": self.total_violations,
+            "violations_by_clause": dict(self.violations_by_clause), "suppressed": self.suppressed,
+            "failing_cases": [list(c) for c in self.failing_cases],
+            "violations": [v.to_json() for v in self.violations],
+        }
+
+
+# ---- loading a user implementation ------------------------------------------------------------
+def load_impl(spec: str) -> PartitionFn:
+    """Import ``package.module:function`` (or ``path/to/file.py:function``); the cwd is importable."""
+    if not isinstance(spec, str) or spec.count(":") < 1:
+        raise ConfigError("impl", spec, "must look like 'package.module:function' or 'file.py:function'")
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise ConfigError("impl", spec, "must look like 'package.module:function' or 'file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            path = Path(module_name)
+            if not path.is_file():
+                raise ImplementationError(f"impl {spec!r}: no such file {module_name!r}")
+            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+            assert mod_spec is not None and mod_spec.loader is not None
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(module_name)
+    except ImplementationError:
+        raise
+    except Exception as e:  # ImportError, SyntaxError, or anything the module raised on import
+        raise ImplementationError(f"impl {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    try:
+        fn = getattr(module, attr)
+    except AttributeError:
+        raise ImplementationError(f"impl {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not callable(fn):
+        raise ImplementationError(f"impl {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _one_range(obj: Any) -> tuple[int, int] | None:
+    """A single range in any accepted spelling, or None when ``obj`` is not one."""
+    if isinstance(obj, range):
+        return (obj.start, obj.stop) if obj.step == 1 else None
+    if hasattr(obj, "param_start") and hasattr(obj, "param_end"):
+        obj = (obj.param_start, obj.param_end)
+    if isinstance(obj, tuple | list) and len(obj) == 2 and _is_int(obj[0]) and _is_int(obj[1]):
+        return (int(obj[0]), int(obj[1]))
+    return None
+
+
+def as_intervals(result: Any) -> tuple[tuple[int, int], ...] | None:
+    """Normalise a partition function's answer to a tuple of ``(start, end)``; None if malformed."""
+    if hasattr(result, "tolist") and not isinstance(result, tuple | list):
+        result = result.tolist()  # numpy arrays of shape (2,) or (k, 2)
+    single = _one_range(result)
+    if single is not None:
+        return (single,)
+    if isinstance(result, tuple | list):
+        out = []
+        for item in result:
+            r = _one_range(item)
+            if r is None:
+                return None
+            out.append(r)
+        return tuple(out)
+    return None
+
+
+def describe_ints(values: Sequence[int]) -> str:
+    """``1..64, 1024`` style summary of a sorted list of ints."""
+    parts, vals = [], sorted(set(values))
+    i = 0
+    while i < len(vals):
+        j = i
+        while j + 1 < len(vals) and vals[j + 1] == vals[j] + 1:
+            j += 1
+        parts.append(f"{vals[i]}..{vals[j]}" if j - i >= 2 else ", ".join(map(str, vals[i:j + 1])))
+        i = j + 1
+    return ", ".join(parts)
+
+
+def balance_for(balance: str | int, world_size: int, total: int) -> tuple[int, dict[str, int]]:
+    """(balance_bound, extra plan meta) for a balance mode."""
+    if balance == "seed":
+        return 1, {"balance_target": total // world_size, "balance_tolerance": 1}
+    if balance == "chunk":
+        return -(-total // world_size), {}
+    if balance == "none":
+        return total, {}
+    return int(balance), {}
+
+
+def _validate_balance(balance: Any) -> str | int:
+    if isinstance(balance, str):
+        if balance in BALANCE_MODES:
+            return balance
+        try:
+            balance = int(balance)
+        except ValueError:
+            raise ConfigError("balance", balance, f"must be one of {', '.join(BALANCE_MODES)} or an integer") from None
+    return require_non_negative_int("balance", balance)
+
+
+def _validate_ints(field_name: str, values: Iterable[int], positive: bool) -> tuple[int, ...]:
+    try:
+        vals = tuple(values)
+    except TypeError:
+        raise ConfigError(field_name, values, "must be a list of integers") from None
+    if not vals:
+        raise ConfigError(field_name, vals, "must not be empty")
+    check = require_positive_int if positive else require_non_negative_int
+    return tuple(check(field_name, v) for v in vals)
+
+
+# ---- the sweep ------------------------------------------------------------------------------------
+def check_partition(
+    fn: PartitionFn | str,
+    world_sizes: Iterable[int] = DEFAULT_WORLD_SIZES,
+    totals: Iterable[int] = DEFAULT_TOTALS,
+    *,
+    balance: str | int = "seed",
+    name: str | None = None,
+    limit_per_case: int = 10,
+    max_violations: int = 1000,
+) -> PartitionReport:
+    """Sweep ``fn`` over every (world size, total) and check C-ZERO-001 on each resulting plan.
+
+    ``balance``: ``"seed"`` (default: every shard within 1 of ``total // world_size`` and spread
+    <= 1), ``"chunk"`` (spread <= ceil(total / world_size), for ceil-sized rules like torch.chunk),
+    ``"none"``, or an integer bound on the spread. ``fn`` may be a ``module:function`` string.
+    Raises ImplementationError if ``fn`` raises or returns something that is not a range or a list
+    of ranges (naming the rank, world size and total); ConfigError for bad arguments.
+    """
+    if isinstance(fn, str):
+        name = name or fn
+        fn = load_impl(fn)
+    if not callable(fn):
+        raise ConfigError("fn", fn, "must be a callable (rank, world_size, total) -> (start, end)")
+    name = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    ws_list = _validate_ints("world_sizes", world_sizes, positive=True)
+    total_list = _validate_ints("totals", totals, positive=False)
+    balance = _validate_balance(balance)
+    report = PartitionReport(name, ws_list, total_list, str(balance))
+    t0 = time.perf_counter()
+    for total in total_list:
+        for ws in ws_list:
+            shards = []
+            for rank in range(ws):
+                try:
+                    result = fn(rank, ws, total)
+                except Exception as e:
+                    raise ImplementationError(
+                        f"impl {name}: raised {type(e).__name__}: {e} "
+                        f"for (rank={rank}, world_size={ws}, total={total})") from e
+                intervals = as_intervals(result)
+                if intervals is None:
+                    raise ImplementationError(
+                        f"impl {name}: returned {_short(result)} for (rank={rank}, world_size={ws}, total={total}); "
+                        "expected (start, end) as ints, range(start, end), or a list of those")
+                shards.append(RankShard(rank, intervals, 0))
+            report.calls += ws
+            bound, meta = balance_for(balance, ws, total)
+            plan = ShardPlan(name, ws, total, tuple(shards), bound, "user partition function", meta)
+            verdict = check_partition_plan(plan, limit=limit_per_case)
+            report.cases += 1
+            counts = verdict.details.get("violations_by_clause", {})
+            if counts:
+                report.failing_cases.append((ws, total))
+                report.violations_by_clause.update(counts)
+                room = max(0, max_violations - len(report.violations))
+                report.violations += verdict.violations[:room]
+                report.suppressed += sum(counts.values()) - min(room, len(verdict.violations))
+    report.elapsed_s = time.perf_counter() - t0
+    return report
+
+
+def _short(obj: Any, width: int = 80) -> str:
+    text = f"{type(obj).__name__} {obj!r}"
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -1,0 +1,215 @@
+"""C-ZERO-001: shards cover every parameter, never overlap, stay balanced, and padding is never data.
+
+Clauses (each a separate ``Violation.clause``):
+
+* ``well_formed``: one shard per rank, in rank order; every interval is a pair of ints, start <= end.
+* ``coverage``: the union of the real intervals is exactly ``[0, total)``: every gap is reported
+  with the ranks on either side of it.
+* ``disjoint``: no element is owned twice (by two ranks, or listed twice by one rank).
+* ``balance``: max - min real elements per rank <= the partitioner's ``balance_bound``; when the plan
+  carries ``balance_target`` / ``balance_tolerance`` (the seed's rule), every shard is also within
+  the tolerance of the target (``total // world_size``).
+* ``padding``: padding never counts as data: no interval reaches outside ``[0, total)``, padding
+  counts are non-negative, and when the plan declares ``padded_shard_numel`` every rank stores
+  exactly that many elements (real + padding), as its collectives require.
+
+All interval arithmetic: one sort of the k intervals, O(k log k) (k = world size for flat rules),
+never O(total). Hybrid plans: :func:`check_state_plan` runs the same check inside every shard group
+for params, grads and optimizer state, and checks that replicas hold identical shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Any
+
+from ..intervals import clip, first_difference, outside, sweep
+from ..partition.base import RankShard, ShardPlan
+from ..verdict import Verdict, Violation
+
+CONTRACT = "C-ZERO-001"
+CLAUSES = ("well_formed", "coverage", "disjoint", "balance", "padding", "replicas")
+
+
+class _Collector:
+    """Collects violations, keeping at most ``limit`` per clause and counting the rest."""
+
+    def __init__(self, context: dict[str, Any], limit: int):
+        self.context = context
+        self.limit = limit
+        self.violations: list[Violation] = []
+        self.per_clause: dict[str, int] = {}
+
+    def add(self, clause: str, message: str, **kw: Any) -> None:
+        n = self.per_clause.get(clause, 0)
+        self.per_clause[clause] = n + 1
+        if n < self.limit:
+            self.violations.append(Violation(CONTRACT, clause, message, context=dict(self.context), **kw))
+
+    @property
+    def suppressed(self) -> int:
+        return sum(max(0, n - self.limit) for n in self.per_clause.values())
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def check_partition_plan(plan: ShardPlan, *, limit: int = 20, context: dict[str, Any] | None = None) -> Verdict:
+    """Check C-ZERO-001 on one ShardPlan; return a Verdict with one Violation per finding.
+
+    ``limit`` caps the violations kept per clause (counts in ``details['violations_by_clause']``
+    stay complete); ``context`` is attached to every violation (default: world size and total).
+    """
+    ws, total = plan.world_size, plan.total
+    ctx = {"world_size": ws, "total": total} if context is None else dict(context)
+    out = _Collector(ctx, limit)
+    verdict = Verdict(CONTRACT, checked=len(plan.shards))
+
+    # -- well_formed ------------------------------------------------------------------------------
+    if not _is_int(total) or total < 0:
+        out.add("well_formed", f"total must be a non-negative integer, got {total!r}", got=total)
+        return _finish(verdict, out, plan)
+    if len(plan.shards) != ws:
+        out.add("well_formed", f"plan has {len(plan.shards)} shards for world_size={ws}",
+                expected=ws, got=len(plan.shards))
+    labelled: list[tuple[int, int, int]] = []
+    real = [0] * len(plan.shards)
+    for pos, shard in enumerate(plan.shards):
+        rank = shard.rank
+        if rank != pos:
+            out.add("well_formed", f"shard at position {pos} says it is rank {rank}", ranks=(pos,),
+                    expected=pos, got=rank)
+        for iv in shard.intervals:
+            if type(iv) is tuple and len(iv) == 2:  # fast path: a well-formed interval inside the space
+                s, e = iv
+                if type(s) is int and type(e) is int and 0 <= s <= e <= total:
+                    if e > s:
+                        labelled.append((s, e, pos))
+                        real[pos] += e - s
+                    continue
+            if not (isinstance(iv, tuple | list) and len(iv) == 2 and _is_int(iv[0]) and _is_int(iv[1])):
+                out.add("well_formed", f"interval {iv!r} is not a pair of integers", ranks=(pos,))
+                continue
+            s, e = int(iv[0]), int(iv[1])
+            if s > e:
+                out.add("well_formed", "interval has start > end", ranks=(pos,), interval=(s, e))
+                continue
+            # -- padding: nothing outside [0, total) may be reported as data -------------------
+            for lo, hi in outside((s, e), 0, total):
+                where = "at or beyond total (padding)" if lo >= total else "below 0"
+                out.add("padding", f"rank claims {hi - lo} elements {where} as data", ranks=(pos,),
+                        interval=(lo, hi))
+            inside = clip((s, e), 0, total)
+            if inside:
+                labelled.append((inside[0], inside[1], pos))
+                real[pos] += inside[1] - inside[0]
+        pad = shard.padding
+        if not _is_int(pad) or pad < 0:
+            out.add("padding", f"padding must be a non-negative integer, got {pad!r}", ranks=(pos,), got=pad)
+    padded = plan.meta.get("padded_shard_numel")
+    if padded is not None:
+        for pos, shard in enumerate(plan.shards):
+            if _is_int(shard.padding) and real[pos] + shard.padding != padded:
+                out.add("padding", f"rank stores {real[pos]} real + {shard.padding} padding elements, "
+                        f"not the declared shard size {padded}", ranks=(pos,),
+                        expected=padded, got=real[pos] + shard.padding)
+
+    # -- coverage and disjoint: one sweep over the sorted intervals ------------------------------
+    cov = sweep(labelled, 0, total, limit=limit)
+    for s, e, left, right in cov.gaps:
+        ranks = tuple(r for r in (left, right) if r is not None)
+        side = f"after rank {left}" if left is not None else "at the start"
+        side += f", before rank {right}" if right is not None else ", up to the end"
+        out.add("coverage", f"{e - s} elements owned by no rank ({side})", ranks=ranks, interval=(s, e))
+    out.per_clause["coverage"] = cov.gap_count
+    for s, e, a, b in cov.overlaps:
+        who = f"ranks {a} and {b}" if a != b else f"rank {a} (listed twice)"
+        out.add("disjoint", f"{e - s} elements owned by {who}", ranks=(a, b), interval=(s, e))
+    if cov.overlap_count:
+        out.per_clause["disjoint"] = cov.overlap_count
+
+    # -- balance ------------------------------------------------------------------------------------
+    if real:
+        hi_rank = max(range(len(real)), key=real.__getitem__)
+        lo_rank = min(range(len(real)), key=real.__getitem__)
+        spread = real[hi_rank] - real[lo_rank]
+        target, tol = plan.meta.get("balance_target"), plan.meta.get("balance_tolerance")
+        off_target = 0
+        if target is not None and tol is not None:  # the seed's literal clause, shard by shard
+            for pos, n in enumerate(real):
+                if abs(n - target) > tol:
+                    off_target += 1
+                    out.add("balance", f"shard holds {n} elements, not within {tol} of total // world_size "
+                            f"= {target}", ranks=(pos,), expected=target, got=n)
+        if spread > plan.balance_bound and not off_target:
+            out.add("balance", f"rank {hi_rank} holds {real[hi_rank]} elements and rank {lo_rank} holds "
+                    f"{real[lo_rank]}: spread {spread} exceeds the bound {plan.balance_bound}",
+                    ranks=(hi_rank, lo_rank), expected=plan.balance_bound, got=spread)
+        verdict.details.update(max_numel=real[hi_rank], min_numel=real[lo_rank], spread=spread)
+
+    verdict.details.update(num_intervals=len(labelled), gap_elements=cov.gap_elements,
+                           overlap_elements=cov.overlap_elements)
+    return _finish(verdict, out, plan)
+
+
+def _finish(verdict: Verdict, out: _Collector, plan: ShardPlan) -> Verdict:
+    verdict.violations.extend(out.violations)
+    verdict.details.update(partitioner=plan.partitioner, world_size=plan.world_size, total=plan.total,
+                           balance_bound=plan.balance_bound,
+                           violations_by_clause={k: v for k, v in out.per_clause.items() if v},
+                           suppressed=out.suppressed)
+    return verdict
+
+
+def check_state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
+    """C-ZERO-001 for every kind of state of a StatePlan (params, grads, optimizer).
+
+    Sharded kinds: the partition of every shard group satisfies C-ZERO-001 (ranks reported as
+    global ranks). Replicated kinds: every rank holds all of ``[0, total)``. Then every replicate
+    group (ranks with the same local index in their shard groups) holds identical shards
+    (clause ``replicas``): a hybrid plan whose replicas differ would silently diverge.
+    """
+    from ..plan import STATE_KINDS
+
+    strategy, topo = state_plan.strategy, state_plan.topology
+    total = state_plan.layout.total_numel
+    base = state_plan.shard_plan
+    verdict = Verdict(CONTRACT)
+    sharded = {"params": strategy.shards_params, "grads": strategy.shards_grads,
+               "optimizer": strategy.shards_optimizer}
+    for kind in STATE_KINDS:
+        groups = topo.shard_groups(strategy) if sharded[kind] else [[r] for r in range(topo.world_size)]
+        for g, members in enumerate(groups):
+            shards = tuple(RankShard(local, state_plan.ranks[r].holding(kind).intervals,
+                                     state_plan.ranks[r].holding(kind).padding)
+                           for local, r in enumerate(members))
+            if sharded[kind]:
+                plan = ShardPlan(base.partitioner, len(members), total, shards, base.balance_bound,
+                                 base.notes, base.meta)
+            else:
+                plan = ShardPlan("replicated", 1, total, shards, 0)
+            v = check_partition_plan(plan, limit=limit, context={"state": kind, "group": g})
+            verdict.violations += [_to_global(x, members) for x in v.violations]
+            verdict.checked += v.checked
+        for members in topo.replicate_groups(strategy) if sharded[kind] else [list(range(topo.world_size))]:
+            first = state_plan.ranks[members[0]].holding(kind)
+            for r in members[1:]:
+                other = state_plan.ranks[r].holding(kind)
+                if tuple(other.intervals) == tuple(first.intervals) and other.padding == first.padding:
+                    continue
+                diff = first_difference(first.intervals, other.intervals)
+                verdict.violations.append(Violation(
+                    CONTRACT, "replicas",
+                    f"replicas hold different {kind} shards: rank {members[0]} has {first.numel} elements "
+                    f"(+{first.padding} padding), rank {r} has {other.numel} (+{other.padding})",
+                    ranks=(members[0], r), interval=diff, context={"state": kind}))
+    verdict.details.update(strategy=strategy.name, world_size=topo.world_size, total=total,
+                           partitioner=base.partitioner, shard_group_size=base.world_size)
+    return verdict
+
+
+def _to_global(v: Violation, members: list[int]) -> Violation:
+    ranks = tuple(members[r] if 0 <= r < len(members) else r for r in v.ranks)
+    return dataclasses.replace(v, ranks=ranks)

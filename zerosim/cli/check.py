@@ -1,0 +1,157 @@
+"""``zerosim check <target>``: run a contract check and exit 1 on any violation, 0 when all hold.
+
+Targets: ``partition`` (C-ZERO-001 on a user's partition function or a built-in partitioner).
+More targets plug in without touching this file's logic: a module ``zerosim.cli.check_<name>``
+exposing ``register(check_subparsers)`` and listed in ``CHECK_MODULES`` becomes ``zerosim check <name>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from typing import Any
+
+from ..check_impl import BALANCE_MODES, DEFAULT_TOTALS, DEFAULT_WORLD_SIZES, check_partition, describe_ints
+from ..checks.partition import CONTRACT, check_partition_plan
+from ..errors import ConfigError, require_non_negative_int, require_positive_int
+from ..layout import ParamLayout
+from ..partition import PARTITIONERS, get_partitioner
+from ..presets import PRESETS
+from ._args import parse_int_list, pipe_safe
+
+# Further ``zerosim check <name>`` commands, each in zerosim/cli/check_<name>.py (absent ones are skipped).
+CHECK_MODULES = ("plan", "run", "peers", "checkpoint")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("check", help="check contracts; exit 1 on a violation, 0 when all hold",
+                       description="Check a contract. Exit status: 0 all hold, 1 a violation, 2 bad input.")
+    inner = p.add_subparsers(dest="check_target", metavar="TARGET")
+    _register_partition(inner)
+    for name in CHECK_MODULES:
+        try:
+            module = importlib.import_module(f"zerosim.cli.check_{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"zerosim.cli.check_{name}":
+                continue
+            raise
+        module.register(inner)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _register_partition(inner: Any) -> None:
+    p = inner.add_parser(
+        "partition", help="C-ZERO-001 on a partition function (--impl) or a built-in partitioner",
+        description=(
+            "Check C-ZERO-001 (coverage, disjointness, balance, padding never counted as data).\n"
+            "--impl MODULE:FUNCTION: FUNCTION(rank, world_size, total) returns (start, end) or a list of\n"
+            "ranges; it is swept over world sizes 1..64 and 1024 and totals from 0 to 10^12 and beyond.\n"
+            "--partitioner NAME: a built-in partitioner on --model PRESET or flat --total N layouts.\n"
+            "One line per violation; exit 1 on any violation, 0 when all hold, 2 on bad input."),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--impl", metavar="MODULE:FUNCTION",
+                      help="your partition function, e.g. examples.my_partitioner:even_split (or file.py:fn)")
+    what.add_argument("--partitioner", metavar="NAME",
+                      help=f"a built-in partitioner: {', '.join(sorted(PARTITIONERS))}")
+    p.add_argument("--model", metavar="PRESET", help=f"--partitioner on a preset model: {', '.join(PRESETS)}")
+    p.add_argument("--world-size", type=str, action="append", metavar="N",
+                   help="check this world size only (repeatable)")
+    p.add_argument("--world-sizes", metavar="LIST", help="world sizes, e.g. '1..64,1024' (the default)")
+    p.add_argument("--total", type=str, action="append", metavar="N",
+                   help="a total number of parameters (repeatable; 10**12 and 1e12 accepted)")
+    p.add_argument("--totals", metavar="LIST", help="totals, e.g. '0,1,7,1e12' (default: a built-in sweep)")
+    p.add_argument("--balance", default=None, metavar="MODE",
+                   help=f"--impl balance rule: {', '.join(BALANCE_MODES)} or an integer bound (default: seed)")
+    p.add_argument("--limit", type=int, default=50, help="violation lines to print (0 = all; default 50)")
+    p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    p.set_defaults(func=run_partition)
+
+
+def _collect(single: list[str] | None, listed: str | None, field: str) -> list[int] | None:
+    values: list[int] = []
+    for text in single or []:
+        values += parse_int_list(text, field)
+    if listed is not None:
+        values += parse_int_list(listed, field + "s")
+    return values or None
+
+
+@pipe_safe
+def run_partition(args: argparse.Namespace) -> int:
+    world_sizes = _collect(args.world_size, args.world_sizes, "world_size")
+    totals = _collect(args.total, args.totals, "total")
+    for w in world_sizes or []:
+        require_positive_int("world_size", w)
+    for t in totals or []:
+        require_non_negative_int("total", t)
+    limit = require_non_negative_int("limit", args.limit)
+    if args.impl is None and args.partitioner is None:
+        raise ConfigError("impl", None, "give --impl MODULE:FUNCTION (your partition function) or --partitioner NAME")
+    if args.impl is not None:
+        if args.model is not None:
+            raise ConfigError("model", args.model, "applies to --partitioner only (--impl works on flat totals)")
+        report = check_partition(args.impl, world_sizes or DEFAULT_WORLD_SIZES, totals or DEFAULT_TOTALS,
+                                 balance=args.balance if args.balance is not None else "seed")
+        if args.json:
+            json.dump(report.to_json(), sys.stdout, indent=2)
+            print()
+        else:
+            for line in report.lines(limit or None):
+                print(line)
+            print(report.summary())
+        return 0 if report.passed else 1
+    if args.balance is not None:
+        raise ConfigError("balance", args.balance, "applies to --impl only (each partitioner has its own bound)")
+    return _check_builtin(args, world_sizes, totals, limit)
+
+
+def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, totals: list[int] | None,
+                   limit: int) -> int:
+    partitioner = get_partitioner(args.partitioner)
+    if args.model is not None and totals is not None:
+        raise ConfigError("total", totals, "give either --model or --total, not both")
+    if totals is not None:
+        layouts = [ParamLayout.from_list([("flat", (t,))], name=f"flat-{t}") for t in totals]
+    else:
+        layouts = [ParamLayout.from_config(args.model or "gpt2-small")]
+    cases, lines, n_violations = [], [], 0
+    for layout in layouts:
+        for ws in world_sizes or DEFAULT_WORLD_SIZES:
+            t0 = time.perf_counter()
+            plan = partitioner(layout, ws)
+            t1 = time.perf_counter()
+            verdict = check_partition_plan(plan)
+            t2 = time.perf_counter()
+            n = sum(verdict.details.get("violations_by_clause", {}).values())
+            n_violations += n
+            lines += [str(v) for v in verdict.violations]
+            cases.append({"model": layout.name, "total": layout.total_numel, "world_size": ws,
+                          "passed": verdict.passed, "num_intervals": verdict.details.get("num_intervals"),
+                          "balance_bound": plan.balance_bound, "spread": verdict.details.get("spread"),
+                          "padding": plan.total_padding, "build_ms": (t1 - t0) * 1e3, "check_ms": (t2 - t1) * 1e3,
+                          "violations": [v.to_json() for v in verdict.violations]})
+    passed = n_violations == 0
+    if args.json:
+        json.dump({"contract": CONTRACT, "partitioner": partitioner.name, "passed": passed,
+                   "total_violations": n_violations, "cases": cases}, sys.stdout, indent=2)
+        print()
+        return 0 if passed else 1
+    for line in lines[: limit or None]:
+        print(line)
+    if limit and len(lines) > limit:
+        print(f"... {len(lines) - limit} more violations not shown (use --limit 0 or --json)")
+    check_ms = [c["check_ms"] for c in cases]
+    build_ms = [c["build_ms"] for c in cases]
+    models = sorted({c["model"] for c in cases})
+    intervals = max(c["num_intervals"] or 0 for c in cases)
+    where = (f"{len(cases)} case(s) on {', '.join(models[:3])}{' ...' if len(models) > 3 else ''}; world sizes "
+             f"{describe_ints(list(world_sizes or DEFAULT_WORLD_SIZES))}; up to {intervals:,} intervals")
+    timing = (f"plan built in {max(build_ms):.1f} ms, checked in {max(check_ms):.2f} ms (slowest case)"
+              if len(cases) > 1 else f"plan built in {build_ms[0]:.1f} ms, checked in {check_ms[0]:.2f} ms")
+    verb = "holds for" if passed else f"violated ({n_violations} violations) by"
+    print(f"{CONTRACT} {verb} partitioner {partitioner.name}: {where}; {timing}")
+    return 0 if passed else 1

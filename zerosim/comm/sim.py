@@ -1,0 +1,509 @@
+"""The in-process simulator: N ranks in one process, each running the same SPMD program.
+
+Every rank is a thread running ``fn(comm)``. Collectives meet at a *rendezvous* (one per group and
+call number); the last rank to arrive computes the result **once**, in rank order, so a run is
+bitwise reproducible, and hands every member its own result.
+
+Two schedules keep the same semantics:
+
+- ``serial`` (default): one rank runs at a time. A rank runs until it blocks in a collective that
+  is still waiting for peers, then hands the baton to the next runnable rank (cyclic rank order).
+  No oversubscription of the BLAS threads, deterministic interleaving, instant deadlock detection.
+- ``parallel``: all ranks run freely (numpy releases the GIL in its kernels), meeting at barriers.
+
+Failure handling (a distributed run must never hang):
+
+- a rank that raises aborts the world: every waiting peer wakes and stops; :func:`run_spmd` re-raises
+  the first real error (a :class:`ZeroSimError` unchanged, anything else as :class:`RankFailed`
+  naming the rank);
+- a rank that finishes (or blocks elsewhere) while peers wait for it is detected at once as a
+  :class:`CollectiveAbandoned` naming the collective, the group and the ranks that never arrived;
+- a rank that never comes back (an endless computation) makes its peers raise ``CollectiveTimeout``
+  after ``timeout_s`` without progress, naming the missing ranks;
+- mismatched calls (all_gather on one rank, all_reduce on another; different shapes) raise
+  :class:`CollectiveMismatch` on every member.
+
+Traffic is accounted per rank, attributed to the ring algorithm (see :mod:`zerosim.comm.base`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CollectiveError, CollectiveTimeout, ConfigError, ZeroSimError, require_positive_int
+from .base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter
+
+SCHEDULES = ("serial", "parallel")
+
+
+class CollectiveAbandoned(CollectiveError):
+    """Peers wait in a collective that some members can never join (they finished or wait elsewhere)."""
+
+    def __init__(self, collective: str, missing_ranks: list[int], group: str, detail: str = ""):
+        self.collective = collective
+        self.missing_ranks = list(missing_ranks)
+        self.group = group
+        super().__init__(
+            f"{collective} on group {group} can never complete; ranks that never arrived: "
+            f"{self.missing_ranks}{' (' + detail + ')' if detail else ''}"
+        )
+
+
+class CollectiveMismatch(CollectiveError):
+    """Members of one group called different collectives (or shapes, dtypes, ops, roots) at the same point."""
+
+
+class RankFailed(CollectiveError):
+    """A rank raised an exception that is not a ZeroSimError; names the rank, chains the original."""
+
+    def __init__(self, rank: int, error: BaseException):
+        self.rank = rank
+        self.error = error
+        super().__init__(f"rank {rank} failed: {type(error).__name__}: {error}")
+
+
+class _Aborted(CollectiveError):
+    """Internal: another rank failed first; this rank stops quietly."""
+
+
+# ---- the handful of array operations a collective needs (numpy and torch) -------------------------
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _copy(x: Any) -> Any:
+    return x.clone() if _is_torch(x) else x.copy()
+
+
+def _concat(xs: Sequence[Any]) -> Any:
+    if _is_torch(xs[0]):
+        import torch
+
+        return torch.cat(list(xs))
+    import numpy as np
+
+    return np.concatenate(list(xs))
+
+
+def _reduce_in_rank_order(xs: Sequence[Any], op: str) -> Any:
+    """((x0 op x1) op x2) ...; ``avg`` is the rank-order sum divided by len(xs). A new array."""
+    acc = _copy(xs[0])
+    if op in ("sum", "avg"):
+        for x in xs[1:]:
+            acc += x
+        if op == "avg":
+            acc /= len(xs)
+        return acc
+    if op == "max":
+        if _is_torch(acc):
+            import torch
+
+            for x in xs[1:]:
+                torch.maximum(acc, x, out=acc)
+        else:
+            import numpy as np
+
+            for x in xs[1:]:
+                np.maximum(acc, x, out=acc)
+        return acc
+    raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
+
+
+def _read_only(x: Any) -> Any:
+    """numpy results shared by every rank are made read-only, so a rank cannot corrupt its peers."""
+    if not _is_torch(x):
+        x.flags.writeable = False
+    return x
+
+
+def _nbytes(x: Any) -> int:
+    if _is_torch(x):
+        return int(x.numel() * x.element_size())
+    return int(x.nbytes)
+
+
+def _signature(x: Any) -> tuple[tuple[int, ...], str]:
+    return tuple(int(d) for d in x.shape), str(x.dtype)
+
+
+# ---- world state ----------------------------------------------------------------------------------
+
+@dataclass
+class _Group:
+    gid: int
+    name: str
+    global_ranks: tuple[int, ...]
+
+
+@dataclass
+class _Call:
+    collective: str
+    op: str | None
+    array: Any
+    root: int | None
+    extra: Any = None
+
+
+@dataclass
+class _Rendezvous:
+    group: _Group
+    seq: int
+    calls: dict[int, _Call] = field(default_factory=dict)  # group rank -> call
+    results: dict[int, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+    done: bool = False
+
+    @property
+    def collective(self) -> str:
+        return next(iter(self.calls.values())).collective if self.calls else "?"
+
+    def missing(self) -> list[int]:
+        return [g for i, g in enumerate(self.group.global_ranks) if i not in self.calls]
+
+
+class SimulatedWorld:
+    """Shared state of ``world_size`` simulated ranks: groups, rendezvous, per-rank traffic counters."""
+
+    def __init__(self, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, schedule: str = "serial"):
+        require_positive_int("world_size", world_size)
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ConfigError("timeout_s", timeout_s, "must be a positive number of seconds")
+        if schedule not in SCHEDULES:
+            raise ConfigError("schedule", schedule, f"known: {', '.join(SCHEDULES)}")
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.schedule = schedule
+        self.traffic = [TrafficCounter() for _ in range(world_size)]
+        self._cv = threading.Condition()
+        self._groups: list[_Group] = []
+        self._next_seq: dict[tuple[int, int], int] = {}  # (gid, global rank) -> next call number
+        self._pending: dict[tuple[int, int], _Rendezvous] = {}  # (gid, seq) -> rendezvous
+        self._status = ["ready"] * world_size  # ready | blocked | done
+        self._waiting_on: dict[int, _Rendezvous] = {}
+        self._holder: int | None = 0 if schedule == "serial" else None
+        self._last_progress = time.monotonic()
+        self._failure: tuple[int, BaseException] | None = None
+        self.world_group = self._new_group("world", tuple(range(world_size)))
+
+    # -- groups -------------------------------------------------------------------------------------
+    def _new_group(self, name: str, global_ranks: tuple[int, ...]) -> _Group:
+        g = _Group(len(self._groups), name, global_ranks)
+        self._groups.append(g)
+        return g
+
+    def communicator(self, rank: int) -> SimCommunicator:
+        """The world communicator of ``rank``."""
+        return SimCommunicator(self, self.world_group, rank)
+
+    # -- rank lifecycle (called by run_spmd's threads) ---------------------------------------------
+    def _enter(self, rank: int) -> None:
+        with self._cv:
+            self._wait_for_baton(rank, None)
+
+    def _finish(self, rank: int, error: BaseException | None) -> None:
+        with self._cv:
+            self._status[rank] = "done"
+            if error is not None and not isinstance(error, _Aborted) and self._failure is None:
+                self._failure = (rank, error)
+            self._progress()
+            if self._failure is None:
+                self._pass_baton(rank)
+                self._detect_deadlock()
+            self._cv.notify_all()
+
+    @property
+    def failure(self) -> tuple[int, BaseException] | None:
+        return self._failure
+
+    # -- scheduling -------------------------------------------------------------------------------
+    def _progress(self) -> None:
+        self._last_progress = time.monotonic()
+
+    def _pass_baton(self, rank: int) -> None:
+        if self.schedule != "serial" or self._holder != rank:
+            return
+        n = self.world_size
+        for i in range(1, n + 1):
+            r = (rank + i) % n
+            if self._status[r] == "ready":
+                self._holder = r
+                self._progress()
+                return
+        self._holder = None
+
+    def _detect_deadlock(self) -> None:
+        """Every rank is blocked or done and nothing can complete: fail the blocked collectives."""
+        if any(s == "ready" for s in self._status):
+            return
+        blocked = [r for r, s in enumerate(self._status) if s == "blocked"]
+        if not blocked:
+            return
+        for rv in {id(v): v for v in self._waiting_on.values()}.values():
+            if rv.done:
+                continue
+            missing = rv.missing()
+            detail = ", ".join(
+                f"rank {m} {'finished' if self._status[m] == 'done' else 'waits in another collective'}"
+                for m in missing
+            )
+            rv.error = CollectiveAbandoned(rv.collective, missing, rv.group.name, detail)
+            rv.done = True
+        self._cv.notify_all()
+
+    def _wait_for_baton(self, rank: int, rv: _Rendezvous | None) -> None:
+        """Block (holding the condition) until ``rv`` is done and, in serial mode, ``rank`` holds the baton."""
+        start = time.monotonic()
+        while True:
+            if self._failure is not None:
+                raise _Aborted(f"rank {self._failure[0]} failed")
+            ready = rv is None or rv.done
+            if ready and (self.schedule != "serial" or self._holder == rank):
+                return
+            if ready and self.schedule == "serial" and self._holder is None:
+                self._holder = rank
+                return
+            since = self._last_progress if self.schedule == "serial" else start
+            remaining = self.timeout_s - (time.monotonic() - since)
+            if remaining <= 0:
+                raise self._timeout_error(rv)
+            self._cv.wait(remaining)
+
+    def _timeout_error(self, rv: _Rendezvous | None) -> CollectiveTimeout:
+        """Name the collective that could not complete and the ranks that never arrived at it."""
+        if rv is None or rv.done:
+            pending = [p for p in self._pending.values() if not p.done]
+            rv = min(pending, key=lambda p: (p.group.gid, p.seq)) if pending else None
+        if rv is not None:
+            return CollectiveTimeout(rv.collective, rv.missing(), self.timeout_s, rv.group.name)
+        stuck = [self._holder] if self._holder is not None else []
+        return CollectiveTimeout("first collective", stuck, self.timeout_s, "world")
+
+    # -- the collective core --------------------------------------------------------------------------
+    def _collective(self, group: _Group, grank: int, call: _Call) -> Any:
+        rank = group.global_ranks[grank]
+        with self._cv:
+            if self._failure is not None:
+                raise _Aborted(f"rank {self._failure[0]} failed")
+            key = (group.gid, rank)
+            seq = self._next_seq.get(key, 0)
+            self._next_seq[key] = seq + 1
+            rv = self._pending.get((group.gid, seq))
+            if rv is None:
+                rv = self._pending[(group.gid, seq)] = _Rendezvous(group, seq)
+            rv.calls[grank] = call
+            self._progress()
+            if len(rv.calls) == len(group.global_ranks):
+                del self._pending[(group.gid, seq)]
+                try:
+                    rv.results = self._complete(rv)
+                except BaseException as e:  # reported to every member, not just the last to arrive
+                    rv.error = e
+                rv.done = True
+                for g in group.global_ranks:
+                    if self._status[g] == "blocked" and self._waiting_on.get(g) is rv:
+                        self._status[g] = "ready"
+                        del self._waiting_on[g]
+                self._cv.notify_all()
+            else:
+                self._status[rank] = "blocked"
+                self._waiting_on[rank] = rv
+                self._pass_baton(rank)
+                self._detect_deadlock()
+                self._cv.notify_all()
+                try:
+                    self._wait_for_baton(rank, rv)
+                finally:
+                    if self._waiting_on.get(rank) is rv:
+                        del self._waiting_on[rank]
+                    if self._status[rank] == "blocked":
+                        self._status[rank] = "ready"
+            if rv.error is not None:
+                raise rv.error
+            return rv.results.pop(grank)
+
+    def _complete_split(self, parent: _Group, seq: int, tokens: list[Any]) -> dict[int, Any]:
+        """One new group per color, members ordered by (key, parent rank); each member gets its group."""
+        by_color: dict[int, list[tuple[Any, int, str | None]]] = {}
+        for grank, (color, key, name) in enumerate(tokens):
+            if color is not None:
+                by_color.setdefault(color, []).append((key, grank, name))
+        table: dict[int, _Group] = {}
+        for color, members in sorted(by_color.items()):
+            members.sort(key=lambda m: (m[0], m[1]))
+            names = {m[2] for m in members}
+            if len(names) > 1:
+                raise CollectiveMismatch(f"split of group {parent.name}: members of color {color} disagree on "
+                                         f"the group name: {sorted(str(n) for n in names)}")
+
+            name = names.pop() or f"{parent.name}/split{seq}:{color}"
+            table[color] = self._new_group(name, tuple(parent.global_ranks[m[1]] for m in members))
+        return {grank: (None if tok[0] is None else table[tok[0]]) for grank, tok in enumerate(tokens)}
+
+    def _complete(self, rv: _Rendezvous) -> dict[int, Any]:
+        calls = [rv.calls[i] for i in range(len(rv.group.global_ranks))]
+        first = calls[0]
+        for i, c in enumerate(calls):
+            if (c.collective, c.op, c.root) != (first.collective, first.op, first.root):
+                raise CollectiveMismatch(
+                    f"group {rv.group.name} call #{rv.seq}: rank {rv.group.global_ranks[0]} called "
+                    f"{first.collective}(op={first.op}, root={first.root}) but rank {rv.group.global_ranks[i]} "
+                    f"called {c.collective}(op={c.op}, root={c.root})"
+                )
+        kind = first.collective
+        n = len(calls)
+        if kind == "barrier":
+            return {i: None for i in range(n)}
+        if kind == "split":
+            return self._complete_split(rv.group, rv.seq, [c.extra for c in calls])
+        sigs = [_signature(c.array) for c in calls]
+        if any(s != sigs[0] for s in sigs):
+            detail = ", ".join(f"rank {rv.group.global_ranks[i]}: {s}" for i, s in enumerate(sigs))
+            raise CollectiveMismatch(f"{kind} on group {rv.group.name} call #{rv.seq}: shapes/dtypes differ ({detail})")
+        xs = [c.array for c in calls]
+        if kind == "all_reduce":
+            total = _reduce_in_rank_order(xs, first.op or "sum")
+            return {i: (total if i == n - 1 else _copy(total)) for i in range(n)}
+        if kind == "reduce_scatter":
+            length = sigs[0][0][0] if sigs[0][0] else 0
+            c = length // n
+            return {j: _reduce_in_rank_order([x[j * c:(j + 1) * c] for x in xs], first.op or "sum") for j in range(n)}
+        if kind == "all_gather":
+            out = _concat(xs)
+            if _is_torch(out):
+                return {i: (out if i == n - 1 else _copy(out)) for i in range(n)}
+            _read_only(out)
+            return {i: out for i in range(n)}
+        if kind == "broadcast":
+            src = xs[first.root or 0]
+            return {i: (xs[i] if i == first.root else _copy(src)) for i in range(n)}
+        raise CollectiveError(f"unknown collective {kind!r}")
+
+
+class SimCommunicator:
+    """One rank's view of one group of a :class:`SimulatedWorld` (implements ``Communicator``)."""
+
+    def __init__(self, world: SimulatedWorld, group: _Group, global_rank: int):
+        self._world = world
+        self._group = group
+        self.global_rank = global_rank
+        self.rank = group.global_ranks.index(global_rank)
+        self.world_size = len(group.global_ranks)
+        self.group_name = group.name
+        self.global_ranks = group.global_ranks
+        self.traffic = world.traffic[global_rank]
+        self.backend = "sim"
+
+    def __repr__(self) -> str:
+        return f"SimCommunicator(group={self.group_name!r}, rank={self.rank}/{self.world_size})"
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _check_1d(self, collective: str, x: Any) -> None:
+        if len(x.shape) != 1:
+            raise CollectiveError(f"{collective} on group {self.group_name}: rank {self.global_rank} passed a "
+                                  f"{len(x.shape)}-D array; flat 1-D buffers only")
+
+    def _check_op(self, op: str) -> None:
+        if op not in REDUCE_OPS:
+            raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
+
+    def _run(self, collective: str, x: Any, op: str | None = None, root: int | None = None, extra: Any = None) -> Any:
+        return self._world._collective(self._group, self.rank, _Call(collective, op, x, root, extra))
+
+    # -- collectives --------------------------------------------------------------------------------
+    def all_reduce(self, x: Any, op: str = "sum") -> Any:
+        self._check_op(op)
+        self.traffic.record(self.group_name, "all_reduce", _nbytes(x), self.world_size)
+        return self._run("all_reduce", x, op)
+
+    def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
+        self._check_op(op)
+        self._check_1d("reduce_scatter", x)
+        if x.shape[0] % self.world_size:
+            raise CollectiveError(f"reduce_scatter on group {self.group_name}: length {x.shape[0]} on rank "
+                                  f"{self.global_rank} is not divisible by the group size {self.world_size}")
+        self.traffic.record(self.group_name, "reduce_scatter", _nbytes(x), self.world_size)
+        return self._run("reduce_scatter", x, op)
+
+    def all_gather(self, x: Any) -> Any:
+        self._check_1d("all_gather", x)
+        self.traffic.record(self.group_name, "all_gather", _nbytes(x) * self.world_size, self.world_size)
+        return self._run("all_gather", x)
+
+    def broadcast(self, x: Any, root: int = 0) -> Any:
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:
+            raise ConfigError("root", root, f"must be a rank of group {self.group_name} (size {self.world_size})")
+        self.traffic.record(self.group_name, "broadcast", _nbytes(x), self.world_size, is_root=self.rank == root)
+        return self._run("broadcast", x, root=root)
+
+    def barrier(self) -> None:
+        self.traffic.record(self.group_name, "barrier", 0, self.world_size)
+        self._run("barrier", None)
+
+    def split(self, color: int | None, key: int | None = None, name: str | None = None) -> SimCommunicator | None:
+        """``MPI_Comm_split``: ranks with the same color form a group, ordered by (key, rank).
+
+        ``color=None`` opts out (returns None). ``name`` names the new group for traffic accounting
+        (members of one color must agree on it); the default is ``<parent>/split<k>:<color>``.
+        """
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int) or color < 0):
+            raise ConfigError("color", color, "must be a non-negative integer or None")
+        token = (color, self.rank if key is None else key, name)
+        group = self._run("split", None, extra=token)
+        return None if group is None else SimCommunicator(self._world, group, self.global_rank)
+
+
+
+# ---- the launcher -------------------------------------------------------------------------------------
+
+def run_spmd(world_size: int, fn: Callable[[SimCommunicator], Any], timeout_s: float = DEFAULT_TIMEOUT_S,
+             schedule: str = "serial", world: SimulatedWorld | None = None) -> list[Any]:
+    """Run ``fn(comm)`` on every rank of a fresh simulated world; return the per-rank results in rank order.
+
+    The first real failure is re-raised: a ZeroSimError as it is (with a note naming the rank), any
+    other exception as :class:`RankFailed` naming the rank (chained to the original). Never hangs:
+    collectives time out after ``timeout_s`` without progress, and threads are daemons.
+    """
+    world = world or SimulatedWorld(world_size, timeout_s, schedule)
+    if world.world_size != world_size:
+        raise ConfigError("world_size", world_size, f"does not match the given world ({world.world_size})")
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def body(rank: int) -> None:
+        err: BaseException | None = None
+        try:
+            world._enter(rank)
+            results[rank] = fn(world.communicator(rank))
+        except BaseException as e:  # noqa: BLE001 - every failure is reported by the launcher
+            err = e
+            errors[rank] = e
+        finally:
+            world._finish(rank, err)
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"sim-rank-{r}", daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.05)
+            if world.failure is not None:
+                break
+        if world.failure is not None:
+            break
+    if world.failure is not None:
+        # give the other ranks a moment to notice the abort; a rank stuck in computation stays a daemon
+        deadline = time.monotonic() + min(world.timeout_s, 5.0)
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        rank, err = world.failure
+        if isinstance(err, ZeroSimError):
+            if hasattr(err, "add_note"):
+                err.add_note(f"(raised on simulated rank {rank} of {world_size})")
+            raise err
+        raise RankFailed(rank, err) from err
+    return results

@@ -1,0 +1,143 @@
+"""Contracts as data: one TOML spec per contract in ``contracts/`` at the repository root.
+
+A spec names its id, title, statement, what it applies to, its tolerance (and why), and the dotted
+``module:function`` of the pure check that decides it. The test suite enumerates the specs, so a
+contract without a resolvable check fails the suite.
+
+Required keys: ``id``, ``title``, ``statement``, ``applies_to`` (list of strings), ``check``
+(``module:function``) and ``[tolerance]`` with ``kind`` and ``rationale``. Optional: ``checks``
+(further check functions), ``clauses``, ``source`` and any other key (kept in ``extra``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, ZeroSimError
+
+try:  # Python >= 3.11
+    import tomllib as _toml
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the tomli backport
+    try:
+        import tomli as _toml  # type: ignore[no-redef]
+    except ModuleNotFoundError:
+        _toml = None  # type: ignore[assignment]
+
+CONTRACTS_ENV = "ZEROSIM_CONTRACTS_DIR"
+REQUIRED_KEYS = ("id", "title", "statement", "applies_to", "check", "tolerance")
+
+
+@dataclass(frozen=True)
+class ContractSpec:
+    """One contract's spec, as read from its TOML file."""
+
+    id: str
+    title: str
+    statement: str
+    applies_to: tuple[str, ...]
+    check: str
+    tolerance: dict[str, Any]
+    path: Path
+    checks: tuple[str, ...] = ()
+    clauses: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def resolve_check(self) -> Callable[..., Any]:
+        """Import and return the check function named by ``check``."""
+        return resolve_dotted(self.check, f"{self.id}.check")
+
+    def resolve_checks(self) -> list[Callable[..., Any]]:
+        """The main check and every extra one in ``checks``, imported."""
+        names = [self.check] + [c for c in self.checks if c != self.check]
+        return [resolve_dotted(n, f"{self.id}.checks") for n in names]
+
+
+def resolve_dotted(name: str, field_name: str = "check") -> Callable[..., Any]:
+    """``package.module:function`` -> the callable (a ZeroSimError names what failed)."""
+    module_name, sep, attr = str(name).partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(field_name, name, "must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ZeroSimError(f"{field_name}={name!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ZeroSimError(f"{field_name}={name!r}: {module_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise ZeroSimError(f"{field_name}={name!r}: {attr!r} is not callable")
+    return obj
+
+
+def default_contracts_dir() -> Path:
+    """``$ZEROSIM_CONTRACTS_DIR`` if set, else ``contracts/`` next to the ``zerosim`` package."""
+    env = os.environ.get(CONTRACTS_ENV)
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "contracts"
+
+
+def load_contract(path: str | Path) -> ContractSpec:
+    """Read and validate one spec file."""
+    path = Path(path)
+    if _toml is None:  # pragma: no cover
+        raise ZeroSimError("reading contract specs needs Python >= 3.11 or the 'tomli' package")
+    try:
+        data = _toml.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError("contract file", str(path), f"cannot be read: {e}") from None
+    except _toml.TOMLDecodeError as e:
+        raise ConfigError("contract file", str(path), f"is not valid TOML: {e}") from None
+    missing = [k for k in REQUIRED_KEYS if k not in data]
+    if missing:
+        raise ConfigError(f"{path.name}", missing, "missing required keys")
+    for key in ("id", "title", "statement", "check"):
+        if not isinstance(data[key], str) or not data[key].strip():
+            raise ConfigError(f"{path.name}:{key}", data[key], "must be a non-empty string")
+    if data["id"] != path.stem:
+        raise ConfigError(f"{path.name}:id", data["id"], f"must match the file name {path.stem!r}")
+    applies = data["applies_to"]
+    if not isinstance(applies, list) or not applies or not all(isinstance(a, str) for a in applies):
+        raise ConfigError(f"{path.name}:applies_to", applies, "must be a non-empty list of strings")
+    tol = data["tolerance"]
+    if not isinstance(tol, dict) or not isinstance(tol.get("kind"), str) or not isinstance(tol.get("rationale"), str):
+        raise ConfigError(f"{path.name}:tolerance", tol, "must be a table with string 'kind' and 'rationale'")
+    if tol["kind"] == "allclose":
+        for key in ("rtol", "atol"):
+            if isinstance(tol.get(key), bool) or not isinstance(tol.get(key), int | float):
+                raise ConfigError(f"{path.name}:tolerance.{key}", tol.get(key), "allclose needs numeric rtol and atol")
+    checks = data.get("checks", [])
+    if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
+        raise ConfigError(f"{path.name}:checks", checks, "must be a list of 'module:function' strings")
+    clauses = data.get("clauses", [])
+    if not isinstance(clauses, list) or not all(isinstance(c, str) for c in clauses):
+        raise ConfigError(f"{path.name}:clauses", clauses, "must be a list of strings")
+    known = set(REQUIRED_KEYS) | {"checks", "clauses"}
+    return ContractSpec(
+        id=data["id"], title=data["title"].strip(), statement=data["statement"].strip(),
+        applies_to=tuple(applies), check=data["check"], tolerance=dict(tol), path=path,
+        checks=tuple(checks), clauses=tuple(clauses), extra={k: v for k, v in data.items() if k not in known},
+    )
+
+
+def load_contracts(directory: str | Path | None = None) -> dict[str, ContractSpec]:
+    """Every ``*.toml`` spec in ``directory`` (default :func:`default_contracts_dir`), by id, sorted."""
+    directory = Path(directory) if directory is not None else default_contracts_dir()
+    if not directory.is_dir():
+        raise ConfigError("contracts directory", str(directory), "does not exist")
+    specs = [load_contract(p) for p in sorted(directory.glob("*.toml"))]
+    return {s.id: s for s in specs}
+
+
+def get_contract(contract_id: str, directory: str | Path | None = None) -> ContractSpec:
+    specs = load_contracts(directory)
+    try:
+        return specs[contract_id]
+    except KeyError:
+        raise ConfigError("contract", contract_id, f"unknown contract; known: {', '.join(specs)}") from None

@@ -1,0 +1,1 @@
+"""Cost models: closed-form per-rank memory (memory_model) and communication (comm_model)."""

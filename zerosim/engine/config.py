@@ -1,0 +1,249 @@
+"""RunConfig: one simulated training run, validated completely before anything runs.
+
+``RunConfig`` is plain data (picklable, JSON-able) so every backend can ship it to its ranks;
+``RunConfig.resolve()`` turns it into a :class:`ResolvedRun` (model config, layout, strategy,
+topology, optimizer spec, precision, the unit plan every rank shards by). Every bad input raises
+:class:`~zerosim.errors.ConfigError` naming the field and the value, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
+from typing import Any
+
+from ..errors import ConfigError, require_non_negative_int, require_positive_int
+from ..layout import ParamLayout
+from ..model import SimModelConfig, sim_layout
+from ..optim import OptimizerSpec
+from ..partition import get_partitioner
+from ..plan import StatePlan, build_plan
+from ..precision import Precision
+from ..presets import PRESETS
+from ..strategy import ShardingStrategy, StrategyKind, Topology
+from .flat_buffers import UnitPlan, build_unit_plan
+
+SCHEDULES = ("serial", "parallel")
+OBSERVE_LEVELS = ("full", "digest", "auto")
+XP_NAMES = ("numpy", "torch")
+AUTO_FULL_LIMIT = 20_000_000  # elements kept per run (world * steps * params) before "auto" stores digests
+
+
+@dataclass(frozen=True)
+class NanInjection:
+    """Test hook: put a NaN into ``tensor``'s gradient on ``rank`` at ``step`` / ``micro`` (element 0)."""
+
+    rank: int
+    step: int
+    tensor: str
+    micro: int = 0
+
+
+@dataclass
+class RunConfig:
+    """One run of the reference engine. Strings are parsed by :meth:`resolve` (``strategy="hybrid_shard:2"``)."""
+
+    model: str | SimModelConfig = "tiny"
+    world_size: int = 4
+    strategy: str | ShardingStrategy = "full_shard"
+    partitioner: str = "fsdp"
+    optimizer: str | OptimizerSpec = "adamw"
+    precision: str = "fp32"
+    steps: int = 3
+    micro_batches: int = 1
+    seed: int = 0
+    ranks_per_node: int | None = None
+    lr: float | None = None
+    max_grad_norm: float | None = 1.0
+    batch_size: int | None = None
+    seq_len: int | None = None
+    offload: bool = False
+    prefetch: int = 0
+    timeout_s: float = 60.0
+    schedule: str = "serial"
+    observe: str = "auto"
+    inject_nan: dict[str, Any] | NanInjection | None = None
+    fault: str | None = None
+    xp: str = "numpy"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> ResolvedRun:
+        """Check everything (raises ConfigError naming the field); returns the resolved run."""
+        return self.resolve()
+
+    def resolve(self) -> ResolvedRun:
+        return ResolvedRun(self)
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("model", "strategy", "optimizer"):
+            v = getattr(self, k)
+            if isinstance(v, SimModelConfig):
+                d[k] = asdict(v)
+            elif isinstance(v, ShardingStrategy):
+                d[k] = v.name
+            elif isinstance(v, OptimizerSpec):
+                d[k] = v.to_dict()
+        if isinstance(self.inject_nan, NanInjection):
+            d["inject_nan"] = asdict(self.inject_nan)
+        return d
+
+
+class ResolvedRun:
+    """A validated RunConfig with every derived value the ranks need (shared read-only in the simulator)."""
+
+    def __init__(self, cfg: RunConfig):
+        if not isinstance(cfg, RunConfig):
+            raise ConfigError("config", type(cfg).__name__, "expected a RunConfig")
+        self.cfg = cfg
+        self.world_size = require_positive_int("world_size", cfg.world_size)
+        self.steps = require_positive_int("steps", cfg.steps)
+        self.micro_batches = require_positive_int("micro_batches", cfg.micro_batches)
+        self.seed = require_non_negative_int("seed", cfg.seed)
+        self.prefetch = require_non_negative_int("prefetch", cfg.prefetch)
+        if not isinstance(cfg.timeout_s, (int, float)) or isinstance(cfg.timeout_s, bool) or not cfg.timeout_s > 0:
+            raise ConfigError("timeout_s", cfg.timeout_s, "must be a positive number of seconds")
+        if cfg.schedule not in SCHEDULES:
+            raise ConfigError("schedule", cfg.schedule, f"known: {', '.join(SCHEDULES)}")
+        if cfg.observe not in OBSERVE_LEVELS:
+            raise ConfigError("observe", cfg.observe, f"known: {', '.join(OBSERVE_LEVELS)}")
+        if cfg.xp not in XP_NAMES:
+            raise ConfigError("xp", cfg.xp, f"known: {', '.join(XP_NAMES)}")
+        if not isinstance(cfg.offload, bool):
+            raise ConfigError("offload", cfg.offload, "must be true or false")
+        self.model_cfg = _model_config(cfg)
+        self.layout: ParamLayout = sim_layout(self.model_cfg)
+        self.strategy = _strategy(cfg)
+        if cfg.ranks_per_node is not None:
+            require_positive_int("ranks_per_node", cfg.ranks_per_node)
+        if self.strategy.is_hybrid:
+            k = self.strategy.intra_node_size
+            assert k is not None
+            if self.world_size % k:
+                raise ConfigError("strategy", self.strategy.name,
+                                  f"the shard group size {k} does not divide world_size={self.world_size}")
+        try:
+            self.topology = Topology(self.world_size, cfg.ranks_per_node or _default_rpn(self.strategy, self.world_size))
+        except ConfigError as e:
+            raise ConfigError("ranks_per_node", cfg.ranks_per_node, e.reason) from None
+        get_partitioner(cfg.partitioner)  # unknown name -> ConfigError listing the known ones
+        self.partitioner = cfg.partitioner
+        self.spec = _optimizer_spec(cfg)
+        self.precision = Precision.parse(cfg.precision)
+        if cfg.offload and not self.strategy.shards_params:
+            raise ConfigError("offload", True, f"CPU offload is implemented for FULL_SHARD / HYBRID_SHARD, not {self.strategy.name}")
+        self.inject_nan = _injection(cfg.inject_nan, self)
+        from .faults import FAULTS  # late import: faults subclass the engine
+
+        if cfg.fault is not None and cfg.fault not in FAULTS:
+            raise ConfigError("fault", cfg.fault, f"unknown fault; known: {', '.join(sorted(FAULTS))}")
+        self.fault = cfg.fault
+        if cfg.fault is not None and not FAULTS[cfg.fault].applies(self.strategy, self.world_size):
+            raise ConfigError("fault", cfg.fault, f"does not apply to strategy {self.strategy.name} with "
+                              f"world_size={self.world_size}")
+        self.k = self.strategy.shard_group_size(self.world_size)
+        self.replicas = self.world_size // self.k
+        if self.strategy.shards_optimizer and self.layout.total_numel < 1:
+            raise ConfigError("model", cfg.model, "has no parameters")
+        # unit plan last: it runs the partitioner (cheap; O(tensors * ranks))
+        self.unit_plan: UnitPlan = build_unit_plan(self.layout, self.strategy, self.partitioner, self.world_size)
+        total = self.layout.total_numel * self.world_size * self.steps
+        self.observe_full = cfg.observe == "full" or (cfg.observe == "auto" and total <= AUTO_FULL_LIMIT)
+
+    @cached_property
+    def state_plan(self) -> StatePlan:
+        """The plan C-ZERO-004 compares the engine's live arrays against."""
+        return build_plan(self.layout, self.strategy, self.partitioner, self.topology)
+
+    @property
+    def strategy_kind(self) -> StrategyKind:
+        return self.strategy.kind
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self.model_cfg.__dict__, "num_params": self.layout.total_numel,
+                "world_size": self.world_size, "strategy": self.strategy.name, "partitioner": self.partitioner,
+                "ranks_per_node": self.topology.ranks_per_node, "shard_group_size": self.k,
+                "replicas": self.replicas, "optimizer": self.spec.to_dict(), "precision": self.precision.name,
+                "steps": self.steps, "micro_batches": self.micro_batches, "seed": self.seed,
+                "offload": self.cfg.offload, "prefetch": self.prefetch, "fault": self.fault,
+                "packed_numel": self.unit_plan.packed_numel, "units": len(self.unit_plan.units)}
+
+
+def _default_rpn(strategy: ShardingStrategy, world_size: int) -> int:
+    """A hybrid run without --ranks-per-node puts one shard group on each node."""
+    if strategy.is_hybrid and strategy.intra_node_size:
+        return strategy.intra_node_size
+    return world_size
+
+
+def _model_config(cfg: RunConfig) -> SimModelConfig:
+    overrides: dict[str, Any] = {}
+    for name in ("batch_size", "seq_len"):
+        v = getattr(cfg, name)
+        if v is not None:
+            overrides[name] = require_positive_int(name, v)
+    if isinstance(cfg.model, SimModelConfig):
+        return replace(cfg.model, **overrides)
+    if not isinstance(cfg.model, str):
+        raise ConfigError("model", cfg.model, "expected a preset name or a SimModelConfig")
+    if cfg.model not in PRESETS:
+        raise ConfigError("model", cfg.model, f"unknown preset; known: {', '.join(PRESETS)}")
+    m = SimModelConfig.from_preset(cfg.model, **overrides)
+    if m.vocab_size * m.d_model * (m.n_layer + 2) > 2_000_000_000:
+        raise ConfigError("model", cfg.model, "too large to simulate in one process (use sim-10m, tiny or gpt2-small)")
+    return m
+
+
+def _strategy(cfg: RunConfig) -> ShardingStrategy:
+    if isinstance(cfg.strategy, ShardingStrategy):
+        return cfg.strategy
+    return ShardingStrategy.parse(str(cfg.strategy), cfg.ranks_per_node)
+
+
+def _optimizer_spec(cfg: RunConfig) -> OptimizerSpec:
+    if isinstance(cfg.optimizer, OptimizerSpec):
+        spec = cfg.optimizer
+        if cfg.lr is not None:
+            spec = replace(spec, lr=cfg.lr)
+        return spec
+    overrides: dict[str, Any] = {"max_grad_norm": cfg.max_grad_norm}
+    if cfg.lr is not None:
+        if isinstance(cfg.lr, bool) or not isinstance(cfg.lr, (int, float)) or not math.isfinite(cfg.lr) or cfg.lr <= 0:
+            raise ConfigError("lr", cfg.lr, "must be a positive number")
+        overrides["lr"] = cfg.lr
+    if not isinstance(cfg.optimizer, str):
+        raise ConfigError("optimizer", cfg.optimizer, "expected a name (sgd, adam, adamw) or an OptimizerSpec")
+    name = cfg.optimizer.lower()
+    if name == "sgd" and "momentum" not in cfg.extra:
+        overrides["momentum"] = 0.9
+    for key in ("momentum", "weight_decay", "betas", "eps", "nesterov", "dampening"):
+        if key in cfg.extra:
+            overrides[key] = cfg.extra[key]
+    return OptimizerSpec.parse(name, **overrides)
+
+
+def _injection(raw: Any, run: ResolvedRun) -> NanInjection | None:
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        unknown = set(raw) - {"rank", "step", "tensor", "micro"}
+        if unknown:
+            raise ConfigError("inject_nan", raw, f"unknown keys {sorted(unknown)}; expected rank, step, tensor, micro")
+        try:
+            raw = NanInjection(int(raw["rank"]), int(raw.get("step", 0)), str(raw["tensor"]), int(raw.get("micro", 0)))
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError("inject_nan", raw, "expected {'rank': int, 'step': int, 'tensor': name}") from None
+    if not isinstance(raw, NanInjection):
+        raise ConfigError("inject_nan", raw, "expected a dict or a NanInjection")
+    if not 0 <= raw.rank < run.world_size:
+        raise ConfigError("inject_nan.rank", raw.rank, f"must be in [0, {run.world_size})")
+    if not 0 <= raw.step < run.steps:
+        raise ConfigError("inject_nan.step", raw.step, f"must be in [0, {run.steps})")
+    if not 0 <= raw.micro < run.micro_batches:
+        raise ConfigError("inject_nan.micro", raw.micro, f"must be in [0, {run.micro_batches})")
+    run.layout.tensor_range(raw.tensor)  # ConfigError for an unknown tensor
+    return raw

@@ -1,0 +1,612 @@
+"""The ZeRO engine of one rank: every strategy, written once against the Communicator and xp seams.
+
+No numpy here: arrays are touched only through :class:`~zerosim.xp.ArrayNamespace` (numpy in the
+simulator and under MPI, torch in zerogpu and in the torch-CPU test), and other ranks only through
+the :class:`~zerosim.comm.base.Communicator`. The collective schedule per optimizer step (M
+micro-batches, ``k`` = shard group size, ``r`` = replicas; see the team brief and
+:mod:`zerosim.cost.comm_model`, which predicts exactly this):
+
+* NO_SHARD: gradients accumulated locally; one ``all_reduce(avg)`` of the flat gradient over the
+  world; every rank steps everything.
+* SHARD_OPTIMIZER (ZeRO-1): the same all-reduce; each rank steps its packed chunk; one
+  ``all_gather`` of the updated chunks refreshes the replicated parameters.
+* SHARD_GRAD_OP (ZeRO-2): after each micro-batch, ``reduce_scatter(avg)`` of the packed flat
+  gradient, accumulated in the rank's float32 gradient shard; step; one ``all_gather``.
+* FULL_SHARD (ZeRO-3): per micro-batch and block, ``all_gather`` before forward (freed after),
+  ``all_gather`` again before backward (freed after), ``reduce_scatter(avg)`` of its gradient.
+* HYBRID_SHARD / HYBRID_SHARD_ZERO2: ZeRO-3 / ZeRO-2 inside the shard group, then once per step an
+  ``all_reduce(avg)`` of the gradient shard over the replicate group (ZERO2: then the all-gather).
+
+Averaging: each reduction averages over its group (``avg`` = rank-order sum / group size); after
+the M micro-batches the accumulated gradient is divided by M. The global gradient norm is the
+float64 sum of squares over the elements each rank *owns* (padding excluded), all-reduced once
+over the shard group (replicas hold identical reduced gradients: summing over them would
+over-count); NO_SHARD and ZeRO-1 hold the full reduced gradient and need no collective for it.
+
+Non-finite gradients are detected before every reduction; the ranks agree through one small
+``all_reduce(max)`` of a per-rank flag on the ``world.control`` group and all raise
+:class:`~zerosim.errors.NonFiniteGradientError` naming the first offending rank and tensor, so a
+NaN is never averaged into every rank.
+
+Subclasses in :mod:`zerosim.engine.faults` override single hooks (``grad_reduce_op``,
+``global_sumsq``, ...) to make the deliberately broken variants the contract tests need.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..comm.base import Communicator
+from ..errors import ConfigError, NonFiniteGradientError
+from ..flat import flatten
+from ..model import BlockModel, init_params, synthetic_batch
+from ..observe import Holding, RankObservation, ShardValues, StepObservation, TrafficItem, digest
+from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
+from ..xp import ArrayNamespace
+from .config import ResolvedRun
+from .flat_buffers import FlatUnit
+from .memory_tracker import MemoryTracker
+
+
+def tree_nbytes(xp: ArrayNamespace, obj: Any) -> int:
+    """Bytes of every array inside a (nested) dict / list / tuple (activation accounting)."""
+    if isinstance(obj, dict):
+        return sum(tree_nbytes(xp, v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tree_nbytes(xp, v) for v in obj)
+    if hasattr(obj, "shape") and hasattr(obj, "dtype"):
+        return xp.nbytes(obj)
+    return 0
+
+
+class ZeroEngine:
+    """One rank's engine. ``train()`` runs every step and returns the rank's observations."""
+
+    def __init__(self, comm: Communicator, run: ResolvedRun, xp: ArrayNamespace):
+        if comm.world_size != run.world_size:
+            raise ConfigError("world_size", run.world_size,
+                              f"the communicator has {comm.world_size} ranks; the run expects {run.world_size}")
+        self.comm = comm
+        self.run = run
+        self.xp = xp
+        self.rank = comm.rank
+        self.strategy = run.strategy
+        self.k = run.k
+        self.replicas = run.replicas
+        self.group_index, self.local = divmod(self.rank, self.k)
+        self.units = run.unit_plan
+        self.unit_by_block = {u.name: u for u in self.units.units}
+        self.sharded_params = self.strategy.shards_params
+        self.sharded_grads = self.strategy.shards_grads
+        self.sharded_optim = self.strategy.shards_optimizer
+        self.hybrid = self.strategy.is_hybrid
+        self.precision = run.precision
+        self.mixed = self.precision.is_mixed
+        self.model = BlockModel(run.model_cfg, xp)
+        self.opt = make_optimizer(run.spec, xp)
+        self.tracker = MemoryTracker(self.rank)
+        self.layout = run.layout
+        self.total = self.layout.total_numel
+        self.obs = RankObservation(self.rank, comm.world_size, self.group_index, self.local, {}, getattr(comm, "backend", "?"))
+        self._gathered: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
+        self._make_groups()
+        self._init_state()
+
+    # =============================================================================================
+    # groups
+    # =============================================================================================
+    def _make_groups(self) -> None:
+        """Sub-communicators: shard group (gathers, reduce-scatters), replicate group, control, observe.
+
+        Every rank calls the same splits in the same order (they are collectives)."""
+        c, n, k, g, j = self.comm, self.comm.world_size, self.k, self.group_index, self.local
+        self.shard_comm: Communicator | None = None
+        if k == n:
+            self.shard_comm = c
+        elif self.sharded_optim:
+            self.shard_comm = c.split(g, name=f"shard[{g}]")
+        self.replicate_comm: Communicator | None = None
+        if self.replicas > 1:
+            self.replicate_comm = c if k == 1 else c.split(j, name=f"replicate[{j}]")
+        self.control = c.split(0, name="world.control")
+        if k == n:
+            self.shard_control = self.control
+        else:
+            self.shard_control = c.split(g, name=f"shard[{g}].control")
+        self.observe_comm = None
+        if self.sharded_params:
+            self.observe_comm = c.split(g, name="world.observe" if k == n else f"shard[{g}].observe")
+        for comm in (c, self.shard_comm, self.replicate_comm, self.control, self.shard_control, self.observe_comm):
+            if comm is not None:
+                self.obs.groups[comm.group_name] = tuple(comm.global_ranks)
+
+    # =============================================================================================
+    # state
+    # =============================================================================================
+    def _init_state(self) -> None:
+        """Every rank builds the same initial parameters from the seed and keeps only what it owns."""
+        xp = self.xp
+        full = flatten(init_params(self.run.model_cfg, self.run.seed), self.layout)  # host numpy, transient
+        pdt = self.precision.param_dtype
+        self.owned_pieces = tuple(self.units.owned_global(self.local)) if self.sharded_optim else ((0, self.total, 0),)
+        if self.sharded_optim:
+            master = xp.zeros(self.units.shard_numel, "float32")
+            host = xp.to_numpy(master) if xp.backend == "numpy" else None
+            if host is not None:
+                for g0, g1, pos in self.owned_pieces:
+                    host[pos:pos + g1 - g0] = full[g0:g1]
+            else:
+                for g0, g1, pos in self.owned_pieces:
+                    xp.assign(master[pos:pos + g1 - g0], xp.from_numpy(full[g0:g1]))
+            self.master = master
+        else:
+            self.master = xp.from_numpy(full, copy=True)
+        if self.sharded_params:
+            self.param_shard = self.precision.to_params(self.master, xp) if self.mixed else self.master
+            self.params_full = None
+        else:
+            self.param_shard = None
+            if self.sharded_optim or self.mixed:
+                self.params_full = xp.astype(xp.from_numpy(full, copy=True), pdt)
+            else:
+                self.params_full = self.master  # NO_SHARD fp32: the params are the master copy
+        del full
+        n_grad = self.units.shard_numel if self.sharded_grads else self.total
+        self.grad_acc = xp.zeros(n_grad, "float32")
+        self.opt_state = self.opt.init_state(self.master.shape[0])
+        self._track_state()
+
+    def _track_state(self) -> None:
+        xp, tr = self.xp, self.tracker
+        loc = self.optimizer_location
+        if self.sharded_params:
+            tr.alloc("params", "params", xp.nbytes(self.param_shard))
+        else:
+            tr.alloc("params", "params", xp.nbytes(self.params_full))
+        master_is_params = self.master is self.param_shard or self.master is self.params_full
+        if not master_is_params:
+            tr.alloc("master", "optimizer", xp.nbytes(self.master), loc)
+        for name in self.run.spec.state_names:
+            tr.alloc(f"optim.{name}", "optimizer", xp.nbytes(self.opt_state[name]), loc)
+        tr.alloc("grads", "grads", xp.nbytes(self.grad_acc), loc if self.sharded_grads else "device")
+
+    @property
+    def optimizer_location(self) -> str:
+        return "device"
+
+    # =============================================================================================
+    # hooks (overridden by the deliberately broken variants in faults.py)
+    # =============================================================================================
+    def grad_reduce_op(self) -> str:
+        """The reduction of gradients across ranks: the mean (bug class 1: ``sum`` or a wrong divisor)."""
+        return "avg"
+
+    def pad_value(self) -> float:
+        """What packed gradient padding is filled with: zero (bug class 8: padding leaking into values)."""
+        return 0.0
+
+    def global_sumsq(self, local: float) -> float:
+        """Sum of squares over every gradient element: one scalar all-reduce over the shard group."""
+        x = self.xp.asarray([local], dtype=self.xp.dtype("float64"), device=self.xp.device)
+        return self.xp.to_float(self.shard_control.all_reduce(x, "sum")[0])
+
+    def replicate_reduce(self, acc: Any) -> Any:
+        """Hybrid: average the accumulated gradient shard over the replicate group (bug class 5 skips it)."""
+        assert self.replicate_comm is not None
+        return self.replicate_comm.all_reduce(acc, self.grad_reduce_op())
+
+    def use_gathered(self, block: str, views: dict[str, Any], step: int) -> dict[str, Any]:
+        """The parameters the block computes with: the freshly gathered ones (bug class 7 keeps stale ones)."""
+        return views
+
+    def release(self, block: str) -> None:
+        """Free a gathered block (ZeRO-3 frees after forward and after backward)."""
+        item = self._gathered.pop(block, None)
+        if item is not None:
+            self.tracker.free(f"gathered:{block}")
+
+    def write_gathered_params(self, gathered: Any, unit: FlatUnit) -> None:
+        """ZeRO-1/2: copy the all-gathered updated chunks into the replicated parameters."""
+        self._unpack_into(self.params_full, gathered, unit)
+
+    def extra_step_collectives(self, step: int) -> None:
+        """Nothing: the schedule has no other collectives (a fault adds one)."""
+
+    def finish_accumulation(self, acc: Any) -> None:
+        """Divide the accumulated gradient by the number of micro-batches (bug class 2 forgets)."""
+        if self.run.micro_batches > 1:
+            acc /= self.run.micro_batches
+
+    def extra_holdings(self) -> dict[str, Holding]:
+        return {}
+
+    # =============================================================================================
+    # packing (unit space <-> packed rank-major space)
+    # =============================================================================================
+    def _pack_grads(self, unit: FlatUnit, grads: dict[str, Any]) -> Any:
+        """The unit's gradients, upcast to float32, in packed order with zero padding (a new array)."""
+        xp = self.xp
+        packed = xp.zeros(unit.packed_numel, "float32")
+        pad = self.pad_value()
+        if pad:
+            xp.assign(packed, pad)
+        if unit.is_identity:
+            for name, off, shape in zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True):
+                n = _numel(shape)
+                xp.assign(packed[off:off + n], xp.reshape(grads[name], (-1,)))
+            return packed
+        flat = xp.empty(unit.numel, "float32")
+        for name, off, shape in zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True):
+            n = _numel(shape)
+            xp.assign(flat[off:off + n], xp.reshape(grads[name], (-1,)))
+        for segs in unit.segments:
+            for s in segs:
+                xp.assign(packed[s.packed_start:s.packed_start + s.length], flat[s.unit_start:s.unit_start + s.length])
+        return packed
+
+    def _unpack(self, unit: FlatUnit, packed: Any, dtype: str) -> Any:
+        """Unit-space view (identity packing) or copy of an all-gathered packed buffer."""
+        xp = self.xp
+        if unit.is_identity:
+            return packed[:unit.numel]
+        flat = xp.empty(unit.numel, dtype)
+        self._unpack_into(flat, packed, unit)
+        return flat
+
+    def _unpack_into(self, dst: Any, packed: Any, unit: FlatUnit) -> None:
+        xp = self.xp
+        if unit.is_identity:
+            xp.assign(dst, packed[:unit.numel])
+            return
+        for segs in unit.segments:
+            for s in segs:
+                xp.assign(dst[s.unit_start:s.unit_start + s.length], packed[s.packed_start:s.packed_start + s.length])
+
+    def _own_chunk(self, full: Any) -> Any:
+        """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array."""
+        xp = self.xp
+        out = xp.zeros(self.units.shard_numel, "float32")
+        for g0, g1, pos in self.owned_pieces:
+            xp.assign(out[pos:pos + g1 - g0], full[g0:g1])
+        return out
+
+    def _tensor_views(self, unit: FlatUnit, flat: Any) -> dict[str, Any]:
+        xp = self.xp
+        return {name: xp.reshape(flat[off:off + _numel(shape)], shape)
+                for name, off, shape in zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True)}
+
+    # =============================================================================================
+    # parameters of a block
+    # =============================================================================================
+    def gather_unit(self, unit: FlatUnit, comm: Communicator) -> tuple[Any, Any]:
+        """All-gather the unit's parameter chunks over ``comm``; returns (packed buffer, unit-space params)."""
+        off = self.units.shard_offsets[unit.index]
+        shard = self.param_shard[off:off + unit.chunk]
+        packed = comm.all_gather(shard)
+        return packed, self._unpack(unit, packed, self.precision.param_dtype)
+
+    def block_params(self, block: str, step: int, order: list[str], position: int) -> dict[str, Any]:
+        """The block's parameters for computing. ZeRO-3: gather it (and up to ``prefetch`` blocks ahead)."""
+        if not self.sharded_params:
+            unit = self.units.units[0]
+            names = self.model.tensor_names(block)
+            views = {}
+            for name in names:
+                g0, g1 = self.layout.tensor_range(name)
+                i = unit.tensor_names.index(name)
+                views[name] = self.xp.reshape(self.params_full[g0:g1], unit.tensor_shapes[i])
+            return views
+        for ahead in order[position:position + 1 + self.run.prefetch]:
+            if ahead not in self._gathered:
+                unit = self.unit_by_block[ahead]
+                assert self.shard_comm is not None
+                packed, flat = self.gather_unit(unit, self.shard_comm)
+                views = self._tensor_views(unit, flat)
+                nbytes = self.xp.nbytes(packed) + (0 if unit.is_identity else self.xp.nbytes(flat))
+                self.tracker.alloc(f"gathered:{ahead}", "gathered", nbytes)
+                self._gathered[ahead] = (packed, flat, views)
+        return self.use_gathered(block, self._gathered[block][2], step)
+
+    # =============================================================================================
+    # gradients
+    # =============================================================================================
+    def _inject(self, step: int, micro: int, grads: dict[str, Any]) -> dict[str, Any]:
+        inj = self.run.inject_nan
+        if inj is None or (inj.rank, inj.step, inj.micro) != (self.rank, step, micro) or inj.tensor not in grads:
+            return grads
+        xp = self.xp
+        g = xp.copy(grads[inj.tensor])
+        xp.assign(xp.reshape(g, (-1,))[0:1], float("nan"))
+        return {**grads, inj.tensor: g}
+
+    def check_finite(self, step: int, named: dict[str, Any], flat: Any | None = None) -> None:
+        """Before a reduction: all ranks agree whether any rank holds a non-finite gradient."""
+        xp = self.xp
+        bad = 0.0
+        if flat is None or not xp.isfinite_all(flat):
+            for name, g in named.items():
+                if not xp.isfinite_all(g):
+                    bad = float(_tensor_index(self.layout, name) + 1)
+                    break
+        flags = xp.zeros(self.comm.world_size, "float64")
+        if bad:
+            xp.assign(flags[self.rank:self.rank + 1], bad)
+        flags = xp.to_numpy(self.control.all_reduce(flags, "max"))
+        for r in range(len(flags)):
+            if flags[r] > 0:
+                tensor = self.layout.tensors[int(flags[r]) - 1].name
+                raise NonFiniteGradientError(r, tensor, step, "detected before the gradient reduction; "
+                                             "no rank stepped with it")
+
+    def on_block_grads(self, step: int, micro: int, block: str, grads: dict[str, Any]) -> None:
+        """Where a block's fresh gradients go: reduce-scatter (ZeRO-3), the micro-batch buffer (ZeRO-2),
+        or the local accumulator (NO_SHARD, ZeRO-1)."""
+        xp = self.xp
+        grads = self._inject(step, micro, grads)
+        if self.sharded_params:
+            unit = self.unit_by_block[block]
+            packed = self._pack_grads(unit, grads)
+            self.tracker.alloc(f"gradbuf:{block}", "grad_buffers", xp.nbytes(packed))
+            self.check_finite(step, grads, packed)
+            self._reduce_scatter_into_acc(unit, packed, micro)
+            self.tracker.free(f"gradbuf:{block}")
+        elif self.sharded_grads:
+            self._micro_grads.update(grads)
+            self.tracker.alloc("gradbuf:micro", "grad_buffers",
+                               sum(xp.nbytes(g) for g in self._micro_grads.values()))
+        else:
+            for name, g in grads.items():
+                g0, g1 = self.layout.tensor_range(name)
+                view = self.grad_acc[g0:g1]
+                flat = xp.reshape(g, (-1,))
+                if micro == 0:
+                    xp.assign(view, flat)
+                else:
+                    view += xp.astype(flat, "float32")
+            if self.run.inject_nan is not None:
+                self._accumulated_names.update(grads)
+
+    def _reduce_scatter_into_acc(self, unit: FlatUnit, packed: Any, micro: int) -> None:
+        assert self.shard_comm is not None
+        part = self.shard_comm.reduce_scatter(packed, self.grad_reduce_op())
+        off = self.units.shard_offsets[unit.index]
+        view = self.grad_acc[off:off + unit.chunk]
+        if micro == 0:
+            self.xp.assign(view, part)
+        else:
+            view += part
+
+    def on_micro_batch_end(self, step: int, micro: int) -> None:
+        if self.sharded_grads and not self.sharded_params:
+            unit = self.units.units[0]
+            packed = self._pack_grads(unit, self._micro_grads)
+            self.tracker.alloc("gradbuf:packed", "grad_buffers", self.xp.nbytes(packed))
+            self.check_finite(step, self._micro_grads, packed)
+            self._micro_grads = {}
+            self.tracker.free("gradbuf:micro")
+            self._reduce_scatter_into_acc(unit, packed, micro)
+            self.tracker.free("gradbuf:packed")
+
+    # =============================================================================================
+    # one step
+    # =============================================================================================
+    def micro_batch(self, step: int, micro: int) -> float:
+        """Forward and backward of one micro-batch, block by block, feeding gradients to the strategy."""
+        xp, tr = self.xp, self.tracker
+        cfg = self.run.model_cfg
+        tokens, targets = synthetic_batch(cfg, self.run.seed, step, self.rank, micro)
+        order = list(self.model.block_names)
+        caches: list[Any] = []
+        x: Any = tokens
+        tr.set_phase(f"forward[{micro}]")
+        for i, block in enumerate(order):
+            params = self.block_params(block, step, order, i)
+            x, cache = self.model.forward(block, params, x, targets if block == "lm_head" else None)
+            del params
+            if self.sharded_params:
+                self.release(block)
+            tr.alloc(f"act:{block}", "activations", tree_nbytes(xp, cache))
+            caches.append(cache)
+        loss = xp.to_float(x)
+        dy: Any = 1.0
+        tr.set_phase(f"backward[{micro}]")
+        rev = list(reversed(order))
+        for i, block in enumerate(rev):
+            params = self.block_params(block, step, rev, i)
+            cache = caches.pop()
+            dy, grads = self.model.backward(block, params, cache, dy)
+            del params, cache
+            tr.free(f"act:{block}")
+            if self.sharded_params:
+                self.release(block)
+            self.on_block_grads(step, micro, block, grads)
+            del grads
+        self.on_micro_batch_end(step, micro)
+        return loss
+
+    def step(self, step: int) -> StepObservation:
+        """One optimizer step over M micro-batches; returns the observation (taken after the timed part)."""
+        xp, tr = self.xp, self.tracker
+        before = _snapshot(self.comm.traffic)
+        self.control.barrier()  # every rank starts the step together (control group: no data traffic)
+        t0 = time.perf_counter()
+        tr.begin_step(step)
+        self._micro_grads: dict[str, Any] = {}
+        self._accumulated_names: dict[str, Any] = {}
+        losses = [self.micro_batch(step, m) for m in range(self.run.micro_batches)]
+        tr.set_phase("reduce")
+        if not self.sharded_grads:
+            named = {t.name: self.grad_acc[g0:g0 + t.numel] for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)}
+            self.check_finite(step, named, self.grad_acc)
+            if self.comm.world_size > 1:
+                self.grad_acc = self.comm.all_reduce(self.grad_acc, self.grad_reduce_op())
+        elif self.hybrid and self.replicate_comm is not None:
+            self.grad_acc = self.replicate_reduce(self.grad_acc)
+        tr.alloc("grads", "grads", xp.nbytes(self.grad_acc), self.optimizer_location if self.sharded_grads else "device")
+        self.finish_accumulation(self.grad_acc)
+        # ---- norm, clip, step ---------------------------------------------------------------------
+        tr.set_phase("optimizer")
+        if self.sharded_grads:
+            grad = self.grad_acc
+            local = 0.0
+            for unit, off in zip(self.units.units, self.units.shard_offsets, strict=True):
+                local += xp.sum_of_squares(grad[off:off + unit.owned_numel(self.local)])
+            sumsq = self.global_sumsq(local)
+        else:
+            sumsq = xp.sum_of_squares(self.grad_acc)
+            grad = self._own_chunk(self.grad_acc) if self.sharded_optim else self.grad_acc
+            if grad is not self.grad_acc:
+                tr.alloc("grad_chunk", "grad_buffers", xp.nbytes(grad))
+        norm = global_norm_from_sumsq(sumsq)
+        coef = 1.0
+        if self.run.spec.max_grad_norm is not None:
+            coef = clip_coefficient(norm, self.run.spec.max_grad_norm)
+            apply_clip_(grad, coef, xp)
+        self.optimizer_step(grad)
+        self._stepped_grad = grad
+        # ---- refresh the working parameters ----------------------------------------------------
+        tr.set_phase("params")
+        self.refresh_params()
+        self.extra_step_collectives(step)
+        tr.free("grad_chunk")
+        local_loss = sum(losses) / len(losses)
+        loss_arr = xp.asarray([local_loss], dtype=xp.dtype("float64"), device=xp.device)
+        loss = xp.to_float(self.control.all_reduce(loss_arr, "avg")[0])
+        t1 = time.perf_counter()
+        memory = tr.end_step()
+        after = _snapshot(self.comm.traffic)
+        obs = StepObservation(step, loss, local_loss, norm, coef, int(self.opt_state["step"]),
+                              self.holdings(), _delta(before, after), memory, t0, t1)
+        self.observe(obs)
+        return obs
+
+    def optimizer_step(self, grad: Any) -> None:
+        self.opt.step(self.master, grad, self.opt_state)
+
+    def refresh_params(self) -> None:
+        """After the step: the working copy the next forward uses."""
+        xp = self.xp
+        if self.sharded_params:
+            if self.mixed:
+                self.param_shard = self.precision.to_params(self.master, xp)
+                self.tracker.alloc("params", "params", xp.nbytes(self.param_shard))
+        elif self.sharded_optim:
+            assert self.shard_comm is not None
+            work = self.precision.to_params(self.master, xp)
+            gathered = self.shard_comm.all_gather(work)
+            self.tracker.alloc("gathered:params", "gathered", xp.nbytes(gathered))
+            self.write_gathered_params(gathered, self.units.units[0])
+            del gathered
+            self.tracker.free("gathered:params")
+        elif self.mixed:
+            xp.assign(self.params_full, self.precision.to_params(self.master, xp))
+
+    # =============================================================================================
+    # observation (outside the timed part of the step)
+    # =============================================================================================
+    def holdings(self) -> dict[str, Holding]:
+        """What this rank holds, measured from its live arrays (C-ZERO-004)."""
+        xp = self.xp
+        own = _merge([(g0, g1) for g0, g1, _ in self.owned_pieces])
+        full = ((0, self.total),) if self.total else ()
+        out: dict[str, Holding] = {}
+        if self.sharded_params:
+            out["params"] = Holding("params", own, self.param_shard.shape[0], xp.nbytes(self.param_shard),
+                                    self.precision.param_dtype)
+        else:
+            out["params"] = Holding("params", full, self.params_full.shape[0], xp.nbytes(self.params_full),
+                                    self.precision.param_dtype)
+        out["grads"] = Holding("grads", own if self.sharded_grads else full, self.grad_acc.shape[0],
+                               xp.nbytes(self.grad_acc), "float32",
+                               self.optimizer_location if self.sharded_grads else "device")
+        arrays = [self.opt_state[n] for n in self.run.spec.state_names]
+        master_separate = not (self.master is self.param_shard or self.master is self.params_full)
+        if master_separate:
+            arrays.append(self.master)
+        stored = self.master.shape[0]
+        out["optimizer"] = Holding("optimizer", own if self.sharded_optim else full, stored,
+                                   sum(xp.nbytes(a) for a in arrays), "float32", self.optimizer_location)
+        out.update(self.extra_holdings())
+        return out
+
+    def observe(self, obs: StepObservation) -> None:
+        xp = self.xp
+        full_values = self.run.observe_full
+        pieces = self.owned_pieces
+        if full_values:
+            obs.master = ShardValues(pieces, xp.to_numpy(self.master, copy=True))
+            obs.optimizer = {n: ShardValues(pieces, xp.to_numpy(self.opt_state[n], copy=True))
+                             for n in self.run.spec.state_names}
+            obs.grads = ShardValues(pieces, xp.to_numpy(self._stepped_grad, copy=True))
+        self._stepped_grad = None
+        gathered = self.full_params_view()
+        obs.gathered_digest = {t.name: digest(gathered[g0:g0 + t.numel])
+                               for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)}
+        if full_values:
+            obs.gathered = gathered
+        self.obs.steps.append(obs)
+
+    def full_params_view(self) -> Any:
+        """The full working parameters this rank would compute with next, as numpy (param dtype).
+
+        ZeRO-3 gathers every unit through the same code path as the forward pass, on the
+        ``.observe`` group (so the step's data traffic is untouched)."""
+        xp = self.xp
+        if not self.sharded_params:
+            return xp.to_numpy(self.params_full, copy=True)
+        out = xp.zeros(self.total, self.precision.param_dtype)
+        assert self.observe_comm is not None
+        for unit in self.units.units:
+            _, flat = self.gather_unit(unit, self.observe_comm)
+            views = self.use_gathered(unit.name, self._tensor_views(unit, flat), len(self.obs.steps) + 1)
+            for name, v in views.items():
+                g0, g1 = self.layout.tensor_range(name)
+                xp.assign(out[g0:g1], xp.reshape(v, (-1,)))
+        return xp.to_numpy(out)
+
+    def train(self) -> RankObservation:
+        for s in range(self.run.steps):
+            self.step(s)
+        self.obs.memory_timeline = self.tracker.timeline_json()
+        self.obs.init_peak_bytes = dict(self.tracker.init_peak_by_location)
+        return self.obs
+
+
+# ---- small helpers ----------------------------------------------------------------------------------
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _tensor_index(layout: Any, name: str) -> int:
+    for i, t in enumerate(layout.tensors):
+        if t.name == name:
+            return i
+    raise ConfigError("tensor", name, "no such tensor in the layout")
+
+
+def _merge(intervals: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(iv for iv in intervals if iv[1] > iv[0]):
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return tuple(out)
+
+
+def _snapshot(counter: Any) -> dict[tuple[str, str], tuple[int, Any, Any, int]]:
+    return {k: (r.calls, r.bytes_sent, r.bytes_received, r.payload_bytes) for k, r in counter.records.items()}
+
+
+def _delta(before: dict, after: dict) -> list[TrafficItem]:
+    out = []
+    for key, (calls, sent, recv, payload) in sorted(after.items()):
+        b = before.get(key, (0, 0, 0, 0))
+        if calls - b[0]:
+            out.append(TrafficItem(key[0], key[1], calls - b[0], sent - b[1], recv - b[2], payload - b[3]))
+    return out

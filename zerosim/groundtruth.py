@@ -1,0 +1,155 @@
+"""Ground truth: the model trained unsharded, in one process, on every rank's micro-batches at once.
+
+This is what a correct data-parallel run must reproduce (C-ZERO-002/003 compare the engine against
+it). Per optimizer step ``s`` (0-based, the ``step`` of :func:`~zerosim.model.synthetic_batch`):
+
+1. working parameters = the float32 master cast to the precision's ``param_dtype``;
+2. the batch = concatenation of ``synthetic_batch(cfg, seed, s, rank, micro)`` over every rank and
+   micro-batch, rank-major then micro order (``world_size * micro_batches * batch_size`` sequences);
+3. loss = mean cross-entropy over all those tokens; gradients = those of that mean loss, returned
+   by the model in ``grad_dtype`` and upcast to float32;
+4. global norm over all gradient elements (float64 sum of squares); clipping with it when
+   ``spec.max_grad_norm`` is set;
+5. the full optimizer steps the float32 master.
+
+Because every micro-batch has the same number of tokens, the mean over the concatenation equals the
+average of per-micro-batch means, which is what data parallelism with gradient accumulation
+computes (``grad_mode="micro"`` computes it that way instead: each (rank, micro) gradient with loss
+scale ``1 / (world_size * micro_batches)`` in ``grad_dtype``, upcast and summed in rank-major order;
+the two agree to float32 rounding in fp32, to 16-bit rounding in bf16/fp16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, require_non_negative_int, require_positive_int
+from .flat import flatten, unflatten
+from .layout import ParamLayout
+from .model import BlockModel, SimModelConfig, init_params, sim_layout, synthetic_batch
+from .optim import OptimizerSpec, apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
+from .precision import Precision
+from .xp import ArrayNamespace, get_namespace
+
+GRAD_MODES = ("concat", "micro")
+
+
+@dataclass
+class StepSnapshot:
+    """State after optimizer step ``step`` (1-based: the first step's snapshot has ``step == 1``)."""
+
+    step: int
+    params: np.ndarray                 # float32 flat master, sim_layout order
+    state: dict[str, np.ndarray]       # flat float32 optimizer state by torch name
+    loss: float                        # mean loss of this step's batch, before the update
+    grad_norm: float                   # global 2-norm of the (float32) gradient, before clipping
+    clip_coef: float = 1.0             # factor applied to the gradient (1.0: none)
+    optimizer_step: int = 0            # the optimizer's step counter after the step
+
+
+@dataclass
+class GroundTruth:
+    """The run's configuration, initial master parameters and one snapshot per step."""
+
+    config: SimModelConfig
+    spec: OptimizerSpec
+    precision: Precision
+    world_size: int
+    micro_batches: int
+    seed: int
+    layout: ParamLayout
+    initial_params: np.ndarray
+    snapshots: list[StepSnapshot] = field(default_factory=list)
+    grad_mode: str = "concat"
+
+    @property
+    def losses(self) -> list[float]:
+        return [s.loss for s in self.snapshots]
+
+    @property
+    def final_params(self) -> np.ndarray:
+        return self.snapshots[-1].params if self.snapshots else self.initial_params
+
+    def params_after(self, step: int) -> np.ndarray:
+        """Flat master after ``step`` steps (0 = the initial parameters)."""
+        require_non_negative_int("step", step)
+        if step > len(self.snapshots):
+            raise ConfigError("step", step, f"ground truth has {len(self.snapshots)} steps")
+        return self.initial_params if step == 0 else self.snapshots[step - 1].params
+
+    def named_params(self, step: int) -> dict[str, np.ndarray]:
+        return unflatten(self.params_after(step), self.layout)
+
+
+def global_batch(cfg: SimModelConfig, seed: int, step: int, world_size: int, micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's micro-batches of ``step``, concatenated rank-major then micro along the batch axis."""
+    pairs = [synthetic_batch(cfg, seed, step, r, m) for r in range(world_size) for m in range(micro_batches)]
+    return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+
+
+def train_ground_truth(cfg: SimModelConfig, spec: OptimizerSpec, precision: Precision | str, world_size: int,
+                       micro_batches: int, steps: int, seed: int, xp: ArrayNamespace | str | None = None,
+                       grad_mode: str = "concat") -> GroundTruth:
+    """Train unsharded for ``steps`` steps and snapshot after each (see the module docstring)."""
+    if not isinstance(cfg, SimModelConfig):
+        raise ConfigError("cfg", cfg, "expected a SimModelConfig")
+    if not isinstance(spec, OptimizerSpec):
+        raise ConfigError("optimizer", spec, "expected an OptimizerSpec")
+    precision = Precision.parse(precision)
+    require_positive_int("world_size", world_size)
+    require_positive_int("micro_batches", micro_batches)
+    require_non_negative_int("steps", steps)
+    require_non_negative_int("seed", seed)
+    if grad_mode not in GRAD_MODES:
+        raise ConfigError("grad_mode", grad_mode, f"must be one of {GRAD_MODES}")
+    ns = get_namespace(xp)
+    layout = sim_layout(cfg)
+    model = BlockModel(cfg, ns)
+    initial = flatten(init_params(cfg, seed), layout)
+    master = ns.from_numpy(initial, copy=True)
+    opt = make_optimizer(spec, ns)
+    state = opt.init_state(layout.total_numel)
+    gt = GroundTruth(cfg, spec, precision, world_size, micro_batches, seed, layout, initial.copy(), grad_mode=grad_mode)
+    for s in range(steps):
+        params = unflatten(precision.to_params(master, ns), layout)
+        if grad_mode == "concat":
+            tokens, targets = global_batch(cfg, seed, s, world_size, micro_batches)
+            loss, grads = model.loss_and_grads(params, tokens, targets)
+            grad = precision.grad_to_master(flatten(grads, layout, ns), ns)  # a new array: flatten copies
+        else:
+            loss, grad = _micro_mean(model, params, layout, precision, ns, cfg, seed, s, world_size, micro_batches)
+        norm = global_norm_from_sumsq(ns.sum_of_squares(grad))
+        coef = 1.0
+        if spec.max_grad_norm is not None:
+            coef = clip_coefficient(norm, spec.max_grad_norm)
+            apply_clip_(grad, coef, ns)
+        opt.step(master, grad, state)
+        gt.snapshots.append(StepSnapshot(
+            step=s + 1,
+            params=ns.to_numpy(master, copy=True),
+            state={k: ns.to_numpy(v, copy=True) for k, v in state.items() if k != "step"},
+            loss=loss,
+            grad_norm=norm,
+            clip_coef=coef,
+            optimizer_step=int(state["step"]),
+        ))
+    return gt
+
+
+def _micro_mean(model: BlockModel, params: dict[str, Any], layout: ParamLayout, precision: Precision,
+                ns: ArrayNamespace, cfg: SimModelConfig, seed: int, step: int, world_size: int,
+                micro_batches: int) -> tuple[float, Any]:
+    """Mean loss and float32 gradient as the average of per-(rank, micro) gradients."""
+    scale = 1.0 / (world_size * micro_batches)
+    total = ns.zeros(layout.total_numel, "float32")
+    loss = 0.0
+    for r in range(world_size):
+        for m in range(micro_batches):
+            tokens, targets = synthetic_batch(cfg, seed, step, r, m)
+            lm, grads = model.loss_and_grads(params, tokens, targets, loss_scale=scale)
+            total += precision.grad_to_master(flatten(grads, layout, ns), ns)
+            loss += lm * scale
+    return loss, total

@@ -1,0 +1,130 @@
+"""``mpiexec -n N python -m zerosim.mpi simulate [options]``: the reference engine, one process per rank.
+
+Every rank parses the same options as ``zerosim simulate`` (``zerosim.cli.simulate.add_run_arguments``),
+runs the engine's SPMD program (``zerosim.engine.spmd.rank_program``) on an :class:`MpiCommunicator`
+over ``MPI_COMM_WORLD``, and sends its observations to rank 0, which evaluates the contracts and
+prints the same verdict table / JSON as the in-process simulator. Exit status, the same on every
+rank: 0 every contract holds, 1 a contract failed, 2 bad input (printed once), 3 a rank failed or a
+collective timed out (``rank R failed: ...`` printed once, then ``MPI_Abort``).
+
+MPI-only options: ``--timeout-mode abort|raise`` (how a collective timeout is detected, see
+:mod:`zerosim.comm.mpi`; default ``$ZEROSIM_MPI_TIMEOUT_MODE`` or ``abort``). The collective timeout
+itself is the run's ``timeout_s`` (``--timeout`` of ``zerosim simulate``).
+
+``python -m zerosim.mpi bench-worker ...`` is the inside of ``zerosim bench mpi`` (not for direct use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Any, NoReturn
+
+import numpy as np
+
+from ..errors import ConfigError, ZeroSimError
+from .rank import run_rank
+
+USAGE = "usage: mpiexec -n N python -m zerosim.mpi simulate [zerosim simulate options]"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli.simulate import add_run_arguments
+    from ..comm.mpi import TIMEOUT_MODES
+
+    parser = argparse.ArgumentParser(prog="mpiexec -n N python -m zerosim.mpi simulate",
+                                     description="Run the reference engine under MPI; rank 0 prints the verdicts.")
+    add_run_arguments(parser)
+    parser.set_defaults(world_size=None)  # default: the number of ranks mpiexec started
+    mpi = parser.add_argument_group("MPI")
+    mpi.add_argument("--timeout-mode", choices=TIMEOUT_MODES,
+                     default=os.environ.get("ZEROSIM_MPI_TIMEOUT_MODE", "abort"),
+                     help="abort: blocking collectives + watchdog that aborts the job (fast, default); "
+                          "raise: polled nonblocking collectives that raise CollectiveTimeout")
+    return parser
+
+
+def _parse_once(parser: argparse.ArgumentParser, argv: list[str], rank: int) -> argparse.Namespace:
+    """argparse on every rank, its messages (usage errors, --help) printed by rank 0 only."""
+    quiet = open(os.devnull, "w") if rank != 0 else None  # noqa: SIM115 - closed below
+    try:
+        with contextlib.redirect_stdout(quiet or sys.stdout), contextlib.redirect_stderr(quiet or sys.stderr):
+            return parser.parse_args(argv)
+    finally:
+        if quiet is not None:
+            quiet.close()
+
+
+def _agree_on_config_error(world: Any, error: ZeroSimError | None) -> None:
+    """Every rank validates the options; if any rank failed, the lowest such rank prints, all exit 2."""
+    from mpi4py import MPI
+
+    mine = np.array([world.Get_rank() if error is not None else world.Get_size()], dtype=np.int64)
+    lowest = np.empty(1, dtype=np.int64)
+    world.Allreduce(mine, lowest, MPI.MIN)
+    if lowest[0] == world.Get_size():
+        return
+    if lowest[0] == world.Get_rank():
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _check_world_size(args: argparse.Namespace, size: int) -> None:
+    if args.world_size is None:
+        args.world_size = size
+    elif args.world_size != size:
+        hint = (" (every rank sees a world of 1: is this mpiexec from the MPI library mpi4py was built for? "
+                "see docs/readme/mpi.md)" if size == 1 else f"; run mpiexec -n {args.world_size} or drop --world-size")
+        raise ConfigError("world_size", args.world_size, f"mpiexec started {size} rank(s){hint}")
+
+
+def simulate(argv: list[str]) -> NoReturn:
+    from mpi4py import MPI
+
+    from ..cli.simulate import config_from_args, render
+    from ..comm.mpi import MpiCommunicator
+    from ..engine.spmd import evaluate, rank_program
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    try:
+        args = _parse_once(build_parser(), argv, rank)
+    except SystemExit as e:  # the same on every rank: nothing started, nobody waits
+        sys.exit(e.code)
+    cfg, error = None, None
+    try:
+        _check_world_size(args, world.Get_size())
+        cfg = config_from_args(args)
+        cfg.validate()
+    except ZeroSimError as e:
+        error = e
+    _agree_on_config_error(world, error)
+
+    def body() -> int:
+        comm = MpiCommunicator(world, timeout_s=cfg.timeout_s, timeout_mode=args.timeout_mode)
+        observation = rank_program(comm, cfg)
+        observations = world.gather(observation, root=0)  # once per run, not the data path
+        code = 0
+        if rank == 0:
+            code = render(evaluate(cfg, observations), getattr(args, "json", False))
+        return int(world.bcast(code, root=0))
+
+    run_rank(body)
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["simulate"]:
+        simulate(argv[1:])
+    if argv[:1] == ["bench-worker"]:
+        from ..bench.mpi import worker_main
+
+        run_rank(lambda: worker_main(argv[1:]))
+    print(USAGE, file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Starting ``mpiexec`` from an ordinary process: ``zerosim simulate --backend mpi``, tests, the bench.
+
+Which ``mpiexec``: ``$ZEROSIM_MPIEXEC`` if set (a command line: ``"mpiexec -f hosts"``,
+``"mpirun --oversubscribe"``), else the one next to the running Python (the ``mpich`` wheel puts it
+in the virtual environment's ``bin/``), else the first on ``PATH``. The launcher, MPI library and
+mpi4py must belong together; a mismatched ``mpiexec`` starts N singletons, which the rank entry
+point detects and reports.
+
+Every launch has a wall-clock timeout. ``mpiexec`` runs in its own session (process group); on
+timeout the whole group gets SIGTERM, then SIGKILL, so no rank outlives the launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, require_positive_int
+
+EXIT_LAUNCH_TIMEOUT = 124  # like coreutils' timeout(1)
+DEFAULT_LAUNCH_TIMEOUT_S = 900.0
+_KILL_GRACE_S = 3.0
+
+
+def find_mpiexec() -> list[str]:
+    """The mpiexec command line to use (see the module docstring); ConfigError when there is none."""
+    override = os.environ.get("ZEROSIM_MPIEXEC", "").strip()
+    if override:
+        cmd = shlex.split(override)
+        if not shutil.which(cmd[0]):
+            raise ConfigError("ZEROSIM_MPIEXEC", override, f"{cmd[0]!r} is not an executable")
+        return cmd
+    beside_python = Path(sys.executable).parent / "mpiexec"  # not resolved: a venv's bin/, not /usr/bin
+    if beside_python.is_file() and os.access(beside_python, os.X_OK):
+        return [str(beside_python)]
+    on_path = shutil.which("mpiexec")
+    if on_path:
+        return [on_path]
+    raise ConfigError("mpiexec", None, f"no mpiexec next to {sys.executable} or on PATH; install the MPI extra "
+                      "(pip install 'zerosim[mpi]', which brings the mpich wheel) or set ZEROSIM_MPIEXEC")
+
+
+def require_mpi4py() -> None:
+    """ConfigError unless mpi4py is importable (checked without initialising MPI in this process)."""
+    if importlib.util.find_spec("mpi4py") is None:
+        raise ConfigError("backend", "mpi", "needs mpi4py: pip install 'zerosim[mpi]'")
+
+
+@dataclass
+class MpiexecResult:
+    """What one mpiexec launch did. ``stdout`` / ``stderr`` are None when they went to the terminal."""
+
+    command: list[str]
+    returncode: int
+    stdout: str | None
+    stderr: str | None
+    timed_out: bool
+    elapsed_s: float
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGTERM the launch's process group (mpiexec, its proxies, the ranks), then SIGKILL what is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=_KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def run_mpiexec(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str, str] | None = None,
+                capture: bool = True, python: str | None = None) -> MpiexecResult:
+    """Run ``mpiexec -n n <python> *argv`` with a wall-clock timeout; never leaves processes behind.
+
+    ``argv`` follows the interpreter (``["-m", "zerosim.mpi", "simulate", ...]`` or a script path).
+    ``env`` is merged over ``os.environ``. With ``capture=False`` the output goes to this terminal.
+    """
+    require_positive_int("world_size", n)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ConfigError("launch_timeout", timeout_s, "must be a positive number of seconds")
+    require_mpi4py()
+    command = [*find_mpiexec(), "-n", str(n), python or sys.executable, *argv]
+    full_env = {**os.environ, **(env or {})}
+    pipe = subprocess.PIPE if capture else None
+    start = time.monotonic()
+    proc = subprocess.Popen(command, stdout=pipe, stderr=pipe, text=True, env=full_env, start_new_session=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_session(proc)
+        out, err = proc.communicate()
+    except BaseException:  # KeyboardInterrupt: take the ranks down with us
+        _kill_session(proc)
+        raise
+    returncode = EXIT_LAUNCH_TIMEOUT if timed_out else proc.returncode
+    return MpiexecResult(command, returncode, out, err, timed_out, time.monotonic() - start)
+
+
+# ---- zerosim simulate --backend mpi ---------------------------------------------------------------
+
+def forward_argv(args: argparse.Namespace, add_arguments: Callable[[argparse.ArgumentParser], None],
+                 drop: Sequence[str] = ("backend",)) -> list[str]:
+    """Rebuild the command-line options that produce ``args`` (the options ``add_arguments`` defines).
+
+    Options at their default are left out; ``drop`` names destinations not to forward. The rank
+    entry point parses the result with the same ``add_arguments``, so both sides agree by construction.
+    """
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    out: list[str] = []
+    for action in parser._actions:  # argparse exposes no public iterator over its actions
+        if not action.option_strings or action.dest in drop or not hasattr(args, action.dest):
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+        if isinstance(action, argparse._StoreConstAction):  # store_true / store_false / store_const
+            if value == action.const:
+                out.append(flag)
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else flag.replace("--", "--no-", 1))
+            continue
+        if isinstance(action, argparse._AppendAction):
+            for item in value or []:
+                out.extend([flag, *(str(v) for v in item)] if isinstance(item, list) else [flag, str(item)])
+            continue
+        if value is None:
+            continue
+        if isinstance(value, (list, tuple)):
+            out.extend([flag, *(str(v) for v in value)])
+        else:
+            out.extend([flag, str(value)])
+    return out
+
+
+def launch_simulate(args: argparse.Namespace) -> int:
+    """``zerosim simulate --backend mpi --world-size N``: run the simulation under ``mpiexec -n N``.
+
+    The ranks print the verdict table / JSON themselves (rank 0); returns mpiexec's exit status: 0
+    all contracts hold, 1 a contract failed, 2 bad input, 3 a rank failed or a collective timed out,
+    124 the launch outlived ``--launch-timeout``.
+    """
+    from ..cli.simulate import add_run_arguments
+
+    n = require_positive_int("world_size", getattr(args, "world_size", None))
+    timeout_s = getattr(args, "launch_timeout", None) or float(os.environ.get("ZEROSIM_LAUNCH_TIMEOUT_S",
+                                                                               DEFAULT_LAUNCH_TIMEOUT_S))
+    argv = ["-m", "zerosim.mpi", "simulate", *forward_argv(args, add_run_arguments, drop=("backend",))]
+    result = run_mpiexec(n, argv, timeout_s, capture=False)
+    if result.timed_out:
+        print(f"error: mpiexec -n {n} did not finish within {timeout_s:g}s (launch timeout); killed it and its ranks",
+              file=sys.stderr)
+    return result.returncode

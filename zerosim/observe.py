@@ -1,0 +1,172 @@
+"""Observations: what a run shows the contracts, as numpy arrays plus plain metadata.
+
+A backend (the simulator, mpi4py, torch.distributed, a user's own code through an adapter) only has
+to produce these; every step contract (C-ZERO-002..005) is a pure function of them. Nothing here
+refers to a live array, a communicator or a device.
+
+Per rank and per step:
+
+* the shard values the rank holds (float32 master, optimizer state, the reduced gradient it
+  stepped with), each with the map from storage position to the global flat index space;
+* the full parameters the rank uses after the step (its gathered view), or a digest per tensor;
+* what the rank holds (``Holding``: intervals, stored elements, bytes), measured from its live arrays;
+* the traffic it recorded during the step (data and control separately);
+* its memory peaks (``StepMemory``) and the step's wall-clock interval.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from .engine.memory_tracker import StepMemory
+
+Piece = tuple[int, int, int]  # (global_start, global_end, position in the stored array)
+
+
+@dataclass
+class ShardValues:
+    """Values stored by one rank for one kind of state. ``values[pos:pos + (g1 - g0)]`` holds global
+    ``[g0, g1)`` for every piece; elements of ``values`` covered by no piece are padding."""
+
+    pieces: tuple[Piece, ...]
+    values: np.ndarray
+
+    @property
+    def real_numel(self) -> int:
+        return sum(g1 - g0 for g0, g1, _ in self.pieces)
+
+    def padding_values(self) -> np.ndarray:
+        mask = np.ones(self.values.shape[0], dtype=bool)
+        for g0, g1, pos in self.pieces:
+            mask[pos:pos + g1 - g0] = False
+        return self.values[mask]
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a rank holds of one kind of state, measured from its live arrays.
+
+    ``intervals``: global flat intervals of real data (sorted, touching ones joined);
+    ``stored_numel``: elements of the live arrays (real data + padding); ``nbytes``: their bytes.
+    """
+
+    kind: str
+    intervals: tuple[tuple[int, int], ...]
+    stored_numel: int
+    nbytes: int
+    dtype: str
+    location: str = "device"
+
+    @property
+    def real_numel(self) -> int:
+        return sum(e - s for s, e in self.intervals)
+
+    @property
+    def padding(self) -> int:
+        return self.stored_numel - self.real_numel
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "real_numel": self.real_numel, "stored_numel": self.stored_numel,
+                "padding": self.padding, "nbytes": self.nbytes, "dtype": self.dtype, "location": self.location,
+                "num_intervals": len(self.intervals)}
+
+
+@dataclass(frozen=True)
+class TrafficItem:
+    """Traffic of one rank on one group for one collective kind during one step (ring attribution)."""
+
+    group: str
+    collective: str
+    calls: int
+    bytes_sent: Fraction
+    bytes_received: Fraction
+    payload_bytes: int
+
+    @property
+    def group_kind(self) -> str:
+        """``world``, ``shard`` or ``replicate`` (the part of the group name before ``[`` or ``.``)."""
+        return self.group.split("[", 1)[0].split(".", 1)[0]
+
+    @property
+    def channel(self) -> str:
+        """``data`` (counted by C-ZERO-005), ``control`` or ``observe`` (reported apart)."""
+        for suffix in ("control", "observe"):
+            if self.group.endswith("." + suffix):
+                return suffix
+        return "data"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.group, "collective": self.collective, "calls": self.calls,
+                "bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received),
+                "payload_bytes": self.payload_bytes}
+
+
+@dataclass
+class StepObservation:
+    """One rank after one optimizer step (``step`` is 0-based: the step that consumed batch ``step``)."""
+
+    step: int
+    loss: float                       # global mean loss of the step's batch (all ranks, all micro-batches)
+    local_loss: float                 # this rank's mean over its micro-batches
+    grad_norm: float                  # global grad norm the rank clipped with
+    clip_coef: float
+    optimizer_step: int
+    holdings: dict[str, Holding]
+    traffic: list[TrafficItem]
+    memory: StepMemory | None
+    t_start: float
+    t_end: float
+    master: ShardValues | None = None          # float32 master after the step
+    optimizer: dict[str, ShardValues] = field(default_factory=dict)
+    grads: ShardValues | None = None           # reduced, averaged, clipped gradient the optimizer consumed
+    gathered: np.ndarray | None = None         # full flat working params the rank uses next (param dtype)
+    gathered_digest: dict[str, str] = field(default_factory=dict)  # tensor name -> digest of its bytes
+
+    def data_traffic(self) -> list[TrafficItem]:
+        return [t for t in self.traffic if t.channel == "data"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "loss": self.loss, "local_loss": self.local_loss, "grad_norm": self.grad_norm,
+                "clip_coef": self.clip_coef, "optimizer_step": self.optimizer_step,
+                "holdings": {k: h.to_json() for k, h in self.holdings.items()},
+                "traffic": [t.to_json() for t in self.traffic],
+                "memory": self.memory.to_json() if self.memory else None,
+                "wall_s": self.t_end - self.t_start}
+
+
+@dataclass
+class RankObservation:
+    """Everything one rank observed over a run."""
+
+    rank: int
+    world_size: int
+    shard_group: int
+    local_rank: int
+    groups: dict[str, tuple[int, ...]]   # group name -> global ranks (group-rank order)
+    backend: str
+    steps: list[StepObservation] = field(default_factory=list)
+    memory_timeline: list[dict[str, Any]] = field(default_factory=list)
+    init_peak_bytes: dict[str, int] = field(default_factory=dict)
+    offload: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self, with_steps: bool = True) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "shard_group": self.shard_group,
+                               "local_rank": self.local_rank, "backend": self.backend,
+                               "groups": {k: list(v) for k, v in self.groups.items()},
+                               "init_peak_bytes": dict(self.init_peak_bytes), "offload": dict(self.offload)}
+        if with_steps:
+            out["steps"] = [s.to_json() for s in self.steps]
+        return out
+
+
+def digest(array: np.ndarray) -> str:
+    """A short content digest of an array's bytes (dtype and shape included)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(f"{array.dtype.name}{array.shape}".encode())
+    h.update(np.ascontiguousarray(array).view(np.uint8).tobytes())
+    return h.hexdigest()

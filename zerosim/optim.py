@@ -1,0 +1,293 @@
+"""Reference optimizers with torch.optim's exact semantics, on flat float32 arrays; global-norm clipping.
+
+Each optimizer works on a FLAT 1-D float32 array (a rank's shard of the master parameters, or the
+whole vector) with a gradient of the same length, **elementwise only**: element ``i`` of the result
+depends on element ``i`` of the parameter, gradient and state and on nothing else. So a sharded step
+equals the full step *bit for bit* on the same elements, whatever the shard boundaries: this is why
+C-ZERO-002 (sharded optimizer step == full optimizer step) can be checked bitwise.
+
+Formulas follow torch.optim's single-tensor CPU path (``foreach=False``), including its order of
+floating-point operations: hyper-parameters are rounded to float32 where torch's kernels round them,
+and torch's fused multiply-adds (``add(alpha=)``, ``lerp``, ``addcmul``) are reproduced with
+:meth:`zerosim.xp.ArrayNamespace.fma`. Measured against torch 2.13 on an AVX-512 CPU
+(tests/test_optim_vs_torch.py): SGD (every momentum / nesterov / dampening / weight-decay combination)
+is bitwise identical; Adam and AdamW differ by at most a few float32 ulps because torch's vectorised
+CPU ``sqrt`` is not correctly rounded (ours is).
+
+State: ``init_state(n)`` returns a dict with an int ``"step"`` and fp32 arrays named as in torch:
+SGD with momentum ``"momentum_buffer"``; Adam / AdamW ``"exp_avg"``, ``"exp_avg_sq"``. The momentum
+buffer is allocated up front (so memory is constant) but, as in torch, its first step copies the
+gradient instead of decaying (torch's buffer starts as ``None``); ``"step"`` tells which.
+
+Clipping (torch.nn.utils.clip_grad_norm_): the global 2-norm over *all* gradient elements; with
+``max_grad_norm`` set, every gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``. Sharded,
+each rank sums squares over the elements it owns and one scalar all-reduce (over the shard group
+only) gives the global sum: :func:`global_norm_from_sumsq` and :func:`clip_coefficient` finish it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError, require_non_negative_int
+from .xp import ArrayNamespace, get_namespace
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6)
+CHUNK = 1 << 15  # elements per update chunk on CPU (float64 temporaries of 256 KiB: cache-resident)
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to float32 (as torch rounds a Python scalar for a float32 kernel)."""
+    return float(np.float32(v))
+
+
+def _real(field: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(field, value, "must be a number")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(field, value, "must be a number") from None
+    if not math.isfinite(v):
+        raise ConfigError(field, value, "must be finite")
+    return v
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Which optimizer and its hyper-parameters; validated like torch.optim's constructors.
+
+    ``weight_decay`` defaults to torch's default for the optimizer: 0.01 for AdamW, 0 otherwise.
+    ``max_grad_norm`` (None = no clipping) turns on global-norm clipping before the step.
+    """
+
+    name: str
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float | None = None
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float | None = None
+
+    def __post_init__(self) -> None:
+        name = str(self.name).lower()
+        if name not in OPTIMIZERS:
+            raise ConfigError("optimizer", self.name, f"unknown optimizer; known: {', '.join(OPTIMIZERS)}")
+        object.__setattr__(self, "name", name)
+        if self.weight_decay is None:
+            object.__setattr__(self, "weight_decay", 1e-2 if name == "adamw" else 0.0)
+        for f in ("lr", "momentum", "dampening", "weight_decay", "eps"):
+            v = _real(f, getattr(self, f))
+            if v < 0:
+                raise ConfigError(f, getattr(self, f), "must be >= 0")
+            object.__setattr__(self, f, v)
+        if not isinstance(self.nesterov, bool):
+            raise ConfigError("nesterov", self.nesterov, "must be a bool")
+        if name == "sgd" and self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ConfigError("nesterov", self.nesterov, "Nesterov momentum requires momentum > 0 and dampening = 0")
+        if name != "sgd":
+            for f in ("momentum", "dampening"):
+                if getattr(self, f) != 0:
+                    raise ConfigError(f, getattr(self, f), f"is an SGD option; {name} has no {f}")
+            if self.nesterov:
+                raise ConfigError("nesterov", self.nesterov, f"is an SGD option; {name} has no nesterov")
+        betas = self.betas
+        if isinstance(betas, str):
+            betas = tuple(b for b in betas.replace(" ", "").split(",") if b)
+        try:
+            betas = tuple(betas)
+        except TypeError:
+            raise ConfigError("betas", self.betas, "must be two numbers (beta1, beta2)") from None
+        if len(betas) != 2:
+            raise ConfigError("betas", self.betas, "must be two numbers (beta1, beta2)")
+        b = tuple(_real("betas", x) for x in betas)
+        for i, x in enumerate(b):
+            if not 0.0 <= x < 1.0:
+                raise ConfigError(f"betas[{i}]", x, "must be in [0, 1)")
+        object.__setattr__(self, "betas", b)
+        if self.max_grad_norm is not None:
+            v = _real("max_grad_norm", self.max_grad_norm)
+            if v <= 0:
+                raise ConfigError("max_grad_norm", self.max_grad_norm, "must be > 0 (or None for no clipping)")
+            object.__setattr__(self, "max_grad_norm", v)
+
+    @classmethod
+    def parse(cls, name: str, **overrides: Any) -> OptimizerSpec:
+        """``OptimizerSpec.parse("adamw", lr=3e-4, max_grad_norm=1.0)``; unknown fields are rejected."""
+        known = {f.name for f in fields(cls)} - {"name"}
+        for key in overrides:
+            if key not in known:
+                raise ConfigError(key, overrides[key], f"unknown optimizer option; known: {sorted(known)}")
+        return cls(name, **{k: v for k, v in overrides.items() if v is not None or k == "max_grad_norm"})
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Names of the per-element fp32 state arrays (torch's names)."""
+        if self.name == "sgd":
+            return ("momentum_buffer",) if self.momentum != 0 else ()
+        return ("exp_avg", "exp_avg_sq")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+class _Optimizer:
+    """Common part: the spec, the namespace, state allocation."""
+
+    def __init__(self, spec: OptimizerSpec, xp: ArrayNamespace | str | None = None):
+        self.spec = spec
+        self.xp = get_namespace(xp)
+
+    def init_state(self, n: int) -> dict[str, Any]:
+        """Fresh state for ``n`` elements: ``{"step": 0, <name>: zeros(n, float32), ...}``."""
+        require_non_negative_int("n", n)
+        state: dict[str, Any] = {"step": 0}
+        for name in self.spec.state_names:
+            state[name] = self.xp.zeros(n, "float32")
+        return state
+
+    def _check(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
+        if tuple(param.shape) != tuple(grad.shape) or len(param.shape) != 1:
+            raise ConfigError("grad", tuple(grad.shape), f"must be flat and match the parameter shape {tuple(param.shape)}")
+        for name in self.spec.state_names:
+            if name not in state:
+                raise ConfigError("state", name, "missing optimizer state (use init_state)")
+            if tuple(state[name].shape) != tuple(param.shape):
+                raise ConfigError(f"state.{name}", tuple(state[name].shape), f"must match the parameter shape {tuple(param.shape)}")
+
+    def step(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
+        """One optimizer step, in place on ``param`` (float32 master) and ``state``.
+
+        The update is applied chunk by chunk (:data:`CHUNK` elements on CPU) so the float64
+        temporaries of the fused multiply-adds stay in cache; elementwise, so the chunking changes
+        no bit of the result."""
+        self._check(param, grad, state)
+        t = int(state["step"]) + 1
+        n = int(param.shape[0])
+        chunk = n if self.xp.device not in ("cpu", None) else CHUNK
+        names = self.spec.state_names
+        for lo in range(0, n, max(chunk, 1)):
+            hi = min(lo + chunk, n)
+            self._update(param[lo:hi], grad[lo:hi], {k: state[k][lo:hi] for k in names}, t)
+        state["step"] = t
+
+    def _update(self, p: Any, g: Any, st: dict[str, Any], t: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class SGD(_Optimizer):
+    """torch.optim.SGD (``_single_tensor_sgd``), maximize=False:
+
+    ``g = grad + wd * p`` (fma); momentum: ``buf = g`` on the first step, else
+    ``buf = buf * m`` then ``buf = buf + (1 - dampening) * g`` (fma); ``g = g + m * buf`` (fma) with
+    nesterov, else ``g = buf``; ``p = p - lr * g`` (fma).
+    """
+
+    def _update(self, p: Any, g: Any, st: dict[str, Any], t: int) -> None:
+        s, xp = self.spec, self.xp
+        if s.weight_decay != 0:
+            g = xp.fma(p, s.weight_decay, g)
+        if s.momentum != 0:
+            buf = st["momentum_buffer"]
+            if t == 1:
+                xp.assign(buf, g)
+            else:
+                buf *= _f32(s.momentum)
+                xp.assign(buf, xp.fma(g, 1.0 - s.dampening, buf))
+            g = xp.fma(buf, s.momentum, g) if s.nesterov else buf
+        xp.assign(p, xp.fma(g, -s.lr, p))
+
+
+class Adam(_Optimizer):
+    """torch.optim.Adam / AdamW (``_single_tensor_adam``), amsgrad=False, maximize=False:
+
+    ``t += 1``; AdamW: ``p = p * (1 - lr * wd)``; Adam: ``g = grad + wd * p`` (fma);
+    ``m = lerp(m, g, 1 - beta1)``; ``v = v * beta2`` then ``v = v + ((1 - beta2) * g) * g`` (fma);
+    ``denom = sqrt(v) / sqrt(1 - beta2**t) + eps``; ``p = p + (-lr / (1 - beta1**t) * m) / denom``.
+    Bias corrections are computed in float64 on the host, as torch does with a CPU step counter.
+    """
+
+    decoupled = False
+
+    def _update(self, p: Any, g: Any, st: dict[str, Any], t: int) -> None:
+        s, xp = self.spec, self.xp
+        beta1, beta2 = s.betas
+        if s.weight_decay != 0:
+            if self.decoupled:
+                p *= _f32(1.0 - s.lr * s.weight_decay)
+            else:
+                g = xp.fma(p, s.weight_decay, g)
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        xp.assign(m, _lerp(xp, m, g, 1.0 - beta1))
+        v *= _f32(beta2)
+        xp.assign(v, xp.fma(g * _f32(1.0 - beta2), g, v))
+        bias_correction1 = 1.0 - beta1 ** float(t)
+        bias_correction2 = 1.0 - beta2 ** float(t)
+        step_size = s.lr / bias_correction1
+        denom = xp.sqrt(v) / _f32(bias_correction2**0.5)
+        denom += _f32(s.eps)
+        p += (m * _f32(-step_size)) / denom
+
+
+class AdamW(Adam):
+    """torch.optim.AdamW: Adam with decoupled weight decay (default 0.01)."""
+
+    decoupled = True
+
+
+def _lerp(xp: ArrayNamespace, start: Any, end: Any, weight: float) -> Any:
+    """torch's CPU ``lerp`` with a scalar weight (vectorised kernel): for ``|w| < 0.5``
+    ``fma(w, end - start, start)``, else ``fma(w - 1, end - start, end)``; ``w`` in float32."""
+    w = _f32(weight)
+    diff = end - start
+    if abs(w) < 0.5:
+        return xp.fma(diff, w, start)
+    return xp.fma(diff, _f32(w - 1.0), end)
+
+
+def make_optimizer(spec: OptimizerSpec, xp: ArrayNamespace | str | None = None) -> _Optimizer:
+    """The optimizer for ``spec`` on namespace ``xp`` (default numpy)."""
+    if not isinstance(spec, OptimizerSpec):
+        raise ConfigError("optimizer", spec, "expected an OptimizerSpec (use OptimizerSpec.parse)")
+    cls = {"sgd": SGD, "adam": Adam, "adamw": AdamW}[spec.name]
+    return cls(spec, xp)
+
+
+# ---- global-norm clipping -------------------------------------------------------------------------
+
+def global_norm_from_sumsq(sumsq: float) -> float:
+    """The global 2-norm from the (all-reduced) sum of squares over every gradient element."""
+    v = float(sumsq)
+    if math.isnan(v) or v < 0:
+        raise ConfigError("sumsq", sumsq, "a sum of squares must be >= 0")
+    return math.sqrt(v)
+
+
+def clip_coefficient(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor ``min(1, max_norm / (total_norm + 1e-6))``, computed as
+    torch computes it on a float32 norm: ``(1 / (norm + 1e-6)) * max_norm`` in float32 (torch's
+    ``float / tensor`` is ``tensor.reciprocal() * float``). Returned as a float exactly
+    representable in float32; 1.0 means "no clipping". A non-finite norm gives a non-finite factor
+    (as in torch): the caller's non-finite check must catch it."""
+    mx = _real("max_grad_norm", max_norm)
+    if mx <= 0:
+        raise ConfigError("max_grad_norm", max_norm, "must be > 0")
+    with np.errstate(all="ignore"):
+        denom = np.float32(total_norm) + np.float32(CLIP_EPS)
+        coef = (np.float32(1.0) / denom) * np.float32(mx)
+    return float(min(coef, np.float32(1.0))) if not math.isnan(coef) else float("nan")
+
+
+def apply_clip_(grad: Any, coef: float, xp: ArrayNamespace | str | None = None) -> None:
+    """Scale ``grad`` in place by ``coef`` (float32 multiply, as torch's ``mul_``); 1.0 is a no-op."""
+    if coef != 1.0:
+        grad *= _f32(coef)

@@ -1,0 +1,182 @@
+"""The report's figures: each function draws one PNG from the JSON-able data the report saves next to it.
+
+Matplotlib with the Agg backend (no display). Every axis names its unit; every series says whether
+it is *modelled* (closed form) or *measured* (a backend's own counters), so no plot mixes the two
+silently.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from ..cost.units import UNITS, to_unit  # noqa: E402
+
+CATEGORY_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_states": "#55A868", "transient": "#C9C9C9"}
+CATEGORY_LABELS = {"params": "parameters", "grads": "gradients", "optimizer_states": "optimizer states",
+                   "transient": "transient (engine)"}
+STRATEGY_SHORT = {"no_shard": "DDP", "shard_optimizer": "ZeRO-1", "shard_grad_op": "ZeRO-2", "full_shard": "ZeRO-3"}
+MARKERS = "os^Dvp*h"
+
+
+def short_name(strategy: str) -> str:
+    base, _, size = strategy.partition(":")
+    if base == "hybrid_shard":
+        return f"HSDP:{size}"
+    if base == "hybrid_shard_zero2":
+        return f"HSDP-Z2:{size}"
+    return STRATEGY_SHORT.get(base, strategy)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _stacked(ax: Any, x: float, parts: dict[str, float], width: float, unit: str, hatch: str | None = None,
+             labels: bool = False) -> float:
+    bottom = 0.0
+    for cat in ("params", "grads", "optimizer_states", "transient"):
+        v = to_unit(parts.get(cat, 0), unit)
+        if v <= 0:
+            continue
+        ax.bar(x, v, width, bottom=bottom, color=CATEGORY_COLORS[cat], hatch=hatch, edgecolor="black",
+               linewidth=0.4, label=CATEGORY_LABELS[cat] if labels else None)
+        bottom += v
+    return bottom
+
+
+def plot_memory_by_strategy(data: dict[str, Any], path: Path) -> Path:
+    """Panel a: modelled per-rank stacked memory, large model. Panel b: small model, modelled vs measured."""
+    large, small = data["large"], data["small"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax = axes[0]
+    unit = large["unit"]
+    names = list(large["strategies"])
+    for i, name in enumerate(names):
+        top = _stacked(ax, i, large["strategies"][name], 0.6, unit, labels=(i == 0))
+        ax.text(i, top, f"{top:.3g}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), [short_name(n) for n in names])
+    ax.set_ylabel(f"bytes per rank [{unit} = {UNITS[unit]:.0e} B]")
+    ax.set_title(f"(a) MODELLED: {large['model']}, N_d={large['world_size']}, {large['settings']}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    unit = small["unit"]
+    names = list(small["strategies"])
+    for i, name in enumerate(names):
+        entry = small["strategies"][name]
+        _stacked(ax, i - 0.2, entry["model"], 0.38, unit, labels=(i == 0))
+        if entry.get("measured"):
+            _stacked(ax, i + 0.2, entry["measured"], 0.38, unit, hatch="//")
+    ax.set_xticks(range(len(names)), [short_name(n) for n in names])
+    ax.set_ylabel(f"bytes per rank [{unit}]")
+    ax.set_title(f"(b) {small['model']}, world {small['world_size']}: left bar MODELLED, right (hatched) "
+                 f"MEASURED ({small['backend']})", fontsize=9)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_memory_vs_dp(data: dict[str, Any], path: Path) -> Path:
+    """Log-log persistent bytes per rank vs data-parallel degree; panel b adds measured points."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, key in zip(axes, ("large", "small"), strict=True):
+        d = data[key]
+        ws = d["world_sizes"]
+        for i, (name, ys) in enumerate(d["curves"].items()):
+            line, = ax.plot(ws, [max(y, 1) for y in ys], marker=MARKERS[i % len(MARKERS)], markersize=3,
+                            label=f"{short_name(name)} (model)")
+            meas = d.get("measured", {}).get(name)
+            if meas:
+                mx = [int(w) for w in meas]
+                ax.scatter(mx, [max(v, 1) for v in meas.values()], s=70, facecolors="none",
+                           edgecolors=line.get_color(), linewidths=1.6,
+                           label=f"{short_name(name)} (measured)")
+        for pt in d.get("reference_points", {}).values():
+            ax.scatter([pt["world_size"]], [pt["bytes"]], marker="x", color="black", s=40, zorder=5)
+            ax.annotate(pt["label"], (pt["world_size"], pt["bytes"]), fontsize=7, xytext=(4, 4),
+                        textcoords="offset points")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("data-parallel degree N_d (ranks)")
+        ax.set_ylabel("persistent model-state bytes per rank [B]")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+        ax.set_title(d["title"], fontsize=9)
+    return _save(fig, path)
+
+
+def plot_comm_volume(data: dict[str, Any], path: Path) -> Path:
+    """Bytes each rank sends per step, by strategy, split intra-node / inter-node; modelled vs measured."""
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, key in zip(axes, ("large", "small"), strict=True):
+        d = data[key]
+        unit = d["unit"]
+        names = list(d["strategies"])
+        for i, name in enumerate(names):
+            e = d["strategies"][name]
+            for off, src, hatch in ((-0.2, "model", None), (0.2, "measured", "//")):
+                vals = e.get(src)
+                if not vals:
+                    continue
+                intra, inter = to_unit(vals["intra"], unit), to_unit(vals["inter"], unit)
+                w = 0.38 if e.get("measured") else 0.6
+                x = i + off if e.get("measured") else i
+                ax.bar(x, intra, w, color="#4C72B0", hatch=hatch, edgecolor="black", linewidth=0.4,
+                       label="intra-node" if i == 0 and src == "model" else None)
+                ax.bar(x, inter, w, bottom=intra, color="#C44E52", hatch=hatch, edgecolor="black", linewidth=0.4,
+                       label="inter-node" if i == 0 and src == "model" else None)
+        ax.set_xticks(range(len(names)), [short_name(n) for n in names], fontsize=8)
+        ax.set_ylabel(f"bytes sent per rank per step [{unit}]")
+        ax.set_title(d["title"], fontsize=9)
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
+    """Max |sharded - ground truth| of the parameters after each step, per backend and strategy (measured)."""
+    backends = [b for b, v in data["backends"].items() if v.get("series")]
+    fig, axes = plt.subplots(1, max(len(backends), 1), figsize=(6.5 * max(len(backends), 1), 4.6), squeeze=False)
+    for ax, backend in zip(axes[0], backends, strict=False):
+        series = data["backends"][backend]["series"]
+        for i, (name, errs) in enumerate(series.items()):
+            steps = list(range(1, len(errs) + 1))
+            ax.plot(steps, [max(e, 1e-300) for e in errs], marker=MARKERS[i % len(MARKERS)], label=short_name(name))
+        ax.set_yscale("symlog", linthresh=1e-12)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("max |param - ground truth| (0 = bitwise equal)")
+        ax.set_title(f"MEASURED on {backend}: {data['backends'][backend]['title']}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    if not backends:
+        axes[0][0].text(0.5, 0.5, "no backend produced measurements", ha="center")
+    return _save(fig, path)
+
+
+def plot_offload_timeline(data: dict[str, Any], path: Path) -> Path:
+    """Device (and host) bytes after each event of one ZeRO-3 offload step; source stated in the title."""
+    fig, ax = plt.subplots(figsize=(13, 4.8))
+    unit = data["unit"]
+    for series in data["series"]:
+        pts = series["points"]
+        xs = list(range(len(pts)))
+        ax.step(xs, [to_unit(p["device"], unit) for p in pts], where="post",
+                label=f"device, {series['label']}", linewidth=1.6)
+        if any(p.get("host") for p in pts):
+            ax.step(xs, [to_unit(p["host"], unit) for p in pts], where="post", linestyle="--",
+                    label=f"host, {series['label']}", linewidth=1.0)
+    first = data["series"][0]["points"]
+    step = max(1, len(first) // 24)
+    ax.set_xticks(range(0, len(first), step), [first[i]["event"][:28] for i in range(0, len(first), step)],
+                  rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(f"bytes [{unit}]")
+    ax.set_title(data["title"], fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
