@@ -96,3 +96,34 @@ def test_memory_compare_deepspeed_runs_with_or_without_deepspeed(capsys):
     assert len(report["rows"]) == 5 and report["num_nodes"] == 2
     code, _, err = run_cli(capsys, "memory", "--params", "1e9", "--world-size", "8", "--compare-deepspeed")
     assert code == 2 and "model" in err
+
+
+def test_comm_json_has_the_paper_multiples_and_link_split(capsys):
+    code, out, _ = run_cli(capsys, "comm", "--params", "7.5e9", "--world-size", "64", "--ranks-per-node", "8",
+                           "--strategy", "all", "--json")
+    assert code == 0
+    data = json.loads(out)["strategies"]
+    psi, n = 7_500_000_000, 64
+    ring = (n - 1) / n
+    assert data["no_shard"]["per_rank"]["elements_sent"] == pytest.approx(2 * ring * psi)
+    assert data["shard_grad_op"]["per_rank"]["elements_sent"] == pytest.approx(2 * ring * psi)
+    assert data["full_shard"]["per_rank"]["elements_sent"] == pytest.approx(3 * ring * psi)
+    for s in data.values():  # intra + inter = everything each rank sends
+        links = s["links_mean_sent"]
+        assert links["intra"] + links["inter"] == pytest.approx(s["per_rank"]["bytes_sent"])
+    # hybrid: the cross-node all-reduce moves only the shard (1/k of the model)
+    h = data["hybrid_shard:8"]
+    rep = [c for c in h["collectives"] if c["group_kind"] == "replicate"][0]
+    assert rep["payload_elements"] == psi // 8 and rep["group_size"] == 8
+    assert h["links_mean_sent"]["inter"] < data["no_shard"]["links_mean_sent"]["inter"]
+
+
+def test_comm_table_and_bad_input(capsys):
+    code, out, _ = run_cli(capsys, "comm", "--model", "tiny", "--world-size", "4", "--strategy", "zero3", "--unit", "KiB")
+    assert code == 0 and "sent [KiB]" in out and "KiB = 1,024 bytes" in out and "full_shard" in out
+    for argv, field in ((["--params", "x", "--world-size", "4"], "params"),
+                        (["--params", "1e6", "--world-size", "0"], "world-size"),
+                        (["--params", "1e6", "--world-size", "8", "--ranks-per-node", "3"], "ranks-per-node"),
+                        (["--params", "1e6", "--world-size", "8", "--micro-batches", "0"], "micro-batches")):
+        code, out, err = run_cli(capsys, "comm", *argv)
+        assert code == 2 and out == "" and field in err and err.count("\n") == 1

@@ -116,30 +116,44 @@ def test_offload_moves_bytes_to_host_without_changing_totals():
 
 
 def test_zero3_transient_is_prefetch_depth_plus_one_largest_blocks():
+    """Forward: (1 + d) gathered blocks in the param dtype; backward: d prefetched + one packed fp32 grad."""
+    uniform = ParamLayout.from_list([(f"blocks.{i}.w", (100,)) for i in range(6)])
+    for depth in (0, 1, 3, 5):
+        for precision, pb, gb in (("mixed", 2, 2), ("bf16-fp32grads", 2, 4), ("fp32", 4, 4)):
+            c = memory_per_rank(uniform, "zero3", 4, MemorySettings(precision, prefetch_depth=depth)).per_rank
+            assert c.transient["forward"] == (1 + depth) * 100 * pb
+            assert c.transient["backward"] == max((1 + depth) * 100 * pb, depth * 100 * pb + 100 * gb)
+            assert c.peak_device == c.total.device + max(c.transient.values())
+    # uneven blocks: the largest window of consecutive blocks, each padded to a multiple of k
     layout = ParamLayout.from_config("tiny")
-    largest = layout.largest_block_numel()
+    sizes = [math.ceil(layout.block_numel(b) / 4) * 4 for b in layout.blocks]
     for depth in (0, 1, 3):
-        est = memory_per_rank(layout, "zero3", 4, MemorySettings(prefetch_depth=depth))
-        gathered = math.ceil(largest / 4) * 4
-        assert est.per_rank.transient["gathered_params"] == (1 + depth) * gathered * 2
-        assert est.per_rank.transient["unsharded_block_grads"] == gathered * 2
-        assert est.per_rank.peak_device == est.per_rank.total.device + est.per_rank.transient_device
+        c = memory_per_rank(layout, "zero3", 4, MemorySettings(prefetch_depth=depth)).per_rank
+        assert c.transient["forward"] == 2 * max(sum(sizes[j:j + depth + 1]) for j in range(len(sizes)))
     # params offloaded: the device holds only the transient
     off = memory_per_rank(layout, "zero3", 4, MemorySettings(offload="all")).per_rank
     assert off.total.device == 0 and off.peak_device == off.transient_device > 0
     # bare count: no block structure -> no transient, and a note says so; largest_block_numel fills it in
     bare = memory_per_rank(10**9, "zero3", 8)
     assert bare.per_rank.transient_device == 0 and any("transient" in n for n in bare.notes)
-    given = memory_per_rank(10**9, "zero3", 8, largest_block_numel=800)
-    assert given.per_rank.transient["gathered_params"] == 2 * 800 * 2
+    given = memory_per_rank(10**9, "zero3", 8, MemorySettings(prefetch_depth=1), largest_block_numel=800)
+    assert given.per_rank.transient["forward"] == 2 * 800 * 2
 
 
-def test_zero2_transient_is_the_unsharded_flat_grad_or_the_bucket():
-    est = memory_per_rank(1003, "zero2", 4)
-    assert est.per_rank.transient == {"unsharded_grads": 1004 * 2}
-    est = memory_per_rank(1003, "zero2", 4, MemorySettings(grad_bucket_numel=100))
-    assert est.per_rank.transient == {"unsharded_grads": 100 * 2}
-    assert memory_per_rank(1003, "zero1", 4).per_rank.transient == {}
+def test_zero2_and_zero1_transients_follow_the_engine_schedule():
+    c = memory_per_rank(1003, "zero2", 4, MemorySettings("bf16")).per_rank  # bf16 params, fp32 grads
+    assert c.transient == {"backward_end": 1003 * 2 + 1004 * 4, "refresh": 1004 * 2}
+    c = memory_per_rank(1003, "zero2", 4, MemorySettings("bf16", grad_bucket_numel=100)).per_rank
+    assert c.transient["backward_end"] == 1003 * 2 + 100 * 4
+    c = memory_per_rank(1003, "zero1", 4, MemorySettings("fp32")).per_rank
+    assert c.transient == {"optimizer": 251 * 4, "refresh": 1004 * 4}
+    assert memory_per_rank(1003, "no_shard", 4).per_rank.transient == {}
+
+
+def test_fp32_zero1_and_zero2_keep_a_separate_master_shard():
+    for strat, master in (("no_shard", 0), ("zero1", 4), ("zero2", 4), ("zero3", 0), ("hybrid_shard_zero2:2", 4)):
+        c = memory_per_rank(1000, strat, Topology(4, 2), MemorySettings("fp32", "adamw")).per_rank
+        assert c.optimizer_states.device == (8 + master) * c.numel["optimizer_states"]
 
 
 def test_partitioner_closed_forms_padding_and_rank_classes():

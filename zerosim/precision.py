@@ -21,7 +21,7 @@ from typing import Any
 
 from .dtypes import itemsize
 from .errors import ConfigError
-from .xp import ArrayNamespace, get_namespace
+from .xp import ArrayNamespace, get_namespace, namespace_of
 
 _PRECISIONS = {
     "fp32": ("float32", "float32"),
@@ -73,8 +73,12 @@ class Precision:
     def to_params(self, master: Any, xp: ArrayNamespace | str | None = None) -> Any:
         """The working copy of a float32 master array: cast down to ``param_dtype`` (a new array
         when mixed; the same array for fp32, so callers that mutate it must copy)."""
-        return get_namespace(xp).astype(master, self.param_dtype)
+        return _ns(master, xp).astype(master, self.param_dtype)
 
     def grad_to_master(self, grad: Any, xp: ArrayNamespace | str | None = None) -> Any:
         """A gradient upcast to the master dtype (float32), the dtype it is reduced and stepped in."""
-        return get_namespace(xp).astype(grad, self.master_dtype)
+        return _ns(grad, xp).astype(grad, self.master_dtype)
+
+
+def _ns(array: Any, xp: ArrayNamespace | str | None) -> ArrayNamespace:
+    return namespace_of(array) if xp is None else get_namespace(xp)

@@ -179,19 +179,28 @@ def check_state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
     verdict = Verdict(CONTRACT)
     sharded = {"params": strategy.shards_params, "grads": strategy.shards_grads,
                "optimizer": strategy.shards_optimizer}
+    # Groups whose shards are the very same objects (params, grads and optimizer state of one
+    # partition, every shard group of a hybrid plan) are checked once; a tampered group is not.
+    seen: dict[tuple, tuple[Verdict, list]] = {}
     for kind in STATE_KINDS:
         groups = topo.shard_groups(strategy) if sharded[kind] else [[r] for r in range(topo.world_size)]
         for g, members in enumerate(groups):
-            shards = tuple(RankShard(local, state_plan.ranks[r].holding(kind).intervals,
-                                     state_plan.ranks[r].holding(kind).padding)
-                           for local, r in enumerate(members))
-            if sharded[kind]:
-                plan = ShardPlan(base.partitioner, len(members), total, shards, base.balance_bound,
-                                 base.notes, base.meta)
+            held = [state_plan.ranks[r].holding(kind) for r in members]
+            key = (sharded[kind],) + tuple((id(h.intervals), h.padding) for h in held)
+            if key in seen:
+                v = seen[key][0]
             else:
-                plan = ShardPlan("replicated", 1, total, shards, 0)
-            v = check_partition_plan(plan, limit=limit, context={"state": kind, "group": g})
-            verdict.violations += [_to_global(x, members) for x in v.violations]
+                shards = tuple(RankShard(local, h.intervals, h.padding) for local, h in enumerate(held))
+                if sharded[kind]:
+                    plan = ShardPlan(base.partitioner, len(members), total, shards, base.balance_bound,
+                                     base.notes, base.meta)
+                else:
+                    plan = ShardPlan("replicated", 1, total, shards, 0)
+                v = check_partition_plan(plan, limit=limit, context={})
+                seen[key] = (v, held)  # keep ``held`` alive so the ids in the key stay unique
+            ctx = {"state": kind, "group": g}
+            verdict.violations += [dataclasses.replace(_to_global(x, members), context={**x.context, **ctx})
+                                   for x in v.violations]
             verdict.checked += v.checked
         for members in topo.replicate_groups(strategy) if sharded[kind] else [list(range(topo.world_size))]:
             first = state_plan.ranks[members[0]].holding(kind)

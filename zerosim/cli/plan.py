@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from ..checks.partition import CONTRACT, check_state_plan
-from ..dtypes import canonical_dtype
+from ..dtypes import canonical_dtype, itemsize
 from ..layout import ParamLayout
 from ..partition import PARTITIONERS
 from ..plan import STATE_KINDS, StatePlan, build_plan, bytes_in
@@ -69,13 +69,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _rank_rows(plan: StatePlan) -> list[dict[str, Any]]:
-    """Per-rank numbers; bytes computed once per distinct shard (replicas share them)."""
-    cache: dict[tuple, int] = {}
+    """Per-rank numbers; counted once per distinct shard (replicas and state kinds share them)."""
+    cache: dict[int, tuple[int, int]] = {}
+    dtypes = plan.layout.bytes_by_dtype()
+    single_itemsize = itemsize(next(iter(dtypes))) if len(dtypes) == 1 else None
 
-    def nbytes(intervals: tuple) -> int:
-        if intervals not in cache:
-            cache[intervals] = bytes_in(plan.layout, intervals)
-        return cache[intervals]
+    def numel_and_bytes(intervals: tuple) -> tuple[int, int]:
+        key = id(intervals)  # the plan keeps every intervals tuple alive, so ids stay unique
+        if key not in cache:
+            n = sum(e - s for s, e in intervals)
+            cache[key] = (n, n * single_itemsize if single_itemsize else bytes_in(plan.layout, intervals))
+        return cache[key]
 
     meta = plan.shard_plan.meta
     owners = meta.get("block_owners")
@@ -85,9 +89,9 @@ def _rank_rows(plan: StatePlan) -> list[dict[str, Any]]:
                                "local_rank": r.local_rank}
         for kind in STATE_KINDS:
             s = r.holding(kind)
-            row[kind] = {"numel": s.numel, "padding": s.padding, "bytes": nbytes(s.intervals),
-                         "num_intervals": len(s.intervals)}
-        row["optimizer"]["adam_state_bytes"] = r.optimizer.numel * ADAM_BYTES
+            numel, nbytes = numel_and_bytes(s.intervals)
+            row[kind] = {"numel": numel, "padding": s.padding, "bytes": nbytes, "num_intervals": len(s.intervals)}
+        row["optimizer"]["adam_state_bytes"] = row["optimizer"]["numel"] * ADAM_BYTES
         if owners is not None and plan.strategy.shard_group_size(plan.topology.world_size) > 1:
             row["blocks"] = sum(1 for o in owners if o == r.local_rank)
             row["block_fraction"] = meta["block_fraction"][r.local_rank]

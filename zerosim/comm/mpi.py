@@ -13,27 +13,28 @@ Arithmetic (what makes a run comparable with the simulator, bit for bit where po
   size (``out /= n``), the simulator's arithmetic; ``max`` is ``MAX``.
 - MPI fixes neither the order nor the grouping of a reduction. Over **two** ranks it is one
   commutative addition (``x0 + x1 == x1 + x0`` in IEEE arithmetic), so results are **bitwise equal**
-  to the simulator's rank-order sum. Over more ranks MPICH / Open MPI use recursive doubling,
-  Rabenseifner or ring algorithms (``(x0+x1)+(x2+x3)`` ...) while the simulator sums
-  ``((x0+x1)+x2)+x3``: results agree to a few ulps, within ``CROSS_BACKEND_RTOL`` / ``_ATOL``.
-- ``bfloat16`` (ml_dtypes) and ``float16`` have no portable MPI reduction datatype: they are
-  reduced in ``float32`` and rounded back **once**, then ``avg`` divides in the 16-bit dtype like the
-  simulator. Over two ranks this equals the simulator's 16-bit addition exactly (one addition,
+  to the simulator's rank-order sum. Over more ranks MPICH / Open MPI pick recursive doubling,
+  Rabenseifner or ring algorithms by message size (``(x0+x1)+(x2+x3)`` ...) while the simulator sums
+  ``((x0+x1)+x2)+x3``: results then agree to a few ulps (:data:`CROSS_BACKEND_RTOL` / ``_ATOL``).
+  ``max``, integer sums, ``all_gather`` and ``broadcast`` are exact at every size.
+- ``bfloat16`` (ml_dtypes), ``float16`` and ``bool`` have no portable MPI reduction datatype: they
+  are reduced in ``float32`` and rounded back **once**, then ``avg`` divides in the 16-bit dtype like
+  the simulator. Over two ranks this equals the simulator's 16-bit addition exactly (one addition,
   one rounding); over more ranks it is *more* accurate than the simulator's per-addition rounding.
   ``all_gather`` and ``broadcast`` move any dtype as raw bits (bf16 as ``uint16``), exactly.
 
 Timeouts (a collective whose peers never arrive must not hang the job):
 
-- ``timeout_mode="abort"`` (default): the data path is MPI's blocking call untouched; a watchdog
-  thread (one per process) notices a collective that outlives its deadline, asks the group's other
-  ranks over a private duplicate of the world communicator what they are doing, reports a
-  :class:`CollectiveTimeout` naming the ranks that never arrived (printed once, by the lowest rank
-  that did arrive) and aborts the world. MPI cannot cancel a pending collective, so ending the job
-  is the only safe outcome. Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
+- ``timeout_mode="abort"`` (default): the data path is MPI's blocking call, untouched; a watchdog
+  thread (one per process, waking every 50 ms) notices a collective that outlives ``timeout_s``,
+  asks the group's other ranks over a private duplicate of the world communicator what they are
+  doing, reports a :class:`CollectiveTimeout` naming the ranks that never arrived (printed once, by
+  the lowest rank that did arrive) and aborts the world. MPI cannot cancel a pending collective, so
+  ending the job is the only safe outcome. Needs ``MPI_THREAD_MULTIPLE`` (mpi4py's default).
 - ``timeout_mode="raise"``: nonblocking calls polled with ``Test`` (yielding the CPU between polls)
-  until a deadline, then :class:`CollectiveTimeout` is *raised* in the calling rank. The
-  communicator is unusable afterwards; the caller must abort. Costs throughput on oversubscribed
-  machines (``zerosim bench mpi`` measures both modes).
+  until the deadline, then :class:`CollectiveTimeout` is *raised* in the calling rank; the
+  communicator is unusable afterwards and the caller must abort (:mod:`zerosim.mpi.rank` does).
+  Slower on oversubscribed machines; ``zerosim bench mpi`` measures both modes.
 
 Test-only fault hook: ``ZEROSIM_FAULT="raise:rank=R:call=K"`` makes world rank ``R`` raise when it
 enters its ``K``-th collective (0-based, all groups counted), ``"hang:rank=R:call=K"`` makes it sleep
@@ -64,69 +65,76 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 TIMEOUT_MODES = ("abort", "raise")
 EXIT_RANK_FAILED = 3  # the MPI_Abort error code of a failed or timed-out rank (mpiexec's exit status)
 CROSS_BACKEND_RTOL = 1e-5  # fp32 results of >2 ranks vs the simulator's rank-order sum (a few ulps)
-CROSS_BACKEND_ATOL = 1e-6
+CROSS_BACKEND_ATOL = 1e-7
 
 _TAG_QUERY = 7001
 _TAG_REPLY = 7002
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
+_WATCHDOG_POLL_S = 0.05
 
 
 # ---- dtypes on the wire ------------------------------------------------------------------------
 
 _BITS_BY_SIZE = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
-_VIA_FLOAT32 = {np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.bool_)}
-_REDUCE_PATH: dict[np.dtype, str] = {}  # dtype -> "native" | "float32" | "" (cannot be reduced)
+_VIA_FLOAT32 = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.bool_))
+_REDUCE_PATH: dict[int, tuple[np.dtype, str]] = {}  # id(dtype) -> (dtype, path): np.dtype hashing is slow
 
 
 def _reduce_path(dtype: np.dtype) -> str:
-    """``native``: MPI reduces this dtype itself; ``float32``: reduce a float32 copy, round back once."""
-    path = _REDUCE_PATH.get(dtype)
-    if path is None:
-        path = ""
-        if dtype in _VIA_FLOAT32:
-            path = "float32"
-        elif dtype.kind in "iuf" and dtype.isnative:
-            from mpi4py.util import dtlib
+    """``native``: MPI reduces this dtype itself; ``float32``: reduce a float32 copy, round back once;
+    ``""``: cannot be reduced (still moved exactly by all_gather / broadcast)."""
+    hit = _REDUCE_PATH.get(id(dtype))
+    if hit is not None and hit[0] is dtype:
+        return hit[1]
+    path = ""
+    if dtype in _VIA_FLOAT32:
+        path = "float32"
+    elif dtype.kind in "iuf" and dtype.isnative:
+        from mpi4py.util import dtlib
 
-            try:
-                dtlib.from_numpy_dtype(dtype)
-                path = "native"
-            except (TypeError, ValueError, KeyError):
-                path = ""
-        _REDUCE_PATH[dtype] = path
+        try:
+            dtlib.from_numpy_dtype(dtype)
+            path = "native"
+        except (TypeError, ValueError, KeyError):
+            path = ""
+    _REDUCE_PATH[id(dtype)] = (dtype, path)
     return path
 
 
 def _contiguous(x: Any) -> np.ndarray:
+    """A C-contiguous ndarray of ``x`` (0-d stays 0-d; ``np.ascontiguousarray`` would make it 1-d)."""
     x = np.asarray(x)
     return x if x.flags.c_contiguous else np.ascontiguousarray(x)
 
 
-def _wire_view(x: np.ndarray) -> np.ndarray:
-    """``x`` as MPI moves it without arithmetic: itself when MPI knows the dtype, else its raw bits."""
-    if _reduce_path(x.dtype) == "native":
-        return x
-    return x.view(_BITS_BY_SIZE.get(x.dtype.itemsize, np.dtype(np.uint8)))
+def _bits(x: np.ndarray) -> np.ndarray:
+    """``x`` as raw bits (how a dtype MPI does not know is moved: no arithmetic, so exact)."""
+    return x.view(_BITS_BY_SIZE.get(x.dtype.itemsize, _BITS_BY_SIZE[1]))
 
 
 # ---- traffic: the shared TrafficCounter, with O(1) integer bookkeeping on the hot path -------------
 
 class DeferredTrafficCounter(TrafficCounter):
-    """A :class:`TrafficCounter` whose ``record`` costs a dict increment instead of Fraction arithmetic.
+    """A :class:`TrafficCounter` whose hot path is one integer increment instead of Fraction arithmetic.
 
-    Calls are tallied by ``(group, collective, nbytes, n, is_root)`` and folded into ``records``
-    (exact Fractions, :func:`ring_bytes`) the moment anything reads ``records``: every public method
-    of the base class goes through it, so totals, ``merge`` and ``to_json`` are identical to the
-    simulator's. Serves C-ZERO-005 without costing the data path (Fraction adds take microseconds).
+    Communicators get a *tally* per (group, collective, group size, is-root): a dict ``nbytes ->
+    calls`` they increment. Tallies are folded into ``records`` (exact Fractions, :func:`ring_bytes`)
+    the moment anything reads ``records``; every public method of the base class goes through it, so
+    totals, ``merge`` and ``to_json`` are identical to the simulator's. Serves C-ZERO-005 without
+    costing the data path (one Fraction add takes microseconds; a 64 KiB all-gather takes ~15).
     """
 
     def __init__(self) -> None:
-        self._pending: dict[tuple[str, str, int, int, bool], int] = {}
+        self._tallies: dict[tuple[str, str, int, bool], dict[int, int]] = {}
         super().__init__()
+
+    def tally(self, group: str, collective: str, n: int, is_root: bool = False) -> dict[int, int]:
+        """The ``nbytes -> calls`` dict for these keys (shared by every caller asking for the same keys)."""
+        return self._tallies.setdefault((group, collective, n, is_root), {})
 
     @property  # type: ignore[override]
     def records(self) -> dict[tuple[str, str], TrafficRecord]:
-        if self._pending:
+        if any(self._tallies.values()):
             self._flush()
         return self._records
 
@@ -135,22 +143,24 @@ class DeferredTrafficCounter(TrafficCounter):
         self._records = value
 
     def record(self, group: str, collective: str, nbytes: int, n: int, is_root: bool = False) -> None:
-        key = (group, collective, nbytes, n, is_root)
-        pending = self._pending
-        pending[key] = pending.get(key, 0) + 1
+        tally = self.tally(group, collective, n, is_root)
+        tally[nbytes] = tally.get(nbytes, 0) + 1
 
     def _flush(self) -> None:
-        pending, self._pending = self._pending, {}
-        for (group, collective, nbytes, n, is_root), calls in pending.items():
-            sent, received = ring_bytes(collective, nbytes, n, is_root)
-            r = self._records.setdefault((group, collective), TrafficRecord())
-            r.calls += calls
-            r.bytes_sent += sent * calls
-            r.bytes_received += received * calls
-            r.payload_bytes += nbytes * calls
+        for (group, collective, n, is_root), tally in self._tallies.items():
+            items = list(tally.items())
+            tally.clear()  # in place: communicators hold these dicts
+            for nbytes, calls in items:
+                sent, received = ring_bytes(collective, nbytes, n, is_root)
+                r = self._records.setdefault((group, collective), TrafficRecord())
+                r.calls += calls
+                r.bytes_sent += sent * calls
+                r.bytes_received += received * calls
+                r.payload_bytes += nbytes * calls
 
     def reset(self) -> None:
-        self._pending.clear()
+        for tally in self._tallies.values():
+            tally.clear()
         self._records.clear()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -199,34 +209,33 @@ class FaultPlan:
 # ---- the per-process watchdog and the "who never arrived" survey -----------------------------------
 
 def abort_world(message: str, code: int = EXIT_RANK_FAILED) -> None:
-    """Print ``message`` (once, by the caller) and abort every rank of MPI_COMM_WORLD with ``code``."""
+    """Print ``message`` (the caller decides it is the one to print) and abort every rank with ``code``."""
     if message:
         print(message, file=sys.stderr, flush=True)
     MPI.COMM_WORLD.Abort(code)
 
 
-_Pending = tuple[str, str, int, float, float, tuple[int, ...], bool]
-
-
 class _Watchdog:
-    """Per-process collective bookkeeping: what this rank is doing, answers to peers, deadlines.
+    """Per-process collective bookkeeping: answers peers' "what are you doing?" and fires timeouts.
 
-    ``current`` is written by the data path once on entry and once on exit of every collective
-    (two attribute stores); the thread wakes every ``poll_s`` seconds to answer peers' questions
-    and, in ``abort`` mode, to fire the timeout.
+    The data path only stores the communicator it is in (``current``) on entry and ``None`` on
+    exit. The thread wakes every ``poll_s``: it answers queries from other ranks and, for a
+    communicator in ``abort`` mode, fires when the same call has been pending longer than its timeout.
     """
 
-    def __init__(self, world: Any, poll_s: float = 0.05, start_thread: bool = True):
+    def __init__(self, world: Any, poll_s: float = _WATCHDOG_POLL_S, start_thread: bool = True):
         self.diag = world.Dup()  # private channel: never matches the engine's messages
         self.world_rank = world.Get_rank()
-        self.entered: dict[str, int] = {}  # group name -> collectives entered on it
-        # (group, collective, seq, deadline, timeout_s, members' world ranks, abort on timeout) or None
-        self.current: _Pending | None = None
-        self.calls = 0  # collectives entered by this process, all groups (the fault hook's counter)
+        self.world_size = world.Get_size()
+        self.groups: dict[str, MpiCommunicator] = {}  # group name -> this rank's communicator
+        self.current: MpiCommunicator | None = None  # the communicator inside a collective, if any
+        self.calls = 0  # collectives entered by this process (counted only while a fault is planned)
         self.failed = False  # this rank raised: answers to peers say so
         self.poll_s = poll_s
+        self._seen: tuple[int, int] | None = None
+        self._seen_at = 0.0
         self._fired = False
-        self._lock = threading.Lock()  # one answerer at a time (thread vs a raise-mode survey)
+        self._lock = threading.Lock()  # one answerer at a time (the thread vs a survey in the main thread)
         self._sends: list[Any] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -234,6 +243,10 @@ class _Watchdog:
             self._thread = threading.Thread(target=self._run, name="zerosim-mpi-watchdog", daemon=True)
             self._thread.start()
             atexit.register(self.stop)
+
+    @property
+    def threaded(self) -> bool:
+        return self._thread is not None
 
     def stop(self) -> None:
         self._stop.set()
@@ -243,8 +256,10 @@ class _Watchdog:
     # -- answering ------------------------------------------------------------------------------
     def state_for(self, group: str) -> tuple[int, tuple[str, str, int] | None, bool]:
         """(collectives entered on ``group``, the collective this rank waits in or None, has it failed)."""
+        comm = self.groups.get(group)
         cur = self.current
-        return self.entered.get(group, 0), (None if cur is None else (cur[0], cur[1], cur[2])), self.failed
+        where = None if cur is None else (cur.group_name, cur._collective, cur._calls - 1)
+        return (0 if comm is None else comm._calls), where, self.failed
 
     def answer_queries(self) -> None:
         with self._lock:
@@ -285,36 +300,37 @@ class _Watchdog:
             if m not in replies:
                 notes[m] = "did not answer"
                 continue
-            entered, cur, failed = replies[m]
+            entered, where, failed = replies[m]
             if entered > seq:
                 arrived.append(m)
             elif failed:
                 notes[m] = "failed"
-            elif cur is None:
+            elif where is None:
                 notes[m] = f"not in any collective ({entered} entered on {group})"
             else:
-                notes[m] = f"waiting in {cur[1]} #{cur[2]} on group {cur[0]}"
+                notes[m] = f"waiting in {where[1]} #{where[2]} on group {where[0]}"
         return sorted(arrived), notes
 
-    def is_failure_reporter(self, world_size: int, settle_s: float = 0.3, grace_s: float = 1.0) -> bool:
+    def timeout_error(self, comm: MpiCommunicator, seq: int, collective: str) -> tuple[CollectiveTimeout, bool]:
+        """Survey the group of a timed-out call; (the error naming who never arrived, this rank reports it)."""
+        arrived, notes = self.survey(comm.group_name, seq, comm.global_ranks, min(2.0, max(0.5, comm.timeout_s)))
+        missing = [m for m in comm.global_ranks if m not in arrived]
+        err = CollectiveTimeout(collective, missing, comm.timeout_s, comm.group_name)
+        detail = "; ".join(f"rank {m}: {notes[m]}" for m in missing if m in notes)
+        if detail:
+            err.args = (f"{err} ({detail})",)
+        return err, self.world_rank == min(arrived)
+
+    def is_failure_reporter(self, settle_s: float = 0.3, grace_s: float = 1.0) -> bool:
         """This rank failed: is it the lowest failed rank (the one that prints)? Others fail quietly.
 
         Waits ``settle_s`` first so ranks that fail together (the same error on every rank) all know it.
         """
         self.failed = True
         time.sleep(settle_s)
-        replies = self.ask(tuple(range(world_size)), "world", grace_s)
-        failed = [self.world_rank] + [m for m, (_e, _c, f) in replies.items() if f]
+        replies = self.ask(tuple(range(self.world_size)), "world", grace_s)
+        failed = [self.world_rank] + [m for m, (_e, _w, f) in replies.items() if f]
         return self.world_rank == min(failed)
-
-    def timeout_error(self, cur: _Pending) -> tuple[CollectiveTimeout, bool, str]:
-        """Survey the group of the timed-out collective ``cur``; (error, this rank reports it, notes)."""
-        group, collective, seq, _deadline, timeout_s, members, _abort = cur
-        arrived, notes = self.survey(group, seq, members, grace_s=min(2.0, max(0.5, timeout_s)))
-        missing = [m for m in members if m not in arrived]
-        err = CollectiveTimeout(collective, missing, timeout_s, group)
-        detail = "; ".join(f"rank {m}: {notes[m]}" for m in missing if m in notes)
-        return err, self.world_rank == min(arrived), detail
 
     # -- the thread -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -323,23 +339,44 @@ class _Watchdog:
                 if MPI.Is_finalized():
                     return
                 self.answer_queries()
-                cur = self.current
-                if cur is not None and cur[6] and not self._fired and time.monotonic() > cur[3]:
-                    self._fired = True
-                    self._fire(cur)
+                self._check_deadline()
             except Exception as e:  # noqa: BLE001 - a watchdog must never die silently
                 print(f"rank {self.world_rank}: zerosim MPI watchdog error: {e!r}", file=sys.stderr, flush=True)
 
-    def _fire(self, cur: _Pending) -> None:
-        err, reporter, detail = self.timeout_error(cur)
+    def _check_deadline(self) -> None:
+        cur = self.current
+        if cur is None or not cur._blocking or self._fired:
+            return
+        seen = (id(cur), cur._calls)
+        now = time.monotonic()
+        if seen != self._seen:
+            self._seen, self._seen_at = seen, now
+            return
+        if now - self._seen_at < cur.timeout_s:
+            return
+        self._fired = True
+        err, reporter = self.timeout_error(cur, cur._calls - 1, cur._collective)
         if reporter:
-            abort_world(f"rank {self.world_rank} failed: CollectiveTimeout: {err}" + (f" ({detail})" if detail else ""))
-        # Another member reports; give it time to abort the world, then make sure the job ends.
-        time.sleep(3.0)
+            abort_world(f"rank {self.world_rank} failed: CollectiveTimeout: {err}")
+        time.sleep(3.0)  # another member reports and aborts; make sure the job ends regardless
         abort_world("")
 
 
 _WATCHDOG: _Watchdog | None = None
+_FAULT: list[FaultPlan | None] = []
+
+
+def _process_watchdog() -> _Watchdog:
+    global _WATCHDOG
+    if _WATCHDOG is None:
+        _WATCHDOG = _Watchdog(MPI.COMM_WORLD, start_thread=MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
+    return _WATCHDOG
+
+
+def _process_fault_plan() -> FaultPlan | None:
+    if not _FAULT:
+        _FAULT.append(FaultPlan.from_env())
+    return _FAULT[0]
 
 
 def is_failure_reporter() -> bool:
@@ -351,24 +388,9 @@ def is_failure_reporter() -> bool:
     if _WATCHDOG is None or MPI.Is_finalized():
         return True
     try:
-        return _WATCHDOG.is_failure_reporter(MPI.COMM_WORLD.Get_size())
+        return _WATCHDOG.is_failure_reporter()
     except Exception:  # noqa: BLE001 - when in doubt, report
         return True
-_FAULT: list[FaultPlan | None] = []
-
-
-def _process_fault_plan() -> FaultPlan | None:
-    if not _FAULT:
-        _FAULT.append(FaultPlan.from_env())
-    return _FAULT[0]
-
-
-def _process_watchdog() -> _Watchdog:
-    global _WATCHDOG
-    if _WATCHDOG is None:
-        threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-        _WATCHDOG = _Watchdog(MPI.COMM_WORLD, start_thread=threaded)
-    return _WATCHDOG
 
 
 # ---- the communicator ----------------------------------------------------------------------------
@@ -376,39 +398,45 @@ def _process_watchdog() -> _Watchdog:
 class MpiCommunicator:
     """One rank's view of one MPI communicator (implements ``Communicator``; see the module docstring).
 
-    ``out=`` (keyword, optional, MPI-only) lets a caller that owns a suitably sized, C-contiguous
-    output buffer receive the result there instead of a fresh array, like a raw ``Allreduce(x, out)``.
+    ``out=`` (keyword, optional, MPI only) receives the result in a caller-owned, C-contiguous
+    array of the result's shape and dtype instead of a fresh one, like a raw ``Allreduce(x, out)``.
     """
 
     backend = "mpi"
 
     def __init__(self, comm: Any = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, timeout_mode: str = "abort",
                  group_name: str = "world", traffic: TrafficCounter | None = None,
-                 _global_ranks: tuple[int, ...] | None = None, _watchdog: _Watchdog | None = None,
-                 _fault: FaultPlan | None = None):
+                 _global_ranks: tuple[int, ...] | None = None):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ConfigError("timeout_s", timeout_s, "must be a positive number of seconds")
         if timeout_mode not in TIMEOUT_MODES:
             raise ConfigError("timeout_mode", timeout_mode, f"known: {', '.join(TIMEOUT_MODES)}")
         self._comm = MPI.COMM_WORLD if comm is None else comm
+        self._wd = _process_watchdog()
+        self._fault = _process_fault_plan()
         self.rank = self._comm.Get_rank()
         self.world_size = self._comm.Get_size()
+        self.global_rank = MPI.COMM_WORLD.Get_rank()
         self.group_name = group_name
         self.timeout_s = float(timeout_s)
-        self._wd = _watchdog or _process_watchdog()
-        if timeout_mode == "abort" and self._wd._thread is None:
-            timeout_mode = "raise"  # no THREAD_MULTIPLE: no watchdog thread, so poll instead
-        self.timeout_mode = timeout_mode
-        self._blocking = timeout_mode == "abort"
-        self.global_rank = MPI.COMM_WORLD.Get_rank()
+        # without MPI_THREAD_MULTIPLE there is no watchdog thread: poll instead
+        self.timeout_mode = timeout_mode if self._wd.threaded else "raise"
+        self._blocking = self.timeout_mode == "abort"
         if _global_ranks is None:
             ranks = np.empty(self.world_size, dtype=np.int64)
             self._comm.Allgather(np.array([self.global_rank], dtype=np.int64), ranks)
             _global_ranks = tuple(int(r) for r in ranks)
         self.global_ranks = _global_ranks
         self.traffic = traffic if traffic is not None else DeferredTrafficCounter()
-        self._fault = _fault if _watchdog is not None else _process_fault_plan()
-        self._calls = 0  # collectives on this group (names default split groups like the simulator)
+        # nbytes -> calls tallies of this group in the shared counter (None: a plain counter, record())
+        self._tallies: dict[tuple[str, bool], dict[int, int]] | None = None
+        if isinstance(self.traffic, DeferredTrafficCounter):
+            self._tallies = {(c, root): self.traffic.tally(group_name, c, self.world_size, root)
+                             for c in ("all_reduce", "reduce_scatter", "all_gather", "barrier", "broadcast")
+                             for root in (False, True) if root is False or c == "broadcast"}
+        self._calls = 0  # collectives entered on this group (names default split groups like the simulator)
+        self._collective = ""
+        self._wd.groups.setdefault(group_name, self)
 
     def __repr__(self) -> str:
         return f"MpiCommunicator(group={self.group_name!r}, rank={self.rank}/{self.world_size})"
@@ -418,72 +446,61 @@ class MpiCommunicator:
         """The underlying ``mpi4py.MPI.Comm``."""
         return self._comm
 
-    # -- the timed-call machinery ------------------------------------------------------------------
-    def _enter(self, collective: str) -> int:
-        wd = self._wd
-        if self._fault is not None and self._fault.rank == self.global_rank and self._fault.call == wd.calls:
-            self._fault.fire(collective, self.group_name)
-        wd.calls += 1
-        seq = wd.entered.get(self.group_name, 0)
-        wd.entered[self.group_name] = seq + 1
+    # -- bookkeeping shared by every collective ------------------------------------------------------
+    def _begin(self, collective: str, nbytes: int, is_root: bool = False) -> None:
+        """Entering a collective: traffic, the fault hook (tests), the call count, the watchdog's ``current``."""
+        if self._tallies is None:
+            self.traffic.record(self.group_name, collective, nbytes, self.world_size, is_root)
+        else:
+            tally = self._tallies[(collective, is_root)]
+            tally[nbytes] = tally.get(nbytes, 0) + 1
+        if self._fault is not None:
+            if self._fault.rank == self.global_rank and self._fault.call == self._wd.calls:
+                self._fault.fire(collective, self.group_name)
+            self._wd.calls += 1
+        self._collective = collective
         self._calls += 1
-        now = time.monotonic()
-        wd.current = (self.group_name, collective, seq, now + self.timeout_s, self.timeout_s, self.global_ranks,
-                      self._blocking)
-        return seq
+        self._wd.current = self
 
     def _wait(self, request: Any) -> None:
         """Raise mode: poll ``request`` until done or the deadline, yielding the CPU between polls."""
         if request.Test():
             return
-        cur = self._wd.current
-        deadline = cur[3] if cur is not None else time.monotonic() + self.timeout_s
         test, yield_cpu, now = request.Test, os.sched_yield, time.monotonic
+        deadline = now() + self.timeout_s
         while not test():
             yield_cpu()
             if now() > deadline:
-                err, _reporter, detail = self._wd.timeout_error(cur)
-                if detail:
-                    err.args = (f"{err} ({detail})",)
-                raise err
+                raise self._wd.timeout_error(self, self._calls - 1, self._collective)[0]
 
-    def _mpi_error(self, collective: str, e: Exception) -> CollectiveError:
+    def _mpi_error(self, e: Exception) -> CollectiveError:
         text = e.Get_error_string() if hasattr(e, "Get_error_string") else str(e)
-        return CollectiveError(f"{collective} on group {self.group_name}: MPI error on rank {self.global_rank}: {text}")
-
-    def _check_op(self, op: str) -> None:
-        if op not in REDUCE_OPS:
-            raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
-
-    def _check_1d(self, collective: str, x: np.ndarray) -> None:
-        if x.ndim != 1:
-            raise CollectiveError(f"{collective} on group {self.group_name}: rank {self.global_rank} passed a "
-                                  f"{x.ndim}-D array; flat 1-D buffers only")
+        return CollectiveError(f"{self._collective} on group {self.group_name}: MPI error on rank "
+                               f"{self.global_rank}: {text}")
 
     def _output(self, out: np.ndarray | None, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         if out is None:
             return np.empty(shape, dtype=dtype)
-        if out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous or not out.flags.writeable:
-            raise ConfigError("out", f"{out.dtype}{list(out.shape)}",
-                              f"must be a writeable C-contiguous {dtype} array of shape {list(shape)}")
+        if type(out) is not np.ndarray or out.shape != shape or out.dtype != dtype or not out.flags.carray:
+            raise ConfigError("out", f"{getattr(out, 'dtype', type(out).__name__)}{list(getattr(out, 'shape', ()))}",
+                              f"must be a writeable, aligned, C-contiguous {dtype} array of shape {list(shape)}")
         return out
 
-    # -- collectives --------------------------------------------------------------------------------
-    def _reduce_buffers(self, x: np.ndarray, op: str, out_shape: tuple[int, ...],
+    def _reduce_buffers(self, x: np.ndarray, op: str, shape: tuple[int, ...],
                         out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(send, receive, result) buffers of a reduction; the float32 detour for 16-bit floats and bool."""
         if op not in _MPI_OPS:
-            self._check_op(op)
+            raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
         path = _reduce_path(x.dtype)
-        if not path:
-            raise ConfigError("dtype", str(x.dtype), f"cannot be reduced over MPI (op={op}); "
-                              "supported: float/int dtypes MPI knows, float16, bfloat16, bool")
         if op == "avg" and x.dtype.kind not in "fV":
             raise ConfigError("op", op, f"avg needs a floating dtype, got {x.dtype}")
-        result = self._output(out, out_shape, x.dtype)
+        result = self._output(out, shape, x.dtype)
         if path == "native":
             return x, result, result
-        return x.astype(np.float32), np.empty(out_shape, np.float32), result
+        if not path:
+            raise ConfigError("dtype", str(x.dtype), f"cannot be reduced over MPI (op={op}); "
+                              "supported: the float / int dtypes MPI knows, float16, bfloat16, bool")
+        return x.astype(np.float32), np.empty(shape, np.float32), result
 
     def _finish_reduce(self, recv: np.ndarray, result: np.ndarray, op: str) -> np.ndarray:
         if recv is not result:  # float32 accumulator -> the 16-bit dtype, rounded once
@@ -492,57 +509,58 @@ class MpiCommunicator:
             result /= self.world_size  # the simulator's arithmetic: the sum, then divide in place
         return result
 
+    # -- collectives --------------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
-        x = _contiguous(x)
+        if type(x) is not np.ndarray or not x.flags.c_contiguous:
+            x = _contiguous(x)
         send, recv, result = self._reduce_buffers(x, op, x.shape, out)
-        self.traffic.record(self.group_name, "all_reduce", x.nbytes, self.world_size)
-        self._enter("all_reduce")
+        self._begin("all_reduce", x.nbytes)
         try:
             if self._blocking:
                 self._comm.Allreduce(send, recv, _MPI_OPS[op])
             else:
                 self._wait(self._comm.Iallreduce(send, recv, _MPI_OPS[op]))
         except MPI.Exception as e:
-            raise self._mpi_error("all_reduce", e) from e
+            raise self._mpi_error(e) from e
         finally:
             self._wd.current = None
         return self._finish_reduce(recv, result, op)
 
     def reduce_scatter(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
-        x = _contiguous(x)
-        self._check_1d("reduce_scatter", x)
+        if type(x) is not np.ndarray or not x.flags.c_contiguous:
+            x = _contiguous(x)
         n = self.world_size
-        if x.shape[0] % n:
-            raise CollectiveError(f"reduce_scatter on group {self.group_name}: length {x.shape[0]} on rank "
-                                  f"{self.global_rank} is not divisible by the group size {n}")
+        if x.ndim != 1 or x.shape[0] % n:
+            self._check_flat("reduce_scatter", x, divisible=True)
         send, recv, result = self._reduce_buffers(x, op, (x.shape[0] // n,), out)
-        self.traffic.record(self.group_name, "reduce_scatter", x.nbytes, n)
-        self._enter("reduce_scatter")
+        self._begin("reduce_scatter", x.nbytes)
         try:
             if self._blocking:
                 self._comm.Reduce_scatter_block(send, recv, _MPI_OPS[op])
             else:
                 self._wait(self._comm.Ireduce_scatter_block(send, recv, _MPI_OPS[op]))
         except MPI.Exception as e:
-            raise self._mpi_error("reduce_scatter", e) from e
+            raise self._mpi_error(e) from e
         finally:
             self._wd.current = None
         return self._finish_reduce(recv, result, op)
 
     def all_gather(self, x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
-        x = _contiguous(x)
-        self._check_1d("all_gather", x)
+        if type(x) is not np.ndarray or not x.flags.c_contiguous:
+            x = _contiguous(x)
+        if x.ndim != 1:
+            self._check_flat("all_gather", x)
         n = self.world_size
         result = self._output(out, (x.shape[0] * n,), x.dtype)
-        self.traffic.record(self.group_name, "all_gather", x.nbytes * n, n)
-        self._enter("all_gather")
+        send, recv = (x, result) if _reduce_path(x.dtype) == "native" else (_bits(x), _bits(result))
+        self._begin("all_gather", x.nbytes * n)
         try:
             if self._blocking:
-                self._comm.Allgather(_wire_view(x), _wire_view(result))
+                self._comm.Allgather(send, recv)
             else:
-                self._wait(self._comm.Iallgather(_wire_view(x), _wire_view(result)))
+                self._wait(self._comm.Iallgather(send, recv))
         except MPI.Exception as e:
-            raise self._mpi_error("all_gather", e) from e
+            raise self._mpi_error(e) from e
         finally:
             self._wd.current = None
         return result
@@ -550,35 +568,43 @@ class MpiCommunicator:
     def broadcast(self, x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None) -> np.ndarray:
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:
             raise ConfigError("root", root, f"must be a rank of group {self.group_name} (size {self.world_size})")
-        x = _contiguous(x)
+        if type(x) is not np.ndarray or not x.flags.c_contiguous:
+            x = _contiguous(x)
         result = self._output(out, x.shape, x.dtype)
         if self.rank == root and result is not x:
             result[...] = x
-        self.traffic.record(self.group_name, "broadcast", x.nbytes, self.world_size, is_root=self.rank == root)
-        self._enter("broadcast")
+        buf = result if _reduce_path(x.dtype) == "native" else _bits(result)
+        self._begin("broadcast", x.nbytes, self.rank == root)
         try:
             if self._blocking:
-                self._comm.Bcast(_wire_view(result), root)
+                self._comm.Bcast(buf, root)
             else:
-                self._wait(self._comm.Ibcast(_wire_view(result), root))
+                self._wait(self._comm.Ibcast(buf, root))
         except MPI.Exception as e:
-            raise self._mpi_error("broadcast", e) from e
+            raise self._mpi_error(e) from e
         finally:
             self._wd.current = None
         return result
 
     def barrier(self) -> None:
-        self.traffic.record(self.group_name, "barrier", 0, self.world_size)
-        self._enter("barrier")
+        self._begin("barrier", 0)
         try:
             if self._blocking:
                 self._comm.Barrier()
             else:
                 self._wait(self._comm.Ibarrier())
         except MPI.Exception as e:
-            raise self._mpi_error("barrier", e) from e
+            raise self._mpi_error(e) from e
         finally:
             self._wd.current = None
+
+    def _check_flat(self, collective: str, x: np.ndarray, divisible: bool = False) -> None:
+        if x.ndim != 1:
+            raise CollectiveError(f"{collective} on group {self.group_name}: rank {self.global_rank} passed a "
+                                  f"{x.ndim}-D array; flat 1-D buffers only")
+        if divisible and x.shape[0] % self.world_size:
+            raise CollectiveError(f"{collective} on group {self.group_name}: length {x.shape[0]} on rank "
+                                  f"{self.global_rank} is not divisible by the group size {self.world_size}")
 
     def split(self, color: int | None, key: int | None = None, name: str | None = None) -> MpiCommunicator | None:
         """``MPI_Comm_split``: ranks with the same color form a group, ordered by (key, rank).
@@ -592,27 +618,26 @@ class MpiCommunicator:
             raise ConfigError("color", color, "must be a non-negative integer or None")
         if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
             raise ConfigError("key", key, "must be an integer or None")
-        seq_name = self._calls
-        self._enter("split")
+        default_name = f"{self.group_name}/split{self._calls}:{color}"
+        self._collective = "split"  # no traffic, like the simulator; counts as a call on this group
+        self._calls += 1
+        self._wd.current = self
         try:
             if not self._blocking:  # everyone arrives first, so the blocking Split cannot hang
                 self._wait(self._comm.Ibarrier())
             sub = self._comm.Split(MPI.UNDEFINED if color is None else color, self.rank if key is None else key)
         except MPI.Exception as e:
-            raise self._mpi_error("split", e) from e
+            raise self._mpi_error(e) from e
         finally:
             self._wd.current = None
         if sub == MPI.COMM_NULL:
             return None
-        group_name = name if name is not None else f"{self.group_name}/split{seq_name}:{color}"
-        names = sub.allgather(group_name)  # setup-time agreement check, not the data path
+        group_name = default_name if name is None else name
+        names = sub.allgather(group_name)  # set-up time agreement check, not the data path
         if len(set(names)) > 1:
             raise CollectiveError(f"split of group {self.group_name}: members of color {color} disagree on the "
                                   f"group name: {sorted(set(names))}")
         ranks = np.empty(sub.Get_size(), dtype=np.int64)
         sub.Allgather(np.array([self.global_rank], dtype=np.int64), ranks)
-        return MpiCommunicator(sub, timeout_s=self.timeout_s, timeout_mode=self.timeout_mode,
-                               group_name=group_name, traffic=self.traffic,
-                               _global_ranks=tuple(int(r) for r in ranks), _watchdog=self._wd, _fault=self._fault)
-
-
+        return MpiCommunicator(sub, timeout_s=self.timeout_s, timeout_mode=self.timeout_mode, group_name=group_name,
+                               traffic=self.traffic, _global_ranks=tuple(int(r) for r in ranks))

@@ -39,41 +39,54 @@ def modelled_step_timeline(
     settings: MemorySettings | None = None,
     micro_batches: int = 1,
     partitioner: str | None = None,
+    packing: str = "partitioner",
 ) -> tuple[MemoryEstimate, list[TimelinePoint]]:
-    """Device/host bytes of the worst rank after each event of one step (model, not a measurement)."""
+    """Device/host bytes of the worst rank after each event of one step (model, not a measurement).
+
+    Follows :func:`~zerosim.cost.memory_model.transient_phases` event by event; its maximum equals
+    the estimate's ``peak_device``.
+    """
     if not isinstance(layout, ParamLayout):
         raise ConfigError("layout", type(layout).__name__, "the step timeline needs a layout with blocks")
     require_positive_int("micro_batches", micro_batches)
     settings = settings or MemorySettings()
-    est = memory_per_rank(layout, strategy, topology, settings, partitioner)
-    strat, k = est.strategy, est.shard_group_size
-    pb, gb = settings.spec.param_bytes, settings.spec.grad_bytes
-    base = est.per_rank.total
-    blocks = [(b.name, -(-layout.block_numel(b) // k) * k) for b in layout.blocks]
-    n, depth = len(blocks), settings.prefetch_depth
+    est = memory_per_rank(layout, strategy, topology, settings, partitioner, packing=packing)
+    strat = est.strategy
+    pb, gb, d = settings.spec.param_bytes, settings.spec.grad_bytes, settings.prefetch_depth
+    cls = est.per_rank
+    base = cls.total
+    units = est.units
     points: list[TimelinePoint] = []
 
     def add(phase: str, event: str, extra: int) -> None:
         points.append(TimelinePoint(len(points), phase, event, base.device + extra, base.host))
 
     add("start", "step begins (persistent model states)", 0)
+    gathered = [u.packed_numel * pb + (u.numel * pb if u.unpack_copy else 0) for u in units]
+    n = len(units)
     for mb in range(micro_batches):
         tag = f" (micro-batch {mb})" if micro_batches > 1 else ""
         if strat.shards_params:
-            for j, (name, _) in enumerate(blocks):
-                live = sum(g for _, g in blocks[j:min(j + depth, n - 1) + 1])
-                add("forward", f"forward {name}{tag}", pb * live)
+            for j, u in enumerate(units):
+                add("forward", f"forward {u.name}{tag}", sum(gathered[j:min(j + d, n - 1) + 1]))
             for j in range(n - 1, -1, -1):
-                name, g = blocks[j]
-                live = sum(g2 for _, g2 in blocks[max(j - depth, 0):j + 1])
-                add("backward", f"backward {name}{tag}", pb * live + gb * g)
-                add("reduce", f"reduce_scatter grads of {name}{tag}", 0)
+                u = units[j]
+                prefetched = sum(gathered[max(j - d, 0):j])
+                add("backward", f"backward {u.name}{tag}", prefetched + gathered[j])
+                add("backward", f"grads of {u.name} packed{tag}", prefetched + u.packed_numel * gb)
+                add("reduce", f"reduce_scatter {u.name}{tag}", prefetched)
         else:
             add("forward", f"forward{tag}", 0)
             if strat.shards_grads:
-                add("backward", f"backward: unsharded flat grad{tag}", est.per_rank.transient["unsharded_grads"])
+                add("backward", f"backward: unsharded grads{tag}", est.total_params * pb)
+                add("backward", f"packed flat grad{tag}", cls.transient["backward_end"])
                 add("reduce", f"reduce_scatter flat grad{tag}", 0)
             else:
                 add("backward", f"backward (grads accumulate in place){tag}", 0)
+    if "optimizer" in cls.transient:
+        add("step", "optimizer: own gradient chunk", cls.transient["optimizer"])
     add("step", "optimizer step" + (" on host" if "optimizer_states" in settings.offloaded else ""), 0)
+    if "refresh" in cls.transient:
+        add("refresh", "all_gather updated params", cls.transient["refresh"])
+        add("refresh", "step ends", 0)
     return est, points

@@ -158,17 +158,20 @@ def units_per_block(strategy: ShardingStrategy) -> bool:
     return strategy.shards_params
 
 
+def unit_tensor_groups(layout: ParamLayout, strategy: ShardingStrategy) -> list[tuple[str, tuple[int, ...]]]:
+    """(unit name, tensor indices) of every unit: one per block, or one "model" unit."""
+    if units_per_block(strategy):
+        return [(b.name, b.tensor_indices) for b in layout.blocks]
+    return [("model", tuple(range(len(layout.tensors))))]
+
+
 def build_unit_plan(layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, world_size: int) -> UnitPlan:
     """Units for ``strategy`` with the partitioner's plan over one shard group of ``k`` ranks."""
     k = strategy.shard_group_size(world_size)
     plan = get_partitioner(partitioner)(layout, k)
     per_block = units_per_block(strategy)
     offsets = layout.offsets
-    groups: list[tuple[str, tuple[int, ...]]]
-    if per_block:
-        groups = [(b.name, b.tensor_indices) for b in layout.blocks]
-    else:
-        groups = [("model", tuple(range(len(layout.tensors))))]
+    groups = unit_tensor_groups(layout, strategy)
     rank_intervals = [sorted(plan.shard(j).intervals) for j in range(k)]
     rank_ends = [[e for _, e in ivs] for ivs in rank_intervals]
     units = []

@@ -53,10 +53,17 @@ class Reference:
 
 
 def independent_reference(run: ResolvedRun) -> Reference:
-    """The model helper's unsharded ground truth, step by step."""
+    """The model helper's unsharded ground truth, step by step.
+
+    fp32: ``grad_mode="concat"`` (one batch of every rank's micro-batches: different matrix shapes,
+    nothing shared with the engine but the model). bf16/fp16: ``grad_mode="micro"`` (per micro-batch
+    gradients rounded to 16 bits, then averaged in float32), because that *is* the data-parallel
+    computation; the concatenated batch rounds the mean gradient to 16 bits once and differs by
+    16-bit rounding, which Adam's normalisation turns into O(lr) parameter differences."""
+    mode = "micro" if run.precision.is_mixed else "concat"
     gt = train_ground_truth(run.model_cfg, run.spec, run.precision, run.world_size, run.micro_batches,
-                            run.steps, run.seed)
-    ref = Reference("ground_truth")
+                            run.steps, run.seed, grad_mode=mode)
+    ref = Reference(f"ground_truth[{mode}]")
     for i, snap in enumerate(gt.snapshots):
         ref.steps.append(ReferenceStep(i, snap.params, dict(snap.state), snap.optimizer_step, snap.loss,
                                        snap.grad_norm, snap.clip_coef))

@@ -1,0 +1,68 @@
+"""What ``zerosim report`` builds: the large modelled configuration and the small measured one."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import ConfigError, require_positive_int
+
+DEFAULT_DP_DEGREES = tuple(2**i for i in range(11))  # 1 .. 1024
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    """Defaults: the ZeRO paper's 7.5B at N_d = 64 (modelled) and the ``tiny`` simulator model at
+    world sizes 1, 2, 4, 8 (measured by the simulator, and by MPI at 2 ranks when mpi4py works)."""
+
+    # modelled, large
+    large_params: int = 7_500_000_000
+    large_model: str = "gpt-7.5b"             # a preset for the comm figure and the DeepSpeed table
+    large_world_size: int = 64
+    large_ranks_per_node: int = 8
+    dp_degrees: tuple[int, ...] = DEFAULT_DP_DEGREES
+    # measured, small (the simulator's model)
+    sim_model: str = "tiny"
+    world_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    ranks_per_node: int = 2                   # hybrid strategies and the intra/inter split of the small runs
+    steps: int = 3
+    precision: str = "fp32"                   # the engine's precision for the measured runs
+    optimizer: str = "adamw"
+    partitioner: str = "fsdp"                 # the engine's default partitioner
+    offload_world_size: int = 4
+    mpi: bool = True                          # also measure under mpiexec (2 ranks) when mpi4py works
+    mpi_world_size: int = 2
+    deepspeed: bool = True                    # call the real DeepSpeed estimator when installed
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require_positive_int("large_params", self.large_params)
+        require_positive_int("large_world_size", self.large_world_size)
+        require_positive_int("large_ranks_per_node", self.large_ranks_per_node)
+        require_positive_int("steps", self.steps)
+        require_positive_int("ranks_per_node", self.ranks_per_node)
+        require_positive_int("offload_world_size", self.offload_world_size)
+        require_positive_int("mpi_world_size", self.mpi_world_size)
+        if not self.world_sizes:
+            raise ConfigError("world_sizes", self.world_sizes, "must list at least one world size")
+        for w in self.world_sizes:
+            require_positive_int("world_sizes", w)
+        for w in self.dp_degrees:
+            require_positive_int("dp_degrees", w)
+        if self.large_world_size % self.large_ranks_per_node:
+            raise ConfigError("large_ranks_per_node", self.large_ranks_per_node,
+                              f"must divide large_world_size={self.large_world_size}")
+        if self.offload_world_size % self.ranks_per_node and self.ranks_per_node <= self.offload_world_size:
+            raise ConfigError("ranks_per_node", self.ranks_per_node,
+                              f"must divide offload_world_size={self.offload_world_size}")
+
+    @property
+    def measured_world_size(self) -> int:
+        """The world size of the side-by-side (stacked bar, traffic) panels: the largest measured one."""
+        return max(self.world_sizes)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["dp_degrees"] = list(self.dp_degrees)
+        d["world_sizes"] = list(self.world_sizes)
+        return d
