@@ -146,7 +146,7 @@ def test_zero2_and_zero1_transients_follow_the_engine_schedule():
     c = memory_per_rank(1003, "zero2", 4, MemorySettings("bf16", grad_bucket_numel=100)).per_rank
     assert c.transient["backward_end"] == 1003 * 2 + 100 * 4
     c = memory_per_rank(1003, "zero1", 4, MemorySettings("fp32")).per_rank
-    assert c.transient == {"optimizer": 251 * 4, "refresh": 1004 * 4}
+    assert c.transient == {"optimizer": 251 * 4, "refresh": 1004 * 4 + 251 * 4}
     assert memory_per_rank(1003, "no_shard", 4).per_rank.transient == {}
 
 
@@ -256,3 +256,25 @@ def test_partitioners_without_closed_form_are_measured_on_the_layout():
         shard_sizes(10_000, 2, "round-robin")
     with pytest.raises(ConfigError, match="partitioner"):
         shard_sizes(layout, 2, "no-such-rule")
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2"])
+@pytest.mark.parametrize("offload", ["none", "grads+optimizer"])
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_modelled_timeline_peaks_at_the_closed_form_peak(strategy, offload, depth):
+    from zerosim.cost.memory_timeline import modelled_step_timeline
+
+    layout = ParamLayout.from_config("tiny")
+    settings = MemorySettings("bf16", "adamw", offload, depth)
+    est, points = modelled_step_timeline(layout, strategy, Topology(4, 2), settings, micro_batches=2)
+    assert max(p.device for p in points) == est.per_rank.peak_device
+    assert min(p.device for p in points) == est.per_rank.total.device
+    assert {p.host for p in points} == {est.per_rank.total.host}
+
+
+def test_fp32_offload_keeps_a_separate_host_master():
+    """fp32 params on the device cannot be the master the host optimizer steps: K grows by 4 there."""
+    on = memory_per_rank(1000, "zero3", 4, MemorySettings("fp32", "adamw", "grads+optimizer")).per_rank
+    assert on.optimizer_states.host == (8 + 4) * 250 and on.params.device == 4 * 250
+    everything = memory_per_rank(1000, "zero3", 4, MemorySettings("fp32", "adamw", "all")).per_rank
+    assert everything.optimizer_states.host == 8 * 250  # the host params are the master

@@ -2,21 +2,24 @@
 
 For each world size (``--ranks``, default 2 and 4) the command launches ``mpiexec`` once. Inside
 every rank, for each buffer size (``--min-bytes`` .. ``--max-bytes``, powers of 4) and collective
-(all-reduce, reduce-scatter, all-gather on float32 buffers) it times, interleaved and in rotating
-order, on the **same** input and output buffers:
+(all-reduce, reduce-scatter, all-gather on float32 buffers) it times, on the **same** input and
+output buffers:
 
 - ``raw``: ``comm.Allreduce(x, y, MPI.SUM)`` / ``Reduce_scatter_block`` / ``Allgather``;
 - ``ours``: ``MpiCommunicator.all_reduce(x, "sum", out=y)`` ... (``timeout_mode="abort"``, the
   default: blocking call + watchdog);
 - ``ours_new``: the same call without ``out=`` (a fresh result array each call, as the engine calls it);
-- ``ours_raise``: ``timeout_mode="raise"`` (nonblocking call polled until a deadline), with ``out=``.
+- ``ours_raise``: ``timeout_mode="raise"`` (nonblocking call polled until a deadline), with ``out=``;
+- ``raw_again``: raw once more: raw vs raw is the noise floor of the measurement itself.
 
-A measurement is the slowest rank's mean time over enough calls to fill ``--target-ms``; each
-variant is measured ``--repeats`` times. ``ratio`` is the median over repeats of raw time / our
-time (paired, so drifting machine load cancels). GB/s is the algorithm bandwidth: the full buffer
-size (all-reduce input, reduce-scatter input, all-gather output) over the time. Rank 0 of each
-launch writes its rows; this process prints the table and writes ``reports/bench_mpi.json``.
-Target: ``ours`` at least 0.9x ``raw`` at every size from 64 KiB up; shortfalls are flagged.
+A measurement is the slowest rank's mean time over enough calls to fill ``--target-ms``. Every
+variant is measured ``--repeats`` times, each time paired with a raw measurement taken right next
+to it (order alternating), and ``ratio`` is the median over the pairs of raw time / variant time,
+so load from other processes hits both sides of a pair alike. GB/s is the algorithm bandwidth:
+the full buffer (all-reduce input, reduce-scatter input, all-gather output) over the median time.
+Rank 0 of each launch writes its rows; this process prints the table and writes
+``reports/bench_mpi.json``. Target: ``ours`` at least 0.9x ``raw`` at every size from 64 KiB up;
+shortfalls are flagged with ``!``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 from ..errors import ConfigError, require_positive_int
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-VARIANTS = ("raw", "ours", "ours_new", "ours_raise")
+VARIANTS = ("raw", "ours", "ours_new", "ours_raise", "raw_again")
 TARGET_RATIO = 0.9
 TARGET_FROM_BYTES = 64 * 1024
 DEFAULT_OUT = Path("reports") / "bench_mpi.json"
@@ -127,19 +130,20 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title="MpiCommunicator vs raw mpi4py (GB/s = full buffer / time; ratio = raw time / ours)")
-    for col in ("size", "collective", "ranks", "ours GB/s", "raw GB/s", "ratio", "new-array ratio", "raise-mode ratio"):
+    for col in ("size", "collective", "ranks", "ours GB/s", "raw GB/s", "ratio", "new-array ratio", "raise-mode ratio",
+                "raw/raw (noise)"):
         table.add_column(col, justify="left" if col == "collective" else "right")
     for r in sorted(rows, key=lambda r: (r["ranks"], r["collective"], r["bytes"])):
         flag = " !" if r["bytes"] >= TARGET_FROM_BYTES and r["ratio"] < TARGET_RATIO else ""
         table.add_row(_human(r["bytes"]), r["collective"], str(r["ranks"]), f"{r['gbps']['ours']:.3f}",
                       f"{r['gbps']['raw']:.3f}", f"{r['ratio']:.3f}{flag}", f"{r['ratio_new']:.3f}",
-                      f"{r['ratio_raise']:.3f}")
+                      f"{r['ratio_raise']:.3f}", f"{r['ratio_raw_again']:.3f}")
     Console(width=140).print(table)
 
 
-def _paired(times: dict[str, list[float]], variant: str) -> float:
-    """Median over repeats of raw time / ``variant`` time (each pair measured back to back)."""
-    return statistics.median(r / o for r, o in zip(times["raw"], times[variant], strict=True))
+def _paired(pairs: list[tuple[float, float]]) -> float:
+    """Median over repeats of raw time / other time, each pair measured back to back."""
+    return statistics.median(raw / other for raw, other in pairs)
 
 
 # ---- inside each rank (python -m zerosim.mpi bench-worker ...) ------------------------------------
@@ -169,16 +173,19 @@ def worker_main(argv: list[str]) -> int:
             return {"raw": lambda: world.Allreduce(x, y, MPI.SUM),
                     "ours": lambda: ours.all_reduce(x, "sum", out=y),
                     "ours_new": lambda: ours.all_reduce(x, "sum"),
-                    "ours_raise": lambda: ours_raise.all_reduce(x, "sum", out=y)}
+                    "ours_raise": lambda: ours_raise.all_reduce(x, "sum", out=y),
+                    "raw_again": lambda: world.Allreduce(x, y, MPI.SUM)}
         if collective == "reduce_scatter":
             return {"raw": lambda: world.Reduce_scatter_block(x, y, MPI.SUM),
                     "ours": lambda: ours.reduce_scatter(x, "sum", out=y),
                     "ours_new": lambda: ours.reduce_scatter(x, "sum"),
-                    "ours_raise": lambda: ours_raise.reduce_scatter(x, "sum", out=y)}
+                    "ours_raise": lambda: ours_raise.reduce_scatter(x, "sum", out=y),
+                    "raw_again": lambda: world.Reduce_scatter_block(x, y, MPI.SUM)}
         return {"raw": lambda: world.Allgather(x, y),
                 "ours": lambda: ours.all_gather(x, out=y),
                 "ours_new": lambda: ours.all_gather(x),
-                "ours_raise": lambda: ours_raise.all_gather(x, out=y)}
+                "ours_raise": lambda: ours_raise.all_gather(x, out=y),
+                "raw_again": lambda: world.Allgather(x, y)}
 
     slowest = np.empty(1)
 
@@ -207,18 +214,21 @@ def worker_main(argv: list[str]) -> int:
                 fn()
             probe = timed(fns["raw"], 3)
             iters = max(1, min(2000, int(args.target_ms / 1e3 / max(probe, 1e-7))))
-            times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            pairs: dict[str, list[tuple[float, float]]] = {v: [] for v in VARIANTS[1:]}
             for rep in range(args.repeats):
-                order = VARIANTS[rep % len(VARIANTS):] + VARIANTS[:rep % len(VARIANTS)]
-                for v in order:
-                    times[v].append(timed(fns[v], iters))
+                for v in VARIANTS[1:]:
+                    first, second = ("raw", v) if rep % 2 == 0 else (v, "raw")
+                    t_first, t_second = timed(fns[first], iters), timed(fns[second], iters)
+                    pairs[v].append((t_first, t_second) if first == "raw" else (t_second, t_first))
             payload = full * 4
+            times = {"raw": [r for v in pairs for r, _ in pairs[v]], **{v: [o for _, o in pairs[v]] for v in pairs}}
             med = {v: statistics.median(ts) for v, ts in times.items()}
             rows.append({"collective": collective, "ranks": n, "bytes": payload, "iters": iters,
                          "median_s": med, "min_s": {v: min(ts) for v, ts in times.items()},
                          "gbps": {v: payload / t / 1e9 for v, t in med.items()},
-                         "ratio": _paired(times, "ours"), "ratio_new": _paired(times, "ours_new"),
-                         "ratio_raise": _paired(times, "ours_raise")})
+                         "ratio": _paired(pairs["ours"]), "ratio_new": _paired(pairs["ours_new"]),
+                         "ratio_raise": _paired(pairs["ours_raise"]), "ratio_raw_again": _paired(pairs["raw_again"]),
+                         "ratio_of_min": min(times["raw"]) / min(times["ours"])})
     if me == 0:
         meta = {"mpi_library": MPI.Get_library_version().strip().splitlines()[0], "mpi4py": mpi4py.__version__,
                 "numpy": np.__version__, "thread_level": MPI.Query_thread()}

@@ -46,20 +46,24 @@ MAX_PER_CLAUSE = 8
 
 @dataclass(frozen=True)
 class Tolerance:
-    """``|got - expected| <= atol * max|expected| + rtol * |expected|`` (atol relative to the array's scale)."""
+    """Elementwise ``|got - expected| <= atol_scale * max|expected|`` per state array (the array's own
+    scale: parameters are O(1), Adam's second moment O(g^2)); grad norm and clip factor within
+    ``norm_rtol`` relative. Values and their justification: contracts/C-ZERO-002.toml."""
 
-    rtol: float
-    atol: float
+    atol_scale: float
     norm_rtol: float
 
     def to_json(self) -> dict[str, float]:
-        return {"rtol": self.rtol, "atol": self.atol, "norm_rtol": self.norm_rtol}
+        return {"atol_scale": self.atol_scale, "norm_rtol": self.norm_rtol}
 
 
+# Calibrated on 432 configurations x 6 steps (every strategy, sgd/adam/adamw, world 2/4/6, M = 1/3,
+# clipping on/off): observed maxima fp32 1.9e-6 / 7.3e-8, bf16 3.5e-3 / 2.3e-4, fp16 4.0e-4 / 2.5e-5
+# (state error / scale, norm relative error); each tolerance is about 10x the observed maximum.
 EQUIVALENCE_TOLERANCE = {
-    "fp32": Tolerance(rtol=1e-5, atol=1e-5, norm_rtol=1e-5),
-    "bf16": Tolerance(rtol=2e-2, atol=1e-2, norm_rtol=1e-2),
-    "fp16": Tolerance(rtol=1e-2, atol=5e-3, norm_rtol=5e-3),
+    "fp32": Tolerance(atol_scale=2e-5, norm_rtol=1e-6),
+    "bf16": Tolerance(atol_scale=2e-2, norm_rtol=2e-3),
+    "fp16": Tolerance(atol_scale=4e-3, norm_rtol=2.5e-4),
 }
 
 
@@ -203,7 +207,7 @@ def check_equivalence(observations: Sequence[RankObservation], reference: Any, *
                     scale = float(np.max(np.abs(full))) if full.size else 0.0
                     err = np.abs(g64 - e64)
                     with np.errstate(invalid="ignore", divide="ignore"):
-                        mask = ~(err <= tol.atol * scale + tol.rtol * np.abs(e64))
+                        mask = ~(err <= tol.atol_scale * scale)
                         if err.size:
                             max_abs[kind] = max(max_abs.get(kind, 0.0), float(np.nanmax(err)) if not np.isnan(err).all() else float("inf"))
                             rel = err / np.maximum(np.abs(e64), scale * 1e-30 + 1e-45)
@@ -311,7 +315,11 @@ def check_post_gather_identity(observations: Sequence[RankObservation], *, layou
                     col.add("matches_master", f"rank {rank} computes with weights that are not the updated master "
                             f"of its shard group (stale?): {msg}", step=step, ranks=(rank,), tensor=tensor,
                             interval=interval, expected=e, got=g)
-    v = col.done(steps=len(steps), ranks=len(observations))
+    observed = any(s.gathered is not None or s.gathered_digest for o in observations for s in o.steps)
+    if not observed:
+        v = col.done(skipped="no gathered weights were observed (observe='none')")
+    else:
+        v = col.done(steps=len(steps), ranks=len(observations))
     v.checked = checked
     return v
 

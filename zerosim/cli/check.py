@@ -23,7 +23,7 @@ from ..presets import PRESETS
 from ._args import parse_int_list, pipe_safe
 
 # Further ``zerosim check <name>`` commands, each in zerosim/cli/check_<name>.py (absent ones are skipped).
-CHECK_MODULES = ("plan", "run", "peers", "checkpoint")
+CHECK_MODULES: tuple[str, ...] = ()
 
 
 def register(sub: Any) -> None:

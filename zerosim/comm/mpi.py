@@ -15,7 +15,7 @@ Arithmetic (what makes a run comparable with the simulator, bit for bit where po
   commutative addition (``x0 + x1 == x1 + x0`` in IEEE arithmetic), so results are **bitwise equal**
   to the simulator's rank-order sum. Over more ranks MPICH / Open MPI pick recursive doubling,
   Rabenseifner or ring algorithms by message size (``(x0+x1)+(x2+x3)`` ...) while the simulator sums
-  ``((x0+x1)+x2)+x3``: results then agree to a few ulps (:data:`CROSS_BACKEND_RTOL` / ``_ATOL``).
+  ``((x0+x1)+x2)+x3``: results then agree to a few ulps (``zerosim.mpi.CROSS_BACKEND_RTOL`` / ``_ATOL``).
   ``max``, integer sums, ``all_gather`` and ``broadcast`` are exact at every size.
 - ``bfloat16`` (ml_dtypes), ``float16`` and ``bool`` have no portable MPI reduction datatype: they
   are reduced in ``float32`` and rounded back **once**, then ``avg`` divides in the 16-bit dtype like
@@ -55,6 +55,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError
+from ..mpi import EXIT_RANK_FAILED
 from .base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter, TrafficRecord, ring_bytes
 
 try:
@@ -63,9 +64,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ConfigError("backend", "mpi", "needs mpi4py and an MPI library: pip install 'zerosim[mpi]'") from e
 
 TIMEOUT_MODES = ("abort", "raise")
-EXIT_RANK_FAILED = 3  # the MPI_Abort error code of a failed or timed-out rank (mpiexec's exit status)
-CROSS_BACKEND_RTOL = 1e-5  # fp32 results of >2 ranks vs the simulator's rank-order sum (a few ulps)
-CROSS_BACKEND_ATOL = 1e-7
 
 _TAG_QUERY = 7001
 _TAG_REPLY = 7002
@@ -455,12 +453,17 @@ class MpiCommunicator:
             tally = self._tallies[(collective, is_root)]
             tally[nbytes] = tally.get(nbytes, 0) + 1
         if self._fault is not None:
-            if self._fault.rank == self.global_rank and self._fault.call == self._wd.calls:
-                self._fault.fire(collective, self.group_name)
-            self._wd.calls += 1
+            self._fault_hook(collective)
         self._collective = collective
         self._calls += 1
         self._wd.current = self
+
+    def _fault_hook(self, collective: str) -> None:
+        """Test only (``ZEROSIM_FAULT``): count this process's collectives, misbehave at the planned one."""
+        assert self._fault is not None
+        if self._fault.rank == self.global_rank and self._fault.call == self._wd.calls:
+            self._fault.fire(collective, self.group_name)
+        self._wd.calls += 1
 
     def _wait(self, request: Any) -> None:
         """Raise mode: poll ``request`` until done or the deadline, yielding the CPU between polls."""
@@ -491,10 +494,11 @@ class MpiCommunicator:
         """(send, receive, result) buffers of a reduction; the float32 detour for 16-bit floats and bool."""
         if op not in _MPI_OPS:
             raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
-        path = _reduce_path(x.dtype)
-        if op == "avg" and x.dtype.kind not in "fV":
-            raise ConfigError("op", op, f"avg needs a floating dtype, got {x.dtype}")
-        result = self._output(out, shape, x.dtype)
+        dtype = x.dtype
+        path = _reduce_path(dtype)
+        if op == "avg" and dtype.kind not in "fV":
+            raise ConfigError("op", op, f"avg needs a floating dtype, got {dtype}")
+        result = np.empty(shape, dtype) if out is None else self._output(out, shape, dtype)
         if path == "native":
             return x, result, result
         if not path:
@@ -524,7 +528,7 @@ class MpiCommunicator:
             raise self._mpi_error(e) from e
         finally:
             self._wd.current = None
-        return self._finish_reduce(recv, result, op)
+        return result if recv is result and op != "avg" else self._finish_reduce(recv, result, op)
 
     def reduce_scatter(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
         if type(x) is not np.ndarray or not x.flags.c_contiguous:
@@ -543,7 +547,7 @@ class MpiCommunicator:
             raise self._mpi_error(e) from e
         finally:
             self._wd.current = None
-        return self._finish_reduce(recv, result, op)
+        return result if recv is result and op != "avg" else self._finish_reduce(recv, result, op)
 
     def all_gather(self, x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
         if type(x) is not np.ndarray or not x.flags.c_contiguous:
@@ -551,8 +555,9 @@ class MpiCommunicator:
         if x.ndim != 1:
             self._check_flat("all_gather", x)
         n = self.world_size
-        result = self._output(out, (x.shape[0] * n,), x.dtype)
-        send, recv = (x, result) if _reduce_path(x.dtype) == "native" else (_bits(x), _bits(result))
+        dtype = x.dtype
+        result = np.empty(x.shape[0] * n, dtype) if out is None else self._output(out, (x.shape[0] * n,), dtype)
+        send, recv = (x, result) if _reduce_path(dtype) == "native" else (_bits(x), _bits(result))
         self._begin("all_gather", x.nbytes * n)
         try:
             if self._blocking:
@@ -619,6 +624,8 @@ class MpiCommunicator:
         if key is not None and (isinstance(key, bool) or not isinstance(key, int)):
             raise ConfigError("key", key, "must be an integer or None")
         default_name = f"{self.group_name}/split{self._calls}:{color}"
+        if self._fault is not None:
+            self._fault_hook("split")
         self._collective = "split"  # no traffic, like the simulator; counts as a call on this group
         self._calls += 1
         self._wd.current = self

@@ -188,7 +188,22 @@ class SimulatedWorld:
         self._holder: int | None = 0 if schedule == "serial" else None
         self._last_progress = time.monotonic()
         self._failure: tuple[int, BaseException] | None = None
+        self._shared: dict[Any, list[Any]] = {}
         self.world_group = self._new_group("world", tuple(range(world_size)))
+
+    def shared(self, key: Any, factory: Callable[[], Any]) -> Any:
+        """A read-only value every rank of this world needs (the seed's initial parameters): built once
+        by the first rank that asks, handed to each rank, and dropped when the last rank has taken it.
+        Only the simulator has this (its ranks share a process); other backends build per rank."""
+        with self._cv:
+            entry = self._shared.get(key)
+            if entry is None:
+                entry = self._shared[key] = [factory(), 0]
+            entry[1] += 1
+            value = entry[0]
+            if entry[1] >= self.world_size:
+                del self._shared[key]
+            return value
 
     # -- groups -------------------------------------------------------------------------------------
     def _new_group(self, name: str, global_ranks: tuple[int, ...]) -> _Group:
@@ -400,6 +415,10 @@ class SimCommunicator:
 
     def __repr__(self) -> str:
         return f"SimCommunicator(group={self.group_name!r}, rank={self.rank}/{self.world_size})"
+
+    def shared(self, key: Any, factory: Callable[[], Any]) -> Any:
+        """See :meth:`SimulatedWorld.shared` (a simulator-only convenience; the engine falls back without it)."""
+        return self._world.shared(key, factory)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _check_1d(self, collective: str, x: Any) -> None:

@@ -184,6 +184,8 @@ def compare_with_deepspeed(layout: ParamLayout, num_gpus_per_node: int = 8, num_
             " the paper counts 2*P + 14*P/N.",
             "L: DeepSpeed's largest layer is one module's own parameters; our ZeRO-3 transient uses the largest"
             " block (a transformer block), (1+prefetch)*2 bytes gathered + grad bytes, so our peak is higher.",
+            "Our ZeRO-2 peak adds the reference engine's unbucketed transient: the whole micro-batch gradient plus"
+            " its packed fp32 copy before the reduce-scatter; DeepSpeed reduces in buckets and leaves transients out.",
             "Host: DeepSpeed's cpu figure is per node with a 1.5x buffer factor and load-time fp32 copies;"
             " ours is the steady-state host memory per node.",
         ],

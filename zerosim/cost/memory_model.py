@@ -176,11 +176,16 @@ class MemorySettings:
         return self.spec.master_bytes + self.num_optimizer_states * self.spec.state_bytes
 
     def optimizer_bytes(self, strategy: ShardingStrategy) -> int:
-        """K for ``strategy``: plus a separate master shard when the params are the master (fp32) but
-        ZeRO-1/2 replicates them while the optimizer steps a shard."""
+        """K for ``strategy``: plus a separate master copy when the params are the master (fp32) but
+        cannot double as it: ZeRO-1/2 replicate the params while the optimizer steps a shard, and an
+        offloaded optimizer steps on the host while the working params stay on the device."""
         extra = 0
-        if self.spec.master_bytes == 0 and strategy.shards_optimizer and not strategy.shards_params:
-            extra = self.spec.param_bytes
+        if self.spec.master_bytes == 0:
+            split_by_sharding = strategy.shards_optimizer and not strategy.shards_params
+            off = self.offloaded
+            split_by_offload = "optimizer_states" in off and "params" not in off
+            if split_by_sharding or split_by_offload:
+                extra = self.spec.param_bytes
         return self.K + extra
 
     def bytes_per_element(self, strategy: ShardingStrategy | None = None) -> dict[str, int]:
@@ -552,7 +557,8 @@ def transient_phases(strategy: ShardingStrategy, settings: MemorySettings, total
     * SHARD_GRAD_OP / HYBRID_SHARD_ZERO2, ``backward_end``: the micro-batch's unsharded gradients in
       the param dtype (``P * pb``) plus the packed flat gradient (``packed * gb``, or
       ``grad_bucket_numel * gb`` for bucketed implementations); ``refresh``: the all-gathered params.
-    * SHARD_OPTIMIZER, ``optimizer``: the rank's gradient chunk (``chunk * gb``); ``refresh``: as ZeRO-2.
+    * SHARD_OPTIMIZER, ``optimizer``: the rank's gradient chunk (``chunk * gb``), which stays live
+      through ``refresh``: the all-gathered params plus that chunk.
     * NO_SHARD: none.
     """
     pb, gb, d = settings.spec.param_bytes, settings.spec.grad_bytes, settings.prefetch_depth
@@ -569,9 +575,10 @@ def transient_phases(strategy: ShardingStrategy, settings: MemorySettings, total
         if strategy.shards_grads:
             bucket = packed if settings.grad_bucket_numel is None else min(settings.grad_bucket_numel, packed)
             out["backward_end"] = total * pb + bucket * gb
+            out["refresh"] = packed * pb
         else:
             out["optimizer"] = shard_numel * gb
-        out["refresh"] = packed * pb
+            out["refresh"] = packed * pb + shard_numel * gb  # the chunk lives until the params are refreshed
     return out
 
 

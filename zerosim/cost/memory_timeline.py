@@ -83,9 +83,9 @@ def modelled_step_timeline(
                 add("reduce", f"reduce_scatter flat grad{tag}", 0)
             else:
                 add("backward", f"backward (grads accumulate in place){tag}", 0)
-    if "optimizer" in cls.transient:
-        add("step", "optimizer: own gradient chunk", cls.transient["optimizer"])
-    add("step", "optimizer step" + (" on host" if "optimizer_states" in settings.offloaded else ""), 0)
+    chunk = cls.transient.get("optimizer", 0)
+    add("step", "optimizer step" + (" on host" if "optimizer_states" in settings.offloaded else "")
+        + (" (own gradient chunk)" if chunk else ""), chunk)
     if "refresh" in cls.transient:
         add("refresh", "all_gather updated params", cls.transient["refresh"])
         add("refresh", "step ends", 0)

@@ -25,7 +25,7 @@ from ..strategy import ShardingStrategy, StrategyKind, Topology
 from .flat_buffers import UnitPlan, build_unit_plan
 
 SCHEDULES = ("serial", "parallel")
-OBSERVE_LEVELS = ("full", "digest", "auto")
+OBSERVE_LEVELS = ("full", "digest", "none", "auto")
 XP_NAMES = ("numpy", "torch")
 AUTO_FULL_LIMIT = 20_000_000  # elements kept per run (world * steps * params) before "auto" stores digests
 
@@ -153,6 +153,7 @@ class ResolvedRun:
         self.unit_plan: UnitPlan = build_unit_plan(self.layout, self.strategy, self.partitioner, self.world_size)
         total = self.layout.total_numel * self.world_size * self.steps
         self.observe_full = cfg.observe == "full" or (cfg.observe == "auto" and total <= AUTO_FULL_LIMIT)
+        self.observe_gathered = cfg.observe != "none"  # "none": timing runs (the benchmark) observe nothing
 
     @cached_property
     def state_plan(self) -> StatePlan:

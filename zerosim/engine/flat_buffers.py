@@ -81,6 +81,30 @@ class FlatUnit:
                 return False
         return True
 
+    @cached_property
+    def tensor_pieces(self) -> tuple[tuple[int, int, int, int], ...]:
+        """``(tensor position in the unit, start inside the tensor, packed start, length)`` for every run
+        of owned elements, cut at tensor boundaries: one copy per piece packs or unpacks the unit."""
+        out = []
+        for segs in self.segments:
+            for s in segs:
+                pos, end, packed = s.unit_start, s.unit_start + s.length, s.packed_start
+                while pos < end:
+                    i = bisect.bisect_right(self.tensor_offsets, pos) - 1
+                    t_end = self.tensor_offsets[i + 1] if i + 1 < len(self.tensor_offsets) else self.numel
+                    n = min(end, t_end) - pos
+                    if n > 0:
+                        out.append((i, pos - self.tensor_offsets[i], packed, n))
+                    pos += max(n, 0) or 1
+                    packed += max(n, 0)
+        return tuple(out)
+
+    @cached_property
+    def padding_runs(self) -> tuple[tuple[int, int], ...]:
+        """``(packed start, length)`` of every rank's padding in the packed buffer."""
+        return tuple((j * self.chunk + self.owned_numel(j), self.padding(j))
+                     for j in range(self.k) if self.padding(j) > 0)
+
     def to_global(self, unit_start: int, length: int) -> list[tuple[int, int]]:
         """Global flat ``(start, end)`` pieces of the unit-space run ``[unit_start, unit_start + length)``."""
         out: list[tuple[int, int]] = []

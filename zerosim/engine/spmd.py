@@ -105,7 +105,7 @@ def ownership_expectation(run: ResolvedRun) -> OwnershipExpectation:
     zero = [0] * n
     padding = {"params": pad if s.shards_params else zero, "grads": pad if s.shards_grads else zero,
                "optimizer": pad if s.shards_optimizer else zero}
-    master_separate = run.precision.is_mixed or (s.shards_optimizer and not s.shards_params)
+    master_separate = run.precision.is_mixed or (s.shards_optimizer and not s.shards_params) or run.cfg.offload
     states = len(run.spec.state_names) + (1 if master_separate else 0)
     pb = run.precision.param_bytes
     bpe = {"params": pb, "grads": 4, "optimizer": 4 * states}

@@ -86,6 +86,8 @@ class ZeroEngine:
         self.model = BlockModel(run.model_cfg, xp)
         self.opt = make_optimizer(run.spec, xp)
         self.tracker = MemoryTracker(self.rank)
+        self.offload = bool(run.cfg.offload)
+        self._moved = {"host_to_device": 0, "device_to_host": 0}
         self.layout = run.layout
         self.total = self.layout.total_numel
         self.obs = RankObservation(self.rank, comm.world_size, self.group_index, self.local, {}, getattr(comm, "backend", "?"))
@@ -127,7 +129,15 @@ class ZeroEngine:
     def _init_state(self) -> None:
         """Every rank builds the same initial parameters from the seed and keeps only what it owns."""
         xp = self.xp
-        full = flatten(init_params(self.run.model_cfg, self.run.seed), self.layout)  # host numpy, transient
+        cfg, seed = self.run.model_cfg, self.run.seed
+
+        def make() -> Any:
+            flat = flatten(init_params(cfg, seed), self.layout)  # host numpy, transient
+            flat.flags.writeable = False  # shared between simulated ranks: nobody may write into it
+            return flat
+
+        share = getattr(self.comm, "shared", None)  # the simulator builds it once for all its ranks
+        full = share(("init_params", cfg, seed), make) if callable(share) else make()
         pdt = self.precision.param_dtype
         self.owned_pieces = tuple(self.units.owned_global(self.local)) if self.sharded_optim else ((0, self.total, 0),)
         if self.sharded_optim:
@@ -143,7 +153,10 @@ class ZeroEngine:
         else:
             self.master = xp.from_numpy(full, copy=True)
         if self.sharded_params:
-            self.param_shard = self.precision.to_params(self.master, xp) if self.mixed else self.master
+            if self.mixed:
+                self.param_shard = self.precision.to_params(self.master, xp)
+            else:  # fp32: the shard is the master, unless the master lives on the host (offload)
+                self.param_shard = xp.copy(self.master) if self.offload else self.master
             self.params_full = None
         else:
             self.param_shard = None
@@ -173,7 +186,8 @@ class ZeroEngine:
 
     @property
     def optimizer_location(self) -> str:
-        return "device"
+        """Where the float32 master, the optimizer state and the gradient shard live (CPU offload: host)."""
+        return "host" if self.offload else "device"
 
     # =============================================================================================
     # hooks (overridden by the deliberately broken variants in faults.py)
@@ -225,24 +239,16 @@ class ZeroEngine:
     # packing (unit space <-> packed rank-major space)
     # =============================================================================================
     def _pack_grads(self, unit: FlatUnit, grads: dict[str, Any]) -> Any:
-        """The unit's gradients, upcast to float32, in packed order with zero padding (a new array)."""
+        """The unit's gradients, upcast to float32, in packed order with zero padding (a new array):
+        one copy per (rank, tensor) piece, padding zeroed, nothing else written twice."""
         xp = self.xp
-        packed = xp.zeros(unit.packed_numel, "float32")
+        packed = xp.empty(unit.packed_numel, "float32")
         pad = self.pad_value()
-        if pad:
-            xp.assign(packed, pad)
-        if unit.is_identity:
-            for name, off, shape in zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True):
-                n = _numel(shape)
-                xp.assign(packed[off:off + n], xp.reshape(grads[name], (-1,)))
-            return packed
-        flat = xp.empty(unit.numel, "float32")
-        for name, off, shape in zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True):
-            n = _numel(shape)
-            xp.assign(flat[off:off + n], xp.reshape(grads[name], (-1,)))
-        for segs in unit.segments:
-            for s in segs:
-                xp.assign(packed[s.packed_start:s.packed_start + s.length], flat[s.unit_start:s.unit_start + s.length])
+        for start, length in unit.padding_runs:
+            xp.assign(packed[start:start + length], pad)
+        flat = [xp.reshape(grads[name], (-1,)) for name in unit.tensor_names]
+        for t, t_start, p_start, length in unit.tensor_pieces:
+            xp.assign(packed[p_start:p_start + length], flat[t][t_start:t_start + length])
         return packed
 
     def _unpack(self, unit: FlatUnit, packed: Any, dtype: str) -> Any:
@@ -370,6 +376,8 @@ class ZeroEngine:
     def _reduce_scatter_into_acc(self, unit: FlatUnit, packed: Any, micro: int) -> None:
         assert self.shard_comm is not None
         part = self.shard_comm.reduce_scatter(packed, self.grad_reduce_op())
+        if self.offload:  # the reduced shard goes to the host accumulator right away
+            self._moved["device_to_host"] += self.xp.nbytes(part)
         off = self.units.shard_offsets[unit.index]
         view = self.grad_acc[off:off + unit.chunk]
         if micro == 0:
@@ -478,6 +486,9 @@ class ZeroEngine:
         after = _snapshot(self.comm.traffic)
         obs = StepObservation(step, loss, local_loss, norm, coef, int(self.opt_state["step"]),
                               self.holdings(), _delta(before, after), memory, t0, t1)
+        if self.offload:
+            self.obs.offload.setdefault("steps", []).append(dict(self._moved))
+            self._moved = {"host_to_device": 0, "device_to_host": 0}
         self.observe(obs)
         return obs
 
@@ -488,9 +499,12 @@ class ZeroEngine:
         """After the step: the working copy the next forward uses."""
         xp = self.xp
         if self.sharded_params:
-            if self.mixed:
-                self.param_shard = self.precision.to_params(self.master, xp)
+            if self.mixed or self.offload:
+                work = self.precision.to_params(self.master, xp)
+                self.param_shard = xp.copy(work) if work is self.master else work
                 self.tracker.alloc("params", "params", xp.nbytes(self.param_shard))
+                if self.offload:  # the updated working shard goes back to the device
+                    self._moved["host_to_device"] += xp.nbytes(self.param_shard)
         elif self.sharded_optim:
             assert self.shard_comm is not None
             work = self.precision.to_params(self.master, xp)
@@ -540,11 +554,13 @@ class ZeroEngine:
                              for n in self.run.spec.state_names}
             obs.grads = ShardValues(pieces, xp.to_numpy(self._stepped_grad, copy=True))
         self._stepped_grad = None
-        gathered = self.full_params_view()
-        obs.gathered_digest = {t.name: digest(gathered[g0:g0 + t.numel])
-                               for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)}
-        if full_values:
-            obs.gathered = gathered
+        if self.run.observe_gathered:
+            gathered = self.full_params_view()
+            if full_values:
+                obs.gathered = gathered
+            else:
+                obs.gathered_digest = {t.name: digest(gathered[g0:g0 + t.numel])
+                                       for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)}
         self.obs.steps.append(obs)
 
     def full_params_view(self) -> Any:

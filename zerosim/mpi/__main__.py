@@ -8,8 +8,10 @@ rank: 0 every contract holds, 1 a contract failed, 2 bad input (printed once), 3
 collective timed out (``rank R failed: ...`` printed once, then ``MPI_Abort``).
 
 MPI-only options: ``--timeout-mode abort|raise`` (how a collective timeout is detected, see
-:mod:`zerosim.comm.mpi`; default ``$ZEROSIM_MPI_TIMEOUT_MODE`` or ``abort``). The collective timeout
-itself is the run's ``timeout_s`` (``--timeout`` of ``zerosim simulate``).
+:mod:`zerosim.comm.mpi`; default ``$ZEROSIM_MPI_TIMEOUT_MODE`` or ``abort``) and
+``--save-observations PATH`` (rank 0 pickles the observations of every rank). The collective
+timeout itself is the run's ``timeout_s`` (``--timeout`` of ``zerosim simulate``). ``--world-size``
+defaults to the number of ranks mpiexec started; a different value is an error.
 
 ``python -m zerosim.mpi bench-worker ...`` is the inside of ``zerosim bench mpi`` (not for direct use).
 """
@@ -19,7 +21,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import pickle
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
@@ -43,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                      default=os.environ.get("ZEROSIM_MPI_TIMEOUT_MODE", "abort"),
                      help="abort: blocking collectives + watchdog that aborts the job (fast, default); "
                           "raise: polled nonblocking collectives that raise CollectiveTimeout")
+    mpi.add_argument("--save-observations", type=Path, default=None, metavar="PATH",
+                     help="rank 0 pickles every rank's RankObservation list to PATH (for comparing backends)")
     return parser
 
 
@@ -108,6 +114,9 @@ def simulate(argv: list[str]) -> NoReturn:
         observations = world.gather(observation, root=0)  # once per run, not the data path
         code = 0
         if rank == 0:
+            if args.save_observations is not None:
+                with open(args.save_observations, "wb") as f:
+                    pickle.dump(observations, f)
             code = render(evaluate(cfg, observations), getattr(args, "json", False))
         return int(world.bcast(code, root=0))
 

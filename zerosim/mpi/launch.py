@@ -50,6 +50,17 @@ def find_mpiexec() -> list[str]:
                       "(pip install 'zerosim[mpi]', which brings the mpich wheel) or set ZEROSIM_MPIEXEC")
 
 
+def mpi_unavailable_reason() -> str | None:
+    """Why MPI runs cannot happen here (no mpi4py, no mpiexec), or None when they can. For test skips."""
+    if importlib.util.find_spec("mpi4py") is None:
+        return "mpi4py is not installed (pip install 'zerosim[mpi]')"
+    try:
+        find_mpiexec()
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def require_mpi4py() -> None:
     """ConfigError unless mpi4py is importable (checked without initialising MPI in this process)."""
     if importlib.util.find_spec("mpi4py") is None:

@@ -52,9 +52,6 @@ class ReportConfig:
         if self.large_world_size % self.large_ranks_per_node:
             raise ConfigError("large_ranks_per_node", self.large_ranks_per_node,
                               f"must divide large_world_size={self.large_world_size}")
-        if self.offload_world_size % self.ranks_per_node and self.ranks_per_node <= self.offload_world_size:
-            raise ConfigError("ranks_per_node", self.ranks_per_node,
-                              f"must divide offload_world_size={self.offload_world_size}")
 
     @property
     def measured_world_size(self) -> int:

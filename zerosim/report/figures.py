@@ -145,12 +145,20 @@ def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(1, max(len(backends), 1), figsize=(6.5 * max(len(backends), 1), 4.6), squeeze=False)
     for ax, backend in zip(axes[0], backends, strict=False):
         series = data["backends"][backend]["series"]
+        steps_max = 1
         for i, (name, errs) in enumerate(series.items()):
             steps = list(range(1, len(errs) + 1))
-            ax.plot(steps, [max(e, 1e-300) for e in errs], marker=MARKERS[i % len(MARKERS)], label=short_name(name))
-        ax.set_yscale("symlog", linthresh=1e-12)
+            steps_max = max(steps_max, len(errs))
+            ax.plot(steps, errs, marker=MARKERS[i % len(MARKERS)], markersize=7 - i * 0.7, alpha=0.85,
+                    label=short_name(name))
+        values = [e for errs in series.values() for e in errs]
+        if values and min(values) > 0:
+            ax.set_yscale("log")
+        else:
+            ax.set_yscale("symlog", linthresh=max(min((v for v in values if v > 0), default=1e-12), 1e-300))
+        ax.set_xticks(range(1, steps_max + 1))
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("max |param - ground truth| (0 = bitwise equal)")
+        ax.set_ylabel("max |fp32 master - ground truth|")
         ax.set_title(f"MEASURED on {backend}: {data['backends'][backend]['title']}", fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
@@ -160,23 +168,25 @@ def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
 
 
 def plot_offload_timeline(data: dict[str, Any], path: Path) -> Path:
-    """Device (and host) bytes after each event of one ZeRO-3 offload step; source stated in the title."""
-    fig, ax = plt.subplots(figsize=(13, 4.8))
+    """One panel per source (measured tracker timeline, modelled schedule): bytes after each event."""
+    panels = data["panels"]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(13, 4.2 * len(panels)), squeeze=False)
     unit = data["unit"]
-    for series in data["series"]:
-        pts = series["points"]
-        xs = list(range(len(pts)))
-        ax.step(xs, [to_unit(p["device"], unit) for p in pts], where="post",
-                label=f"device, {series['label']}", linewidth=1.6)
-        if any(p.get("host") for p in pts):
-            ax.step(xs, [to_unit(p["host"], unit) for p in pts], where="post", linestyle="--",
-                    label=f"host, {series['label']}", linewidth=1.0)
-    first = data["series"][0]["points"]
-    step = max(1, len(first) // 24)
-    ax.set_xticks(range(0, len(first), step), [first[i]["event"][:28] for i in range(0, len(first), step)],
-                  rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel(f"bytes [{unit}]")
-    ax.set_title(data["title"], fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, panel in zip(axes[:, 0], panels, strict=True):
+        longest = max(panel["series"], key=lambda s: len(s["points"]))["points"]
+        for series in panel["series"]:
+            pts = series["points"]
+            xs = list(range(len(pts)))
+            ax.step(xs, [to_unit(p["device"], unit) for p in pts], where="post", linewidth=1.6,
+                    linestyle=series.get("linestyle", "-"), label=series["label"])
+            if series.get("show_host") and any(p.get("host") for p in pts):
+                ax.step(xs, [to_unit(p["host"], unit) for p in pts], where="post", linestyle=":", linewidth=1.2,
+                        label=series.get("host_label", f"host, {series['label']}"))
+        step = max(1, len(longest) // 30)
+        ax.set_xticks(range(0, len(longest), step), [longest[i]["event"][:32] for i in range(0, len(longest), step)],
+                      rotation=60, ha="right", fontsize=6)
+        ax.set_ylabel(f"bytes [{unit} = {UNITS[unit]:,} B]")
+        ax.set_title(panel["title"], fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
     return _save(fig, path)

@@ -1,0 +1,73 @@
+"""MpiCommunicator under real mpiexec: every collective against numpy, traffic against ring_bytes.
+
+The checks run inside tests/mpi_programs/comm_checks.py (every rank computes the expected result
+itself from seeded inputs); these tests launch it and read its verdict. Also: the launcher's
+argument forwarding and mpiexec discovery, which need no MPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerosim.errors import ConfigError
+from zerosim.mpi.launch import find_mpiexec, forward_argv, mpi_unavailable_reason, run_mpiexec
+
+PROGRAMS = Path(__file__).parent / "mpi_programs"
+REASON = mpi_unavailable_reason()
+needs_mpi = pytest.mark.skipif(REASON is not None, reason=f"MPI unavailable: {REASON}")
+
+
+@pytest.mark.mpi
+@needs_mpi
+@pytest.mark.parametrize(("ranks", "mode"), [(1, "abort"), (2, "abort"), (3, "abort"), (4, "abort"), (4, "raise")])
+def test_collectives_match_numpy_and_traffic_matches_ring_model(ranks: int, mode: str) -> None:
+    result = run_mpiexec(ranks, [str(PROGRAMS / "comm_checks.py"), mode], timeout_s=120)
+    assert result.returncode == 0, result.stderr
+    lines = set(result.stdout.splitlines())
+    for check in ("OK reduce float32 avg", "OK reduce bfloat16 sum", "OK reduce float16 max",
+                  "OK gather/broadcast bfloat16", "OK gather/broadcast complex64", "OK out=", "OK scalar+barrier",
+                  "OK bad input", "OK traffic"):
+        assert check in lines, f"{check!r} missing from {sorted(lines)}"
+    assert ("OK split" in lines) == (ranks % 2 == 0)
+
+
+def test_forward_argv_round_trips_every_kind_of_option() -> None:
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default="tiny")
+        p.add_argument("--world-size", type=int, default=4)
+        p.add_argument("--steps", type=int, default=3)
+        p.add_argument("--json", action="store_true")
+        p.add_argument("--no-clip", dest="clip", action="store_false")
+        p.add_argument("--ranks", type=int, nargs="+", default=[2])
+        p.add_argument("--tag", action="append")
+        p.add_argument("--flag", action=argparse.BooleanOptionalAction, default=True)
+        p.add_argument("--backend", default="sim")
+
+    p = argparse.ArgumentParser()
+    add(p)
+    argv = ["--model", "sim-10m", "--steps", "5", "--json", "--no-clip", "--ranks", "2", "4", "--tag", "a",
+            "--tag", "b", "--no-flag", "--backend", "mpi"]
+    args = p.parse_args(argv)
+    forwarded = forward_argv(args, add, drop=("backend",))
+    assert "--backend" not in forwarded and "--world-size" not in forwarded  # dropped / at its default
+    again = p.parse_args(forwarded)
+    assert vars(again) == {**vars(args), "backend": "sim"}
+
+
+def test_find_mpiexec_honours_the_override_and_names_a_bad_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZEROSIM_MPIEXEC", f"{sys.executable} --flag")
+    assert find_mpiexec() == [sys.executable, "--flag"]
+    monkeypatch.setenv("ZEROSIM_MPIEXEC", "/nonexistent/mpiexec -f hosts")
+    with pytest.raises(ConfigError, match="ZEROSIM_MPIEXEC"):
+        find_mpiexec()
+
+
+def test_run_mpiexec_rejects_bad_sizes_and_timeouts() -> None:
+    with pytest.raises(ConfigError, match="world_size"):
+        run_mpiexec(0, ["x.py"], 10)
+    with pytest.raises(ConfigError, match="launch_timeout"):
+        run_mpiexec(2, ["x.py"], 0)

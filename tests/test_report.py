@@ -1,0 +1,100 @@
+"""``zerosim report`` on a small configuration: PNGs that are real images, an index that states every
+figure, JSON that agrees with the models and the measurements."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import matplotlib.image as mpimg
+import pytest
+
+from zerosim.cli import main
+from zerosim.cost.memory_model import memory_per_rank
+from zerosim.report.build import build_report
+from zerosim.report.config import ReportConfig
+
+FIGURES = ("memory_by_strategy", "memory_vs_dp", "comm_volume", "equivalence_error", "offload_timeline")
+
+
+@pytest.fixture(scope="module")
+def small_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report")
+    cfg = ReportConfig(world_sizes=(1, 2, 4), ranks_per_node=2, steps=2, offload_world_size=4, mpi=False,
+                       deepspeed=False, dp_degrees=(1, 8, 64))
+    return build_report(out, cfg, progress=False), out
+
+
+def test_every_figure_is_a_real_png_with_its_json(small_report):
+    result, out = small_report
+    assert [f.name for f in result.figures] == list(FIGURES)
+    for name in FIGURES:
+        png = out / f"{name}.png"
+        assert png.stat().st_size > 20_000
+        img = mpimg.imread(png)
+        assert img.shape[0] > 300 and img.shape[1] > 600 and float(img[..., :3].std()) > 0.05  # not blank
+        data = json.loads((out / f"{name}.json").read_text())
+        assert data
+
+
+def test_index_links_and_states_every_figure(small_report):
+    result, out = small_report
+    index = (out / "index.md").read_text()
+    for f in result.figures:
+        assert f"]({f.png})" in index and f"]({f.json})" in index and f.title in index
+        assert all(w[:60] in index for w in f.words)
+    assert "MODELLED" in index and "MEASURED" in index and "torch.distributed" in index
+    for table in ("model_vs_measured.json", "padding_demo.json", "deepspeed.json", "mpi.json"):
+        assert f"({table})" in index and (out / table).exists()
+    # every figure section says in words what is measured and what is modelled
+    sections = re.split(r"^### ", index, flags=re.M)[1:]
+    assert len(sections) == len(FIGURES)
+    assert all(("MODELLED" in s or "MEASURED" in s) for s in sections)
+
+
+def test_json_matches_the_models_and_the_measurements(small_report):
+    _, out = small_report
+    by_strategy = json.loads((out / "memory_by_strategy.json").read_text())
+    for name, parts in by_strategy["large"]["strategies"].items():
+        est = memory_per_rank(7.5e9, name, by_strategy["large"]["world_size"]).per_rank
+        assert sum(parts.values()) == est.total.device
+    assert sum(by_strategy["large"]["strategies"]["full_shard"].values()) == 1_875_000_000
+    for entry in by_strategy["small"]["strategies"].values():
+        assert entry["model"] == entry["measured"]  # the simulator allocates exactly what the model says
+    rows = json.loads((out / "model_vs_measured.json").read_text())
+    assert {r["world_size"] for r in rows} == {1, 2, 4}
+    for r in rows:
+        for cat in ("params", "grads", "optimizer_states", "total", "transient"):
+            assert r[cat]["rel_diff"] == 0.0 and r[cat]["measured"] == r[cat]["model"]
+        assert r["traffic"]["rel_diff"] == 0.0
+    vs_dp = json.loads((out / "memory_vs_dp.json").read_text())
+    for name, pts in vs_dp["small"]["measured"].items():
+        for ws, measured in pts.items():
+            assert measured == vs_dp["small"]["curves"][name][vs_dp["small"]["world_sizes"].index(int(ws))]
+    comm = json.loads((out / "comm_volume.json").read_text())
+    for e in comm["small"]["strategies"].values():
+        assert e["model"] == e["measured"]
+    eq = json.loads((out / "equivalence_error.json").read_text())
+    sim = eq["backends"]["simulator"]
+    assert sim["ordered_reference_max"] == 0.0 and all(max(v) < 1e-5 for v in sim["series"].values())
+    timeline = json.loads((out / "offload_timeline.json").read_text())
+    assert timeline["measured_peak_without_activations"] == timeline["modelled_peak_same_settings"]
+    assert timeline["measured_host"] == timeline["modelled_host_same_settings"]
+    padding = json.loads((out / "padding_demo.json").read_text())
+    assert any(r["rel_diff_vs_paper_model"] > 0 and "padding" in r["explanation"] for c in padding for r in c["rows"])
+    assert all(r["rel_diff_vs_engine_model"] == 0 for c in padding for r in c["rows"])
+
+
+def test_report_cli_small_run_and_bad_input(tmp_path, capsys):
+    code = main(["report", "--out", str(tmp_path / "r"), "--world-sizes", "1,2", "--steps", "1", "--no-mpi",
+                 "--no-deepspeed", "--quiet", "--large-world-size", "16", "--large-ranks-per-node", "4"])
+    out = capsys.readouterr().out
+    assert code == 0 and "index.md" in out and (tmp_path / "r" / "index.md").exists()
+    for argv, field in ((["--world-sizes", "0"], "world-sizes"), (["--world-sizes", "a,b"], "world-sizes"),
+                        (["--steps", "-1"], "steps"), (["--model", "huge"], "model"),
+                        (["--large-world-size", "64", "--large-ranks-per-node", "3"], "large-ranks-per-node"),
+                        (["--large-params", "x"], "large-params"), (["--precision", "fp8"], "precision")):
+        code = main(["report", "--out", str(tmp_path / "bad"), "--quiet", *argv])
+        err = capsys.readouterr().err
+        assert code == 2 and field in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "bad").exists()

@@ -1,0 +1,108 @@
+"""The failure policy of one torchrun rank: a failing rank ends the whole job, loudly and once.
+
+A rank that raises prints ``rank R failed: <Type>: <message>`` on stderr (a traceback too when the
+error is not one of ours, i.e. a bug) and leaves at once with :data:`EXIT_RANK_FAILED` through
+``os._exit`` (no process-group teardown that could block on a dead peer). Its peers then fail
+fast: gloo reports "connection closed by peer" in their next collective, and torchrun's agent
+stops the remaining workers as soon as one exits non-zero. Ranks that fail together (the same
+error on every rank, a collective that times out on every rank that arrived) agree through the
+job's store who prints: the first to claim it (:meth:`zerogpu.progress.ProgressBoard.claim_report`).
+Serves the "distributed runs never hang; a failing rank ends the run non-zero" rule.
+
+Exit statuses (the same as ``zerosim simulate`` and the MPI backend): 0 every contract holds,
+1 a contract failed, 2 bad input (printed once, by rank 0, before any process group exists),
+3 a rank failed or a collective timed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from zerosim.errors import ZeroSimError
+
+EXIT_RANK_FAILED = 3
+
+
+def env_rank() -> int:
+    """This process's global rank from torchrun's environment (0 outside torchrun)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def parse_once(parser: Any, argv: list[str]) -> Any:
+    """argparse on every rank, its messages (usage errors, --help) printed by rank 0 only."""
+    quiet = open(os.devnull, "w") if env_rank() != 0 else None  # noqa: SIM115 - closed below
+    try:
+        with contextlib.redirect_stdout(quiet or sys.stdout), contextlib.redirect_stderr(quiet or sys.stderr):
+            return parser.parse_args(argv)
+    finally:
+        if quiet is not None:
+            quiet.close()
+
+
+def fail_on_bad_input(error: ZeroSimError) -> NoReturn:
+    """Bad input found by every rank alike (validation is deterministic): rank 0 prints, all exit 2."""
+    if env_rank() == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def report_failure(error: BaseException) -> None:
+    """Print ``rank R failed: ...`` if this rank is the first failed rank of the job."""
+    from .comm import current_job
+
+    job = current_job()
+    rank = job.world_rank if job is not None else env_rank()
+    reporter = True if job is None else job.board.claim_report()
+    if not reporter:
+        return
+    detail = "" if isinstance(error, ZeroSimError) else "\n" + "".join(traceback.format_exception(error)).rstrip()
+    print(f"rank {rank} failed: {type(error).__name__}: {error}{detail}", file=sys.stderr, flush=True)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+
+
+def run_rank(body: Callable[[], int]) -> NoReturn:
+    """Run ``body`` on this rank; exit with its status, or end the job if it raises."""
+    try:
+        code = int(body() or 0)
+    except SystemExit as e:
+        if e.code in (0, None):
+            _finish(0)
+        _flush()
+        os._exit(e.code if isinstance(e.code, int) else EXIT_RANK_FAILED)
+    except KeyboardInterrupt:
+        _flush()
+        os._exit(130)
+    except BaseException as e:  # noqa: BLE001 - any failure of any rank must end every rank
+        report_failure(e)
+        _flush()
+        os._exit(EXIT_RANK_FAILED)
+    _finish(code)
+
+
+def _finish(code: int) -> NoReturn:
+    """Normal end: tear the process group down (every rank got here, so nothing blocks) and exit."""
+    import torch.distributed as dist
+
+    from .comm import current_job
+
+    job = current_job()
+    if job is not None:
+        job.board.stop()
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _flush()
+    sys.exit(code)

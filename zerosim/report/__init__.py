@@ -1,0 +1,1 @@
+"""zerosim report: figures, JSON and index.md (see build.py)."""

@@ -1,0 +1,41 @@
+"""``mpiexec -n N python -m zerosim.report.mpi_worker CONFIG_JSON OUT.pkl``: the report's MPI measurement.
+
+Every rank runs the engine's SPMD program (:func:`zerosim.engine.spmd.rank_program`) on an
+:class:`~zerosim.comm.mpi.MpiCommunicator`; rank 0 gathers the observations (once per run, not the
+data path) and pickles them to ``OUT.pkl`` for :func:`zerosim.report.measure.run_under_mpi`. A failing
+rank aborts the whole job (:func:`zerosim.mpi.rank.run_rank`).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+
+
+def main(argv: list[str]) -> None:
+    from mpi4py import MPI
+
+    from ..comm.mpi import MpiCommunicator
+    from ..engine.spmd import RunConfig, rank_program
+    from ..mpi.rank import run_rank
+
+    spec, out_path = json.loads(argv[0]), argv[1]
+    world = MPI.COMM_WORLD
+
+    def body() -> int:
+        cfg = RunConfig(**spec)
+        comm = MpiCommunicator(world, timeout_s=cfg.timeout_s)
+        observation = rank_program(comm, cfg)
+        observations = world.gather(observation, root=0)
+        if world.Get_rank() == 0:
+            with open(out_path, "wb") as f:
+                pickle.dump(observations, f)
+        world.Barrier()
+        return 0
+
+    run_rank(body)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
