@@ -13,7 +13,14 @@ import pytest
 
 from zerosim.engine.spmd import RunConfig, simulate_observations
 from zerosim.model import SimModelConfig
-from zerosim.report.measure import memory_comparison, modelled_for_run, run_under_mpi, traffic_comparison
+from zerosim.report.measure import (
+    memory_comparison,
+    modelled_for_run,
+    run_under_mpi,
+    run_under_torch,
+    torch_unavailable_reason,
+    traffic_comparison,
+)
 
 ODD = SimModelConfig(vocab_size=37, d_model=12, n_layer=3, d_ff=20, seq_len=4, batch_size=2)  # 2,175 params
 
@@ -124,3 +131,20 @@ def test_model_equals_measured_under_mpiexec_at_two_ranks():
         _check_exact(memory_comparison(run, res.observations), run)
         t = traffic_comparison(run, res.observations)
         assert t["measured"]["sent_max_rank"] == t["model"]["sent"]
+
+
+@pytest.mark.torchdist
+def test_model_equals_measured_under_torchrun_at_two_ranks():
+    """The torch.distributed backend (zerogpu, gloo on CPU, torch arrays) allocates and sends what the
+    models say, like the simulator and MPI."""
+    reason = torch_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cfgs = [RunConfig(model="tiny", world_size=2, strategy=s, steps=1, prefetch=1) for s in ("zero2", "zero3")]
+    res = run_under_torch(cfgs, 2, timeout_s=240)
+    assert res.error is None, res.error
+    for cfg, obs in zip(cfgs, res.observations, strict=True):
+        assert [o.backend for o in obs] == ["torch", "torch"]
+        run = cfg.resolve()
+        _check_exact(memory_comparison(run, obs), run)
+        assert traffic_comparison(run, obs)["measured"]["sent_max_rank"] == traffic_comparison(run, obs)["model"]["sent"]

@@ -21,7 +21,7 @@ FIGURES = ("memory_by_strategy", "memory_vs_dp", "comm_volume", "equivalence_err
 def small_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("report")
     cfg = ReportConfig(world_sizes=(1, 2, 4), ranks_per_node=2, steps=2, offload_world_size=4, mpi=False,
-                       deepspeed=False, dp_degrees=(1, 8, 64))
+                       torch=False, deepspeed=False, dp_degrees=(1, 8, 64))
     return build_report(out, cfg, progress=False), out
 
 
@@ -44,7 +44,7 @@ def test_index_links_and_states_every_figure(small_report):
         assert f"]({f.png})" in index and f"]({f.json})" in index and f.title in index
         assert all(w[:60] in index for w in f.words)
     assert "MODELLED" in index and "MEASURED" in index and "torch.distributed" in index
-    for table in ("model_vs_measured.json", "padding_demo.json", "deepspeed.json", "mpi.json"):
+    for table in ("model_vs_measured.json", "padding_demo.json", "deepspeed.json", "mpi.json", "torch.json"):
         assert f"({table})" in index and (out / table).exists()
     # every figure section says in words what is measured and what is modelled
     sections = re.split(r"^### ", index, flags=re.M)[1:]
@@ -87,7 +87,7 @@ def test_json_matches_the_models_and_the_measurements(small_report):
 
 def test_report_cli_small_run_and_bad_input(tmp_path, capsys):
     code = main(["report", "--out", str(tmp_path / "r"), "--world-sizes", "1,2", "--steps", "1", "--no-mpi",
-                 "--no-deepspeed", "--quiet", "--large-world-size", "16", "--large-ranks-per-node", "4"])
+                 "--no-torch", "--no-deepspeed", "--quiet", "--large-world-size", "16", "--large-ranks-per-node", "4"])
     out = capsys.readouterr().out
     assert code == 0 and "index.md" in out and (tmp_path / "r" / "index.md").exists()
     for argv, field in ((["--world-sizes", "0"], "world-sizes"), (["--world-sizes", "a,b"], "world-sizes"),

@@ -34,8 +34,9 @@ import numpy as np
 from ..dtypes import itemsize
 from ..intervals import first_difference
 from ..layout import ParamLayout
-from ..observe import RankObservation, ShardValues
+from ..observe import RankObservation, ShardValues, digest
 from ..verdict import Verdict, Violation
+from ..xp import numpy_namespace
 
 MAX_PER_CLAUSE = 8
 
@@ -305,6 +306,16 @@ def check_post_gather_identity(observations: Sequence[RankObservation], *, layou
             for rank in members:
                 so = next(s for s in by_rank[rank].steps if s.step == step)
                 if so.gathered is None:
+                    if so.gathered_digest and layout is not None and "params" in so.holdings:
+                        checked += 1
+                        cast = master.astype(numpy_namespace().dtype(so.holdings["params"].dtype))
+                        want = {t.name: digest(cast[g0:g0 + t.numel])
+                                for t, g0 in zip(layout.tensors, layout.offsets, strict=True)}
+                        bad = sorted(t for t, d in so.gathered_digest.items() if want.get(t) != d)
+                        if bad:
+                            col.add("matches_master", f"rank {rank} computes with weights that are not the updated "
+                                    f"master of its shard group (stale?) in {len(bad)} tensors (digests)",
+                                    step=step, ranks=(rank,), tensor=bad[0])
                     continue
                 checked += 1
                 expected = master.astype(so.gathered.dtype)

@@ -1,7 +1,7 @@
 """``zerosim report``: PNG figures, their JSON and an index.md, model vs measured, under reports/.
 
 With no arguments: the ZeRO paper's 7.5B at N_d = 64 (modelled) and the simulator's ``tiny`` model
-at world sizes 1, 2, 4, 8 (measured; MPI at 2 ranks when mpi4py works) into
+at world sizes 1, 2, 4, 8 (measured; MPI and torch.distributed at 2 ranks when they work) into
 ``reports/report-YYYYmmdd-HHMMSS/``. Takes well under a minute on two cores.
 """
 
@@ -33,6 +33,7 @@ def register(sub) -> None:
     p.add_argument("--large-world-size", default="64", help="N_d of the modelled figures (default 64)")
     p.add_argument("--large-ranks-per-node", default="8", help="ranks per node of the modelled figures (default 8)")
     p.add_argument("--no-mpi", action="store_true", help="skip the mpiexec measurements")
+    p.add_argument("--no-torch", action="store_true", help="skip the torchrun (torch.distributed, gloo) measurements")
     p.add_argument("--no-deepspeed", action="store_true", help="do not call the real DeepSpeed estimator")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -65,7 +66,7 @@ def config_from_args(args):
         large_world_size=large_ws, large_ranks_per_node=large_rpn, sim_model=args.model,
         world_sizes=world_sizes, ranks_per_node=rpn, steps=positive_int("steps", args.steps),
         precision=args.precision, optimizer=args.optimizer, partitioner=args.partitioner,
-        offload_world_size=offload_ws, mpi=not args.no_mpi, deepspeed=not args.no_deepspeed)
+        offload_world_size=offload_ws, mpi=not args.no_mpi, torch=not args.no_torch, deepspeed=not args.no_deepspeed)
     # validate the engine options once, before anything runs (names the bad field)
     RunConfig(model=cfg.sim_model, world_size=max(world_sizes), strategy="full_shard", precision=cfg.precision,
               optimizer=cfg.optimizer, partitioner=cfg.partitioner, steps=cfg.steps).validate()

@@ -27,7 +27,8 @@ from .flat_buffers import UnitPlan, build_unit_plan
 SCHEDULES = ("serial", "parallel")
 OBSERVE_LEVELS = ("full", "digest", "none", "auto")
 XP_NAMES = ("numpy", "torch")
-AUTO_FULL_LIMIT = 20_000_000  # elements kept per run (world * steps * params) before "auto" stores digests
+AUTO_FULL_LIMIT = 20_000_000    # world * steps * params above which "auto" keeps digests of gathered weights
+AUTO_VALUES_LIMIT = 30_000_000  # steps * params above which "auto" keeps no shard values (C-ZERO-002 skipped)
 
 
 @dataclass(frozen=True)
@@ -151,8 +152,12 @@ class ResolvedRun:
             raise ConfigError("model", cfg.model, "has no parameters")
         # unit plan last: it runs the partitioner (cheap; O(tensors * ranks))
         self.unit_plan: UnitPlan = build_unit_plan(self.layout, self.strategy, self.partitioner, self.world_size)
-        total = self.layout.total_numel * self.world_size * self.steps
-        self.observe_full = cfg.observe == "full" or (cfg.observe == "auto" and total <= AUTO_FULL_LIMIT)
+        # What ranks keep for the contracts (memory!): shard values (master, optimizer state: about
+        # 3 x params per step over all ranks), every rank's full gathered weights (world x params per step).
+        psi_steps = self.layout.total_numel * self.steps
+        auto = cfg.observe == "auto"
+        self.observe_values = cfg.observe == "full" or (auto and psi_steps <= AUTO_VALUES_LIMIT)
+        self.observe_full = cfg.observe == "full" or (auto and psi_steps * self.world_size <= AUTO_FULL_LIMIT)
         self.observe_gathered = cfg.observe != "none"  # "none": timing runs (the benchmark) observe nothing
 
     @cached_property

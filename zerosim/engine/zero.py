@@ -545,22 +545,22 @@ class ZeroEngine:
         return out
 
     def observe(self, obs: StepObservation) -> None:
-        xp = self.xp
-        full_values = self.run.observe_full
+        """Copy what the contracts need out of the live state (after the timed part of the step)."""
+        xp, run = self.xp, self.run
         pieces = self.owned_pieces
-        if full_values:
+        if run.observe_values:
             obs.master = ShardValues(pieces, xp.to_numpy(self.master, copy=True))
             obs.optimizer = {n: ShardValues(pieces, xp.to_numpy(self.opt_state[n], copy=True))
-                             for n in self.run.spec.state_names}
-            obs.grads = ShardValues(pieces, xp.to_numpy(self._stepped_grad, copy=True))
+                             for n in run.spec.state_names}
+            if run.observe_full:
+                obs.grads = ShardValues(pieces, xp.to_numpy(self._stepped_grad, copy=True))
         self._stepped_grad = None
-        if self.run.observe_gathered:
+        if run.observe_gathered:
             gathered = self.full_params_view()
-            if full_values:
+            if run.observe_full:
                 obs.gathered = gathered
             else:
-                obs.gathered_digest = {t.name: digest(gathered[g0:g0 + t.numel])
-                                       for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)}
+                obs.gathered_digest = tensor_digests(self.layout, gathered)
         self.obs.steps.append(obs)
 
     def full_params_view(self) -> Any:
@@ -590,6 +590,11 @@ class ZeroEngine:
 
 
 # ---- small helpers ----------------------------------------------------------------------------------
+
+def tensor_digests(layout: Any, flat: Any) -> dict[str, str]:
+    """Per-tensor digests of a full flat numpy array (C-ZERO-003 on large runs)."""
+    return {t.name: digest(flat[g0:g0 + t.numel]) for t, g0 in zip(layout.tensors, layout.offsets, strict=True)}
+
 
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1

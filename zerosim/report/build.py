@@ -4,7 +4,8 @@ Everything modelled comes from the closed forms (:mod:`zerosim.cost.memory_model
 :mod:`zerosim.cost.comm_model`, :mod:`zerosim.cost.memory_timeline`); everything measured comes from
 engine runs on the in-process simulator and, when mpi4py works, under ``mpiexec`` (the ranks' own
 live-array bytes, memory-tracker timelines and traffic counters). Each figure and table says which
-is which. No torch.distributed backend exists yet, so there is no torch column.
+is which. The torch.distributed backend (zerogpu, gloo on CPU) is measured under ``torchrun`` when
+it is importable.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .measure import (
     memory_comparison,
     modelled_for_run,
     run_under_mpi,
+    run_under_torch,
     traffic_comparison,
 )
 
@@ -168,6 +170,27 @@ def _measure_mpi(cfg: ReportConfig, tick: Callable[[str], None]) -> dict[str, An
     return out
 
 
+def _measure_torch(cfg: ReportConfig, tick: Callable[[str], None]) -> dict[str, Any]:
+    """The MPI set of strategies under torchrun (one launch, gloo on CPU, torch arrays)."""
+    out: dict[str, Any] = {"world_size": cfg.torch_world_size, "runs": {}, "error": None, "wall_s": 0.0}
+    tick(f"torchrun --nproc-per-node {cfg.torch_world_size}: {len(MPI_STRATEGIES)} strategies")
+    cfgs = [RunConfig(model=cfg.sim_model, world_size=cfg.torch_world_size, strategy=name, steps=cfg.steps,
+                      precision=cfg.precision, optimizer=cfg.optimizer, partitioner=cfg.partitioner, observe="full",
+                      xp="torch") for name in MPI_STRATEGIES]
+    res = run_under_torch(cfgs, cfg.torch_world_size)
+    out["wall_s"] = res.wall_s
+    if res.error:
+        out["error"] = res.error
+        return out
+    assert res.observations is not None
+    for name, rc, obs in zip(MPI_STRATEGIES, cfgs, res.observations, strict=True):
+        run = rc.resolve()
+        out["runs"][name] = {"memory": memory_comparison(run, obs), "traffic": traffic_comparison(run, obs),
+                             "ground_truth_error": equivalence_errors(run, obs, independent_reference(run)),
+                             "wall_s": res.wall_s / len(cfgs)}
+    return out
+
+
 # -------------------------------------------------------------------------------------------------
 # figure data
 # -------------------------------------------------------------------------------------------------
@@ -298,7 +321,8 @@ def _fig_comm(cfg: ReportConfig, runs: dict[str, Any]) -> Figure:
                   data, words)
 
 
-def _fig_equivalence(cfg: ReportConfig, runs: dict[str, Any], mpi: dict[str, Any] | None) -> Figure:
+def _fig_equivalence(cfg: ReportConfig, runs: dict[str, Any], mpi: dict[str, Any] | None,
+                     torch_runs: dict[str, Any] | None) -> Figure:
     W = cfg.offload_world_size if any(k.startswith(f"{cfg.offload_world_size}/") for k in runs) else cfg.measured_world_size
     sim_series = {k.split("/", 1)[1]: v["ground_truth_error"] for k, v in runs.items()
                   if k.startswith(f"{W}/") and "ground_truth_error" in v}
@@ -311,8 +335,11 @@ def _fig_equivalence(cfg: ReportConfig, runs: dict[str, Any], mpi: dict[str, Any
         backends["mpi"] = {"title": f"mpiexec -n {mpi['world_size']}, max |master - ground truth|",
                            "series": {k: v["ground_truth_error"] for k, v in mpi["runs"].items()},
                            "error": mpi["error"]}
-    backends["torch.distributed"] = {"title": "not available", "series": {},
-                                     "error": "no torch.distributed backend exists yet (zerogpu is not written)"}
+    if torch_runs is not None:
+        backends["torch.distributed"] = {
+            "title": f"torchrun -n {torch_runs['world_size']} (gloo, CPU), max |master - ground truth|",
+            "series": {k: v["ground_truth_error"] for k, v in torch_runs["runs"].items()},
+            "error": torch_runs["error"]}
     data = {"backends": backends, "precision": cfg.precision, "steps": cfg.steps}
     worst = max((max(v) for v in sim_series.values() if v), default=0.0)
     words = [
@@ -327,7 +354,14 @@ def _fig_equivalence(cfg: ReportConfig, runs: dict[str, Any], mpi: dict[str, Any
         words.append(f"Under mpiexec with {mpi['world_size']} ranks (mpi4py) the same comparison gives at most {mw:.3g}.")
     elif mpi is not None:
         words.append(f"No MPI panel: {mpi['error']}.")
-    words.append("There is no torch.distributed panel: that backend does not exist yet in this project.")
+    if torch_runs is not None and torch_runs["runs"]:
+        tw = max((max(v["ground_truth_error"]) for v in torch_runs["runs"].values()), default=0.0)
+        words.append(f"Under torchrun with {torch_runs['world_size']} ranks (torch.distributed, gloo on CPU, torch "
+                     f"arrays) it is at most {tw:.3g}.")
+    elif torch_runs is not None:
+        words.append(f"No torch.distributed panel: {torch_runs['error']}.")
+    else:
+        words.append("No torch.distributed panel: not requested (--no-torch).")
     return Figure("equivalence_error", "Equivalence error per step per backend", "equivalence_error.png",
                   "equivalence_error.json", data, words)
 
@@ -449,7 +483,7 @@ def build_report(out_dir: str | Path, config: ReportConfig | None = None, progre
     timings: dict[str, float] = {}
     notes: list[str] = []
     n_runs = sum(len(_strategy_names(ws, cfg.ranks_per_node)) for ws in cfg.world_sizes)
-    total = n_runs + 3 * len(cfg.world_sizes) + (len(MPI_STRATEGIES) if cfg.mpi else 0) + 7
+    total = n_runs + 3 * len(cfg.world_sizes) + (len(MPI_STRATEGIES) if cfg.mpi else 0) + int(cfg.torch) + 7
     t_all = time.perf_counter()
     with _Progress(progress, total) as bar:
         t = time.perf_counter()
@@ -465,6 +499,13 @@ def build_report(out_dir: str | Path, config: ReportConfig | None = None, progre
             timings["mpi_s"] = time.perf_counter() - t
             if mpi["error"]:
                 notes.append(f"MPI measurements skipped: {mpi['error']}")
+        torch_runs = None
+        if cfg.torch:
+            t = time.perf_counter()
+            torch_runs = _measure_torch(cfg, bar.step)
+            timings["torch_s"] = time.perf_counter() - t
+            if torch_runs["error"]:
+                notes.append(f"torch.distributed measurements skipped: {torch_runs['error']}")
         figs = []
         t = time.perf_counter()
         bar.describe("figure: memory by strategy")
@@ -477,7 +518,7 @@ def build_report(out_dir: str | Path, config: ReportConfig | None = None, progre
         figs.append(_fig_comm(cfg, runs))
         figures.plot_comm_volume(figs[-1].data, out / figs[-1].png)
         bar.step("figure: equivalence error")
-        figs.append(_fig_equivalence(cfg, runs, mpi))
+        figs.append(_fig_equivalence(cfg, runs, mpi, torch_runs))
         figures.plot_equivalence_error(figs[-1].data, out / figs[-1].png)
         bar.step("figure: offload timeline")
         figs.append(_fig_offload_timeline(cfg, runs, bar.describe))
@@ -492,7 +533,7 @@ def build_report(out_dir: str | Path, config: ReportConfig | None = None, progre
         for f in figs:
             (out / f.json).write_text(json.dumps(f.data, indent=1, default=_json_default) + "\n")
         tables = {"model_vs_measured": _table_model_vs_measured(cfg, runs), "padding_demo": padding_demo,
-                  "deepspeed": ds, "mpi": _mpi_table(mpi)}
+                  "deepspeed": ds, "mpi": _mpi_table(mpi), "torch": _mpi_table(torch_runs)}
         for name, table in tables.items():
             (out / f"{name}.json").write_text(json.dumps(table, indent=1, default=_json_default) + "\n")
         timings["total_s"] = time.perf_counter() - t_all

@@ -13,7 +13,8 @@ DEFAULT_DP_DEGREES = tuple(2**i for i in range(11))  # 1 .. 1024
 @dataclass(frozen=True)
 class ReportConfig:
     """Defaults: the ZeRO paper's 7.5B at N_d = 64 (modelled) and the ``tiny`` simulator model at
-    world sizes 1, 2, 4, 8 (measured by the simulator, and by MPI at 2 ranks when mpi4py works)."""
+    world sizes 1, 2, 4, 8 (measured by the simulator, and at 2 ranks by MPI when mpi4py works and by
+    torch.distributed (gloo) when torch and zerogpu work)."""
 
     # modelled, large
     large_params: int = 7_500_000_000
@@ -32,6 +33,8 @@ class ReportConfig:
     offload_world_size: int = 4
     mpi: bool = True                          # also measure under mpiexec (2 ranks) when mpi4py works
     mpi_world_size: int = 2
+    torch: bool = True                        # also measure under torchrun (gloo, CPU) when zerogpu works
+    torch_world_size: int = 2
     deepspeed: bool = True                    # call the real DeepSpeed estimator when installed
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -43,6 +46,7 @@ class ReportConfig:
         require_positive_int("ranks_per_node", self.ranks_per_node)
         require_positive_int("offload_world_size", self.offload_world_size)
         require_positive_int("mpi_world_size", self.mpi_world_size)
+        require_positive_int("torch_world_size", self.torch_world_size)
         if not self.world_sizes:
             raise ConfigError("world_sizes", self.world_sizes, "must list at least one world size")
         for w in self.world_sizes:

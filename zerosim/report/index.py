@@ -63,10 +63,12 @@ def write_index(path: Path, cfg: ReportConfig, figs: list[Any], tables: dict[str
     _model_vs_measured(add, tables["model_vs_measured"], cfg)
     _padding(add, tables["padding_demo"], cfg)
     _mpi(add, tables["mpi"])
+    _mpi(add, tables["torch"], "torch.distributed backend (torchrun, gloo on CPU)", "torchrun --nproc-per-node",
+         "torch.json", "--no-torch")
     _deepspeed(add, tables["deepspeed"])
     add("## Not covered")
     add("")
-    add("- torch.distributed: no backend exists yet, so no torch column in any table or figure.")
+    add("- torch.distributed on GPUs (NCCL): this report runs the gloo CPU path only; `python -m zerogpu` covers GPUs.")
     add("- Activations, workspace and allocator fragmentation are measured (activations) but not modelled.")
     add("- CPU offload in the engine: see figure 5 for whether the engine offloads; when it does not, the "
         "offload curve is the memory model's schedule, labelled MODELLED.")
@@ -124,18 +126,19 @@ def _padding(add: Any, rows: list[dict[str, Any]], cfg: ReportConfig) -> None:
     add("")
 
 
-def _mpi(add: Any, mpi: dict[str, Any]) -> None:
-    add("## MPI backend (mpiexec, mpi4py)")
+def _mpi(add: Any, mpi: dict[str, Any], title: str = "MPI backend (mpiexec, mpi4py)", launcher: str = "mpiexec -n",
+         data: str = "mpi.json", flag: str = "--no-mpi") -> None:
+    add(f"## {title}")
     add("")
     if not mpi.get("requested"):
-        add("Not requested (`--no-mpi`). Data: [mpi.json](mpi.json).")
+        add(f"Not requested (`{flag}`). Data: [{data}]({data}).")
         add("")
         return
     if mpi.get("error") and not mpi.get("rows"):
-        add(f"Skipped: {mpi['error']}. Data: [mpi.json](mpi.json).")
+        add(f"Skipped: {mpi['error']}. Data: [{data}]({data}).")
         add("")
         return
-    add(f"MEASURED under `mpiexec -n {mpi['world_size']}`; model = the same memory and ring models.")
+    add(f"MEASURED under `{launcher} {mpi['world_size']}`; model = the same memory and ring models.")
     add("")
     add("| strategy | category | measured [B] | model [B] | rel. diff | note (differences vs the paper's even split) |")
     add("|---|---|---:|---:|---:|---|")
@@ -147,7 +150,7 @@ def _mpi(add: Any, mpi: dict[str, Any]) -> None:
         add(f"| {row['strategy']} | traffic sent/rank/step | {_b(t['measured'])} | {_b(t['model'])} | "
             f"{_pct((t['measured'] - t['model']) / t['model']) if t['model'] else '0'} | ring model |")
     add("")
-    add("Data: [mpi.json](mpi.json).")
+    add(f"Data: [{data}]({data}).")
     add("")
 
 

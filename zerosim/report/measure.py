@@ -254,3 +254,73 @@ def run_under_mpi(cfg: RunConfig, timeout_s: float = 120.0) -> MpiRun:
                           + " | ".join(tail), wall)
         with open(out, "rb") as f:
             return MpiRun(pickle.load(f), None, wall)
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch.distributed (gloo, CPU): the engine under torchrun, observations shipped back likewise
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class TorchRun:
+    observations: list[list[RankObservation]] | None  # per config, per rank
+    error: str | None
+    wall_s: float
+
+
+def torch_unavailable_reason() -> str | None:
+    """Why a torchrun measurement cannot happen here, or None when it can."""
+    import importlib.util
+
+    for mod, why in (("torch", "torch is not installed"), ("zerogpu.comm", "the zerogpu backend is not installed")):
+        try:
+            if importlib.util.find_spec(mod) is None:
+                return why
+        except ModuleNotFoundError:
+            return why
+    return None
+
+
+def run_under_torch(cfgs: Sequence[RunConfig], world_size: int, timeout_s: float = 240.0) -> TorchRun:
+    """Run every config (torch arrays) in one ``torchrun --nproc-per-node world_size`` launch (gloo on CPU),
+    via :mod:`zerosim.report.torch_worker`. The whole launch has a wall-clock timeout: on expiry its
+    process group is killed (SIGTERM, then SIGKILL) and the error says so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    reason = torch_unavailable_reason()
+    if reason:
+        return TorchRun(None, reason, 0.0)
+    specs = []
+    for cfg in cfgs:
+        if cfg.world_size != world_size:
+            raise ConfigError("world_size", cfg.world_size, f"every config of one launch needs {world_size} ranks")
+        spec = {k: v for k, v in asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        spec["xp"] = "torch"
+        specs.append(spec)
+    with tempfile.TemporaryDirectory(prefix="zerosim-torch-") as tmp:
+        out = os.path.join(tmp, "observations.pkl")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
+               "-m", "zerosim.report.torch_worker", json.dumps(specs), out]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=3)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+            return TorchRun(None, f"torchrun did not finish within {timeout_s:g}s; killed it and its ranks",
+                            time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = [ln for ln in (err or "").strip().splitlines() if "Warning" not in ln][-3:]
+            return TorchRun(None, f"torchrun exit {proc.returncode}: " + " | ".join(tail), wall)
+        with open(out, "rb") as f:
+            return TorchRun(pickle.load(f), None, wall)

@@ -1,0 +1,193 @@
+"""C-ZERO-002..005: each clause fails on a deliberately broken engine (or observation) with a useful diagnostic."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+
+from zerosim.checks import step as checks
+from zerosim.contracts import load_contracts
+from zerosim.engine.faults import FAULTS
+from zerosim.engine.spmd import RunConfig, evaluate, run_simulated, simulate_observations
+
+STEP_CONTRACTS = ("C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
+
+
+def failing(result):
+    return sorted(k for k, v in result.verdicts.items() if not v.passed)
+
+
+def first(result, contract, clause=None):
+    vs = [v for v in result.verdicts[contract].violations if clause is None or v.clause == clause]
+    assert vs, f"{contract}/{clause} did not fail: {[str(v) for v in result.verdicts[contract].violations]}"
+    return vs[0]
+
+
+# ---- the spec files and the code agree ------------------------------------------------------------
+
+def test_specs_resolve_and_tolerances_match_the_code():
+    specs = load_contracts()
+    for cid in STEP_CONTRACTS:
+        assert callable(specs[cid].resolve_check())
+    tol = specs["C-ZERO-002"].tolerance
+    for precision, t in checks.EQUIVALENCE_TOLERANCE.items():
+        assert tol[precision] == {"atol_scale": t.atol_scale, "norm_rtol": t.norm_rtol}
+    assert set(specs["C-ZERO-004"].clauses) == {"intervals", "padding", "bytes", "tracker", "transients_freed",
+                                                 "peak_bound"}
+
+
+# ---- C-ZERO-002 --------------------------------------------------------------------------------------
+
+def test_sum_instead_of_mean_fails_equivalence_naming_state_step_rank_and_tensor():
+    r = run_simulated(RunConfig(strategy="zero3", world_size=4, steps=2, fault="sum-instead-of-avg", max_grad_norm=None))
+    assert failing(r) == ["C-ZERO-002"]
+    v = first(r, "C-ZERO-002", "allclose")
+    assert v.step == 0 and v.ranks and v.tensor is not None and v.interval is not None
+    assert v.context["state"].startswith("optimizer.")  # Adam hides the scale in the weights, not in m
+    assert math.isclose(v.got / v.expected, 4.0, rel_tol=1e-3)  # x world_size
+    first(r, "C-ZERO-002", "bitwise")
+
+
+def test_rank_local_clipping_fails_equivalence():
+    r = run_simulated(RunConfig(strategy="zero2", world_size=4, steps=2, max_grad_norm=0.05, fault="local-norm-clip"))
+    assert "C-ZERO-002" in failing(r)
+    clauses = {v.clause for v in r.verdicts["C-ZERO-002"].violations}
+    assert {"grad_norm", "clip_coef", "allclose", "bitwise"} <= clauses
+
+
+def test_norm_over_replicas_fails_equivalence_on_hybrid():
+    r = run_simulated(RunConfig(strategy="hybrid_shard:2", world_size=4, steps=1, max_grad_norm=0.05,
+                                fault="norm-over-replicas"))
+    v = first(r, "C-ZERO-002", "grad_norm")
+    assert math.isclose(v.got / v.expected, math.sqrt(2), rel_tol=1e-6)  # two replicas counted twice
+
+
+def test_micro_batch_accumulation_without_average_fails():
+    r = run_simulated(RunConfig(strategy="zero2", world_size=2, steps=1, micro_batches=2, optimizer="sgd",
+                                fault="no-accum-average", max_grad_norm=None))
+    v = first(r, "C-ZERO-002", "allclose")
+    assert v.context["state"] in ("master", "optimizer.momentum_buffer")
+
+
+def test_padding_leak_is_caught_even_though_no_real_element_changes():
+    r = run_simulated(RunConfig(strategy="zero3", world_size=3, steps=1, fault="padding-leak"))
+    v = first(r, "C-ZERO-002", "padding")
+    assert v.expected == 0.0 and v.got != 0.0 and "padding" in v.message
+    assert not any(x.clause in ("allclose", "bitwise") for x in r.verdicts["C-ZERO-002"].violations)
+
+
+def test_bitwise_clause_catches_a_single_flipped_bit():
+    cfg = RunConfig(strategy="zero3", world_size=2, steps=1)
+    obs = simulate_observations(cfg)
+    bad = copy.deepcopy(obs)
+    vals = bad[1].steps[0].master.values
+    vals.view(np.uint32)[3] ^= 1  # one ulp on one element of rank 1's shard
+    r = evaluate(cfg, bad)
+    v = first(r, "C-ZERO-002", "bitwise")
+    assert v.ranks == (1,) and v.step == 0 and v.interval[1] - v.interval[0] == 1
+    assert not any(x.clause == "allclose" for x in r.verdicts["C-ZERO-002"].violations)  # within tolerance
+    assert evaluate(cfg, obs).passed
+
+
+# ---- C-ZERO-003 --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["zero3", "zero1", "hybrid_shard_zero2:2"])
+def test_stale_parameters_on_one_rank_fail_identity(strategy):
+    r = run_simulated(RunConfig(strategy=strategy, world_size=4, steps=2, fault="stale-params"))
+    assert {"C-ZERO-002", "C-ZERO-003"} <= set(failing(r))
+    v = first(r, "C-ZERO-003", "identical")
+    assert 1 in v.ranks and v.tensor is not None and v.interval is not None
+    m = first(r, "C-ZERO-003", "matches_master")
+    assert m.ranks == (1,) and "stale" in m.message
+
+
+def test_hybrid_without_replicate_all_reduce_diverges_and_misses_traffic():
+    r = run_simulated(RunConfig(strategy="hybrid_shard:2", world_size=4, steps=1, fault="skip-replicate-allreduce"))
+    assert failing(r) == ["C-ZERO-002", "C-ZERO-003", "C-ZERO-005"]
+    v = first(r, "C-ZERO-003", "identical")
+    assert v.ranks == (0, 2)  # rank 2 is rank 0's replica in the other shard group
+    c5 = first(r, "C-ZERO-005", "ring_model")
+    assert c5.context["group_kind"] == "replicate" and c5.got["calls"] == 0 and c5.expected["calls"] == 1
+
+
+def test_equally_stale_ranks_fail_matches_master():
+    cfg = RunConfig(strategy="zero1", world_size=2, steps=2)
+    obs = simulate_observations(cfg)
+    for o in obs:  # every rank reports the weights of step 0 at step 1: identical to each other, but stale
+        o.steps[1].gathered = o.steps[0].gathered.copy()
+    r = evaluate(cfg, obs)
+    v = first(r, "C-ZERO-003", "matches_master")
+    assert v.step == 1
+    assert not any(x.clause == "identical" for x in r.verdicts["C-ZERO-003"].violations)
+
+
+# ---- C-ZERO-004 --------------------------------------------------------------------------------------
+
+def test_keeping_gathered_blocks_breaks_the_peak_bound_and_leaves_transients():
+    r = run_simulated(RunConfig(strategy="zero3", world_size=4, steps=2, fault="keep-gathered"))
+    assert "C-ZERO-004" in failing(r)
+    t = first(r, "C-ZERO-004", "transients_freed")
+    assert t.context["category"] == "gathered" and t.got > 0
+    p = first(r, "C-ZERO-004", "peak_bound")
+    assert p.got > p.expected
+
+
+def test_a_hidden_full_copy_breaks_ownership_intervals_and_bytes_are_consistent():
+    r = run_simulated(RunConfig(strategy="zero1", world_size=4, steps=1, fault="hidden-full-copy"))
+    assert failing(r) == ["C-ZERO-004"]
+    v = first(r, "C-ZERO-004", "intervals")
+    assert v.ranks == (0,) and v.context["kind"] == "optimizer" and v.tensor is not None
+    assert "holds elements the plan does not give it" in v.message
+
+
+def test_misreported_holdings_fail_bytes_padding_and_tracker():
+    cfg = RunConfig(strategy="zero3", world_size=3, steps=1)
+    obs = simulate_observations(cfg)
+    h = obs[2].steps[0].holdings["params"]
+    obs[2].steps[0].holdings["params"] = type(h)(h.kind, h.intervals, h.stored_numel + 5, h.nbytes + 4, h.dtype)
+    r = evaluate(cfg, obs)
+    clauses = {v.clause for v in r.verdicts["C-ZERO-004"].violations}
+    assert {"padding", "bytes", "tracker"} <= clauses
+
+
+def test_plan_mismatch_names_missing_elements():
+    cfg = RunConfig(strategy="zero2", world_size=2, steps=1)
+    obs = simulate_observations(cfg)
+    h = obs[0].steps[0].holdings["grads"]
+    s, e = h.intervals[0]
+    obs[0].steps[0].holdings["grads"] = type(h)(h.kind, ((s, e - 7),) + h.intervals[1:], h.stored_numel, h.nbytes, h.dtype)
+    v = first(evaluate(cfg, obs), "C-ZERO-004", "intervals")
+    assert v.interval == (e - 7, e) and "is missing" in v.message
+
+
+# ---- C-ZERO-005 --------------------------------------------------------------------------------------
+
+def test_an_extra_all_gather_fails_communication_with_expected_and_measured_bytes():
+    r = run_simulated(RunConfig(strategy="zero3", world_size=4, steps=1, fault="extra-all-gather"))
+    assert failing(r) == ["C-ZERO-005"]
+    v = first(r, "C-ZERO-005", "ring_model")
+    assert v.context["collective"] == "all_gather" and v.got["calls"] == v.expected["calls"] + 1
+    assert v.got["bytes_sent"] > v.expected["bytes_sent"]
+
+
+def test_every_fault_fails_exactly_the_contracts_it_claims():
+    settings = {"norm-over-replicas": dict(strategy="hybrid_shard:2", max_grad_norm=0.05),
+                "skip-replicate-allreduce": dict(strategy="hybrid_shard:2"),
+                "local-norm-clip": dict(strategy="zero3", max_grad_norm=0.05),
+                "no-accum-average": dict(strategy="zero3", micro_batches=2),
+                "hidden-full-copy": dict(strategy="zero2"),
+                "padding-leak": dict(strategy="zero3", world_size=3)}
+    for name, fault in FAULTS.items():
+        kw = {"strategy": "zero3", "world_size": 4, "steps": 2, **settings.get(name, {})}
+        r = run_simulated(RunConfig(fault=name, **kw))
+        assert failing(r) == sorted(fault.catches), name
+
+
+def test_checks_are_pure_functions_of_the_observations():
+    cfg = RunConfig(strategy="hybrid_shard:2", world_size=4, steps=2)
+    obs = simulate_observations(cfg)
+    a, b = evaluate(cfg, obs), evaluate(cfg, obs)
+    assert a.passed and {k: v.to_json() for k, v in a.verdicts.items()} == {k: v.to_json() for k, v in b.verdicts.items()}

@@ -1,0 +1,50 @@
+"""``python -m zerogpu <command>``: the torch.distributed backend's entry points.
+
+Under torchrun (one process per rank)::
+
+    torchrun --nproc-per-node N -m zerogpu simulate [zerosim simulate options] [torch options]
+    torchrun --nproc-per-node N -m zerogpu selftest-comm [--device cuda]
+    torchrun --nproc-per-node N -m zerogpu equivalence [--strategies all] [--out FILE]
+
+From an ordinary shell (starts torchrun itself)::
+
+    python -m zerogpu report-gpu [--world-size N] [--out reports/gpu]
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+USAGE = ("usage: torchrun --nproc-per-node N -m zerogpu {simulate,selftest-comm,equivalence} [options]\n"
+         "       python -m zerogpu report-gpu [options]")
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command == "simulate":
+        from .simulate import main as simulate
+
+        simulate(rest)
+    elif command == "selftest-comm":
+        from .selftest import main as selftest
+
+        selftest(rest)
+    elif command == "equivalence":
+        from .equivalence import main as equivalence
+
+        equivalence(rest)
+    elif command == "report-gpu":
+        from .gpu_report import main as report_gpu
+
+        sys.exit(report_gpu(rest))
+    elif command in ("-h", "--help"):
+        print(__doc__.strip())
+        sys.exit(0)
+    print(USAGE, file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""``torchrun --standalone --nproc-per-node N -m zerosim.report.torch_worker CONFIGS_JSON OUT.pkl``.
+
+The report's torch.distributed measurement: every rank runs the engine's SPMD program
+(:func:`zerosim.engine.spmd.rank_program`, torch arrays) on a gloo
+:class:`zerogpu.comm.TorchCommunicator`, once per configuration in ``CONFIGS_JSON`` (a JSON list of
+RunConfig fields); rank 0 collects every rank's observations and pickles ``[[obs per rank] per
+config]`` to ``OUT.pkl`` for :func:`zerosim.report.measure.run_under_torch`. A failing rank ends the
+whole job (:func:`zerogpu.rank.run_rank`).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import sys
+
+
+def main(argv: list[str]) -> None:
+    from zerogpu.rank import run_rank
+
+    specs, out_path = json.loads(argv[0]), argv[1]
+
+    def body() -> int:
+        import torch.distributed as dist
+
+        from zerogpu.comm import init_distributed
+
+        from ..engine.spmd import RunConfig, rank_program
+
+        timeout = float(max((s.get("timeout_s", 60.0) for s in specs), default=60.0))
+        comm = init_distributed("gloo", "cpu", timeout_s=timeout)
+        collected = []
+        for spec in specs:
+            observation = rank_program(comm, RunConfig(**spec))
+            gathered: list = [None] * comm.world_size
+            dist.all_gather_object(gathered, observation)
+            collected.append(gathered)
+        if comm.rank == 0:
+            with open(out_path, "wb") as f:
+                pickle.dump(collected, f)
+        dist.barrier()
+        return 0
+
+    run_rank(body)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
