@@ -30,6 +30,44 @@ def test_memory_json_reproduces_the_paper_for_every_strategy(capsys):
             assert set(s["per_rank"][cat]) == {"device", "host"}
 
 
+def test_memory_all_strategies_in_one_call_at_a_trillion_params_on_1024_ranks(capsys):
+    """No --strategy (or --strategy all): every strategy, hybrids too when there are several nodes."""
+    code, out, _ = run_cli(capsys, "memory", "--params", "1e12", "--world-size", "1024", "--ranks-per-node", "8",
+                           "--json")
+    assert code == 0
+    data = json.loads(out)
+    psi, n = 10**12, 1024
+    assert list(data["strategies"]) == ["no_shard", "shard_optimizer", "shard_grad_op", "full_shard",
+                                        "hybrid_shard:8", "hybrid_shard_zero2:8"]
+    expected = {"no_shard": (2 * psi, 2 * psi, 12 * psi), "shard_optimizer": (2 * psi, 2 * psi, 12 * psi // n),
+                "shard_grad_op": (2 * psi, 2 * psi // n, 12 * psi // n),
+                "full_shard": (2 * psi // n, 2 * psi // n, 12 * psi // n),
+                "hybrid_shard:8": (2 * psi // 8, 2 * psi // 8, 12 * psi // 8),
+                "hybrid_shard_zero2:8": (2 * psi, 2 * psi // 8, 12 * psi // 8)}
+    for name, (p, g, o) in expected.items():
+        r = data["strategies"][name]["per_rank"]
+        assert (r["params"], r["grads"], r["optimizer_states"]) == (
+            {"device": p, "host": 0}, {"device": g, "host": 0}, {"device": o, "host": 0}), name
+        assert r["total"] == {"device": p + g + o, "host": 0}
+    code, out, _ = run_cli(capsys, "memory", "--params", "1e12", "--world-size", "1024", "--strategy", "all",
+                           "--offload", "optimizer", "--json")
+    off = json.loads(out)["strategies"]["full_shard"]["per_rank"]
+    assert off["optimizer_states"] == {"device": 0, "host": 12 * psi // n}
+
+
+def test_memory_table_has_no_scientific_notation(capsys):
+    code, out, _ = run_cli(capsys, "memory", "--params", "1e12", "--world-size", "1024")
+    assert code == 0 and "e+" not in out and "16,000" in out  # DDP: 16 bytes x 10^12 = 16,000 GB
+    assert "1,000,000,000,000 params" in out and "unit GB = 1,000,000,000 bytes" in out
+    # a bare count has no blocks: the ZeRO-3 transient is unknown, shown as n/a (not as 0), and said why
+    full_shard_row = next(line for line in out.splitlines() if "full_shard" in line)
+    assert full_shard_row.count("n/a") == 2 and "--largest-block" in out
+    code, out, _ = run_cli(capsys, "memory", "--params", "1e12", "--world-size", "1024", "--strategy", "zero3",
+                           "--largest-block", "1.024e9", "--json")
+    s = json.loads(out)["strategies"]["full_shard"]
+    assert s["transient_modelled"] and s["per_rank"]["transient"]["device"] == 2 * 1_024_000_000 * 2  # (1 + prefetch) x 2 B
+
+
 def test_memory_table_names_its_unit(capsys):
     code, out, _ = run_cli(capsys, "memory", "--params", "7.5e9", "--world-size", "64", "--strategy", "zero3",
                            "--unit", "GiB")
@@ -55,6 +93,10 @@ def test_memory_with_a_preset_hybrid_offload_and_sgd(capsys):
     (["--params", "lots", "--world-size", "4"], "params"),
     (["--params", "0", "--world-size", "4"], "params"),
     (["--params=-1e9", "--world-size", "4"], "params"),
+    (["--params", "-5", "--world-size", "4"], "params"),
+    (["--params", "nan", "--world-size", "4"], "params"),
+    (["--params", "inf", "--world-size", "4"], "params"),
+    (["--params", "abc", "--world-size", "4"], "params"),
     (["--params", "1e9", "--world-size", "0"], "world-size"),
     (["--params", "1e9", "--world-size", "-8"], "world-size"),
     (["--params", "1e9", "--world-size", "two"], "world-size"),
@@ -98,6 +140,35 @@ def test_memory_compare_deepspeed_runs_with_or_without_deepspeed(capsys):
     assert code == 2 and "model" in err
 
 
+def test_memory_compare_deepspeed_degrades_to_the_labelled_formula_without_deepspeed(capsys, monkeypatch):
+    """As in CI (deepspeed is not a dependency): the table shows zerosim's restatement, labelled so."""
+    import zerosim.cost.deepspeed_compare as dsc
+
+    monkeypatch.setattr(dsc, "deepspeed_available", lambda: False)
+    code, out, err = run_cli(capsys, "memory", "--model", "gpt2-small", "--world-size", "16", "--ranks-per-node", "8",
+                             "--compare-deepspeed")
+    assert code == 0 and "deepspeed is not installed" in err
+    assert "DS formula gpu" in out and "formula restated by zerosim" in out and "DS real" not in out
+    code, out, _ = run_cli(capsys, "memory", "--model", "gpt2-small", "--world-size", "16", "--ranks-per-node", "8",
+                           "--compare-deepspeed", "--json")
+    report = json.loads(out)
+    assert all(r["ds_real"] is None for r in report["rows"]) and "restated" in report["deepspeed"]
+
+
+def test_a_broken_deepspeed_install_falls_back_to_the_formula(monkeypatch):
+    import zerosim.cost.deepspeed_compare as dsc
+    from zerosim.layout import ParamLayout
+
+    def broken(*args, **kwargs):
+        raise ImportError("libcudart.so.12: cannot open shared object file")
+
+    monkeypatch.setattr(dsc, "deepspeed_available", lambda: True)
+    monkeypatch.setattr(dsc, "deepspeed_estimator_real", broken)
+    report = dsc.compare_with_deepspeed(ParamLayout.from_config("tiny"), 2, 2)
+    assert "estimator failed (ImportError: libcudart" in report["deepspeed"]
+    assert all(r["ds_real"] is None and r["ds_formula"]["gpu"] > 0 for r in report["rows"])
+
+
 def test_comm_json_has_the_paper_multiples_and_link_split(capsys):
     code, out, _ = run_cli(capsys, "comm", "--params", "7.5e9", "--world-size", "64", "--ranks-per-node", "8",
                            "--strategy", "all", "--json")
@@ -118,10 +189,38 @@ def test_comm_json_has_the_paper_multiples_and_link_split(capsys):
     assert h["links_mean_sent"]["inter"] < data["no_shard"]["links_mean_sent"]["inter"]
 
 
+def test_comm_json_splits_every_collective_by_link_class(capsys):
+    code, out, _ = run_cli(capsys, "comm", "--params", "1e9", "--world-size", "32", "--ranks-per-node", "8", "--json")
+    assert code == 0
+    data = json.loads(out)["strategies"]
+    for name, s in data.items():
+        rows = s["collectives_by_link"]
+        assert len(rows) == len(s["collectives"])
+        for row, coll in zip(rows, s["collectives"], strict=True):
+            assert row["collective"] == coll["collective"] and row["group_kind"] == coll["group_kind"]
+            for unit in ("bytes_sent", "elements_sent"):
+                assert row["intra"][unit] + row["inter"][unit] == pytest.approx(coll[unit])
+        for cls in ("intra", "inter"):
+            assert sum(r[cls]["bytes_sent"] for r in rows) == pytest.approx(s["links_mean_sent"][cls]), (name, cls)
+    # a world ring over 4 nodes of 8: one rank in 8 sends across nodes
+    ar = data["no_shard"]["collectives_by_link"][0]
+    assert ar["inter"]["bytes_sent"] == pytest.approx(ar["intra"]["bytes_sent"] / 7)
+    # hybrid: shard-group collectives stay inside the node, the replica all-reduce crosses nodes
+    for row in data["hybrid_shard:8"]["collectives_by_link"]:
+        crossing = row["group_kind"] == "replicate"
+        assert (row["inter"]["bytes_sent"] > 0) == crossing and (row["intra"]["bytes_sent"] > 0) != crossing
+
+
 def test_comm_table_and_bad_input(capsys):
     code, out, _ = run_cli(capsys, "comm", "--model", "tiny", "--world-size", "4", "--strategy", "zero3", "--unit", "KiB")
     assert code == 0 and "sent [KiB]" in out and "KiB = 1,024 bytes" in out and "full_shard" in out
     for argv, field in ((["--params", "x", "--world-size", "4"], "params"),
+                        (["--params", "0", "--world-size", "4"], "params"),
+                        (["--params", "-5", "--world-size", "4"], "params"),
+                        (["--params", "nan", "--world-size", "4"], "params"),
+                        (["--params", "inf", "--world-size", "4"], "params"),
+                        (["--params", "1e6", "--world-size", "-2"], "world-size"),
+                        (["--params", "1e6", "--world-size", "8", "--ranks-per-node", "0"], "ranks-per-node"),
                         (["--params", "1e6", "--world-size", "0"], "world-size"),
                         (["--params", "1e6", "--world-size", "8", "--ranks-per-node", "3"], "ranks-per-node"),
                         (["--params", "1e6", "--world-size", "8", "--micro-batches", "0"], "micro-batches")):

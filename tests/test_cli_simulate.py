@@ -76,3 +76,30 @@ def test_backend_mpi_validates_before_launching(capsys):
     code = main(["simulate", "--backend", "mpi", "--strategy", "hybrid_shard:3", "--world-size", "4"])
     assert code == 2
     assert "does not divide world_size=4" in capsys.readouterr().err
+
+
+def test_progress_reports_every_step_and_every_contract_then_the_rich_bar_renders():
+    from zerosim.cli.simulate import _run_with_progress
+    from zerosim.engine.spmd import RunConfig, run_simulated
+
+    seen = []
+    result = run_simulated(RunConfig(steps=3, world_size=2), progress=lambda *a: seen.append(a))
+    assert result.passed
+    assert [a for a in seen if a[0] == "train"] == [("train", 1, 3), ("train", 2, 3), ("train", 3, 3)]
+    assert [a[0] for a in seen if a[0] != "train"] == ["C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005", "done"]
+    # the rich progress bar (what a terminal shows) drives the same run and returns the same verdicts
+    shown = _run_with_progress(RunConfig(steps=3, world_size=2).validate())
+    assert shown.passed and {k: v.to_json() for k, v in shown.verdicts.items()} == \
+        {k: v.to_json() for k, v in result.verdicts.items()}
+
+
+def test_violations_print_once_each_with_their_contract(capsys):
+    assert main(["simulate", "--fault", "extra-all-gather", "--steps", "1"]) == 1
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "ring_model" in ln]
+    assert lines and all(ln.startswith("C-ZERO-005 ring_model") for ln in lines), lines
+
+
+def test_json_into_a_closed_pipe_is_not_a_traceback():
+    p = subprocess.run(f"{sys.executable} -m zerosim simulate --json --steps 1 | head -c 10", shell=True,
+                       capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr

@@ -113,14 +113,64 @@ def test_same_engine_on_torch_cpu_tensors_matches_numpy():
     assert result.passed, [str(v) for vv in result.verdicts.values() for v in vv.violations][:3]
 
 
-def test_non_finite_gradient_on_one_rank_is_reported_not_averaged():
-    for strategy in ("zero3", "zero2", "zero1", "no_shard"):
-        cfg = RunConfig(strategy=strategy, world_size=4, steps=2,
-                        inject_nan={"rank": 1, "step": 1, "tensor": "blocks.0.mlp.w_in"})
-        with pytest.raises(NonFiniteGradientError) as e:
-            run_simulated(cfg)
-        assert e.value.rank == 1 and e.value.tensor == "blocks.0.mlp.w_in" and e.value.step == 1
-        assert "rank 1" in str(e.value) and "blocks.0.mlp.w_in" in str(e.value)
+@pytest.mark.parametrize("strategy, precision, micro", [
+    ("zero3", "fp32", 0), ("zero2", "fp32", 0), ("zero1", "fp32", 0), ("no_shard", "fp32", 0),
+    ("hybrid_shard:2", "fp32", 1), ("hybrid_shard_zero2:2", "bf16", 1), ("zero3", "fp16", 1),
+])
+def test_non_finite_gradient_on_one_rank_is_reported_not_averaged(strategy, precision, micro):
+    cfg = RunConfig(strategy=strategy, world_size=4, steps=2, micro_batches=2, precision=precision,
+                    inject_nan={"rank": 3, "step": 1, "tensor": "blocks.0.mlp.w_in", "micro": micro})
+    with pytest.raises(NonFiniteGradientError) as e:
+        run_simulated(cfg)
+    assert e.value.rank == 3 and e.value.tensor == "blocks.0.mlp.w_in" and e.value.step == 1
+    assert "rank 3" in str(e.value) and "blocks.0.mlp.w_in" in str(e.value)
+    assert "no rank stepped with it" in str(e.value)
+
+
+def test_a_nan_is_caught_before_any_reduction_so_no_rank_ever_holds_it():
+    """Every rank stops at the same point with the same error, and no NaN reached any rank's state."""
+    from zerosim.comm.sim import run_spmd
+    from zerosim.engine.zero import ZeroEngine
+    from zerosim.xp import numpy_namespace
+
+    run = RunConfig(strategy="zero2", world_size=4, steps=2, micro_batches=2,
+                    inject_nan={"rank": 2, "step": 1, "tensor": "lm_head.weight", "micro": 1}).resolve()
+
+    def program(comm):
+        engine = ZeroEngine(comm, run, numpy_namespace())
+        try:
+            for s in range(run.steps):
+                engine.step(s)
+        except NonFiniteGradientError as e:
+            return e, [np.asarray(a, dtype=np.float64) for a in (engine.master, engine.grad_acc,
+                                                                  *engine.opt_state.values())]
+        return None, []
+
+    out = run_spmd(4, program, timeout_s=30)
+    for rank, (err, arrays) in enumerate(out):
+        assert isinstance(err, NonFiniteGradientError), rank  # every rank stops, not only rank 2
+        assert (err.rank, err.tensor, err.step) == (2, "lm_head.weight", 1)
+        assert arrays and all(np.isfinite(a).all() for a in arrays), rank
+
+
+ENGINE_MODULES = ("zero", "flat_buffers", "memory_tracker", "faults", "config", "spmd")
+
+
+@pytest.mark.parametrize("module", ENGINE_MODULES)
+def test_the_engine_imports_no_numpy(module):
+    """The per-rank engine reaches arrays only through the xp seam (zerosim.xp) and other ranks only
+    through the Communicator, which is what lets MPI and torch run it unchanged. (reference.py, the
+    unsharded evaluator, is numpy by design and never runs on a rank.)"""
+    import ast
+    import pathlib
+
+    import zerosim.engine
+
+    path = pathlib.Path(zerosim.engine.__file__).parent / f"{module}.py"
+    tree = ast.parse(path.read_text())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in imported if m.split(".")[0] in ("numpy", "torch", "mpi4py")], (module, imported)
 
 
 @pytest.mark.parametrize("changes, field", [

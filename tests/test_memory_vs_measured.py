@@ -116,21 +116,27 @@ def test_deliberately_wrong_engines_are_caught_and_named():
 
 
 @pytest.mark.mpi
-def test_model_equals_measured_under_mpiexec_at_two_ranks():
+@pytest.mark.parametrize("ws,strategies", [(2, ("zero2", "zero3")), (4, ("zero3", "hybrid_shard:2"))])
+def test_model_equals_measured_under_mpiexec(ws, strategies):
+    """Real processes (2 ranks per node at 4 ranks): memory per category and traffic per link class."""
     from zerosim.mpi.launch import mpi_unavailable_reason
 
     reason = mpi_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    for strategy in ("zero2", "zero3"):
-        cfg = RunConfig(model="tiny", world_size=2, strategy=strategy, steps=1, prefetch=1)
+    for strategy in strategies:
+        cfg = RunConfig(model="tiny", world_size=ws, strategy=strategy, steps=1, prefetch=1,
+                        ranks_per_node=2 if ws > 2 else None)
         res = run_under_mpi(cfg, timeout_s=120)
         assert res.error is None, res.error
-        assert [o.backend for o in res.observations] == ["mpi", "mpi"]
+        assert [o.backend for o in res.observations] == ["mpi"] * ws
         run = cfg.resolve()
         _check_exact(memory_comparison(run, res.observations), run)
         t = traffic_comparison(run, res.observations)
         assert t["measured"]["sent_max_rank"] == t["model"]["sent"]
+        assert (t["measured"]["intra"], t["measured"]["inter"]) == (t["model"]["intra"], t["model"]["inter"])
+        if ws > 2:
+            assert t["model"]["inter"] > 0  # two nodes: some ring edges cross them
 
 
 @pytest.mark.torchdist

@@ -29,7 +29,7 @@ def test_collectives_match_numpy_and_traffic_matches_ring_model(ranks: int, mode
     assert result.returncode == 0, result.stderr
     lines = set(result.stdout.splitlines())
     for check in ("OK reduce float32 avg", "OK reduce bfloat16 sum", "OK reduce float16 max",
-                  "OK gather/broadcast bfloat16", "OK gather/broadcast complex64", "OK out=", "OK scalar+barrier",
+                  "OK gather/broadcast bfloat16", "OK gather/broadcast complex64", "OK out=", "OK plain counter", "OK scalar+barrier",
                   "OK bad input", "OK traffic"):
         assert check in lines, f"{check!r} missing from {sorted(lines)}"
     assert ("OK split" in lines) == (ranks % 2 == 0)

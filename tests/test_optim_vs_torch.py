@@ -287,3 +287,60 @@ def test_optimizer_rejects_mismatched_shapes():
     with pytest.raises(ConfigError) as e:
         opt.step(np.zeros(3, np.float32), np.zeros(3, np.float32), st)
     assert e.value.field == "state.exp_avg"
+
+
+# ---- mixed precision: 16-bit working weights and gradients, float32 master and state ---------------
+
+MIXED = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+@pytest.mark.parametrize("precision", sorted(MIXED))
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+def test_mixed_precision_step_matches_torch_master_weights_recipe(precision, name):
+    """The engine's mixed precision (zerosim.precision) against the usual torch recipe: an fp32 master
+    ``Parameter`` stepped by torch.optim, the model computing with ``master.to(bf16/fp16)``, its 16-bit
+    gradient upcast into ``master.grad``; clipping on. The working copies must be the same 16-bit
+    bits (round to nearest even on both sides) and the master/state within the fp32 budgets above."""
+    from zerosim.precision import Precision
+
+    prec = Precision.parse(precision)
+    tdtype = getattr(torch, MIXED[precision])
+    spec = OptimizerSpec.parse(name, lr=1e-2, max_grad_norm=1.0, **({"momentum": 0.9} if name == "sgd" else {}))
+    ns = numpy_namespace()
+    rng = np.random.default_rng(11)
+    p0 = rng.standard_normal(N).astype(np.float32)
+    opt = make_optimizer(spec, ns)
+    master, state = p0.copy(), opt.init_state(N)
+    tmaster = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+    topt = _torch_optimizer(spec, tmaster)
+    budget = max(CLIP_ULPS, ADAM_ULPS if name != "sgd" else SGD_ULPS)
+    for step in range(STEPS):
+        work = prec.to_params(master, ns)                      # ml_dtypes cast of our master
+        twork = tmaster.detach().to(tdtype)                    # torch's cast of its master
+        assert work.dtype.itemsize == 2 and twork.dtype == tdtype
+        # the cast itself is bit-identical: cast our master with torch and compare bits
+        ours_by_torch = torch.from_numpy(master.copy()).to(tdtype).view(torch.int16).numpy()
+        np.testing.assert_array_equal(work.view(np.int16), ours_by_torch)
+        noise = (rng.standard_normal(N) * 10.0 ** rng.uniform(-3, 0, N)).astype(np.float32)
+        g16 = (np.float32(0.5) * work.astype(np.float32) + noise).astype(work.dtype)  # the model's 16-bit grad
+        tg16 = (0.5 * twork.float() + torch.from_numpy(noise)).to(tdtype)
+        grad = prec.grad_to_master(g16, ns)
+        assert grad.dtype == np.float32
+        norm = global_norm_from_sumsq(ns.sum_of_squares(grad))
+        apply_clip_(grad, clip_coefficient(norm, spec.max_grad_norm), ns)
+        opt.step(master, grad, state)
+        tmaster.grad = tg16.float()
+        torch.nn.utils.clip_grad_norm_([tmaster], spec.max_grad_norm, foreach=False)
+        topt.step()
+        assert ulp_distance(master, tmaster.detach().numpy()) <= budget, f"step {step}: master"
+        tstate = topt.state[tmaster]
+        for k in spec.state_names:
+            err = np.max(np.abs(state[k] - tstate[k].numpy())) / np.max(np.abs(tstate[k].numpy()))
+            assert err <= 1e-6, f"step {step}: {k} normwise relative error {err:.2e}"
+        # the next working copies: identical 16-bit values except where the fp32 masters' last-bit
+        # differences straddle a 16-bit rounding boundary (then one 16-bit ulp apart)
+        nxt = prec.to_params(master, ns).astype(np.float32)
+        tnxt = tmaster.detach().to(tdtype).float().numpy()
+        one_ulp16 = np.abs(nxt) * (2.0 ** -7 if precision == "bf16" else 2.0 ** -10)  # bf16 8, fp16 11 bits
+        assert np.all(np.abs(nxt - tnxt) <= one_ulp16), f"step {step}"
+        assert np.mean(nxt != tnxt) <= 0.01, f"step {step}: {np.mean(nxt != tnxt):.1%} of working weights differ"

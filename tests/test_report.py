@@ -85,6 +85,41 @@ def test_json_matches_the_models_and_the_measurements(small_report):
     assert all(r["rel_diff_vs_engine_model"] == 0 for c in padding for r in c["rows"])
 
 
+def test_every_measured_run_passes_the_step_contracts(small_report):
+    result, out = small_report
+    rows = json.loads((out / "contracts.json").read_text())
+    assert result.passed and rows == result.contracts
+    assert {(r["world_size"], r["strategy"]) for r in rows} >= {(4, "full_shard"), (4, "hybrid_shard:2"), (1, "no_shard")}
+    assert all(set(r["verdicts"]) == {"C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005"} for r in rows)
+    assert all(v["checked"] > 0 for r in rows for v in r["verdicts"].values())
+    index = (out / "index.md").read_text()
+    assert "## Contract verdicts" in index and f"All {len(rows)} measured runs pass" in index
+
+
+def test_a_broken_engine_makes_the_report_fail_and_name_the_violation(tmp_path, capsys, monkeypatch):
+    """The report checks what it measures: observations from a broken engine fail it (exit 1)."""
+    import dataclasses
+
+    import zerosim.report.build as build
+
+    honest = build.simulate_observations
+
+    def from_a_broken_engine(run):
+        if run.strategy.name != "full_shard" or run.world_size < 2:
+            return honest(run)
+        return honest(dataclasses.replace(run.cfg, fault="sum-instead-of-avg").resolve())
+
+    monkeypatch.setattr(build, "simulate_observations", from_a_broken_engine)
+    code = main(["report", "--out", str(tmp_path / "r"), "--world-sizes", "1,2", "--steps", "1", "--no-mpi",
+                 "--no-torch", "--no-deepspeed", "--quiet", "--large-world-size", "16", "--large-ranks-per-node", "4"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "simulator: C-ZERO-002..005 hold on 7/8 runs" in out
+    assert "FAIL C-ZERO-002 simulator world 2 full_shard:" in out
+    index = (tmp_path / "r" / "index.md").read_text()
+    assert "FAIL (1 runs)" in index and "simulator world 2 full_shard: C-ZERO-002" in index
+
+
 def test_report_cli_small_run_and_bad_input(tmp_path, capsys):
     code = main(["report", "--out", str(tmp_path / "r"), "--world-sizes", "1,2", "--steps", "1", "--no-mpi",
                  "--no-torch", "--no-deepspeed", "--quiet", "--large-world-size", "16", "--large-ranks-per-node", "4"])
@@ -93,7 +128,11 @@ def test_report_cli_small_run_and_bad_input(tmp_path, capsys):
     for argv, field in ((["--world-sizes", "0"], "world-sizes"), (["--world-sizes", "a,b"], "world-sizes"),
                         (["--steps", "-1"], "steps"), (["--model", "huge"], "model"),
                         (["--large-world-size", "64", "--large-ranks-per-node", "3"], "large-ranks-per-node"),
-                        (["--large-params", "x"], "large-params"), (["--precision", "fp8"], "precision")):
+                        (["--large-params", "x"], "large-params"), (["--large-params", "nan"], "large-params"),
+                        (["--large-params", "0"], "large-params"), (["--large-params=-5"], "large-params"),
+                        (["--large-world-size", "-64"], "large-world-size"),
+                        (["--ranks-per-node", "3"], "ranks-per-node"), (["--ranks-per-node", "0"], "ranks-per-node"),
+                        (["--world-sizes", "1,2,3"], "ranks-per-node"), (["--precision", "fp8"], "precision")):
         code = main(["report", "--out", str(tmp_path / "bad"), "--quiet", *argv])
         err = capsys.readouterr().err
         assert code == 2 and field in err and err.count("\n") == 1, (argv, err)

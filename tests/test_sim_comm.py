@@ -136,6 +136,42 @@ def test_a_rank_that_never_arrives_times_out_naming_the_collective_and_the_rank(
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_stuck_rank_in_a_sub_group_is_named_with_the_group(schedule):
+    def fn(comm):
+        rep = comm.split(comm.rank % 2, name=f"replicate[{comm.rank % 2}]")
+        if comm.rank == 3:  # the last to arrive at the split: under "serial" it holds the baton while stuck
+            time.sleep(1.5)
+        rep.reduce_scatter(np.zeros(4, np.float32), "avg")
+
+    with pytest.raises(CollectiveTimeout) as e:
+        run_spmd(4, fn, timeout_s=0.4, schedule=schedule)
+    assert e.value.missing_ranks == [3]
+    if schedule == "parallel":  # rank 1 waits in replicate[1]'s reduce_scatter for its peer 3
+        assert (e.value.collective, e.value.group) == ("reduce_scatter", "replicate[1]")
+    else:  # nobody could enter the next collective: rank 3 never came back after the split
+        assert e.value.collective == "next collective after split" and e.value.group == "world"
+    assert "[3]" in str(e.value)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_barrier_holds_every_rank_until_the_last_arrives(schedule):
+    events: list[tuple[str, int]] = []
+
+    def fn(comm):
+        if comm.rank == 0:
+            time.sleep(0.2)
+        events.append(("before", comm.rank))
+        comm.barrier()
+        events.append(("after", comm.rank))
+        return comm.traffic.total_sent()
+
+    sent = run_spmd(4, fn, schedule=schedule)
+    kinds = [k for k, _ in events]
+    assert kinds == ["before"] * 4 + ["after"] * 4, events
+    assert sent == [0] * 4  # a barrier moves no data
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_rank_that_finishes_early_is_reported_at_once(schedule):
     def fn(comm):
         if comm.rank != 1:

@@ -26,6 +26,21 @@ def first(result, contract, clause=None):
     return vs[0]
 
 
+def assert_diagnostic(v, contract, *, tensor=True, interval=True):
+    """The violation names contract, step, rank, (tensor, element range,) expected and got, in the
+    object and in the one-line text a user reads."""
+    text = str(v)
+    assert v.contract == contract and text.startswith(contract), text
+    assert v.step is not None and "step=" in text, text
+    assert v.ranks and "rank=" in text, text
+    assert v.expected is not None and v.got is not None and "expected=" in text and "got=" in text, text
+    if tensor:
+        assert v.tensor and f"tensor={v.tensor}" in text, text
+    if interval:
+        assert v.interval is not None and v.interval[1] > v.interval[0], text
+        assert f"range=[{v.interval[0]}, {v.interval[1]})" in text, text
+
+
 # ---- the spec files and the code agree ------------------------------------------------------------
 
 def test_specs_resolve_and_tolerances_match_the_code():
@@ -48,7 +63,8 @@ def test_sum_instead_of_mean_fails_equivalence_naming_state_step_rank_and_tensor
     assert v.step == 0 and v.ranks and v.tensor is not None and v.interval is not None
     assert v.context["state"].startswith("optimizer.")  # Adam hides the scale in the weights, not in m
     assert math.isclose(v.got / v.expected, 4.0, rel_tol=1e-3)  # x world_size
-    first(r, "C-ZERO-002", "bitwise")
+    assert_diagnostic(v, "C-ZERO-002")
+    assert_diagnostic(first(r, "C-ZERO-002", "bitwise"), "C-ZERO-002")
 
 
 def test_rank_local_clipping_fails_equivalence():
@@ -76,6 +92,9 @@ def test_padding_leak_is_caught_even_though_no_real_element_changes():
     r = run_simulated(RunConfig(strategy="zero3", world_size=3, steps=1, fault="padding-leak"))
     v = first(r, "C-ZERO-002", "padding")
     assert v.expected == 0.0 and v.got != 0.0 and "padding" in v.message
+    assert_diagnostic(v, "C-ZERO-002", interval=False)  # padding has no global range: shard positions instead
+    p0, p1 = v.context["shard_positions"]
+    assert p1 > p0 and f"[{p0}, {p1})" in v.message
     assert not any(x.clause in ("allclose", "bitwise") for x in r.verdicts["C-ZERO-002"].violations)
 
 
@@ -102,6 +121,8 @@ def test_stale_parameters_on_one_rank_fail_identity(strategy):
     assert 1 in v.ranks and v.tensor is not None and v.interval is not None
     m = first(r, "C-ZERO-003", "matches_master")
     assert m.ranks == (1,) and "stale" in m.message
+    assert_diagnostic(v, "C-ZERO-003")
+    assert_diagnostic(m, "C-ZERO-003")
 
 
 def test_hybrid_without_replicate_all_reduce_diverges_and_misses_traffic():
@@ -131,8 +152,11 @@ def test_keeping_gathered_blocks_breaks_the_peak_bound_and_leaves_transients():
     assert "C-ZERO-004" in failing(r)
     t = first(r, "C-ZERO-004", "transients_freed")
     assert t.context["category"] == "gathered" and t.got > 0
+    assert t.tensor in {"embedding", "blocks.0", "blocks.1", "final_norm", "lm_head"}  # the block left gathered
+    assert_diagnostic(t, "C-ZERO-004", interval=False)
     p = first(r, "C-ZERO-004", "peak_bound")
     assert p.got > p.expected
+    assert_diagnostic(p, "C-ZERO-004", tensor=False, interval=False)
 
 
 def test_a_hidden_full_copy_breaks_ownership_intervals_and_bytes_are_consistent():
@@ -141,6 +165,7 @@ def test_a_hidden_full_copy_breaks_ownership_intervals_and_bytes_are_consistent(
     v = first(r, "C-ZERO-004", "intervals")
     assert v.ranks == (0,) and v.context["kind"] == "optimizer" and v.tensor is not None
     assert "holds elements the plan does not give it" in v.message
+    assert_diagnostic(v, "C-ZERO-004")
 
 
 def test_misreported_holdings_fail_bytes_padding_and_tracker():
@@ -171,6 +196,9 @@ def test_an_extra_all_gather_fails_communication_with_expected_and_measured_byte
     v = first(r, "C-ZERO-005", "ring_model")
     assert v.context["collective"] == "all_gather" and v.got["calls"] == v.expected["calls"] + 1
     assert v.got["bytes_sent"] > v.expected["bytes_sent"]
+    # traffic has no tensor or element range: the diagnostic names the group kind and the collective
+    assert_diagnostic(v, "C-ZERO-005", tensor=False, interval=False)
+    assert "collective=all_gather" in str(v) and "group_kind=world" in str(v)
 
 
 def test_every_fault_fails_exactly_the_contracts_it_claims():

@@ -8,7 +8,11 @@ Under torchrun (one process per rank)::
 
 From an ordinary shell (starts torchrun itself)::
 
-    python -m zerogpu report-gpu [--world-size N] [--out reports/gpu]
+    python -m zerogpu report [--world-size N] [--out reports/gpu] [--cpu]   (alias: report-gpu)
+    zerosim simulate --backend torch --world-size N [zerosim simulate options]
+
+Exit status (every rank alike): 0 every contract holds, 1 a contract failed, 2 bad input,
+3 a rank failed or a collective timed out. torchrun itself turns any non-zero worker into 1.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import sys
 from typing import NoReturn
 
 USAGE = ("usage: torchrun --nproc-per-node N -m zerogpu {simulate,selftest-comm,equivalence} [options]\n"
-         "       python -m zerogpu report-gpu [options]")
+         "       python -m zerogpu report [options]")
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -35,7 +39,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         from .equivalence import main as equivalence
 
         equivalence(rest)
-    elif command == "report-gpu":
+    elif command in ("report", "report-gpu"):
         from .gpu_report import main as report_gpu
 
         sys.exit(report_gpu(rest))

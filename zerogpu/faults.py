@@ -3,7 +3,7 @@
 ``ZEROSIM_FAULT="raise:rank=R:call=K"`` makes world rank ``R`` raise when it enters its ``K``-th
 collective (0-based, every group and ``split`` counted, in the order this process enters them);
 ``"hang:rank=R:call=K"`` makes it sleep forever there instead, so its peers' collective timeout
-must end the job. Used by tests/test_torch_backend.py; never set it in a real run.
+must end the job. Used by tests/test_zerogpu_torchrun.py; never set it in a real run.
 
 Same syntax and counting as the MPI backend's hook, so one fault description means the same thing
 under ``mpiexec`` and under ``torchrun``.

@@ -11,7 +11,9 @@ Serves the "distributed runs never hang; a failing rank ends the run non-zero" r
 
 Exit statuses (the same as ``zerosim simulate`` and the MPI backend): 0 every contract holds,
 1 a contract failed, 2 bad input (printed once, by rank 0, before any process group exists),
-3 a rank failed or a collective timed out.
+3 a rank failed or a collective timed out. torchrun itself reports any worker failure as exit 1, so
+each rank also writes its status to ``$ZEROGPU_STATUS_DIR/rank<R>`` when that is set;
+:mod:`zerogpu.launch` reads them back to return the real status.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, NoReturn
 from zerosim.errors import ZeroSimError
 
 EXIT_RANK_FAILED = 3
+STATUS_DIR_ENV = "ZEROGPU_STATUS_DIR"
 
 
 def env_rank() -> int:
@@ -34,6 +37,25 @@ def env_rank() -> int:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
         return 0
+
+
+def record_status(code: int) -> None:
+    """Leave this rank's exit status where the launcher looks (``$ZEROGPU_STATUS_DIR``), if it asked."""
+    folder = os.environ.get(STATUS_DIR_ENV)
+    if not folder:
+        return
+    with contextlib.suppress(OSError):
+        with open(os.path.join(folder, f"rank{env_rank()}"), "w") as f:
+            f.write(str(int(code)))
+
+
+def agreed_exit(code: int) -> int:
+    """The process exit status for a status every rank agreed on (0 pass, 1 contract failed, 2 bad input).
+
+    Under our launcher (``$ZEROGPU_STATUS_DIR`` set) the status is in the status file, so the process
+    exits 0: torchrun would otherwise take an agreed "contract failed" for a crashed worker, SIGTERM
+    the ranks still exiting and print its failure summary. Under a bare torchrun: ``code`` itself."""
+    return 0 if os.environ.get(STATUS_DIR_ENV) else code
 
 
 def parse_once(parser: Any, argv: list[str]) -> Any:
@@ -51,7 +73,8 @@ def fail_on_bad_input(error: ZeroSimError) -> NoReturn:
     """Bad input found by every rank alike (validation is deterministic): rank 0 prints, all exit 2."""
     if env_rank() == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    record_status(2)
+    sys.exit(agreed_exit(2))
 
 
 def report_failure(error: BaseException) -> None:
@@ -80,12 +103,16 @@ def run_rank(body: Callable[[], int]) -> NoReturn:
     except SystemExit as e:
         if e.code in (0, None):
             _finish(0)
+        code = e.code if isinstance(e.code, int) else EXIT_RANK_FAILED
+        record_status(code)
         _flush()
-        os._exit(e.code if isinstance(e.code, int) else EXIT_RANK_FAILED)
+        os._exit(code)
     except KeyboardInterrupt:
+        record_status(130)
         _flush()
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - any failure of any rank must end every rank
+        record_status(EXIT_RANK_FAILED)
         report_failure(e)
         _flush()
         os._exit(EXIT_RANK_FAILED)
@@ -98,6 +125,7 @@ def _finish(code: int) -> NoReturn:
 
     from .comm import current_job
 
+    record_status(code)
     job = current_job()
     if job is not None:
         job.board.stop()
@@ -105,4 +133,4 @@ def _finish(code: int) -> NoReturn:
         if dist.is_initialized():
             dist.destroy_process_group()
     _flush()
-    sys.exit(code)
+    sys.exit(agreed_exit(code))

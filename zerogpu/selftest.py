@@ -10,7 +10,7 @@ against an independent replay of the ring model (:func:`zerosim.comm.base.ring_b
 
 Rank 0 prints one line per check (``OK name`` or ``FAIL name: rank r: ...``) or, with ``--json``,
 a JSON object; exit status 0 when every check passed on every rank, 1 otherwise. Runs on gloo/CPU
-(tests/test_torch_comm.py) and on NCCL/CUDA (tests/test_torch_gpu.py, ``--device cuda``).
+(tests/test_zerogpu_torchrun.py) and on NCCL/CUDA (tests/test_zerogpu_gpu.py, ``--device cuda``).
 """
 
 from __future__ import annotations

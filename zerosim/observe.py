@@ -40,11 +40,15 @@ class ShardValues:
     def real_numel(self) -> int:
         return sum(g1 - g0 for g0, g1, _ in self.pieces)
 
-    def padding_values(self) -> np.ndarray:
+    def padding_positions(self) -> np.ndarray:
+        """Storage positions of the padding elements (no global flat index: padding is not data)."""
         mask = np.ones(self.values.shape[0], dtype=bool)
         for g0, g1, pos in self.pieces:
             mask[pos:pos + g1 - g0] = False
-        return self.values[mask]
+        return np.flatnonzero(mask)
+
+    def padding_values(self) -> np.ndarray:
+        return self.values[self.padding_positions()]
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,51 @@ def main() -> None:
     assert comm.all_reduce(x[me], "sum", out=buf) is buf
     expected.record("world", "all_reduce", x[me].nbytes, n)
     check_close("all_reduce out=", buf, rank_order(x, "sum"), exact_order)
+    rs_buf = np.empty(4, np.float32)
+    assert comm.reduce_scatter(x[me], "avg", out=rs_buf) is rs_buf
+    expected.record("world", "reduce_scatter", x[me].nbytes, n)
+    check_close("reduce_scatter out=", rs_buf, rank_order([v[me * 4:(me + 1) * 4] for v in x], "avg"), exact_order)
+    ag_buf = np.empty(4 * n * n, np.float32)
+    assert comm.all_gather(x[me], out=ag_buf) is ag_buf
+    expected.record("world", "all_gather", x[me].nbytes * n, n)
+    check_close("all_gather out=", ag_buf, np.concatenate(x), bitwise=True)
+    xb = inputs(n, 2 * n, BF16, seed=12)
+    bf_buf = np.empty(2 * n, BF16)  # 16-bit: reduced through float32, rounded into out
+    assert comm.all_reduce(xb[me], "sum", out=bf_buf) is bf_buf
+    expected.record("world", "all_reduce", xb[me].nbytes, n)
+    check_close("all_reduce bf16 out=", bf_buf, rank_order(xb, "sum"), exact_order)
+    # an out= that does not fit exactly is our error, before any rank enters MPI
+    read_only = np.empty(4 * n * n, np.float32)
+    read_only.flags.writeable = False
+    for bad_out in (np.empty(4 * n * n, np.float64), np.empty(4 * n * n + 1, np.float32), read_only,
+                    np.empty(8 * n * n, np.float32)[::2], np.empty((n, 4 * n), np.float32), [0.0] * (4 * n * n)):
+        try:
+            comm.all_gather(x[me], out=bad_out)
+        except ConfigError as e:
+            assert "out" in str(e), e
+        else:
+            raise AssertionError(f"all_gather accepted out={type(bad_out).__name__} {getattr(bad_out, 'shape', '')}")
+        try:
+            comm.reduce_scatter(np.resize(x[me], 4 * n * n), out=bad_out)
+        except ConfigError as e:
+            assert "out" in str(e), e
+        else:
+            raise AssertionError(f"reduce_scatter accepted out={type(bad_out).__name__} {getattr(bad_out, 'shape', '')}")
     ok.append("out=")
+
+    # a plain TrafficCounter (not the deferred one) records the same, call by call
+    plain = MpiCommunicator(world, timeout_s=20.0, timeout_mode=mode, group_name="plain", traffic=TrafficCounter())
+    want = TrafficCounter()
+    plain.all_reduce(x[me], "avg")
+    want.record("plain", "all_reduce", x[me].nbytes, n)
+    plain.reduce_scatter(x[me])
+    want.record("plain", "reduce_scatter", x[me].nbytes, n)
+    plain.all_gather(x[me], out=ag_buf)
+    want.record("plain", "all_gather", x[me].nbytes * n, n)
+    plain.broadcast(x[me], root=0)
+    want.record("plain", "broadcast", x[me].nbytes, n, is_root=me == 0)
+    assert plain.traffic.records == want.records, (plain.traffic.to_json(), want.to_json())
+    ok.append("plain counter")
 
     # a scalar (0-d) all_reduce keeps its shape, like the simulator
     s = comm.all_reduce(np.float64(me + 1), "sum")

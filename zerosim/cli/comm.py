@@ -97,7 +97,8 @@ def run(args) -> int:
         first = rows[0][0]
         data = {"numel": first.numel, "world_size": first.world_size, "ranks_per_node": first.ranks_per_node,
                 "micro_batches": first.micro_batches, "units": "bytes (elements where named)",
-                "strategies": {est.strategy: {**est.to_json(with_links=False), "links_mean_sent": links}
+                "strategies": {est.strategy: {**est.to_json(with_links=False), "links_mean_sent": links,
+                                              "collectives_by_link": est.collective_links(MEAN_LINKS_MAX_WORLD)}
                                for est, links in rows}}
         json.dump(data, sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -155,7 +155,9 @@ def render_table(estimates: list[MemoryEstimate], unit: str) -> str:
     unit = parse_unit(unit)
     first = estimates[0]
     s = first.settings
-    title = (f"Per-rank memory, {first.model} ({first.total_params:,} params), world {first.topology.world_size}, "
+    model = f"{first.total_params:,} params" if first.model == f"{first.total_params} params" else \
+        f"{first.model} ({first.total_params:,} params)"
+    title = (f"Per-rank memory, {model}, world {first.topology.world_size}, "
              f"{s.precision} + {s.optimizer} (K={s.K}), offload {s.offload}; unit {unit} = {UNITS[unit]:,} bytes")
     table = Table(title=title, title_justify="left")
     table.add_column("strategy")
@@ -163,10 +165,11 @@ def render_table(estimates: list[MemoryEstimate], unit: str) -> str:
         table.add_column(f"{col} [{unit}]", justify="right")
     for e in estimates:
         c = e.per_rank
+        known = e.transient_modelled
         table.add_row(e.strategy.name, format_value(c.params.total, unit), format_value(c.grads.total, unit),
                       format_value(c.optimizer_states.total, unit), format_value(c.total.device, unit),
-                      format_value(c.total.host, unit), format_value(c.transient_device, unit),
-                      format_value(c.peak_device, unit))
+                      format_value(c.total.host, unit), format_value(c.transient_device, unit) if known else "n/a",
+                      format_value(c.peak_device, unit) if known else "n/a")
     buf = StringIO()
     Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
     notes = sorted({n for e in estimates for n in e.notes})
@@ -191,29 +194,41 @@ def run(args) -> int:
 
 
 def render_deepspeed_table(report: dict[str, Any], unit: str) -> str:
-    """DeepSpeed's estimate next to ours, one row per case (GPU per rank, CPU per node)."""
+    """DeepSpeed's estimate next to ours, one row per case (GPU per rank, CPU per node).
+
+    The DeepSpeed columns come from the real estimator when it ran on every row, else from zerosim's
+    restatement of its published formulas; the header says which (never an unlabelled mix).
+    """
     from io import StringIO
 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=(f"DeepSpeed estimator vs zerosim model, {report['model']} ({report['total_params']:,} params, "
-                         f"largest layer {report['largest_layer_params']:,}), {report['num_nodes']} nodes x "
-                         f"{report['num_gpus_per_node']} GPUs; unit {unit} = {UNITS[unit]:,} bytes"),
-                  title_justify="left")
-    for col in ("case", "DS gpu", "ours gpu (paper K=12)", "ours gpu (fp32 grads)", "ours gpu peak (fp32 grads)",
-                "DS cpu/node", "ours host/node"):
-        table.add_column(col if col == "case" else f"{col} [{unit}]", justify="left" if col == "case" else "right")
-    for r in report["rows"]:
-        table.add_row(r["case"], format_value(r["ds_formula"]["gpu"], unit),
+    real = all(r["ds_real"] is not None for r in report["rows"])
+    source = "real" if real else "formula restated by zerosim"
+    ds = [r["ds_real"] if real else r["ds_formula"] for r in report["rows"]]
+    table = Table(title=(f"DeepSpeed estimator ({source}) vs zerosim model, {report['model']} "
+                         f"({report['total_params']:,} params, largest layer {report['largest_layer_params']:,}), "
+                         f"{report['num_nodes']} nodes x {report['num_gpus_per_node']} GPUs; "
+                         f"unit {unit} = {UNITS[unit]:,} bytes"), title_justify="left")
+    short = "DS real" if real else "DS formula"
+    for col in ("case", f"{short} gpu", "ours gpu (paper K=12)", "ours gpu (fp32 grads)",
+                "ours gpu peak (fp32 grads)", f"{short} cpu/node", "ours host/node"):
+        table.add_column(col if col == "case" else f"{col} [{unit}]", justify="left" if col == "case" else "right",
+                         no_wrap=col == "case")
+    for r, d in zip(report["rows"], ds, strict=True):
+        table.add_row(r["case"], format_value(d["gpu"], unit),
                       format_value(r["ours_mixed_k12"]["device_persistent"], unit),
                       format_value(r["ours_fp32_grads"]["device_persistent"], unit),
                       format_value(r["ours_fp32_grads"]["device_peak"], unit),
-                      format_value(r["ds_formula"]["cpu_per_node"], unit),
+                      format_value(d["cpu_per_node"], unit),
                       format_value(r["ours_fp32_grads"]["host_per_node"], unit))
     buf = StringIO()
-    Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
+    Console(file=buf, width=240, force_terminal=False, color_system=None).print(table)
     lines = [f"deepspeed: {report['deepspeed']}"]
+    if not real:
+        lines.append("DS formula: zerosim's restatement of the arithmetic of DeepSpeed's "
+                     "estimate_zero2/3_model_states_mem_needs, not DeepSpeed's own output")
     if any(r["ds_real"] is not None for r in report["rows"]):
         same = all(r["ds_real"] == r["ds_formula"] for r in report["rows"] if r["ds_real"] is not None)
         lines.append(f"real estimator == restated formula on every row: {same}")

@@ -56,6 +56,9 @@ def config_from_args(args):
         raise ConfigError("large-model", args.large_model, f"unknown preset; known: {', '.join(PRESETS)}")
     world_sizes = _world_sizes(args.world_sizes)
     rpn = positive_int("ranks-per-node", args.ranks_per_node)
+    uneven = [w for w in world_sizes if w > rpn and w % rpn]
+    if uneven:  # a world size up to rpn is one node; above it, nodes must be whole
+        raise ConfigError("ranks-per-node", rpn, f"must divide every world size above it (not {uneven[0]})")
     large_ws = positive_int("large-world-size", args.large_world_size)
     large_rpn = positive_int("large-ranks-per-node", args.large_ranks_per_node)
     if large_ws % large_rpn:
@@ -79,7 +82,24 @@ def run(args) -> int:
     cfg = config_from_args(args)
     out = Path(args.out) if args.out else Path("reports") / f"report-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     result = build_report(out, cfg, progress=not args.quiet)
+    print_contract_summary(result.contracts)
     print(f"wrote {out / 'index.md'} ({len(result.figures)} figures) in {result.timings['total_s']:.1f} s")
     for note in result.notes:
         print(f"note: {note}")
-    return 0
+    return 0 if result.passed else 1
+
+
+def print_contract_summary(rows: list[dict]) -> None:
+    """One line per backend: how many measured runs held every step contract; each failure on its own line."""
+    by_backend: dict[str, list[dict]] = {}
+    for r in rows:
+        by_backend.setdefault(r["backend"], []).append(r)
+    for backend, group in by_backend.items():
+        ok = sum(r["passed"] for r in group)
+        sizes = sorted({r["world_size"] for r in group})
+        print(f"{backend}: C-ZERO-002..005 hold on {ok}/{len(group)} runs "
+              f"(world sizes {', '.join(map(str, sizes))}; {len({r['strategy'] for r in group})} strategies)")
+        for r in group:
+            for c, v in r["verdicts"].items():
+                if not v["passed"]:
+                    print(f"  FAIL {c} {backend} world {r['world_size']} {r['strategy']}: {v['first']}")

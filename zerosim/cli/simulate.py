@@ -7,13 +7,15 @@ contract holds, 1 a contract failed, 2 bad input (one line, before anything runs
 failed (a non-finite gradient, a rank error, a collective timeout).
 
 ``add_run_arguments``, ``config_from_args`` and ``render`` are shared with
-``mpiexec -n N python -m zerosim.mpi simulate`` (``--backend mpi`` launches that).
+``mpiexec -n N python -m zerosim.mpi simulate`` (``--backend mpi`` launches that) and
+``torchrun --nproc-per-node N -m zerogpu simulate`` (``--backend torch`` launches that).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -69,8 +71,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "see docs/readme/simulate.md")
     g.add_argument("--inject-nan", default=None, metavar="RANK:STEP:TENSOR",
                    help="test hook: a NaN in TENSOR's gradient on RANK at STEP (e.g. 1:0:blocks.0.mlp.w_in)")
-    g.add_argument("--backend", default="sim", choices=("sim", "mpi"),
-                   help="sim: N threads in this process (default); mpi: mpiexec -n N processes")
+    g.add_argument("--backend", default="sim", choices=("sim", "mpi", "torch"),
+                   help="sim: N threads in this process (default); mpi: mpiexec -n N processes; "
+                        "torch: torchrun --nproc-per-node N processes (gloo on CPU, NCCL on GPU)")
     g.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
 
 
@@ -121,6 +124,14 @@ def run(args: argparse.Namespace) -> int:
                               "pip install 'zerosim[mpi]'") from None
         config_from_args(args).validate()  # bad input fails here, before mpiexec starts
         return int(launch_simulate(args))
+    if getattr(args, "backend", "sim") == "torch":
+        try:
+            from zerogpu.launch import launch_simulate as launch_torchrun
+        except ImportError as e:
+            raise ConfigError("backend", "torch", f"the torch backend is not available here ({e}); "
+                              "pip install 'zerosim[torch]'") from None
+        config_from_args(args).validate()  # bad input fails here, before torchrun starts
+        return int(launch_torchrun(args))
     from ..engine.spmd import run_simulated
 
     cfg = config_from_args(args)
@@ -196,8 +207,11 @@ def render(result: Any, as_json: bool) -> int:
     """Print the verdicts (table or JSON); return the exit status (0 pass, 1 a contract failed)."""
     code = 0 if result.passed else 1
     if as_json:
-        json.dump(result.to_json(), sys.stdout, indent=2)
-        print()
+        try:
+            json.dump(result.to_json(), sys.stdout, indent=2)
+            print()
+        except BrokenPipeError:  # `zerosim simulate --json | head`: the reader left; keep the exit status
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - interpreter shutdown flushes stdout again
         return code
     from rich.console import Console
     from rich.table import Table
@@ -228,9 +242,9 @@ def render(result: Any, as_json: bool) -> int:
         table.add_row(cid, titles.get(cid, ""), verdict, str(v.checked), summary)
     console.print(table)
     shown = 0
-    for cid, v in result.verdicts.items():
+    for v in result.verdicts.values():
         for viol in v.violations[:4]:
-            console.print(f"[red]{cid}[/] {viol}", highlight=False, soft_wrap=True)
+            console.print(str(viol), style="red", markup=False, highlight=False, soft_wrap=True)
             shown += 1
     if shown:
         console.print("(more detail: --json)")

@@ -48,8 +48,9 @@ import os
 import sys
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -99,6 +100,50 @@ def _reduce_path(dtype: np.dtype) -> str:
     return path
 
 
+class ReducePlan(NamedTuple):
+    """How one (dtype, op) reduction runs, worked out once per process (the hot path only looks it up)."""
+
+    dtype: np.dtype
+    mpi_op: Any  # MPI.SUM / MPI.MAX
+    native: bool  # MPI reduces the dtype itself (else: a float32 copy, rounded back once)
+    divide: bool  # "avg": divide the sum by the group size afterwards
+
+
+# op -> id(dtype) -> plan (two string / int lookups: cheaper than hashing a tuple or a dtype); the
+# plan holds its dtype, so an id is never reused while cached; callers check ``plan.dtype is dtype``
+_REDUCE_PLANS: dict[str, dict[int, ReducePlan]] = {op: {} for op in _MPI_OPS}
+_NO_PLANS: dict[int, ReducePlan] = {}  # what an unknown op looks up (always empty)
+
+
+def _reduce_plan(dtype: np.dtype, op: str) -> ReducePlan:
+    """The :class:`ReducePlan` of reducing ``dtype`` with ``op``, cached; ConfigError for an op or dtype MPI
+    cannot reduce. Callers look ``_REDUCE_PLANS`` up first (and check ``plan.dtype is dtype``)."""
+    if op not in _MPI_OPS:
+        raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
+    if op == "avg" and dtype.kind not in "fV":
+        raise ConfigError("op", op, f"avg needs a floating dtype, got {dtype}")
+    path = _reduce_path(dtype)
+    if not path:
+        raise ConfigError("dtype", str(dtype), f"cannot be reduced over MPI (op={op}); "
+                          "supported: the float / int dtypes MPI knows, float16, bfloat16, bool")
+    plan = ReducePlan(dtype, _MPI_OPS[op], path == "native", op == "avg")
+    _REDUCE_PLANS[op][id(dtype)] = plan
+    return plan
+
+
+_WIRE_NATIVE: dict[int, tuple[np.dtype, bool]] = {}  # id(dtype) -> (dtype, MPI knows it): all_gather's cache
+
+
+def _wire_native(dtype: np.dtype) -> bool:
+    """Can MPI move ``dtype`` under its own datatype (else as raw bits, see :func:`_bits`)? Cached."""
+    native = _reduce_path(dtype) == "native"
+    _WIRE_NATIVE[id(dtype)] = (dtype, native)
+    return native
+
+
+_ndarray = np.ndarray  # the hot path's type check, one global lookup
+
+
 def _contiguous(x: Any) -> np.ndarray:
     """A C-contiguous ndarray of ``x`` (0-d stays 0-d; ``np.ascontiguousarray`` would make it 1-d)."""
     x = np.asarray(x)
@@ -123,12 +168,16 @@ class DeferredTrafficCounter(TrafficCounter):
     """
 
     def __init__(self) -> None:
-        self._tallies: dict[tuple[str, str, int, bool], dict[int, int]] = {}
+        self._tallies: dict[tuple[str, str, int, bool], defaultdict[int, int]] = {}
         super().__init__()
 
-    def tally(self, group: str, collective: str, n: int, is_root: bool = False) -> dict[int, int]:
-        """The ``nbytes -> calls`` dict for these keys (shared by every caller asking for the same keys)."""
-        return self._tallies.setdefault((group, collective, n, is_root), {})
+    def tally(self, group: str, collective: str, n: int, is_root: bool = False) -> defaultdict[int, int]:
+        """The ``nbytes -> calls`` dict for these keys (shared by every caller asking for the same keys):
+        a ``defaultdict(int)``, so recording a call is ``tally[nbytes] += 1``."""
+        tally = self._tallies.get((group, collective, n, is_root))
+        if tally is None:
+            tally = self._tallies[(group, collective, n, is_root)] = defaultdict(int)
+        return tally
 
     @property  # type: ignore[override]
     def records(self) -> dict[tuple[str, str], TrafficRecord]:
@@ -141,8 +190,7 @@ class DeferredTrafficCounter(TrafficCounter):
         self._records = value
 
     def record(self, group: str, collective: str, nbytes: int, n: int, is_root: bool = False) -> None:
-        tally = self.tally(group, collective, n, is_root)
-        tally[nbytes] = tally.get(nbytes, 0) + 1
+        self.tally(group, collective, n, is_root)[nbytes] += 1
 
     def _flush(self) -> None:
         for (group, collective, n, is_root), tally in self._tallies.items():
@@ -427,11 +475,15 @@ class MpiCommunicator:
         self.global_ranks = _global_ranks
         self.traffic = traffic if traffic is not None else DeferredTrafficCounter()
         # nbytes -> calls tallies of this group in the shared counter (None: a plain counter, record())
-        self._tallies: dict[tuple[str, bool], dict[int, int]] | None = None
+        self._tallies: dict[tuple[str, bool], defaultdict[int, int]] | None = None
         if isinstance(self.traffic, DeferredTrafficCounter):
             self._tallies = {(c, root): self.traffic.tally(group_name, c, self.world_size, root)
                              for c in ("all_reduce", "reduce_scatter", "all_gather", "barrier", "broadcast")
                              for root in (False, True) if root is False or c == "broadcast"}
+        # the data-path collectives' tallies, one attribute lookup away (None: record() instead)
+        self._tally_all_reduce = None if self._tallies is None else self._tallies[("all_reduce", False)]
+        self._tally_reduce_scatter = None if self._tallies is None else self._tallies[("reduce_scatter", False)]
+        self._tally_all_gather = None if self._tallies is None else self._tallies[("all_gather", False)]
         self._calls = 0  # collectives entered on this group (names default split groups like the simulator)
         self._collective = ""
         self._wd.groups.setdefault(group_name, self)
@@ -450,8 +502,7 @@ class MpiCommunicator:
         if self._tallies is None:
             self.traffic.record(self.group_name, collective, nbytes, self.world_size, is_root)
         else:
-            tally = self._tallies[(collective, is_root)]
-            tally[nbytes] = tally.get(nbytes, 0) + 1
+            self._tallies[(collective, is_root)][nbytes] += 1
         if self._fault is not None:
             self._fault_hook(collective)
         self._collective = collective
@@ -489,76 +540,126 @@ class MpiCommunicator:
                               f"must be a writeable, aligned, C-contiguous {dtype} array of shape {list(shape)}")
         return out
 
-    def _reduce_buffers(self, x: np.ndarray, op: str, shape: tuple[int, ...],
-                        out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(send, receive, result) buffers of a reduction; the float32 detour for 16-bit floats and bool."""
-        if op not in _MPI_OPS:
-            raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
-        dtype = x.dtype
-        path = _reduce_path(dtype)
-        if op == "avg" and dtype.kind not in "fV":
-            raise ConfigError("op", op, f"avg needs a floating dtype, got {dtype}")
-        result = np.empty(shape, dtype) if out is None else self._output(out, shape, dtype)
-        if path == "native":
-            return x, result, result
-        if not path:
-            raise ConfigError("dtype", str(x.dtype), f"cannot be reduced over MPI (op={op}); "
-                              "supported: the float / int dtypes MPI knows, float16, bfloat16, bool")
-        return x.astype(np.float32), np.empty(shape, np.float32), result
-
-    def _finish_reduce(self, recv: np.ndarray, result: np.ndarray, op: str) -> np.ndarray:
+    def _finish_reduce(self, recv: np.ndarray, result: np.ndarray, plan: ReducePlan) -> np.ndarray:
         if recv is not result:  # float32 accumulator -> the 16-bit dtype, rounded once
             result[...] = recv.astype(result.dtype)
-        if op == "avg":
+        if plan.divide:
             result /= self.world_size  # the simulator's arithmetic: the sum, then divide in place
         return result
 
     # -- collectives --------------------------------------------------------------------------------
+    # all_reduce / reduce_scatter / all_gather are the engine's data path. Each is written out in full
+    # (no helper calls on the common path): the (op, dtype) decisions come from per-process caches,
+    # ``out`` is accepted after a few attribute checks (anything unusual goes through ``_output``'s
+    # full validation), and the bookkeeping is a tally increment, a call count and the watchdog's
+    # ``current``. That keeps a call within a microsecond or so of Python on top of the raw MPI call,
+    # which ``zerosim bench mpi`` measures.
+
     def all_reduce(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
-        if type(x) is not np.ndarray or not x.flags.c_contiguous:
+        if type(x) is not _ndarray or not x.flags.c_contiguous:
             x = _contiguous(x)
-        send, recv, result = self._reduce_buffers(x, op, x.shape, out)
-        self._begin("all_reduce", x.nbytes)
+        dtype = x.dtype
+        plan = _REDUCE_PLANS.get(op, _NO_PLANS).get(id(dtype))
+        if plan is None or plan.dtype is not dtype:
+            plan = _reduce_plan(dtype, op)
+        if out is None:
+            result = np.empty(x.shape, dtype)
+        elif type(out) is _ndarray and out.dtype is dtype and out.shape == x.shape and out.flags.carray:
+            result = out
+        else:
+            result = self._output(out, x.shape, dtype)
+        send, recv = (x, result) if plan.native else (x.astype(np.float32), np.empty(x.shape, np.float32))
+        tally = self._tally_all_reduce
+        if tally is None:
+            self.traffic.record(self.group_name, "all_reduce", x.nbytes, self.world_size)
+        else:
+            tally[x.nbytes] += 1
+        if self._fault is not None:
+            self._fault_hook("all_reduce")
+        self._collective = "all_reduce"
+        self._calls += 1
+        wd = self._wd
+        wd.current = self
         try:
             if self._blocking:
-                self._comm.Allreduce(send, recv, _MPI_OPS[op])
+                self._comm.Allreduce(send, recv, plan.mpi_op)
             else:
-                self._wait(self._comm.Iallreduce(send, recv, _MPI_OPS[op]))
+                self._wait(self._comm.Iallreduce(send, recv, plan.mpi_op))
         except MPI.Exception as e:
             raise self._mpi_error(e) from e
         finally:
-            self._wd.current = None
-        return result if recv is result and op != "avg" else self._finish_reduce(recv, result, op)
+            wd.current = None
+        return self._finish_reduce(recv, result, plan) if plan.divide or recv is not result else result
 
     def reduce_scatter(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
-        if type(x) is not np.ndarray or not x.flags.c_contiguous:
+        if type(x) is not _ndarray or not x.flags.c_contiguous:
             x = _contiguous(x)
         n = self.world_size
-        if x.ndim != 1 or x.shape[0] % n:
+        if x.ndim != 1 or x.size % n:
             self._check_flat("reduce_scatter", x, divisible=True)
-        send, recv, result = self._reduce_buffers(x, op, (x.shape[0] // n,), out)
-        self._begin("reduce_scatter", x.nbytes)
+        dtype = x.dtype
+        plan = _REDUCE_PLANS.get(op, _NO_PLANS).get(id(dtype))
+        if plan is None or plan.dtype is not dtype:
+            plan = _reduce_plan(dtype, op)
+        count = x.size // n
+        if out is None:
+            result = np.empty(count, dtype)
+        elif type(out) is _ndarray and out.dtype is dtype and out.ndim == 1 and out.size == count and out.flags.carray:
+            result = out
+        else:
+            result = self._output(out, (count,), dtype)
+        send, recv = (x, result) if plan.native else (x.astype(np.float32), np.empty(count, np.float32))
+        tally = self._tally_reduce_scatter
+        if tally is None:
+            self.traffic.record(self.group_name, "reduce_scatter", x.nbytes, n)
+        else:
+            tally[x.nbytes] += 1
+        if self._fault is not None:
+            self._fault_hook("reduce_scatter")
+        self._collective = "reduce_scatter"
+        self._calls += 1
+        wd = self._wd
+        wd.current = self
         try:
             if self._blocking:
-                self._comm.Reduce_scatter_block(send, recv, _MPI_OPS[op])
+                self._comm.Reduce_scatter_block(send, recv, plan.mpi_op)
             else:
-                self._wait(self._comm.Ireduce_scatter_block(send, recv, _MPI_OPS[op]))
+                self._wait(self._comm.Ireduce_scatter_block(send, recv, plan.mpi_op))
         except MPI.Exception as e:
             raise self._mpi_error(e) from e
         finally:
-            self._wd.current = None
-        return result if recv is result and op != "avg" else self._finish_reduce(recv, result, op)
+            wd.current = None
+        return self._finish_reduce(recv, result, plan) if plan.divide or recv is not result else result
 
     def all_gather(self, x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
-        if type(x) is not np.ndarray or not x.flags.c_contiguous:
+        if type(x) is not _ndarray or not x.flags.c_contiguous:
             x = _contiguous(x)
         if x.ndim != 1:
             self._check_flat("all_gather", x)
-        n = self.world_size
         dtype = x.dtype
-        result = np.empty(x.shape[0] * n, dtype) if out is None else self._output(out, (x.shape[0] * n,), dtype)
-        send, recv = (x, result) if _reduce_path(dtype) == "native" else (_bits(x), _bits(result))
-        self._begin("all_gather", x.nbytes * n)
+        total = x.size * self.world_size
+        if out is None:
+            result = np.empty(total, dtype)
+        elif type(out) is _ndarray and out.dtype is dtype and out.ndim == 1 and out.size == total and out.flags.carray:
+            result = out
+        else:
+            result = self._output(out, (total,), dtype)
+        wire = _WIRE_NATIVE.get(id(dtype))
+        if wire[1] if wire is not None and wire[0] is dtype else _wire_native(dtype):
+            send, recv = x, result
+        else:
+            send, recv = _bits(x), _bits(result)
+        tally = self._tally_all_gather
+        if tally is None:
+            self.traffic.record(self.group_name, "all_gather", result.nbytes, self.world_size)
+        else:
+            tally[result.nbytes] += 1
+        if self._fault is not None:
+            self._fault_hook("all_gather")
+        self._collective = "all_gather"
+        self._calls += 1
+        wd = self._wd
+        wd.current = self
         try:
             if self._blocking:
                 self._comm.Allgather(send, recv)
@@ -567,7 +668,7 @@ class MpiCommunicator:
         except MPI.Exception as e:
             raise self._mpi_error(e) from e
         finally:
-            self._wd.current = None
+            wd.current = None
         return result
 
     def broadcast(self, x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None) -> np.ndarray:

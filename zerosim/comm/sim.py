@@ -187,6 +187,7 @@ class SimulatedWorld:
         self._waiting_on: dict[int, _Rendezvous] = {}
         self._holder: int | None = 0 if schedule == "serial" else None
         self._last_progress = time.monotonic()
+        self._last_call: dict[int, tuple[str, str]] = {}  # global rank -> (collective, group) it last entered
         self._failure: tuple[int, BaseException] | None = None
         self._shared: dict[Any, list[Any]] = {}
         self.world_group = self._new_group("world", tuple(range(world_size)))
@@ -295,8 +296,13 @@ class SimulatedWorld:
             rv = min(pending, key=lambda p: (p.group.gid, p.seq)) if pending else None
         if rv is not None:
             return CollectiveTimeout(rv.collective, rv.missing(), self.timeout_s, rv.group.name)
+        # Serial schedule, nobody waits in a collective: the rank holding the baton never came back to
+        # its next collective (an endless computation between two collectives).
         stuck = [self._holder] if self._holder is not None else []
-        return CollectiveTimeout("first collective", stuck, self.timeout_s, "world")
+        last = self._last_call.get(self._holder) if self._holder is not None else None
+        if last is None:
+            return CollectiveTimeout("first collective", stuck, self.timeout_s, "world")
+        return CollectiveTimeout(f"next collective after {last[0]}", stuck, self.timeout_s, last[1])
 
     # -- the collective core --------------------------------------------------------------------------
     def _collective(self, group: _Group, grank: int, call: _Call) -> Any:
@@ -311,6 +317,7 @@ class SimulatedWorld:
             if rv is None:
                 rv = self._pending[(group.gid, seq)] = _Rendezvous(group, seq)
             rv.calls[grank] = call
+            self._last_call[rank] = (call.collective, group.name)
             self._progress()
             if len(rv.calls) == len(group.global_ranks):
                 del self._pending[(group.gid, seq)]

@@ -170,13 +170,33 @@ class CommEstimate:
         out = {c: {"sent": Fraction(0), "received": Fraction(0)} for c in LINK_CLASSES}
         k = self.shard_group_size
         for item in self.items:
-            members = _group_members(item.group_kind, rank, self.world_size, k)
-            if len(members) <= 1:
+            succ = _ring_successor(item.group_kind, rank, self.world_size, k)
+            pred = _ring_successor(item.group_kind, rank, self.world_size, k, step=-1)
+            if succ is None or pred is None:
                 continue
-            pos = members.index(rank)
-            succ, pred = members[(pos + 1) % len(members)], members[pos - 1]
             out["intra" if topo.same_node(rank, succ) else "inter"]["sent"] += item.bytes_sent
             out["intra" if topo.same_node(rank, pred) else "inter"]["received"] += item.bytes_received
+        return out
+
+    def collective_links(self, max_world: int = 4096) -> list[dict[str, Any]]:
+        """Per collective (in :attr:`items` order): elements and bytes each rank sends per step, split
+        by the link class of its ring successor, as the mean over ranks (rank 0's above ``max_world``
+        ranks, where the mean would cost O(ranks) per collective)."""
+        topo = self._topology or Topology(self.world_size, self.ranks_per_node)
+        ranks = range(self.world_size) if self.world_size <= max_world else range(1)
+        out = []
+        for item in self.items:
+            inter_ranks = 0
+            for rank in ranks:
+                succ = _ring_successor(item.group_kind, rank, self.world_size, self.shard_group_size)
+                inter_ranks += succ is not None and not topo.same_node(rank, succ)
+            inter_share = Fraction(inter_ranks, len(ranks))
+            row: dict[str, Any] = {"group_kind": item.group_kind, "collective": item.collective,
+                                   "purpose": item.purpose, "basis": "mean over ranks" if len(ranks) > 1 else "rank 0"}
+            for cls, share in (("intra", 1 - inter_share), ("inter", inter_share)):
+                row[cls] = {"elements_sent": float(item.elements_sent * share),
+                            "bytes_sent": float(item.bytes_sent * share)}
+            out.append(row)
         return out
 
     def link_totals(self) -> dict[str, dict[str, Fraction]]:
@@ -209,13 +229,15 @@ class CommEstimate:
         return out
 
 
-def _group_members(kind: str, rank: int, n: int, k: int) -> list[int]:
+def _ring_successor(kind: str, rank: int, n: int, k: int, step: int = 1) -> int | None:
+    """The rank ``rank`` sends to (``step=1``) or receives from (``step=-1``) in the ring of its
+    ``kind`` group (group order, cyclic), in O(1); ``None`` when the group has one member."""
     if kind == "world":
-        return list(range(n))
+        return (rank + step) % n if n > 1 else None
     if kind == "shard":
-        g = rank // k
-        return list(range(g * k, (g + 1) * k))
-    return list(range(rank % k, n, k))  # replicate
+        base = rank - rank % k
+        return base + (rank - base + step) % k if k > 1 else None
+    return (rank + step * k) % n if n // k > 1 else None  # replicate: rank % k, rank % k + k, ...
 
 
 def packed_unit_sizes(layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, world_size: int) -> list[int]:

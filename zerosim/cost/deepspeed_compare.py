@@ -143,13 +143,19 @@ def compare_with_deepspeed(layout: ParamLayout, num_gpus_per_node: int = 8, num_
     L = largest_layer_numel(layout)
     topo = Topology(num_gpus_per_node * num_nodes, num_gpus_per_node)
     real_ok = use_real and deepspeed_available()
+    real_failure: str | None = None
     rows = []
     for case in CASES:
         strat = ShardingStrategy(StrategyKind.SHARD_GRAD_OP if case.stage == 2 else StrategyKind.FULL_SHARD)
         ds_cpu, ds_gpu = deepspeed_estimator_formula(case.stage, P, L, num_gpus_per_node, num_nodes,
                                                      case.cpu_offload, case.cpu_offload_params)
-        real = (deepspeed_estimator_real(case.stage, P, L, num_gpus_per_node, num_nodes, case.cpu_offload,
-                                         case.cpu_offload_params) if real_ok else None)
+        real = None
+        if real_ok:
+            try:
+                real = deepspeed_estimator_real(case.stage, P, L, num_gpus_per_node, num_nodes, case.cpu_offload,
+                                                case.cpu_offload_params)
+            except Exception as exc:  # a broken deepspeed install must not sink the comparison
+                real_ok, real_failure = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         ours = {}
         for precision in ("mixed", "bf16-fp32grads"):
             est = memory_per_rank(layout, strat, topo, MemorySettings(precision, "adamw", case.our_offload,
@@ -168,8 +174,14 @@ def compare_with_deepspeed(layout: ParamLayout, num_gpus_per_node: int = 8, num_
         })
     if real_ok:
         ds_note = "real DeepSpeed estimator called"
+    elif real_failure is not None:
+        ds_note = (f"deepspeed is installed but its estimator failed ({real_failure}): only the formula "
+                   "restated by zerosim is shown")
+        for row in rows:
+            row["ds_real"] = None
     elif use_real:
-        ds_note = "deepspeed is not installed: only the restated formula is shown (pip install deepspeed)"
+        ds_note = ("deepspeed is not installed: only the formula restated by zerosim is shown "
+                   "(DS_BUILD_OPS=0 pip install deepspeed for the real estimator)")
     else:
         ds_note = "real DeepSpeed estimator not requested"
     return {

@@ -470,6 +470,12 @@ class MemoryEstimate:
     def shard_group_size(self) -> int:
         return self.shard.k
 
+    @property
+    def transient_modelled(self) -> bool:
+        """False for ZeRO-3 / hybrid on a bare parameter count without ``largest_block_numel``: the
+        gathered-block transient needs the block structure, so ``transient`` / ``peak`` are not known."""
+        return not (self.strategy.shards_params and not self.units)
+
     def to_json(self) -> dict[str, Any]:
         k = self.shard.k
         return {
@@ -490,6 +496,7 @@ class MemoryEstimate:
             "units": "bytes",
             "accounting": ("params/grads/optimizer_states/total: persistent model states (ZeRO paper "
                            "accounting, with partitioner padding); transient/peak: the reference engine's schedule"),
+            "transient_modelled": self.transient_modelled,
             "per_rank": self.per_rank.to_json(),
             "rank_classes": [c.to_json() for c in self.classes],
             "notes": list(self.notes),
@@ -641,7 +648,8 @@ def memory_per_rank(
     if sizes.padding:
         notes.append(f"{sizes.padding} padding elements per shard group ({sizes.rule})")
     if strat.shards_params and not units:
-        notes.append("ZeRO-3 transient not modelled: no block structure (pass a layout or largest_block_numel)")
+        notes.append("ZeRO-3 transient not modelled: no block structure (pass a layout / --model PRESET, "
+                     "or largest_block_numel / --largest-block N)")
     if largest_block_numel is not None:
         largest: int | None = largest_block_numel
     elif t.block_numels:

@@ -7,6 +7,8 @@ it prints in its header, so "31.4" is never ambiguous.
 
 from __future__ import annotations
 
+import math
+
 from ..errors import ConfigError
 
 UNITS: dict[str, int] = {
@@ -54,8 +56,19 @@ def format_bytes(nbytes: float, unit: str | None = None, binary: bool = False, d
 
 
 def format_value(nbytes: float, unit: str, digits: int = 4) -> str:
-    """The number only (no unit suffix), for table cells whose header names the unit."""
+    """The number only (no unit suffix), for table cells whose header names the unit.
+
+    ``digits`` significant digits, never scientific notation: ``31.41``, ``1.875``, ``16,000``.
+    """
     value = to_unit(nbytes, unit)
     if parse_unit(unit) == "B":
-        return str(int(round(value)))
-    return f"{value:.{digits}g}"
+        return f"{int(round(value)):,}"
+    if value == 0:
+        return "0"
+    if abs(value) >= 10 ** (digits - 1):
+        return f"{value:,.0f}"
+    text = f"{value:.{digits}g}"
+    if "e" in text:  # tiny values: as many decimals as the significant digits need
+        decimals = digits - 1 - math.floor(math.log10(abs(value)))
+        text = f"{value:.{decimals}f}"
+    return text

@@ -27,6 +27,7 @@ from ..errors import ConfigError
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "grad_buffers", "activations")
 LOCATIONS = ("device", "host")
 MODEL_STATE = ("params", "grads", "optimizer")
+TRANSIENT_CATEGORIES = ("gathered", "grad_buffers", "activations")  # must all be freed by the end of a step
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,13 @@ class StepMemory:
     peak_by_category: dict[str, int] = field(default_factory=dict)
     peak_live_params: int = 0  # peak of params + gathered on the device (ZeRO-3's bound)
     live_at_end: dict[str, dict[str, int]] = field(default_factory=dict)  # location -> category -> bytes
+    live_keys_at_end: dict[str, list[str]] = field(default_factory=dict)  # transient category -> live buffers
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "peak_by_location": dict(self.peak_by_location),
                 "peak_by_category": dict(self.peak_by_category), "peak_live_params": self.peak_live_params,
-                "live_at_end": {k: dict(v) for k, v in self.live_at_end.items()}}
+                "live_at_end": {k: dict(v) for k, v in self.live_at_end.items()},
+                "live_keys_at_end": {k: list(v) for k, v in self.live_keys_at_end.items()}}
 
 
 class MemoryTracker:
@@ -144,7 +147,12 @@ class MemoryTracker:
         for (cat, loc), b in self._totals.items():
             if b:
                 live[loc][cat] = b
-        sm = StepMemory(self.step, dict(self._peak_loc), dict(self._peak_cat), self._peak_live_params, live)
+        keys: dict[str, list[str]] = {}
+        for key, (cat, _loc, b) in self._live.items():
+            if b and cat in TRANSIENT_CATEGORIES:
+                keys.setdefault(cat, []).append(key)
+        sm = StepMemory(self.step, dict(self._peak_loc), dict(self._peak_cat), self._peak_live_params, live,
+                        {c: sorted(v) for c, v in keys.items()})
         self.steps.append(sm)
         return sm
 

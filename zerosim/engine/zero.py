@@ -133,7 +133,8 @@ class ZeroEngine:
 
         def make() -> Any:
             flat = flatten(init_params(cfg, seed), self.layout)  # host numpy, transient
-            flat.flags.writeable = False  # shared between simulated ranks: nobody may write into it
+            if xp.backend == "numpy":  # shared between simulated ranks: nobody may write into it (torch
+                flat.flags.writeable = False  # would warn on wrapping a read-only array; it only copies out)
             return flat
 
         share = getattr(self.comm, "shared", None)  # the simulator builds it once for all its ranks

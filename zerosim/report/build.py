@@ -23,7 +23,7 @@ from ..cost.deepspeed_compare import compare_with_deepspeed
 from ..cost.memory_model import MemorySettings, all_strategies, memory_per_rank
 from ..cost.memory_timeline import modelled_step_timeline
 from ..engine.reference import independent_reference, ordered_reference
-from ..engine.spmd import RunConfig, simulate_observations
+from ..engine.spmd import RunConfig, evaluate, simulate_observations
 from ..layout import ParamLayout
 from ..model import SimModelConfig
 from ..strategy import Topology
@@ -63,10 +63,20 @@ class ReportResult:
     timings: dict[str, float]
     notes: list[str]
 
+    @property
+    def contracts(self) -> list[dict[str, Any]]:
+        """One row per measured run (backend, world size, strategy) with its C-ZERO-002..005 verdicts."""
+        return self.tables.get("contracts", [])
+
+    @property
+    def passed(self) -> bool:
+        """Every step contract held on every measured run of every backend."""
+        return all(row["passed"] for row in self.contracts)
+
     def to_json(self) -> dict[str, Any]:
         return {"out_dir": str(self.out_dir), "figures": [{"name": f.name, "png": f.png, "json": f.json}
                                                             for f in self.figures],
-                "timings": self.timings, "notes": self.notes}
+                "passed": self.passed, "timings": self.timings, "notes": self.notes}
 
 
 class _Progress:
@@ -102,6 +112,15 @@ class _Progress:
             self._progress.update(self._task, description=description)
 
 
+def contract_verdicts(run: Any, observations: Any, backend: str) -> dict[str, Any]:
+    """C-ZERO-002..005 on one measured run (:func:`zerosim.engine.spmd.evaluate`), as a JSON row."""
+    result = evaluate(run, observations)
+    return {"backend": backend, "world_size": run.world_size, "strategy": run.strategy.name, "passed": result.passed,
+            "verdicts": {c: {"passed": v.passed, "checked": v.checked, "violations": len(v.violations),
+                             "first": str(v.violations[0]) if v.violations else None}
+                         for c, v in result.verdicts.items()}}
+
+
 def _strategy_names(ws: int, rpn: int) -> list[str]:
     topo = Topology(ws, rpn if ws % rpn == 0 and ws > rpn else ws)
     return [s.name for s in all_strategies(topo)]
@@ -126,7 +145,8 @@ def _measure_all(cfg: ReportConfig, tick: Callable[[str], None]) -> dict[str, An
                            ranks_per_node=rpn, observe="full")
             run = rc.resolve()
             obs = simulate_observations(run)
-            entry: dict[str, Any] = {"memory": memory_comparison(run, obs), "traffic": traffic_comparison(run, obs)}
+            entry: dict[str, Any] = {"memory": memory_comparison(run, obs), "traffic": traffic_comparison(run, obs),
+                                     "contracts": contract_verdicts(run, obs, "simulator")}
             if ws == cfg.offload_world_size or ws == max(cfg.world_sizes):
                 entry["ground_truth_error"] = equivalence_errors(run, obs, independent_reference(run))
                 entry["ordered_reference_error"] = equivalence_errors(run, obs, ordered_reference(run))
@@ -166,6 +186,7 @@ def _measure_mpi(cfg: ReportConfig, tick: Callable[[str], None]) -> dict[str, An
         out["runs"][name] = {"memory": memory_comparison(run, res.observations),
                              "traffic": traffic_comparison(run, res.observations),
                              "ground_truth_error": equivalence_errors(run, res.observations, independent_reference(run)),
+                             "contracts": contract_verdicts(run, res.observations, "mpi"),
                              "wall_s": res.wall_s}
     return out
 
@@ -187,6 +208,7 @@ def _measure_torch(cfg: ReportConfig, tick: Callable[[str], None]) -> dict[str, 
         run = rc.resolve()
         out["runs"][name] = {"memory": memory_comparison(run, obs), "traffic": traffic_comparison(run, obs),
                              "ground_truth_error": equivalence_errors(run, obs, independent_reference(run)),
+                             "contracts": contract_verdicts(run, obs, "torch"),
                              "wall_s": res.wall_s / len(cfgs)}
     return out
 
@@ -532,7 +554,8 @@ def build_report(out_dir: str | Path, config: ReportConfig | None = None, progre
         bar.step("writing JSON and index.md")
         for f in figs:
             (out / f.json).write_text(json.dumps(f.data, indent=1, default=_json_default) + "\n")
-        tables = {"model_vs_measured": _table_model_vs_measured(cfg, runs), "padding_demo": padding_demo,
+        tables = {"contracts": _contracts_table(runs, mpi, torch_runs),
+                  "model_vs_measured": _table_model_vs_measured(cfg, runs), "padding_demo": padding_demo,
                   "deepspeed": ds, "mpi": _mpi_table(mpi), "torch": _mpi_table(torch_runs)}
         for name, table in tables.items():
             (out / f"{name}.json").write_text(json.dumps(table, indent=1, default=_json_default) + "\n")
@@ -543,6 +566,15 @@ def build_report(out_dir: str | Path, config: ReportConfig | None = None, progre
         write_index(out / "index.md", cfg, figs, tables, timings, notes)
         bar.step("done")
     return ReportResult(out, figs, tables, timings, notes)
+
+
+def _contracts_table(runs: dict[str, Any], *launched: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Every measured run's contract verdicts: the simulator's, then each launcher's that ran."""
+    rows = [v["contracts"] for v in runs.values()]
+    for backend in launched:
+        if backend is not None:
+            rows.extend(v["contracts"] for v in backend["runs"].values())
+    return rows
 
 
 def _mpi_table(mpi: dict[str, Any] | None) -> dict[str, Any]:

@@ -7,6 +7,8 @@ silently.
 
 from __future__ import annotations
 
+import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from ..cost.units import UNITS, to_unit  # noqa: E402
 
@@ -40,6 +43,29 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _unit_label(unit: str) -> str:
+    """``GB = 10^9 B`` / ``GiB = 2^30 B``: the unit spelled out on every byte axis."""
+    factor = UNITS[unit]
+    if factor == 1:
+        return "B"
+    for base in (10, 2):
+        exp = round(math.log(factor, base))
+        if base**exp == factor:
+            return f"{unit} = {base}$^{{{exp}}}$ B"
+    return f"{unit} = {factor:,} B"  # pragma: no cover
+
+
+def _modelled_measured_handles() -> list[Patch]:
+    """Legend entries for the bar pairs: plain = modelled (left), hatched = measured (right)."""
+    return [Patch(facecolor="white", edgecolor="black", label="left bar: MODELLED"),
+            Patch(facecolor="white", edgecolor="black", hatch="//", label="right bar (hatched): MEASURED")]
+
+
+def _title(ax: Any, text: str, width: int = 95) -> None:
+    """A panel title wrapped so it never runs past the panel."""
+    ax.set_title("\n".join(textwrap.wrap(text, width)), fontsize=9)
+
+
 def _stacked(ax: Any, x: float, parts: dict[str, float], width: float, unit: str, hatch: str | None = None,
              labels: bool = False) -> float:
     bottom = 0.0
@@ -64,22 +90,26 @@ def plot_memory_by_strategy(data: dict[str, Any], path: Path) -> Path:
         top = _stacked(ax, i, large["strategies"][name], 0.6, unit, labels=(i == 0))
         ax.text(i, top, f"{top:.3g}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), [short_name(n) for n in names])
-    ax.set_ylabel(f"bytes per rank [{unit} = {UNITS[unit]:.0e} B]")
-    ax.set_title(f"(a) MODELLED: {large['model']}, N_d={large['world_size']}, {large['settings']}", fontsize=9)
+    ax.set_ylabel(f"persistent bytes per rank [{_unit_label(unit)}]")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.08)
+    _title(ax, f"(a) MODELLED: {large['model']}, N_d={large['world_size']}, {large['settings']}")
     ax.legend(fontsize=8)
     ax = axes[1]
     unit = small["unit"]
     names = list(small["strategies"])
     for i, name in enumerate(names):
         entry = small["strategies"][name]
-        _stacked(ax, i - 0.2, entry["model"], 0.38, unit, labels=(i == 0))
+        _stacked(ax, i - 0.2, entry["model"], 0.38, unit)
         if entry.get("measured"):
             _stacked(ax, i + 0.2, entry["measured"], 0.38, unit, hatch="//")
     ax.set_xticks(range(len(names)), [short_name(n) for n in names])
-    ax.set_ylabel(f"bytes per rank [{unit}]")
-    ax.set_title(f"(b) {small['model']}, world {small['world_size']}: left bar MODELLED, right (hatched) "
-                 f"MEASURED ({small['backend']})", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.set_ylabel(f"bytes per rank [{_unit_label(unit)}]")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # headroom for the legend
+    _title(ax, f"(b) {small['model']}, world {small['world_size']}: left bar MODELLED, right (hatched) "
+               f"MEASURED ({small['backend']})")
+    handles = [Patch(facecolor=CATEGORY_COLORS[c], edgecolor="black", label=CATEGORY_LABELS[c])
+               for c in ("params", "grads", "optimizer_states", "transient")]
+    ax.legend(handles=handles + _modelled_measured_handles(), fontsize=8, ncol=2, loc="upper left")
     return _save(fig, path)
 
 
@@ -108,7 +138,7 @@ def plot_memory_vs_dp(data: dict[str, Any], path: Path) -> Path:
         ax.set_ylabel("persistent model-state bytes per rank [B]")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-        ax.set_title(d["title"], fontsize=9)
+        _title(ax, d["title"])
     return _save(fig, path)
 
 
@@ -133,9 +163,14 @@ def plot_comm_volume(data: dict[str, Any], path: Path) -> Path:
                 ax.bar(x, inter, w, bottom=intra, color="#C44E52", hatch=hatch, edgecolor="black", linewidth=0.4,
                        label="inter-node" if i == 0 and src == "model" else None)
         ax.set_xticks(range(len(names)), [short_name(n) for n in names], fontsize=8)
-        ax.set_ylabel(f"bytes sent per rank per step [{unit}]")
-        ax.set_title(d["title"], fontsize=9)
-        ax.legend(fontsize=8)
+        ax.set_ylabel(f"bytes sent per rank per step [{_unit_label(unit)}]")
+        _title(ax, d["title"])
+        handles = [Patch(facecolor="#4C72B0", edgecolor="black", label="intra-node"),
+                   Patch(facecolor="#C44E52", edgecolor="black", label="inter-node")]
+        if any(e.get("measured") for e in d["strategies"].values()):
+            handles += _modelled_measured_handles()
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # headroom for the legend
+        ax.legend(handles=handles, fontsize=8, ncol=2, loc="upper left")
     return _save(fig, path)
 
 
@@ -145,12 +180,15 @@ def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(1, max(len(backends), 1), figsize=(6.5 * max(len(backends), 1), 4.6), squeeze=False)
     for ax, backend in zip(axes[0], backends, strict=False):
         series = data["backends"][backend]["series"]
-        steps_max = 1
-        for i, (name, errs) in enumerate(series.items()):
-            steps = list(range(1, len(errs) + 1))
-            steps_max = max(steps_max, len(errs))
-            ax.plot(steps, errs, marker=MARKERS[i % len(MARKERS)], markersize=7 - i * 0.7, alpha=0.85,
-                    label=short_name(name))
+        steps_max = max((len(e) for e in series.values()), default=1)
+        # strategies with identical errors would hide each other: draw each distinct curve once, naming all
+        curves: dict[tuple[float, ...], list[str]] = {}
+        for name, errs in series.items():
+            curves.setdefault(tuple(errs), []).append(short_name(name))
+        for i, (errs, names) in enumerate(curves.items()):
+            label = ", ".join(names) + (" (identical)" if len(names) > 1 else "")
+            ax.plot(range(1, len(errs) + 1), errs, marker=MARKERS[i % len(MARKERS)], markersize=6, alpha=0.85,
+                    label="\n".join(textwrap.wrap(label, 40)))
         values = [e for errs in series.values() for e in errs]
         if values and min(values) > 0:
             ax.set_yscale("log")
@@ -159,7 +197,7 @@ def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
         ax.set_xticks(range(1, steps_max + 1))
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("max |fp32 master - ground truth|")
-        ax.set_title(f"MEASURED on {backend}: {data['backends'][backend]['title']}", fontsize=9)
+        _title(ax, f"MEASURED on {backend}: {data['backends'][backend]['title']}", 60)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     if not backends:
@@ -183,10 +221,12 @@ def plot_offload_timeline(data: dict[str, Any], path: Path) -> Path:
                 ax.step(xs, [to_unit(p["host"], unit) for p in pts], where="post", linestyle=":", linewidth=1.2,
                         label=series.get("host_label", f"host, {series['label']}"))
         step = max(1, len(longest) // 30)
-        ax.set_xticks(range(0, len(longest), step), [longest[i]["event"][:32] for i in range(0, len(longest), step)],
+        ax.set_xticks(range(0, len(longest), step), [longest[i]["event"][:40] for i in range(0, len(longest), step)],
                       rotation=60, ha="right", fontsize=6)
-        ax.set_ylabel(f"bytes [{unit} = {UNITS[unit]:,} B]")
-        ax.set_title(panel["title"], fontsize=9)
+        ax.set_ylabel(f"bytes per rank [{_unit_label(unit)}]")
+        ax.set_xlabel("allocation / free events of one step, in order")
+        _title(ax, panel["title"], 140)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.45)  # headroom: the legend sits above the curves
+        ax.legend(fontsize=7, ncol=2, loc="upper center")
     return _save(fig, path)
