@@ -27,14 +27,26 @@ from zerosim.mpi.launch import mpi_unavailable_reason, run_mpiexec
 REASON = mpi_unavailable_reason()
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(REASON is not None, reason=f"MPI unavailable: {REASON}")]
 
+STRATEGIES = ("no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2")
 CASES = [
-    # (world size, strategy, extra options)
-    *[(2, s, ()) for s in ("no_shard", "zero1", "zero2", "zero3", "hybrid_shard:1", "hybrid_shard_zero2:1")],
+    # (world size, strategy, extra options): every strategy at 2 and 4 ranks, one at 8
+    *[(2, s, ()) for s in STRATEGIES],
+    *[(2, s, ()) for s in ("hybrid_shard:1", "hybrid_shard_zero2:1")],  # hybrid with a replicate group of 2
     (2, "zero3", ("--offload", "--prefetch", "1")),
     (2, "zero3", ("--precision", "bf16")),
-    *[(4, s, ()) for s in ("no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2")],
+    *[(4, s, ()) for s in STRATEGIES],
     (8, "hybrid_shard:4", ()),
 ]
+
+
+def test_every_strategy_is_compared_at_2_and_4_ranks() -> None:
+    """The case list itself: no strategy may drop out of the cross-backend comparison unnoticed."""
+    from zerosim.strategy import ShardingStrategy, StrategyKind
+
+    for world in (2, 4):
+        kinds = {ShardingStrategy.parse(s).kind for w, s, e in CASES if w == world and not e}
+        assert kinds == set(StrategyKind), f"world {world}: missing {set(StrategyKind) - kinds}"
+    assert any(w == 8 for w, _, _ in CASES)
 
 
 def run_mpi(tmp_path: Path, world: int, strategy: str, extra: tuple[str, ...]) -> list[Any]:

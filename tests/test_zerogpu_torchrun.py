@@ -1,7 +1,8 @@
 """The torch.distributed backend under real torchrun launches (gloo on the CPU).
 
 - every strategy passes C-ZERO-002..005 under torchrun at world 2 and agrees with the in-process
-  simulator bit for bit (engine arrays numpy, every reduction over <= 2 ranks); at world 4 with the
+  simulator bit for bit (engine arrays numpy, every reduction over <= 2 ranks), run through the GPU
+  report's entry point with ``--cpu`` (JSON + markdown written); at world 4 with the
   engine on torch tensors, within the documented tolerance (zerogpu/agreement.py);
 - ``zerosim simulate --backend torch`` launches torchrun; a deliberately broken engine exits 1 naming
   the contract;

@@ -120,7 +120,7 @@ def main(argv: list[str]) -> int:
                      "--precision", args.precision, "--xp", args.xp, "--timeout", str(args.timeout),
                      "--json", "--out", str(raw)]
         print(f"running torchrun --nproc-per-node {n} -m zerogpu equivalence on {device} ...", file=sys.stderr)
-        result = run_torchrun(n, forwarded, args.launch_timeout, env={"PYTHONWARNINGS": "ignore"})
+        result = run_torchrun(n, forwarded, args.launch_timeout)
         if not raw.exists():
             tail = "\n".join((result.stderr or "").strip().splitlines()[-15:])
             why = "launch timeout" if result.timed_out else f"exit {result.returncode}"

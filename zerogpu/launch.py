@@ -149,7 +149,7 @@ def launch_simulate(args: argparse.Namespace) -> int:
     n = require_positive_int("world_size", getattr(args, "world_size", None))
     timeout_s = float(os.environ.get("ZEROSIM_LAUNCH_TIMEOUT_S", DEFAULT_LAUNCH_TIMEOUT_S))
     argv = ["-m", "zerogpu", "simulate", *forward_argv(args, add_run_arguments, drop=("backend",))]
-    result = run_torchrun(n, argv, timeout_s, capture=False, env={"PYTHONWARNINGS": "ignore"})
+    result = run_torchrun(n, argv, timeout_s, capture=False)
     if result.timed_out:
         print(f"error: torchrun --nproc-per-node {n} did not finish within {timeout_s:g}s (launch timeout); "
               "killed it and its ranks", file=sys.stderr)

@@ -50,21 +50,12 @@ def exact_float32_math(device: str) -> None:
 
 def rank_program_on_device(comm: Any, run: ResolvedRun) -> RankObservation:
     """:func:`zerosim.engine.spmd.rank_program`, with torch arrays on ``comm.device`` (not just the CPU)."""
-    if run.cfg.xp != "torch" or not str(comm.device).startswith("cuda"):
-        return rank_program(comm, run)  # numpy, or torch on the CPU: the shared program as is
-    # rank_program builds the torch namespace on the CPU; the same program with the device's namespace
-    from zerosim.engine.faults import engine_class
-    from zerosim.xp import torch_namespace
+    device = str(comm.device) if run.cfg.xp == "torch" else "cpu"
+    obs = rank_program(comm, run, device=device)
+    if device.startswith("cuda"):
+        import torch
 
-    engine = engine_class(run.fault)(comm, run, torch_namespace(comm.device))
-    for s in range(run.steps):
-        engine.step(s)
-    import torch
-
-    torch.cuda.synchronize(comm.device)
-    obs = engine.obs
-    obs.memory_timeline = engine.tracker.timeline_json()
-    obs.init_peak_bytes = dict(engine.tracker.init_peak_by_location)
+        torch.cuda.synchronize(device)
     return obs
 
 

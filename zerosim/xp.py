@@ -129,6 +129,8 @@ class ArrayNamespace:
         if self.backend == "numpy":
             return a.copy() if copy else a
         torch = _torch()
+        if not a.flags.writeable:  # torch cannot share a read-only buffer: hand it a private copy
+            a, copy = a.copy(), False
         if a.dtype == _NUMPY_DTYPES["bfloat16"]:
             t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
         else:

@@ -33,6 +33,9 @@ def register(sub) -> None:
                    help=f"bytes of the gathered params and reduced grads: {', '.join(PRECISIONS)} "
                         "(default mixed: 2 and 2; the engine's bf16 reduces grads in fp32)")
     p.add_argument("--micro-batches", default="1", help="micro-batches per step (ZeRO-2/3 reduce per micro-batch)")
+    p.add_argument("--zero1-reduce", default="all_reduce", metavar="{all_reduce,reduce_scatter}",
+                   help="ZeRO-1 gradient averaging: all_reduce (torch ZeroRedundancyOptimizer, default: "
+                        "3(N-1)/N Psi) or reduce_scatter (DeepSpeed stage 1, the paper's 2(N-1)/N Psi)")
     p.add_argument("--unit", default="GB", help=f"table unit: {', '.join(UNITS)} (default GB = 10^9 bytes)")
     p.set_defaults(func=run)
 
@@ -55,7 +58,8 @@ def build_estimates(args) -> list[tuple[CommEstimate, dict[str, Any]]]:
     partitioner = args.partitioner or ("fsdp" if not isinstance(model, int) else None)
     out = []
     for strat in resolve_strategies(args, topology):
-        est = comm_per_step(model, strat, topology, partitioner, micro, spec.param_bytes, spec.grad_bytes)
+        est = comm_per_step(model, strat, topology, partitioner, micro, spec.param_bytes, spec.grad_bytes,
+                            getattr(args, "zero1_reduce", "all_reduce"))
         out.append((est, link_split(est)))
     return out
 
@@ -79,7 +83,8 @@ def render_table(rows: list[tuple[CommEstimate, dict[str, Any]]], unit: str) -> 
     table.add_column("collectives (calls x kind @ group size)")
     for est, links in rows:
         colls = ", ".join(f"{i.calls}x {i.collective}@{i.group_size}" for i in est.items) or "none"
-        table.add_row(est.strategy, format_value(float(est.bytes_sent), unit), format_value(links["intra"], unit),
+        name = f"{est.strategy} ({est.variant})" if est.variant else est.strategy
+        table.add_row(name, format_value(float(est.bytes_sent), unit), format_value(links["intra"], unit),
                       format_value(links["inter"], unit), f"{float(est.elements_sent) / est.numel:.4g}",
                       f"{float(est.paper_elements()) / est.numel:.4g}", colls)
     buf = StringIO()

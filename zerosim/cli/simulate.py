@@ -71,6 +71,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "see docs/readme/simulate.md")
     g.add_argument("--inject-nan", default=None, metavar="RANK:STEP:TENSOR",
                    help="test hook: a NaN in TENSOR's gradient on RANK at STEP (e.g. 1:0:blocks.0.mlp.w_in)")
+    g.add_argument("--zero1-reduce", default="all_reduce", metavar="{all_reduce,reduce_scatter}",
+                   help="ZeRO-1 gradient averaging: all_reduce of the full gradient (torch ZeroRedundancyOptimizer, "
+                        "default) or reduce_scatter into the rank's shard (DeepSpeed stage 1, the paper's "
+                        "2(N-1)/N Psi); other strategies ignore it")
     g.add_argument("--backend", default="sim", choices=("sim", "mpi", "torch"),
                    help="sim: N threads in this process (default); mpi: mpiexec -n N processes; "
                         "torch: torchrun --nproc-per-node N processes (gloo on CPU, NCCL on GPU)")
@@ -112,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         max_grad_norm=_parse_max_norm(args.max_grad_norm), batch_size=args.batch_size, seq_len=args.seq_len,
         offload=bool(args.offload), prefetch=args.prefetch, timeout_s=args.timeout, schedule=args.schedule,
         observe=args.observe, inject_nan=_parse_injection(args.inject_nan), fault=args.fault,
+        zero1_grad_reduce=getattr(args, "zero1_reduce", "all_reduce"),
     )
 
 

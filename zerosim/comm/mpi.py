@@ -70,6 +70,10 @@ _TAG_QUERY = 7001
 _TAG_REPLY = 7002
 _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
 _WATCHDOG_POLL_S = 0.05
+# While the main thread is inside a collective the watchdog touches MPI (improbe for peers' queries)
+# at most this often: under MPI_THREAD_MULTIPLE every MPI call takes the library's lock, which the
+# collective's progress loop wants. Peers' surveys wait at least 0.5 s for answers, so this still answers.
+_WATCHDOG_BUSY_POLL_S = 0.25
 
 
 # ---- dtypes on the wire ------------------------------------------------------------------------
@@ -265,8 +269,10 @@ class _Watchdog:
     """Per-process collective bookkeeping: answers peers' "what are you doing?" and fires timeouts.
 
     The data path only stores the communicator it is in (``current``) on entry and ``None`` on
-    exit. The thread wakes every ``poll_s``: it answers queries from other ranks and, for a
-    communicator in ``abort`` mode, fires when the same call has been pending longer than its timeout.
+    exit. The thread wakes every ``poll_s``: it answers queries from other ranks (while this rank is
+    inside a collective, only every ``_WATCHDOG_BUSY_POLL_S``: it leaves MPI's lock to the collective)
+    and, for a communicator in ``abort`` mode, fires when the same call has been pending longer than
+    its timeout (a check that does not touch MPI).
     """
 
     def __init__(self, world: Any, poll_s: float = _WATCHDOG_POLL_S, start_thread: bool = True):
@@ -280,6 +286,7 @@ class _Watchdog:
         self.poll_s = poll_s
         self._seen: tuple[int, int] | None = None
         self._seen_at = 0.0
+        self._answered_at = 0.0  # when the thread last looked for peers' queries
         self._fired = False
         self._lock = threading.Lock()  # one answerer at a time (the thread vs a survey in the main thread)
         self._sends: list[Any] = []
@@ -384,7 +391,10 @@ class _Watchdog:
             try:
                 if MPI.Is_finalized():
                     return
-                self.answer_queries()
+                now = time.monotonic()
+                if self.current is None or now - self._answered_at >= _WATCHDOG_BUSY_POLL_S:
+                    self._answered_at = now
+                    self.answer_queries()
                 self._check_deadline()
             except Exception as e:  # noqa: BLE001 - a watchdog must never die silently
                 print(f"rank {self.world_rank}: zerosim MPI watchdog error: {e!r}", file=sys.stderr, flush=True)

@@ -13,7 +13,8 @@ gradient element (gradients are reduced in float32):
 
 ==================  ======================================================================
 NO_SHARD            all_reduce(world, Psi * 4)                              2(N-1)/N * Psi
-ZeRO-1              all_reduce(world, Psi * 4) + all_gather(world, P * b_p)  3(N-1)/N * ... (see below)
+ZeRO-1 all_reduce   all_reduce(world, Psi * 4) + all_gather(world, P * b_p)  3(N-1)/N * ... (see below)
+ZeRO-1 reduce_sc.   reduce_scatter(world, P * 4) + all_gather(world, P * b_p)  2(N-1)/N * P
 ZeRO-2              M x reduce_scatter(world, P * 4) + all_gather(world, P * b_p)
 ZeRO-3              per unit u: M x [2 x all_gather(P_u * b_p) + reduce_scatter(P_u * 4)]
 HYBRID_SHARD        ZeRO-3 in the shard group (k) + all_reduce(replicate, C * 4) over r ranks
@@ -22,11 +23,12 @@ HYBRID_SHARD_ZERO2  ZeRO-2 in the shard group (k) + all_reduce(replicate, C * 4)
 
 In elements sent per rank (fp32, M = 1, no padding) this is the ZeRO paper's accounting:
 NO_SHARD ``2(N-1)/N Psi``; ZeRO-2 ``(N-1)/N Psi`` (reduce-scatter) + ``(N-1)/N Psi`` (all-gather)
-``= 2(N-1)/N Psi``; ZeRO-3 ``3(N-1)/N Psi`` (1.5x). ZeRO-1 all-reduces the full gradient (as
-DeepSpeed stage 1 and the team schedule do) *and* all-gathers the parameters, so it sends
-``2(N-1)/N Psi + (N-1)/N Psi = 3(N-1)/N Psi``; the paper's ``2 Psi`` for P_os assumes the
-all-reduce is replaced by a reduce-scatter (which is ZeRO-2's schedule). We report what the engine
-does and say so in ``notes``.
+``= 2(N-1)/N Psi``; ZeRO-3 ``3(N-1)/N Psi`` (1.5x). ZeRO-1 has two variants
+(``zero1_grad_reduce``): ``"all_reduce"`` (the default; torch's ZeroRedundancyOptimizer) all-reduces
+the full gradient *and* all-gathers the parameters, so it sends ``2(N-1)/N Psi + (N-1)/N Psi =
+3(N-1)/N Psi``; ``"reduce_scatter"`` (DeepSpeed stage 1 with ``reduce_scatter: true``) reduce-scatters
+the padded gradient once per step after accumulation, ``2(N-1)/N Psi``: the paper's P_os figure.
+``CommEstimate.variant`` and ``notes`` say which one a row is.
 
 Hybrid split (derived from the ring model, not the FSDP paper's approximate formula): with shard
 groups inside a node and replicate groups across nodes, each rank sends ``M * 3(k-1)/k * P * b``
@@ -53,6 +55,7 @@ from ..layout import ParamLayout
 from ..strategy import ShardingStrategy, StrategyKind, Topology
 
 GROUP_KINDS = ("world", "shard", "replicate")
+ZERO1_GRAD_REDUCE = ("all_reduce", "reduce_scatter")  # the same names as RunConfig.zero1_grad_reduce
 LINK_CLASSES = ("intra", "inter")
 
 
@@ -117,6 +120,7 @@ class CommEstimate:
     items: list[CollectiveCost] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     _topology: Topology | None = None
+    variant: str | None = None     # ZeRO-1 only: "all_reduce" | "reduce_scatter" (zero1_grad_reduce)
 
     # ---- totals ----------------------------------------------------------------------------------
     @property
@@ -214,7 +218,7 @@ class CommEstimate:
             "shard_group_size": self.shard_group_size, "replicas": self.replicas,
             "micro_batches": self.micro_batches, "numel": self.numel, "packed_numel": self.packed_numel,
             "padding": self.padding, "param_bytes": self.param_bytes, "grad_bytes": self.grad_bytes,
-            "partitioner": self.partitioner,
+            "partitioner": self.partitioner, "variant": self.variant,
             "per_rank": {"bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received),
                          "elements_sent": float(self.elements_sent),
                          "by_group_kind": {k: float(v) for k, v in self.by_group_kind().items()}},
@@ -306,12 +310,16 @@ def unit_sizes(layout_or_numel: ParamLayout | int, strategy: ShardingStrategy, w
 
 def comm_per_step(layout_or_numel: ParamLayout | int, strategy: ShardingStrategy | str, topology: Topology | int,
                   partitioner: str | None = "fsdp", micro_batches: int = 1, param_bytes: int = 4,
-                  grad_bytes: int = 4) -> CommEstimate:
+                  grad_bytes: int = 4, zero1_grad_reduce: str = "all_reduce") -> CommEstimate:
     """Per-rank data traffic of one optimizer step of the reference engine (see the module docstring).
 
     ``layout_or_numel``: a ParamLayout (units and padding from ``partitioner``, one unit per block
     under FULL_SHARD / HYBRID_SHARD) or a plain parameter count (one evenly padded flat unit).
+    ``zero1_grad_reduce``: how ZeRO-1 averages gradients, ``"all_reduce"`` (default) or
+    ``"reduce_scatter"``; other strategies ignore it.
     """
+    if zero1_grad_reduce not in ZERO1_GRAD_REDUCE:
+        raise ConfigError("zero1_grad_reduce", zero1_grad_reduce, f"known: {', '.join(ZERO1_GRAD_REDUCE)} (--zero1-reduce)")
     if isinstance(topology, int):
         topology = Topology(topology)
     if not isinstance(topology, Topology):
@@ -338,11 +346,19 @@ def comm_per_step(layout_or_numel: ParamLayout | int, strategy: ShardingStrategy
         if n > 1:
             add(CollectiveCost("world", "all_reduce", "grad reduce", 1, n, grad_bytes, psi))
     elif kind is StrategyKind.SHARD_OPTIMIZER:
-        if n > 1:
-            add(CollectiveCost("world", "all_reduce", "grad reduce", 1, n, grad_bytes, psi))
+        est.variant = zero1_grad_reduce
+        if zero1_grad_reduce == "reduce_scatter":
+            add(CollectiveCost(shard_kind, "reduce_scatter", "grad reduce-scatter (after accumulation)", 1, k,
+                               grad_bytes, total_packed))
+            est.notes.append("ZeRO-1 (reduce_scatter, DeepSpeed stage 1): one gradient reduce-scatter per step "
+                             "and one parameter all-gather: 2(N-1)/N Psi, the paper's P_os figure")
+        else:
+            if n > 1:
+                add(CollectiveCost("world", "all_reduce", "grad reduce", 1, n, grad_bytes, psi))
+            est.notes.append("ZeRO-1 (all_reduce, torch ZeroRedundancyOptimizer): all-reduces the full gradient "
+                             "and all-gathers the parameters: 3(N-1)/N Psi (the paper's 2(N-1)/N Psi is the "
+                             "reduce_scatter variant)")
         add(CollectiveCost(shard_kind, "all_gather", "param gather (after step)", 1, k, param_bytes, total_packed))
-        est.notes.append("ZeRO-1 all-reduces the full gradient and all-gathers the parameters: 3(N-1)/N Psi "
-                         "(the paper's 2 Psi assumes a reduce-scatter, i.e. ZeRO-2's schedule)")
     elif kind in (StrategyKind.SHARD_GRAD_OP, StrategyKind.HYBRID_SHARD_ZERO2):
         add(CollectiveCost(shard_kind, "reduce_scatter", "grad reduce-scatter (per micro-batch)", m, k, grad_bytes,
                            m * total_packed))
@@ -366,5 +382,5 @@ def comm_per_step(layout_or_numel: ParamLayout | int, strategy: ShardingStrategy
 def comm_for_run(run: Any) -> CommEstimate:
     """The estimate for a resolved engine run (:class:`zerosim.engine.config.ResolvedRun`)."""
     return comm_per_step(run.layout, run.strategy, run.topology, run.partitioner, run.micro_batches,
-                         run.precision.param_bytes, 4)
+                         run.precision.param_bytes, 4, getattr(run, "zero1_grad_reduce", "all_reduce"))
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
+from ..cost.comm_model import ZERO1_GRAD_REDUCE
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
 from ..layout import ParamLayout
 from ..model import SimModelConfig, sim_layout
@@ -67,6 +68,10 @@ class RunConfig:
     inject_nan: dict[str, Any] | NanInjection | None = None
     fault: str | None = None
     xp: str = "numpy"
+    #: How ZeRO-1 averages the gradient: "all_reduce" of the full flat gradient (torch's
+    #: ZeroRedundancyOptimizer; default) or "reduce_scatter" into the rank's shard (DeepSpeed stage 1
+    #: with ``reduce_scatter: true``; the ZeRO paper's P_os, 2(N-1)/N Psi). Other strategies ignore it.
+    zero1_grad_reduce: str = "all_reduce"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> ResolvedRun:
@@ -116,6 +121,9 @@ class ResolvedRun:
             raise ConfigError("xp", cfg.xp, f"known: {', '.join(XP_NAMES)}")
         if not isinstance(cfg.offload, bool):
             raise ConfigError("offload", cfg.offload, "must be true or false")
+        if not isinstance(cfg.zero1_grad_reduce, str) or cfg.zero1_grad_reduce not in ZERO1_GRAD_REDUCE:
+            raise ConfigError("zero1_grad_reduce", cfg.zero1_grad_reduce, f"known: {', '.join(ZERO1_GRAD_REDUCE)} (--zero1-reduce)")
+        self.zero1_grad_reduce = cfg.zero1_grad_reduce
         self.model_cfg = _model_config(cfg)
         self.layout: ParamLayout = sim_layout(self.model_cfg)
         self.strategy = _strategy(cfg)
@@ -169,6 +177,11 @@ class ResolvedRun:
     def strategy_kind(self) -> StrategyKind:
         return self.strategy.kind
 
+    @property
+    def zero1_reduce_scatter(self) -> bool:
+        """ZeRO-1 averaging its gradient with a reduce-scatter into the rank's shard (not an all-reduce)."""
+        return self.strategy.kind is StrategyKind.SHARD_OPTIMIZER and self.zero1_grad_reduce == "reduce_scatter"
+
     def describe(self) -> dict[str, Any]:
         return {"model": self.model_cfg.__dict__, "num_params": self.layout.total_numel,
                 "world_size": self.world_size, "strategy": self.strategy.name, "partitioner": self.partitioner,
@@ -176,6 +189,7 @@ class ResolvedRun:
                 "replicas": self.replicas, "optimizer": self.spec.to_dict(), "precision": self.precision.name,
                 "steps": self.steps, "micro_batches": self.micro_batches, "seed": self.seed,
                 "offload": self.cfg.offload, "prefetch": self.prefetch, "fault": self.fault,
+                "zero1_grad_reduce": self.zero1_grad_reduce,
                 "packed_numel": self.unit_plan.packed_numel, "units": len(self.unit_plan.units)}
 
 

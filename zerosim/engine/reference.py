@@ -10,8 +10,8 @@ Two of them, for two different questions:
 * :func:`ordered_reference` is the same unsharded computation with the engine's *order of
   floating-point operations*: per-(rank, micro-batch) gradients from the unsharded model, reduced
   in the simulator's rank order with the strategy's grouping (reduce-scatter per micro-batch for
-  ZeRO-2/3, local accumulation then all-reduce for NO_SHARD/ZeRO-1, shard group then replicate
-  group for hybrid), the norm summed shard by shard as the ranks sum it. Every optimizer is
+  ZeRO-2/3, local accumulation then all-reduce (or reduce-scatter) for NO_SHARD/ZeRO-1, shard
+  group then replicate group for hybrid), the norm summed shard by shard as the ranks sum it. Every optimizer is
   elementwise, so a correct engine matches it **bit for bit**; any single flipped bit is a finding.
 
 Both run in one process on numpy, never sharded, never through a communicator.
@@ -102,7 +102,8 @@ def ordered_reference(run: ResolvedRun) -> Reference:
                 loss, g = model.loss_and_grads(params, tokens, targets)
                 grads[(rank, micro)] = flatten(g, layout).astype(np.float32)
                 losses.append(loss)
-        if not strategy.shards_grads:  # NO_SHARD, ZeRO-1: local accumulation, one all-reduce
+        if not strategy.shards_grads:  # NO_SHARD, ZeRO-1: local accumulation, one all-reduce (or a
+            # reduce-scatter: the simulator sums every element in the same rank order either way)
             accs = []
             for rank in range(n):
                 acc = grads[(rank, 0)].copy()
@@ -121,8 +122,8 @@ def ordered_reference(run: ResolvedRun) -> Reference:
             total = _reduce_in_rank_order(group_accs, "avg") if (strategy.is_hybrid and r > 1) else group_accs[0]
         if m_count > 1:
             total /= m_count
-        # norm exactly as the ranks sum it
-        if strategy.shards_grads:
+        # norm exactly as the ranks sum it (reduce-scatter ZeRO-1 holds only its chunk, like ZeRO-2)
+        if strategy.shards_grads or run.zero1_reduce_scatter:
             partial = []
             for j in range(k):
                 local = 0.0

@@ -44,10 +44,14 @@ def _resolve(cfg: RunConfig | ResolvedRun) -> ResolvedRun:
 
 
 def rank_program(comm: Communicator, cfg: RunConfig | ResolvedRun,
-                 on_step: Callable[[int], None] | None = None) -> RankObservation:
-    """The per-rank SPMD program: build the engine for ``cfg`` on ``comm`` and train ``cfg.steps`` steps."""
+                 on_step: Callable[[int], None] | None = None, device: str = "cpu") -> RankObservation:
+    """The per-rank SPMD program: build the engine for ``cfg`` on ``comm`` and train ``cfg.steps`` steps.
+
+    ``device`` places the engine's torch arrays (``cfg.xp == "torch"``): ``"cpu"``, or ``"cuda:<i>"``
+    under NCCL. Observations are host numpy either way, so every backend is checked the same way.
+    """
     run = _resolve(cfg)
-    xp = numpy_namespace() if run.cfg.xp == "numpy" else torch_namespace("cpu")
+    xp = numpy_namespace() if run.cfg.xp == "numpy" else torch_namespace(device)
     engine = engine_class(run.fault)(comm, run, xp)
     for s in range(run.steps):
         engine.step(s)

@@ -8,8 +8,11 @@ micro-batches, ``k`` = shard group size, ``r`` = replicas; see the team brief an
 
 * NO_SHARD: gradients accumulated locally; one ``all_reduce(avg)`` of the flat gradient over the
   world; every rank steps everything.
-* SHARD_OPTIMIZER (ZeRO-1): the same all-reduce; each rank steps its packed chunk; one
-  ``all_gather`` of the updated chunks refreshes the replicated parameters.
+* SHARD_OPTIMIZER (ZeRO-1): the same all-reduce (``zero1_grad_reduce="all_reduce"``, torch's
+  ZeroRedundancyOptimizer) or, with ``"reduce_scatter"`` (DeepSpeed stage 1, the paper's P_os), one
+  ``reduce_scatter(avg)`` of the packed full gradient into the rank's chunk after the last
+  micro-batch; each rank steps its packed chunk; one ``all_gather`` of the updated chunks
+  refreshes the replicated parameters.
 * SHARD_GRAD_OP (ZeRO-2): after each micro-batch, ``reduce_scatter(avg)`` of the packed flat
   gradient, accumulated in the rank's float32 gradient shard; step; one ``all_gather``.
 * FULL_SHARD (ZeRO-3): per micro-batch and block, ``all_gather`` before forward (freed after),
@@ -21,7 +24,8 @@ Averaging: each reduction averages over its group (``avg`` = rank-order sum / gr
 the M micro-batches the accumulated gradient is divided by M. The global gradient norm is the
 float64 sum of squares over the elements each rank *owns* (padding excluded), all-reduced once
 over the shard group (replicas hold identical reduced gradients: summing over them would
-over-count); NO_SHARD and ZeRO-1 hold the full reduced gradient and need no collective for it.
+over-count); NO_SHARD and all-reduce ZeRO-1 hold the full reduced gradient and need no collective
+for it (reduce-scatter ZeRO-1 holds only its chunk and sums like ZeRO-2).
 
 Non-finite gradients are detected before every reduction; the ranks agree through one small
 ``all_reduce(max)`` of a per-rank flag on the ``world.control`` group and all raise
@@ -81,6 +85,7 @@ class ZeroEngine:
         self.sharded_grads = self.strategy.shards_grads
         self.sharded_optim = self.strategy.shards_optimizer
         self.hybrid = self.strategy.is_hybrid
+        self.zero1_reduce_scatter = run.zero1_reduce_scatter
         self.precision = run.precision
         self.mixed = self.precision.is_mixed
         self.model = BlockModel(run.model_cfg, xp)
@@ -386,6 +391,22 @@ class ZeroEngine:
         else:
             view += part
 
+    def _reduce_scatter_full_grad(self) -> Any:
+        """ZeRO-1 with ``zero1_grad_reduce="reduce_scatter"`` (DeepSpeed stage 1, the paper's P_os): after
+        the last micro-batch, ``reduce_scatter(avg)`` of the packed (padded) full gradient over the shard
+        group into this rank's float32 chunk. The full accumulation buffer stays (ZeRO-1 shards only the
+        optimizer state); the packed copy is transient, the chunk lives until the params are refreshed."""
+        assert self.shard_comm is not None
+        unit = self.units.units[0]
+        named = {t.name: self.grad_acc[g0:g0 + t.numel] for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)}
+        packed = self._pack_grads(unit, named)
+        self.tracker.alloc("gradbuf:packed", "grad_buffers", self.xp.nbytes(packed))
+        part = self.shard_comm.reduce_scatter(packed, self.grad_reduce_op())
+        del packed
+        self.tracker.alloc("grad_chunk", "grad_buffers", self.xp.nbytes(part))
+        self.tracker.free("gradbuf:packed")
+        return part
+
     def on_micro_batch_end(self, step: int, micro: int) -> None:
         if self.sharded_grads and not self.sharded_params:
             unit = self.units.units[0]
@@ -445,19 +466,22 @@ class ZeroEngine:
         self._accumulated_names: dict[str, Any] = {}
         losses = [self.micro_batch(step, m) for m in range(self.run.micro_batches)]
         tr.set_phase("reduce")
+        grad_shard = None  # ZeRO-1 with reduce_scatter: the rank's averaged gradient chunk
         if not self.sharded_grads:
             named = {t.name: self.grad_acc[g0:g0 + t.numel] for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)}
             self.check_finite(step, named, self.grad_acc)
-            if self.comm.world_size > 1:
+            if self.zero1_reduce_scatter:
+                grad_shard = self._reduce_scatter_full_grad()
+            elif self.comm.world_size > 1:
                 self.grad_acc = self.comm.all_reduce(self.grad_acc, self.grad_reduce_op())
         elif self.hybrid and self.replicate_comm is not None:
             self.grad_acc = self.replicate_reduce(self.grad_acc)
         tr.alloc("grads", "grads", xp.nbytes(self.grad_acc), self.optimizer_location if self.sharded_grads else "device")
-        self.finish_accumulation(self.grad_acc)
+        self.finish_accumulation(self.grad_acc if grad_shard is None else grad_shard)
         # ---- norm, clip, step ---------------------------------------------------------------------
         tr.set_phase("optimizer")
-        if self.sharded_grads:
-            grad = self.grad_acc
+        if self.sharded_grads or grad_shard is not None:
+            grad = self.grad_acc if grad_shard is None else grad_shard
             local = 0.0
             for unit, off in zip(self.units.units, self.units.shard_offsets, strict=True):
                 local += xp.sum_of_squares(grad[off:off + unit.owned_numel(self.local)])

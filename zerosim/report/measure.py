@@ -302,7 +302,7 @@ def run_under_torch(cfgs: Sequence[RunConfig], world_size: int, timeout_s: float
         out = os.path.join(tmp, "observations.pkl")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
                "-m", "zerosim.report.torch_worker", json.dumps(specs), out]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                 start_new_session=True)
