@@ -34,6 +34,7 @@ CASES = [
     *[(2, s, ()) for s in ("hybrid_shard:1", "hybrid_shard_zero2:1")],  # hybrid with a replicate group of 2
     (2, "zero3", ("--offload", "--prefetch", "1")),
     (2, "zero3", ("--precision", "bf16")),
+    (4, "zero1", ("--zero1-reduce", "reduce_scatter")),  # ZeRO-1 with the reduce-scatter gradient variant
     *[(4, s, ()) for s in STRATEGIES],
     (8, "hybrid_shard:4", ()),
 ]
@@ -64,7 +65,8 @@ def sim_config(world: int, strategy: str, extra: tuple[str, ...]) -> RunConfig:
     opts = dict(zip(extra[::2], extra[1::2], strict=False))
     return RunConfig(model="tiny", world_size=world, strategy=strategy, steps=2, micro_batches=2, seed=7,
                      observe="full", offload="--offload" in extra, prefetch=int(opts.get("--prefetch", 0)),
-                     precision=opts.get("--precision", "fp32"))
+                     precision=opts.get("--precision", "fp32"),
+                     zero1_grad_reduce=opts.get("--zero1-reduce", "all_reduce"))
 
 
 def state_arrays(step: Any) -> dict[str, np.ndarray]:

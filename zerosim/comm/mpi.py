@@ -111,6 +111,7 @@ class ReducePlan(NamedTuple):
     mpi_op: Any  # MPI.SUM / MPI.MAX
     native: bool  # MPI reduces the dtype itself (else: a float32 copy, rounded back once)
     divide: bool  # "avg": divide the sum by the group size afterwards
+    mpi_type: Any  # the MPI datatype on the wire: the dtype's own, or MPI.FLOAT for the float32 copy
 
 
 # op -> id(dtype) -> plan (two string / int lookups: cheaper than hashing a tuple or a dtype); the
@@ -130,19 +131,32 @@ def _reduce_plan(dtype: np.dtype, op: str) -> ReducePlan:
     if not path:
         raise ConfigError("dtype", str(dtype), f"cannot be reduced over MPI (op={op}); "
                           "supported: the float / int dtypes MPI knows, float16, bfloat16, bool")
-    plan = ReducePlan(dtype, _MPI_OPS[op], path == "native", op == "avg")
+    native = path == "native"
+    plan = ReducePlan(dtype, _MPI_OPS[op], native, op == "avg", _wire_type(dtype) if native else MPI.FLOAT)
     _REDUCE_PLANS[op][id(dtype)] = plan
     return plan
 
 
-_WIRE_NATIVE: dict[int, tuple[np.dtype, bool]] = {}  # id(dtype) -> (dtype, MPI knows it): all_gather's cache
+_WIRE_TYPES: dict[int, tuple[np.dtype, Any]] = {}  # id(dtype) -> (dtype, MPI datatype): see _wire_type
 
 
-def _wire_native(dtype: np.dtype) -> bool:
-    """Can MPI move ``dtype`` under its own datatype (else as raw bits, see :func:`_bits`)? Cached."""
-    native = _reduce_path(dtype) == "native"
-    _WIRE_NATIVE[id(dtype)] = (dtype, native)
-    return native
+def _wire_type(dtype: np.dtype) -> Any:
+    """The MPI datatype that moves ``dtype`` exactly, cached: the dtype's own (``Datatype.fromcode``, the
+    lookup mpi4py does for a plain array) when MPI knows it, else an unsigned integer of the same size
+    (raw bits: bf16 as uint16), else bytes. Collectives pass ``(array, datatype)``, which spares mpi4py
+    parsing the buffer's format on every call; the bytes on the wire are the same."""
+    hit = _WIRE_TYPES.get(id(dtype))
+    if hit is not None and hit[0] is dtype:
+        return hit[1]
+    if dtype.hasobject:
+        raise ConfigError("dtype", str(dtype), "object arrays cannot be sent over MPI")
+    wire = MPI.BYTE
+    if _reduce_path(dtype) == "native":
+        wire = MPI.Datatype.fromcode(dtype.char)
+    elif dtype.itemsize in _BITS_BY_SIZE:
+        wire = MPI.Datatype.fromcode(_BITS_BY_SIZE[dtype.itemsize].char)
+    _WIRE_TYPES[id(dtype)] = (dtype, wire)
+    return wire
 
 
 _ndarray = np.ndarray  # the hot path's type check, one global lookup
@@ -152,11 +166,6 @@ def _contiguous(x: Any) -> np.ndarray:
     """A C-contiguous ndarray of ``x`` (0-d stays 0-d; ``np.ascontiguousarray`` would make it 1-d)."""
     x = np.asarray(x)
     return x if x.flags.c_contiguous else np.ascontiguousarray(x)
-
-
-def _bits(x: np.ndarray) -> np.ndarray:
-    """``x`` as raw bits (how a dtype MPI does not know is moved: no arithmetic, so exact)."""
-    return x.view(_BITS_BY_SIZE.get(x.dtype.itemsize, _BITS_BY_SIZE[1]))
 
 
 # ---- traffic: the shared TrafficCounter, with O(1) integer bookkeeping on the hot path -------------
@@ -550,9 +559,9 @@ class MpiCommunicator:
                               f"must be a writeable, aligned, C-contiguous {dtype} array of shape {list(shape)}")
         return out
 
-    def _finish_reduce(self, recv: np.ndarray, result: np.ndarray, plan: ReducePlan) -> np.ndarray:
-        if recv is not result:  # float32 accumulator -> the 16-bit dtype, rounded once
-            result[...] = recv.astype(result.dtype)
+    def _finish_reduce(self, acc: np.ndarray, result: np.ndarray, plan: ReducePlan) -> np.ndarray:
+        if acc is not result:  # float32 accumulator -> the 16-bit dtype, rounded once
+            result[...] = acc.astype(result.dtype)
         if plan.divide:
             result /= self.world_size  # the simulator's arithmetic: the sum, then divide in place
         return result
@@ -578,7 +587,8 @@ class MpiCommunicator:
             result = out
         else:
             result = self._output(out, x.shape, dtype)
-        send, recv = (x, result) if plan.native else (x.astype(np.float32), np.empty(x.shape, np.float32))
+        acc = result if plan.native else np.empty(x.shape, np.float32)  # where MPI reduces into
+        send = (x if plan.native else x.astype(np.float32), plan.mpi_type)
         tally = self._tally_all_reduce
         if tally is None:
             self.traffic.record(self.group_name, "all_reduce", x.nbytes, self.world_size)
@@ -592,14 +602,14 @@ class MpiCommunicator:
         wd.current = self
         try:
             if self._blocking:
-                self._comm.Allreduce(send, recv, plan.mpi_op)
+                self._comm.Allreduce(send, (acc, plan.mpi_type), plan.mpi_op)
             else:
-                self._wait(self._comm.Iallreduce(send, recv, plan.mpi_op))
+                self._wait(self._comm.Iallreduce(send, (acc, plan.mpi_type), plan.mpi_op))
         except MPI.Exception as e:
             raise self._mpi_error(e) from e
         finally:
             wd.current = None
-        return self._finish_reduce(recv, result, plan) if plan.divide or recv is not result else result
+        return self._finish_reduce(acc, result, plan) if plan.divide or acc is not result else result
 
     def reduce_scatter(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
         if type(x) is not _ndarray or not x.flags.c_contiguous:
@@ -618,7 +628,8 @@ class MpiCommunicator:
             result = out
         else:
             result = self._output(out, (count,), dtype)
-        send, recv = (x, result) if plan.native else (x.astype(np.float32), np.empty(count, np.float32))
+        acc = result if plan.native else np.empty(count, np.float32)  # where MPI reduces into
+        send = (x if plan.native else x.astype(np.float32), plan.mpi_type)
         tally = self._tally_reduce_scatter
         if tally is None:
             self.traffic.record(self.group_name, "reduce_scatter", x.nbytes, n)
@@ -632,14 +643,14 @@ class MpiCommunicator:
         wd.current = self
         try:
             if self._blocking:
-                self._comm.Reduce_scatter_block(send, recv, plan.mpi_op)
+                self._comm.Reduce_scatter_block(send, (acc, plan.mpi_type), plan.mpi_op)
             else:
-                self._wait(self._comm.Ireduce_scatter_block(send, recv, plan.mpi_op))
+                self._wait(self._comm.Ireduce_scatter_block(send, (acc, plan.mpi_type), plan.mpi_op))
         except MPI.Exception as e:
             raise self._mpi_error(e) from e
         finally:
             wd.current = None
-        return self._finish_reduce(recv, result, plan) if plan.divide or recv is not result else result
+        return self._finish_reduce(acc, result, plan) if plan.divide or acc is not result else result
 
     def all_gather(self, x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
         if type(x) is not _ndarray or not x.flags.c_contiguous:
@@ -654,11 +665,8 @@ class MpiCommunicator:
             result = out
         else:
             result = self._output(out, (total,), dtype)
-        wire = _WIRE_NATIVE.get(id(dtype))
-        if wire[1] if wire is not None and wire[0] is dtype else _wire_native(dtype):
-            send, recv = x, result
-        else:
-            send, recv = _bits(x), _bits(result)
+        wire = _WIRE_TYPES.get(id(dtype))
+        wire = wire[1] if wire is not None and wire[0] is dtype else _wire_type(dtype)
         tally = self._tally_all_gather
         if tally is None:
             self.traffic.record(self.group_name, "all_gather", result.nbytes, self.world_size)
@@ -672,9 +680,9 @@ class MpiCommunicator:
         wd.current = self
         try:
             if self._blocking:
-                self._comm.Allgather(send, recv)
+                self._comm.Allgather((x, wire), (result, wire))
             else:
-                self._wait(self._comm.Iallgather(send, recv))
+                self._wait(self._comm.Iallgather((x, wire), (result, wire)))
         except MPI.Exception as e:
             raise self._mpi_error(e) from e
         finally:
@@ -689,7 +697,7 @@ class MpiCommunicator:
         result = self._output(out, x.shape, x.dtype)
         if self.rank == root and result is not x:
             result[...] = x
-        buf = result if _reduce_path(x.dtype) == "native" else _bits(result)
+        buf = (result, _wire_type(x.dtype))
         self._begin("broadcast", x.nbytes, self.rank == root)
         try:
             if self._blocking:

@@ -332,8 +332,9 @@ def _fig_comm(cfg: ReportConfig, runs: dict[str, Any]) -> Figure:
         "Bytes each rank sends per optimizer step, split by the ring edge it goes over: inside a node (blue) or to "
         "another node (red); mean over ranks. Panel (a) is MODELLED (the closed-form ring model): elements per "
         "parameter are " + ", ".join(f"{figures.short_name(k)} {v:.3g}" for k, v in ratio.items())
-        + " — DDP and ZeRO-2 move 2(N-1)/N Psi, ZeRO-3 1.5x that; this engine's ZeRO-1 all-reduces the "
-        "gradient and then all-gathers the parameters (3(N-1)/N Psi). Hybrid sharding keeps the gathers inside "
+        + " — DDP and ZeRO-2 move 2(N-1)/N Psi, ZeRO-3 1.5x that; ZeRO-1 here all-reduces the gradient "
+        "and then all-gathers the parameters (3(N-1)/N Psi, like torch's ZeroRedundancyOptimizer); with "
+        "`--zero1-reduce reduce_scatter` (DeepSpeed stage 1) it sends the paper's 2(N-1)/N Psi. Hybrid sharding keeps the gathers inside "
         "the node and sends only a 1/k shard across nodes.",
         f"Panel (b) compares the model with the simulator's traffic counters for '{cfg.sim_model}' at {W} ranks; "
         "the bars are equal (C-ZERO-005 holds exactly, padding included). Control traffic (the grad-norm scalar, "
