@@ -89,6 +89,22 @@ def test_memory_with_a_preset_hybrid_offload_and_sgd(capsys):
     assert s["per_rank"]["transient"]["device"] > 0
 
 
+def test_memory_zero1_reduce_scatter_adds_the_reduce_transient(capsys):
+    """``--zero1-reduce reduce_scatter`` (DeepSpeed stage 1): packed fp32 gradient + fp32 chunk during the reduce."""
+    base = ["memory", "--params", "1003", "--world-size", "4", "--strategy", "zero1", "--precision", "bf16"]
+    code, out, _ = run_cli(capsys, *base, "--zero1-reduce", "reduce_scatter", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["settings"]["zero1_grad_reduce"] == "reduce_scatter"
+    transient = data["strategies"]["shard_optimizer"]["per_rank"]["transient"]
+    assert transient == {"device": 1004 * 4 + 251 * 4,
+                         "phases": {"reduce": 1004 * 4 + 251 * 4, "optimizer": 251 * 4, "refresh": 1004 * 2 + 251 * 4}}
+    code, out, _ = run_cli(capsys, *base, "--json")
+    assert "reduce" not in json.loads(out)["strategies"]["shard_optimizer"]["per_rank"]["transient"]["phases"]
+    code, out, _ = run_cli(capsys, *base, "--zero1-reduce", "reduce_scatter", "--unit", "B")
+    assert code == 0 and "shard_optimizer (reduce_scatter)" in out
+
+
 @pytest.mark.parametrize("argv,field", [
     (["--params", "lots", "--world-size", "4"], "params"),
     (["--params", "0", "--world-size", "4"], "params"),
@@ -106,6 +122,7 @@ def test_memory_with_a_preset_hybrid_offload_and_sgd(capsys):
     (["--params", "1e9", "--world-size", "8", "--precision", "fp4"], "precision"),
     (["--params", "1e9", "--world-size", "8", "--prefetch-depth", "-1"], "prefetch-depth"),
     (["--params", "1e9", "--world-size", "8", "--unit", "parsecs"], "unit"),
+    (["--params", "1e9", "--world-size", "8", "--zero1-reduce", "scatter"], "zero1_grad_reduce"),
     (["--params", "1e9", "--world-size", "8", "--strategy", "zero2", "--offload", "params+optimizer"], "offload"),
     (["--world-size", "8"], "params"),
     (["--model", "gpt5", "--world-size", "8"], "model"),

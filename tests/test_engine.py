@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from run_assertions import assert_all_pass
 
 from zerosim.engine.flat_buffers import build_unit_plan
 from zerosim.engine.reference import ordered_reference
@@ -14,14 +15,6 @@ from zerosim.partition import PARTITIONERS
 from zerosim.strategy import ShardingStrategy
 
 STRATEGIES = ["no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2"]
-
-
-def assert_all_pass(result):
-    bad = [str(v) for verdict in result.verdicts.values() for v in verdict.violations]
-    assert result.passed, bad[:5]
-    for cid, v in result.verdicts.items():
-        assert v.checked > 0, cid
-        assert not v.details.get("skipped"), cid
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

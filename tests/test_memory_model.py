@@ -150,6 +150,23 @@ def test_zero2_and_zero1_transients_follow_the_engine_schedule():
     assert memory_per_rank(1003, "no_shard", 4).per_rank.transient == {}
 
 
+def test_zero1_reduce_scatter_holds_the_packed_gradient_and_the_chunk_at_once():
+    """DeepSpeed stage 1 (``zero1_grad_reduce="reduce_scatter"``): during the reduce the packed full fp32
+    gradient and the rank's reduced fp32 chunk are live together; the rest of the step is as all-reduce."""
+    settings = MemorySettings("bf16", zero1_grad_reduce="reduce_scatter")  # bf16 params, fp32 grads
+    c = memory_per_rank(1003, "zero1", 4, settings).per_rank
+    assert c.transient == {"reduce": 1004 * 4 + 251 * 4, "optimizer": 251 * 4, "refresh": 1004 * 2 + 251 * 4}
+    assert c.transient_device == 1004 * 4 + 251 * 4
+    default = memory_per_rank(1003, "zero1", 4, MemorySettings("bf16")).per_rank
+    assert "reduce" not in default.transient and default.transient_device == 1004 * 2 + 251 * 4
+    assert (c.params, c.grads, c.optimizer_states) == (default.params, default.grads, default.optimizer_states)
+    for strategy in ("no_shard", "zero2", "zero3"):  # the option is ZeRO-1's only
+        assert (memory_per_rank(1003, strategy, 4, settings).per_rank.transient
+                == memory_per_rank(1003, strategy, 4, MemorySettings("bf16")).per_rank.transient)
+    with pytest.raises(ConfigError, match="zero1_grad_reduce.*scatter"):
+        MemorySettings(zero1_grad_reduce="scatter")
+
+
 def test_fp32_zero1_and_zero2_keep_a_separate_master_shard():
     for strat, master in (("no_shard", 0), ("zero1", 4), ("zero2", 4), ("zero3", 0), ("hybrid_shard_zero2:2", 4)):
         c = memory_per_rank(1000, strat, Topology(4, 2), MemorySettings("fp32", "adamw")).per_rank
@@ -270,6 +287,17 @@ def test_modelled_timeline_peaks_at_the_closed_form_peak(strategy, offload, dept
     assert max(p.device for p in points) == est.per_rank.peak_device
     assert min(p.device for p in points) == est.per_rank.total.device
     assert {p.host for p in points} == {est.per_rank.total.host}
+
+
+@pytest.mark.parametrize("offload", ["none", "grads+optimizer"])
+def test_modelled_timeline_peaks_at_the_zero1_reduce_scatter_peak(offload):
+    from zerosim.cost.memory_timeline import modelled_step_timeline
+
+    settings = MemorySettings("bf16", "adamw", offload, zero1_grad_reduce="reduce_scatter")
+    est, points = modelled_step_timeline(ParamLayout.from_config("tiny"), "zero1", Topology(4, 2), settings)
+    assert max(p.device for p in points) == est.per_rank.peak_device
+    assert [p.device - est.per_rank.total.device for p in points if p.phase == "reduce"] == [
+        est.per_rank.transient["reduce"]]
 
 
 def test_fp32_offload_keeps_a_separate_host_master():

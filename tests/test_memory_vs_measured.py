@@ -61,6 +61,32 @@ def test_model_equals_measured_on_the_tiny_model(ws, strategy, precision):
     assert t["measured"]["intra"] == t["model"]["intra"] and t["measured"]["inter"] == t["model"]["inter"]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("ws", [2, 4, 5])
+@pytest.mark.parametrize("variant", ["all_reduce", "reduce_scatter"])
+def test_zero1_gradient_reduction_variants_are_modelled_exactly(variant, ws, precision):
+    """ZeRO-1's two gradient reductions (RunConfig.zero1_grad_reduce): persistent categories and the
+    step's transient equal the measured ones exactly. reduce_scatter (DeepSpeed stage 1) holds the packed
+    full fp32 gradient and the reduced fp32 chunk together (bf16: more than the param refresh)."""
+    run = RunConfig(model="tiny", world_size=ws, strategy="zero1", precision=precision, steps=1,
+                    zero1_grad_reduce=variant).resolve()
+    obs = simulate_observations(run)
+    cmp = memory_comparison(run, obs)
+    _check_exact(cmp, run)
+    rows = {r["category"]: r for r in cmp["rows"]}
+    for cat in ("params", "grads", "optimizer_states", "total", "transient"):
+        assert rows[cat]["measured_max_rank"] == rows[cat]["measured_min_rank"] == rows[cat]["model_engine"], cat
+    model = modelled_for_run(run, "engine")
+    assert model.settings.zero1_grad_reduce == variant
+    phases = model.per_rank.transient
+    packed, chunk = model.units[0].packed_numel, model.per_rank.numel["optimizer_states"]
+    if variant == "reduce_scatter":
+        assert phases["reduce"] == packed * 4 + chunk * 4 == rows["transient"]["measured_max_rank"]
+    else:
+        assert "reduce" not in phases
+        assert rows["transient"]["measured_max_rank"] == phases["refresh"]
+
+
 @pytest.mark.parametrize("partitioner", ["fsdp", "deepspeed", "deepspeed-zero3", "seed", "zero-redundancy"])
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
 @pytest.mark.parametrize("ws", [3, 8])

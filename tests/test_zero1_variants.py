@@ -12,6 +12,7 @@ import json
 from fractions import Fraction
 
 import pytest
+from run_assertions import assert_all_pass
 
 from zerosim.checks.step import check_communication, measured_traffic
 from zerosim.cli import main
@@ -21,14 +22,6 @@ from zerosim.errors import ConfigError
 
 VARIANTS = ("all_reduce", "reduce_scatter")
 PSI = 3 * 2**20 * 5  # divisible by every world size below: no padding
-
-
-def assert_all_pass(result):
-    bad = [str(v) for verdict in result.verdicts.values() for v in verdict.violations]
-    assert result.passed, bad[:5]
-    for cid, v in result.verdicts.items():
-        assert v.checked > 0, cid
-        assert not v.details.get("skipped"), cid
 
 
 @pytest.mark.parametrize("micro", [1, 3])

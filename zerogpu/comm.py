@@ -49,7 +49,7 @@ Timeouts (a collective whose peers never arrive must not hang the job):
 such groups by their ranks and the count of groups each process registered before; members whose
 counts differ are aligned first, see :meth:`TorchCommunicator._align_group_names`).
 
-Test-only fault hook: ``ZEROSIM_FAULT`` (see :mod:`zerogpu.faults`).
+Test-only fault hook: ``ZEROSIM_FAULT`` (see :mod:`zerosim.comm.fault_plan`).
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ import torch
 import torch.distributed as dist
 
 from zerosim.comm.base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter
+from zerosim.comm.fault_plan import FaultCounter, FaultPlan
 from zerosim.errors import CollectiveError, CollectiveTimeout, ConfigError
 from zerosim.xp import torch_namespace
 
-from .faults import FaultCounter, FaultPlan
 from .progress import ProgressBoard
 
 REDUCE_SCATTER_MODES = ("auto", "native", "all_reduce")

@@ -2,7 +2,8 @@
 
 ``torchrun --standalone`` (``python -m torch.distributed.run``, the interpreter that runs us) on a
 free local port, in its own session (process group). Every launch has a wall-clock timeout: on
-expiry the whole group (agent and ranks) gets SIGTERM, then SIGKILL, so no rank outlives the launch.
+expiry the whole group (agent and ranks) gets SIGTERM, then SIGKILL, so no rank outlives the launch
+(:func:`zerosim.launching.run_process_group`, shared with the mpiexec launcher).
 
 Exit status: torchrun reports any failed worker as 1, whatever the worker's own status. Each rank
 writes its status to ``$ZEROGPU_STATUS_DIR/rank<R>`` (:func:`zerogpu.rank.record_status`), and
@@ -15,21 +16,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from zerosim.errors import ConfigError, require_positive_int
+from zerosim.launching import (
+    EXIT_LAUNCH_TIMEOUT,
+    launch_timeout_from_env,
+    require_launch_timeout,
+    run_process_group,
+)
 
 from .rank import EXIT_RANK_FAILED, STATUS_DIR_ENV
 
-EXIT_LAUNCH_TIMEOUT = 124  # like coreutils' timeout(1) and zerosim.mpi.launch
-DEFAULT_LAUNCH_TIMEOUT_S = 900.0
 _KILL_GRACE_S = 5.0
 
 
@@ -51,19 +53,6 @@ def torchrun_command(n: int, argv: Sequence[str], python: str | None = None) -> 
     """``python -m torch.distributed.run --standalone --nproc-per-node n *argv``."""
     return [python or sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
             "--max-restarts", "0", *argv]
-
-
-def _kill_session(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=_KILL_GRACE_S)
-            break
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def ranks_status(torchrun_code: int, written: dict[int, int], n: int) -> int:
@@ -94,29 +83,15 @@ def run_torchrun(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str
     processes behind. ``argv`` is what follows torchrun's options (``["-m", "zerogpu", "simulate", ...]``).
     ``env`` is merged over ``os.environ`` (``OMP_NUM_THREADS`` defaults to 1: ranks share the cores)."""
     require_positive_int("world_size", n)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ConfigError("launch_timeout", timeout_s, "must be a positive number of seconds")
+    require_launch_timeout(timeout_s)
     command = torchrun_command(n, argv)
-    pipe = subprocess.PIPE if capture else None
     with tempfile.TemporaryDirectory(prefix="zerogpu-status-") as status_dir:
         full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), STATUS_DIR_ENV: status_dir}
-        start = time.monotonic()
-        proc = subprocess.Popen(command, stdout=pipe, stderr=pipe, text=True, env=full_env, start_new_session=True)
-        timed_out = False
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_session(proc)
-            out, err = proc.communicate()
-        except BaseException:  # KeyboardInterrupt: take the ranks down with us
-            _kill_session(proc)
-            raise
-        elapsed = time.monotonic() - start
+        run = run_process_group(command, timeout_s, full_env, capture=capture, kill_grace_s=_KILL_GRACE_S)
         written = _read_status(status_dir)
-    code = EXIT_LAUNCH_TIMEOUT if timed_out else ranks_status(proc.returncode, written, n)
-    return TorchrunResult(command, code, None if timed_out else proc.returncode, written, out, err, timed_out,
-                          elapsed)
+    code = EXIT_LAUNCH_TIMEOUT if run.returncode is None else ranks_status(run.returncode, written, n)
+    return TorchrunResult(command, code, run.returncode, written, run.stdout, run.stderr, run.timed_out,
+                          run.elapsed_s)
 
 
 def torch_unavailable_reason() -> str | None:
@@ -147,7 +122,7 @@ def launch_simulate(args: argparse.Namespace) -> int:
     if reason:
         raise ConfigError("backend", "torch", reason)
     n = require_positive_int("world_size", getattr(args, "world_size", None))
-    timeout_s = float(os.environ.get("ZEROSIM_LAUNCH_TIMEOUT_S", DEFAULT_LAUNCH_TIMEOUT_S))
+    timeout_s = launch_timeout_from_env()
     argv = ["-m", "zerogpu", "simulate", *forward_argv(args, add_run_arguments, drop=("backend",))]
     result = run_torchrun(n, argv, timeout_s, capture=False)
     if result.timed_out:

@@ -21,11 +21,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 from zerosim.errors import ZeroSimError
+from zerosim.rank_messages import parse_args_on_rank, rank_failure_message
 
 EXIT_RANK_FAILED = 3
 STATUS_DIR_ENV = "ZEROGPU_STATUS_DIR"
@@ -60,13 +60,7 @@ def agreed_exit(code: int) -> int:
 
 def parse_once(parser: Any, argv: list[str]) -> Any:
     """argparse on every rank, its messages (usage errors, --help) printed by rank 0 only."""
-    quiet = open(os.devnull, "w") if env_rank() != 0 else None  # noqa: SIM115 - closed below
-    try:
-        with contextlib.redirect_stdout(quiet or sys.stdout), contextlib.redirect_stderr(quiet or sys.stderr):
-            return parser.parse_args(argv)
-    finally:
-        if quiet is not None:
-            quiet.close()
+    return parse_args_on_rank(parser, argv, env_rank())
 
 
 def fail_on_bad_input(error: ZeroSimError) -> NoReturn:
@@ -86,8 +80,7 @@ def report_failure(error: BaseException) -> None:
     reporter = True if job is None else job.board.claim_report()
     if not reporter:
         return
-    detail = "" if isinstance(error, ZeroSimError) else "\n" + "".join(traceback.format_exception(error)).rstrip()
-    print(f"rank {rank} failed: {type(error).__name__}: {error}{detail}", file=sys.stderr, flush=True)
+    print(rank_failure_message(rank, error), file=sys.stderr, flush=True)
 
 
 def _flush() -> None:

@@ -19,7 +19,14 @@ from typing import Any
 from ..cost.comm_model import CommEstimate, comm_per_step
 from ..cost.memory_model import PRECISIONS, MemorySettings
 from ..cost.units import UNITS, format_value, parse_unit
-from .memory import add_model_args, positive_int, resolve_model, resolve_strategies, resolve_topology
+from .memory import (
+    add_model_args,
+    add_zero1_reduce_arg,
+    positive_int,
+    resolve_model,
+    resolve_strategies,
+    resolve_topology,
+)
 
 #: above this many ranks the intra/inter split is rank 0's (the per-rank mean needs O(ranks) work)
 MEAN_LINKS_MAX_WORLD = 4096
@@ -33,9 +40,7 @@ def register(sub) -> None:
                    help=f"bytes of the gathered params and reduced grads: {', '.join(PRECISIONS)} "
                         "(default mixed: 2 and 2; the engine's bf16 reduces grads in fp32)")
     p.add_argument("--micro-batches", default="1", help="micro-batches per step (ZeRO-2/3 reduce per micro-batch)")
-    p.add_argument("--zero1-reduce", default="all_reduce", metavar="{all_reduce,reduce_scatter}",
-                   help="ZeRO-1 gradient averaging: all_reduce (torch ZeroRedundancyOptimizer, default: "
-                        "3(N-1)/N Psi) or reduce_scatter (DeepSpeed stage 1, the paper's 2(N-1)/N Psi)")
+    add_zero1_reduce_arg(p)
     p.add_argument("--unit", default="GB", help=f"table unit: {', '.join(UNITS)} (default GB = 10^9 bytes)")
     p.set_defaults(func=run)
 

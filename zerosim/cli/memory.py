@@ -26,7 +26,7 @@ from ..cost.memory_model import (
 from ..cost.units import UNITS, format_value, parse_unit
 from ..errors import ConfigError
 from ..layout import ParamLayout
-from ..strategy import ShardingStrategy, Topology
+from ..strategy import ShardingStrategy, StrategyKind, Topology
 
 
 # ---- shared argument handling (used by ``zerosim comm`` too) ---------------------------------
@@ -76,6 +76,14 @@ def add_model_args(p) -> None:
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
 
 
+def add_zero1_reduce_arg(p) -> None:
+    """``--zero1-reduce``: ZeRO-1's gradient averaging (the engine's ``zero1_grad_reduce``)."""
+    p.add_argument("--zero1-reduce", default="all_reduce", metavar="{all_reduce,reduce_scatter}",
+                   help="ZeRO-1 gradient averaging: all_reduce (torch ZeroRedundancyOptimizer, default: "
+                        "3(N-1)/N Psi) or reduce_scatter (DeepSpeed stage 1, the paper's 2(N-1)/N Psi; holds the "
+                        "packed full gradient and the reduced chunk at once)")
+
+
 def resolve_model(args) -> ParamLayout | int:
     if args.model is not None:
         return ParamLayout.from_config(args.model)
@@ -109,6 +117,7 @@ def register(sub) -> None:
     p.add_argument("--offload", default="none", help=f"what lives in host memory: {', '.join(OFFLOAD_CHOICES)}")
     p.add_argument("--prefetch-depth", default="1", help="ZeRO-3 blocks gathered ahead of the current one (default 1)")
     p.add_argument("--largest-block", default=None, help="with --params: numel of the largest block (ZeRO-3 transient)")
+    add_zero1_reduce_arg(p)
     p.add_argument("--unit", default="GB", help=f"table unit: {', '.join(UNITS)} (default GB = 10^9 bytes)")
     p.add_argument("--compare-deepspeed", action="store_true",
                    help="also show DeepSpeed's estimate_zero2/3_model_states_mem_needs next to ours (needs --model)")
@@ -120,7 +129,7 @@ def build_estimates(args) -> list[MemoryEstimate]:
     topology = resolve_topology(args)
     depth = non_negative_int("prefetch-depth", args.prefetch_depth)
     settings = MemorySettings(precision=args.precision, optimizer=args.optimizer, offload=args.offload,
-                              prefetch_depth=depth)
+                              prefetch_depth=depth, zero1_grad_reduce=getattr(args, "zero1_reduce", "all_reduce"))
     largest = None
     if args.largest_block is not None:
         largest = parse_param_count(args.largest_block, "largest-block")
@@ -166,7 +175,10 @@ def render_table(estimates: list[MemoryEstimate], unit: str) -> str:
     for e in estimates:
         c = e.per_rank
         known = e.transient_modelled
-        table.add_row(e.strategy.name, format_value(c.params.total, unit), format_value(c.grads.total, unit),
+        name = e.strategy.name
+        if e.strategy.kind is StrategyKind.SHARD_OPTIMIZER and s.zero1_grad_reduce != "all_reduce":
+            name = f"{name} ({s.zero1_grad_reduce})"
+        table.add_row(name, format_value(c.params.total, unit), format_value(c.grads.total, unit),
                       format_value(c.optimizer_states.total, unit), format_value(c.total.device, unit),
                       format_value(c.total.host, unit), format_value(c.transient_device, unit) if known else "n/a",
                       format_value(c.peak_device, unit) if known else "n/a")

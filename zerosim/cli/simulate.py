@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any
 
+from ..engine.faults import FAULTS
 from ..errors import CollectiveError, ConfigError, NonFiniteGradientError
 from ..presets import PRESETS
 
@@ -67,8 +68,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--observe", default="auto", choices=("auto", "full", "digest"),
                    help="keep shard values for C-ZERO-002 (full), digests only, or full when small (auto)")
     g.add_argument("--fault", default=None, metavar="NAME",
-                   help="run a deliberately broken engine variant (shows what the contracts catch); "
-                        "see docs/readme/simulate.md")
+                   help="run a deliberately broken engine variant (shows what the contracts catch): "
+                        + ", ".join(sorted(FAULTS)))
     g.add_argument("--inject-nan", default=None, metavar="RANK:STEP:TENSOR",
                    help="test hook: a NaN in TENSOR's gradient on RANK at STEP (e.g. 1:0:blocks.0.mlp.w_in)")
     g.add_argument("--zero1-reduce", default="all_reduce", metavar="{all_reduce,reduce_scatter}",

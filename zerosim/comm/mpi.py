@@ -38,7 +38,8 @@ Timeouts (a collective whose peers never arrive must not hang the job):
 
 Test-only fault hook: ``ZEROSIM_FAULT="raise:rank=R:call=K"`` makes world rank ``R`` raise when it
 enters its ``K``-th collective (0-based, all groups counted), ``"hang:rank=R:call=K"`` makes it sleep
-forever there instead. Used by tests/test_mpi_faults.py; never set it in a real run.
+forever there instead (:mod:`zerosim.comm.fault_plan`, shared with the torch backend). Used by
+tests/test_mpi_faults.py; never set it in a real run.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import ml_dtypes
@@ -58,6 +58,7 @@ import numpy as np
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError
 from ..mpi import EXIT_RANK_FAILED
 from .base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter, TrafficRecord, ring_bytes
+from .fault_plan import FaultPlan
 
 try:
     from mpi4py import MPI
@@ -225,44 +226,6 @@ class DeferredTrafficCounter(TrafficCounter):
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles (and copies) as a plain :class:`TrafficCounter`: other processes need no MPI to read it."""
         return TrafficCounter, (dict(self.records),)
-
-
-# ---- the test-only fault hook ----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class FaultPlan:
-    """``ZEROSIM_FAULT=kind:rank=R:call=K`` (test only): misbehave on world rank R at its K-th collective."""
-
-    kind: str  # "raise" | "hang"
-    rank: int
-    call: int
-
-    @classmethod
-    def from_env(cls, text: str | None = None) -> FaultPlan | None:
-        text = os.environ.get("ZEROSIM_FAULT", "") if text is None else text
-        if not text:
-            return None
-        kind, *fields = text.split(":")
-        values: dict[str, int] = {"rank": 0, "call": 0}
-        try:
-            for f in fields:
-                k, _, v = f.partition("=")
-                if k not in values:
-                    raise ValueError(k)
-                values[k] = int(v)
-        except ValueError:
-            raise ConfigError("ZEROSIM_FAULT", text, "expected raise|hang:rank=R:call=K") from None
-        if kind not in ("raise", "hang"):
-            raise ConfigError("ZEROSIM_FAULT", text, "kind must be 'raise' or 'hang'")
-        return cls(kind, values["rank"], values["call"])
-
-    def fire(self, collective: str, group: str) -> None:
-        where = f"{collective} on group {group} (collective #{self.call} of rank {self.rank})"
-        if self.kind == "raise":
-            raise RuntimeError(f"injected fault ZEROSIM_FAULT={self.kind}:rank={self.rank}:call={self.call} "
-                               f"before {where}")
-        while True:  # "hang": never arrive; the peers' timeout must end the job
-            time.sleep(3600)
 
 
 # ---- the per-process watchdog and the "who never arrived" survey -----------------------------------

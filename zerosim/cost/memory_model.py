@@ -38,6 +38,7 @@ from typing import Any
 from ..errors import ConfigError, require_non_negative_int
 from ..layout import ParamLayout
 from ..strategy import ShardingStrategy, StrategyKind, Topology
+from .comm_model import ZERO1_GRAD_REDUCE
 
 CATEGORIES = ("params", "grads", "optimizer_states")
 PLACES = ("device", "host")
@@ -142,6 +143,10 @@ class MemorySettings:
 
     ``grad_bucket_numel``: SHARD_GRAD_OP's transient unsharded gradient; ``None`` = the whole padded
     flat gradient (what the reference engine does).
+    ``zero1_grad_reduce``: how ZeRO-1 averages gradients (the engine's ``RunConfig.zero1_grad_reduce``):
+    ``"all_reduce"`` (torch ZeroRedundancyOptimizer, default) or ``"reduce_scatter"`` (DeepSpeed
+    stage 1), which holds the packed full gradient and the reduced chunk at once (see
+    :func:`transient_phases`).
     """
 
     precision: str = "mixed"
@@ -149,6 +154,7 @@ class MemorySettings:
     offload: str = "none"
     prefetch_depth: int = 1
     grad_bucket_numel: int | None = None
+    zero1_grad_reduce: str = "all_reduce"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "precision", canonical_precision(self.precision))
@@ -157,6 +163,9 @@ class MemorySettings:
         require_non_negative_int("prefetch_depth", self.prefetch_depth)
         if self.grad_bucket_numel is not None:
             require_non_negative_int("grad_bucket_numel", self.grad_bucket_numel)
+        if not isinstance(self.zero1_grad_reduce, str) or self.zero1_grad_reduce not in ZERO1_GRAD_REDUCE:
+            raise ConfigError("zero1_grad_reduce", self.zero1_grad_reduce,
+                              f"known: {', '.join(ZERO1_GRAD_REDUCE)} (--zero1-reduce)")
 
     @property
     def spec(self) -> PrecisionSpec:
@@ -195,6 +204,7 @@ class MemorySettings:
     def to_json(self) -> dict[str, Any]:
         return {"precision": self.precision, "optimizer": self.optimizer, "offload": self.offload,
                 "prefetch_depth": self.prefetch_depth, "grad_bucket_numel": self.grad_bucket_numel,
+                "zero1_grad_reduce": self.zero1_grad_reduce,
                 "K": self.K, "bytes_per_element": self.bytes_per_element(),
                 "precision_description": self.spec.description}
 
@@ -565,7 +575,10 @@ def transient_phases(strategy: ShardingStrategy, settings: MemorySettings, total
       the param dtype (``P * pb``) plus the packed flat gradient (``packed * gb``, or
       ``grad_bucket_numel * gb`` for bucketed implementations); ``refresh``: the all-gathered params.
     * SHARD_OPTIMIZER, ``optimizer``: the rank's gradient chunk (``chunk * gb``), which stays live
-      through ``refresh``: the all-gathered params plus that chunk.
+      through ``refresh``: the all-gathered params plus that chunk. With
+      ``zero1_grad_reduce="reduce_scatter"`` (DeepSpeed stage 1) also ``reduce``: the packed (padded)
+      full gradient plus the reduced chunk it is scattered into (``packed * gb + chunk * gb``); the
+      all-reduce variant reduces the accumulation buffer in place.
     * NO_SHARD: none.
     """
     pb, gb, d = settings.spec.param_bytes, settings.spec.grad_bytes, settings.prefetch_depth
@@ -584,6 +597,8 @@ def transient_phases(strategy: ShardingStrategy, settings: MemorySettings, total
             out["backward_end"] = total * pb + bucket * gb
             out["refresh"] = packed * pb
         else:
+            if settings.zero1_grad_reduce == "reduce_scatter":
+                out["reduce"] = packed * gb + shard_numel * gb  # packed input and chunk output live together
             out["optimizer"] = shard_numel * gb
             out["refresh"] = packed * pb + shard_numel * gb  # the chunk lives until the params are refreshed
     return out

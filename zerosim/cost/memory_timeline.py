@@ -83,6 +83,8 @@ def modelled_step_timeline(
                 add("reduce", f"reduce_scatter flat grad{tag}", 0)
             else:
                 add("backward", f"backward (grads accumulate in place){tag}", 0)
+    if "reduce" in cls.transient:  # ZeRO-1, zero1_grad_reduce="reduce_scatter": packed full grad + own chunk
+        add("reduce", "reduce_scatter packed grad into own chunk", cls.transient["reduce"])
     chunk = cls.transient.get("optimizer", 0)
     add("step", "optimizer step" + (" on host" if "optimizer_states" in settings.offloaded else "")
         + (" (own gradient chunk)" if chunk else ""), chunk)

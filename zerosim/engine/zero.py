@@ -44,6 +44,7 @@ from typing import Any
 from ..comm.base import Communicator
 from ..errors import ConfigError, NonFiniteGradientError
 from ..flat import flatten
+from ..intervals import merge_adjacent
 from ..model import BlockModel, init_params, synthetic_batch
 from ..observe import Holding, RankObservation, ShardValues, StepObservation, TrafficItem, digest
 from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
@@ -547,7 +548,7 @@ class ZeroEngine:
     def holdings(self) -> dict[str, Holding]:
         """What this rank holds, measured from its live arrays (C-ZERO-004)."""
         xp = self.xp
-        own = _merge([(g0, g1) for g0, g1, _ in self.owned_pieces])
+        own = merge_adjacent((g0, g1) for g0, g1, _ in self.owned_pieces)
         full = ((0, self.total),) if self.total else ()
         out: dict[str, Holding] = {}
         if self.sharded_params:
@@ -633,16 +634,6 @@ def _tensor_index(layout: Any, name: str) -> int:
         if t.name == name:
             return i
     raise ConfigError("tensor", name, "no such tensor in the layout")
-
-
-def _merge(intervals: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(iv for iv in intervals if iv[1] > iv[0]):
-        if out and out[-1][1] == s:
-            out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return tuple(out)
 
 
 def _snapshot(counter: Any) -> dict[tuple[str, str], tuple[int, Any, Any, int]]:

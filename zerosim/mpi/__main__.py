@@ -19,7 +19,6 @@ defaults to the number of ranks mpiexec started; a different value is an error.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import pickle
 import sys
@@ -29,6 +28,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..errors import ConfigError, ZeroSimError
+from ..rank_messages import parse_args_on_rank
 from .rank import run_rank
 
 USAGE = "usage: mpiexec -n N python -m zerosim.mpi simulate [zerosim simulate options]"
@@ -52,17 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_once(parser: argparse.ArgumentParser, argv: list[str], rank: int) -> argparse.Namespace:
-    """argparse on every rank, its messages (usage errors, --help) printed by rank 0 only."""
-    quiet = open(os.devnull, "w") if rank != 0 else None  # noqa: SIM115 - closed below
-    try:
-        with contextlib.redirect_stdout(quiet or sys.stdout), contextlib.redirect_stderr(quiet or sys.stderr):
-            return parser.parse_args(argv)
-    finally:
-        if quiet is not None:
-            quiet.close()
-
-
 def _agree_on_config_error(world: Any, error: ZeroSimError | None) -> None:
     """Every rank validates the options; if any rank failed, the lowest such rank prints, all exit 2."""
     from mpi4py import MPI
@@ -82,7 +71,7 @@ def _check_world_size(args: argparse.Namespace, size: int) -> None:
         args.world_size = size
     elif args.world_size != size:
         hint = (" (every rank sees a world of 1: is this mpiexec from the MPI library mpi4py was built for? "
-                "see docs/readme/mpi.md)" if size == 1 else f"; run mpiexec -n {args.world_size} or drop --world-size")
+                "see README.md, 'Using a system MPI')" if size == 1 else f"; run mpiexec -n {args.world_size} or drop --world-size")
         raise ConfigError("world_size", args.world_size, f"mpiexec started {size} rank(s){hint}")
 
 
@@ -96,7 +85,7 @@ def simulate(argv: list[str]) -> NoReturn:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     try:
-        args = _parse_once(build_parser(), argv, rank)
+        args = parse_args_on_rank(build_parser(), argv, rank)
     except SystemExit as e:  # the same on every rank: nothing started, nobody waits
         sys.exit(e.code)
     cfg, error = None, None

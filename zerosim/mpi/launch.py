@@ -7,7 +7,8 @@ mpi4py must belong together; a mismatched ``mpiexec`` starts N singletons, which
 point detects and reports.
 
 Every launch has a wall-clock timeout. ``mpiexec`` runs in its own session (process group); on
-timeout the whole group gets SIGTERM, then SIGKILL, so no rank outlives the launch.
+timeout the whole group gets SIGTERM, then SIGKILL, so no rank outlives the launch
+(:func:`zerosim.launching.run_process_group`, shared with the torchrun launcher).
 """
 
 from __future__ import annotations
@@ -17,18 +18,19 @@ import importlib.util
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, require_positive_int
+from ..launching import (
+    EXIT_LAUNCH_TIMEOUT,
+    launch_timeout_from_env,
+    require_launch_timeout,
+    run_process_group,
+)
 
-EXIT_LAUNCH_TIMEOUT = 124  # like coreutils' timeout(1)
-DEFAULT_LAUNCH_TIMEOUT_S = 900.0
 _KILL_GRACE_S = 3.0
 
 
@@ -79,19 +81,6 @@ class MpiexecResult:
     elapsed_s: float
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
-    """SIGTERM the launch's process group (mpiexec, its proxies, the ranks), then SIGKILL what is left."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=_KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 def run_mpiexec(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str, str] | None = None,
                 capture: bool = True, python: str | None = None) -> MpiexecResult:
     """Run ``mpiexec -n n <python> *argv`` with a wall-clock timeout; never leaves processes behind.
@@ -100,26 +89,13 @@ def run_mpiexec(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str,
     ``env`` is merged over ``os.environ``. With ``capture=False`` the output goes to this terminal.
     """
     require_positive_int("world_size", n)
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ConfigError("launch_timeout", timeout_s, "must be a positive number of seconds")
+    require_launch_timeout(timeout_s)
     require_mpi4py()
     command = [*find_mpiexec(), "-n", str(n), python or sys.executable, *argv]
-    full_env = {**os.environ, **(env or {})}
-    pipe = subprocess.PIPE if capture else None
-    start = time.monotonic()
-    proc = subprocess.Popen(command, stdout=pipe, stderr=pipe, text=True, env=full_env, start_new_session=True)
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_session(proc)
-        out, err = proc.communicate()
-    except BaseException:  # KeyboardInterrupt: take the ranks down with us
-        _kill_session(proc)
-        raise
-    returncode = EXIT_LAUNCH_TIMEOUT if timed_out else proc.returncode
-    return MpiexecResult(command, returncode, out, err, timed_out, time.monotonic() - start)
+    run = run_process_group(command, timeout_s, {**os.environ, **(env or {})}, capture=capture,
+                            kill_grace_s=_KILL_GRACE_S)
+    returncode = EXIT_LAUNCH_TIMEOUT if run.returncode is None else run.returncode
+    return MpiexecResult(command, returncode, run.stdout, run.stderr, run.timed_out, run.elapsed_s)
 
 
 # ---- zerosim simulate --backend mpi ---------------------------------------------------------------
@@ -171,8 +147,7 @@ def launch_simulate(args: argparse.Namespace) -> int:
     from ..cli.simulate import add_run_arguments
 
     n = require_positive_int("world_size", getattr(args, "world_size", None))
-    timeout_s = getattr(args, "launch_timeout", None) or float(os.environ.get("ZEROSIM_LAUNCH_TIMEOUT_S",
-                                                                               DEFAULT_LAUNCH_TIMEOUT_S))
+    timeout_s = getattr(args, "launch_timeout", None) or launch_timeout_from_env()
     argv = ["-m", "zerosim.mpi", "simulate", *forward_argv(args, add_run_arguments, drop=("backend",))]
     result = run_mpiexec(n, argv, timeout_s, capture=False)
     if result.timed_out:

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-from ..errors import ZeroSimError
+from ..rank_messages import rank_failure_message
 
 
 def run_rank(body: Callable[[], int]) -> NoReturn:
@@ -32,8 +31,7 @@ def run_rank(body: Callable[[], int]) -> NoReturn:
             sys.exit(0)
         rank = MPI.COMM_WORLD.Get_rank()
         if is_failure_reporter():
-            detail = "" if isinstance(e, ZeroSimError) else "\n" + "".join(traceback.format_exception(e)).rstrip()
-            abort_world(f"rank {rank} failed: {type(e).__name__}: {e}{detail}", EXIT_RANK_FAILED)
+            abort_world(rank_failure_message(rank, e), EXIT_RANK_FAILED)
         time.sleep(3.0)  # the reporting rank aborts the world; make sure the job ends regardless
         abort_world("", EXIT_RANK_FAILED)
     sys.exit(code)

@@ -35,13 +35,15 @@ _HOLDING_KIND = {"params": "params", "grads": "grads", "optimizer_states": "opti
 # memory
 # ---------------------------------------------------------------------------------------------------
 def engine_memory_settings(run: ResolvedRun) -> MemorySettings:
-    """The memory model's settings for an engine run: its precision policy, optimizer and prefetch."""
+    """The memory model's settings for an engine run: its precision policy, optimizer, offload, prefetch
+    and ZeRO-1 gradient reduction (``zero1_grad_reduce``)."""
     states = len(run.spec.state_names)
     optimizer = {0: "sgd", 1: "sgd-momentum", 2: "adamw"}.get(states)
     if optimizer is None:
         raise ConfigError("optimizer", run.spec.name, f"{states} state buffers: no memory-model equivalent")
     offload = "grads+optimizer" if run.cfg.offload else "none"
-    return MemorySettings(ENGINE_PRECISION[run.precision.name], optimizer, offload, run.prefetch)
+    return MemorySettings(ENGINE_PRECISION[run.precision.name], optimizer, offload, run.prefetch,
+                          zero1_grad_reduce=run.zero1_grad_reduce)
 
 
 def modelled_for_run(run: ResolvedRun, packing: str = "engine", partitioner: str | None | bool = True) -> MemoryEstimate:

@@ -1,12 +1,13 @@
-"""The test-only process fault hook of the torch backend (``ZEROSIM_FAULT``), as in :mod:`zerosim.comm.mpi`.
+"""The test-only process fault hook shared by the MPI and torch backends (``ZEROSIM_FAULT``).
 
 ``ZEROSIM_FAULT="raise:rank=R:call=K"`` makes world rank ``R`` raise when it enters its ``K``-th
 collective (0-based, every group and ``split`` counted, in the order this process enters them);
 ``"hang:rank=R:call=K"`` makes it sleep forever there instead, so its peers' collective timeout
-must end the job. Used by tests/test_zerogpu_torchrun.py; never set it in a real run.
+must end the job. One fault description means the same thing under ``mpiexec``
+(:mod:`zerosim.comm.mpi`) and under ``torchrun`` (:mod:`zerogpu.comm`). Used by
+tests/test_mpi_faults.py and tests/test_zerogpu_torchrun.py; never set it in a real run.
 
-Same syntax and counting as the MPI backend's hook, so one fault description means the same thing
-under ``mpiexec`` and under ``torchrun``.
+Pure Python (no MPI, no torch): both backends import it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from zerosim.errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class FaultPlan:
 
     @classmethod
     def from_env(cls, text: str | None = None) -> FaultPlan | None:
+        """The plan in ``text`` (default: ``$ZEROSIM_FAULT``); None when empty. Bad text -> ConfigError."""
         text = os.environ.get("ZEROSIM_FAULT", "") if text is None else text
         if not text:
             return None
