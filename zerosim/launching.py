@@ -31,7 +31,16 @@ def require_launch_timeout(timeout_s: object) -> float:
 
 def launch_timeout_from_env() -> float:
     """``$ZEROSIM_LAUNCH_TIMEOUT_S``, default :data:`DEFAULT_LAUNCH_TIMEOUT_S` (900 s)."""
-    return float(os.environ.get(LAUNCH_TIMEOUT_ENV, DEFAULT_LAUNCH_TIMEOUT_S))
+    text = os.environ.get(LAUNCH_TIMEOUT_ENV)
+    if text is None:
+        return DEFAULT_LAUNCH_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(LAUNCH_TIMEOUT_ENV, text, "must be a positive number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(LAUNCH_TIMEOUT_ENV, text, "must be a positive, finite number of seconds")
+    return value
 
 
 def kill_process_group(proc: subprocess.Popen, grace_s: float) -> None:
