@@ -78,9 +78,14 @@ def resolve_dotted(name: str, field_name: str = "check") -> Callable[..., Any]:
 
 
 def default_contracts_dir() -> Path:
-    """``$ZEROSIM_CONTRACTS_DIR`` if set, else ``contracts/`` next to the ``zerosim`` package."""
+    """``$ZEROSIM_CONTRACTS_DIR`` if set, else ``contracts/`` of the source tree (a checkout or an
+    editable install), else the copy a wheel ships inside the package (``zerosim/_contracts``)."""
     env = os.environ.get(CONTRACTS_ENV)
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "contracts"
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent
+    source_tree = here.parent / "contracts"
+    return source_tree if source_tree.is_dir() else here / "_contracts"
 
 
 def load_contract(path: str | Path) -> ContractSpec:
