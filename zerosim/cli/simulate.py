@@ -205,7 +205,7 @@ def _summary(contract: str, v: Any) -> str:
         return f"holdings == plan; peak live params {mx / 1e6:.3g} MB"
     if contract == "C-ZERO-005":
         return (f"{d.get('model_bytes_sent_per_rank', 0) / 1e6:.4g} MB sent per rank per step "
-                f"(paper: {d.get('paper_elements_per_rank', 0):.4g} elements, padding {d.get('padding_elements', 0)})")
+                f"(paper: {d.get('paper_elements_per_rank', 0):,.0f} elements, padding {d.get('padding_elements', 0)})")
     return ""
 
 
