@@ -1,14 +1,11 @@
 """``zerosim check <target>``: run a contract check and exit 1 on any violation, 0 when all hold.
 
 Targets: ``partition`` (C-ZERO-001 on a user's partition function or a built-in partitioner).
-More targets plug in without touching this file's logic: a module ``zerosim.cli.check_<name>``
-exposing ``register(check_subparsers)`` and listed in ``CHECK_MODULES`` becomes ``zerosim check <name>``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
@@ -22,23 +19,12 @@ from ..partition import PARTITIONERS, get_partitioner
 from ..presets import PRESETS
 from ._args import parse_int_list, pipe_safe
 
-# Further ``zerosim check <name>`` commands, each in zerosim/cli/check_<name>.py (absent ones are skipped).
-CHECK_MODULES: tuple[str, ...] = ()
-
 
 def register(sub: Any) -> None:
     p = sub.add_parser("check", help="check contracts; exit 1 on a violation, 0 when all hold",
                        description="Check a contract. Exit status: 0 all hold, 1 a violation, 2 bad input.")
     inner = p.add_subparsers(dest="check_target", metavar="TARGET")
     _register_partition(inner)
-    for name in CHECK_MODULES:
-        try:
-            module = importlib.import_module(f"zerosim.cli.check_{name}")
-        except ModuleNotFoundError as e:
-            if e.name == f"zerosim.cli.check_{name}":
-                continue
-            raise
-        module.register(inner)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 

@@ -14,6 +14,7 @@ failed (a non-finite gradient, a rank error, a collective timeout).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -121,23 +122,21 @@ def config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
+#: ``--backend`` -> (the module whose ``launch_simulate(args)`` starts that launcher, the pip extra it needs)
+LAUNCHERS = {"mpi": ("zerosim.mpi.launch", "mpi"), "torch": ("zerogpu.launch", "torch")}
+
+
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "backend", "sim") == "mpi":
+    backend = getattr(args, "backend", "sim")
+    if backend in LAUNCHERS:
+        module_name, extra = LAUNCHERS[backend]
         try:
-            from ..mpi.launch import launch_simulate
+            launcher = importlib.import_module(module_name)
         except ImportError as e:
-            raise ConfigError("backend", "mpi", f"the MPI backend is not available here ({e}); "
-                              "pip install 'zerosim[mpi]'") from None
-        config_from_args(args).validate()  # bad input fails here, before mpiexec starts
-        return int(launch_simulate(args))
-    if getattr(args, "backend", "sim") == "torch":
-        try:
-            from zerogpu.launch import launch_simulate as launch_torchrun
-        except ImportError as e:
-            raise ConfigError("backend", "torch", f"the torch backend is not available here ({e}); "
-                              "pip install 'zerosim[torch]'") from None
-        config_from_args(args).validate()  # bad input fails here, before torchrun starts
-        return int(launch_torchrun(args))
+            raise ConfigError("backend", backend, f"the {backend} backend is not available here ({e}); "
+                              f"pip install 'zerosim[{extra}]'") from None
+        config_from_args(args).validate()  # bad input fails here, before the launcher starts
+        return int(launcher.launch_simulate(args))
     from ..engine.spmd import run_simulated
 
     cfg = config_from_args(args)

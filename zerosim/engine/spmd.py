@@ -89,6 +89,8 @@ class RunResult:
     comm: CommEstimate | None = None
     observations: list[RankObservation] = field(default_factory=list, repr=False)
     timings: dict[str, float] = field(default_factory=dict)
+    #: the unsharded runs C-ZERO-002 compared against: "independent" (ground truth), "ordered" when bitwise
+    references: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -150,13 +152,14 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
     t = time.perf_counter()
     independent = independent_reference(run)
     timings["ground_truth_s"] = time.perf_counter() - t
+    references = {"independent": independent}
     if full:
         tol = equivalence_tolerance(run.precision.name)
         v2 = check_equivalence(obs, independent, layout=layout, tolerance=tol)
         v2.details = {"ground_truth": dict(v2.details)}
         if bitwise:
             t = time.perf_counter()
-            ordered = ordered_reference(run)
+            ordered = references["ordered"] = ordered_reference(run)
             timings["ordered_reference_s"] = time.perf_counter() - t
             vb = check_equivalence(obs, ordered, layout=layout, bitwise=True)
             v2.extend(vb)
@@ -174,7 +177,7 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
     estimate = comm_for_run(run)
     verdicts["C-ZERO-005"] = check_communication(obs, estimate)
     phase("done", 4)
-    return RunResult(run.describe(), verdicts, step_metrics(obs, independent), estimate, obs, timings)
+    return RunResult(run.describe(), verdicts, step_metrics(obs, independent), estimate, obs, timings, references)
 
 
 def step_metrics(obs: Sequence[RankObservation], reference: Any | None = None) -> list[dict[str, Any]]:

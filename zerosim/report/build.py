@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from ..cost.comm_model import comm_per_step
 from ..cost.deepspeed_compare import compare_with_deepspeed
 from ..cost.memory_model import MemorySettings, all_strategies, memory_per_rank
 from ..cost.memory_timeline import modelled_step_timeline
-from ..engine.reference import independent_reference, ordered_reference
+from ..engine.reference import ordered_reference
 from ..engine.spmd import RunConfig, evaluate, simulate_observations
 from ..layout import ParamLayout
 from ..model import SimModelConfig
@@ -112,13 +113,15 @@ class _Progress:
             self._progress.update(self._task, description=description)
 
 
-def contract_verdicts(run: Any, observations: Any, backend: str) -> dict[str, Any]:
-    """C-ZERO-002..005 on one measured run (:func:`zerosim.engine.spmd.evaluate`), as a JSON row."""
+def checked_run(run: Any, observations: Any, backend: str) -> tuple[dict[str, Any], Any]:
+    """C-ZERO-002..005 on one measured run (:func:`zerosim.engine.spmd.evaluate`): (its JSON row, the
+    evaluation, whose ``references`` the report reuses for the equivalence-error figure)."""
     result = evaluate(run, observations)
-    return {"backend": backend, "world_size": run.world_size, "strategy": run.strategy.name, "passed": result.passed,
-            "verdicts": {c: {"passed": v.passed, "checked": v.checked, "violations": len(v.violations),
-                             "first": str(v.violations[0]) if v.violations else None}
-                         for c, v in result.verdicts.items()}}
+    row = {"backend": backend, "world_size": run.world_size, "strategy": run.strategy.name, "passed": result.passed,
+           "verdicts": {c: {"passed": v.passed, "checked": v.checked, "violations": len(v.violations),
+                            "first": str(v.violations[0]) if v.violations else None}
+                        for c, v in result.verdicts.items()}}
+    return row, result
 
 
 def _strategy_names(ws: int, rpn: int) -> list[str]:
@@ -145,11 +148,14 @@ def _measure_all(cfg: ReportConfig, tick: Callable[[str], None]) -> dict[str, An
                            ranks_per_node=rpn, observe="full")
             run = rc.resolve()
             obs = simulate_observations(run)
+            row, checked = checked_run(run, obs, "simulator")
             entry: dict[str, Any] = {"memory": memory_comparison(run, obs), "traffic": traffic_comparison(run, obs),
-                                     "contracts": contract_verdicts(run, obs, "simulator")}
+                                     "contracts": row}
             if ws == cfg.offload_world_size or ws == max(cfg.world_sizes):
-                entry["ground_truth_error"] = equivalence_errors(run, obs, independent_reference(run))
-                entry["ordered_reference_error"] = equivalence_errors(run, obs, ordered_reference(run))
+                refs = checked.references
+                entry["ground_truth_error"] = equivalence_errors(run, obs, refs["independent"])
+                entry["ordered_reference_error"] = equivalence_errors(run, obs, refs.get("ordered")
+                                                                      or ordered_reference(run))
             runs[f"{ws}/{name}"] = entry
     return runs
 
@@ -183,10 +189,12 @@ def _measure_mpi(cfg: ReportConfig, tick: Callable[[str], None]) -> dict[str, An
             continue
         run = rc.resolve()
         assert res.observations is not None
+        row, checked = checked_run(run, res.observations, "mpi")
         out["runs"][name] = {"memory": memory_comparison(run, res.observations),
                              "traffic": traffic_comparison(run, res.observations),
-                             "ground_truth_error": equivalence_errors(run, res.observations, independent_reference(run)),
-                             "contracts": contract_verdicts(run, res.observations, "mpi"),
+                             "ground_truth_error": equivalence_errors(run, res.observations,
+                                                                      checked.references["independent"]),
+                             "contracts": row,
                              "wall_s": res.wall_s}
     return out
 
@@ -206,9 +214,10 @@ def _measure_torch(cfg: ReportConfig, tick: Callable[[str], None]) -> dict[str, 
     assert res.observations is not None
     for name, rc, obs in zip(MPI_STRATEGIES, cfgs, res.observations, strict=True):
         run = rc.resolve()
+        row, checked = checked_run(run, obs, "torch")
         out["runs"][name] = {"memory": memory_comparison(run, obs), "traffic": traffic_comparison(run, obs),
-                             "ground_truth_error": equivalence_errors(run, obs, independent_reference(run)),
-                             "contracts": contract_verdicts(run, obs, "torch"),
+                             "ground_truth_error": equivalence_errors(run, obs, checked.references["independent"]),
+                             "contracts": row,
                              "wall_s": res.wall_s / len(cfgs)}
     return out
 
@@ -498,6 +507,16 @@ def _table_model_vs_measured(cfg: ReportConfig, runs: dict[str, Any]) -> list[di
     return rows
 
 
+@contextmanager
+def _timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    """Record the wall time of the ``with`` body under ``timings[key]`` (seconds)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] = time.perf_counter() - t
+
+
 def build_report(out_dir: str | Path, config: ReportConfig | None = None, progress: bool = True) -> ReportResult:
     """Run every measurement, draw every figure, write the JSON and index.md into ``out_dir``."""
     cfg = config or ReportConfig()
@@ -509,49 +528,39 @@ def build_report(out_dir: str | Path, config: ReportConfig | None = None, progre
     total = n_runs + 3 * len(cfg.world_sizes) + (len(MPI_STRATEGIES) if cfg.mpi else 0) + int(cfg.torch) + 7
     t_all = time.perf_counter()
     with _Progress(progress, total) as bar:
-        t = time.perf_counter()
-        runs = _measure_all(cfg, bar.step)
-        timings["simulator_runs_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        padding_demo = _measure_padding_demo(cfg, bar.step)
-        timings["padding_demo_s"] = time.perf_counter() - t
-        mpi = None
+        with _timed(timings, "simulator_runs_s"):
+            runs = _measure_all(cfg, bar.step)
+        with _timed(timings, "padding_demo_s"):
+            padding_demo = _measure_padding_demo(cfg, bar.step)
+        mpi = torch_runs = None
         if cfg.mpi:
-            t = time.perf_counter()
-            mpi = _measure_mpi(cfg, bar.step)
-            timings["mpi_s"] = time.perf_counter() - t
+            with _timed(timings, "mpi_s"):
+                mpi = _measure_mpi(cfg, bar.step)
             if mpi["error"]:
                 notes.append(f"MPI measurements skipped: {mpi['error']}")
-        torch_runs = None
         if cfg.torch:
-            t = time.perf_counter()
-            torch_runs = _measure_torch(cfg, bar.step)
-            timings["torch_s"] = time.perf_counter() - t
+            with _timed(timings, "torch_s"):
+                torch_runs = _measure_torch(cfg, bar.step)
             if torch_runs["error"]:
                 notes.append(f"torch.distributed measurements skipped: {torch_runs['error']}")
+        figure_plan = (  # (progress label, builds the figure's data, draws it)
+            ("memory by strategy", lambda: _fig_memory_by_strategy(cfg, runs), figures.plot_memory_by_strategy),
+            ("memory vs data-parallel degree", lambda: _fig_memory_vs_dp(cfg, runs), figures.plot_memory_vs_dp),
+            ("communication volume", lambda: _fig_comm(cfg, runs), figures.plot_comm_volume),
+            ("equivalence error", lambda: _fig_equivalence(cfg, runs, mpi, torch_runs),
+             figures.plot_equivalence_error),
+            ("offload timeline", lambda: _fig_offload_timeline(cfg, runs, bar.describe), figures.plot_offload_timeline),
+        )
         figs = []
-        t = time.perf_counter()
-        bar.describe("figure: memory by strategy")
-        figs.append(_fig_memory_by_strategy(cfg, runs))
-        figures.plot_memory_by_strategy(figs[-1].data, out / figs[-1].png)
-        bar.step("figure: memory vs data-parallel degree")
-        figs.append(_fig_memory_vs_dp(cfg, runs))
-        figures.plot_memory_vs_dp(figs[-1].data, out / figs[-1].png)
-        bar.step("figure: communication volume")
-        figs.append(_fig_comm(cfg, runs))
-        figures.plot_comm_volume(figs[-1].data, out / figs[-1].png)
-        bar.step("figure: equivalence error")
-        figs.append(_fig_equivalence(cfg, runs, mpi, torch_runs))
-        figures.plot_equivalence_error(figs[-1].data, out / figs[-1].png)
-        bar.step("figure: offload timeline")
-        figs.append(_fig_offload_timeline(cfg, runs, bar.describe))
-        figures.plot_offload_timeline(figs[-1].data, out / figs[-1].png)
-        timings["figures_s"] = time.perf_counter() - t
+        with _timed(timings, "figures_s"):
+            for i, (label, build, plot) in enumerate(figure_plan):
+                (bar.describe if i == 0 else bar.step)(f"figure: {label}")
+                figs.append(build())
+                plot(figs[-1].data, out / figs[-1].png)
         bar.step("DeepSpeed estimator comparison")
-        t = time.perf_counter()
-        ds = compare_with_deepspeed(ParamLayout.from_config(cfg.large_model), cfg.large_ranks_per_node,
-                                    cfg.large_world_size // cfg.large_ranks_per_node, 1, use_real=cfg.deepspeed)
-        timings["deepspeed_s"] = time.perf_counter() - t
+        with _timed(timings, "deepspeed_s"):
+            ds = compare_with_deepspeed(ParamLayout.from_config(cfg.large_model), cfg.large_ranks_per_node,
+                                        cfg.large_world_size // cfg.large_ranks_per_node, 1, use_real=cfg.deepspeed)
         bar.step("writing JSON and index.md")
         for f in figs:
             (out / f.json).write_text(json.dumps(f.data, indent=1, default=_json_default) + "\n")
