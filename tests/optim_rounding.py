@@ -253,8 +253,9 @@ def violations(step: int, got: dict[str, np.ndarray], want: dict[str, np.ndarray
         bound = 2.0 * b.e * MODEL_SLACK
         bad = np.flatnonzero(~(diff <= bound))
         for i in bad[:limit]:
-            lines.append(f"step {step} {name}[{i}]: zerosim={got[name][i]!r} torch={want[name][i]!r} "
-                         f"|diff|={diff[i]:.3e} > bound={bound[i]:.3e} (exact {b.x[i]!r})")
+            lines.append(f"step {step} {name}[{i}]: zerosim={float(got[name][i]):.9g} "
+                         f"torch={float(want[name][i]):.9g} |diff|={diff[i]:.3e} > bound={bound[i]:.3e} "
+                         f"(exact {float(b.x[i]):.17g})")
         if bad.size > limit:
             lines.append(f"step {step} {name}: {bad.size - limit} more elements outside the bound")
     return lines
