@@ -3,8 +3,11 @@
 * Optimizers use only elementwise IEEE ops plus the seam's ``fma`` and ``sqrt`` (the same emulation
   on both backends): bitwise identical on numpy and torch CPU.
 * The model uses matrix products (different BLAS on each side): float64 agrees to 1e-12 normwise,
-  float32 to 1e-5 (accumulated float32 roundings of sums over d_ff and vocab elements), 16-bit
-  gradients to one 16-bit rounding (the fp32 values straddle a rounding boundary on some elements).
+  float32 to 1e-5 (accumulated float32 roundings of sums over d_ff and vocab elements). 16-bit
+  parameters: the model computes in float32 and rounds each gradient to 16 bits once, at the end;
+  rounding to nearest moves a value by at most half a 16-bit spacing, so the two sides' 16-bit
+  gradients differ by at most their float32 difference (the float32 bound) plus one 16-bit spacing,
+  element by element, whichever BLAS kernels ran.
 """
 
 from __future__ import annotations
@@ -35,18 +38,36 @@ def _normwise(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-300))
 
 
-@pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", 1e-5), ("bfloat16", 2**-7), ("float16", 2**-10)])
+FLOAT32_TOL = 1e-5
+
+
+def _spacing(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Distance between adjacent values of the 16-bit ``dtype`` at magnitude ``|x|``."""
+    info = ml_dtypes.finfo(getattr(ml_dtypes, dtype) if dtype == "bfloat16" else np.float16)
+    ax = np.abs(np.asarray(x, dtype=np.float64))
+    exp = np.floor(np.log2(np.where(ax > 0, ax, 1.0)))
+    return np.maximum(2.0 ** (exp - info.nmant), float(info.smallest_subnormal))
+
+
+@pytest.mark.parametrize("dtype,tol", [("float64", 1e-12), ("float32", FLOAT32_TOL), ("bfloat16", None),
+                                       ("float16", None)])
 def test_model_forward_backward_match_across_namespaces(dtype, tol):
     params = {k: NP.astype(v, dtype) for k, v in init_params(TINY, 0).items()}
     tokens, targets = synthetic_batch(TINY, 0, 0, 0, 0)
     loss_np, g_np = BlockModel(TINY, NP).loss_and_grads(params, tokens, targets, loss_scale=0.25)
     tparams = {k: TH.from_numpy(v) for k, v in params.items()}
     loss_th, g_th = BlockModel(TINY, "torch").loss_and_grads(tparams, tokens, targets, loss_scale=0.25)
-    assert loss_th == pytest.approx(loss_np, rel=max(tol, 1e-6))
+    assert loss_th == pytest.approx(loss_np, rel=tol or FLOAT32_TOL)  # the loss stays in float32
     for k in g_np:
         assert isinstance(g_th[k], torch.Tensor)
         assert TH.dtype_name(g_th[k]) == NP.dtype_name(g_np[k]) == dtype
-        assert _normwise(TH.to_numpy(g_th[k]), g_np[k]) < tol, k
+        a, b = TH.to_numpy(g_th[k]).astype(np.float64), g_np[k].astype(np.float64)
+        if tol is not None:
+            assert _normwise(a, b) < tol, k
+            continue
+        bound = FLOAT32_TOL * np.max(np.abs(b)) + _spacing(np.maximum(np.abs(a), np.abs(b)), dtype)
+        bad = np.flatnonzero(np.abs(a - b) > bound)
+        assert bad.size == 0, f"{k}[{bad[:3]}]: torch {a.flat[bad[:3]]} numpy {b.flat[bad[:3]]}"
 
 
 def test_per_block_hidden_states_match():

@@ -167,16 +167,23 @@ def test_mpi_forwards_the_variant():
 def test_the_same_order_reference_follows_the_variants_norm_order():
     """Reduce-scatter ZeRO-1 sums squares shard by shard (then one scalar all-reduce); the all-reduce
     variant sums the full reduced gradient. The float64 norms can differ in the last bit, so the
-    ordered reference must follow the variant to stay bitwise equal."""
+    ordered reference must follow the variant to stay bitwise equal. Whether the two orders differ on
+    a given step depends on the last bits of the gradients (the BLAS kernels of the processor), so
+    only their closeness is asserted: two float64 sums of the same n non-negative squares are each
+    within gamma_{n-1} of the exact sum, and the root halves that."""
     from zerosim.engine.reference import ordered_reference
 
     cfg = RunConfig(strategy="zero1", world_size=4, steps=3, micro_batches=2, zero1_grad_reduce="reduce_scatter")
     result = run_simulated(cfg)
     assert_all_pass(result)
-    norms = {v: [s.grad_norm for s in ordered_reference(cfg.replace(zero1_grad_reduce=v).resolve()).steps]
-             for v in VARIANTS}
+    refs = {v: ordered_reference(cfg.replace(zero1_grad_reduce=v).resolve()) for v in VARIANTS}
+    norms = {v: [s.grad_norm for s in ref.steps] for v, ref in refs.items()}
     assert [s.grad_norm for s in result.observations[0].steps] == norms["reduce_scatter"]
-    assert norms["all_reduce"] != norms["reduce_scatter"]  # measured: step 2 differs in the last bit
+    n = refs["all_reduce"].steps[0].master.size
+    # each sum within gamma_{n-1} s of the exact one (2 gamma apart), the root halves that and rounds once
+    bound = n * 2.0**-53 / (1 - n * 2.0**-53) + 2.0**-52
+    for a, b in zip(norms["all_reduce"], norms["reduce_scatter"], strict=True):
+        assert abs(a - b) <= bound * max(a, b), (a, b)
 
 
 @pytest.mark.mpi
