@@ -9,12 +9,13 @@ C-ZERO-002 (sharded optimizer step == full optimizer step) can be checked bitwis
 Formulas follow torch.optim's single-tensor CPU path (``foreach=False``), including its order of
 floating-point operations: hyper-parameters are rounded to float32 where torch's kernels round them,
 and torch's fused multiply-adds (``add(alpha=)``, ``lerp``, ``addcmul``) are reproduced with
-:meth:`zerosim.xp.ArrayNamespace.fma`. Measured against torch 2.13 on an AVX-512 CPU
-(tests/test_optim_vs_torch.py, 12 steps on 1031 elements): SGD (every momentum / nesterov /
-dampening / weight-decay combination) is bitwise identical; Adam and AdamW are bitwise on >= 99.6%
-of elements and within 3.75 ulps on the rest, because torch's vectorised CPU ``sqrt`` is not
-correctly rounded (ours is). With clipping add torch's float32 norm error (~1.4e-7 relative, up to
-3 ulps of the clip coefficient; ours is accumulated in float64): parameters within 7 ulps.
+:meth:`zerosim.xp.ArrayNamespace.fma`. Against torch 2.13 on CPU (tests/test_optim_vs_torch.py):
+where torch's kernels fuse multiply-adds (x86 AVX2 / AVX-512, arm64) SGD is bitwise identical and
+Adam / AdamW are bitwise except on elements where torch's vectorised ``sqrt`` is not correctly
+rounded (ours is); on unfused kernels (``ATEN_CPU_CAPABILITY=default``) torch rounds ``a * b + c``
+twice and results differ by a few ulps. On every kernel each element stays within a bound derived
+from a rounding-error model of the step (tests/optim_rounding.py), clipping included (torch's
+float32 norm; ours is accumulated in float64).
 
 State: ``init_state(n)`` returns a dict with an int ``"step"`` and fp32 arrays named as in torch:
 SGD with momentum ``"momentum_buffer"``; Adam / AdamW ``"exp_avg"``, ``"exp_avg_sq"``. The momentum
