@@ -75,29 +75,31 @@ class Bounded:
         """A Python-float hyper-parameter that a kernel rounds to float32 (relative error u)."""
         return Bounded(np.float64(c), np.float64(abs(c) * U))
 
-    def _round(self, x, e) -> Bounded:
+    @staticmethod
+    def rounded(x, e) -> Bounded:
+        """A result whose inputs contribute error ``e``, after one more rounding of ``x``."""
         return Bounded(x, e + DELTA * (np.abs(x) + e) + TINY)
 
     def __add__(self, o: Bounded) -> Bounded:
-        return self._round(self.x + o.x, self.e + o.e)
+        return Bounded.rounded(self.x + o.x, self.e + o.e)
 
     def __sub__(self, o: Bounded) -> Bounded:
-        return self._round(self.x - o.x, self.e + o.e)
+        return Bounded.rounded(self.x - o.x, self.e + o.e)
 
     def __mul__(self, o: Bounded) -> Bounded:
-        return self._round(self.x * o.x, np.abs(self.x) * o.e + np.abs(o.x) * self.e + self.e * o.e)
+        return Bounded.rounded(self.x * o.x, np.abs(self.x) * o.e + np.abs(o.x) * self.e + self.e * o.e)
 
     def __truediv__(self, o: Bounded) -> Bounded:
         ob = np.abs(o.x)
         with np.errstate(divide="ignore", invalid="ignore"):
             e = np.where(ob > o.e, (ob * self.e + np.abs(self.x) * o.e) / (ob * (ob - o.e)), np.inf)
-            return self._round(self.x / o.x, e)
+            return Bounded.rounded(self.x / o.x, e)
 
     def sqrt(self) -> Bounded:
         r = np.sqrt(self.x)
         with np.errstate(divide="ignore", invalid="ignore"):
             e = np.minimum(np.sqrt(self.e), self.e / (r + np.sqrt(np.maximum(self.x - self.e, 0.0))))
-        return self._round(r, np.where(self.e == 0, 0.0, e))
+        return Bounded.rounded(r, np.where(self.e == 0, 0.0, e))
 
     def clamp_max(self, hi: float) -> Bounded:
         """``min(x, hi)`` with ``hi`` exact: min is 1-Lipschitz, and a value whose whole error interval
@@ -122,7 +124,7 @@ def lerp(start: Bounded, end: Bounded, w: Bounded) -> Bounded:
     prod_e = k * diff.e + np.abs(diff.x) * w.e + w.e * diff.e
     prod = k * np.abs(diff.x)
     prop = np.maximum(start.e, end.e) + prod_e + DELTA * (prod + prod_e) + TINY
-    return Bounded(start.x, np.zeros_like(start.x))._round(start.x + w.x * diff.x, prop)
+    return Bounded.rounded(start.x + w.x * diff.x, prop)
 
 
 # ---- the optimizers' formulas, in torch's order of operations (torch/optim/sgd.py, adam.py) --------
@@ -246,7 +248,8 @@ def step_model(spec: OptimizerSpec, p: Bounded, g: Bounded, state: dict[str, Bou
 def violations(step: int, got: dict[str, np.ndarray], want: dict[str, np.ndarray],
                model: dict[str, Bounded], limit: int = 3) -> list[str]:
     """One line per element where ``|got - want| > 2 e`` (each side is within ``e`` of the exact
-    value): the step, the array and element, both values, the difference, the bound, the exact value."""
+    value): the step, the array and element, both values, the difference, the bound, the exact value;
+    and one line for elements whose bound is infinite (a divisor the model cannot keep from zero)."""
     lines = []
     for name, b in model.items():
         diff = np.abs(got[name].astype(np.float64) - want[name].astype(np.float64))
@@ -258,6 +261,8 @@ def violations(step: int, got: dict[str, np.ndarray], want: dict[str, np.ndarray
                          f"(exact {float(b.x[i]):.17g})")
         if bad.size > limit:
             lines.append(f"step {step} {name}: {bad.size - limit} more elements outside the bound")
+        if not np.all(np.isfinite(bound)):  # an element the model cannot bound is an element not checked
+            lines.append(f"step {step} {name}: {int(np.sum(~np.isfinite(bound)))} elements without a finite bound")
     return lines
 
 
@@ -326,7 +331,7 @@ def free_running_run(spec: OptimizerSpec, n: int, steps: int, seed: int,
         g_ours = ((0.5 * ours.astype(np.float64) + noise) * scale).astype(np.float32)
         g_torch = ((0.5 * tp.detach().numpy().astype(np.float64) + noise) * scale).astype(np.float32)
         gx = (0.5 * mp.x + noise) * scale
-        mg = Bounded(gx, 0.5 * scale * mp.e + U * (np.abs(gx) + 0.5 * scale * mp.e) + TINY)
+        mg = Bounded.rounded(gx, 0.5 * scale * mp.e)  # 2u also covers the float64 evaluation
         if spec.max_grad_norm is not None:
             norm = global_norm_from_sumsq(ns.sum_of_squares(g_ours))
             apply_clip_(g_ours, clip_coefficient(norm, spec.max_grad_norm), ns)
