@@ -157,7 +157,7 @@ def test_load_impl_errors(tmp_path, monkeypatch):
         load_impl("zerosim_no_such_module:fn")
     with pytest.raises(ImplementationError, match="no attribute"):
         load_impl("examples.my_partitioner:nope")
-    with pytest.raises(ImplementationError, match="not a function"):
+    with pytest.raises(ImplementationError, match="not callable"):
         load_impl("zerosim.check_impl:DEFAULT_TOTALS")
     broken = tmp_path / "broken_part.py"
     broken.write_text("raise RuntimeError('boom at import')\n")

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerosim.cost.comm_model import comm_per_step, packed_unit_sizes
-from zerosim.engine.flat_buffers import build_unit_plan
 from zerosim.errors import ConfigError
+from zerosim.flat_buffers import build_unit_plan
 from zerosim.layout import ParamLayout
 from zerosim.partition import PARTITIONERS, get_partitioner
 from zerosim.strategy import ShardingStrategy, Topology

@@ -12,7 +12,8 @@ from zerosim.cost.deepspeed_compare import (
     deepspeed_estimator_formula,
     largest_layer_numel,
 )
-from zerosim.cost.memory_model import MemorySettings, memory_per_rank
+from zerosim.cost.memory_model import memory_per_rank
+from zerosim.cost.memory_settings import MemorySettings
 from zerosim.errors import ConfigError
 from zerosim.layout import ParamLayout
 from zerosim.strategy import Topology

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 from run_assertions import assert_all_pass
 
-from zerosim.engine.flat_buffers import build_unit_plan
+from zerosim.engine.config import RunConfig
 from zerosim.engine.reference import ordered_reference
-from zerosim.engine.spmd import RunConfig, evaluate, run_simulated, simulate_observations
+from zerosim.engine.run_result import evaluate
+from zerosim.engine.spmd import run_simulated, simulate_observations
 from zerosim.errors import ConfigError, NonFiniteGradientError
+from zerosim.flat_buffers import build_unit_plan
 from zerosim.layout import ParamLayout
 from zerosim.partition import PARTITIONERS
 from zerosim.strategy import ShardingStrategy
@@ -146,7 +148,9 @@ def test_a_nan_is_caught_before_any_reduction_so_no_rank_ever_holds_it():
         assert arrays and all(np.isfinite(a).all() for a in arrays), rank
 
 
-ENGINE_MODULES = ("zero", "flat_buffers", "memory_tracker", "faults", "config", "spmd")
+ENGINE_MODULES = ("zerosim.engine.zero", "zerosim.flat_buffers", "zerosim.engine.memory_tracker",
+                  "zerosim.engine.faults", "zerosim.engine.fault_catalog", "zerosim.engine.config",
+                  "zerosim.engine.spmd", "zerosim.engine.run_result", "zerosim.engine.run_args")
 
 
 @pytest.mark.parametrize("module", ENGINE_MODULES)
@@ -155,12 +159,12 @@ def test_the_engine_imports_no_numpy(module):
     through the Communicator, which is what lets MPI and torch run it unchanged. (reference.py, the
     unsharded evaluator, is numpy by design and never runs on a rank.)"""
     import ast
+    import importlib.util
     import pathlib
 
-    import zerosim.engine
-
-    path = pathlib.Path(zerosim.engine.__file__).parent / f"{module}.py"
-    tree = ast.parse(path.read_text())
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    tree = ast.parse(pathlib.Path(spec.origin).read_text())
     imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in imported if m.split(".")[0] in ("numpy", "torch", "mpi4py")], (module, imported)

@@ -7,14 +7,9 @@ import math
 
 import pytest
 
-from zerosim.cost.memory_model import (
-    MemorySettings,
-    all_strategies,
-    memory_per_rank,
-    parse_offload,
-    parse_param_count,
-    shard_sizes,
-)
+from zerosim.cost.memory_model import all_strategies, memory_per_rank
+from zerosim.cost.memory_settings import MemorySettings, parse_offload
+from zerosim.cost.shard_sizes import parse_param_count, shard_sizes
 from zerosim.cost.units import format_bytes, format_value, to_unit
 from zerosim.errors import ConfigError
 from zerosim.layout import ParamLayout

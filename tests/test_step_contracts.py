@@ -10,8 +10,10 @@ import pytest
 
 from zerosim.checks import step as checks
 from zerosim.contracts import load_contracts
-from zerosim.engine.faults import FAULTS
-from zerosim.engine.spmd import RunConfig, evaluate, run_simulated, simulate_observations
+from zerosim.engine.config import RunConfig
+from zerosim.engine.fault_catalog import FAULTS
+from zerosim.engine.run_result import evaluate
+from zerosim.engine.spmd import run_simulated, simulate_observations
 
 STEP_CONTRACTS = ("C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
 

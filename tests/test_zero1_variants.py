@@ -156,7 +156,7 @@ def test_cli_simulate_passes_the_variant_through(capsys):
 def test_mpi_forwards_the_variant():
     """``--backend mpi`` rebuilds the rank command line from the shared run options."""
     from zerosim.cli import build_parser
-    from zerosim.cli.simulate import add_run_arguments
+    from zerosim.engine.run_args import add_run_arguments
     from zerosim.mpi.launch import forward_argv
 
     args = build_parser().parse_args(["simulate", "--strategy", "zero1", "--zero1-reduce", "reduce_scatter"])

@@ -33,7 +33,7 @@ def default_strategies(world_size: int) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from zerosim.cli.simulate import add_run_arguments
+    from zerosim.engine.run_args import add_run_arguments
 
     from .simulate import add_torch_arguments
 
@@ -83,7 +83,8 @@ def _verdict_summary(v: Any) -> dict[str, Any]:
 
 def evaluate_entry(strategy: str, run: Any, observations: list[Any], xp: str, wall_s: float) -> dict[str, Any]:
     """Rank 0: the contracts, the error against the ground truth and the agreement with the simulator."""
-    from zerosim.engine.spmd import evaluate, simulate_observations
+    from zerosim.engine.run_result import evaluate
+    from zerosim.engine.spmd import simulate_observations
 
     from .agreement import bitwise_expected, compare_with_simulator
 
@@ -132,7 +133,7 @@ def render_table(doc: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> NoReturn:
-    from zerosim.cli.simulate import config_from_args
+    from zerosim.engine.run_args import config_from_args
 
     from .rank import fail_on_bad_input, parse_once, run_rank
     from .simulate import resolve_setup

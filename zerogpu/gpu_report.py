@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from zerosim.errors import ConfigError, ZeroSimError, require_positive_int
+from zerosim.errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError, require_positive_int
 
 DEFAULT_OUT = Path("reports/gpu")
 
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
         n, device = resolve_world(args)
     except ZeroSimError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     with tempfile.TemporaryDirectory(prefix="zerogpu-report-") as tmp:
         raw = Path(tmp) / "equivalence.json"
         forwarded = ["-m", "zerogpu", "equivalence", "--device", device, "--strategies", args.strategies,

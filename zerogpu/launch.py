@@ -22,15 +22,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerosim.errors import ConfigError, require_positive_int
+from zerosim.errors import EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError, require_positive_int
 from zerosim.launching import (
-    EXIT_LAUNCH_TIMEOUT,
     launch_timeout_from_env,
     require_launch_timeout,
     run_process_group,
 )
 
-from .rank import EXIT_RANK_FAILED, STATUS_DIR_ENV
+from .rank import STATUS_DIR_ENV
 
 _KILL_GRACE_S = 5.0
 
@@ -59,11 +58,11 @@ def ranks_status(torchrun_code: int, written: dict[int, int], n: int) -> int:
     """The job's status from torchrun's and what each rank wrote (see the module docstring)."""
     if torchrun_code == 0 and all(written.get(r, 0) == 0 for r in range(n)):
         return 0
-    if EXIT_RANK_FAILED in written.values() or not written:
-        return EXIT_RANK_FAILED
+    if EXIT_RUN_FAILED in written.values() or not written:
+        return EXIT_RUN_FAILED
     worst = max(written.values())
     if worst == 0:  # torchrun failed although every rank that wrote succeeded: one died silently
-        return EXIT_RANK_FAILED
+        return EXIT_RUN_FAILED
     return worst
 
 
@@ -115,7 +114,7 @@ def launch_simulate(args: argparse.Namespace) -> int:
     the launch outlived ``$ZEROSIM_LAUNCH_TIMEOUT_S`` (default 900 s). Runs on the CPU with gloo
     (``--device auto`` on the ranks picks CUDA/NCCL where there is a GPU).
     """
-    from zerosim.cli.simulate import add_run_arguments
+    from zerosim.engine.run_args import add_run_arguments
     from zerosim.mpi.launch import forward_argv
 
     reason = torch_unavailable_reason()

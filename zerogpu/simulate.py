@@ -46,7 +46,7 @@ def add_torch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from zerosim.cli.simulate import add_run_arguments
+    from zerosim.engine.run_args import add_run_arguments
 
     p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m zerogpu simulate",
                                 description="Run the reference engine under torchrun; rank 0 prints the verdicts.")
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_setup(args: argparse.Namespace) -> tuple[Any, str, str]:
     """(validated RunConfig, device, dist backend) from the options; ConfigError on bad input.
     Deterministic, so every rank reaches the same verdict without talking to the others."""
-    from zerosim.cli.simulate import config_from_args
+    from zerosim.engine.run_args import config_from_args
 
     from .program import require_launcher
 
@@ -86,8 +86,8 @@ def main(argv: list[str]) -> NoReturn:
         fail_on_bad_input(e)
 
     def body() -> int:
-        from zerosim.cli.simulate import render
-        from zerosim.engine.spmd import evaluate
+        from zerosim.engine.run_output import render
+        from zerosim.engine.run_result import evaluate
 
         from .comm import init_distributed
         from .program import agree_on_exit, exact_float32_math, gather_observations, rank_program_on_device

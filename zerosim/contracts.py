@@ -11,13 +11,13 @@ Required keys: ``id``, ``title``, ``statement``, ``applies_to`` (list of strings
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .dotted import import_dotted
 from .errors import ConfigError, ZeroSimError
 
 try:  # Python >= 3.11
@@ -49,32 +49,12 @@ class ContractSpec:
 
     def resolve_check(self) -> Callable[..., Any]:
         """Import and return the check function named by ``check``."""
-        return resolve_dotted(self.check, f"{self.id}.check")
+        return import_dotted(self.check, f"{self.id}.check")
 
     def resolve_checks(self) -> list[Callable[..., Any]]:
         """The main check and every extra one in ``checks``, imported."""
         names = [self.check] + [c for c in self.checks if c != self.check]
-        return [resolve_dotted(n, f"{self.id}.checks") for n in names]
-
-
-def resolve_dotted(name: str, field_name: str = "check") -> Callable[..., Any]:
-    """``package.module:function`` -> the callable (a ZeroSimError names what failed)."""
-    module_name, sep, attr = str(name).partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(field_name, name, "must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ZeroSimError(f"{field_name}={name!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ZeroSimError(f"{field_name}={name!r}: {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise ZeroSimError(f"{field_name}={name!r}: {attr!r} is not callable")
-    return obj
+        return [import_dotted(n, f"{self.id}.checks") for n in names]
 
 
 def default_contracts_dir() -> Path:

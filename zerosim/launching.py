@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-EXIT_LAUNCH_TIMEOUT = 124  # like coreutils' timeout(1)
 DEFAULT_LAUNCH_TIMEOUT_S = 900.0
 LAUNCH_TIMEOUT_ENV = "ZEROSIM_LAUNCH_TIMEOUT_S"
 

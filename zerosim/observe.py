@@ -23,8 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from .engine.memory_tracker import StepMemory
-
 Piece = tuple[int, int, int]  # (global_start, global_end, position in the stored array)
 
 
@@ -108,6 +106,24 @@ class TrafficItem:
         return {"group": self.group, "collective": self.collective, "calls": self.calls,
                 "bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received),
                 "payload_bytes": self.payload_bytes}
+
+
+@dataclass
+class StepMemory:
+    """Peaks and end-of-step live bytes of one step (bytes, per category/location)."""
+
+    step: int
+    peak_by_location: dict[str, int] = field(default_factory=dict)
+    peak_by_category: dict[str, int] = field(default_factory=dict)
+    peak_live_params: int = 0  # peak of params + gathered on the device (ZeRO-3's bound)
+    live_at_end: dict[str, dict[str, int]] = field(default_factory=dict)  # location -> category -> bytes
+    live_keys_at_end: dict[str, list[str]] = field(default_factory=dict)  # transient category -> live buffers
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "peak_by_location": dict(self.peak_by_location),
+                "peak_by_category": dict(self.peak_by_category), "peak_live_params": self.peak_live_params,
+                "live_at_end": {k: dict(v) for k, v in self.live_at_end.items()},
+                "live_keys_at_end": {k: list(v) for k, v in self.live_keys_at_end.items()}}
 
 
 @dataclass

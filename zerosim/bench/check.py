@@ -109,7 +109,8 @@ def try_flag_allocation(total: int, mem: dict[str, int]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli._args import format_bytes, parse_int_expr, parse_int_list
+    from ..cli._args import parse_int_expr, parse_int_list
+    from ..cost.units import format_bytes
 
     total = parse_int_expr(str(args.total), "total")
     if total < 0:
@@ -146,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         ival_s = min(_time(lambda plan=plan: check_partition_plan(plan), 5))
         side.append({"total": n, "world_size": ws, "flag_ms": flag_s * 1e3, "interval_ms": ival_s * 1e3,
                      "flag_bytes": n, "ratio_flag_over_interval": flag_s / ival_s if ival_s else None})
-        print(f"  total {n:>15,}: flag-per-parameter {flag_s * 1e3:10.2f} ms ({format_bytes(n)} of flags), "
+        print(f"  total {n:>15,}: flag-per-parameter {flag_s * 1e3:10.2f} ms ({format_bytes(n, binary=True, digits=4)} of flags), "
               f"intervals {ival_s * 1e3:7.2f} ms -> {flag_s / ival_s:,.1f}x")
 
     # 3. the flag checker at the big size
@@ -157,8 +158,8 @@ def run(args: argparse.Namespace) -> int:
     flag_big = {"bytes_needed": need, "mem_total": mem.get("MemTotal"), "mem_available": available,
                 "fits": need <= available, "extrapolated_s": per_elem_s * total,
                 "extrapolated_from_total": largest["total"], "allocation": alloc}
-    print(f"flag-per-parameter at {total:,}: needs {format_bytes(need)} of flags; this machine has "
-          f"{format_bytes(available)} available ({format_bytes(mem.get('MemTotal', 0))} total): "
+    print(f"flag-per-parameter at {total:,}: needs {format_bytes(need, binary=True, digits=4)} of flags; this machine has "
+          f"{format_bytes(available, binary=True, digits=4)} available ({format_bytes(mem.get('MemTotal', 0), binary=True, digits=4)} total): "
           f"{'fits' if flag_big['fits'] else 'cannot run'}; extrapolated time {flag_big['extrapolated_s']:,.0f} s "
           f"(linear from {largest['total']:,})")
     if alloc.get("attempted"):

@@ -17,7 +17,7 @@ from fractions import Fraction
 from typing import Any
 
 from ..cost.comm_model import CommEstimate, comm_per_step
-from ..cost.memory_model import PRECISIONS, MemorySettings
+from ..cost.memory_settings import PRECISIONS, MemorySettings
 from ..cost.units import UNITS, format_value, parse_unit
 from .memory import (
     add_model_args,

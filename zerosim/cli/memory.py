@@ -13,16 +13,9 @@ import json
 import sys
 from typing import Any
 
-from ..cost.memory_model import (
-    OFFLOAD_CHOICES,
-    OPTIMIZER_STATES,
-    PRECISIONS,
-    MemoryEstimate,
-    MemorySettings,
-    all_strategies,
-    memory_per_rank,
-    parse_param_count,
-)
+from ..cost.memory_model import MemoryEstimate, all_strategies, memory_per_rank
+from ..cost.memory_settings import OFFLOAD_CHOICES, OPTIMIZER_STATES, PRECISIONS, MemorySettings
+from ..cost.shard_sizes import parse_param_count
 from ..cost.units import UNITS, format_value, parse_unit
 from ..errors import ConfigError
 from ..layout import ParamLayout

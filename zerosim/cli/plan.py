@@ -14,13 +14,14 @@ import time
 from typing import Any
 
 from ..checks.partition import CONTRACT, check_state_plan
+from ..cost.units import format_bytes
 from ..dtypes import canonical_dtype, itemsize
 from ..layout import ParamLayout
 from ..partition import PARTITIONERS
 from ..plan import STATE_KINDS, StatePlan, build_plan, bytes_in
 from ..presets import PRESETS
 from ..strategy import ShardingStrategy, Topology
-from ._args import format_bytes, pipe_safe
+from ._args import pipe_safe
 
 ADAM_BYTES = 8  # m + v in fp32 per element: OptimizerShard.shard_memory_bytes's accounting
 DEFAULT_MAX_ROWS = 16
@@ -138,7 +139,7 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
         console = Console(width=None if sys.stdout.isatty() else 220, highlight=False)
     layout, strat, topo, sp = plan.layout, plan.strategy, plan.topology, plan.shard_plan
     k = sp.world_size
-    dtypes = ", ".join(f"{format_bytes(b)} {d}" for d, b in layout.bytes_by_dtype().items())
+    dtypes = ", ".join(f"{format_bytes(b, binary=True, digits=4)} {d}" for d, b in layout.bytes_by_dtype().items())
     console.print(f"[bold]{layout.name}[/]: {layout.total_numel:,} parameters ({dtypes}), "
                   f"{len(layout.tensors)} tensors, {layout.num_transformer_blocks} blocks"
                   + (f", tied: {', '.join(layout.aliases)}" if layout.aliases else ""))
@@ -162,8 +163,8 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
     def cells(row: dict[str, Any]) -> list[str]:
         out = [str(row["rank"]), f"{row['shard_group']}:{row['local_rank']}",
                f"{row['params']['numel']:,}", f"{row['grads']['numel']:,}", f"{row['optimizer']['numel']:,}",
-               f"{max(row[k]['padding'] for k in STATE_KINDS):,}", format_bytes(row["params"]["bytes"]),
-               format_bytes(row["grads"]["bytes"]), format_bytes(row["optimizer"]["adam_state_bytes"]),
+               f"{max(row[k]['padding'] for k in STATE_KINDS):,}", format_bytes(row["params"]["bytes"], binary=True, digits=4),
+               format_bytes(row["grads"]["bytes"], binary=True, digits=4), format_bytes(row["optimizer"]["adam_state_bytes"], binary=True, digits=4),
                str(max(row[k]["num_intervals"] for k in STATE_KINDS))]
         if blocks:
             out += [str(row["blocks"]), f"{row['block_fraction']:.3f}", f"{row['byte_fraction']:.3f}"]
@@ -179,9 +180,9 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
             table.add_row(label, "", *[
                 f"{pick(r[k]['numel'] for r in rows):,}" for k in STATE_KINDS],
                 f"{pick(max(r[k]['padding'] for k in STATE_KINDS) for r in rows):,}",
-                format_bytes(pick(r['params']['bytes'] for r in rows)),
-                format_bytes(pick(r['grads']['bytes'] for r in rows)),
-                format_bytes(pick(r['optimizer']['adam_state_bytes'] for r in rows)),
+                format_bytes(pick(r['params']['bytes'] for r in rows), binary=True, digits=4),
+                format_bytes(pick(r['grads']['bytes'] for r in rows), binary=True, digits=4),
+                format_bytes(pick(r['optimizer']['adam_state_bytes'] for r in rows), binary=True, digits=4),
                 str(pick(max(r[k]['num_intervals'] for k in STATE_KINDS) for r in rows)),
                 *([str(pick(r["blocks"] for r in rows)), f"{pick(r['block_fraction'] for r in rows):.3f}",
                    f"{pick(r['byte_fraction'] for r in rows):.3f}"] if blocks else []),

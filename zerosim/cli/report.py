@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 from pathlib import Path
 
-from ..cost.memory_model import parse_param_count
+from ..cost.shard_sizes import parse_param_count
 from ..errors import ConfigError
 from ..presets import PRESETS
 from .memory import one_line_errors, positive_int

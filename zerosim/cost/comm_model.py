@@ -245,11 +245,11 @@ def _ring_successor(kind: str, rank: int, n: int, k: int, step: int = 1) -> int 
 
 
 def packed_unit_sizes(layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, world_size: int) -> list[int]:
-    """``k * c_u`` for every non-empty unit, exactly as :func:`zerosim.engine.flat_buffers.build_unit_plan`
+    """``k * c_u`` for every non-empty unit, exactly as :func:`zerosim.flat_buffers.build_unit_plan`
     pads them (``c_u`` = the most elements any rank owns of unit ``u``), vectorised: O(intervals)."""
     import numpy as np
 
-    from ..engine.flat_buffers import unit_tensor_groups
+    from ..flat_buffers import unit_tensor_groups
     from ..partition import get_partitioner
 
     k = strategy.shard_group_size(world_size)

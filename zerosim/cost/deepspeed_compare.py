@@ -34,7 +34,8 @@ from typing import Any
 from ..errors import ConfigError, require_positive_int
 from ..layout import ParamLayout
 from ..strategy import ShardingStrategy, StrategyKind, Topology
-from .memory_model import MemorySettings, memory_per_rank
+from .memory_model import memory_per_rank
+from .memory_settings import MemorySettings
 
 
 def deepspeed_estimator_formula(

@@ -17,7 +17,8 @@ from typing import Any
 from ..errors import ConfigError, require_positive_int
 from ..layout import ParamLayout
 from ..strategy import ShardingStrategy, Topology
-from .memory_model import MemoryEstimate, MemorySettings, memory_per_rank
+from .memory_model import MemoryEstimate, memory_per_rank
+from .memory_settings import MemorySettings
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,10 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
+from ..comm.sim import SCHEDULES
 from ..cost.comm_model import ZERO1_GRAD_REDUCE
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
+from ..flat_buffers import UnitPlan, build_unit_plan
 from ..layout import ParamLayout
 from ..model import SimModelConfig, sim_layout
 from ..optim import OptimizerSpec
@@ -23,9 +25,8 @@ from ..plan import StatePlan, build_plan
 from ..precision import Precision
 from ..presets import PRESETS
 from ..strategy import ShardingStrategy, StrategyKind, Topology
-from .flat_buffers import UnitPlan, build_unit_plan
+from .fault_catalog import FAULTS
 
-SCHEDULES = ("serial", "parallel")
 OBSERVE_LEVELS = ("full", "digest", "none", "auto")
 XP_NAMES = ("numpy", "torch")
 AUTO_FULL_LIMIT = 20_000_000    # world * steps * params above which "auto" keeps digests of gathered weights
@@ -146,8 +147,6 @@ class ResolvedRun:
         if cfg.offload and not self.strategy.shards_params:
             raise ConfigError("offload", True, f"CPU offload is implemented for FULL_SHARD / HYBRID_SHARD, not {self.strategy.name}")
         self.inject_nan = _injection(cfg.inject_nan, self)
-        from .faults import FAULTS  # late import: faults subclass the engine
-
         if cfg.fault is not None and cfg.fault not in FAULTS:
             raise ConfigError("fault", cfg.fault, f"unknown fault; known: {', '.join(sorted(FAULTS))}")
         self.fault = cfg.fault

@@ -44,13 +44,13 @@ from typing import Any
 from ..comm.base import Communicator
 from ..errors import ConfigError, NonFiniteGradientError
 from ..flat import flatten
+from ..flat_buffers import FlatUnit
 from ..intervals import merge_adjacent
 from ..model import BlockModel, init_params, synthetic_batch
 from ..observe import Holding, RankObservation, ShardValues, StepObservation, TrafficItem, digest
 from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
 from ..xp import ArrayNamespace
 from .config import ResolvedRun
-from .flat_buffers import FlatUnit
 from .memory_tracker import MemoryTracker
 
 

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..errors import ConfigError, ZeroSimError
+from ..errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError
 from ..rank_messages import parse_args_on_rank
 from .rank import run_rank
 
@@ -35,8 +35,8 @@ USAGE = "usage: mpiexec -n N python -m zerosim.mpi simulate [zerosim simulate op
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli.simulate import add_run_arguments
     from ..comm.mpi import TIMEOUT_MODES
+    from ..engine.run_args import add_run_arguments
 
     parser = argparse.ArgumentParser(prog="mpiexec -n N python -m zerosim.mpi simulate",
                                      description="Run the reference engine under MPI; rank 0 prints the verdicts.")
@@ -63,7 +63,7 @@ def _agree_on_config_error(world: Any, error: ZeroSimError | None) -> None:
         return
     if lowest[0] == world.Get_rank():
         print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 def _check_world_size(args: argparse.Namespace, size: int) -> None:
@@ -78,9 +78,11 @@ def _check_world_size(args: argparse.Namespace, size: int) -> None:
 def simulate(argv: list[str]) -> NoReturn:
     from mpi4py import MPI
 
-    from ..cli.simulate import config_from_args, render
     from ..comm.mpi import MpiCommunicator
-    from ..engine.spmd import evaluate, rank_program
+    from ..engine.run_args import config_from_args
+    from ..engine.run_output import render
+    from ..engine.run_result import evaluate
+    from ..engine.spmd import rank_program
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
         run_rank(lambda: worker_main(argv[1:]))
     print(USAGE, file=sys.stderr)
-    sys.exit(2)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":

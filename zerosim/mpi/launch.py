@@ -23,9 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError, require_positive_int
+from ..errors import EXIT_LAUNCH_TIMEOUT, ConfigError, require_positive_int
 from ..launching import (
-    EXIT_LAUNCH_TIMEOUT,
     launch_timeout_from_env,
     require_launch_timeout,
     run_process_group,
@@ -144,7 +143,7 @@ def launch_simulate(args: argparse.Namespace) -> int:
     all contracts hold, 1 a contract failed, 2 bad input, 3 a rank failed or a collective timed out,
     124 the launch outlived ``--launch-timeout``.
     """
-    from ..cli.simulate import add_run_arguments
+    from ..engine.run_args import add_run_arguments
 
     n = require_positive_int("world_size", getattr(args, "world_size", None))
     timeout_s = getattr(args, "launch_timeout", None) or launch_timeout_from_env()

@@ -21,10 +21,13 @@ from typing import Any
 
 from ..cost.comm_model import comm_per_step
 from ..cost.deepspeed_compare import compare_with_deepspeed
-from ..cost.memory_model import MemorySettings, all_strategies, memory_per_rank
+from ..cost.memory_model import all_strategies, memory_per_rank
+from ..cost.memory_settings import MemorySettings
 from ..cost.memory_timeline import modelled_step_timeline
+from ..engine.config import RunConfig
 from ..engine.reference import ordered_reference
-from ..engine.spmd import RunConfig, evaluate, simulate_observations
+from ..engine.run_result import evaluate
+from ..engine.spmd import simulate_observations
 from ..layout import ParamLayout
 from ..model import SimModelConfig
 from ..strategy import Topology
@@ -114,7 +117,7 @@ class _Progress:
 
 
 def checked_run(run: Any, observations: Any, backend: str) -> tuple[dict[str, Any], Any]:
-    """C-ZERO-002..005 on one measured run (:func:`zerosim.engine.spmd.evaluate`): (its JSON row, the
+    """C-ZERO-002..005 on one measured run (:func:`zerosim.engine.run_result.evaluate`): (its JSON row, the
     evaluation, whose ``references`` the report reuses for the equivalence-error figure)."""
     result = evaluate(run, observations)
     row = {"backend": backend, "world_size": run.world_size, "strategy": run.strategy.name, "passed": result.passed,

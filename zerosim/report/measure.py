@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..cost.comm_model import comm_for_run
-from ..cost.memory_model import ENGINE_PRECISION, MemoryEstimate, MemorySettings, memory_per_rank
+from ..cost.memory_model import MemoryEstimate, memory_per_rank
+from ..cost.memory_settings import ENGINE_PRECISION, MemorySettings
 from ..engine.config import ResolvedRun, RunConfig
 from ..errors import ConfigError
 from ..observe import RankObservation

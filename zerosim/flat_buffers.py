@@ -27,11 +27,11 @@ import bisect
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..errors import ConfigError
-from ..intervals import Interval
-from ..layout import ParamLayout
-from ..partition import ShardPlan, get_partitioner
-from ..strategy import ShardingStrategy
+from .errors import ConfigError
+from .intervals import Interval
+from .layout import ParamLayout
+from .partition import ShardPlan, get_partitioner
+from .strategy import ShardingStrategy
 
 
 @dataclass(frozen=True)
