@@ -14,7 +14,7 @@ from fractions import Fraction
 import pytest
 from run_assertions import assert_all_pass
 
-from zerosim.checks.step import check_communication, measured_traffic
+from zerosim.checks.step import check_communication
 from zerosim.cli import main
 from zerosim.cost.comm_model import comm_for_run, comm_per_step
 from zerosim.engine.spmd import RunConfig, run_simulated, simulate_observations
@@ -52,7 +52,7 @@ def test_measured_data_traffic_per_rank_is_the_ring_formula(world):
         grad_collective = "reduce_scatter" if variant == "reduce_scatter" else "all_reduce"
         for obs in simulate_observations(run):
             for so in obs.steps:
-                got = measured_traffic(so)
+                got = so.traffic_by_collective()
                 assert set(got) == {("world", grad_collective), ("world", "all_gather")}, got
                 total = sum((v[1] for v in got.values()), Fraction(0))
                 assert total == want, (variant, world, obs.rank, float(total), float(want))

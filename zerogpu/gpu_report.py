@@ -24,7 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from zerosim.engine.config import XP_NAMES
 from zerosim.errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError, require_positive_int
+from zerosim.precision import PRECISION_NAMES
 
 DEFAULT_OUT = Path("reports/gpu")
 
@@ -41,8 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", metavar="PRESET", help="model preset (default tiny)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--xp", default="torch", choices=("torch", "numpy"),
+    p.add_argument("--precision", default="fp32", choices=PRECISION_NAMES)
+    p.add_argument("--xp", default="torch", choices=XP_NAMES,
                    help="the engine's arrays: torch on the device (default) or host numpy")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds (default 120)")
     p.add_argument("--launch-timeout", type=float, default=1800.0, help="the whole torchrun launch (default 1800)")

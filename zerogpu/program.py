@@ -22,7 +22,6 @@ from zerosim.engine.spmd import rank_program
 from zerosim.errors import ConfigError
 from zerosim.observe import RankObservation
 
-XP_CHOICES = ("torch", "numpy")
 _EXIT_KEY = "zerogpu/exit"
 EXIT_WAIT_S = 1800.0  # how long ranks wait for rank 0's evaluation (rank 0 dying ends the job sooner)
 

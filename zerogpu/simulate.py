@@ -23,9 +23,8 @@ import pickle
 from pathlib import Path
 from typing import Any, NoReturn
 
+from zerosim.engine.config import XP_NAMES
 from zerosim.errors import ConfigError, ZeroSimError
-
-from .program import XP_CHOICES
 
 # zerogpu.comm's choices, repeated so that parsing (and refusing bad input) does not import torch
 DIST_BACKENDS = ("auto", "gloo", "nccl")
@@ -39,7 +38,7 @@ def add_torch_arguments(p: argparse.ArgumentParser) -> None:
                                                     "cpu, cuda, cuda:N")
     g.add_argument("--dist-backend", default="auto", choices=DIST_BACKENDS,
                    help="auto: nccl for CUDA, gloo for the CPU")
-    g.add_argument("--xp", default="torch", choices=XP_CHOICES,
+    g.add_argument("--xp", default="torch", choices=XP_NAMES,
                    help="the engine's arrays: torch tensors on the device (default) or host numpy")
     g.add_argument("--reduce-scatter", default="auto", choices=REDUCE_SCATTER_MODES,
                    help="the backend's reduce-scatter, or all-reduce + slice where it has none (auto)")

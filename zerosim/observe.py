@@ -150,6 +150,22 @@ class StepObservation:
     def data_traffic(self) -> list[TrafficItem]:
         return [t for t in self.traffic if t.channel == "data"]
 
+    def bytes_sent(self, channel: str = "data") -> Fraction:
+        """Bytes this rank sent during the step on ``channel`` (``data``, ``control`` or ``observe``)."""
+        return sum((Fraction(t.bytes_sent) for t in self.traffic if t.channel == channel), Fraction(0))
+
+    def traffic_by_collective(self) -> dict[tuple[str, str], tuple[int, Fraction, Fraction]]:
+        """(group kind, collective) -> (calls, bytes sent, bytes received) of the step's data traffic,
+        barriers left out: what C-ZERO-005 compares with the ring model."""
+        out: dict[tuple[str, str], tuple[int, Fraction, Fraction]] = {}
+        for t in self.data_traffic():
+            if t.collective == "barrier":
+                continue
+            key = (t.group_kind, t.collective)
+            c, s, r = out.get(key, (0, Fraction(0), Fraction(0)))
+            out[key] = (c + t.calls, s + Fraction(t.bytes_sent), r + Fraction(t.bytes_received))
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "loss": self.loss, "local_loss": self.local_loss, "grad_norm": self.grad_norm,
                 "clip_coef": self.clip_coef, "optimizer_step": self.optimizer_step,

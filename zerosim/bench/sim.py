@@ -30,6 +30,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from ..comm.sim import SCHEDULES
 from ..engine.config import ResolvedRun, RunConfig
 from ..errors import ConfigError
 from ..flat import flatten, unflatten
@@ -49,7 +50,7 @@ def register(sub: Any) -> None:
     p.add_argument("--partitioner", default="fsdp", help="partitioner (default fsdp)")
     p.add_argument("--optimizer", default="adamw")
     p.add_argument("--repeats", type=int, default=3, help="timed steps of each side after a warm-up (default 3)")
-    p.add_argument("--schedule", default="serial", choices=("serial", "parallel"))
+    p.add_argument("--schedule", default="serial", choices=SCHEDULES)
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
     p.set_defaults(func=run)

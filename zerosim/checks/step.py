@@ -426,18 +426,6 @@ def check_ownership(observations: Sequence[RankObservation], expect: OwnershipEx
 # ---------------------------------------------------------------------------------------------------
 
 
-def measured_traffic(so: Any) -> dict[tuple[str, str], tuple[int, Fraction, Fraction]]:
-    """(group kind, collective) -> (calls, bytes sent, bytes received) of a step's data traffic."""
-    out: dict[tuple[str, str], tuple[int, Fraction, Fraction]] = {}
-    for t in so.data_traffic():
-        if t.collective == "barrier":
-            continue
-        key = (t.group_kind, t.collective)
-        c, s, r = out.get(key, (0, Fraction(0), Fraction(0)))
-        out[key] = (c + t.calls, s + Fraction(t.bytes_sent), r + Fraction(t.bytes_received))
-    return out
-
-
 def check_communication(observations: Sequence[RankObservation], estimate: Any, *,
                         contract: str = "C-ZERO-005") -> Verdict:
     """Each rank's measured data traffic per step equals the ring model, per group kind and collective."""
@@ -446,7 +434,7 @@ def check_communication(observations: Sequence[RankObservation], estimate: Any, 
     checked = 0
     for obs in observations:
         for so in obs.steps:
-            got = measured_traffic(so)
+            got = so.traffic_by_collective()
             keys = sorted(set(expected) | set(got))
             checked += max(1, len(keys))  # no traffic expected and none measured is a check too
             for key in keys:
@@ -459,8 +447,7 @@ def check_communication(observations: Sequence[RankObservation], estimate: Any, 
                             expected={"calls": e[0], "bytes_sent": float(e[1]), "bytes_received": float(e[2])},
                             got={"calls": g[0], "bytes_sent": float(g[1]), "bytes_received": float(g[2])},
                             context={"group_kind": key[0], "collective": key[1]})
-    measured_total = [float(sum((v[1] for v in measured_traffic(s).values()), Fraction(0)))
-                      for o in observations[:1] for s in o.steps]
+    measured_total = [float(s.bytes_sent()) for o in observations[:1] for s in o.steps]
     v = col.done(model_bytes_sent_per_rank=float(estimate.bytes_sent), measured_bytes_sent_rank0=measured_total,
                  paper_elements_per_rank=float(estimate.paper_elements()), padding_elements=estimate.padding)
     v.checked = checked

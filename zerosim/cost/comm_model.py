@@ -1,8 +1,8 @@
 """Closed-form communication per optimizer step: what every rank sends and receives, per collective.
 
 This is C-ZERO-005's expected value (the reference engine's measured traffic must equal it exactly)
-and what ``zerosim comm`` prints. It follows the engine's collective schedule (the team brief;
-:mod:`zerosim.engine.zero`) and the ring attribution of :mod:`zerosim.comm.base`: a collective
+and what ``zerosim comm`` prints. It follows the engine's collective schedule
+(:mod:`zerosim.engine.zero`) and the ring attribution of :mod:`zerosim.comm.base`: a collective
 over ``n`` ranks on an ``S``-byte buffer costs each rank ``2(n-1)/n * S`` (all-reduce) or
 ``(n-1)/n * S`` (reduce-scatter, all-gather) sent, and the same received.
 

@@ -52,7 +52,7 @@ def deepspeed_estimator_formula(
     """DeepSpeed 0.19's model-state estimate ``(cpu_bytes_per_node, gpu_bytes_per_gpu)`` for ``stage`` 2 or 3.
 
     Restated from the arithmetic of DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``
-    (REFERENCES.md, "DeepSpeed memory estimator"). Stage 2 ignores ``largest_layer_params``,
+    (docs/references.md, "DeepSpeed memory estimator"). Stage 2 ignores ``largest_layer_params``,
     ``cpu_offload_params`` and ``zero_init``.
     """
     if stage not in (2, 3):

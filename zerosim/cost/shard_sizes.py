@@ -128,7 +128,7 @@ def parse_param_count(value: Any, field: str = "params") -> int:
 def shard_sizes(model: ParamLayout | int | float, k: int, partitioner: str | None = None) -> ShardSizes:
     """Per-rank stored elements of one sharded state over a shard group of ``k`` ranks.
 
-    Closed forms (documented with each partitioner in REFERENCES.md), O(tensors + classes):
+    Closed forms (documented with each partitioner in docs/references.md), O(tensors + classes):
 
     * ``None`` / ``"paper"``: the ZeRO paper's ``Psi / N_d`` (rounded up): one flat buffer padded to
       a multiple of ``k``, ``ceil(P/k)`` per rank. Also the reference engine's flat padding rule.

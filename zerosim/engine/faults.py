@@ -3,7 +3,7 @@
 A contract that cannot fail is a defect, so every step contract has a test where one of these makes
 it fail with a useful diagnostic. They are also a demo: ``zerosim simulate --fault local-norm-clip``
 shows what the contracts report. Each variant overrides one hook of :class:`ZeroEngine`; the bug
-classes are numbered as in REFERENCES.md.
+classes are numbered as in docs/references.md.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..comm.sim import SCHEDULES
 from ..errors import ConfigError
+from ..precision import PRECISION_NAMES
 from ..presets import PRESETS
 from .config import RunConfig
 from .fault_catalog import FAULTS
@@ -36,7 +37,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="global-norm clipping threshold, or 'none' (default 1.0)")
     g.add_argument("--steps", type=int, default=3, metavar="K", help="optimizer steps (default 3)")
     g.add_argument("--micro-batches", type=int, default=1, metavar="M", help="gradient accumulation steps (default 1)")
-    g.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"), help="default fp32")
+    g.add_argument("--precision", default="fp32", choices=PRECISION_NAMES, help="default fp32")
     g.add_argument("--ranks-per-node", type=int, default=None, metavar="R",
                    help="ranks per node (topology; the hybrid shard group size by default)")
     g.add_argument("--seed", type=int, default=0)

@@ -141,8 +141,7 @@ def step_metrics(obs: Sequence[RankObservation], reference: Any | None = None) -
     for step in steps:
         rows = [next(s for s in o.steps if s.step == step) for o in obs]
         r0 = rows[0]
-        data = sum(float(t.bytes_sent) for t in r0.traffic if t.channel == "data")
-        control = sum(float(t.bytes_sent) for t in r0.traffic if t.channel == "control")
+        data, control = float(r0.bytes_sent("data")), float(r0.bytes_sent("control"))
         peaks = [s.memory.peak_by_location.get("device", 0) for s in rows if s.memory]
         m: dict[str, Any] = {"step": step, "loss": r0.loss, "grad_norm": r0.grad_norm, "clip_coef": r0.clip_coef,
                              "wall_s": max(s.t_end for s in rows) - min(s.t_start for s in rows),

@@ -3,8 +3,8 @@
 No numpy here: arrays are touched only through :class:`~zerosim.xp.ArrayNamespace` (numpy in the
 simulator and under MPI, torch in zerogpu and in the torch-CPU test), and other ranks only through
 the :class:`~zerosim.comm.base.Communicator`. The collective schedule per optimizer step (M
-micro-batches, ``k`` = shard group size, ``r`` = replicas; see the team brief and
-:mod:`zerosim.cost.comm_model`, which predicts exactly this):
+micro-batches, ``k`` = shard group size, ``r`` = replicas; :mod:`zerosim.cost.comm_model` predicts
+exactly this):
 
 * NO_SHARD: gradients accumulated locally; one ``all_reduce(avg)`` of the flat gradient over the
   world; every rank steps everything.

@@ -163,7 +163,8 @@ def memory_comparison(run: ResolvedRun, observations: Sequence[RankObservation])
 # ---------------------------------------------------------------------------------------------------
 # traffic
 # ---------------------------------------------------------------------------------------------------
-def measured_traffic(observations: Sequence[RankObservation], topology: Topology, step: int = -1) -> dict[str, Any]:
+def measured_link_traffic(observations: Sequence[RankObservation], topology: Topology,
+                          step: int = -1) -> dict[str, Any]:
     """Data bytes each rank sent during one step, split intra- / inter-node by ring successor
     (the same attribution as the comm model), mean over ranks; control traffic apart."""
     tot = {"intra": Fraction(0), "inter": Fraction(0), "control": Fraction(0), "sent": Fraction(0)}
@@ -196,7 +197,7 @@ def traffic_comparison(run: ResolvedRun, observations: Sequence[RankObservation]
     n = run.world_size
     model = {"intra": float(links["intra"]["sent"] / n), "inter": float(links["inter"]["sent"] / n),
              "sent": float(est.bytes_sent)}
-    meas = measured_traffic(observations, run.topology)
+    meas = measured_link_traffic(observations, run.topology)
     return {"strategy": run.strategy.name, "world_size": n, "model": model, "measured": meas,
             "rel_diff": _rel(meas["sent_max_rank"], model["sent"]),
             "paper_elements": float(est.paper_elements()), "packed_numel": est.packed_numel, "numel": est.numel}
