@@ -58,7 +58,7 @@ import hashlib
 import inspect
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -423,6 +423,11 @@ class TorchCommunicator:
         self._issue("barrier", dist.barrier)
 
     # -- sub-groups ---------------------------------------------------------------------------------
+    @overload
+    def split(self, color: int, key: int | None = None, name: str | None = None) -> TorchCommunicator: ...
+    @overload
+    def split(self, color: None, key: int | None = None, name: str | None = None) -> None: ...
+
     def split(self, color: int | None, key: int | None = None, name: str | None = None) -> TorchCommunicator | None:
         """``MPI_Comm_split``: ranks with the same color form a group, ordered by (key, rank).
 

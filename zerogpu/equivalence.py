@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zerosim.errors import ConfigError, ZeroSimError
+from zerosim.observe import RankObservation
 
 
 def default_strategies(world_size: int) -> list[str]:
@@ -163,7 +164,7 @@ def main(argv: list[str]) -> NoReturn:
             collected.append((gather_observations(comm, observation), wall))
         code = None
         if comm.rank == 0:
-            entries = [evaluate_entry(strategy, run, observations, args.xp, wall)
+            entries = [evaluate_entry(strategy, run, _on_root(observations), args.xp, wall)
                        for strategy, run, (observations, wall) in zip(strategies, runs, collected, strict=True)]
             doc = {"world_size": comm.world_size, "xp": args.xp, "environment": environment(comm.device, backend),
                    "config": {"model": args.model, "steps": base.steps, "micro_batches": base.micro_batches,
@@ -182,3 +183,10 @@ def main(argv: list[str]) -> NoReturn:
         return agree_on_exit(comm, code)
 
     run_rank(body)
+
+
+def _on_root(observations: list[RankObservation] | None) -> list[RankObservation]:
+    """The gathered observations, which only rank 0 (the gather's root) holds."""
+    if observations is None:
+        raise RuntimeError("observations are gathered on rank 0 only")
+    return observations

@@ -190,7 +190,7 @@ def run_checks(comm: Any) -> dict[str, str | None]:
     # -- bad input: our errors, raised before anything moves -------------------------------------------
     def bad_input() -> None:
         x = ns.from_numpy(np.zeros(2 * n, np.float32))
-        cases: list[tuple[Callable[[], Any], type]] = [
+        cases: list[tuple[Callable[[], Any], type[Exception]]] = [
             (lambda: comm.all_reduce(x, "prod"), ConfigError),
             (lambda: comm.all_reduce(ns.from_numpy(np.zeros(3, np.int64)), "avg"), ConfigError),
             (lambda: comm.broadcast(x, n), ConfigError),

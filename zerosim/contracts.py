@@ -12,6 +12,7 @@ Required keys: ``id``, ``title``, ``statement``, ``applies_to`` (list of strings
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +21,10 @@ from typing import Any
 from .dotted import import_dotted
 from .errors import ConfigError, ZeroSimError
 
-try:  # Python >= 3.11
+if sys.version_info >= (3, 11):
     import tomllib as _toml
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the tomli backport
-    try:
-        import tomli as _toml  # type: ignore[no-redef]
-    except ModuleNotFoundError:
-        _toml = None  # type: ignore[assignment]
+else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport (a dependency there)
+    import tomli as _toml
 
 CONTRACTS_ENV = "ZEROSIM_CONTRACTS_DIR"
 REQUIRED_KEYS = ("id", "title", "statement", "applies_to", "check", "tolerance")

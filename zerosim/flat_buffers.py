@@ -201,7 +201,9 @@ def build_unit_plan(layout: ParamLayout, strategy: ShardingStrategy, partitioner
     units = []
     for idx, (name, tids) in enumerate(groups):
         tensors = [layout.tensors[i] for i in tids]
-        t_offsets, pieces, acc = [], [], 0
+        t_offsets: list[int] = []
+        pieces: list[tuple[int, int, int]] = []  # (global start, global end, unit offset)
+        acc = 0
         for i, t in zip(tids, tensors, strict=True):
             t_offsets.append(acc)
             if t.numel:

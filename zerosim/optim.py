@@ -100,11 +100,11 @@ class OptimizerSpec:
                     raise ConfigError(f, getattr(self, f), f"is an SGD option; {name} has no {f}")
             if self.nesterov:
                 raise ConfigError("nesterov", self.nesterov, f"is an SGD option; {name} has no nesterov")
-        betas = self.betas
-        if isinstance(betas, str):
-            betas = tuple(b for b in betas.replace(" ", "").split(",") if b)
+        given: Any = self.betas
+        if isinstance(given, str):
+            given = [b for b in given.replace(" ", "").split(",") if b]
         try:
-            betas = tuple(betas)
+            betas = tuple(given)
         except TypeError:
             raise ConfigError("betas", self.betas, "must be two numbers (beta1, beta2)") from None
         if len(betas) != 2:
@@ -225,11 +225,12 @@ class Adam(_Optimizer):
     def _update(self, p: Any, g: Any, st: dict[str, Any], t: int) -> None:
         s, xp = self.spec, self.xp
         beta1, beta2 = s.betas
-        if s.weight_decay != 0:
+        weight_decay = s.weight_decay or 0.0  # resolved to a number when the spec was built
+        if weight_decay != 0:
             if self.decoupled:
-                p *= _f32(1.0 - s.lr * s.weight_decay)
+                p *= _f32(1.0 - s.lr * weight_decay)
             else:
-                g = xp.fma(p, s.weight_decay, g)
+                g = xp.fma(p, weight_decay, g)
         m, v = st["exp_avg"], st["exp_avg_sq"]
         xp.assign(m, _lerp(xp, m, g, 1.0 - beta1))
         v *= _f32(beta2)

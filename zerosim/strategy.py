@@ -135,10 +135,10 @@ class Topology:
 
     def __post_init__(self) -> None:
         require_positive_int("world_size", self.world_size)
-        if self.ranks_per_node is None:
-            object.__setattr__(self, "ranks_per_node", self.world_size)
-        require_positive_int("ranks_per_node", self.ranks_per_node)
-        if self.world_size % self.ranks_per_node:
+        rpn = self.world_size if self.ranks_per_node is None else self.ranks_per_node
+        object.__setattr__(self, "ranks_per_node", rpn)
+        require_positive_int("ranks_per_node", rpn)
+        if self.world_size % rpn:
             raise ConfigError("ranks_per_node", self.ranks_per_node, f"must divide world_size={self.world_size}")
 
     @property

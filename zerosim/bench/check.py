@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
           f"C-ZERO-001 {'holds' if verdict.passed else 'VIOLATED'}")
 
     # 2. side by side where the flag checker fits
-    side = []
+    side: list[dict[str, Any]] = []
     for n in flag_sizes:
         plan = seed_plan(n, ws)
         flag_s = min(_time(lambda plan=plan: flag_check(plan), 3))

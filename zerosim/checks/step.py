@@ -262,7 +262,7 @@ def assemble(observations: Sequence[RankObservation], step: int, kind: str = "ma
         sv = so.master if kind == "master" else so.optimizer.get(kind.removeprefix("optimizer."))
         if sv is None:
             return None, None
-        if out is None:
+        if out is None or covered is None:
             total = max((g1 for _, g1, _ in sv.pieces), default=0)
             for o in observations:
                 s2 = next((s for s in o.steps if s.step == step), None)

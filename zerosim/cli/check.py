@@ -104,7 +104,9 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
         layouts = [ParamLayout.from_list([("flat", (t,))], name=f"flat-{t}") for t in totals]
     else:
         layouts = [ParamLayout.from_config(args.model or "gpt2-small")]
-    cases, lines, n_violations = [], [], 0
+    cases: list[dict[str, Any]] = []
+    lines: list[str] = []
+    n_violations = 0
     for layout in layouts:
         for ws in world_sizes or DEFAULT_WORLD_SIZES:
             t0 = time.perf_counter()

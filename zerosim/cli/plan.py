@@ -152,10 +152,9 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
     rows = _rank_rows(plan)
     blocks = "blocks" in rows[0]
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
-    for col, just in [("rank", "right"), ("group:local", "right"), ("params", "right"), ("grads", "right"),
-                      ("optimizer", "right"), ("padding", "right"), ("param bytes", "right"),
-                      ("grad bytes", "right"), ("Adam m+v fp32", "right"), ("intervals", "right")]:
-        table.add_column(col, justify=just, no_wrap=True)
+    for col in ("rank", "group:local", "params", "grads", "optimizer", "padding", "param bytes", "grad bytes",
+                "Adam m+v fp32", "intervals"):
+        table.add_column(col, justify="right", no_wrap=True)
     if blocks:
         for col in ("blocks", "frac (blocks)", "frac (bytes)"):
             table.add_column(col, justify="right", no_wrap=True)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 import time
 from collections import defaultdict
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -336,6 +336,11 @@ class MpiCommunicator:
         if divisible and x.shape[0] % self.world_size:
             raise CollectiveError(f"{collective} on group {self.group_name}: length {x.shape[0]} on rank "
                                   f"{self.global_rank} is not divisible by the group size {self.world_size}")
+
+    @overload
+    def split(self, color: int, key: int | None = None, name: str | None = None) -> MpiCommunicator: ...
+    @overload
+    def split(self, color: None, key: int | None = None, name: str | None = None) -> None: ...
 
     def split(self, color: int | None, key: int | None = None, name: str | None = None) -> MpiCommunicator | None:
         """``MPI_Comm_split``: ranks with the same color form a group, ordered by (key, rank).

@@ -36,7 +36,7 @@ class DeferredTrafficCounter(TrafficCounter):
             tally = self._tallies[(group, collective, n, is_root)] = defaultdict(int)
         return tally
 
-    @property  # type: ignore[override]
+    @property
     def records(self) -> dict[tuple[str, str], TrafficRecord]:
         if any(self._tallies.values()):
             self._flush()

@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError, ZeroSimError, require_positive_int
 from .base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter
@@ -90,7 +90,7 @@ def _concat(xs: Sequence[Any]) -> Any:
     return np.concatenate(list(xs))
 
 
-def _reduce_in_rank_order(xs: Sequence[Any], op: str) -> Any:
+def reduce_in_rank_order(xs: Sequence[Any], op: str) -> Any:
     """((x0 op x1) op x2) ...; ``avg`` is the rank-order sum divided by len(xs). A new array."""
     acc = _copy(xs[0])
     if op in ("sum", "avg"):
@@ -386,14 +386,15 @@ class SimulatedWorld:
         if any(s != sigs[0] for s in sigs):
             detail = ", ".join(f"rank {rv.group.global_ranks[i]}: {s}" for i, s in enumerate(sigs))
             raise CollectiveMismatch(f"{kind} on group {rv.group.name} call #{rv.seq}: shapes/dtypes differ ({detail})")
-        xs = [c.array for c in calls]
+        xs = [call.array for call in calls]
         if kind == "all_reduce":
-            total = _reduce_in_rank_order(xs, first.op or "sum")
+            total = reduce_in_rank_order(xs, first.op or "sum")
             return {i: (total if i == n - 1 else _copy(total)) for i in range(n)}
         if kind == "reduce_scatter":
             length = sigs[0][0][0] if sigs[0][0] else 0
-            c = length // n
-            return {j: _reduce_in_rank_order([x[j * c:(j + 1) * c] for x in xs], first.op or "sum") for j in range(n)}
+            chunk = length // n
+            return {j: reduce_in_rank_order([x[j * chunk:(j + 1) * chunk] for x in xs], first.op or "sum")
+                    for j in range(n)}
         if kind == "all_gather":
             out = _concat(xs)
             if _is_torch(out):
@@ -469,6 +470,11 @@ class SimCommunicator:
     def barrier(self) -> None:
         self.traffic.record(self.group_name, "barrier", 0, self.world_size)
         self._run("barrier", None)
+
+    @overload
+    def split(self, color: int, key: int | None = None, name: str | None = None) -> SimCommunicator: ...
+    @overload
+    def split(self, color: None, key: int | None = None, name: str | None = None) -> None: ...
 
     def split(self, color: int | None, key: int | None = None, name: str | None = None) -> SimCommunicator | None:
         """``MPI_Comm_split``: ranks with the same color form a group, ordered by (key, rank).

@@ -64,6 +64,9 @@ class MemoryTracker:
         self.phase = "init"
         self.events: list[MemoryEvent] = []
         self._seq = 0
+        self._peak_loc: dict[str, int] = {}
+        self._peak_cat: dict[str, int] = {}
+        self._peak_live_params = 0
         self._reset_peaks()
         self.steps: list[StepMemory] = []
         self.init_peak_by_location: dict[str, int] = {}

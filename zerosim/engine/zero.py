@@ -74,6 +74,7 @@ class ZeroEngine:
                               f"the communicator has {comm.world_size} ranks; the run expects {run.world_size}")
         self.comm = comm
         self.run = run
+        self._micro_grads: dict[str, Any] = {}  # this micro-batch's gradients, until they are reduced
         self.xp = xp
         self.rank = comm.rank
         self.strategy = run.strategy
@@ -164,7 +165,7 @@ class ZeroEngine:
                 self.param_shard = self.precision.to_params(self.master, xp)
             else:  # fp32: the shard is the master, unless the master lives on the host (offload)
                 self.param_shard = xp.copy(self.master) if self.offload else self.master
-            self.params_full = None
+            self.params_full: Any = None  # ZeRO-3 holds no full copy between uses
         else:
             self.param_shard = None
             if self.sharded_optim or self.mixed:
@@ -463,7 +464,7 @@ class ZeroEngine:
         self.control.barrier()  # every rank starts the step together (control group: no data traffic)
         t0 = time.perf_counter()
         tr.begin_step(step)
-        self._micro_grads: dict[str, Any] = {}
+        self._micro_grads = {}
         self._accumulated_names: dict[str, Any] = {}
         losses = [self.micro_batch(step, m) for m in range(self.run.micro_batches)]
         tr.set_phase("reduce")

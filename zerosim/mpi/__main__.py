@@ -99,16 +99,20 @@ def simulate(argv: list[str]) -> NoReturn:
         error = e
     _agree_on_config_error(world, error)
 
+    assert cfg is not None  # every rank validated it, or every rank has exited
+    run = cfg
+
     def body() -> int:
-        comm = MpiCommunicator(world, timeout_s=cfg.timeout_s, timeout_mode=args.timeout_mode)
-        observation = rank_program(comm, cfg)
+        comm = MpiCommunicator(world, timeout_s=run.timeout_s, timeout_mode=args.timeout_mode)
+        observation = rank_program(comm, run)
         observations = world.gather(observation, root=0)  # once per run, not the data path
         code = 0
         if rank == 0:
+            assert observations is not None  # gather's root holds every rank's
             if args.save_observations is not None:
                 with open(args.save_observations, "wb") as f:
                     pickle.dump(observations, f)
-            code = render(evaluate(cfg, observations), getattr(args, "json", False))
+            code = render(evaluate(run, observations), getattr(args, "json", False))
         return int(world.bcast(code, root=0))
 
     run_rank(body)
