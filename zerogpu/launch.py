@@ -1,4 +1,6 @@
-"""Starting ``torchrun`` from an ordinary process: ``zerosim simulate --backend torch``, the GPU report, tests.
+"""Starting ``torchrun`` from an ordinary process.
+
+Used by ``zerosim simulate --backend torch``, the GPU report and the tests.
 
 ``torchrun --standalone`` (``python -m torch.distributed.run``, the interpreter that runs us) on a
 free local port, in its own session (process group). Every launch has a wall-clock timeout: on
@@ -50,8 +52,17 @@ class TorchrunResult:
 
 def torchrun_command(n: int, argv: Sequence[str], python: str | None = None) -> list[str]:
     """``python -m torch.distributed.run --standalone --nproc-per-node n *argv``."""
-    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-            "--max-restarts", "0", *argv]
+    return [
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(n),
+        "--max-restarts",
+        "0",
+        *argv,
+    ]
 
 
 def ranks_status(torchrun_code: int, written: dict[int, int], n: int) -> int:
@@ -107,7 +118,8 @@ def torch_unavailable_reason() -> str | None:
 # ---- zerosim simulate --backend torch ------------------------------------------------------------
 
 def launch_simulate(args: argparse.Namespace) -> int:
-    """``zerosim simulate --backend torch --world-size N``: the simulation under ``torchrun --nproc-per-node N``.
+    """``zerosim simulate --backend torch --world-size N``: the simulation under
+    ``torchrun --nproc-per-node N``.
 
     The ranks print the verdict table / JSON themselves (rank 0); returns the ranks' status: 0 all
     contracts hold, 1 a contract failed, 2 bad input, 3 a rank failed or a collective timed out, 124

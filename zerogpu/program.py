@@ -29,8 +29,12 @@ EXIT_WAIT_S = 1800.0  # how long ranks wait for rank 0's evaluation (rank 0 dyin
 def require_launcher(world_size: int | None) -> int:
     """The world size torchrun started (``WORLD_SIZE``); ConfigError outside torchrun or on a mismatch."""
     if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
-        raise ConfigError("launcher", "no WORLD_SIZE/MASTER_ADDR", "run under torchrun (torchrun --nproc-per-node N -m zerogpu ...), "
-                          "or let zerosim start it: zerosim simulate --backend torch --world-size N")
+        raise ConfigError(
+            "launcher",
+            "no WORLD_SIZE/MASTER_ADDR",
+            "run under torchrun (torchrun --nproc-per-node N -m zerogpu ...), "
+            "or let zerosim start it: zerosim simulate --backend torch --world-size N",
+        )
     size = int(os.environ["WORLD_SIZE"])
     if world_size is not None and world_size != size:
         raise ConfigError("world_size", world_size, f"torchrun started {size} rank(s); run torchrun "

@@ -34,8 +34,11 @@ REDUCE_SCATTER_MODES = ("auto", "native", "all_reduce")
 def add_torch_arguments(p: argparse.ArgumentParser) -> None:
     """The torch-only options (shared by ``simulate`` and ``equivalence``)."""
     g = p.add_argument_group("torch.distributed")
-    g.add_argument("--device", default="auto", help="auto (cuda:<LOCAL_RANK> if CUDA is available, else cpu), "
-                                                    "cpu, cuda, cuda:N")
+    g.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda:<LOCAL_RANK> if CUDA is available, else cpu), cpu, cuda, cuda:N",
+    )
     g.add_argument("--dist-backend", default="auto", choices=DIST_BACKENDS,
                    help="auto: nccl for CUDA, gloo for the CPU")
     g.add_argument("--xp", default="torch", choices=XP_NAMES,
@@ -47,8 +50,10 @@ def add_torch_arguments(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from zerosim.engine.run_args import add_run_arguments
 
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m zerogpu simulate",
-                                description="Run the reference engine under torchrun; rank 0 prints the verdicts.")
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m zerogpu simulate",
+        description="Run the reference engine under torchrun; rank 0 prints the verdicts.",
+    )
     add_run_arguments(p)
     p.set_defaults(world_size=None, backend=None)  # world size: the number of ranks torchrun started
     add_torch_arguments(p)

@@ -160,7 +160,9 @@ def _validate_balance(balance: Any) -> str | int:
         try:
             balance = int(balance)
         except ValueError:
-            raise ConfigError("balance", balance, f"must be one of {', '.join(BALANCE_MODES)} or an integer") from None
+            raise ConfigError(
+                "balance", balance, f"must be one of {', '.join(BALANCE_MODES)} or an integer"
+            ) from None
     return require_non_negative_int("balance", balance)
 
 
@@ -218,8 +220,10 @@ def check_partition(
                 intervals = as_intervals(result)
                 if intervals is None:
                     raise ImplementationError(
-                        f"impl {name}: returned {_short(result)} for (rank={rank}, world_size={ws}, total={total}); "
-                        "expected (start, end) as ints, range(start, end), or a list of those")
+                        f"impl {name}: returned {_short(result)} for (rank={rank}, world_size={ws}, "
+                        f"total={total}); "
+                        "expected (start, end) as ints, range(start, end), or a list of those"
+                    )
                 shards.append(RankShard(rank, intervals, 0))
             report.calls += ws
             bound, meta = balance_for(balance, ws, total)

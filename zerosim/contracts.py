@@ -89,12 +89,18 @@ def load_contract(path: str | Path) -> ContractSpec:
     if not isinstance(applies, list) or not applies or not all(isinstance(a, str) for a in applies):
         raise ConfigError(f"{path.name}:applies_to", applies, "must be a non-empty list of strings")
     tol = data["tolerance"]
-    if not isinstance(tol, dict) or not isinstance(tol.get("kind"), str) or not isinstance(tol.get("rationale"), str):
+    if (
+        not isinstance(tol, dict)
+        or not isinstance(tol.get("kind"), str)
+        or not isinstance(tol.get("rationale"), str)
+    ):
         raise ConfigError(f"{path.name}:tolerance", tol, "must be a table with string 'kind' and 'rationale'")
     if tol["kind"] == "allclose":
         for key in ("rtol", "atol"):
             if isinstance(tol.get(key), bool) or not isinstance(tol.get(key), int | float):
-                raise ConfigError(f"{path.name}:tolerance.{key}", tol.get(key), "allclose needs numeric rtol and atol")
+                raise ConfigError(
+                    f"{path.name}:tolerance.{key}", tol.get(key), "allclose needs numeric rtol and atol"
+                )
     checks = data.get("checks", [])
     if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
         raise ConfigError(f"{path.name}:checks", checks, "must be a list of 'module:function' strings")

@@ -36,7 +36,9 @@ def import_dotted(spec: Any, field: str, *, allow_files: bool = False) -> Callab
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ImplementationError(f"{field}={spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+            raise ImplementationError(
+                f"{field}={spec!r}: module {module_name!r} has no attribute {attr!r}"
+            ) from None
     if not callable(obj):
         raise ImplementationError(f"{field}={spec!r}: {attr!r} is a {type(obj).__name__}, not callable")
     return obj
@@ -59,4 +61,6 @@ def _import_module(module_name: str, spec: str, field: str, allow_files: bool) -
     except ImplementationError:
         raise
     except Exception as e:  # ImportError, SyntaxError, or anything the module raised on import
-        raise ImplementationError(f"{field}={spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+        raise ImplementationError(
+            f"{field}={spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}"
+        ) from e

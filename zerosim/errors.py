@@ -63,7 +63,9 @@ class NonFiniteGradientError(ZeroSimError):
         self.tensor = tensor
         self.step = step
         where = f" at step {step}" if step is not None else ""
-        super().__init__(f"non-finite gradient on rank {rank}, tensor {tensor!r}{where}{': ' + detail if detail else ''}")
+        super().__init__(
+            f"non-finite gradient on rank {rank}, tensor {tensor!r}{where}{': ' + detail if detail else ''}"
+        )
 
 
 def require_positive_int(field: str, value: Any) -> int:

@@ -73,9 +73,16 @@ class Holding:
         return self.stored_numel - self.real_numel
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "real_numel": self.real_numel, "stored_numel": self.stored_numel,
-                "padding": self.padding, "nbytes": self.nbytes, "dtype": self.dtype, "location": self.location,
-                "num_intervals": len(self.intervals)}
+        return {
+            "kind": self.kind,
+            "real_numel": self.real_numel,
+            "stored_numel": self.stored_numel,
+            "padding": self.padding,
+            "nbytes": self.nbytes,
+            "dtype": self.dtype,
+            "location": self.location,
+            "num_intervals": len(self.intervals),
+        }
 
 
 @dataclass(frozen=True)
@@ -167,12 +174,18 @@ class StepObservation:
         return out
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "loss": self.loss, "local_loss": self.local_loss, "grad_norm": self.grad_norm,
-                "clip_coef": self.clip_coef, "optimizer_step": self.optimizer_step,
-                "holdings": {k: h.to_json() for k, h in self.holdings.items()},
-                "traffic": [t.to_json() for t in self.traffic],
-                "memory": self.memory.to_json() if self.memory else None,
-                "wall_s": self.t_end - self.t_start}
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "local_loss": self.local_loss,
+            "grad_norm": self.grad_norm,
+            "clip_coef": self.clip_coef,
+            "optimizer_step": self.optimizer_step,
+            "holdings": {k: h.to_json() for k, h in self.holdings.items()},
+            "traffic": [t.to_json() for t in self.traffic],
+            "memory": self.memory.to_json() if self.memory else None,
+            "wall_s": self.t_end - self.t_start,
+        }
 
 
 @dataclass
@@ -191,10 +204,16 @@ class RankObservation:
     offload: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self, with_steps: bool = True) -> dict[str, Any]:
-        out: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "shard_group": self.shard_group,
-                               "local_rank": self.local_rank, "backend": self.backend,
-                               "groups": {k: list(v) for k, v in self.groups.items()},
-                               "init_peak_bytes": dict(self.init_peak_bytes), "offload": dict(self.offload)}
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "shard_group": self.shard_group,
+            "local_rank": self.local_rank,
+            "backend": self.backend,
+            "groups": {k: list(v) for k, v in self.groups.items()},
+            "init_peak_bytes": dict(self.init_peak_bytes),
+            "offload": dict(self.offload),
+        }
         if with_steps:
             out["steps"] = [s.to_json() for s in self.steps]
         return out

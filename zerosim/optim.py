@@ -93,7 +93,9 @@ class OptimizerSpec:
         if not isinstance(self.nesterov, bool):
             raise ConfigError("nesterov", self.nesterov, "must be a bool")
         if name == "sgd" and self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ConfigError("nesterov", self.nesterov, "Nesterov momentum requires momentum > 0 and dampening = 0")
+            raise ConfigError(
+                "nesterov", self.nesterov, "Nesterov momentum requires momentum > 0 and dampening = 0"
+            )
         if name != "sgd":
             for f in ("momentum", "dampening"):
                 if getattr(self, f) != 0:
@@ -117,7 +119,9 @@ class OptimizerSpec:
         if self.max_grad_norm is not None:
             v = _real("max_grad_norm", self.max_grad_norm)
             if v <= 0:
-                raise ConfigError("max_grad_norm", self.max_grad_norm, "must be > 0 (or None for no clipping)")
+                raise ConfigError(
+                    "max_grad_norm", self.max_grad_norm, "must be > 0 (or None for no clipping)"
+                )
             object.__setattr__(self, "max_grad_norm", v)
 
     @classmethod
@@ -159,14 +163,22 @@ class _Optimizer:
 
     def _check(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-            raise ConfigError("state", type(state).__name__, "expected the dict from init_state (with an int 'step')")
+            raise ConfigError(
+                "state", type(state).__name__, "expected the dict from init_state (with an int 'step')"
+            )
         if tuple(param.shape) != tuple(grad.shape) or len(param.shape) != 1:
-            raise ConfigError("grad", tuple(grad.shape), f"must be flat and match the parameter shape {tuple(param.shape)}")
+            raise ConfigError(
+                "grad", tuple(grad.shape), f"must be flat and match the parameter shape {tuple(param.shape)}"
+            )
         for name in self.spec.state_names:
             if name not in state:
                 raise ConfigError("state", name, "missing optimizer state (use init_state)")
             if tuple(state[name].shape) != tuple(param.shape):
-                raise ConfigError(f"state.{name}", tuple(state[name].shape), f"must match the parameter shape {tuple(param.shape)}")
+                raise ConfigError(
+                    f"state.{name}",
+                    tuple(state[name].shape),
+                    f"must match the parameter shape {tuple(param.shape)}",
+                )
 
     def step(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
         """One optimizer step, in place on ``param`` (float32 master) and ``state``.

@@ -25,10 +25,12 @@ from ..errors import EXIT_RUN_FAILED, CollectiveError, ConfigError, NonFiniteGra
 
 def register(sub: Any) -> None:
     p = sub.add_parser(
-        "simulate", help="train on N simulated ranks with the reference ZeRO engine and check C-ZERO-002..005",
+        "simulate",
+        help="train on N simulated ranks with the reference ZeRO engine and check C-ZERO-002..005",
         description="Train the simulator model with the reference ZeRO engine on N ranks (in this process, "
-                    "or under mpiexec with --backend mpi) and check the step contracts C-ZERO-002..005 "
-                    "against ground truth, the plan and the ring communication model.")
+        "or under mpiexec with --backend mpi) and check the step contracts C-ZERO-002..005 "
+        "against ground truth, the plan and the ring communication model.",
+    )
     add_run_arguments(p)
     p.set_defaults(func=run)
 

@@ -37,6 +37,9 @@ Test-only fault hook: ``ZEROSIM_FAULT="raise:rank=R:call=K"`` makes world rank `
 enters its ``K``-th collective (0-based, all groups counted), ``"hang:rank=R:call=K"`` makes it sleep
 forever there instead (:mod:`zerosim.comm.fault_plan`, shared with the torch backend). Used by
 tests/test_mpi_faults.py; never set it in a real run.
+
+Why one module of this length: each collective's hot path is written out (type checks, cached
+reduce plans, integer traffic tallies) so that a call costs what MPI costs.
 """
 
 from __future__ import annotations
@@ -108,7 +111,9 @@ class MpiCommunicator:
                              for root in (False, True) if root is False or c == "broadcast"}
         # the data-path collectives' tallies, one attribute lookup away (None: record() instead)
         self._tally_all_reduce = None if self._tallies is None else self._tallies[("all_reduce", False)]
-        self._tally_reduce_scatter = None if self._tallies is None else self._tallies[("reduce_scatter", False)]
+        self._tally_reduce_scatter = (
+            None if self._tallies is None else self._tallies[("reduce_scatter", False)]
+        )
         self._tally_all_gather = None if self._tallies is None else self._tallies[("all_gather", False)]
         self._calls = 0  # collectives entered on this group (names default split groups like the simulator)
         self._collective = ""
@@ -124,7 +129,8 @@ class MpiCommunicator:
 
     # -- bookkeeping shared by every collective ------------------------------------------------------
     def _begin(self, collective: str, nbytes: int, is_root: bool = False) -> None:
-        """Entering a collective: traffic, the fault hook (tests), the call count, the watchdog's ``current``."""
+        """Entering a collective: traffic, the fault hook (tests), the call count, the watchdog's ``current``.
+        """
         if self._tallies is None:
             self.traffic.record(self.group_name, collective, nbytes, self.world_size, is_root)
         else:
@@ -162,8 +168,11 @@ class MpiCommunicator:
         if out is None:
             return np.empty(shape, dtype=dtype)
         if type(out) is not np.ndarray or out.shape != shape or out.dtype != dtype or not out.flags.carray:
-            raise ConfigError("out", f"{getattr(out, 'dtype', type(out).__name__)}{list(getattr(out, 'shape', ()))}",
-                              f"must be a writeable, aligned, C-contiguous {dtype} array of shape {list(shape)}")
+            raise ConfigError(
+                "out",
+                f"{getattr(out, 'dtype', type(out).__name__)}{list(getattr(out, 'shape', ()))}",
+                f"must be a writeable, aligned, C-contiguous {dtype} array of shape {list(shape)}",
+            )
         return out
 
     def _finish_reduce(self, acc: np.ndarray, result: np.ndarray, plan: ReducePlan) -> np.ndarray:
@@ -231,7 +240,13 @@ class MpiCommunicator:
         count = x.size // n
         if out is None:
             result = np.empty(count, dtype)
-        elif type(out) is NDARRAY and out.dtype is dtype and out.ndim == 1 and out.size == count and out.flags.carray:
+        elif (
+            type(out) is NDARRAY
+            and out.dtype is dtype
+            and out.ndim == 1
+            and out.size == count
+            and out.flags.carray
+        ):
             result = out
         else:
             result = self._output(out, (count,), dtype)
@@ -268,7 +283,13 @@ class MpiCommunicator:
         total = x.size * self.world_size
         if out is None:
             result = np.empty(total, dtype)
-        elif type(out) is NDARRAY and out.dtype is dtype and out.ndim == 1 and out.size == total and out.flags.carray:
+        elif (
+            type(out) is NDARRAY
+            and out.dtype is dtype
+            and out.ndim == 1
+            and out.size == total
+            and out.flags.carray
+        ):
             result = out
         else:
             result = self._output(out, (total,), dtype)
@@ -298,7 +319,9 @@ class MpiCommunicator:
 
     def broadcast(self, x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None) -> np.ndarray:
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:
-            raise ConfigError("root", root, f"must be a rank of group {self.group_name} (size {self.world_size})")
+            raise ConfigError(
+                "root", root, f"must be a rank of group {self.group_name} (size {self.world_size})"
+            )
         if type(x) is not np.ndarray or not x.flags.c_contiguous:
             x = contiguous(x)
         result = self._output(out, x.shape, x.dtype)
@@ -331,8 +354,10 @@ class MpiCommunicator:
 
     def _check_flat(self, collective: str, x: np.ndarray, divisible: bool = False) -> None:
         if x.ndim != 1:
-            raise CollectiveError(f"{collective} on group {self.group_name}: rank {self.global_rank} passed a "
-                                  f"{x.ndim}-D array; flat 1-D buffers only")
+            raise CollectiveError(
+                f"{collective} on group {self.group_name}: rank {self.global_rank} passed a "
+                f"{x.ndim}-D array; flat 1-D buffers only"
+            )
         if divisible and x.shape[0] % self.world_size:
             raise CollectiveError(f"{collective} on group {self.group_name}: length {x.shape[0]} on rank "
                                   f"{self.global_rank} is not divisible by the group size {self.world_size}")
@@ -342,7 +367,9 @@ class MpiCommunicator:
     @overload
     def split(self, color: None, key: int | None = None, name: str | None = None) -> None: ...
 
-    def split(self, color: int | None, key: int | None = None, name: str | None = None) -> MpiCommunicator | None:
+    def split(
+        self, color: int | None, key: int | None = None, name: str | None = None
+    ) -> MpiCommunicator | None:
         """``MPI_Comm_split``: ranks with the same color form a group, ordered by (key, rank).
 
         ``color=None`` opts out (returns None). ``name`` names the new group for traffic accounting
@@ -363,7 +390,9 @@ class MpiCommunicator:
         try:
             if not self._blocking:  # everyone arrives first, so the blocking Split cannot hang
                 self._wait(self._comm.Ibarrier())
-            sub = self._comm.Split(MPI.UNDEFINED if color is None else color, self.rank if key is None else key)
+            sub = self._comm.Split(
+                MPI.UNDEFINED if color is None else color, self.rank if key is None else key
+            )
         except MPI.Exception as e:
             raise self._mpi_error(e) from e
         finally:
@@ -373,9 +402,17 @@ class MpiCommunicator:
         group_name = default_name if name is None else name
         names = sub.allgather(group_name)  # set-up time agreement check, not the data path
         if len(set(names)) > 1:
-            raise CollectiveError(f"split of group {self.group_name}: members of color {color} disagree on the "
-                                  f"group name: {sorted(set(names))}")
+            raise CollectiveError(
+                f"split of group {self.group_name}: members of color {color} disagree on the "
+                f"group name: {sorted(set(names))}"
+            )
         ranks = np.empty(sub.Get_size(), dtype=np.int64)
         sub.Allgather(np.array([self.global_rank], dtype=np.int64), ranks)
-        return MpiCommunicator(sub, timeout_s=self.timeout_s, timeout_mode=self.timeout_mode, group_name=group_name,
-                               traffic=self.traffic, _global_ranks=tuple(int(r) for r in ranks))
+        return MpiCommunicator(
+            sub,
+            timeout_s=self.timeout_s,
+            timeout_mode=self.timeout_mode,
+            group_name=group_name,
+            traffic=self.traffic,
+            _global_ranks=tuple(int(r) for r in ranks),
+        )

@@ -100,11 +100,14 @@ class Watchdog:
                 if msg is None:
                     break
                 group = msg.recv()
-                self._sends.append(self.diag.isend(self.state_for(group), dest=status.Get_source(), tag=_TAG_REPLY))
+                self._sends.append(
+                    self.diag.isend(self.state_for(group), dest=status.Get_source(), tag=_TAG_REPLY)
+                )
             self._sends = [r for r in self._sends if not r.Test()]
 
     def ask(self, members: tuple[int, ...], group: str, grace_s: float) -> dict[int, tuple[Any, ...]]:
-        """Ask every other member its :meth:`state_for` ``group``; the replies that came within ``grace_s``."""
+        """Ask every other member its :meth:`state_for` ``group``; the replies that came within ``grace_s``.
+        """
         others = [m for m in members if m != self.world_rank]
         sends = [self.diag.isend(group, dest=m, tag=_TAG_QUERY) for m in others]
         replies: dict[int, tuple[Any, ...]] = {}
@@ -120,8 +123,11 @@ class Watchdog:
         self._sends.extend(sends)
         return replies
 
-    def survey(self, group: str, seq: int, members: tuple[int, ...], grace_s: float) -> tuple[list[int], dict[int, str]]:
-        """Which members entered call ``seq`` of ``group`` (sorted, this rank included); notes on the others."""
+    def survey(
+        self, group: str, seq: int, members: tuple[int, ...], grace_s: float
+    ) -> tuple[list[int], dict[int, str]]:
+        """Which members entered call ``seq`` of ``group`` (sorted, this rank included); notes on the others.
+        """
         replies = self.ask(members, group, grace_s)
         arrived = [self.world_rank]
         notes: dict[int, str] = {}
@@ -142,9 +148,14 @@ class Watchdog:
                 notes[m] = f"waiting in {where[1]} #{where[2]} on group {where[0]}"
         return sorted(arrived), notes
 
-    def timeout_error(self, comm: MpiCommunicator, seq: int, collective: str) -> tuple[CollectiveTimeout, bool]:
-        """Survey the group of a timed-out call; (the error naming who never arrived, this rank reports it)."""
-        arrived, notes = self.survey(comm.group_name, seq, comm.global_ranks, min(2.0, max(0.5, comm.timeout_s)))
+    def timeout_error(
+        self, comm: MpiCommunicator, seq: int, collective: str
+    ) -> tuple[CollectiveTimeout, bool]:
+        """Survey the group of a timed-out call; (the error naming who never arrived, this rank reports it).
+        """
+        arrived, notes = self.survey(
+            comm.group_name, seq, comm.global_ranks, min(2.0, max(0.5, comm.timeout_s))
+        )
         missing = [m for m in comm.global_ranks if m not in arrived]
         err = CollectiveTimeout(collective, missing, comm.timeout_s, comm.group_name)
         detail = "; ".join(f"rank {m}: {notes[m]}" for m in missing if m in notes)
@@ -175,7 +186,9 @@ class Watchdog:
                     self.answer_queries()
                 self._check_deadline()
             except Exception as e:  # noqa: BLE001 - a watchdog must never die silently
-                print(f"rank {self.world_rank}: zerosim MPI watchdog error: {e!r}", file=sys.stderr, flush=True)
+                print(
+                    f"rank {self.world_rank}: zerosim MPI watchdog error: {e!r}", file=sys.stderr, flush=True
+                )
 
     def _check_deadline(self) -> None:
         cur = self.current

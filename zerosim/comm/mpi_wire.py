@@ -32,7 +32,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
 
-_BITS_BY_SIZE: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+_BITS_BY_SIZE: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
 _VIA_FLOAT32 = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.bool_))
 _REDUCE_PATH: dict[int, tuple[np.dtype, str]] = {}  # id(dtype) -> (dtype, path): np.dtype hashing is slow
 

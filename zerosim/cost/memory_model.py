@@ -157,10 +157,15 @@ class MemoryEstimate:
             "packing": self.packing,
             "padding_elements_per_shard_group": self.shard.padding,
             "largest_block_numel": self.largest_block_numel,
-            "settings": {**self.settings.to_json(), "bytes_per_element": self.settings.bytes_per_element(self.strategy)},
+            "settings": {
+                **self.settings.to_json(),
+                "bytes_per_element": self.settings.bytes_per_element(self.strategy),
+            },
             "units": "bytes",
-            "accounting": ("params/grads/optimizer_states/total: persistent model states (ZeRO paper "
-                           "accounting, with partitioner padding); transient/peak: the reference engine's schedule"),
+            "accounting": (
+                "params/grads/optimizer_states/total: persistent model states (ZeRO paper "
+                "accounting, with partitioner padding); transient/peak: the reference engine's schedule"
+            ),
             "transient_modelled": self.transient_modelled,
             "per_rank": self.per_rank.to_json(),
             "rank_classes": [c.to_json() for c in self.classes],
@@ -200,7 +205,9 @@ def _engine_units(t: ModelTensors, strategy: ShardingStrategy, world_size: int,
     from ..flat_buffers import build_unit_plan
 
     if t.layout is None:
-        raise ConfigError("packing", "engine", "needs a layout (the engine packs per block), not a bare count")
+        raise ConfigError(
+            "packing", "engine", "needs a layout (the engine packs per block), not a bare count"
+        )
     name = partitioner or "fsdp"
     plan = build_unit_plan(t.layout, strategy, name, world_size)
     units = [UnitBytes(u.name, u.numel, u.packed_numel, not u.is_identity) for u in plan.units]
@@ -243,7 +250,9 @@ def transient_phases(strategy: ShardingStrategy, settings: MemorySettings, total
             return out
         gathered = [u.packed_numel * pb + (u.numel * pb if u.unpack_copy else 0) for u in units]
         out["forward"] = _window_max(gathered, 1 + d)
-        after_free = max(sum(gathered[max(j - d, 0):j]) + units[j].packed_numel * gb for j in range(len(units)))
+        after_free = max(
+            sum(gathered[max(j - d, 0) : j]) + units[j].packed_numel * gb for j in range(len(units))
+        )
         out["backward"] = max(out["forward"], after_free)
     elif strategy.shards_optimizer:
         packed = units[0].packed_numel if units else shard_numel
@@ -295,17 +304,33 @@ def memory_per_rank(
 
     off = settings.offloaded
     if "params" in off and not strat.shards_params:
-        raise ConfigError("offload", settings.offload,
-                          f"offloading params needs a strategy that shards them (zero3 / hybrid_shard), not {strat.name}")
+        raise ConfigError(
+            "offload",
+            settings.offload,
+            f"offloading params needs a strategy that shards them (zero3 / hybrid_shard), not {strat.name}",
+        )
 
     if packing == "engine":
         shard_numel, units, part_name = _engine_units(t, strat, topology.world_size, partitioner)
         if not strat.shards_optimizer:
             shard_numel = P
-        sizes = uniform_shard_sizes(part_name, k, P, shard_numel, "reference engine packing: per unit, every rank stores "
-                         "the largest rank's share") if k > 1 else uniform_shard_sizes(part_name, 1, P, P, "unsharded")
+        sizes = (
+            uniform_shard_sizes(
+                part_name,
+                k,
+                P,
+                shard_numel,
+                "reference engine packing: per unit, every rank stores the largest rank's share",
+            )
+            if k > 1
+            else uniform_shard_sizes(part_name, 1, P, P, "unsharded")
+        )
     else:
-        sizes = shard_sizes(layout_or_numel, k, partitioner) if k > 1 else uniform_shard_sizes(partitioner or "paper", 1, P, P, "unsharded")
+        sizes = (
+            shard_sizes(layout_or_numel, k, partitioner)
+            if k > 1
+            else uniform_shard_sizes(partitioner or "paper", 1, P, P, "unsharded")
+        )
         units = []
         if strat.shards_params and t.layout is not None and largest_block_numel is None:
             units = _block_units(t, k, partitioner)
@@ -354,5 +379,8 @@ def all_strategies(topology: Topology) -> list[ShardingStrategy]:
     out = [ShardingStrategy(StrategyKind.NO_SHARD), ShardingStrategy(StrategyKind.SHARD_OPTIMIZER),
            ShardingStrategy(StrategyKind.SHARD_GRAD_OP), ShardingStrategy(StrategyKind.FULL_SHARD)]
     if topology.num_nodes > 1:
-        out += [ShardingStrategy.hybrid_shard(topology.rpn), ShardingStrategy.hybrid_shard_zero2(topology.rpn)]
+        out += [
+            ShardingStrategy.hybrid_shard(topology.rpn),
+            ShardingStrategy.hybrid_shard_zero2(topology.rpn),
+        ]
     return out

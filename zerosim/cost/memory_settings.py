@@ -29,16 +29,37 @@ class PrecisionSpec:
 
 
 PRECISIONS: dict[str, PrecisionSpec] = {
-    "mixed": PrecisionSpec("mixed", 2, 2, 4, 4,
-                           "ZeRO paper mixed precision: fp16 params and grads, fp32 master + fp32 optimizer states"),
-    "bf16-mixed": PrecisionSpec("bf16-mixed", 2, 2, 4, 4,
-                                "bf16 params and grads, fp32 master + fp32 optimizer states"),
-    "bf16-fp32grads": PrecisionSpec("bf16-fp32grads", 2, 4, 4, 4,
-                                    "bf16 params, fp32 gradient accumulation, fp32 master + fp32 optimizer states"),
-    "fp16-fp32grads": PrecisionSpec("fp16-fp32grads", 2, 4, 4, 4,
-                                    "fp16 params, fp32 gradient accumulation, fp32 master + fp32 optimizer states"),
+    "mixed": PrecisionSpec(
+        "mixed",
+        2,
+        2,
+        4,
+        4,
+        "ZeRO paper mixed precision: fp16 params and grads, fp32 master + fp32 optimizer states",
+    ),
+    "bf16-mixed": PrecisionSpec(
+        "bf16-mixed", 2, 2, 4, 4, "bf16 params and grads, fp32 master + fp32 optimizer states"
+    ),
+    "bf16-fp32grads": PrecisionSpec(
+        "bf16-fp32grads",
+        2,
+        4,
+        4,
+        4,
+        "bf16 params, fp32 gradient accumulation, fp32 master + fp32 optimizer states",
+    ),
+    "fp16-fp32grads": PrecisionSpec(
+        "fp16-fp32grads",
+        2,
+        4,
+        4,
+        4,
+        "fp16 params, fp32 gradient accumulation, fp32 master + fp32 optimizer states",
+    ),
     "fp32": PrecisionSpec("fp32", 4, 4, 0, 4, "everything fp32; the params are the master copy"),
-    "bf16-pure": PrecisionSpec("bf16-pure", 2, 2, 0, 2, "pure bf16: params, grads and optimizer states bf16, no master"),
+    "bf16-pure": PrecisionSpec(
+        "bf16-pure", 2, 2, 0, 2, "pure bf16: params, grads and optimizer states bf16, no master"
+    ),
 }
 # "fp16" / "bf16" name the reference engine's policies (zerosim.precision): 16-bit params, fp32 grads
 _PRECISION_ALIASES = {"paper": "mixed", "fp16-mixed": "mixed", "amp": "mixed", "bf16mixed": "bf16-mixed",
@@ -95,7 +116,9 @@ def parse_offload(text: str | Iterable[str] | None) -> frozenset[str]:
         elif p in ("grads", "grad", "gradients"):
             out.add("grads")
         else:
-            raise ConfigError("offload", text, f"unknown part {raw!r}; use none, optimizer, grads, params joined by '+'")
+            raise ConfigError(
+                "offload", text, f"unknown part {raw!r}; use none, optimizer, grads, params joined by '+'"
+            )
     return frozenset(out)
 
 

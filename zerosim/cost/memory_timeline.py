@@ -30,7 +30,13 @@ class TimelinePoint:
     host: int           # bytes in host memory after the event
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "phase": self.phase, "event": self.event, "device": self.device, "host": self.host}
+        return {
+            "index": self.index,
+            "phase": self.phase,
+            "event": self.event,
+            "device": self.device,
+            "host": self.host,
+        }
 
 
 def modelled_step_timeline(

@@ -145,22 +145,36 @@ def shard_sizes(model: ParamLayout | int | float, k: int, partitioner: str | Non
     if k == 1:
         return uniform_shard_sizes(name, 1, P, P, "one rank holds everything")
     if name in ("paper", "flat", "even"):
-        return uniform_shard_sizes(name, k, P, ceil_div(P, k), "one flat buffer padded to a multiple of k: ceil(P/k) per rank")
+        return uniform_shard_sizes(
+            name, k, P, ceil_div(P, k), "one flat buffer padded to a multiple of k: ceil(P/k) per rank"
+        )
     if name == "seed":
         base, rem = divmod(P, k)
         classes = [ShardClass(base + 1, rem, ((0, rem),))] if rem else []
         classes.append(ShardClass(base, k - rem, ((rem, k),)))
-        return ShardSizes(name, k, P, tuple(c for c in classes if c.count), 0,
-                          "P // k per rank, the first P % k ranks one more (entrenar OptimizerShard.for_rank)")
+        return ShardSizes(
+            name,
+            k,
+            P,
+            tuple(c for c in classes if c.count),
+            0,
+            "P // k per rank, the first P % k ranks one more (entrenar OptimizerShard.for_rank)",
+        )
     if name in ("deepspeed", "deepspeed-zero12"):
         padded = ceil_div(P, 2 * k) * 2 * k
-        return uniform_shard_sizes(name, k, P, padded // k, "flat group padded to a multiple of 2k (DeepSpeed stage 1/2)")
+        return uniform_shard_sizes(
+            name, k, P, padded // k, "flat group padded to a multiple of 2k (DeepSpeed stage 1/2)"
+        )
     if name == "deepspeed-zero3":
         per = sum(ceil_div(n, k) for n in t.numels)
-        return uniform_shard_sizes(name, k, P, per, "each tensor padded to a multiple of k (DeepSpeed stage 3)")
+        return uniform_shard_sizes(
+            name, k, P, per, "each tensor padded to a multiple of k (DeepSpeed stage 3)"
+        )
     if name in ("fsdp", "fsdp2"):
         per = sum(ceil_div(d0, k) * (n // d0) if d0 else 0 for n, d0 in zip(t.numels, t.dim0, strict=True))
-        return uniform_shard_sizes(name, k, P, per, "torch.chunk on dim 0 per tensor, padded to chunk 0 (FSDP2)")
+        return uniform_shard_sizes(
+            name, k, P, per, "torch.chunk on dim 0 per tensor, padded to chunk 0 (FSDP2)"
+        )
     if name in ("zero-redundancy", "zero-redundancy-optimizer"):
         loads = [(0, r) for r in range(k)]
         heapq.heapify(loads)
@@ -181,7 +195,9 @@ def _measured_shard_sizes(t: ModelTensors, k: int, partitioner: str) -> ShardSiz
 
     fn = get_partitioner(partitioner)
     if t.layout is None:
-        raise ConfigError("partitioner", partitioner, "has no closed form here; pass a layout (--model), not a bare count")
+        raise ConfigError(
+            "partitioner", partitioner, "has no closed form here; pass a layout (--model), not a bare count"
+        )
     plan = fn(t.layout, k)
     sizes = [s.padded_numel for s in plan.shards]
     return ShardSizes(partitioner, k, t.total, _classes_from_sizes(sizes), sum(sizes) - t.total,

@@ -117,8 +117,11 @@ class MemoryTracker:
         self._peak_loc = dict(getattr(self, "_loc_totals", {loc: 0 for loc in LOCATIONS}))
         self._peak_cat = {c: self._totals.get((c, "device"), 0) + self._totals.get((c, "host"), 0)
                           for c in CATEGORIES} if hasattr(self, "_totals") else {}
-        self._peak_live_params = (self._totals.get(("params", "device"), 0) + self._totals.get(("gathered", "device"), 0)
-                                  if hasattr(self, "_totals") else 0)
+        self._peak_live_params = (
+            self._totals.get(("params", "device"), 0) + self._totals.get(("gathered", "device"), 0)
+            if hasattr(self, "_totals")
+            else 0
+        )
 
     # ---- steps ---------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:

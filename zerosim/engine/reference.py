@@ -11,8 +11,9 @@ Two of them, for two different questions:
   floating-point operations*: per-(rank, micro-batch) gradients from the unsharded model, reduced
   in the simulator's rank order with the strategy's grouping (reduce-scatter per micro-batch for
   ZeRO-2/3, local accumulation then all-reduce (or reduce-scatter) for NO_SHARD/ZeRO-1, shard
-  group then replicate group for hybrid), the norm summed shard by shard as the ranks sum it. Every optimizer is
-  elementwise, so a correct engine matches it **bit for bit**; any single flipped bit is a finding.
+  group then replicate group for hybrid), the norm summed shard by shard as the ranks sum it. Every
+  optimizer is elementwise, so a correct engine matches it **bit for bit**; any single flipped bit is
+  a finding.
 
 Both run in one process on numpy, never sharded, never through a communicator.
 """
@@ -110,7 +111,9 @@ def ordered_reference(run: ResolvedRun) -> Reference:
                     red = reduce_in_rank_order([grads[(grp * k + j, micro)] for j in range(k)], "avg")
                     acc = red if acc is None else acc + red
                 group_accs.append(acc)
-            total = reduce_in_rank_order(group_accs, "avg") if (strategy.is_hybrid and r > 1) else group_accs[0]
+            total = (
+                reduce_in_rank_order(group_accs, "avg") if (strategy.is_hybrid and r > 1) else group_accs[0]
+            )
         if m_count > 1:
             total /= m_count
         # norm exactly as the ranks sum it (reduce-scatter ZeRO-1 holds only its chunk, like ZeRO-2)
@@ -130,9 +133,19 @@ def ordered_reference(run: ResolvedRun) -> Reference:
             coef = clip_coefficient(norm, run.spec.max_grad_norm)
             apply_clip_(total, coef, xp)
         opt.step(master, total, state)
-        ref.steps.append(ReferenceStep(step, master.copy(), {kk: v.copy() for kk, v in state.items() if kk != "step"},
-                                       int(state["step"]), float(np.mean(losses)), norm, coef, total.copy(),
-                                       np.asarray(prec.to_params(master, xp)).copy()))
+        ref.steps.append(
+            ReferenceStep(
+                step,
+                master.copy(),
+                {kk: v.copy() for kk, v in state.items() if kk != "step"},
+                int(state["step"]),
+                float(np.mean(losses)),
+                norm,
+                coef,
+                total.copy(),
+                np.asarray(prec.to_params(master, xp)).copy(),
+            )
+        )
     return ref
 
 

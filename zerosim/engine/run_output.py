@@ -36,14 +36,18 @@ def _summary(contract: str, v: Any) -> str:
         bit = "bitwise equal to the same-order reference; " if d.get("bitwise_required") else ""
         return f"{bit}max |err| vs ground truth {worst:.2g} (tolerance {tol.get('atol_scale', '?')} x scale)"
     if contract == "C-ZERO-003":
-        return f"{d.get('ranks', '?')} ranks x {d.get('steps', '?')} steps bitwise identical to each other and to the master"
+        return (f"{d.get('ranks', '?')} ranks x {d.get('steps', '?')} steps bitwise identical to each other "
+                "and to the master")
     if contract == "C-ZERO-004":
         peaks = d.get("peaks", {})
         mx = max((max(p) for p in peaks.values() if p), default=0)
         return f"holdings == plan; peak live params {mx / 1e6:.3g} MB"
     if contract == "C-ZERO-005":
-        return (f"{d.get('model_bytes_sent_per_rank', 0) / 1e6:.4g} MB sent per rank per step "
-                f"(paper: {d.get('paper_elements_per_rank', 0):,.0f} elements, padding {d.get('padding_elements', 0)})")
+        return (
+            f"{d.get('model_bytes_sent_per_rank', 0) / 1e6:.4g} MB sent per rank per step "
+            f"(paper: {d.get('paper_elements_per_rank', 0):,.0f} elements, padding "
+            f"{d.get('padding_elements', 0)})"
+        )
     return ""
 
 
@@ -62,11 +66,14 @@ def render(result: RunResult, as_json: bool) -> int:
 
     console = Console()
     c = result.config
-    console.print(f"[bold]zerosim simulate[/]: {c['strategy']} on {c['world_size']} ranks "
-                  f"(shard group {c['shard_group_size']}, {c['replicas']} replica(s)), model {c['model'].get('vocab_size')}"
-                  f"x{c['model'].get('d_model')} x {c['model'].get('n_layer')} layers = {c['num_params']:,} params, "
-                  f"partitioner {c['partitioner']}, {c['optimizer']['name']}, {c['precision']}, "
-                  f"{c['steps']} step(s) x {c['micro_batches']} micro-batch(es)")
+    console.print(
+        f"[bold]zerosim simulate[/]: {c['strategy']} on {c['world_size']} ranks "
+        f"(shard group {c['shard_group_size']}, {c['replicas']} replica(s)), model "
+        f"{c['model'].get('vocab_size')}"
+        f"x{c['model'].get('d_model')} x {c['model'].get('n_layer')} layers = {c['num_params']:,} params, "
+        f"partitioner {c['partitioner']}, {c['optimizer']['name']}, {c['precision']}, "
+        f"{c['steps']} step(s) x {c['micro_batches']} micro-batch(es)"
+    )
     steps = Table(title="steps")
     for col in ("step", "loss", "ground truth loss", "grad norm", "clip", "MB sent / rank", "wall (s)"):
         steps.add_column(col, justify="right")

@@ -67,7 +67,9 @@ def ownership_expectation(run: ResolvedRun) -> OwnershipExpectation:
     zero = [0] * n
     padding = {"params": pad if s.shards_params else zero, "grads": pad if s.shards_grads else zero,
                "optimizer": pad if s.shards_optimizer else zero}
-    master_separate = run.precision.is_mixed or (s.shards_optimizer and not s.shards_params) or run.cfg.offload
+    master_separate = (
+        run.precision.is_mixed or (s.shards_optimizer and not s.shards_params) or run.cfg.offload
+    )
     states = len(run.spec.state_names) + (1 if master_separate else 0)
     pb = run.precision.param_bytes
     bpe = {"params": pb, "grads": 4, "optimizer": 4 * states}
@@ -131,7 +133,9 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
     estimate = comm_for_run(run)
     verdicts["C-ZERO-005"] = check_communication(obs, estimate)
     phase("done", 4)
-    return RunResult(run.describe(), verdicts, step_metrics(obs, independent), estimate, obs, timings, references)
+    return RunResult(
+        run.describe(), verdicts, step_metrics(obs, independent), estimate, obs, timings, references
+    )
 
 
 def step_metrics(obs: Sequence[RankObservation], reference: Any | None = None) -> list[dict[str, Any]]:
@@ -143,10 +147,16 @@ def step_metrics(obs: Sequence[RankObservation], reference: Any | None = None) -
         r0 = rows[0]
         data, control = float(r0.bytes_sent("data")), float(r0.bytes_sent("control"))
         peaks = [s.memory.peak_by_location.get("device", 0) for s in rows if s.memory]
-        m: dict[str, Any] = {"step": step, "loss": r0.loss, "grad_norm": r0.grad_norm, "clip_coef": r0.clip_coef,
-                             "wall_s": max(s.t_end for s in rows) - min(s.t_start for s in rows),
-                             "bytes_sent_rank0": data, "control_bytes_sent_rank0": control,
-                             "peak_device_bytes_max_rank": max(peaks, default=0)}
+        m: dict[str, Any] = {
+            "step": step,
+            "loss": r0.loss,
+            "grad_norm": r0.grad_norm,
+            "clip_coef": r0.clip_coef,
+            "wall_s": max(s.t_end for s in rows) - min(s.t_start for s in rows),
+            "bytes_sent_rank0": data,
+            "control_bytes_sent_rank0": control,
+            "peak_device_bytes_max_rank": max(peaks, default=0),
+        }
         if reference is not None and step < len(reference.steps):
             m["reference_loss"] = reference.steps[step].loss
         out.append(m)

@@ -44,7 +44,9 @@ def rank_program(comm: Communicator, cfg: RunConfig | ResolvedRun,
     return obs
 
 
-def simulate_observations(cfg: RunConfig | ResolvedRun, progress: ProgressFn | None = None) -> list[RankObservation]:
+def simulate_observations(
+    cfg: RunConfig | ResolvedRun, progress: ProgressFn | None = None
+) -> list[RankObservation]:
     """Run ``rank_program`` on ``world_size`` simulated ranks in this process."""
     run = resolve_run(cfg)
 

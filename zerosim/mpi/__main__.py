@@ -38,8 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     from ..comm.mpi import TIMEOUT_MODES
     from ..engine.run_args import add_run_arguments
 
-    parser = argparse.ArgumentParser(prog="mpiexec -n N python -m zerosim.mpi simulate",
-                                     description="Run the reference engine under MPI; rank 0 prints the verdicts.")
+    parser = argparse.ArgumentParser(
+        prog="mpiexec -n N python -m zerosim.mpi simulate",
+        description="Run the reference engine under MPI; rank 0 prints the verdicts.",
+    )
     add_run_arguments(parser)
     parser.set_defaults(world_size=None)  # default: the number of ranks mpiexec started
     mpi = parser.add_argument_group("MPI")
@@ -70,8 +72,12 @@ def _check_world_size(args: argparse.Namespace, size: int) -> None:
     if args.world_size is None:
         args.world_size = size
     elif args.world_size != size:
-        hint = (" (every rank sees a world of 1: is this mpiexec from the MPI library mpi4py was built for? "
-                "see README.md, 'Using a system MPI')" if size == 1 else f"; run mpiexec -n {args.world_size} or drop --world-size")
+        hint = (
+            " (every rank sees a world of 1: is this mpiexec from the MPI library mpi4py was built for? "
+            "see README.md, 'Using a system MPI')"
+            if size == 1
+            else f"; run mpiexec -n {args.world_size} or drop --world-size"
+        )
         raise ConfigError("world_size", args.world_size, f"mpiexec started {size} rank(s){hint}")
 
 

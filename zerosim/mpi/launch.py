@@ -47,8 +47,12 @@ def find_mpiexec() -> list[str]:
     on_path = shutil.which("mpiexec")
     if on_path:
         return [on_path]
-    raise ConfigError("mpiexec", None, f"no mpiexec next to {sys.executable} or on PATH; install the MPI extra "
-                      "(pip install 'zerosim[mpi]', which brings the mpich wheel) or set ZEROSIM_MPIEXEC")
+    raise ConfigError(
+        "mpiexec",
+        None,
+        f"no mpiexec next to {sys.executable} or on PATH; install the MPI extra "
+        "(pip install 'zerosim[mpi]', which brings the mpich wheel) or set ZEROSIM_MPIEXEC",
+    )
 
 
 def mpi_unavailable_reason() -> str | None:
@@ -150,6 +154,9 @@ def launch_simulate(args: argparse.Namespace) -> int:
     argv = ["-m", "zerosim.mpi", "simulate", *forward_argv(args, add_run_arguments, drop=("backend",))]
     result = run_mpiexec(n, argv, timeout_s, capture=False)
     if result.timed_out:
-        print(f"error: mpiexec -n {n} did not finish within {timeout_s:g}s (launch timeout); killed it and its ranks",
-              file=sys.stderr)
+        print(
+            f"error: mpiexec -n {n} did not finish within {timeout_s:g}s (launch timeout); killed it and its "
+            "ranks",
+            file=sys.stderr,
+        )
     return result.returncode

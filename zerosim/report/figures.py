@@ -20,10 +20,20 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from ..cost.units import UNITS, to_unit  # noqa: E402
 
-CATEGORY_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_states": "#55A868", "transient": "#C9C9C9"}
+CATEGORY_COLORS = {
+    "params": "#4C72B0",
+    "grads": "#DD8452",
+    "optimizer_states": "#55A868",
+    "transient": "#C9C9C9",
+}
 CATEGORY_LABELS = {"params": "parameters", "grads": "gradients", "optimizer_states": "optimizer states",
                    "transient": "transient (engine)"}
-STRATEGY_SHORT = {"no_shard": "DDP", "shard_optimizer": "ZeRO-1", "shard_grad_op": "ZeRO-2", "full_shard": "ZeRO-3"}
+STRATEGY_SHORT = {
+    "no_shard": "DDP",
+    "shard_optimizer": "ZeRO-1",
+    "shard_grad_op": "ZeRO-2",
+    "full_shard": "ZeRO-3",
+}
 MARKERS = "os^Dvp*h"
 
 
@@ -160,8 +170,17 @@ def plot_comm_volume(data: dict[str, Any], path: Path) -> Path:
                 x = i + off if e.get("measured") else i
                 ax.bar(x, intra, w, color="#4C72B0", hatch=hatch, edgecolor="black", linewidth=0.4,
                        label="intra-node" if i == 0 and src == "model" else None)
-                ax.bar(x, inter, w, bottom=intra, color="#C44E52", hatch=hatch, edgecolor="black", linewidth=0.4,
-                       label="inter-node" if i == 0 and src == "model" else None)
+                ax.bar(
+                    x,
+                    inter,
+                    w,
+                    bottom=intra,
+                    color="#C44E52",
+                    hatch=hatch,
+                    edgecolor="black",
+                    linewidth=0.4,
+                    label="inter-node" if i == 0 and src == "model" else None,
+                )
         ax.set_xticks(range(len(names)), [short_name(n) for n in names], fontsize=8)
         ax.set_ylabel(f"bytes sent per rank per step [{_unit_label(unit)}]")
         _title(ax, d["title"])
@@ -177,7 +196,9 @@ def plot_comm_volume(data: dict[str, Any], path: Path) -> Path:
 def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
     """Max |sharded - ground truth| of the parameters after each step, per backend and strategy (measured)."""
     backends = [b for b, v in data["backends"].items() if v.get("series")]
-    fig, axes = plt.subplots(1, max(len(backends), 1), figsize=(6.5 * max(len(backends), 1), 4.6), squeeze=False)
+    fig, axes = plt.subplots(
+        1, max(len(backends), 1), figsize=(6.5 * max(len(backends), 1), 4.6), squeeze=False
+    )
     for ax, backend in zip(axes[0], backends, strict=False):
         series = data["backends"][backend]["series"]
         steps_max = max((len(e) for e in series.values()), default=1)
@@ -218,11 +239,22 @@ def plot_offload_timeline(data: dict[str, Any], path: Path) -> Path:
             ax.step(xs, [to_unit(p["device"], unit) for p in pts], where="post", linewidth=1.6,
                     linestyle=series.get("linestyle", "-"), label=series["label"])
             if series.get("show_host") and any(p.get("host") for p in pts):
-                ax.step(xs, [to_unit(p["host"], unit) for p in pts], where="post", linestyle=":", linewidth=1.2,
-                        label=series.get("host_label", f"host, {series['label']}"))
+                ax.step(
+                    xs,
+                    [to_unit(p["host"], unit) for p in pts],
+                    where="post",
+                    linestyle=":",
+                    linewidth=1.2,
+                    label=series.get("host_label", f"host, {series['label']}"),
+                )
         step = max(1, len(longest) // 30)
-        ax.set_xticks(range(0, len(longest), step), [longest[i]["event"][:40] for i in range(0, len(longest), step)],
-                      rotation=60, ha="right", fontsize=6)
+        ax.set_xticks(
+            range(0, len(longest), step),
+            [longest[i]["event"][:40] for i in range(0, len(longest), step)],
+            rotation=60,
+            ha="right",
+            fontsize=6,
+        )
         ax.set_ylabel(f"bytes per rank [{_unit_label(unit)}]")
         ax.set_xlabel("allocation / free events of one step, in order")
         _title(ax, panel["title"], 140)
