@@ -25,7 +25,9 @@ def test_paper_formulas_in_elements(n):
     assert comm_per_step(PSI, "no_shard", n).elements_sent == 2 * f * PSI
     assert comm_per_step(PSI, "zero2", n).elements_sent == 2 * f * PSI
     assert comm_per_step(PSI, "zero3", n).elements_sent == 3 * f * PSI
-    assert comm_per_step(PSI, "zero1", n).elements_sent == 3 * f * PSI  # all-reduce + all-gather, as implemented
+    assert (
+        comm_per_step(PSI, "zero1", n).elements_sent == 3 * f * PSI
+    )  # all-reduce + all-gather, as implemented
     for s in ("no_shard", "zero2", "zero3"):
         e = comm_per_step(PSI, s, n)
         assert e.elements_sent == e.paper_elements()

@@ -21,7 +21,9 @@ STRATEGIES = ["no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_s
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_strategy_is_bitwise_equal_to_the_same_order_reference(strategy):
-    result = run_simulated(RunConfig(strategy=strategy, world_size=4, steps=3, micro_batches=2, max_grad_norm=0.5))
+    result = run_simulated(
+        RunConfig(strategy=strategy, world_size=4, steps=3, micro_batches=2, max_grad_norm=0.5)
+    )
     assert_all_pass(result)
     c2 = result.verdicts["C-ZERO-002"]
     assert c2.details["bitwise_required"] is True
@@ -31,7 +33,9 @@ def test_every_strategy_is_bitwise_equal_to_the_same_order_reference(strategy):
 @pytest.mark.parametrize("partitioner", sorted(PARTITIONERS))
 def test_every_partitioner_drives_zero3_and_zero2(partitioner):
     for strategy in ("zero3", "zero2"):
-        assert_all_pass(run_simulated(RunConfig(strategy=strategy, world_size=3, partitioner=partitioner, steps=2)))
+        assert_all_pass(
+            run_simulated(RunConfig(strategy=strategy, world_size=3, partitioner=partitioner, steps=2))
+        )
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -56,7 +60,9 @@ def test_hybrid_with_nodes_wider_than_the_shard_group():
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_cpu_offload_with_prefetch(prefetch):
-    result = run_simulated(RunConfig(strategy="zero3", offload=True, prefetch=prefetch, world_size=4, steps=2))
+    result = run_simulated(
+        RunConfig(strategy="zero3", offload=True, prefetch=prefetch, world_size=4, steps=2)
+    )
     assert_all_pass(result)
     o = result.observations[0]
     moved = o.offload["steps"][0]
@@ -85,7 +91,9 @@ def test_digest_observations_still_check_identity_and_skip_values():
 
 def test_parallel_schedule_gives_the_same_bits():
     a = simulate_observations(RunConfig(strategy="hybrid_shard:2", world_size=4, steps=2))
-    b = simulate_observations(RunConfig(strategy="hybrid_shard:2", world_size=4, steps=2, schedule="parallel"))
+    b = simulate_observations(
+        RunConfig(strategy="hybrid_shard:2", world_size=4, steps=2, schedule="parallel")
+    )
     for oa, ob in zip(a, b, strict=True):
         assert oa.steps[-1].master.values.tobytes() == ob.steps[-1].master.values.tobytes()
 

@@ -150,7 +150,9 @@ def test_an_upward_import_is_reported_with_both_layers(tmp_path, monkeypatch):
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_text(path.read_text())
     layout = fake_root / "zerosim" / "layout.py"
-    layout.write_text(layout.read_text() + "\n\ndef _wrong():\n    from .cli.simulate import run\n    return run\n")
+    layout.write_text(
+        layout.read_text() + "\n\ndef _wrong():\n    from .cli.simulate import run\n    return run\n"
+    )
     monkeypatch.setitem(globals(), "ROOT", fake_root)
     problems = upward_imports()
     assert problems == ["zerosim.layout (layer 0: values and plans) imports zerosim.cli.simulate "
@@ -169,8 +171,14 @@ def import_cycles() -> list[list[str]]:
     package's ``__init__`` re-exporting its modules is not a cycle of concepts)."""
     files = module_files()
     known = set(files)
-    graph = {m: {t for t in imports_of(m, p, known, runtime_only=True) if t in known and not t.startswith(m + ".")
-                 and not m.startswith(t + ".")} for m, p in files.items()}
+    graph = {
+        m: {
+            t
+            for t in imports_of(m, p, known, runtime_only=True)
+            if t in known and not t.startswith(m + ".") and not m.startswith(t + ".")
+        }
+        for m, p in files.items()
+    }
     cycles, state = [], {}
 
     def visit(node: str, stack: list[str]) -> None:

@@ -44,7 +44,10 @@ def test_a_rank_that_raises_mid_step_ends_every_rank_and_is_reported_once(mode: 
     assert code == EXIT_RUN_FAILED
     lines = failure_lines(stderr)
     assert len(lines) == 1, stderr
-    assert lines[0].startswith("rank 1 failed: RuntimeError: injected fault") and "all_reduce on group shard[0]" in lines[0]
+    assert (
+        lines[0].startswith("rank 1 failed: RuntimeError: injected fault")
+        and "all_reduce on group shard[0]" in lines[0]
+    )
     assert elapsed < BOUND_S  # the peers are killed by the abort, not by their 60 s timeout
 
 
@@ -135,7 +138,9 @@ def test_a_rank_hanging_inside_the_engine_times_out() -> None:
                                env={"ZEROSIM_FAULT": "hang:rank=3:call=12"})
     assert code == EXIT_RUN_FAILED
     lines = failure_lines(stderr)
-    assert len(lines) == 1 and "CollectiveTimeout" in lines[0] and "ranks that never arrived: [3]" in lines[0], stderr
+    assert (
+        len(lines) == 1 and "CollectiveTimeout" in lines[0] and "ranks that never arrived: [3]" in lines[0]
+    ), stderr
 
 
 def test_zerosim_simulate_backend_mpi_launches_mpiexec(capfd: pytest.CaptureFixture[str]) -> None:

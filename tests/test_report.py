@@ -81,7 +81,9 @@ def test_json_matches_the_models_and_the_measurements(small_report):
     assert timeline["measured_peak_without_activations"] == timeline["modelled_peak_same_settings"]
     assert timeline["measured_host"] == timeline["modelled_host_same_settings"]
     padding = json.loads((out / "padding_demo.json").read_text())
-    assert any(r["rel_diff_vs_paper_model"] > 0 and "padding" in r["explanation"] for c in padding for r in c["rows"])
+    assert any(
+        r["rel_diff_vs_paper_model"] > 0 and "padding" in r["explanation"] for c in padding for r in c["rows"]
+    )
     assert all(r["rel_diff_vs_engine_model"] == 0 for c in padding for r in c["rows"])
 
 
@@ -89,7 +91,11 @@ def test_every_measured_run_passes_the_step_contracts(small_report):
     result, out = small_report
     rows = json.loads((out / "contracts.json").read_text())
     assert result.passed and rows == result.contracts
-    assert {(r["world_size"], r["strategy"]) for r in rows} >= {(4, "full_shard"), (4, "hybrid_shard:2"), (1, "no_shard")}
+    assert {(r["world_size"], r["strategy"]) for r in rows} >= {
+        (4, "full_shard"),
+        (4, "hybrid_shard:2"),
+        (1, "no_shard"),
+    }
     assert all(set(r["verdicts"]) == {"C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005"} for r in rows)
     assert all(v["checked"] > 0 for r in rows for v in r["verdicts"].values())
     index = (out / "index.md").read_text()
@@ -110,8 +116,25 @@ def test_a_broken_engine_makes_the_report_fail_and_name_the_violation(tmp_path, 
         return honest(dataclasses.replace(run.cfg, fault="sum-instead-of-avg").resolve())
 
     monkeypatch.setattr(build, "simulate_observations", from_a_broken_engine)
-    code = main(["report", "--out", str(tmp_path / "r"), "--world-sizes", "1,2", "--steps", "1", "--no-mpi",
-                 "--no-torch", "--no-deepspeed", "--quiet", "--large-world-size", "16", "--large-ranks-per-node", "4"])
+    code = main(
+        [
+            "report",
+            "--out",
+            str(tmp_path / "r"),
+            "--world-sizes",
+            "1,2",
+            "--steps",
+            "1",
+            "--no-mpi",
+            "--no-torch",
+            "--no-deepspeed",
+            "--quiet",
+            "--large-world-size",
+            "16",
+            "--large-ranks-per-node",
+            "4",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 1
     assert "simulator: C-ZERO-002..005 hold on 7/8 runs" in out
@@ -121,18 +144,43 @@ def test_a_broken_engine_makes_the_report_fail_and_name_the_violation(tmp_path, 
 
 
 def test_report_cli_small_run_and_bad_input(tmp_path, capsys):
-    code = main(["report", "--out", str(tmp_path / "r"), "--world-sizes", "1,2", "--steps", "1", "--no-mpi",
-                 "--no-torch", "--no-deepspeed", "--quiet", "--large-world-size", "16", "--large-ranks-per-node", "4"])
+    code = main(
+        [
+            "report",
+            "--out",
+            str(tmp_path / "r"),
+            "--world-sizes",
+            "1,2",
+            "--steps",
+            "1",
+            "--no-mpi",
+            "--no-torch",
+            "--no-deepspeed",
+            "--quiet",
+            "--large-world-size",
+            "16",
+            "--large-ranks-per-node",
+            "4",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "index.md" in out and (tmp_path / "r" / "index.md").exists()
-    for argv, field in ((["--world-sizes", "0"], "world-sizes"), (["--world-sizes", "a,b"], "world-sizes"),
-                        (["--steps", "-1"], "steps"), (["--model", "huge"], "model"),
-                        (["--large-world-size", "64", "--large-ranks-per-node", "3"], "large-ranks-per-node"),
-                        (["--large-params", "x"], "large-params"), (["--large-params", "nan"], "large-params"),
-                        (["--large-params", "0"], "large-params"), (["--large-params=-5"], "large-params"),
-                        (["--large-world-size", "-64"], "large-world-size"),
-                        (["--ranks-per-node", "3"], "ranks-per-node"), (["--ranks-per-node", "0"], "ranks-per-node"),
-                        (["--world-sizes", "1,2,3"], "ranks-per-node"), (["--precision", "fp8"], "precision")):
+    for argv, field in (
+        (["--world-sizes", "0"], "world-sizes"),
+        (["--world-sizes", "a,b"], "world-sizes"),
+        (["--steps", "-1"], "steps"),
+        (["--model", "huge"], "model"),
+        (["--large-world-size", "64", "--large-ranks-per-node", "3"], "large-ranks-per-node"),
+        (["--large-params", "x"], "large-params"),
+        (["--large-params", "nan"], "large-params"),
+        (["--large-params", "0"], "large-params"),
+        (["--large-params=-5"], "large-params"),
+        (["--large-world-size", "-64"], "large-world-size"),
+        (["--ranks-per-node", "3"], "ranks-per-node"),
+        (["--ranks-per-node", "0"], "ranks-per-node"),
+        (["--world-sizes", "1,2,3"], "ranks-per-node"),
+        (["--precision", "fp8"], "precision"),
+    ):
         code = main(["report", "--out", str(tmp_path / "bad"), "--quiet", *argv])
         err = capsys.readouterr().err
         assert code == 2 and field in err and err.count("\n") == 1, (argv, err)
