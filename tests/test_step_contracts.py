@@ -226,6 +226,20 @@ def test_an_extra_all_gather_fails_communication_with_expected_and_measured_byte
     assert "collective=all_gather" in str(v) and "group_kind=world" in str(v)
 
 
+def test_every_catalogued_fault_names_one_engine_variant_and_back():
+    """The catalogue (plain data the run config validates against) and the engine subclasses agree:
+    each entry names an existing variant, and no variant is left out of the catalogue."""
+    from zerosim.engine.faults import VARIANTS, engine_class
+    from zerosim.engine.zero import ZeroEngine
+
+    named = {f.engine for f in FAULTS.values()}
+    assert named == set(VARIANTS), (sorted(named - set(VARIANTS)), sorted(set(VARIANTS) - named))
+    for name, fault in FAULTS.items():
+        cls = engine_class(name)
+        assert issubclass(cls, ZeroEngine) and cls is not ZeroEngine and cls.__name__ == fault.engine, name
+    assert engine_class(None) is ZeroEngine
+
+
 def test_every_fault_fails_exactly_the_contracts_it_claims():
     settings = {"norm-over-replicas": dict(strategy="hybrid_shard:2", max_grad_norm=0.05),
                 "skip-replicate-allreduce": dict(strategy="hybrid_shard:2"),
