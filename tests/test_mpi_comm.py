@@ -23,14 +23,25 @@ needs_mpi = pytest.mark.skipif(REASON is not None, reason=f"MPI unavailable: {RE
 
 @pytest.mark.mpi
 @needs_mpi
-@pytest.mark.parametrize(("ranks", "mode"), [(1, "abort"), (2, "abort"), (3, "abort"), (4, "abort"), (4, "raise")])
+@pytest.mark.parametrize(
+    ("ranks", "mode"), [(1, "abort"), (2, "abort"), (3, "abort"), (4, "abort"), (4, "raise")]
+)
 def test_collectives_match_numpy_and_traffic_matches_ring_model(ranks: int, mode: str) -> None:
     result = run_mpiexec(ranks, [str(PROGRAMS / "comm_checks.py"), mode], timeout_s=120)
     assert result.returncode == 0, result.stderr
     lines = set(result.stdout.splitlines())
-    for check in ("OK reduce float32 avg", "OK reduce bfloat16 sum", "OK reduce float16 max",
-                  "OK gather/broadcast bfloat16", "OK gather/broadcast complex64", "OK out=", "OK plain counter", "OK scalar+barrier",
-                  "OK bad input", "OK traffic"):
+    for check in (
+        "OK reduce float32 avg",
+        "OK reduce bfloat16 sum",
+        "OK reduce float16 max",
+        "OK gather/broadcast bfloat16",
+        "OK gather/broadcast complex64",
+        "OK out=",
+        "OK plain counter",
+        "OK scalar+barrier",
+        "OK bad input",
+        "OK traffic",
+    ):
         assert check in lines, f"{check!r} missing from {sorted(lines)}"
     assert ("OK split" in lines) == (ranks % 2 == 0)
 

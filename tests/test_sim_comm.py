@@ -108,7 +108,9 @@ def test_split_groups_names_and_traffic_go_to_the_parent_counter():
     assert out[1][3] is None
     assert [o[4] for o in out] == [1, 1, 5, 5]
     assert out[0][5] == [2, 0]
-    assert ("shard[0]", "all_reduce") in out[0][6].records and ("replicate[0]", "all_gather") in out[0][6].records
+    assert ("shard[0]", "all_reduce") in out[0][6].records and ("replicate[0]", "all_gather") in out[0][
+        6
+    ].records
 
 
 def test_split_rejects_disagreeing_names_on_every_rank():
@@ -243,7 +245,12 @@ def test_torch_tensors_go_through_the_same_collectives():
 
     def fn(comm):
         x = torch.arange(4, dtype=torch.float32) + comm.rank
-        return comm.all_reduce(x, "avg"), comm.reduce_scatter(x, "sum"), comm.all_gather(x[:1]), comm.all_reduce(x, "max")
+        return (
+            comm.all_reduce(x, "avg"),
+            comm.reduce_scatter(x, "sum"),
+            comm.all_gather(x[:1]),
+            comm.all_reduce(x, "max"),
+        )
 
     out = run_spmd(2, fn)
     assert torch.equal(out[0][0], torch.tensor([0.5, 1.5, 2.5, 3.5]))

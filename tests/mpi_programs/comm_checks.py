@@ -47,14 +47,28 @@ def rank_order(xs: list[np.ndarray], op: str) -> np.ndarray:
 
 
 def check_close(name: str, got: np.ndarray, want: np.ndarray, bitwise: bool) -> None:
-    assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, got.shape, want.dtype, want.shape)
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        name,
+        got.dtype,
+        got.shape,
+        want.dtype,
+        want.shape,
+    )
     if bitwise:
         bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[got.dtype.itemsize]
         diff = np.flatnonzero(got.view(bits) != want.view(bits))
-        assert diff.size == 0, f"{name}: {diff.size} elements differ bitwise, first at {diff[:5]}: {got[diff[:5]]} vs {want[diff[:5]]}"
+        assert diff.size == 0, (
+            f"{name}: {diff.size} elements differ bitwise, first at {diff[:5]}: {got[diff[:5]]} vs "
+            f"{want[diff[:5]]}"
+        )
     else:
-        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=2e-2 if got.dtype.itemsize == 2 else 1e-5,
-                                   atol=1e-2 if got.dtype.itemsize == 2 else 1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            got.astype(np.float64),
+            want.astype(np.float64),
+            rtol=2e-2 if got.dtype.itemsize == 2 else 1e-5,
+            atol=1e-2 if got.dtype.itemsize == 2 else 1e-6,
+            err_msg=name,
+        )
 
 
 def main() -> None:
@@ -81,7 +95,12 @@ def main() -> None:
             rs = comm.reduce_scatter(xs[me], op)
             expected.record("world", "reduce_scatter", xs[me].nbytes, n)
             c = length // n
-            check_close(f"reduce_scatter {dtype} {op}", rs, rank_order([x[me * c:(me + 1) * c] for x in xs], op), bitwise)
+            check_close(
+                f"reduce_scatter {dtype} {op}",
+                rs,
+                rank_order([x[me * c : (me + 1) * c] for x in xs], op),
+                bitwise,
+            )
             ok.append(f"reduce {dtype} {op}")
 
     for dtype in (np.dtype(np.float32), BF16, np.dtype(np.bool_), np.dtype(np.int8), np.dtype(np.complex64)):
@@ -104,7 +123,9 @@ def main() -> None:
     rs_buf = np.empty(4, np.float32)
     assert comm.reduce_scatter(x[me], "avg", out=rs_buf) is rs_buf
     expected.record("world", "reduce_scatter", x[me].nbytes, n)
-    check_close("reduce_scatter out=", rs_buf, rank_order([v[me * 4:(me + 1) * 4] for v in x], "avg"), exact_order)
+    check_close(
+        "reduce_scatter out=", rs_buf, rank_order([v[me * 4 : (me + 1) * 4] for v in x], "avg"), exact_order
+    )
     ag_buf = np.empty(4 * n * n, np.float32)
     assert comm.all_gather(x[me], out=ag_buf) is ag_buf
     expected.record("world", "all_gather", x[me].nbytes * n, n)
@@ -117,24 +138,36 @@ def main() -> None:
     # an out= that does not fit exactly is our error, before any rank enters MPI
     read_only = np.empty(4 * n * n, np.float32)
     read_only.flags.writeable = False
-    for bad_out in (np.empty(4 * n * n, np.float64), np.empty(4 * n * n + 1, np.float32), read_only,
-                    np.empty(8 * n * n, np.float32)[::2], np.empty((n, 4 * n), np.float32), [0.0] * (4 * n * n)):
+    for bad_out in (
+        np.empty(4 * n * n, np.float64),
+        np.empty(4 * n * n + 1, np.float32),
+        read_only,
+        np.empty(8 * n * n, np.float32)[::2],
+        np.empty((n, 4 * n), np.float32),
+        [0.0] * (4 * n * n),
+    ):
         try:
             comm.all_gather(x[me], out=bad_out)
         except ConfigError as e:
             assert "out" in str(e), e
         else:
-            raise AssertionError(f"all_gather accepted out={type(bad_out).__name__} {getattr(bad_out, 'shape', '')}")
+            raise AssertionError(
+                f"all_gather accepted out={type(bad_out).__name__} {getattr(bad_out, 'shape', '')}"
+            )
         try:
             comm.reduce_scatter(np.resize(x[me], 4 * n * n), out=bad_out)
         except ConfigError as e:
             assert "out" in str(e), e
         else:
-            raise AssertionError(f"reduce_scatter accepted out={type(bad_out).__name__} {getattr(bad_out, 'shape', '')}")
+            raise AssertionError(
+                f"reduce_scatter accepted out={type(bad_out).__name__} {getattr(bad_out, 'shape', '')}"
+            )
     ok.append("out=")
 
     # a plain TrafficCounter (not the deferred one) records the same, call by call
-    plain = MpiCommunicator(world, timeout_s=20.0, timeout_mode=mode, group_name="plain", traffic=TrafficCounter())
+    plain = MpiCommunicator(
+        world, timeout_s=20.0, timeout_mode=mode, group_name="plain", traffic=TrafficCounter()
+    )
     want = TrafficCounter()
     plain.all_reduce(x[me], "avg")
     want.record("plain", "all_reduce", x[me].nbytes, n)
@@ -186,7 +219,9 @@ def main() -> None:
         check_close("shard all_reduce", got, rank_order([xs[r] for r in shard.global_ranks], "avg"), True)
         got = replicate.all_gather(xs[me])
         expected.record(f"replicate[{me % 2}]", "all_gather", 32 * replicate.world_size, replicate.world_size)
-        check_close("replicate all_gather", got, np.concatenate([xs[r] for r in replicate.global_ranks]), True)
+        check_close(
+            "replicate all_gather", got, np.concatenate([xs[r] for r in replicate.global_ranks]), True
+        )
         # key reverses the order; a default name follows the simulator's <parent>/split<k>:<color>
         rev = comm.split(0, key=-me)
         assert rev.global_ranks == tuple(reversed(range(n))) and rev.rank == n - 1 - me
