@@ -40,19 +40,28 @@ from zerosim.cost.comm_model import CollectiveCost
 from zerosim.errors import CollectiveError, ConfigError, ZeroSimError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-FLOAT_DTYPES = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64),
-                "float16": np.dtype(np.float16), "bfloat16": BF16}
+FLOAT_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": BF16,
+}
 INT_DTYPES = {"int32": np.dtype(np.int32), "int64": np.dtype(np.int64)}
-MOVE_ONLY_DTYPES = {"int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8), "bool": np.dtype(np.bool_),
-                    "complex64": np.dtype(np.complex64)}
+MOVE_ONLY_DTYPES = {
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+    "complex64": np.dtype(np.complex64),
+}
 REDUCE_DTYPES = {**FLOAT_DTYPES, **INT_DTYPES}
 ALL_DTYPES = {**REDUCE_DTYPES, **MOVE_ONLY_DTYPES}
-ODD_LENGTHS = (1, 7, 33)   # all-reduce buffers; reduce-scatter chunks and all-gather pieces alike
+ODD_LENGTHS = (1, 7, 33)  # all-reduce buffers; reduce-scatter chunks and all-gather pieces alike
 
 Case = Callable[[Any, bool], None]
 
 
 # ---- inputs and the rank-order reference --------------------------------------------------------
+
 
 def rank_input(rank: int, length: int, dtype: np.dtype, salt: int) -> np.ndarray:
     """``rank``'s seeded input; every rank can compute every other rank's."""
@@ -89,16 +98,19 @@ def check_values(what: str, got: Any, want: np.ndarray, xs: list[np.ndarray] | N
     """``got`` equals ``want`` bit for bit, or (``bitwise`` False) within the reordering bound over ``xs``."""
     g = np.asarray(got)
     assert g.dtype == want.dtype and g.shape == want.shape, (
-        f"{what}: got {_name(g.dtype)}{list(g.shape)}, want {_name(want.dtype)}{list(want.shape)}")
+        f"{what}: got {_name(g.dtype)}{list(g.shape)}, want {_name(want.dtype)}{list(want.shape)}"
+    )
     if bitwise or xs is None:
         if g.tobytes() != want.tobytes():
             got_bytes = np.frombuffer(g.tobytes(), np.uint8).reshape(g.size, -1)
             want_bytes = np.frombuffer(want.tobytes(), np.uint8).reshape(want.size, -1)
             bad = np.flatnonzero((got_bytes != want_bytes).any(axis=1))
             first = int(bad[0])
-            raise AssertionError(f"{what}: {bad.size} of {g.size} elements not bitwise equal to the rank-order "
-                                 f"reference, first at [{first}]: got {g.reshape(-1)[first]!r}, "
-                                 f"want {want.reshape(-1)[first]!r}")
+            raise AssertionError(
+                f"{what}: {bad.size} of {g.size} elements not bitwise equal to the rank-order "
+                f"reference, first at [{first}]: got {g.reshape(-1)[first]!r}, "
+                f"want {want.reshape(-1)[first]!r}"
+            )
         return
     n = len(xs)
     eps = float(ml_dtypes.finfo(want.dtype).eps)
@@ -106,11 +118,14 @@ def check_values(what: str, got: Any, want: np.ndarray, xs: list[np.ndarray] | N
     err = np.abs(g.astype(np.float64) - want.astype(np.float64))
     if not np.all(err <= bound):
         worst = int(np.argmax(err - bound))
-        raise AssertionError(f"{what}: element [{worst}] differs by {err[worst]:.3g} from the rank-order reference, "
-                             f"beyond the reordering bound n*eps*sum|x| = {bound[worst]:.3g}")
+        raise AssertionError(
+            f"{what}: element [{worst}] differs by {err[worst]:.3g} from the rank-order reference, "
+            f"beyond the reordering bound n*eps*sum|x| = {bound[worst]:.3g}"
+        )
 
 
 # ---- traffic against the ring model -----------------------------------------------------------
+
 
 def traffic_snapshot(comm: Any) -> dict[tuple[str, str], tuple[int, Fraction, Fraction]]:
     return {k: (r.calls, r.bytes_sent, r.bytes_received) for k, r in comm.traffic.records.items()}
@@ -153,8 +168,12 @@ class TrafficExpectation:
         want = {k: tuple(v) for k, v in self.want.items()}
         if added != want:
             keys = sorted(set(added) | set(want))
-            diff = [f"{g}/{c}: recorded (calls, sent, received) = {_fmt(added.get((g, c)))}, ring model "
-                    f"{_fmt(want.get((g, c)))}" for g, c in keys if added.get((g, c)) != want.get((g, c))]
+            diff = [
+                f"{g}/{c}: recorded (calls, sent, received) = {_fmt(added.get((g, c)))}, ring model "
+                f"{_fmt(want.get((g, c)))}"
+                for g, c in keys
+                if added.get((g, c)) != want.get((g, c))
+            ]
             raise AssertionError(f"{what}: traffic differs from the ring model: " + "; ".join(diff))
 
 
@@ -170,6 +189,7 @@ def _unchanged(what: str, before: np.ndarray, after: Any) -> None:
 
 # ---- the cases ---------------------------------------------------------------------------------
 
+
 def all_reduce_case(dtype: np.dtype, op: str, length: int) -> Case:
     def case(comm: Any, exact: bool) -> None:
         n, r = comm.world_size, comm.rank
@@ -183,6 +203,7 @@ def all_reduce_case(dtype: np.dtype, op: str, length: int) -> Case:
         moves_only = op == "max" or dtype.kind in "iub"
         check_values(what, got, rank_order(xs, op), xs, moves_only or exact or n <= 2)
         traffic.check(what)
+
     return case
 
 
@@ -196,10 +217,11 @@ def reduce_scatter_case(dtype: np.dtype, op: str, chunk: int) -> Case:
         traffic.call(comm, "reduce_scatter", mine.nbytes)
         what = f"rank {comm.global_rank}: reduce_scatter {_name(dtype)} {op} chunk {chunk} over {n} ranks"
         _unchanged(what, xs[r], mine)
-        pieces = [x[r * chunk:(r + 1) * chunk] for x in xs]
+        pieces = [x[r * chunk : (r + 1) * chunk] for x in xs]
         moves_only = op == "max" or dtype.kind in "iub"
         check_values(what, got, rank_order(pieces, op), pieces, moves_only or exact or n <= 2)
         traffic.check(what)
+
     return case
 
 
@@ -215,6 +237,7 @@ def all_gather_case(dtype: np.dtype, length: int) -> Case:
         _unchanged(what, xs[r], mine)
         check_values(what, got, np.concatenate(xs), None, True)
         traffic.check(what)
+
     return case
 
 
@@ -228,9 +251,15 @@ def broadcast_case(dtype: np.dtype) -> Case:
             got.append(comm.broadcast(xs[r].copy(), root=root))
             traffic.call(comm, "broadcast", xs[r].nbytes, is_root=root == r)
         for root in range(n):
-            check_values(f"rank {comm.global_rank}: broadcast {_name(dtype)} from root {root} over {n} ranks",
-                         got[root], xs[root], None, True)
+            check_values(
+                f"rank {comm.global_rank}: broadcast {_name(dtype)} from root {root} over {n} ranks",
+                got[root],
+                xs[root],
+                None,
+                True,
+            )
         traffic.check(f"rank {comm.global_rank}: broadcast {_name(dtype)}")
+
     return case
 
 
@@ -248,8 +277,13 @@ def scalar_case(comm: Any, exact: bool) -> None:
     traffic = TrafficExpectation(comm)
     got = comm.all_reduce(np.array(comm.rank + 1, dtype=np.float64), "sum")
     traffic.call(comm, "all_reduce", 8)
-    check_values(f"rank {comm.global_rank}: 0-d all_reduce", got, np.array(n * (n + 1) / 2, dtype=np.float64),
-                 None, True)
+    check_values(
+        f"rank {comm.global_rank}: 0-d all_reduce",
+        got,
+        np.array(n * (n + 1) / 2, dtype=np.float64),
+        None,
+        True,
+    )
     traffic.check(f"rank {comm.global_rank}: 0-d all_reduce")
 
 
@@ -270,17 +304,28 @@ def split_case(comm: Any, exact: bool) -> None:
     what = f"rank {comm.global_rank}: split"
     assert opted_out is None, f"{what}: split(None) returned {opted_out!r}, not None"
     assert unnamed.group_name.startswith(f"{comm.group_name}/split") and unnamed.group_name.endswith(":0"), (
-        f"{what}: an unnamed split is called {unnamed.group_name!r}, not <parent>/split<k>:<color>")
+        f"{what}: an unnamed split is called {unnamed.group_name!r}, not <parent>/split<k>:<color>"
+    )
     assert parity.group_name == f"parity[{r % 2}]", f"{what}: group name {parity.group_name!r}"
-    assert parity.global_ranks == tuple(members), f"{what}: parity members {parity.global_ranks}, want {members}"
+    assert parity.global_ranks == tuple(members), (
+        f"{what}: parity members {parity.global_ranks}, want {members}"
+    )
     assert parity.rank == members.index(r) and parity.world_size == len(members), (
-        f"{what}: parity rank/size {parity.rank}/{parity.world_size}")
+        f"{what}: parity rank/size {parity.rank}/{parity.world_size}"
+    )
     assert backwards.global_ranks == tuple(reversed(range(n))) and backwards.rank == n - 1 - r, (
-        f"{what}: key=-rank gave members {backwards.global_ranks}, rank {backwards.rank}")
+        f"{what}: key=-rank gave members {backwards.global_ranks}, rank {backwards.rank}"
+    )
     assert parity.traffic is comm.traffic and backwards.traffic is comm.traffic, (
-        f"{what}: a split group records into its own counter, not its parent's")
-    check_values(f"{what}: parity all_reduce", summed, rank_order([xs[k] for k in members], "sum"),
-                 [xs[k] for k in members], exact or len(members) <= 2)
+        f"{what}: a split group records into its own counter, not its parent's"
+    )
+    check_values(
+        f"{what}: parity all_reduce",
+        summed,
+        rank_order([xs[k] for k in members], "sum"),
+        [xs[k] for k in members],
+        exact or len(members) <= 2,
+    )
     check_values(f"{what}: backwards all_gather", gathered, np.concatenate(xs[::-1]), None, True)
     traffic.check(what)
 
@@ -299,16 +344,22 @@ def bad_input_case(comm: Any, exact: bool) -> None:
         ("split color=-1", lambda: comm.split(-1), ConfigError),
     ]
     if n > 1:  # every length divides by one rank
-        bad.append(("length 2n+1 reduce_scatter", lambda: comm.reduce_scatter(np.zeros(2 * n + 1, np.float32)),
-                    CollectiveError))
+        bad.append(
+            (
+                "length 2n+1 reduce_scatter",
+                lambda: comm.reduce_scatter(np.zeros(2 * n + 1, np.float32)),
+                CollectiveError,
+            )
+        )
     for label, call, exc in bad:
         try:
             call()
         except exc as e:
             assert str(e), f"{label}: {type(e).__name__} without a message"
         except Exception as e:  # noqa: BLE001 - the wrong type is the finding
-            raise AssertionError(f"rank {comm.global_rank}: {label} raised {type(e).__name__}: {e}, "
-                                 f"not {exc.__name__}") from e
+            raise AssertionError(
+                f"rank {comm.global_rank}: {label} raised {type(e).__name__}: {e}, not {exc.__name__}"
+            ) from e
         else:
             raise AssertionError(f"rank {comm.global_rank}: {label} was accepted, not {exc.__name__}")
     traffic.check(f"rank {comm.global_rank}: rejected calls")  # nothing recorded for them
@@ -325,8 +376,9 @@ def build_cases() -> dict[str, Case]:
                 cases[f"all_reduce-{dname}-{op}-{length}"] = all_reduce_case(dtype, op, length)
             cases[f"reduce_scatter-{dname}-{op}-chunk5"] = reduce_scatter_case(dtype, op, 5)
     for length in (1, 5):
-        cases[f"reduce_scatter-float32-sum-chunk{length}-odd"] = reduce_scatter_case(FLOAT_DTYPES["float32"], "sum",
-                                                                                     length)
+        cases[f"reduce_scatter-float32-sum-chunk{length}-odd"] = reduce_scatter_case(
+            FLOAT_DTYPES["float32"], "sum", length
+        )
     for dname, dtype in ALL_DTYPES.items():
         for length in (1, 5):
             cases[f"all_gather-{dname}-{length}"] = all_gather_case(dtype, length)
@@ -355,13 +407,14 @@ def run_cases(comm: Any, exact: bool, names: list[str] | None = None) -> dict[st
             results[name] = str(e)
         except (CollectiveError, ConfigError) as e:
             results[name] = f"{type(e).__name__}: {e}"
-            for rest in todo[i + 1:]:
+            for rest in todo[i + 1 :]:
                 results[rest] = f"not run: {name} failed with {type(e).__name__}"
             break
     return results
 
 
 # ---- the launched program (mpiexec / torchrun) ----------------------------------------------------
+
 
 def _merge(per_rank: list[dict[str, str | None]]) -> dict[str, list[str]]:
     merged: dict[str, list[str]] = {}
@@ -426,8 +479,13 @@ def main(argv: list[str]) -> None:
         everyone = gather(results)
         if comm.rank == 0:
             assert everyone is not None
-            doc = {"backend": args.backend, "world_size": comm.world_size, "timeout_mode": args.timeout_mode,
-                   "seconds": round(time.perf_counter() - t0, 3), "cases": _merge(everyone)}
+            doc = {
+                "backend": args.backend,
+                "world_size": comm.world_size,
+                "timeout_mode": args.timeout_mode,
+                "seconds": round(time.perf_counter() - t0, 3),
+                "cases": _merge(everyone),
+            }
             print("CONFORMANCE " + json.dumps(doc), flush=True)
         return 0
 

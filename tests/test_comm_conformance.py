@@ -35,9 +35,9 @@ LAUNCH_BOUND_S = 180.0  # one launch runs every case; generous for a loaded 2-co
 
 class Backend(NamedTuple):
     name: str
-    kind: str          # sim | mpi | torch
+    kind: str  # sim | mpi | torch
     world_size: int
-    option: str        # sim: schedule; mpi: timeout mode; torch: unused
+    option: str  # sim: schedule; mpi: timeout mode; torch: unused
 
 
 BACKENDS = [
@@ -52,7 +52,7 @@ BY_NAME = {b.name: b for b in BACKENDS}
 # Known departures from the conformance cases, per backend kind and case: (reason, strict xfail).
 KNOWN_GAPS: dict[tuple[str, str], str] = {
     ("sim", "bad-input-rejected"): "the simulator lets numpy raise UFuncTypeError for op='avg' on an int64 "
-                                   "buffer; MPI and torch raise ConfigError naming op (zerosim/comm/sim.py)",
+    "buffer; MPI and torch raise ConfigError naming op (zerosim/comm/sim.py)",
 }
 
 
@@ -81,14 +81,18 @@ def _marks(kind: str) -> list[Any]:
 
 
 def _parse(stdout: str) -> dict[str, Any]:
-    docs = [json.loads(line.removeprefix("CONFORMANCE ")) for line in stdout.splitlines()
-            if line.startswith("CONFORMANCE ")]
+    docs = [
+        json.loads(line.removeprefix("CONFORMANCE "))
+        for line in stdout.splitlines()
+        if line.startswith("CONFORMANCE ")
+    ]
     assert len(docs) == 1, f"expected one CONFORMANCE line from rank 0, got {len(docs)}:\n{stdout[-2000:]}"
     return docs[0]
 
 
-def _launch(backend: Backend, args: list[str], env: dict[str, str] | None = None,
-            bound_s: float = LAUNCH_BOUND_S) -> tuple[int, str, str, float]:
+def _launch(
+    backend: Backend, args: list[str], env: dict[str, str] | None = None, bound_s: float = LAUNCH_BOUND_S
+) -> tuple[int, str, str, float]:
     """(status, stdout, stderr, elapsed) of the conformance program under the backend's launcher."""
     argv = [str(PROGRAM), *args, "--backend", backend.kind]
     if backend.kind == "mpi":
@@ -119,7 +123,11 @@ def launched_results(backend: Backend, shared_dir: Path) -> dict[str, Any]:
             doc = json.loads(path.read_text())
         else:
             code, out, err, elapsed = _launch(backend, ["cases"])
-            doc = _parse(out) if code == 0 else {"error": f"the conformance launch exited {code}:\n{err[-3000:]}"}
+            doc = (
+                _parse(out)
+                if code == 0
+                else {"error": f"the conformance launch exited {code}:\n{err[-3000:]}"}
+            )
             doc["launch_s"] = elapsed
             path.write_text(json.dumps(doc))
     assert "error" not in doc, f"{backend.name}: {doc['error']}"
@@ -134,8 +142,12 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def sim_results(backend: Backend, name: str) -> dict[str, list[str]]:
-    per_rank = run_spmd(backend.world_size, lambda comm: conformance.run_cases(comm, exact=True, names=[name]),
-                        timeout_s=30.0, schedule=backend.option)
+    per_rank = run_spmd(
+        backend.world_size,
+        lambda comm: conformance.run_cases(comm, exact=True, names=[name]),
+        timeout_s=30.0,
+        schedule=backend.option,
+    )
     return conformance._merge(per_rank)
 
 
@@ -190,6 +202,7 @@ def test_a_rank_that_never_arrives_raises_collective_timeout_naming_it(backend_n
     late = backend.world_size - 1
     timeout_s = 1.5
     if backend.kind == "sim":
+
         def fn(comm: Any) -> None:
             x = np.zeros(3 * comm.world_size, np.float32)
             comm.all_reduce(x)
@@ -205,8 +218,12 @@ def test_a_rank_that_never_arrives_raises_collective_timeout_naming_it(backend_n
         assert time.monotonic() - t0 < 10 * timeout_s
         return
     # collective #4 (0-based) of the last rank is the fault loop's second reduce_scatter: it never enters it
-    code, _, err, elapsed = _launch(backend, ["fault", "--timeout", str(timeout_s)],
-                                    env={"ZEROSIM_FAULT": f"hang:rank={late}:call=4"}, bound_s=90.0)
+    code, _, err, elapsed = _launch(
+        backend,
+        ["fault", "--timeout", str(timeout_s)],
+        env={"ZEROSIM_FAULT": f"hang:rank={late}:call=4"},
+        bound_s=90.0,
+    )
     lines = _failure_lines(err)
     assert code == 3, f"{backend.name}: exit {code}, not 3:\n{err[-3000:]}"
     assert len(lines) == 1, f"{backend.name}: {len(lines)} failure lines, not one:\n{err[-3000:]}"
@@ -219,6 +236,7 @@ def test_a_failed_rank_ends_every_rank_and_is_named(backend_name: str) -> None:
     backend = BY_NAME[backend_name]
     timeout_s = 60.0  # the peers must be ended by the failure, not by waiting this out
     if backend.kind == "sim":
+
         def fn(comm: Any) -> None:
             x = np.zeros(2 * comm.world_size, np.float32)
             comm.all_reduce(x)
@@ -232,8 +250,12 @@ def test_a_failed_rank_ends_every_rank_and_is_named(backend_name: str) -> None:
         assert e.value.rank == 1 and "rank 1 failed: RuntimeError: rank 1 broke" in str(e.value)
         assert time.monotonic() - t0 < 10
         return
-    code, _, err, elapsed = _launch(backend, ["fault", "--timeout", str(timeout_s)],
-                                    env={"ZEROSIM_FAULT": "raise:rank=1:call=4"}, bound_s=90.0)
+    code, _, err, elapsed = _launch(
+        backend,
+        ["fault", "--timeout", str(timeout_s)],
+        env={"ZEROSIM_FAULT": "raise:rank=1:call=4"},
+        bound_s=90.0,
+    )
     lines = _failure_lines(err)
     assert code == 3, f"{backend.name}: exit {code}, not 3:\n{err[-3000:]}"
     assert len(lines) == 1 and lines[0].startswith("rank 1 failed: RuntimeError: injected fault"), err[-3000:]
@@ -241,6 +263,7 @@ def test_a_failed_rank_ends_every_rank_and_is_named(backend_name: str) -> None:
 
 
 # ---- the suite catches wrong communicators -------------------------------------------------------
+
 
 class Mutant:
     """A simulator communicator with one collective replaced by a wrong one."""
@@ -261,7 +284,9 @@ def _run_mutant(world: int, case: str, exact: bool = True, **overrides: Callable
 
 
 def test_an_average_that_forgot_to_divide_fails_naming_the_collective() -> None:
-    fails = _run_mutant(3, "all_reduce-float32-avg-7", all_reduce=lambda c, x, op="sum": c.all_reduce(x, "sum"))
+    fails = _run_mutant(
+        3, "all_reduce-float32-avg-7", all_reduce=lambda c, x, op="sum": c.all_reduce(x, "sum")
+    )
     assert len(fails) == 3 and "all_reduce float32 avg length 7 over 3 ranks" in fails[0], fails
     assert "not bitwise equal" in fails[0]
 
@@ -269,7 +294,7 @@ def test_an_average_that_forgot_to_divide_fails_naming_the_collective() -> None:
 def test_a_reduce_scatter_done_as_all_reduce_fails_on_traffic() -> None:
     def via_all_reduce(c: Any, x: Any, op: str = "sum") -> Any:
         n = len(x) // c.world_size
-        return c.all_reduce(x, op)[c.rank * n:(c.rank + 1) * n]
+        return c.all_reduce(x, op)[c.rank * n : (c.rank + 1) * n]
 
     fails = _run_mutant(3, "reduce_scatter-float32-sum-chunk5", reduce_scatter=via_all_reduce)
     assert fails and "traffic differs from the ring model" in fails[0], fails
@@ -293,9 +318,12 @@ def test_the_reordering_bound_admits_any_summation_order_and_rejects_a_lower_pre
         xs = [rng.standard_normal(257).astype(np.float32).astype(dtype) for _ in range(7)]
         for order in (list(range(7))[::-1], [3, 0, 6, 1, 5, 2, 4]):
             other = conformance.rank_order([xs[k] for k in order], "avg")
-            conformance.check_values("reordered avg", other, conformance.rank_order(xs, "avg"), xs, bitwise=False)
+            conformance.check_values(
+                "reordered avg", other, conformance.rank_order(xs, "avg"), xs, bitwise=False
+            )
     xs = [rng.standard_normal(257).astype(np.float32) for _ in range(7)]
     through_half = conformance.rank_order([x.astype(np.float16) for x in xs], "sum").astype(np.float32)
     with pytest.raises(AssertionError, match="beyond the reordering bound"):
-        conformance.check_values("float32 summed in float16", through_half, conformance.rank_order(xs, "sum"), xs,
-                                 bitwise=False)
+        conformance.check_values(
+            "float32 summed in float16", through_half, conformance.rank_order(xs, "sum"), xs, bitwise=False
+        )
