@@ -10,8 +10,9 @@ from .config import ReportConfig
 
 
 def _pct(x: float) -> str:
+    """A relative difference, never to be read as bytes: ``0 (exact)``, ``+1.5%``, ``inf``."""
     if x == 0:
-        return "0"
+        return "0 (exact)"
     if x == float("inf"):
         return "inf"
     return f"{100 * x:+.3g}%"
@@ -122,8 +123,10 @@ def _model_vs_measured(add: Any, rows: list[dict[str, Any]], cfg: ReportConfig) 
         "Transient = the largest gathered-parameter + unsharded-gradient bytes live at once in a step (tracker "
         "timeline). Activations are measured only. Traffic = data bytes sent per rank per step.")
     add("")
-    add("| world | strategy | measured total [B] | params | grads | optim. states | total | transient | "
-        "total vs paper | transient vs paper | activations [B] (measured) | traffic | why anything differs |")
+    add("| world | strategy | measured total [B] | params rel. diff | grads rel. diff | "
+        "optim. states rel. diff | total rel. diff | transient rel. diff | total rel. diff vs paper | "
+        "transient rel. diff vs paper | activations [B] (measured) | traffic rel. diff | "
+        "why anything differs |")
     add("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         expl = sorted({r[c]["explanation"] for c in ("params", "grads", "optimizer_states", "total", "transient")
@@ -149,7 +152,8 @@ def _padding(add: Any, rows: list[dict[str, Any]], cfg: ReportConfig) -> None:
         f"3 blocks, MLP 20) with the `{cfg.partitioner}` partitioner. *vs paper* compares the measurement with the "
         "ZeRO paper's `Psi / N_d`; *vs model* with the memory model using the engine's packing.")
     add("")
-    add("| world | strategy | category | measured [B] | paper [B] | vs paper | vs model | explanation |")
+    add("| world | strategy | category | measured [B] | paper [B] | rel. diff vs paper | "
+        "rel. diff vs model | explanation |")
     add("|---:|---|---|---:|---:|---:|---:|---|")
     for cmp in rows:
         for r in cmp["rows"]:
@@ -185,7 +189,7 @@ def _mpi(add: Any, mpi: dict[str, Any], title: str = "MPI backend (mpiexec, mpi4
                 f"{_pct(r['rel_diff_vs_engine_model'])} | {r['explanation']} |")
         t = row["traffic"]
         add(f"| {row['strategy']} | traffic sent/rank/step | {_b(t['measured'])} | {_b(t['model'])} | "
-            f"{_pct((t['measured'] - t['model']) / t['model']) if t['model'] else '0'} | ring model |")
+            f"{_pct((t['measured'] - t['model']) / t['model']) if t['model'] else _pct(0)} | ring model |")
     add("")
     add(f"Data: [{data}]({data}).")
     add("")
