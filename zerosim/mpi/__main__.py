@@ -71,7 +71,7 @@ def _check_world_size(args: argparse.Namespace, size: int) -> None:
         args.world_size = size
     elif args.world_size != size:
         hint = (" (every rank sees a world of 1: is this mpiexec from the MPI library mpi4py was built for? "
-                "see README.md, 'Using a system MPI')" if size == 1 else f"; run mpiexec -n {args.world_size} or drop --world-size")
+                "see docs/backends-and-launching.md, 'Using a system MPI')" if size == 1 else f"; run mpiexec -n {args.world_size} or drop --world-size")
         raise ConfigError("world_size", args.world_size, f"mpiexec started {size} rank(s){hint}")
 
 
