@@ -330,39 +330,42 @@ def split_case(comm: Any, exact: bool) -> None:
     traffic.check(what)
 
 
-def bad_input_case(comm: Any, exact: bool) -> None:
-    """Rejected before any rank enters the collective (every rank raises alike, nobody waits)."""
-    n = comm.world_size
-    x = rank_input(comm.rank, 2 * n, np.dtype(np.float32), salt=6)
-    traffic = TrafficExpectation(comm)
-    bad: list[tuple[str, Callable[[], Any], type[Exception]]] = [
-        ("op='prod'", lambda: comm.all_reduce(x, "prod"), ConfigError),
-        ("avg of int64", lambda: comm.all_reduce(np.arange(3), "avg"), ConfigError),
-        ("2-D reduce_scatter", lambda: comm.reduce_scatter(x.reshape(2, n)), CollectiveError),
-        ("2-D all_gather", lambda: comm.all_gather(x.reshape(2, n)), CollectiveError),
-        (f"broadcast root={n}", lambda: comm.broadcast(x, root=n), ConfigError),
-        ("split color=-1", lambda: comm.split(-1), ConfigError),
-    ]
-    if n > 1:  # every length divides by one rank
-        bad.append(
-            (
-                "length 2n+1 reduce_scatter",
-                lambda: comm.reduce_scatter(np.zeros(2 * n + 1, np.float32)),
-                CollectiveError,
-            )
-        )
-    for label, call, exc in bad:
+# Calls every backend must refuse before any rank enters the collective (every rank raises alike, so
+# nobody waits): name -> (the call on comm with a float32 buffer x of length 2n, the error it raises).
+BAD_INPUTS: dict[str, tuple[Callable[[Any, np.ndarray], Any], type[Exception]]] = {
+    "op-prod": (lambda comm, x: comm.all_reduce(x, "prod"), ConfigError),
+    "avg-of-int64": (lambda comm, x: comm.all_reduce(np.arange(3), "avg"), ConfigError),
+    "reduce_scatter-2d": (lambda comm, x: comm.reduce_scatter(x.reshape(2, -1)), CollectiveError),
+    "reduce_scatter-indivisible": (
+        lambda comm, x: comm.reduce_scatter(np.zeros(2 * comm.world_size + 1, np.float32)),
+        CollectiveError,
+    ),
+    "all_gather-2d": (lambda comm, x: comm.all_gather(x.reshape(2, -1)), CollectiveError),
+    "broadcast-root-out-of-range": (lambda comm, x: comm.broadcast(x, root=comm.world_size), ConfigError),
+    "split-negative-color": (lambda comm, x: comm.split(-1), ConfigError),
+}
+
+
+def bad_input_case(name: str) -> Case:
+    call, exc = BAD_INPUTS[name]
+
+    def case(comm: Any, exact: bool) -> None:
+        if name == "reduce_scatter-indivisible" and comm.world_size == 1:
+            return  # every length divides by one rank
+        x = rank_input(comm.rank, 2 * comm.world_size, np.dtype(np.float32), salt=6)
+        traffic = TrafficExpectation(comm)
+        what = f"rank {comm.global_rank}: {name}"
         try:
-            call()
+            call(comm, x)
         except exc as e:
-            assert str(e), f"{label}: {type(e).__name__} without a message"
+            assert str(e), f"{what}: {type(e).__name__} without a message"
         except Exception as e:  # noqa: BLE001 - the wrong type is the finding
-            raise AssertionError(
-                f"rank {comm.global_rank}: {label} raised {type(e).__name__}: {e}, not {exc.__name__}"
-            ) from e
+            raise AssertionError(f"{what} raised {type(e).__name__}: {e}, not {exc.__name__}") from e
         else:
-            raise AssertionError(f"rank {comm.global_rank}: {label} was accepted, not {exc.__name__}")
-    traffic.check(f"rank {comm.global_rank}: rejected calls")  # nothing recorded for them
+            raise AssertionError(f"{what} was accepted, not refused with {exc.__name__}")
+        traffic.check(f"{what}: refused call")  # nothing recorded for it
+
+    return case
 
 
 def build_cases() -> dict[str, Case]:
@@ -386,7 +389,8 @@ def build_cases() -> dict[str, Case]:
     cases["barrier"] = barrier_case
     cases["scalar-all_reduce"] = scalar_case
     cases["split-parity-and-key"] = split_case
-    cases["bad-input-rejected"] = bad_input_case
+    for name in BAD_INPUTS:
+        cases[f"bad-input-{name}"] = bad_input_case(name)
     assert {name.split("-")[0] for name in cases} >= {c for c in COLLECTIVES}
     return cases
 

@@ -51,8 +51,8 @@ BY_NAME = {b.name: b for b in BACKENDS}
 
 # Known departures from the conformance cases, per backend kind and case: (reason, strict xfail).
 KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("sim", "bad-input-rejected"): "the simulator lets numpy raise UFuncTypeError for op='avg' on an int64 "
-    "buffer; MPI and torch raise ConfigError naming op (zerosim/comm/sim.py)",
+    ("sim", "bad-input-avg-of-int64"): "the simulator lets numpy raise UFuncTypeError for op='avg' on an "
+    "int64 buffer; MPI and torch raise ConfigError naming op (zerosim/comm/sim.py)",
 }
 
 
