@@ -227,7 +227,8 @@ def test_a_rank_that_never_arrives_raises_collective_timeout_naming_it(backend_n
     lines = _failure_lines(err)
     assert code == 3, f"{backend.name}: exit {code}, not 3:\n{err[-3000:]}"
     assert len(lines) == 1, f"{backend.name}: {len(lines)} failure lines, not one:\n{err[-3000:]}"
-    assert "CollectiveTimeout" in lines[0] and f"ranks that never arrived: [{late}]" in lines[0], lines[0]
+    assert (f"CollectiveTimeout: reduce_scatter on group world timed out after {timeout_s:g}s; "
+            f"ranks that never arrived: [{late}]") in lines[0], lines[0]
     assert elapsed >= timeout_s
 
 
@@ -258,7 +259,9 @@ def test_a_failed_rank_ends_every_rank_and_is_named(backend_name: str) -> None:
     )
     lines = _failure_lines(err)
     assert code == 3, f"{backend.name}: exit {code}, not 3:\n{err[-3000:]}"
-    assert len(lines) == 1 and lines[0].startswith("rank 1 failed: RuntimeError: injected fault"), err[-3000:]
+    assert len(lines) == 1, f"{backend.name}: {len(lines)} failure lines, not one:\n{err[-3000:]}"
+    assert lines[0].startswith("rank 1 failed: RuntimeError: injected fault"), lines[0]
+    assert "before reduce_scatter on group world" in lines[0], lines[0]
     assert elapsed < timeout_s
 
 
