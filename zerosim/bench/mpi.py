@@ -155,6 +155,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from ..text_tables import print_table
+
     table = Table(title="MpiCommunicator vs raw mpi4py (GB/s = full buffer / time; ratio = raw time / ours)")
     for col in (
         "size",
@@ -173,7 +175,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         table.add_row(_human(r["bytes"]), r["collective"], str(r["ranks"]), f"{r['gbps']['ours']:.3f}",
                       f"{r['gbps']['raw']:.3f}", f"{r['ratio']:.3f}{flag}", f"{r['ratio_new']:.3f}",
                       f"{r['ratio_raise']:.3f}", f"{r['ratio_raw_again']:.3f}")
-    Console(width=140).print(table)
+    print_table(table, Console(width=140))
 
 
 def _paired(pairs: list[tuple[float, float]]) -> float:

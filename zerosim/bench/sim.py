@@ -221,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(report: dict[str, Any], out: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from ..text_tables import print_table
 
     t = Table(title=f"zerosim bench sim: {report['model']} {report['strategy']} ({report['partitioner']})")
     for col in ("ranks", "sim step (s, median)", "unsharded step (s, median)", "ratio median", "ratio min",
@@ -234,5 +235,5 @@ def _print_table(report: dict[str, Any], out: Path) -> None:
                   f"{statistics.median(r['baseline_step_s']):.3f}", f"{r['ratio_median']:.2f}",
                   f"{r['ratio_min']:.2f}", f"<= {r['target_ratio']}", f"{m['process_peak_bytes'] / 1e6:.1f}",
                   f"{m['sum_rank_peak_bytes'] / 1e6:.1f}", f"{m['process_peak_over_sum_rank_peaks']:.2f}")
-    Console().print(t)
+    print_table(t)
     print(f"report: {out}")

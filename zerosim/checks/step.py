@@ -66,7 +66,7 @@ class Tolerance:
 # world 2..8, M = 1..3, clipping on/off: fp32 1.9e-6 / 7.3e-8, bf16 4.2e-3 / 2.3e-4, fp16 4.0e-4 /
 # 2.5e-5. fp32 2e-5 is the worst-case float32 reordering bound (n u, n ~ 300 terms); the 16-bit ones are
 # 2.5-4x one 16-bit ulp doubled by Adam's g^2 (bf16 2 * 2^-8, fp16 2 * 2^-11). Derivation and
-# measurements: contracts/C-ZERO-002.toml, README.md (Tolerances).
+# measurements: contracts/C-ZERO-002.toml, docs/contracts-and-tolerances.md.
 EQUIVALENCE_TOLERANCE = {
     "fp32": Tolerance(atol_scale=2e-5, norm_rtol=1e-6),
     "bf16": Tolerance(atol_scale=2e-2, norm_rtol=2e-3),

@@ -72,10 +72,9 @@ def build_estimates(args) -> list[tuple[CommEstimate, dict[str, Any]]]:
 
 
 def render_table(rows: list[tuple[CommEstimate, dict[str, Any]]], unit: str) -> str:
-    from io import StringIO
-
-    from rich.console import Console
     from rich.table import Table
+
+    from ..text_tables import table_text
 
     first = rows[0][0]
     table = Table(title=(f"Per-rank traffic per step, {first.numel:,} params, world {first.world_size} "
@@ -94,15 +93,11 @@ def render_table(rows: list[tuple[CommEstimate, dict[str, Any]]], unit: str) -> 
         table.add_row(name, format_value(float(est.bytes_sent), unit), format_value(links["intra"], unit),
                       format_value(links["inter"], unit), f"{float(est.elements_sent) / est.numel:.4g}",
                       f"{float(est.paper_elements()) / est.numel:.4g}", colls)
-    buf = StringIO()
-    Console(file=buf, width=220, force_terminal=False, color_system=None).print(table)
+    text = table_text(table, width=220)
     notes = sorted({n for est, _ in rows for n in est.notes})
     basis = rows[0][1]["basis"]
-    return (
-        buf.getvalue()
-        + f"intra/inter: bytes each rank sends over ring edges inside / across nodes ({basis})\n"
-        + "".join(f"note: {n}\n" for n in notes)
-    )
+    return text + f"intra/inter: bytes each rank sends over ring edges inside / across nodes ({basis})\n" + \
+        "".join(f"note: {n}\n" for n in notes)
 
 
 def run(args) -> int:

@@ -180,10 +180,9 @@ def estimates_json(estimates: list[MemoryEstimate]) -> dict[str, Any]:
 
 
 def render_table(estimates: list[MemoryEstimate], unit: str) -> str:
-    from io import StringIO
-
-    from rich.console import Console
     from rich.table import Table
+
+    from ..text_tables import table_text
 
     unit = parse_unit(unit)
     first = estimates[0]
@@ -214,12 +213,11 @@ def render_table(estimates: list[MemoryEstimate], unit: str) -> str:
             format_value(c.transient_device, unit) if known else "n/a",
             format_value(c.peak_device, unit) if known else "n/a",
         )
-    buf = StringIO()
-    Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
+    text = table_text(table, width=200)
     notes = sorted({n for e in estimates for n in e.notes})
     tail = "".join(f"note: {n}\n" for n in notes)
     return (
-        buf.getvalue() + "params/grads/optim states/total: persistent model states (ZeRO paper accounting, "
+        text + "params/grads/optim states/total: persistent model states (ZeRO paper accounting, "
         "per-rank worst class); transient/peak: engine accounting (gathered blocks, unsharded grads)\n" + tail
     )
 
@@ -247,10 +245,9 @@ def render_deepspeed_table(report: dict[str, Any], unit: str) -> str:
     The DeepSpeed columns come from the real estimator when it ran on every row, else from zerosim's
     restatement of its published formulas; the header says which (never an unlabelled mix).
     """
-    from io import StringIO
-
-    from rich.console import Console
     from rich.table import Table
+
+    from ..text_tables import table_text
 
     real = all(r["ds_real"] is not None for r in report["rows"])
     source = "real" if real else "formula restated by zerosim"
@@ -279,8 +276,7 @@ def render_deepspeed_table(report: dict[str, Any], unit: str) -> str:
                       format_value(r["ours_fp32_grads"]["device_peak"], unit),
                       format_value(d["cpu_per_node"], unit),
                       format_value(r["ours_fp32_grads"]["host_per_node"], unit))
-    buf = StringIO()
-    Console(file=buf, width=240, force_terminal=False, color_system=None).print(table)
+    text = table_text(table, width=240)
     lines = [f"deepspeed: {report['deepspeed']}"]
     if not real:
         lines.append("DS formula: zerosim's restatement of the arithmetic of DeepSpeed's "
@@ -289,7 +285,7 @@ def render_deepspeed_table(report: dict[str, Any], unit: str) -> str:
         same = all(r["ds_real"] == r["ds_formula"] for r in report["rows"] if r["ds_real"] is not None)
         lines.append(f"real estimator == restated formula on every row: {same}")
     lines += [f"- {e}" for e in report["explanation"]]
-    return buf.getvalue() + "\n".join(lines) + "\n"
+    return text + "\n".join(lines) + "\n"
 
 
 def run_deepspeed_compare(args, unit: str) -> int:

@@ -146,6 +146,8 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
     from rich.console import Console
     from rich.table import Table
 
+    from ..text_tables import print_table
+
     if console is None:
         console = Console(width=None if sys.stdout.isatty() else 220, highlight=False)
     layout, strat, topo, sp = plan.layout, plan.strategy, plan.topology, plan.shard_plan
@@ -217,7 +219,7 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
                 *([str(pick(r["blocks"] for r in rows)), f"{pick(r['block_fraction'] for r in rows):.3f}",
                    f"{pick(r['byte_fraction'] for r in rows):.3f}"] if blocks else []),
                 style="italic", end_section=False)
-    console.print(table)
+    print_table(table, console)
     if elided:
         console.print(f"[dim]{elided} of {len(rows)} ranks elided from the middle; min / max rows cover all "
                       f"ranks (--all-ranks shows every rank, --json gives them all).[/]")

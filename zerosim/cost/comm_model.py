@@ -1,44 +1,14 @@
 """Closed-form communication per optimizer step: what every rank sends and receives, per collective.
 
-This is C-ZERO-005's expected value (the reference engine's measured traffic must equal it exactly)
-and what ``zerosim comm`` prints. It follows the engine's collective schedule
-(:mod:`zerosim.engine.zero`) and the ring attribution of :mod:`zerosim.comm.base`: a collective
-over ``n`` ranks on an ``S``-byte buffer costs each rank ``2(n-1)/n * S`` (all-reduce) or
-``(n-1)/n * S`` (reduce-scatter, all-gather) sent, and the same received.
-
-Per step, with ``M`` micro-batches, shard group ``k``, ``r = N / k`` replicas, ``P`` = padded
-(packed) model size = sum over units of ``k * c_u``, ``C = P / k`` the shard size, ``Psi`` the
-parameter count, ``b_p`` bytes of a working parameter (2 in bf16/fp16, 4 in fp32) and 4 bytes per
-gradient element (gradients are reduced in float32):
-
-==================  ======================================================================
-NO_SHARD            all_reduce(world, Psi * 4)                              2(N-1)/N * Psi
-ZeRO-1 all_reduce   all_reduce(world, Psi * 4) + all_gather(world, P * b_p)  3(N-1)/N * ... (see below)
-ZeRO-1 reduce_sc.   reduce_scatter(world, P * 4) + all_gather(world, P * b_p)  2(N-1)/N * P
-ZeRO-2              M x reduce_scatter(world, P * 4) + all_gather(world, P * b_p)
-ZeRO-3              per unit u: M x [2 x all_gather(P_u * b_p) + reduce_scatter(P_u * 4)]
-HYBRID_SHARD        ZeRO-3 in the shard group (k) + all_reduce(replicate, C * 4) over r ranks
-HYBRID_SHARD_ZERO2  ZeRO-2 in the shard group (k) + all_reduce(replicate, C * 4) over r ranks
-==================  ======================================================================
-
-In elements sent per rank (fp32, M = 1, no padding) this is the ZeRO paper's accounting:
-NO_SHARD ``2(N-1)/N Psi``; ZeRO-2 ``(N-1)/N Psi`` (reduce-scatter) + ``(N-1)/N Psi`` (all-gather)
-``= 2(N-1)/N Psi``; ZeRO-3 ``3(N-1)/N Psi`` (1.5x). ZeRO-1 has two variants
-(``zero1_grad_reduce``): ``"all_reduce"`` (the default; torch's ZeroRedundancyOptimizer) all-reduces
-the full gradient *and* all-gathers the parameters, so it sends ``2(N-1)/N Psi + (N-1)/N Psi =
-3(N-1)/N Psi``; ``"reduce_scatter"`` (DeepSpeed stage 1 with ``reduce_scatter: true``) reduce-scatters
-the padded gradient once per step after accumulation, ``2(N-1)/N Psi``: the paper's P_os figure.
-``CommEstimate.variant`` and ``notes`` say which one a row is.
-
-Hybrid split (derived from the ring model, not the FSDP paper's approximate formula): with shard
-groups inside a node and replicate groups across nodes, each rank sends ``M * 3(k-1)/k * P * b``
-(ZeRO-3 part, fp32) **intra-node** and ``2(r-1)/r * C * 4 = 2(r-1)/r * P/k * 4`` **inter-node**: the
-cross-node volume shrinks by the sharding factor ``k`` compared with DDP's ``2(N-1)/N * Psi``.
-Link classes are attributed per ring edge: each rank sends its ring bytes to its successor in the
-group (group order, cyclic); the edge is inter-node when the successor is on another node.
-
-Control traffic (grad-norm scalar, non-finite flags, loss, the step barrier) runs on ``*.control``
-groups and is reported apart; C-ZERO-005 compares data traffic only.
+C-ZERO-005's expected value (the engine's measured traffic must equal it exactly) and what
+``zerosim comm`` prints. It follows the engine's collective schedule (:mod:`zerosim.engine.zero`)
+and the ring attribution of :mod:`zerosim.comm.base`; per strategy: NO_SHARD all-reduces the
+gradient (``2(N-1)/N Psi`` elements sent per rank), ZeRO-1 all-reduces or reduce-scatters it and
+all-gathers the parameters (``3(N-1)/N`` or ``2(N-1)/N Psi``), ZeRO-2 reduce-scatters and all-gathers
+(``2(N-1)/N Psi``), ZeRO-3 gathers twice and reduce-scatters per unit (``3(N-1)/N Psi``), hybrid
+strategies do that inside the shard group and all-reduce a ``1/k`` shard across replicas. The
+schedule with micro-batches, padding and dtypes, the hybrid intra/inter-node split and the paper's
+accounting are derived in docs/cost-model.md. Control traffic (``*.control`` groups) is reported apart.
 
 Cost: O(tensors + ranks) to build the padded units from the partitioner's plan (O(1) given a plain
 parameter count), so 10^12 parameters x 1024 ranks answer instantly.

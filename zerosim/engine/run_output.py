@@ -64,6 +64,8 @@ def render(result: RunResult, as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from ..text_tables import print_table
+
     console = Console()
     c = result.config
     console.print(
@@ -81,7 +83,7 @@ def render(result: RunResult, as_json: bool) -> int:
         steps.add_row(str(m["step"]), f"{m['loss']:.6f}", f"{m.get('reference_loss', float('nan')):.6f}",
                       f"{m['grad_norm']:.4g}", f"{m['clip_coef']:.4g}", f"{m['bytes_sent_rank0'] / 1e6:.4g}",
                       f"{m['wall_s']:.3f}")
-    console.print(steps)
+    print_table(steps, console)
     titles = _titles()
     table = Table(title="contracts")
     for col in ("contract", "title", "verdict", "checked", "summary"):
@@ -91,7 +93,7 @@ def render(result: RunResult, as_json: bool) -> int:
         verdict = "[yellow]SKIP[/]" if skipped else ("[green]PASS[/]" if v.passed else "[red]FAIL[/]")
         summary = _summary(cid, v) if v.passed else f"{len(v.violations)} violation(s)"
         table.add_row(cid, titles.get(cid, ""), verdict, str(v.checked), summary)
-    console.print(table)
+    print_table(table, console)
     shown = 0
     for v in result.verdicts.values():
         for viol in v.violations[:4]:

@@ -74,7 +74,7 @@ def _check_world_size(args: argparse.Namespace, size: int) -> None:
     elif args.world_size != size:
         hint = (
             " (every rank sees a world of 1: is this mpiexec from the MPI library mpi4py was built for? "
-            "see README.md, 'Using a system MPI')"
+            "see docs/backends-and-launching.md, 'Using a system MPI')"
             if size == 1
             else f"; run mpiexec -n {args.world_size} or drop --world-size"
         )

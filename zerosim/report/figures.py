@@ -193,34 +193,52 @@ def plot_comm_volume(data: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+def _shared_log_range(values: list[float], tolerance: float) -> tuple[float, float]:
+    """One log range for every panel: from below the smallest non-zero error to above the tolerance."""
+    nonzero = [v for v in values if v > 0]
+    top = max([tolerance, *nonzero]) * 4
+    bottom = min([tolerance, *nonzero]) / 4
+    return bottom, top
+
+
 def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
-    """Max |sharded - ground truth| of the parameters after each step, per backend and strategy (measured)."""
+    """C-ZERO-002's relative master error per step, per backend, on one shared log range with the verdict's
+    tolerance drawn; an exact 0 (bit-identical) sits on the bottom edge with a hollow marker."""
     backends = [b for b, v in data["backends"].items() if v.get("series")]
-    fig, axes = plt.subplots(
-        1, max(len(backends), 1), figsize=(6.5 * max(len(backends), 1), 4.6), squeeze=False
-    )
+    tolerance = float(data["tolerance"])
+    values = [e for b in backends for errs in data["backends"][b]["series"].values() for e in errs]
+    bottom, top = _shared_log_range(values, tolerance)
+    panels = max(len(backends), 1)
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False, sharey=True)
     for ax, backend in zip(axes[0], backends, strict=False):
         series = data["backends"][backend]["series"]
         steps_max = max((len(e) for e in series.values()), default=1)
         # strategies with identical errors would hide each other: draw each distinct curve once, naming all
         curves: dict[tuple[float, ...], list[str]] = {}
         for name, errs in series.items():
-            curves.setdefault(tuple(errs), []).append(short_name(name))
+            curves.setdefault(tuple(errs), []).append(name if name.startswith("world ") else short_name(name))
         for i, (errs, names) in enumerate(curves.items()):
             label = ", ".join(names) + (" (identical)" if len(names) > 1 else "")
-            ax.plot(range(1, len(errs) + 1), errs, marker=MARKERS[i % len(MARKERS)], markersize=6, alpha=0.85,
-                    label="\n".join(textwrap.wrap(label, 40)))
-        values = [e for errs in series.values() for e in errs]
-        if values and min(values) > 0:
-            ax.set_yscale("log")
-        else:
-            ax.set_yscale("symlog", linthresh=max(min((v for v in values if v > 0), default=1e-12), 1e-300))
+            xs = range(1, len(errs) + 1)
+            line, = ax.plot(xs, [max(e, bottom) for e in errs], marker=MARKERS[i % len(MARKERS)],
+                            markersize=6, alpha=0.85, label="\n".join(textwrap.wrap(label, 44)))
+            zeros = [x for x, e in zip(xs, errs, strict=True) if e == 0]
+            if zeros:
+                ax.scatter(zeros, [bottom] * len(zeros), s=90, facecolors="white",
+                           edgecolors=line.get_color(), zorder=5)
+        ax.axhline(tolerance, color="black", linestyle="--", linewidth=1.2,
+                   label=f"C-ZERO-002 tolerance ({data['precision']}): {tolerance:g}")
+        ax.set_yscale("log")
+        ax.set_ylim(bottom, top)
         ax.set_xticks(range(1, steps_max + 1))
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("max |fp32 master - ground truth|")
+        ax.set_ylabel("max |master - ground truth| / max |ground truth|")
         _title(ax, f"MEASURED on {backend}: {data['backends'][backend]['title']}", 60)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="center right")
+    if any(e == 0 for e in values):
+        fig.text(0.01, 0.01, "hollow marker on the bottom edge: 0 (bit-identical to the ground truth)",
+                 fontsize=7)
     if not backends:
         axes[0][0].text(0.5, 0.5, "no backend produced measurements", ha="center")
     return _save(fig, path)

@@ -10,8 +10,9 @@ from .config import ReportConfig
 
 
 def _pct(x: float) -> str:
+    """A relative difference, never to be read as bytes: ``0 (exact)``, ``+1.5%``, ``inf``."""
     if x == 0:
-        return "0"
+        return "0 (exact)"
     if x == float("inf"):
         return "inf"
     return f"{100 * x:+.3g}%"
@@ -158,8 +159,10 @@ def _model_vs_measured(add: Any, rows: list[dict[str, Any]], cfg: ReportConfig) 
         "timeline). Activations are measured only. Traffic = data bytes sent per rank per step."
     )
     add("")
-    add("| world | strategy | measured total [B] | params | grads | optim. states | total | transient | "
-        "total vs paper | transient vs paper | activations [B] (measured) | traffic | why anything differs |")
+    add("| world | strategy | measured total [B] | params rel. diff | grads rel. diff | "
+        "optim. states rel. diff | total rel. diff | transient rel. diff | total rel. diff vs paper | "
+        "transient rel. diff vs paper | activations [B] (measured) | traffic rel. diff | "
+        "why anything differs |")
     add("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         expl = sorted(
@@ -209,7 +212,8 @@ def _padding(add: Any, rows: list[dict[str, Any]], cfg: ReportConfig) -> None:
         "ZeRO paper's `Psi / N_d`; *vs model* with the memory model using the engine's packing."
     )
     add("")
-    add("| world | strategy | category | measured [B] | paper [B] | vs paper | vs model | explanation |")
+    add("| world | strategy | category | measured [B] | paper [B] | rel. diff vs paper | "
+        "rel. diff vs model | explanation |")
     add("|---:|---|---|---:|---:|---:|---:|---|")
     for cmp in rows:
         for r in cmp["rows"]:
@@ -261,7 +265,7 @@ def _mpi(
             )
         t = row["traffic"]
         add(f"| {row['strategy']} | traffic sent/rank/step | {_b(t['measured'])} | {_b(t['model'])} | "
-            f"{_pct((t['measured'] - t['model']) / t['model']) if t['model'] else '0'} | ring model |")
+            f"{_pct((t['measured'] - t['model']) / t['model']) if t['model'] else _pct(0)} | ring model |")
     add("")
     add(f"Data: [{data}]({data}).")
     add("")

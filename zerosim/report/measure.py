@@ -234,10 +234,14 @@ def traffic_comparison(run: ResolvedRun, observations: Sequence[RankObservation]
 def equivalence_errors(
     run: ResolvedRun, observations: Sequence[RankObservation], reference: Any
 ) -> list[float]:
-    """Per step: max over ranks and owned elements of |master - reference master| (0.0 = equal)."""
+    """Per step: max over ranks and owned elements of ``|master - reference master| / max|reference master|``.
+
+    The quantity C-ZERO-002's ``allclose`` clause bounds by ``atol_scale`` for the master weights
+    (0.0 = equal). Relative to the reference's largest weight, so backends and world sizes share a scale."""
     out = []
     for s, ref in enumerate(reference.steps):
         worst = 0.0
+        scale = float(np.max(np.abs(ref.master.astype(np.float64)))) if ref.master.size else 0.0
         for o in observations:
             so = next((x for x in o.steps if x.step == s), None)
             if so is None or so.master is None:
@@ -248,7 +252,7 @@ def equivalence_errors(
                 exp = ref.master[g0:g1].astype(np.float64)
                 if got.size:
                     worst = max(worst, float(np.max(np.abs(got - exp))))
-        out.append(worst)
+        out.append(worst / scale if scale > 0 else worst)
     return out
 
 
