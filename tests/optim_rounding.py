@@ -129,6 +129,7 @@ def lerp(start: Bounded, end: Bounded, w: Bounded) -> Bounded:
 
 # ---- the optimizers' formulas, in torch's order of operations (torch/optim/sgd.py, adam.py) --------
 
+
 def sgd_model(spec: OptimizerSpec, p: Bounded, g: Bounded, buf: Bounded | None, t: int) -> dict[str, Bounded]:
     """``_single_tensor_sgd``: ``g += wd * p``; ``buf = g`` at step 1, else ``buf = buf * m + (1 - d) g``;
     ``g += m * buf`` (nesterov) or ``g = buf``; ``p += -lr * g``."""
@@ -146,7 +147,9 @@ def sgd_model(spec: OptimizerSpec, p: Bounded, g: Bounded, buf: Bounded | None, 
     return out
 
 
-def adam_model(spec: OptimizerSpec, p: Bounded, g: Bounded, m: Bounded, v: Bounded, t: int) -> dict[str, Bounded]:
+def adam_model(
+    spec: OptimizerSpec, p: Bounded, g: Bounded, m: Bounded, v: Bounded, t: int
+) -> dict[str, Bounded]:
     """``_single_tensor_adam``: AdamW ``p *= 1 - lr wd`` / Adam ``g += wd p``; ``m = lerp(m, g, 1 - b1)``;
     ``v = v b2 + (1 - b2) g g``; ``denom = sqrt(v) / sqrt(1 - b2^t) + eps``;
     ``p += (-lr / (1 - b1^t)) m / denom``. Bias corrections are Python floats on both sides."""
@@ -190,26 +193,39 @@ def clip_model(g: Bounded, max_norm: float) -> Bounded:
 
 # ---- one step on each side ----------------------------------------------------------------------------
 
+
 def torch_optimizer(spec: OptimizerSpec, p):
     """The torch.optim optimizer for ``spec`` on parameter ``p`` (single-tensor path)."""
     import torch
+
     if spec.name == "sgd":
-        return torch.optim.SGD([p], lr=spec.lr, momentum=spec.momentum, dampening=spec.dampening,
-                               nesterov=spec.nesterov, weight_decay=spec.weight_decay, foreach=False)
+        return torch.optim.SGD(
+            [p],
+            lr=spec.lr,
+            momentum=spec.momentum,
+            dampening=spec.dampening,
+            nesterov=spec.nesterov,
+            weight_decay=spec.weight_decay,
+            foreach=False,
+        )
     cls = torch.optim.Adam if spec.name == "adam" else torch.optim.AdamW
     return cls([p], lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay, foreach=False)
 
 
-def torch_step(spec: OptimizerSpec, p: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray],
-               t: int) -> dict[str, np.ndarray]:
+def torch_step(
+    spec: OptimizerSpec, p: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray], t: int
+) -> dict[str, np.ndarray]:
     """torch.optim's step ``t`` from the given parameter and state (copied in): clip_grad_norm_ first
     when ``spec.max_grad_norm`` is set. Returns the new parameter and state as float32 arrays."""
     import torch
+
     tp = torch.nn.Parameter(torch.from_numpy(p.copy()))
     opt = torch_optimizer(spec, tp)
     if spec.name != "sgd":
-        opt.state[tp] = {"step": torch.tensor(float(t - 1), dtype=torch.float32),
-                         **{k: torch.from_numpy(state[k].copy()) for k in spec.state_names}}
+        opt.state[tp] = {
+            "step": torch.tensor(float(t - 1), dtype=torch.float32),
+            **{k: torch.from_numpy(state[k].copy()) for k in spec.state_names},
+        }
     elif spec.momentum != 0 and t > 1:  # torch's buffer is None before the first step
         opt.state[tp] = {"momentum_buffer": torch.from_numpy(state["momentum_buffer"].copy())}
     tp.grad = torch.from_numpy(g.copy())
@@ -222,8 +238,14 @@ def torch_step(spec: OptimizerSpec, p: np.ndarray, g: np.ndarray, state: dict[st
     return out
 
 
-def zerosim_step(spec: OptimizerSpec, p: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray], t: int,
-                 make: Callable = make_optimizer) -> dict[str, np.ndarray]:
+def zerosim_step(
+    spec: OptimizerSpec,
+    p: np.ndarray,
+    g: np.ndarray,
+    state: dict[str, np.ndarray],
+    t: int,
+    make: Callable = make_optimizer,
+) -> dict[str, np.ndarray]:
     """zerosim's step ``t`` (its global-norm clipping first) from copies of the given parameter and
     state; ``make`` builds the optimizer (the tests pass deliberately wrong ones)."""
     ns = numpy_namespace()
@@ -236,7 +258,9 @@ def zerosim_step(spec: OptimizerSpec, p: np.ndarray, g: np.ndarray, state: dict[
     return {"param": p, **{k: st[k] for k in spec.state_names}}
 
 
-def step_model(spec: OptimizerSpec, p: Bounded, g: Bounded, state: dict[str, Bounded], t: int) -> dict[str, Bounded]:
+def step_model(
+    spec: OptimizerSpec, p: Bounded, g: Bounded, state: dict[str, Bounded], t: int
+) -> dict[str, Bounded]:
     """The rounding model of step ``t`` (clipping included) from possibly inexact inputs."""
     if spec.max_grad_norm is not None:
         g = clip_model(g, spec.max_grad_norm)
@@ -245,8 +269,13 @@ def step_model(spec: OptimizerSpec, p: Bounded, g: Bounded, state: dict[str, Bou
     return adam_model(spec, p, g, state["exp_avg"], state["exp_avg_sq"], t)
 
 
-def violations(step: int, got: dict[str, np.ndarray], want: dict[str, np.ndarray],
-               model: dict[str, Bounded], limit: int = 3) -> list[str]:
+def violations(
+    step: int,
+    got: dict[str, np.ndarray],
+    want: dict[str, np.ndarray],
+    model: dict[str, Bounded],
+    limit: int = 3,
+) -> list[str]:
     """One line per element where ``|got - want| > 2 e`` (each side is within ``e`` of the exact
     value): the step, the array and element, both values, the difference, the bound, the exact value;
     and one line for elements whose bound is infinite (a divisor the model cannot keep from zero)."""
@@ -256,26 +285,37 @@ def violations(step: int, got: dict[str, np.ndarray], want: dict[str, np.ndarray
         bound = 2.0 * b.e * MODEL_SLACK
         bad = np.flatnonzero(~(diff <= bound))
         for i in bad[:limit]:
-            lines.append(f"step {step} {name}[{i}]: zerosim={float(got[name][i]):.9g} "
-                         f"torch={float(want[name][i]):.9g} |diff|={diff[i]:.3e} > bound={bound[i]:.3e} "
-                         f"(exact {float(b.x[i]):.17g})")
+            lines.append(
+                f"step {step} {name}[{i}]: zerosim={float(got[name][i]):.9g} "
+                f"torch={float(want[name][i]):.9g} |diff|={diff[i]:.3e} > bound={bound[i]:.3e} "
+                f"(exact {float(b.x[i]):.17g})"
+            )
         if bad.size > limit:
             lines.append(f"step {step} {name}: {bad.size - limit} more elements outside the bound")
         if not np.all(np.isfinite(bound)):  # an element the model cannot bound is an element not checked
-            lines.append(f"step {step} {name}: {int(np.sum(~np.isfinite(bound)))} elements without a finite bound")
+            lines.append(
+                f"step {step} {name}: {int(np.sum(~np.isfinite(bound)))} elements without a finite bound"
+            )
     return lines
 
 
-def check_step(spec: OptimizerSpec, p: np.ndarray, g: np.ndarray, state: dict[str, np.ndarray], t: int,
-               make: Callable = make_optimizer) -> tuple[list[str], dict[str, np.ndarray], dict[str, np.ndarray]]:
+def check_step(
+    spec: OptimizerSpec,
+    p: np.ndarray,
+    g: np.ndarray,
+    state: dict[str, np.ndarray],
+    t: int,
+    make: Callable = make_optimizer,
+) -> tuple[list[str], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Teacher-forced comparison of step ``t``: zerosim and torch each take ONE step from the same
     float32 parameter, gradient and state; every element of the parameter and of each state must lie
     within ``2 e`` of torch's (:func:`violations`). Returns (violation lines, zerosim's result,
     torch's result)."""
     ours = zerosim_step(spec, p, g, state, t, make)
     theirs = torch_step(spec, p, g, state, t)
-    model = step_model(spec, Bounded.exact(p), Bounded.exact(g),
-                       {k: Bounded.exact(state[k]) for k in spec.state_names}, t)
+    model = step_model(
+        spec, Bounded.exact(p), Bounded.exact(g), {k: Bounded.exact(state[k]) for k in spec.state_names}, t
+    )
     return violations(t, ours, theirs, model), ours, theirs
 
 
@@ -288,8 +328,9 @@ def gradient(rng: np.random.Generator, p: np.ndarray) -> np.ndarray:
     return ((0.5 * p.astype(np.float64) + noise) * scale).astype(np.float32)
 
 
-def teacher_forced_run(spec: OptimizerSpec, n: int, steps: int, seed: int,
-                       make: Callable = make_optimizer) -> list[str]:
+def teacher_forced_run(
+    spec: OptimizerSpec, n: int, steps: int, seed: int, make: Callable = make_optimizer
+) -> list[str]:
     """``steps`` teacher-forced steps (torch's result is the next step's shared input) on ``n``
     elements; returns every violation line (empty: zerosim matches torch within the model at every
     step)."""
@@ -305,8 +346,9 @@ def teacher_forced_run(spec: OptimizerSpec, n: int, steps: int, seed: int,
     return lines
 
 
-def free_running_run(spec: OptimizerSpec, n: int, steps: int, seed: int,
-                     make: Callable = make_optimizer) -> list[str]:
+def free_running_run(
+    spec: OptimizerSpec, n: int, steps: int, seed: int, make: Callable = make_optimizer
+) -> list[str]:
     """``steps`` steps in which each side keeps its OWN parameters and state (zerosim's ``state`` dict
     carries its step counter and buffers as in training) and computes its gradient from its own
     parameters, so differences feed back. The model runs alongside on the exact values: each step's
@@ -315,6 +357,7 @@ def free_running_run(spec: OptimizerSpec, n: int, steps: int, seed: int,
     violation lines of every step; catches what a teacher-forced step cannot see, such as state that
     is not carried from one step to the next."""
     import torch
+
     rng = np.random.default_rng(seed)
     p0 = rng.standard_normal(n).astype(np.float32)
     ns = numpy_namespace()

@@ -59,7 +59,9 @@ def test_balance_seed_clause_flags_the_last_rank_absorbing_the_remainder():
     # 11, 4 -> 2, 2, 2, 5 is not)
     total, ws = 11, 4
     per_rank = [[(0, 2)], [(2, 4)], [(4, 6)], [(6, 11)]]
-    verdict = check_partition_plan(plan_of(per_rank, total, bound=1, balance_target=total // ws, balance_tolerance=1))
+    verdict = check_partition_plan(
+        plan_of(per_rank, total, bound=1, balance_target=total // ws, balance_tolerance=1)
+    )
     assert [(v.clause, v.ranks, v.expected, v.got) for v in verdict.violations] == [("balance", (3,), 2, 5)]
 
 
@@ -70,12 +72,16 @@ def test_balance_bound_of_a_partitioner_is_enforced():
     bad = dataclasses.replace(good, shards=(RankShard(0, ((0, 10),)), RankShard(1, ())))
     assert check_partition_plan(good).passed
     verdict = check_partition_plan(bad)
-    assert [(v.clause, v.ranks, v.expected, v.got) for v in verdict.violations] == [("balance", (0, 1), 4, 10)]
+    assert [(v.clause, v.ranks, v.expected, v.got) for v in verdict.violations] == [
+        ("balance", (0, 1), 4, 10)
+    ]
 
 
 def test_padding_counted_as_data_is_flagged():
     # a DeepSpeed-style plan that lists the tail padding [10, 12) as rank 2's data
-    verdict = check_partition_plan(plan_of([[(0, 4)], [(4, 8)], [(8, 12)]], 10, bound=5, padded_shard_numel=4))
+    verdict = check_partition_plan(
+        plan_of([[(0, 4)], [(4, 8)], [(8, 12)]], 10, bound=5, padded_shard_numel=4)
+    )
     found = [(v.clause, v.interval, v.ranks) for v in verdict.violations]
     assert ("padding", (10, 12), (2,)) in found
     assert all(c == "padding" for c, _, _ in found)
@@ -133,7 +139,9 @@ def test_interval_arithmetic_scales_to_10_12_params_on_1024_ranks_and_beyond():
 
 
 # ---- StatePlan (plan.py) and the hybrid rules ------------------------------------------------------------
-@pytest.mark.parametrize("strategy", ["no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2"])
+@pytest.mark.parametrize(
+    "strategy", ["no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2"]
+)
 @pytest.mark.parametrize("partitioner", sorted(PARTITIONERS))
 def test_state_plan_shards_what_the_strategy_says(strategy, partitioner):
     layout = ParamLayout.from_config("tiny")
@@ -141,7 +149,11 @@ def test_state_plan_shards_what_the_strategy_says(strategy, partitioner):
     plan = build_plan(layout, strat, partitioner, topo)
     k = strat.shard_group_size(4)
     assert plan.shard_plan.world_size == k
-    sharded = {"params": strat.shards_params, "grads": strat.shards_grads, "optimizer": strat.shards_optimizer}
+    sharded = {
+        "params": strat.shards_params,
+        "grads": strat.shards_grads,
+        "optimizer": strat.shards_optimizer,
+    }
     for r in plan.ranks:
         assert (r.shard_group, r.local_rank) == divmod(r.rank, k)
         for kind in STATE_KINDS:
@@ -205,7 +217,9 @@ def test_a_wrong_registered_partitioner_fails_through_build_plan(monkeypatch):
         last = good.shards[-1]
         return dataclasses.replace(good, shards=good.shards[:-1] + (RankShard(last.rank, (), last.padding),))
 
-    monkeypatch.setitem(PARTITIONERS, "forgets-tail", RegisteredPartitioner("forgets-tail", "bug", forgets_tail))
+    monkeypatch.setitem(
+        PARTITIONERS, "forgets-tail", RegisteredPartitioner("forgets-tail", "bug", forgets_tail)
+    )
     plan = build_plan(ParamLayout.from_list([("w", (37,))]), ShardingStrategy.parse("zero3"), "forgets-tail",
                       Topology(4))
     verdict = check_state_plan(plan)
@@ -225,10 +239,21 @@ def test_every_generated_state_plan_satisfies_c_zero_001(plan):
 
 # ---- the interval arithmetic itself, against brute force on small spaces --------------------------------
 @settings(max_examples=200, deadline=None)
-@given(st.integers(0, 40).flatmap(lambda total: st.tuples(
-    st.just(total),
-    st.lists(st.lists(st.tuples(st.integers(-3, total + 3), st.integers(-3, total + 3)).map(sorted).map(tuple),
-                      max_size=4), min_size=1, max_size=6))))
+@given(
+    st.integers(0, 40).flatmap(
+        lambda total: st.tuples(
+            st.just(total),
+            st.lists(
+                st.lists(
+                    st.tuples(st.integers(-3, total + 3), st.integers(-3, total + 3)).map(sorted).map(tuple),
+                    max_size=4,
+                ),
+                min_size=1,
+                max_size=6,
+            ),
+        )
+    )
+)
 def test_check_matches_a_brute_force_flag_count_on_small_spaces(case):
     total, per_rank = case
     verdict = check_partition_plan(plan_of(per_rank, total, bound=10**9))

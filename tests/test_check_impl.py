@@ -118,8 +118,10 @@ def test_multiple_ranges_per_rank_round_robin_elements():
     assert check_partition(strided, SMALL_WS, SMALL_TOTALS).passed
 
 
-@pytest.mark.parametrize("bad", [None, 3, (1.0, 2.0), ("a", "b"), (1, 2, 3), [(1, 2), 5], {"start": 0}, range(0, 10, 2),
-                                 (True, False)])
+@pytest.mark.parametrize(
+    "bad",
+    [None, 3, (1.0, 2.0), ("a", "b"), (1, 2, 3), [(1, 2), 5], {"start": 0}, range(0, 10, 2), (True, False)],
+)
 def test_wrong_return_type_is_an_implementation_error_naming_the_case(bad):
     with pytest.raises(ImplementationError) as e:
         check_partition(lambda r, w, t: bad, [3], [10], name="buggy")
@@ -157,7 +159,7 @@ def test_load_impl_errors(tmp_path, monkeypatch):
         load_impl("zerosim_no_such_module:fn")
     with pytest.raises(ImplementationError, match="no attribute"):
         load_impl("examples.my_partitioner:nope")
-    with pytest.raises(ImplementationError, match="not a function"):
+    with pytest.raises(ImplementationError, match="not callable"):
         load_impl("zerosim.check_impl:DEFAULT_TOTALS")
     broken = tmp_path / "broken_part.py"
     broken.write_text("raise RuntimeError('boom at import')\n")

@@ -1,4 +1,5 @@
-"""``zerosim memory`` and ``zerosim comm``: JSON in bytes, tables that name their unit, exit 2 on bad input."""
+"""``zerosim memory`` and ``zerosim comm``: JSON in bytes, tables that name their unit, exit 2 on bad input.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 def test_memory_json_reproduces_the_paper_for_every_strategy(capsys):
-    code, out, _ = run_cli(capsys, "memory", "--params", "7.5e9", "--world-size", "64", "--strategy", "all", "--json")
+    code, out, _ = run_cli(
+        capsys, "memory", "--params", "7.5e9", "--world-size", "64", "--strategy", "all", "--json"
+    )
     assert code == 0
     data = json.loads(out)
     assert data["units"] == "bytes" and data["settings"]["K"] == 12
@@ -32,18 +35,22 @@ def test_memory_json_reproduces_the_paper_for_every_strategy(capsys):
 
 def test_memory_all_strategies_in_one_call_at_a_trillion_params_on_1024_ranks(capsys):
     """No --strategy (or --strategy all): every strategy, hybrids too when there are several nodes."""
-    code, out, _ = run_cli(capsys, "memory", "--params", "1e12", "--world-size", "1024", "--ranks-per-node", "8",
-                           "--json")
+    code, out, _ = run_cli(
+        capsys, "memory", "--params", "1e12", "--world-size", "1024", "--ranks-per-node", "8", "--json"
+    )
     assert code == 0
     data = json.loads(out)
     psi, n = 10**12, 1024
     assert list(data["strategies"]) == ["no_shard", "shard_optimizer", "shard_grad_op", "full_shard",
                                         "hybrid_shard:8", "hybrid_shard_zero2:8"]
-    expected = {"no_shard": (2 * psi, 2 * psi, 12 * psi), "shard_optimizer": (2 * psi, 2 * psi, 12 * psi // n),
-                "shard_grad_op": (2 * psi, 2 * psi // n, 12 * psi // n),
-                "full_shard": (2 * psi // n, 2 * psi // n, 12 * psi // n),
-                "hybrid_shard:8": (2 * psi // 8, 2 * psi // 8, 12 * psi // 8),
-                "hybrid_shard_zero2:8": (2 * psi, 2 * psi // 8, 12 * psi // 8)}
+    expected = {
+        "no_shard": (2 * psi, 2 * psi, 12 * psi),
+        "shard_optimizer": (2 * psi, 2 * psi, 12 * psi // n),
+        "shard_grad_op": (2 * psi, 2 * psi // n, 12 * psi // n),
+        "full_shard": (2 * psi // n, 2 * psi // n, 12 * psi // n),
+        "hybrid_shard:8": (2 * psi // 8, 2 * psi // 8, 12 * psi // 8),
+        "hybrid_shard_zero2:8": (2 * psi, 2 * psi // 8, 12 * psi // 8),
+    }
     for name, (p, g, o) in expected.items():
         r = data["strategies"][name]["per_rank"]
         assert (r["params"], r["grads"], r["optimizer_states"]) == (
@@ -62,10 +69,23 @@ def test_memory_table_has_no_scientific_notation(capsys):
     # a bare count has no blocks: the ZeRO-3 transient is unknown, shown as n/a (not as 0), and said why
     full_shard_row = next(line for line in out.splitlines() if "full_shard" in line)
     assert full_shard_row.count("n/a") == 2 and "--largest-block" in out
-    code, out, _ = run_cli(capsys, "memory", "--params", "1e12", "--world-size", "1024", "--strategy", "zero3",
-                           "--largest-block", "1.024e9", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "memory",
+        "--params",
+        "1e12",
+        "--world-size",
+        "1024",
+        "--strategy",
+        "zero3",
+        "--largest-block",
+        "1.024e9",
+        "--json",
+    )
     s = json.loads(out)["strategies"]["full_shard"]
-    assert s["transient_modelled"] and s["per_rank"]["transient"]["device"] == 2 * 1_024_000_000 * 2  # (1 + prefetch) x 2 B
+    assert (
+        s["transient_modelled"] and s["per_rank"]["transient"]["device"] == 2 * 1_024_000_000 * 2
+    )  # (1 + prefetch) x 2 B
 
 
 def test_memory_table_names_its_unit(capsys):
@@ -78,9 +98,25 @@ def test_memory_table_names_its_unit(capsys):
 
 
 def test_memory_with_a_preset_hybrid_offload_and_sgd(capsys):
-    code, out, _ = run_cli(capsys, "memory", "--model", "gpt2-small", "--world-size", "16", "--ranks-per-node", "4",
-                           "--strategy", "hybrid_shard", "--offload", "params+optimizer", "--optimizer", "sgd-momentum",
-                           "--precision", "fp32", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "memory",
+        "--model",
+        "gpt2-small",
+        "--world-size",
+        "16",
+        "--ranks-per-node",
+        "4",
+        "--strategy",
+        "hybrid_shard",
+        "--offload",
+        "params+optimizer",
+        "--optimizer",
+        "sgd-momentum",
+        "--precision",
+        "fp32",
+        "--json",
+    )
     assert code == 0
     s = json.loads(out)["strategies"]["hybrid_shard:4"]
     n = s["per_rank"]["numel"]["params"]
@@ -90,43 +126,52 @@ def test_memory_with_a_preset_hybrid_offload_and_sgd(capsys):
 
 
 def test_memory_zero1_reduce_scatter_adds_the_reduce_transient(capsys):
-    """``--zero1-reduce reduce_scatter`` (DeepSpeed stage 1): packed fp32 gradient + fp32 chunk during the reduce."""
+    """``--zero1-reduce reduce_scatter`` (DeepSpeed stage 1): packed fp32 gradient + fp32 chunk during the
+    reduce."""
     base = ["memory", "--params", "1003", "--world-size", "4", "--strategy", "zero1", "--precision", "bf16"]
     code, out, _ = run_cli(capsys, *base, "--zero1-reduce", "reduce_scatter", "--json")
     assert code == 0
     data = json.loads(out)
     assert data["settings"]["zero1_grad_reduce"] == "reduce_scatter"
     transient = data["strategies"]["shard_optimizer"]["per_rank"]["transient"]
-    assert transient == {"device": 1004 * 4 + 251 * 4,
-                         "phases": {"reduce": 1004 * 4 + 251 * 4, "optimizer": 251 * 4, "refresh": 1004 * 2 + 251 * 4}}
+    assert transient == {
+        "device": 1004 * 4 + 251 * 4,
+        "phases": {"reduce": 1004 * 4 + 251 * 4, "optimizer": 251 * 4, "refresh": 1004 * 2 + 251 * 4},
+    }
     code, out, _ = run_cli(capsys, *base, "--json")
     assert "reduce" not in json.loads(out)["strategies"]["shard_optimizer"]["per_rank"]["transient"]["phases"]
     code, out, _ = run_cli(capsys, *base, "--zero1-reduce", "reduce_scatter", "--unit", "B")
     assert code == 0 and "shard_optimizer (reduce_scatter)" in out
 
 
-@pytest.mark.parametrize("argv,field", [
-    (["--params", "lots", "--world-size", "4"], "params"),
-    (["--params", "0", "--world-size", "4"], "params"),
-    (["--params=-1e9", "--world-size", "4"], "params"),
-    (["--params", "-5", "--world-size", "4"], "params"),
-    (["--params", "nan", "--world-size", "4"], "params"),
-    (["--params", "inf", "--world-size", "4"], "params"),
-    (["--params", "abc", "--world-size", "4"], "params"),
-    (["--params", "1e9", "--world-size", "0"], "world-size"),
-    (["--params", "1e9", "--world-size", "-8"], "world-size"),
-    (["--params", "1e9", "--world-size", "two"], "world-size"),
-    (["--params", "1e9", "--world-size", "6", "--ranks-per-node", "4"], "ranks-per-node"),
-    (["--params", "1e9", "--world-size", "8", "--ranks-per-node", "0"], "ranks-per-node"),
-    (["--params", "1e9", "--world-size", "8", "--strategy", "zero9"], "strategy"),
-    (["--params", "1e9", "--world-size", "8", "--precision", "fp4"], "precision"),
-    (["--params", "1e9", "--world-size", "8", "--prefetch-depth", "-1"], "prefetch-depth"),
-    (["--params", "1e9", "--world-size", "8", "--unit", "parsecs"], "unit"),
-    (["--params", "1e9", "--world-size", "8", "--zero1-reduce", "scatter"], "zero1_grad_reduce"),
-    (["--params", "1e9", "--world-size", "8", "--strategy", "zero2", "--offload", "params+optimizer"], "offload"),
-    (["--world-size", "8"], "params"),
-    (["--model", "gpt5", "--world-size", "8"], "model"),
-])
+@pytest.mark.parametrize(
+    "argv,field",
+    [
+        (["--params", "lots", "--world-size", "4"], "params"),
+        (["--params", "0", "--world-size", "4"], "params"),
+        (["--params=-1e9", "--world-size", "4"], "params"),
+        (["--params", "-5", "--world-size", "4"], "params"),
+        (["--params", "nan", "--world-size", "4"], "params"),
+        (["--params", "inf", "--world-size", "4"], "params"),
+        (["--params", "abc", "--world-size", "4"], "params"),
+        (["--params", "1e9", "--world-size", "0"], "world-size"),
+        (["--params", "1e9", "--world-size", "-8"], "world-size"),
+        (["--params", "1e9", "--world-size", "two"], "world-size"),
+        (["--params", "1e9", "--world-size", "6", "--ranks-per-node", "4"], "ranks-per-node"),
+        (["--params", "1e9", "--world-size", "8", "--ranks-per-node", "0"], "ranks-per-node"),
+        (["--params", "1e9", "--world-size", "8", "--strategy", "zero9"], "strategy"),
+        (["--params", "1e9", "--world-size", "8", "--precision", "fp4"], "precision"),
+        (["--params", "1e9", "--world-size", "8", "--prefetch-depth", "-1"], "prefetch-depth"),
+        (["--params", "1e9", "--world-size", "8", "--unit", "parsecs"], "unit"),
+        (["--params", "1e9", "--world-size", "8", "--zero1-reduce", "scatter"], "zero1_grad_reduce"),
+        (
+            ["--params", "1e9", "--world-size", "8", "--strategy", "zero2", "--offload", "params+optimizer"],
+            "offload",
+        ),
+        (["--world-size", "8"], "params"),
+        (["--model", "gpt5", "--world-size", "8"], "model"),
+    ],
+)
 def test_memory_bad_input_is_one_line_and_exit_2(capsys, argv, field):
     code, out, err = run_cli(capsys, "memory", *argv)
     assert code == 2 and out == ""
@@ -148,8 +193,18 @@ def test_bad_input_through_the_console_script_has_no_traceback():
 
 
 def test_memory_compare_deepspeed_runs_with_or_without_deepspeed(capsys):
-    code, out, err = run_cli(capsys, "memory", "--model", "gpt2-small", "--world-size", "8", "--ranks-per-node", "4",
-                             "--compare-deepspeed", "--json")
+    code, out, err = run_cli(
+        capsys,
+        "memory",
+        "--model",
+        "gpt2-small",
+        "--world-size",
+        "8",
+        "--ranks-per-node",
+        "4",
+        "--compare-deepspeed",
+        "--json",
+    )
     assert code == 0
     report = json.loads(out)
     assert len(report["rows"]) == 5 and report["num_nodes"] == 2
@@ -162,12 +217,31 @@ def test_memory_compare_deepspeed_degrades_to_the_labelled_formula_without_deeps
     import zerosim.cost.deepspeed_compare as dsc
 
     monkeypatch.setattr(dsc, "deepspeed_available", lambda: False)
-    code, out, err = run_cli(capsys, "memory", "--model", "gpt2-small", "--world-size", "16", "--ranks-per-node", "8",
-                             "--compare-deepspeed")
+    code, out, err = run_cli(
+        capsys,
+        "memory",
+        "--model",
+        "gpt2-small",
+        "--world-size",
+        "16",
+        "--ranks-per-node",
+        "8",
+        "--compare-deepspeed",
+    )
     assert code == 0 and "deepspeed is not installed" in err
     assert "DS formula gpu" in out and "formula restated by zerosim" in out and "DS real" not in out
-    code, out, _ = run_cli(capsys, "memory", "--model", "gpt2-small", "--world-size", "16", "--ranks-per-node", "8",
-                           "--compare-deepspeed", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "memory",
+        "--model",
+        "gpt2-small",
+        "--world-size",
+        "16",
+        "--ranks-per-node",
+        "8",
+        "--compare-deepspeed",
+        "--json",
+    )
     report = json.loads(out)
     assert all(r["ds_real"] is None for r in report["rows"]) and "restated" in report["deepspeed"]
 
@@ -207,7 +281,9 @@ def test_comm_json_has_the_paper_multiples_and_link_split(capsys):
 
 
 def test_comm_json_splits_every_collective_by_link_class(capsys):
-    code, out, _ = run_cli(capsys, "comm", "--params", "1e9", "--world-size", "32", "--ranks-per-node", "8", "--json")
+    code, out, _ = run_cli(
+        capsys, "comm", "--params", "1e9", "--world-size", "32", "--ranks-per-node", "8", "--json"
+    )
     assert code == 0
     data = json.loads(out)["strategies"]
     for name, s in data.items():
@@ -218,7 +294,10 @@ def test_comm_json_splits_every_collective_by_link_class(capsys):
             for unit in ("bytes_sent", "elements_sent"):
                 assert row["intra"][unit] + row["inter"][unit] == pytest.approx(coll[unit])
         for cls in ("intra", "inter"):
-            assert sum(r[cls]["bytes_sent"] for r in rows) == pytest.approx(s["links_mean_sent"][cls]), (name, cls)
+            assert sum(r[cls]["bytes_sent"] for r in rows) == pytest.approx(s["links_mean_sent"][cls]), (
+                name,
+                cls,
+            )
     # a world ring over 4 nodes of 8: one rank in 8 sends across nodes
     ar = data["no_shard"]["collectives_by_link"][0]
     assert ar["inter"]["bytes_sent"] == pytest.approx(ar["intra"]["bytes_sent"] / 7)
@@ -229,7 +308,9 @@ def test_comm_json_splits_every_collective_by_link_class(capsys):
 
 
 def test_comm_table_and_bad_input(capsys):
-    code, out, _ = run_cli(capsys, "comm", "--model", "tiny", "--world-size", "4", "--strategy", "zero3", "--unit", "KiB")
+    code, out, _ = run_cli(
+        capsys, "comm", "--model", "tiny", "--world-size", "4", "--strategy", "zero3", "--unit", "KiB"
+    )
     assert code == 0 and "sent [KiB]" in out and "KiB = 1,024 bytes" in out and "full_shard" in out
     for argv, field in ((["--params", "x", "--world-size", "4"], "params"),
                         (["--params", "0", "--world-size", "4"], "params"),

@@ -66,7 +66,9 @@ def test_plan_for_1024_ranks_elides_the_middle_and_says_so(capsys):
 def test_plan_all_ranks_shows_every_rank(capsys):
     code, out, _ = run(capsys, "plan", "--model", "tiny", "--world-size", "40", "--all-ranks")
     assert code == 0 and "elided" not in out
-    assert [int(line.split()[0]) for line in out.splitlines() if line.split() and line.split()[0].isdigit()] == list(range(40))
+    assert [
+        int(line.split()[0]) for line in out.splitlines() if line.split() and line.split()[0].isdigit()
+    ] == list(range(40))
 
 
 @pytest.mark.parametrize("argv, field", [
@@ -97,8 +99,19 @@ def test_check_partition_correct_impl_exit_0(capsys):
 
 
 def test_check_partition_buggy_impl_one_line_per_violation_exit_1(capsys):
-    code, out, _ = run(capsys, "check", "partition", "--impl", "examples.my_partitioner:last_rank_takes_remainder",
-                       "--world-sizes", "1..8", "--totals", "10,11", "--limit", "0")
+    code, out, _ = run(
+        capsys,
+        "check",
+        "partition",
+        "--impl",
+        "examples.my_partitioner:last_rank_takes_remainder",
+        "--world-sizes",
+        "1..8",
+        "--totals",
+        "10,11",
+        "--limit",
+        "0",
+    )
     assert code == 1
     lines = out.strip().splitlines()
     violations = [line for line in lines if line.startswith("C-ZERO-001 balance")]
@@ -157,8 +170,22 @@ def test_console_script_end_to_end():
     ok = subprocess.run(exe + ["plan", "--model", "tiny", "--world-size", "4", "--strategy", "zero3"],
                         capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "C-ZERO-001 holds" in ok.stdout
-    bad = subprocess.run(exe + ["check", "partition", "--impl", "examples.my_partitioner:last_rank_takes_remainder",
-                                "--world-sizes", "1..4", "--totals", "7"], capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        exe
+        + [
+            "check",
+            "partition",
+            "--impl",
+            "examples.my_partitioner:last_rank_takes_remainder",
+            "--world-sizes",
+            "1..4",
+            "--totals",
+            "7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 1 and "C-ZERO-001 balance" in bad.stdout and bad.stderr == ""
 
 

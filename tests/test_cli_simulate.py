@@ -10,11 +10,13 @@ import sys
 import pytest
 
 from zerosim.cli import main
-from zerosim.cli.simulate import add_run_arguments, config_from_args
+from zerosim.engine.run_args import add_run_arguments, config_from_args
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zerosim", *argv], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "zerosim", *argv], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_no_arguments_runs_a_meaningful_default_and_passes():
@@ -57,16 +59,34 @@ def test_bad_input_is_one_line_and_exit_2():
 def test_non_finite_gradient_is_reported_with_rank_and_tensor():
     p = run_cli("simulate", "--inject-nan", "2:1:lm_head.weight", "--steps", "2")
     assert p.returncode == 3
-    assert "non-finite gradient on rank 2" in p.stderr and "lm_head.weight" in p.stderr and "step 1" in p.stderr
+    assert (
+        "non-finite gradient on rank 2" in p.stderr and "lm_head.weight" in p.stderr and "step 1" in p.stderr
+    )
 
 
 def test_shared_argument_helpers_build_the_same_config():
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
-    args = parser.parse_args(["--strategy", "zero2", "--max-grad-norm", "none", "--inject-nan", "1:0:embedding.weight",
-                              "--world-size", "2", "--steps", "1"])
+    args = parser.parse_args(
+        [
+            "--strategy",
+            "zero2",
+            "--max-grad-norm",
+            "none",
+            "--inject-nan",
+            "1:0:embedding.weight",
+            "--world-size",
+            "2",
+            "--steps",
+            "1",
+        ]
+    )
     cfg = config_from_args(args)
-    assert cfg.max_grad_norm is None and cfg.inject_nan == {"rank": 1, "step": 0, "tensor": "embedding.weight"}
+    assert cfg.max_grad_norm is None and cfg.inject_nan == {
+        "rank": 1,
+        "step": 0,
+        "tensor": "embedding.weight",
+    }
     run = cfg.validate()
     assert run.strategy.name == "shard_grad_op" and run.spec.max_grad_norm is None
 
@@ -86,7 +106,13 @@ def test_progress_reports_every_step_and_every_contract_then_the_rich_bar_render
     result = run_simulated(RunConfig(steps=3, world_size=2), progress=lambda *a: seen.append(a))
     assert result.passed
     assert [a for a in seen if a[0] == "train"] == [("train", 1, 3), ("train", 2, 3), ("train", 3, 3)]
-    assert [a[0] for a in seen if a[0] != "train"] == ["C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005", "done"]
+    assert [a[0] for a in seen if a[0] != "train"] == [
+        "C-ZERO-002",
+        "C-ZERO-003",
+        "C-ZERO-004",
+        "C-ZERO-005",
+        "done",
+    ]
     # the rich progress bar (what a terminal shows) drives the same run and returns the same verdicts
     shown = _run_with_progress(RunConfig(steps=3, world_size=2).validate())
     assert shown.passed and {k: v.to_json() for k, v in shown.verdicts.items()} == \

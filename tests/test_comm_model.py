@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import zerosim
 from zerosim.cost.comm_model import comm_per_step, packed_unit_sizes
-from zerosim.engine.flat_buffers import build_unit_plan
 from zerosim.errors import ConfigError
+from zerosim.flat_buffers import build_unit_plan
 from zerosim.layout import ParamLayout
 from zerosim.partition import PARTITIONERS, get_partitioner
 from zerosim.strategy import ShardingStrategy, Topology
@@ -27,7 +27,9 @@ def test_paper_formulas_in_elements(n):
     assert comm_per_step(PSI, "no_shard", n).elements_sent == 2 * f * PSI
     assert comm_per_step(PSI, "zero2", n).elements_sent == 2 * f * PSI
     assert comm_per_step(PSI, "zero3", n).elements_sent == 3 * f * PSI
-    assert comm_per_step(PSI, "zero1", n).elements_sent == 3 * f * PSI  # all-reduce + all-gather, as implemented
+    assert (
+        comm_per_step(PSI, "zero1", n).elements_sent == 3 * f * PSI
+    )  # all-reduce + all-gather, as implemented
     for s in ("no_shard", "zero2", "zero3"):
         e = comm_per_step(PSI, s, n)
         assert e.elements_sent == e.paper_elements()

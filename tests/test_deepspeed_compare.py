@@ -12,7 +12,8 @@ from zerosim.cost.deepspeed_compare import (
     deepspeed_estimator_formula,
     largest_layer_numel,
 )
-from zerosim.cost.memory_model import MemorySettings, memory_per_rank
+from zerosim.cost.memory_model import memory_per_rank
+from zerosim.cost.memory_settings import MemorySettings
 from zerosim.errors import ConfigError
 from zerosim.layout import ParamLayout
 from zerosim.strategy import Topology
@@ -21,9 +22,15 @@ from zerosim.strategy import Topology
 def test_formula_matches_the_published_cases():
     P, L = 7_500_000_000, 200_000_000
     # ZeRO-2, no offload: 2P + int(18P / gpus)
-    assert deepspeed_estimator_formula(2, P, num_gpus_per_node=8, num_nodes=8, cpu_offload=False)[1] == 2 * P + 18 * P // 64
+    assert (
+        deepspeed_estimator_formula(2, P, num_gpus_per_node=8, num_nodes=8, cpu_offload=False)[1]
+        == 2 * P + 18 * P // 64
+    )
     # ZeRO-2 offload: gpu 2P, cpu P * max(4 * gpus, 16) * 1.5
-    assert deepspeed_estimator_formula(2, P, num_gpus_per_node=2, cpu_offload=True) == (int(P * 16 * 1.5), 2 * P)
+    assert deepspeed_estimator_formula(2, P, num_gpus_per_node=2, cpu_offload=True) == (
+        int(P * 16 * 1.5),
+        2 * P,
+    )
     # ZeRO-3, no offload: 4L + int(18P / gpus)
     assert deepspeed_estimator_formula(3, P, L, 8, 8, cpu_offload=False)[1] == 4 * L + 18 * P // 64
     # ZeRO-3, params + optimizer offloaded: only the largest layer on the GPU
@@ -49,7 +56,10 @@ def test_comparison_rows_without_calling_deepspeed():
     assert [r["case"] for r in report["rows"]][0] == "zero2" and len(report["rows"]) == 5
     for row in report["rows"]:
         assert row["ds_real"] is None
-        assert row["gpu_diff_vs_ours_mixed"] == row["ds_formula"]["gpu"] - row["ours_mixed_k12"]["device_persistent"]
+        assert (
+            row["gpu_diff_vs_ours_mixed"]
+            == row["ds_formula"]["gpu"] - row["ours_mixed_k12"]["device_persistent"]
+        )
     # ZeRO-2 with the optimizer offloaded: both keep exactly the fp16 params on the device
     off = report["rows"][1]
     assert off["ds_formula"]["gpu"] == off["ours_mixed_k12"]["device_persistent"] == 2 * layout.total_numel

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 from run_assertions import assert_all_pass
 
-from zerosim.engine.flat_buffers import build_unit_plan
+from zerosim.engine.config import RunConfig
 from zerosim.engine.reference import ordered_reference
-from zerosim.engine.spmd import RunConfig, evaluate, run_simulated, simulate_observations
+from zerosim.engine.run_result import evaluate
+from zerosim.engine.spmd import run_simulated, simulate_observations
 from zerosim.errors import ConfigError, NonFiniteGradientError
+from zerosim.flat_buffers import build_unit_plan
 from zerosim.layout import ParamLayout
 from zerosim.partition import PARTITIONERS
 from zerosim.strategy import ShardingStrategy
@@ -19,7 +21,9 @@ STRATEGIES = ["no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_s
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_strategy_is_bitwise_equal_to_the_same_order_reference(strategy):
-    result = run_simulated(RunConfig(strategy=strategy, world_size=4, steps=3, micro_batches=2, max_grad_norm=0.5))
+    result = run_simulated(
+        RunConfig(strategy=strategy, world_size=4, steps=3, micro_batches=2, max_grad_norm=0.5)
+    )
     assert_all_pass(result)
     c2 = result.verdicts["C-ZERO-002"]
     assert c2.details["bitwise_required"] is True
@@ -29,7 +33,9 @@ def test_every_strategy_is_bitwise_equal_to_the_same_order_reference(strategy):
 @pytest.mark.parametrize("partitioner", sorted(PARTITIONERS))
 def test_every_partitioner_drives_zero3_and_zero2(partitioner):
     for strategy in ("zero3", "zero2"):
-        assert_all_pass(run_simulated(RunConfig(strategy=strategy, world_size=3, partitioner=partitioner, steps=2)))
+        assert_all_pass(
+            run_simulated(RunConfig(strategy=strategy, world_size=3, partitioner=partitioner, steps=2))
+        )
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -54,7 +60,9 @@ def test_hybrid_with_nodes_wider_than_the_shard_group():
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_cpu_offload_with_prefetch(prefetch):
-    result = run_simulated(RunConfig(strategy="zero3", offload=True, prefetch=prefetch, world_size=4, steps=2))
+    result = run_simulated(
+        RunConfig(strategy="zero3", offload=True, prefetch=prefetch, world_size=4, steps=2)
+    )
     assert_all_pass(result)
     o = result.observations[0]
     moved = o.offload["steps"][0]
@@ -83,7 +91,9 @@ def test_digest_observations_still_check_identity_and_skip_values():
 
 def test_parallel_schedule_gives_the_same_bits():
     a = simulate_observations(RunConfig(strategy="hybrid_shard:2", world_size=4, steps=2))
-    b = simulate_observations(RunConfig(strategy="hybrid_shard:2", world_size=4, steps=2, schedule="parallel"))
+    b = simulate_observations(
+        RunConfig(strategy="hybrid_shard:2", world_size=4, steps=2, schedule="parallel")
+    )
     for oa, ob in zip(a, b, strict=True):
         assert oa.steps[-1].master.values.tobytes() == ob.steps[-1].master.values.tobytes()
 
@@ -146,7 +156,9 @@ def test_a_nan_is_caught_before_any_reduction_so_no_rank_ever_holds_it():
         assert arrays and all(np.isfinite(a).all() for a in arrays), rank
 
 
-ENGINE_MODULES = ("zero", "flat_buffers", "memory_tracker", "faults", "config", "spmd")
+ENGINE_MODULES = ("zerosim.engine.zero", "zerosim.flat_buffers", "zerosim.engine.memory_tracker",
+                  "zerosim.engine.faults", "zerosim.engine.fault_catalog", "zerosim.engine.config",
+                  "zerosim.engine.spmd", "zerosim.engine.run_result", "zerosim.engine.run_args")
 
 
 @pytest.mark.parametrize("module", ENGINE_MODULES)
@@ -155,12 +167,12 @@ def test_the_engine_imports_no_numpy(module):
     through the Communicator, which is what lets MPI and torch run it unchanged. (reference.py, the
     unsharded evaluator, is numpy by design and never runs on a rank.)"""
     import ast
+    import importlib.util
     import pathlib
 
-    import zerosim.engine
-
-    path = pathlib.Path(zerosim.engine.__file__).parent / f"{module}.py"
-    tree = ast.parse(path.read_text())
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    tree = ast.parse(pathlib.Path(spec.origin).read_text())
     imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in imported if m.split(".")[0] in ("numpy", "torch", "mpi4py")], (module, imported)

@@ -53,7 +53,9 @@ def test_concatenated_batch_grad_equals_mean_of_micro_batch_grads():
         mean_loss, mean_grads = 0.0, {k: np.zeros_like(v) for k, v in params.items()}
         for r in range(W):
             for m in range(M):
-                lm, gm = model.loss_and_grads(params, *synthetic_batch(TINY, 0, 0, r, m), loss_scale=1 / (W * M))
+                lm, gm = model.loss_and_grads(
+                    params, *synthetic_batch(TINY, 0, 0, r, m), loss_scale=1 / (W * M)
+                )
                 mean_loss += lm / (W * M)
                 for k in gm:
                     mean_grads[k] += gm[k]
@@ -107,7 +109,9 @@ def test_snapshot_matches_an_independent_step():
     np.testing.assert_array_equal(snap.params, master)
     assert set(snap.state) == {"exp_avg", "exp_avg_sq"}
     np.testing.assert_array_equal(snap.state["exp_avg"], state["exp_avg"])
-    np.testing.assert_array_equal(gt.named_params(1)["lm_head.weight"], unflatten(master, layout)["lm_head.weight"])
+    np.testing.assert_array_equal(
+        gt.named_params(1)["lm_head.weight"], unflatten(master, layout)["lm_head.weight"]
+    )
 
 
 def test_sgd_without_momentum_has_no_state():

@@ -17,9 +17,14 @@ from zerosim.launching import DEFAULT_LAUNCH_TIMEOUT_S, launch_timeout_from_env,
 def test_a_launch_that_outlives_its_timeout_is_killed_with_its_children(tmp_path):
     pidfile = tmp_path / "child.pid"
     # the launcher starts a grandchild that would sleep for a minute; both must be gone afterwards
-    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-              f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
-    run = run_process_group([sys.executable, "-c", script], timeout_s=6, env=dict(os.environ), kill_grace_s=0.5)
+    script = (
+        "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+        "time.sleep(60)']); "
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
+    run = run_process_group(
+        [sys.executable, "-c", script], timeout_s=6, env=dict(os.environ), kill_grace_s=0.5
+    )
     assert run.timed_out and run.returncode is None and run.elapsed_s < 20
     child = int(pidfile.read_text())  # written long before the timeout, even on a loaded machine
     deadline = time.monotonic() + 5

@@ -119,9 +119,14 @@ def test_from_module_on_meta_device_counts_tied_weights_once_and_allocates_nothi
     class GPT(nn.Module):
         def __init__(self, c):
             super().__init__()
-            self.transformer = nn.ModuleDict({
-                "wte": nn.Embedding(c.vocab_size, c.d_model), "wpe": nn.Embedding(c.seq_len, c.d_model),
-                "h": nn.ModuleList(Block(c.d_model) for _ in range(c.n_layer)), "ln_f": nn.LayerNorm(c.d_model)})
+            self.transformer = nn.ModuleDict(
+                {
+                    "wte": nn.Embedding(c.vocab_size, c.d_model),
+                    "wpe": nn.Embedding(c.seq_len, c.d_model),
+                    "h": nn.ModuleList(Block(c.d_model) for _ in range(c.n_layer)),
+                    "ln_f": nn.LayerNorm(c.d_model),
+                }
+            )
             self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
             self.lm_head.weight = self.transformer["wte"].weight  # tied
 
@@ -145,7 +150,8 @@ def test_from_module_rejects_non_modules():
 
 
 def test_importing_zerosim_does_not_import_torch_or_hypothesis():
-    code = "import sys, zerosim, zerosim.layout, zerosim.cli; print('torch' in sys.modules, 'hypothesis' in sys.modules)"
+    code = ("import sys, zerosim, zerosim.layout, zerosim.cli; "
+            "print('torch' in sys.modules, 'hypothesis' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 

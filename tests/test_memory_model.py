@@ -7,14 +7,9 @@ import math
 
 import pytest
 
-from zerosim.cost.memory_model import (
-    MemorySettings,
-    all_strategies,
-    memory_per_rank,
-    parse_offload,
-    parse_param_count,
-    shard_sizes,
-)
+from zerosim.cost.memory_model import all_strategies, memory_per_rank
+from zerosim.cost.memory_settings import MemorySettings, parse_offload
+from zerosim.cost.shard_sizes import parse_param_count, shard_sizes
 from zerosim.cost.units import format_bytes, format_value, to_unit
 from zerosim.errors import ConfigError
 from zerosim.layout import ParamLayout
@@ -84,11 +79,22 @@ def test_hybrid_group_must_divide_world():
         memory_per_rank(1000, "hybrid_shard:3", Topology(8))
 
 
-@pytest.mark.parametrize("precision,optimizer,K,pb,gb", [
-    ("mixed", "adamw", 12, 2, 2), ("mixed", "adam", 12, 2, 2), ("mixed", "sgd", 4, 2, 2),
-    ("mixed", "sgd-momentum", 8, 2, 2), ("fp32", "adamw", 8, 4, 4), ("fp32", "sgd", 0, 4, 4),
-    ("fp32", "sgd-momentum", 4, 4, 4), ("bf16-fp32grads", "adamw", 12, 2, 4), ("bf16-pure", "adamw", 4, 2, 2), ("bf16", "adamw", 12, 2, 4), ("fp16", "sgd", 4, 2, 4),
-])
+@pytest.mark.parametrize(
+    "precision,optimizer,K,pb,gb",
+    [
+        ("mixed", "adamw", 12, 2, 2),
+        ("mixed", "adam", 12, 2, 2),
+        ("mixed", "sgd", 4, 2, 2),
+        ("mixed", "sgd-momentum", 8, 2, 2),
+        ("fp32", "adamw", 8, 4, 4),
+        ("fp32", "sgd", 0, 4, 4),
+        ("fp32", "sgd-momentum", 4, 4, 4),
+        ("bf16-fp32grads", "adamw", 12, 2, 4),
+        ("bf16-pure", "adamw", 4, 2, 2),
+        ("bf16", "adamw", 12, 2, 4),
+        ("fp16", "sgd", 4, 2, 4),
+    ],
+)
 def test_precision_and_optimizer_bytes(precision, optimizer, K, pb, gb):
     s = MemorySettings(precision, optimizer)
     assert s.K == K
@@ -100,9 +106,12 @@ def test_precision_and_optimizer_bytes(precision, optimizer, K, pb, gb):
 
 def test_offload_moves_bytes_to_host_without_changing_totals():
     base = memory_per_rank(64_000, "zero3", 8).per_rank
-    for offload, on_host in [("optimizer", {"optimizer_states"}), ("grads+optimizer", {"grads", "optimizer_states"}),
-                             ("params+optimizer", {"params", "optimizer_states"}),
-                             ("all", {"params", "grads", "optimizer_states"})]:
+    for offload, on_host in [
+        ("optimizer", {"optimizer_states"}),
+        ("grads+optimizer", {"grads", "optimizer_states"}),
+        ("params+optimizer", {"params", "optimizer_states"}),
+        ("all", {"params", "grads", "optimizer_states"}),
+    ]:
         c = memory_per_rank(64_000, "zero3", 8, MemorySettings(offload=offload)).per_rank
         assert c.total.total == base.total.total
         for cat in ("params", "grads", "optimizer_states"):
@@ -159,7 +168,11 @@ def test_zero1_reduce_scatter_holds_the_packed_gradient_and_the_chunk_at_once():
     assert c.transient_device == 1004 * 4 + 251 * 4
     default = memory_per_rank(1003, "zero1", 4, MemorySettings("bf16")).per_rank
     assert "reduce" not in default.transient and default.transient_device == 1004 * 2 + 251 * 4
-    assert (c.params, c.grads, c.optimizer_states) == (default.params, default.grads, default.optimizer_states)
+    assert (c.params, c.grads, c.optimizer_states) == (
+        default.params,
+        default.grads,
+        default.optimizer_states,
+    )
     for strategy in ("no_shard", "zero2", "zero3"):  # the option is ZeRO-1's only
         assert (memory_per_rank(1003, strategy, 4, settings).per_rank.transient
                 == memory_per_rank(1003, strategy, 4, MemorySettings("bf16")).per_rank.transient)
@@ -168,7 +181,13 @@ def test_zero1_reduce_scatter_holds_the_packed_gradient_and_the_chunk_at_once():
 
 
 def test_fp32_zero1_and_zero2_keep_a_separate_master_shard():
-    for strat, master in (("no_shard", 0), ("zero1", 4), ("zero2", 4), ("zero3", 0), ("hybrid_shard_zero2:2", 4)):
+    for strat, master in (
+        ("no_shard", 0),
+        ("zero1", 4),
+        ("zero2", 4),
+        ("zero3", 0),
+        ("hybrid_shard_zero2:2", 4),
+    ):
         c = memory_per_rank(1000, strat, Topology(4, 2), MemorySettings("fp32", "adamw")).per_rank
         assert c.optimizer_states.device == (8 + master) * c.numel["optimizer_states"]
 
@@ -177,7 +196,10 @@ def test_partitioner_closed_forms_padding_and_rank_classes():
     layout = ParamLayout.from_list([("a", (5, 3)), ("b", (7,)), ("c", (2, 2))])  # 15 + 7 + 4 = 26
     assert shard_sizes(layout, 4).max_stored == 7 and shard_sizes(layout, 4).padding == 2
     seed = shard_sizes(layout, 4, "seed")  # 26 = 7,7,6,6
-    assert [(c.stored_numel, c.count, c.local_ranks) for c in seed.classes] == [(7, 2, ((0, 2),)), (6, 2, ((2, 4),))]
+    assert [(c.stored_numel, c.count, c.local_ranks) for c in seed.classes] == [
+        (7, 2, ((0, 2),)),
+        (6, 2, ((2, 4),)),
+    ]
     assert seed.padding == 0
     ds = shard_sizes(layout, 4, "deepspeed")  # padded to a multiple of 8: 32 -> 8 each
     assert ds.max_stored == 8 and ds.padding == 6
@@ -275,7 +297,9 @@ def test_partitioners_without_closed_form_are_measured_on_the_layout():
         shard_sizes(layout, 2, "no-such-rule")
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2"])
+@pytest.mark.parametrize(
+    "strategy", ["no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2"]
+)
 @pytest.mark.parametrize("offload", ["none", "grads+optimizer"])
 @pytest.mark.parametrize("depth", [0, 1, 2])
 def test_modelled_timeline_peaks_at_the_closed_form_peak(strategy, offload, depth):

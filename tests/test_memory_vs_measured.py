@@ -53,7 +53,9 @@ def _check_exact(cmp: dict, run) -> None:
 
 @pytest.mark.parametrize("ws,strategy,precision", CASES)
 def test_model_equals_measured_on_the_tiny_model(ws, strategy, precision):
-    run = RunConfig(model="tiny", world_size=ws, strategy=strategy, precision=precision, steps=1, prefetch=1).resolve()
+    run = RunConfig(
+        model="tiny", world_size=ws, strategy=strategy, precision=precision, steps=1, prefetch=1
+    ).resolve()
     obs = simulate_observations(run)
     _check_exact(memory_comparison(run, obs), run)
     t = traffic_comparison(run, obs)
@@ -75,7 +77,9 @@ def test_zero1_gradient_reduction_variants_are_modelled_exactly(variant, ws, pre
     _check_exact(cmp, run)
     rows = {r["category"]: r for r in cmp["rows"]}
     for cat in ("params", "grads", "optimizer_states", "total", "transient"):
-        assert rows[cat]["measured_max_rank"] == rows[cat]["measured_min_rank"] == rows[cat]["model_engine"], cat
+        assert (
+            rows[cat]["measured_max_rank"] == rows[cat]["measured_min_rank"] == rows[cat]["model_engine"]
+        ), cat
     model = modelled_for_run(run, "engine")
     assert model.settings.zero1_grad_reduce == variant
     phases = model.per_rank.transient
@@ -134,7 +138,9 @@ def test_deliberately_wrong_engines_are_caught_and_named():
     rows = {r["category"]: r for r in memory_comparison(run, simulate_observations(run))["rows"]}
     assert rows["optimizer_states"]["rel_diff_vs_engine_model"] == pytest.approx(6192 * 4 / (1548 * 8))
     assert "UNEXPLAINED" in rows["optimizer_states"]["explanation"]
-    assert rows["optimizer_states"]["measured_min_rank"] == rows["optimizer_states"]["model_engine"]  # ranks 1..3
+    assert (
+        rows["optimizer_states"]["measured_min_rank"] == rows["optimizer_states"]["model_engine"]
+    )  # ranks 1..3
     run = RunConfig(model="tiny", world_size=4, strategy="zero3", steps=2, fault="keep-gathered").resolve()
     rows = {r["category"]: r for r in memory_comparison(run, simulate_observations(run))["rows"]}
     assert rows["transient"]["rel_diff_vs_engine_model"] > 0.5
@@ -172,11 +178,16 @@ def test_model_equals_measured_under_torchrun_at_two_ranks():
     reason = torch_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    cfgs = [RunConfig(model="tiny", world_size=2, strategy=s, steps=1, prefetch=1) for s in ("zero2", "zero3")]
+    cfgs = [
+        RunConfig(model="tiny", world_size=2, strategy=s, steps=1, prefetch=1) for s in ("zero2", "zero3")
+    ]
     res = run_under_torch(cfgs, 2, timeout_s=240)
     assert res.error is None, res.error
     for cfg, obs in zip(cfgs, res.observations, strict=True):
         assert [o.backend for o in obs] == ["torch", "torch"]
         run = cfg.resolve()
         _check_exact(memory_comparison(run, obs), run)
-        assert traffic_comparison(run, obs)["measured"]["sent_max_rank"] == traffic_comparison(run, obs)["model"]["sent"]
+        assert (
+            traffic_comparison(run, obs)["measured"]["sent_max_rank"]
+            == traffic_comparison(run, obs)["model"]["sent"]
+        )

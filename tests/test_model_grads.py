@@ -199,7 +199,9 @@ def test_bad_inputs_raise_config_errors():
         model.loss(params, tokens + TINY.vocab_size, targets)
     assert e.value.field == "tokens"
     with pytest.raises(ConfigError) as e:
-        model.forward("lm_head", {"lm_head.weight": params["lm_head.weight"]}, np.zeros((16, TINY.d_model), np.float32))
+        model.forward(
+            "lm_head", {"lm_head.weight": params["lm_head.weight"]}, np.zeros((16, TINY.d_model), np.float32)
+        )
     assert e.value.field == "targets"
     with pytest.raises(ConfigError) as e:
         model.forward("blocks.0", {}, np.zeros((16, TINY.d_model), np.float32))

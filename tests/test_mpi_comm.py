@@ -1,8 +1,9 @@
-"""MpiCommunicator under real mpiexec: every collective against numpy, traffic against ring_bytes.
+"""What only MpiCommunicator has, under real mpiexec: ``out=`` buffers and its two traffic counters.
 
 The checks run inside tests/mpi_programs/comm_checks.py (every rank computes the expected result
 itself from seeded inputs); these tests launch it and read its verdict. Also: the launcher's
-argument forwarding and mpiexec discovery, which need no MPI.
+argument forwarding and mpiexec discovery, which need no MPI. The collectives every Communicator
+must get right (each collective, dtype, traffic, timeouts) are in tests/test_comm_conformance.py.
 """
 
 from __future__ import annotations
@@ -23,16 +24,13 @@ needs_mpi = pytest.mark.skipif(REASON is not None, reason=f"MPI unavailable: {RE
 
 @pytest.mark.mpi
 @needs_mpi
-@pytest.mark.parametrize(("ranks", "mode"), [(1, "abort"), (2, "abort"), (3, "abort"), (4, "abort"), (4, "raise")])
-def test_collectives_match_numpy_and_traffic_matches_ring_model(ranks: int, mode: str) -> None:
+@pytest.mark.parametrize(("ranks", "mode"), [(1, "abort"), (3, "abort"), (4, "raise")])
+def test_out_buffers_and_both_traffic_counters(ranks: int, mode: str) -> None:
     result = run_mpiexec(ranks, [str(PROGRAMS / "comm_checks.py"), mode], timeout_s=120)
     assert result.returncode == 0, result.stderr
     lines = set(result.stdout.splitlines())
-    for check in ("OK reduce float32 avg", "OK reduce bfloat16 sum", "OK reduce float16 max",
-                  "OK gather/broadcast bfloat16", "OK gather/broadcast complex64", "OK out=", "OK plain counter", "OK scalar+barrier",
-                  "OK bad input", "OK traffic"):
+    for check in ("OK out=", "OK plain counter", "OK traffic"):
         assert check in lines, f"{check!r} missing from {sorted(lines)}"
-    assert ("OK split" in lines) == (ranks % 2 == 0)
 
 
 def test_forward_argv_round_trips_every_kind_of_option() -> None:

@@ -56,7 +56,9 @@ def run_mpi(tmp_path: Path, world: int, strategy: str, extra: tuple[str, ...]) -
             "--micro-batches", "2", "--seed", "7", "--observe", "full", "--timeout", "60", "--json",
             "--save-observations", str(saved), *extra]
     result = run_mpiexec(world, argv, timeout_s=180)
-    assert result.returncode == 0, f"the MPI run's own contracts failed (exit {result.returncode}):\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"the MPI run's own contracts failed (exit {result.returncode}):\n{result.stderr}"
+    )
     with open(saved, "rb") as f:
         return pickle.load(f)
 
@@ -92,8 +94,13 @@ def compare(mpi: list[Any], sim: list[Any], bitwise: bool) -> int:
             where = f"rank {m.rank} step {ms.step}"
             assert ms.traffic == ss.traffic, f"{where}: traffic differs"
             assert ms.holdings == ss.holdings, f"{where}: holdings differ"
-            np.testing.assert_allclose([ms.loss, ms.grad_norm, ms.clip_coef], [ss.loss, ss.grad_norm, ss.clip_coef],
-                                       rtol=CROSS_BACKEND_RTOL, atol=CROSS_BACKEND_ATOL, err_msg=where)
+            np.testing.assert_allclose(
+                [ms.loss, ms.grad_norm, ms.clip_coef],
+                [ss.loss, ss.grad_norm, ss.clip_coef],
+                rtol=CROSS_BACKEND_RTOL,
+                atol=CROSS_BACKEND_ATOL,
+                err_msg=where,
+            )
             mine, theirs = state_arrays(ms), state_arrays(ss)
             assert mine.keys() == theirs.keys(), where
             for name in theirs:
@@ -105,14 +112,21 @@ def compare(mpi: list[Any], sim: list[Any], bitwise: bool) -> int:
                 if bitwise:
                     assert n_diff == 0, f"{where} {name}: {n_diff} of {a.size} elements differ in some bit"
                 else:
-                    np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64), rtol=CROSS_BACKEND_RTOL,
-                                               atol=CROSS_BACKEND_ATOL, err_msg=f"{where} {name}")
+                    np.testing.assert_allclose(
+                        a.astype(np.float64),
+                        b.astype(np.float64),
+                        rtol=CROSS_BACKEND_RTOL,
+                        atol=CROSS_BACKEND_ATOL,
+                        err_msg=f"{where} {name}",
+                    )
     return differing
 
 
 @pytest.mark.parametrize(("world", "strategy", "extra"), CASES,
                          ids=[f"{w}-{s}{''.join(e)}" for w, s, e in CASES])
-def test_mpi_run_agrees_with_the_simulator(tmp_path: Path, world: int, strategy: str, extra: tuple[str, ...]) -> None:
+def test_mpi_run_agrees_with_the_simulator(
+    tmp_path: Path, world: int, strategy: str, extra: tuple[str, ...]
+) -> None:
     cfg = sim_config(world, strategy, extra)
     run = cfg.validate()
     # every reduction that feeds the state: over the shard group (k) and the replicate group (world / k)

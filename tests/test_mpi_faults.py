@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from zerosim.comm.base import DEFAULT_TIMEOUT_S
-from zerosim.mpi import EXIT_RANK_FAILED
-from zerosim.mpi.launch import EXIT_LAUNCH_TIMEOUT, mpi_unavailable_reason, run_mpiexec
+from zerosim.errors import EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED
+from zerosim.mpi.launch import mpi_unavailable_reason, run_mpiexec
 
 PROGRAMS = Path(__file__).parent / "mpi_programs"
 REASON = mpi_unavailable_reason()
@@ -41,10 +41,13 @@ def run_fault(fault: str, *args: str, ranks: int = 4) -> tuple[int, str, float]:
 def test_a_rank_that_raises_mid_step_ends_every_rank_and_is_reported_once(mode: str) -> None:
     # collective #2 of rank 1 is the shard all_reduce of the first step: mid-step
     code, stderr, elapsed = run_fault("raise:rank=1:call=2", mode, str(DEFAULT_TIMEOUT_S))
-    assert code == EXIT_RANK_FAILED
+    assert code == EXIT_RUN_FAILED
     lines = failure_lines(stderr)
     assert len(lines) == 1, stderr
-    assert lines[0].startswith("rank 1 failed: RuntimeError: injected fault") and "all_reduce on group shard[0]" in lines[0]
+    assert (
+        lines[0].startswith("rank 1 failed: RuntimeError: injected fault")
+        and "all_reduce on group shard[0]" in lines[0]
+    )
     assert elapsed < BOUND_S  # the peers are killed by the abort, not by their 60 s timeout
 
 
@@ -53,7 +56,7 @@ def test_a_hanging_rank_is_caught_by_the_timeout_naming_the_collective_and_the_r
     timeout_s = 1.5
     # rank 1 never enters its collective #4: the world reduce_scatter of the second step
     code, stderr, elapsed = run_fault("hang:rank=1:call=4", mode, str(timeout_s))
-    assert code == EXIT_RANK_FAILED
+    assert code == EXIT_RUN_FAILED
     lines = failure_lines(stderr)
     assert len(lines) == 1, stderr
     assert ("CollectiveTimeout: reduce_scatter on group world timed out after 1.5s; "
@@ -64,14 +67,14 @@ def test_a_hanging_rank_is_caught_by_the_timeout_naming_the_collective_and_the_r
 
 def test_a_rank_hanging_before_the_first_collective_is_named() -> None:
     code, stderr, _ = run_fault("hang:rank=0:call=0", "abort", "1.0", ranks=3)
-    assert code == EXIT_RANK_FAILED
+    assert code == EXIT_RUN_FAILED
     lines = failure_lines(stderr)
     assert len(lines) == 1 and "ranks that never arrived: [0]" in lines[0], stderr
 
 
 def test_the_same_error_on_every_rank_is_printed_once() -> None:
     result = run_mpiexec(4, [str(PROGRAMS / "comm_fault.py"), "abort", "30", "all-raise"], timeout_s=BOUND_S)
-    assert result.returncode == EXIT_RANK_FAILED
+    assert result.returncode == EXIT_RUN_FAILED
     lines = failure_lines(result.stderr)
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("rank 0 failed: NonFiniteGradientError: non-finite gradient on rank 0")
@@ -124,7 +127,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_collective() -> None:
 
 def test_a_rank_raising_inside_the_engine_ends_the_run() -> None:
     code, stdout, stderr = simulate(4, "--strategy", "zero3", env={"ZEROSIM_FAULT": "raise:rank=2:call=9"})
-    assert code == EXIT_RANK_FAILED
+    assert code == EXIT_RUN_FAILED
     lines = failure_lines(stderr)
     assert len(lines) == 1 and lines[0].startswith("rank 2 failed: RuntimeError: injected fault"), stderr
     assert "contracts" not in stdout
@@ -133,9 +136,11 @@ def test_a_rank_raising_inside_the_engine_ends_the_run() -> None:
 def test_a_rank_hanging_inside_the_engine_times_out() -> None:
     code, _, stderr = simulate(4, "--strategy", "hybrid_shard:2", "--timeout", "2",
                                env={"ZEROSIM_FAULT": "hang:rank=3:call=12"})
-    assert code == EXIT_RANK_FAILED
+    assert code == EXIT_RUN_FAILED
     lines = failure_lines(stderr)
-    assert len(lines) == 1 and "CollectiveTimeout" in lines[0] and "ranks that never arrived: [3]" in lines[0], stderr
+    assert (
+        len(lines) == 1 and "CollectiveTimeout" in lines[0] and "ranks that never arrived: [3]" in lines[0]
+    ), stderr
 
 
 def test_zerosim_simulate_backend_mpi_launches_mpiexec(capfd: pytest.CaptureFixture[str]) -> None:

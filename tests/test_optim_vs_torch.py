@@ -140,7 +140,9 @@ def test_adam_is_bitwise_on_fused_kernels_wherever_torchs_sqrt_is_correctly_roun
             np.testing.assert_array_equal(ours[k], theirs[k], err_msg=f"step {t} {k}")
         v = theirs["exp_avg_sq"]
         sqrt_exact = torch.from_numpy(v.copy()).sqrt().numpy() == np.sqrt(v)
-        np.testing.assert_array_equal(ours["param"][sqrt_exact], theirs["param"][sqrt_exact], err_msg=f"step {t}")
+        np.testing.assert_array_equal(
+            ours["param"][sqrt_exact], theirs["param"][sqrt_exact], err_msg=f"step {t}"
+        )
         p, state = theirs["param"], {k: theirs[k] for k in spec.state_names}
 
 
@@ -148,7 +150,9 @@ def test_adam_is_bitwise_on_fused_kernels_wherever_torchs_sqrt_is_correctly_roun
 @pytest.mark.parametrize("max_norm", [1e-2, 1.0])
 def test_clipped_steps_match_torch(name, max_norm):
     # gradient norms around 10: every step clips
-    spec = OptimizerSpec.parse(name, lr=1e-2, max_grad_norm=max_norm, **({"momentum": 0.9} if name == "sgd" else {}))
+    spec = OptimizerSpec.parse(
+        name, lr=1e-2, max_grad_norm=max_norm, **({"momentum": 0.9} if name == "sgd" else {})
+    )
     assert not (bad := teacher_forced_run(spec, N, STEPS, seed=2)), _report(bad)
     assert not (bad := free_running_run(spec, N, STEPS, seed=3)), _report(bad)
 
@@ -190,7 +194,7 @@ def test_global_norm_and_clip_match_clip_grad_norm():
                 ours = g.copy()
                 apply_clip_(ours, coef)
                 diff = np.abs(ours.astype(np.float64) - tp.grad.numpy())
-                assert np.all(diff <= 2 * clipped.e[off:off + g.size]), f"max_norm {max_norm}"
+                assert np.all(diff <= 2 * clipped.e[off : off + g.size]), f"max_norm {max_norm}"
                 off += g.size
 
 
@@ -218,6 +222,7 @@ def test_sgd_momentum_buffer_first_step_copies_gradient():
 def test_chunked_update_changes_no_bit(monkeypatch):
     """The step runs in CHUNK-sized pieces on CPU; any chunk size gives the same bits."""
     from zerosim import optim
+
     for name in ("sgd", "adam"):
         spec = OptimizerSpec.parse(name, lr=1e-2, **({"momentum": 0.9} if name == "sgd" else {}))
         results = []
@@ -239,7 +244,9 @@ def test_sharded_step_equals_full_step_bitwise():
     """Elementwise-only: stepping shards gives the full step's bits (the basis of C-ZERO-002)."""
     rng = np.random.default_rng(5)
     for name in ("sgd", "adam", "adamw"):
-        spec = OptimizerSpec.parse(name, lr=1e-2, **({"momentum": 0.9, "nesterov": True} if name == "sgd" else {}))
+        spec = OptimizerSpec.parse(
+            name, lr=1e-2, **({"momentum": 0.9, "nesterov": True} if name == "sgd" else {})
+        )
         opt = make_optimizer(spec)
         full = rng.standard_normal(N).astype(np.float32)
         shards = [full[a:b].copy() for a, b in ((0, 100), (100, 517), (517, N))]
@@ -250,29 +257,32 @@ def test_sharded_step_equals_full_step_bitwise():
             opt.step(full, g, st_full)
             off = 0
             for s, st in zip(shards, st_shards, strict=True):
-                opt.step(s, g[off:off + s.size], st)
+                opt.step(s, g[off : off + s.size], st)
                 off += s.size
         np.testing.assert_array_equal(np.concatenate(shards), full)
         for k in spec.state_names:
             np.testing.assert_array_equal(np.concatenate([st[k] for st in st_shards]), st_full[k])
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(name="lion"), "optimizer"),
-    (dict(name="sgd", lr=-1.0), "lr"),
-    (dict(name="sgd", momentum=-0.1), "momentum"),
-    (dict(name="sgd", nesterov=True), "nesterov"),
-    (dict(name="sgd", nesterov=True, momentum=0.9, dampening=0.1), "nesterov"),
-    (dict(name="adam", betas=(0.9, 1.0)), "betas[1]"),
-    (dict(name="adam", betas=(0.9,)), "betas"),
-    (dict(name="adam", eps=-1e-8), "eps"),
-    (dict(name="adamw", weight_decay=-0.1), "weight_decay"),
-    (dict(name="adam", momentum=0.9), "momentum"),
-    (dict(name="sgd", max_grad_norm=0.0), "max_grad_norm"),
-    (dict(name="sgd", lr="fast"), "lr"),
-    (dict(name="sgd", lr=float("nan")), "lr"),
-    (dict(name="sgd", learning_rate=0.1), "learning_rate"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(name="lion"), "optimizer"),
+        (dict(name="sgd", lr=-1.0), "lr"),
+        (dict(name="sgd", momentum=-0.1), "momentum"),
+        (dict(name="sgd", nesterov=True), "nesterov"),
+        (dict(name="sgd", nesterov=True, momentum=0.9, dampening=0.1), "nesterov"),
+        (dict(name="adam", betas=(0.9, 1.0)), "betas[1]"),
+        (dict(name="adam", betas=(0.9,)), "betas"),
+        (dict(name="adam", eps=-1e-8), "eps"),
+        (dict(name="adamw", weight_decay=-0.1), "weight_decay"),
+        (dict(name="adam", momentum=0.9), "momentum"),
+        (dict(name="sgd", max_grad_norm=0.0), "max_grad_norm"),
+        (dict(name="sgd", lr="fast"), "lr"),
+        (dict(name="sgd", lr=float("nan")), "lr"),
+        (dict(name="sgd", learning_rate=0.1), "learning_rate"),
+    ],
+)
 def test_bad_optimizer_spec_names_the_field(kwargs, field):
     name = kwargs.pop("name")
     with pytest.raises(ConfigError) as e:
@@ -332,18 +342,24 @@ def test_mixed_precision_step_matches_torch_master_weights_recipe(precision, nam
 
     prec = Precision.parse(precision)
     tdtype = getattr(torch, MIXED[precision])
-    spec = OptimizerSpec.parse(name, lr=1e-2, max_grad_norm=1.0, **({"momentum": 0.9} if name == "sgd" else {}))
+    spec = OptimizerSpec.parse(
+        name, lr=1e-2, max_grad_norm=1.0, **({"momentum": 0.9} if name == "sgd" else {})
+    )
     ns = numpy_namespace()
     rng = np.random.default_rng(11)
     master = rng.standard_normal(N).astype(np.float32)
     state = {k: np.zeros(N, np.float32) for k in spec.state_names}
     for t in range(1, STEPS + 1):
-        work = prec.to_params(master, ns)                                  # ml_dtypes cast
-        twork = torch.from_numpy(master.copy()).to(tdtype)                 # torch's cast
+        work = prec.to_params(master, ns)  # ml_dtypes cast
+        twork = torch.from_numpy(master.copy()).to(tdtype)  # torch's cast
         assert work.dtype.itemsize == 2 and twork.dtype == tdtype
-        np.testing.assert_array_equal(work.view(np.int16), twork.view(torch.int16).numpy(), err_msg=f"step {t}")
+        np.testing.assert_array_equal(
+            work.view(np.int16), twork.view(torch.int16).numpy(), err_msg=f"step {t}"
+        )
         noise = (rng.standard_normal(N) * 10.0 ** rng.uniform(-3, 0, N)).astype(np.float32)
-        g16 = (np.float32(0.5) * work.astype(np.float32) + noise).astype(work.dtype)  # the model's 16-bit grad
+        g16 = (np.float32(0.5) * work.astype(np.float32) + noise).astype(
+            work.dtype
+        )  # the model's 16-bit grad
         tg16 = (0.5 * twork.float() + torch.from_numpy(noise)).to(tdtype)
         np.testing.assert_array_equal(g16.view(np.int16), tg16.view(torch.int16).numpy(), err_msg=f"step {t}")
         grad = prec.grad_to_master(g16, ns)
@@ -354,7 +370,9 @@ def test_mixed_precision_step_matches_torch_master_weights_recipe(precision, nam
         nxt = prec.to_params(ours["param"], ns).astype(np.float64)
         tnxt = torch.from_numpy(theirs["param"]).to(tdtype).double().numpy()
         same = ours["param"] == theirs["param"]
-        np.testing.assert_array_equal(nxt[same], tnxt[same], err_msg=f"step {t}: equal masters, unequal casts")
+        np.testing.assert_array_equal(
+            nxt[same], tnxt[same], err_msg=f"step {t}: equal masters, unequal casts"
+        )
         gap = np.abs(ours["param"].astype(np.float64) - theirs["param"])
         allowed = gap + _spacing16(np.maximum(np.abs(nxt), np.abs(tnxt)), precision)
         assert np.all(np.abs(nxt - tnxt) <= allowed), f"step {t}: 16-bit working copies too far apart"

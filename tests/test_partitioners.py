@@ -166,7 +166,9 @@ def test_zero_redundancy_sorted_greedy_whole_tensors():
     # 7 -> r0; 5 -> r1; 4 -> r1 (5 < 7); 3 -> r0 (7 < 9); 1 -> r1 (9 < 10)
     assert shards_of(plan) == [([(0, 7), (16, 19)], 0), ([(7, 16), (19, 20)], 0)]
     assert plan.balance_bound == 7
-    ties = get_partitioner("zero-redundancy")(ParamLayout.from_list([("x", (2,)), ("y", (2,)), ("z", (2,))]), 2)
+    ties = get_partitioner("zero-redundancy")(
+        ParamLayout.from_list([("x", (2,)), ("y", (2,)), ("z", (2,))]), 2
+    )
     assert ties.meta["tensor_owners"] == [0, 1, 0]  # equal sizes keep layout order, lowest rank first
 
 
@@ -260,8 +262,11 @@ def test_every_partitioner_satisfies_c_zero_001(layout, ws, name):
 
 
 @settings(max_examples=60, deadline=None)
-@given(layout=flat_layouts(2**61), ws=st.sampled_from([1, 2, 3, 7, 64, 1000, 1024]),
-       name=st.sampled_from(["seed", "deepspeed", "deepspeed-zero3", "fsdp", "zero-redundancy", "contiguous"]))
+@given(
+    layout=flat_layouts(2**61),
+    ws=st.sampled_from([1, 2, 3, 7, 64, 1000, 1024]),
+    name=st.sampled_from(["seed", "deepspeed", "deepspeed-zero3", "fsdp", "zero-redundancy", "contiguous"]),
+)
 def test_flat_partitioners_hold_at_huge_totals(layout, ws, name):
     verdict = check_partition_plan(PARTITIONERS[name](layout, ws))
     assert verdict.passed, [str(v) for v in verdict.violations]

@@ -1,4 +1,5 @@
-"""C-ZERO-002..005: each clause fails on a deliberately broken engine (or observation) with a useful diagnostic."""
+"""C-ZERO-002..005: each clause fails on a deliberately broken engine (or observation) with a useful
+diagnostic."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 
 from zerosim.checks import step as checks
 from zerosim.contracts import load_contracts
-from zerosim.engine.faults import FAULTS
-from zerosim.engine.spmd import RunConfig, evaluate, run_simulated, simulate_observations
+from zerosim.engine.config import RunConfig
+from zerosim.engine.fault_catalog import FAULTS
+from zerosim.engine.run_result import evaluate
+from zerosim.engine.spmd import run_simulated, simulate_observations
 
 STEP_CONTRACTS = ("C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
 
@@ -50,14 +53,22 @@ def test_specs_resolve_and_tolerances_match_the_code():
     tol = specs["C-ZERO-002"].tolerance
     for precision, t in checks.EQUIVALENCE_TOLERANCE.items():
         assert tol[precision] == {"atol_scale": t.atol_scale, "norm_rtol": t.norm_rtol}
-    assert set(specs["C-ZERO-004"].clauses) == {"intervals", "padding", "bytes", "tracker", "transients_freed",
-                                                 "peak_bound"}
+    assert set(specs["C-ZERO-004"].clauses) == {
+        "intervals",
+        "padding",
+        "bytes",
+        "tracker",
+        "transients_freed",
+        "peak_bound",
+    }
 
 
 # ---- C-ZERO-002 --------------------------------------------------------------------------------------
 
 def test_sum_instead_of_mean_fails_equivalence_naming_state_step_rank_and_tensor():
-    r = run_simulated(RunConfig(strategy="zero3", world_size=4, steps=2, fault="sum-instead-of-avg", max_grad_norm=None))
+    r = run_simulated(
+        RunConfig(strategy="zero3", world_size=4, steps=2, fault="sum-instead-of-avg", max_grad_norm=None)
+    )
     assert failing(r) == ["C-ZERO-002"]
     v = first(r, "C-ZERO-002", "allclose")
     assert v.step == 0 and v.ranks and v.tensor is not None and v.interval is not None
@@ -68,7 +79,9 @@ def test_sum_instead_of_mean_fails_equivalence_naming_state_step_rank_and_tensor
 
 
 def test_rank_local_clipping_fails_equivalence():
-    r = run_simulated(RunConfig(strategy="zero2", world_size=4, steps=2, max_grad_norm=0.05, fault="local-norm-clip"))
+    r = run_simulated(
+        RunConfig(strategy="zero2", world_size=4, steps=2, max_grad_norm=0.05, fault="local-norm-clip")
+    )
     assert "C-ZERO-002" in failing(r)
     clauses = {v.clause for v in r.verdicts["C-ZERO-002"].violations}
     assert {"grad_norm", "clip_coef", "allclose", "bitwise"} <= clauses
@@ -126,7 +139,9 @@ def test_stale_parameters_on_one_rank_fail_identity(strategy):
 
 
 def test_hybrid_without_replicate_all_reduce_diverges_and_misses_traffic():
-    r = run_simulated(RunConfig(strategy="hybrid_shard:2", world_size=4, steps=1, fault="skip-replicate-allreduce"))
+    r = run_simulated(
+        RunConfig(strategy="hybrid_shard:2", world_size=4, steps=1, fault="skip-replicate-allreduce")
+    )
     assert failing(r) == ["C-ZERO-002", "C-ZERO-003", "C-ZERO-005"]
     v = first(r, "C-ZERO-003", "identical")
     assert v.ranks == (0, 2)  # rank 2 is rank 0's replica in the other shard group
@@ -152,7 +167,13 @@ def test_keeping_gathered_blocks_breaks_the_peak_bound_and_leaves_transients():
     assert "C-ZERO-004" in failing(r)
     t = first(r, "C-ZERO-004", "transients_freed")
     assert t.context["category"] == "gathered" and t.got > 0
-    assert t.tensor in {"embedding", "blocks.0", "blocks.1", "final_norm", "lm_head"}  # the block left gathered
+    assert t.tensor in {
+        "embedding",
+        "blocks.0",
+        "blocks.1",
+        "final_norm",
+        "lm_head",
+    }  # the block left gathered
     assert_diagnostic(t, "C-ZERO-004", interval=False)
     p = first(r, "C-ZERO-004", "peak_bound")
     assert p.got > p.expected
@@ -172,7 +193,9 @@ def test_misreported_holdings_fail_bytes_padding_and_tracker():
     cfg = RunConfig(strategy="zero3", world_size=3, steps=1)
     obs = simulate_observations(cfg)
     h = obs[2].steps[0].holdings["params"]
-    obs[2].steps[0].holdings["params"] = type(h)(h.kind, h.intervals, h.stored_numel + 5, h.nbytes + 4, h.dtype)
+    obs[2].steps[0].holdings["params"] = type(h)(
+        h.kind, h.intervals, h.stored_numel + 5, h.nbytes + 4, h.dtype
+    )
     r = evaluate(cfg, obs)
     clauses = {v.clause for v in r.verdicts["C-ZERO-004"].violations}
     assert {"padding", "bytes", "tracker"} <= clauses
@@ -183,7 +206,9 @@ def test_plan_mismatch_names_missing_elements():
     obs = simulate_observations(cfg)
     h = obs[0].steps[0].holdings["grads"]
     s, e = h.intervals[0]
-    obs[0].steps[0].holdings["grads"] = type(h)(h.kind, ((s, e - 7),) + h.intervals[1:], h.stored_numel, h.nbytes, h.dtype)
+    obs[0].steps[0].holdings["grads"] = type(h)(
+        h.kind, ((s, e - 7),) + h.intervals[1:], h.stored_numel, h.nbytes, h.dtype
+    )
     v = first(evaluate(cfg, obs), "C-ZERO-004", "intervals")
     assert v.interval == (e - 7, e) and "is missing" in v.message
 
@@ -199,6 +224,20 @@ def test_an_extra_all_gather_fails_communication_with_expected_and_measured_byte
     # traffic has no tensor or element range: the diagnostic names the group kind and the collective
     assert_diagnostic(v, "C-ZERO-005", tensor=False, interval=False)
     assert "collective=all_gather" in str(v) and "group_kind=world" in str(v)
+
+
+def test_every_catalogued_fault_names_one_engine_variant_and_back():
+    """The catalogue (plain data the run config validates against) and the engine subclasses agree:
+    each entry names an existing variant, and no variant is left out of the catalogue."""
+    from zerosim.engine.faults import VARIANTS, engine_class
+    from zerosim.engine.zero import ZeroEngine
+
+    named = {f.engine for f in FAULTS.values()}
+    assert named == set(VARIANTS), (sorted(named - set(VARIANTS)), sorted(set(VARIANTS) - named))
+    for name, fault in FAULTS.items():
+        cls = engine_class(name)
+        assert issubclass(cls, ZeroEngine) and cls is not ZeroEngine and cls.__name__ == fault.engine, name
+    assert engine_class(None) is ZeroEngine
 
 
 def test_every_fault_fails_exactly_the_contracts_it_claims():
@@ -218,4 +257,6 @@ def test_checks_are_pure_functions_of_the_observations():
     cfg = RunConfig(strategy="hybrid_shard:2", world_size=4, steps=2)
     obs = simulate_observations(cfg)
     a, b = evaluate(cfg, obs), evaluate(cfg, obs)
-    assert a.passed and {k: v.to_json() for k, v in a.verdicts.items()} == {k: v.to_json() for k, v in b.verdicts.items()}
+    assert a.passed and {k: v.to_json() for k, v in a.verdicts.items()} == {
+        k: v.to_json() for k, v in b.verdicts.items()
+    }

@@ -77,7 +77,9 @@ def test_per_block_hidden_states_match():
     x_np, x_th = tokens, TH.from_numpy(tokens)
     for block in m_np.block_names:
         names = m_np.tensor_names(block)
-        x_np, _ = m_np.forward(block, {n: params[n] for n in names}, x_np, targets if block == "lm_head" else None)
+        x_np, _ = m_np.forward(
+            block, {n: params[n] for n in names}, x_np, targets if block == "lm_head" else None
+        )
         x_th, _ = m_th.forward(block, {n: TH.from_numpy(params[n]) for n in names}, x_th,
                                TH.from_numpy(targets) if block == "lm_head" else None)
         assert _normwise(TH.to_numpy(x_th), x_np) < 1e-5, block
@@ -170,7 +172,9 @@ def test_conversions_dtypes_and_helpers():
         np.testing.assert_array_equal(ns.to_numpy(flat), [0, 0, 5, 6, 7, 7])
         assert ns.sum_of_squares(ns.from_numpy(np.array([3.0, 4.0], np.float32))) == 25.0
         assert ns.isfinite_all(flat) and not ns.isfinite_all(ns.from_numpy(np.array([1.0, np.nan])))
-        out = ns.index_add_rows(4, ns.from_numpy(np.array([1, 3, 1])), ns.from_numpy(np.ones((3, 2), np.float32)))
+        out = ns.index_add_rows(
+            4, ns.from_numpy(np.array([1, 3, 1])), ns.from_numpy(np.ones((3, 2), np.float32))
+        )
         np.testing.assert_array_equal(ns.to_numpy(out), [[0, 0], [2, 2], [0, 0], [1, 1]])
         assert ns.to_float(ns.sum(flat)) == 25.0
         cp = ns.copy(flat)

@@ -14,7 +14,7 @@ from fractions import Fraction
 import pytest
 from run_assertions import assert_all_pass
 
-from zerosim.checks.step import check_communication, measured_traffic
+from zerosim.checks.step import check_communication
 from zerosim.cli import main
 from zerosim.cost.comm_model import comm_for_run, comm_per_step
 from zerosim.engine.spmd import RunConfig, run_simulated, simulate_observations
@@ -32,7 +32,9 @@ def test_both_variants_pass_every_step_contract_bitwise(variant, world, micro):
                                      max_grad_norm=0.5, zero1_grad_reduce=variant))
     assert_all_pass(result)
     assert result.verdicts["C-ZERO-002"].details["bitwise_required"] is True
-    assert result.steps[0]["clip_coef"] < 1.0  # the global norm was needed (reduce_scatter: summed over shards)
+    assert (
+        result.steps[0]["clip_coef"] < 1.0
+    )  # the global norm was needed (reduce_scatter: summed over shards)
     assert result.config["zero1_grad_reduce"] == variant
     assert result.comm.variant == variant
     if world == 5:
@@ -41,8 +43,9 @@ def test_both_variants_pass_every_step_contract_bitwise(variant, world, micro):
 
 @pytest.mark.parametrize("world", [2, 4, 5, 8])
 def test_measured_data_traffic_per_rank_is_the_ring_formula(world):
-    """M = 1, fp32: reduce_scatter sends 2(N-1)/N * P * 4 bytes, all_reduce 2(N-1)/N * Psi * 4 + (N-1)/N * P * 4
-    (= 3(N-1)/N * P * 4 without padding); P = padded packed size from the engine's own unit plan."""
+    """M = 1, fp32: reduce_scatter sends 2(N-1)/N * P * 4 bytes, all_reduce
+    2(N-1)/N * Psi * 4 + (N-1)/N * P * 4 (= 3(N-1)/N * P * 4 without padding); P = padded packed size
+    from the engine's own unit plan."""
     sent = {}
     for variant in VARIANTS:
         run = RunConfig(strategy="zero1", world_size=world, steps=2, zero1_grad_reduce=variant).resolve()
@@ -52,7 +55,7 @@ def test_measured_data_traffic_per_rank_is_the_ring_formula(world):
         grad_collective = "reduce_scatter" if variant == "reduce_scatter" else "all_reduce"
         for obs in simulate_observations(run):
             for so in obs.steps:
-                got = measured_traffic(so)
+                got = so.traffic_by_collective()
                 assert set(got) == {("world", grad_collective), ("world", "all_gather")}, got
                 total = sum((v[1] for v in got.values()), Fraction(0))
                 assert total == want, (variant, world, obs.rank, float(total), float(want))
@@ -72,16 +75,21 @@ def test_memory_layout_is_the_same_for_both_variants():
     for variant in VARIANTS:
         run = RunConfig(strategy="zero1", world_size=5, steps=1, zero1_grad_reduce=variant).resolve()
         obs = simulate_observations(run)
-        holdings[variant] = [{k: (h.intervals, h.stored_numel, h.nbytes) for k, h in o.steps[0].holdings.items()}
-                             for o in obs]
+        holdings[variant] = [
+            {k: (h.intervals, h.stored_numel, h.nbytes) for k, h in o.steps[0].holdings.items()} for o in obs
+        ]
         assert all(h["grads"][1] == run.layout.total_numel for h in holdings[variant])
     assert holdings["all_reduce"] == holdings["reduce_scatter"]
 
 
-@pytest.mark.parametrize(("ran", "model"), [("reduce_scatter", "all_reduce"), ("all_reduce", "reduce_scatter")])
+@pytest.mark.parametrize(
+    ("ran", "model"), [("reduce_scatter", "all_reduce"), ("all_reduce", "reduce_scatter")]
+)
 def test_a_run_checked_against_the_other_variants_model_fails_naming_the_collective(ran, model):
     run = RunConfig(strategy="zero1", world_size=4, steps=1, zero1_grad_reduce=ran).resolve()
-    wrong = comm_for_run(RunConfig(strategy="zero1", world_size=4, steps=1, zero1_grad_reduce=model).resolve())
+    wrong = comm_for_run(
+        RunConfig(strategy="zero1", world_size=4, steps=1, zero1_grad_reduce=model).resolve()
+    )
     obs = simulate_observations(run)
     v = check_communication(obs, wrong)
     assert not v.passed
@@ -94,8 +102,15 @@ def test_a_run_checked_against_the_other_variants_model_fails_naming_the_collect
 
 
 def test_the_reduce_scatter_variant_still_catches_a_sum_instead_of_an_average():
-    result = run_simulated(RunConfig(strategy="zero1", world_size=4, steps=1, zero1_grad_reduce="reduce_scatter",
-                                     fault="sum-instead-of-avg"))
+    result = run_simulated(
+        RunConfig(
+            strategy="zero1",
+            world_size=4,
+            steps=1,
+            zero1_grad_reduce="reduce_scatter",
+            fault="sum-instead-of-avg",
+        )
+    )
     assert not result.verdicts["C-ZERO-002"].passed
     assert result.verdicts["C-ZERO-005"].passed  # same collectives, wrong op
 
@@ -111,8 +126,10 @@ def test_comm_model_variants_in_elements(n):
     assert [i.collective for i in rs.items] == ["reduce_scatter", "all_gather"]
     assert any("reduce_scatter" in note for note in rs.notes)
     # once per step, after accumulation: micro-batches do not multiply it
-    assert comm_per_step(PSI, "zero1", n, micro_batches=4, zero1_grad_reduce="reduce_scatter").elements_sent == \
-        2 * f * PSI
+    assert (
+        comm_per_step(PSI, "zero1", n, micro_batches=4, zero1_grad_reduce="reduce_scatter").elements_sent
+        == 2 * f * PSI
+    )
     # other strategies ignore the option
     for s in ("no_shard", "zero2", "zero3", "hybrid_shard_zero2:2"):
         a = comm_per_step(PSI, s, n)
@@ -130,7 +147,9 @@ def test_bad_variant_is_a_config_error_naming_the_field(bad):
     assert e.value.field == "zero1_grad_reduce"
 
 
-@pytest.mark.parametrize("command", [["simulate", "--strategy", "zero1"], ["comm", "--params", "1e6", "--world-size", "4"]])
+@pytest.mark.parametrize(
+    "command", [["simulate", "--strategy", "zero1"], ["comm", "--params", "1e6", "--world-size", "4"]]
+)
 def test_bad_variant_at_the_cli_exits_2_with_one_line(command, capsys):
     assert main([*command, "--zero1-reduce", "scatter"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -138,8 +157,25 @@ def test_bad_variant_at_the_cli_exits_2_with_one_line(command, capsys):
 
 
 def test_cli_comm_reports_the_variant(capsys):
-    assert main(["comm", "--params", str(PSI), "--world-size", "8", "--strategy", "zero1", "--precision", "fp32",
-                 "--zero1-reduce", "reduce_scatter", "--json"]) == 0
+    assert (
+        main(
+            [
+                "comm",
+                "--params",
+                str(PSI),
+                "--world-size",
+                "8",
+                "--strategy",
+                "zero1",
+                "--precision",
+                "fp32",
+                "--zero1-reduce",
+                "reduce_scatter",
+                "--json",
+            ]
+        )
+        == 0
+    )
     row = next(iter(json.loads(capsys.readouterr().out)["strategies"].values()))
     assert row["variant"] == "reduce_scatter"
     assert row["per_rank"]["elements_sent"] == pytest.approx(2 * 7 / 8 * PSI)
@@ -156,7 +192,7 @@ def test_cli_simulate_passes_the_variant_through(capsys):
 def test_mpi_forwards_the_variant():
     """``--backend mpi`` rebuilds the rank command line from the shared run options."""
     from zerosim.cli import build_parser
-    from zerosim.cli.simulate import add_run_arguments
+    from zerosim.engine.run_args import add_run_arguments
     from zerosim.mpi.launch import forward_argv
 
     args = build_parser().parse_args(["simulate", "--strategy", "zero1", "--zero1-reduce", "reduce_scatter"])
@@ -173,7 +209,9 @@ def test_the_same_order_reference_follows_the_variants_norm_order():
     within gamma_{n-1} of the exact sum, and the root halves that."""
     from zerosim.engine.reference import ordered_reference
 
-    cfg = RunConfig(strategy="zero1", world_size=4, steps=3, micro_batches=2, zero1_grad_reduce="reduce_scatter")
+    cfg = RunConfig(
+        strategy="zero1", world_size=4, steps=3, micro_batches=2, zero1_grad_reduce="reduce_scatter"
+    )
     result = run_simulated(cfg)
     assert_all_pass(result)
     refs = {v: ordered_reference(cfg.replace(zero1_grad_reduce=v).resolve()) for v in VARIANTS}

@@ -25,23 +25,61 @@ QUIET = {"PYTHONWARNINGS": "ignore"}
 
 
 def test_the_communicator_selftest_passes_on_nccl() -> None:
-    result = run_torchrun(1, ["-m", "zerogpu", "selftest-comm", "--device", "cuda", "--json"], BOUND_S, env=QUIET)
+    result = run_torchrun(
+        1, ["-m", "zerogpu", "selftest-comm", "--device", "cuda", "--json"], BOUND_S, env=QUIET
+    )
     assert result.returncode == 0, (result.stdout or "") + (result.stderr or "")
     doc = json.loads(result.stdout)
     assert doc["passed"] and doc["backend"] == "nccl" and doc["device"].startswith("cuda")
 
 
 def test_simulate_on_one_gpu_passes_every_contract() -> None:
-    result = run_torchrun(1, ["-m", "zerogpu", "simulate", "--device", "cuda", "--strategy", "zero3", "--steps", "2",
-                              "--observe", "full", "--json"], BOUND_S, env=QUIET)
+    result = run_torchrun(
+        1,
+        [
+            "-m",
+            "zerogpu",
+            "simulate",
+            "--device",
+            "cuda",
+            "--strategy",
+            "zero3",
+            "--steps",
+            "2",
+            "--observe",
+            "full",
+            "--json",
+        ],
+        BOUND_S,
+        env=QUIET,
+    )
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["passed"] and all(doc["verdicts"][c]["passed"] for c in CONTRACTS)
 
 
 def test_a_broken_engine_on_the_gpu_fails_its_contract() -> None:
-    result = run_torchrun(1, ["-m", "zerogpu", "simulate", "--device", "cuda", "--strategy", "zero3", "--steps", "1",
-                              "--micro-batches", "2", "--fault", "no-accum-average", "--json"], BOUND_S, env=QUIET)
+    result = run_torchrun(
+        1,
+        [
+            "-m",
+            "zerogpu",
+            "simulate",
+            "--device",
+            "cuda",
+            "--strategy",
+            "zero3",
+            "--steps",
+            "1",
+            "--micro-batches",
+            "2",
+            "--fault",
+            "no-accum-average",
+            "--json",
+        ],
+        BOUND_S,
+        env=QUIET,
+    )
     assert result.returncode == 1, result.stderr
     assert json.loads(result.stdout)["verdicts"]["C-ZERO-002"]["passed"] is False
 
@@ -60,8 +98,12 @@ def test_the_gpu_report_writes_json_and_markdown(tmp_path: Path) -> None:
 @pytest.mark.skipif(GPUS < 2, reason="NCCL across ranks needs two GPUs")
 def test_every_strategy_over_nccl_at_world_2(tmp_path: Path) -> None:
     out = tmp_path / "eq.json"
-    result = run_torchrun(2, ["-m", "zerogpu", "equivalence", "--device", "cuda", "--xp", "numpy", "--out", str(out)],
-                          BOUND_S, env=QUIET)
+    result = run_torchrun(
+        2,
+        ["-m", "zerogpu", "equivalence", "--device", "cuda", "--xp", "numpy", "--out", str(out)],
+        BOUND_S,
+        env=QUIET,
+    )
     doc = json.loads(out.read_text())
     assert result.returncode == 0 and doc["passed"], result.stdout
     # numpy arrays, two ranks: NCCL's sum of two is the simulator's, bit for bit

@@ -15,10 +15,9 @@ pytest.importorskip("torch")
 from zerogpu.agreement import bitwise_expected, compare_with_simulator  # noqa: E402
 from zerogpu.equivalence import default_strategies, parse_strategies  # noqa: E402
 from zerogpu.launch import ranks_status  # noqa: E402
-from zerogpu.rank import EXIT_RANK_FAILED  # noqa: E402
 from zerogpu.simulate import build_parser, resolve_setup  # noqa: E402
 from zerosim.engine.spmd import RunConfig, simulate_observations  # noqa: E402
-from zerosim.errors import ConfigError  # noqa: E402
+from zerosim.errors import EXIT_RUN_FAILED, ConfigError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +59,19 @@ def test_bitwise_is_promised_for_numpy_arrays_and_groups_of_at_most_two() -> Non
     assert not bitwise_expected(run(4, "zero3"), "numpy") and not bitwise_expected(run(2, "zero3"), "torch")
 
 
-@pytest.mark.parametrize(("torchrun", "written", "want"), [
-    (0, {0: 0, 1: 0}, 0),
-    (0, {0: 1, 1: 1}, 1),                        # an agreed contract failure (ranks exit 0 under our launcher)
-    (0, {0: 2, 1: 2}, 2),                        # agreed bad input
-    (1, {0: 1, 1: 1}, 1),                        # a bare torchrun status file: still the verdict
-    (1, {1: EXIT_RANK_FAILED}, EXIT_RANK_FAILED),  # rank 1 failed, rank 0 was SIGTERMed before writing
-    (1, {0: 1, 1: EXIT_RANK_FAILED}, EXIT_RANK_FAILED),
-    (1, {}, EXIT_RANK_FAILED),                   # every rank died without a word (signal, OOM)
-    (1, {0: 0}, EXIT_RANK_FAILED),               # torchrun failed though the ranks that wrote succeeded
-])
+@pytest.mark.parametrize(
+    ("torchrun", "written", "want"),
+    [
+        (0, {0: 0, 1: 0}, 0),
+        (0, {0: 1, 1: 1}, 1),  # an agreed contract failure (ranks exit 0 under our launcher)
+        (0, {0: 2, 1: 2}, 2),  # agreed bad input
+        (1, {0: 1, 1: 1}, 1),  # a bare torchrun status file: still the verdict
+        (1, {1: EXIT_RUN_FAILED}, EXIT_RUN_FAILED),  # rank 1 failed, rank 0 was SIGTERMed before writing
+        (1, {0: 1, 1: EXIT_RUN_FAILED}, EXIT_RUN_FAILED),
+        (1, {}, EXIT_RUN_FAILED),  # every rank died without a word (signal, OOM)
+        (1, {0: 0}, EXIT_RUN_FAILED),  # torchrun failed though the ranks that wrote succeeded
+    ],
+)
 def test_the_launcher_recovers_the_ranks_status(torchrun: int, written: dict, want: int) -> None:
     assert ranks_status(torchrun, written, 2) == want
 
@@ -87,7 +89,10 @@ def test_the_option_choices_are_the_communicators() -> None:
     import zerogpu.comm as comm
     import zerogpu.simulate as simulate
 
-    assert (simulate.DIST_BACKENDS, simulate.REDUCE_SCATTER_MODES) == (comm.DIST_BACKENDS, comm.REDUCE_SCATTER_MODES)
+    assert (simulate.DIST_BACKENDS, simulate.REDUCE_SCATTER_MODES) == (
+        comm.DIST_BACKENDS,
+        comm.REDUCE_SCATTER_MODES,
+    )
 
 
 def _args(*argv: str) -> argparse.Namespace:

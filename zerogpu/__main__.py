@@ -20,6 +20,8 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
+from zerosim.errors import EXIT_BAD_INPUT
+
 USAGE = ("usage: torchrun --nproc-per-node N -m zerogpu {simulate,selftest-comm,equivalence} [options]\n"
          "       python -m zerogpu report [options]")
 
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         print(__doc__.strip())
         sys.exit(0)
     print(USAGE, file=sys.stderr)
-    sys.exit(2)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":

@@ -109,10 +109,19 @@ def compare_with_simulator(got: Sequence[RankObservation], sim: Sequence[RankObs
                     problems.append(f"{where} {name}: {n_diff} of {a.size} elements differ in some bit "
                                     f"(bitwise agreement expected)")
                 elif not bitwise and not np.all(diff <= rtol * want_abs + atol_scale * float(want_abs.max())):
-                    problems.append(f"{where} {name}: max |diff| {diff[i]:.3g} at [{i}] beyond "
-                                    f"rtol {rtol:g} x |sim| + {atol_scale:g} x max|sim| ({float(want_abs.max()):.3g})")
-    return {"agrees": not problems, "bitwise_required": bitwise, "bitwise_equal": differing == 0 and compared > 0,
-            "elements_compared": compared, "elements_differing": differing, "max_abs_diff": max_abs,
-            "max_abs_diff_at": worst_at, "rtol": None if bitwise else rtol,
-            "atol_scale": None if bitwise else atol_scale,
-            "problems": problems[:8]}
+                    problems.append(
+                        f"{where} {name}: max |diff| {diff[i]:.3g} at [{i}] beyond "
+                        f"rtol {rtol:g} x |sim| + {atol_scale:g} x max|sim| ({float(want_abs.max()):.3g})"
+                    )
+    return {
+        "agrees": not problems,
+        "bitwise_required": bitwise,
+        "bitwise_equal": differing == 0 and compared > 0,
+        "elements_compared": compared,
+        "elements_differing": differing,
+        "max_abs_diff": max_abs,
+        "max_abs_diff_at": worst_at,
+        "rtol": None if bitwise else rtol,
+        "atol_scale": None if bitwise else atol_scale,
+        "problems": problems[:8],
+    }

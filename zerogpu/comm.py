@@ -1,4 +1,6 @@
-"""The torch.distributed Communicator: the engine's collectives on NCCL (GPU) or gloo (CPU), one process per rank.
+"""The torch.distributed Communicator: the engine's collectives on NCCL (GPU) or gloo (CPU).
+
+One process per rank.
 
 Implements :class:`zerosim.comm.base.Communicator` with ``torch.distributed``: ``all_reduce``,
 ``reduce_scatter_single`` (``reduce_scatter_tensor``), ``all_gather_single``
@@ -50,6 +52,9 @@ such groups by their ranks and the count of groups each process registered befor
 counts differ are aligned first, see :meth:`TorchCommunicator._align_group_names`).
 
 Test-only fault hook: ``ZEROSIM_FAULT`` (see :mod:`zerosim.comm.fault_plan`).
+
+Why one module of this length: process-group set-up and the communicator share the process-wide
+job state (store, group naming, progress board) that every collective and every ``split`` reads.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ import hashlib
 import inspect
 import os
 from datetime import timedelta
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -216,9 +221,18 @@ class TorchCommunicator:
 
     backend = "torch"
 
-    def __init__(self, group: Any = None, device: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 group_name: str = "world", traffic: TrafficCounter | None = None, reduce_scatter: str = "auto",
-                 _global_ranks: tuple[int, ...] | None = None, _fallbacks: dict[str, int] | None = None):
+    def __init__(
+        self,
+        group: Any = None,
+        device: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        group_name: str = "world",
+        traffic: TrafficCounter | None = None,
+        reduce_scatter: str = "auto",
+        _global_ranks: tuple[int, ...] | None = None,
+        _fallbacks: dict[str, int] | None = None,
+    ):
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed", "uninitialized",
                               "call zerogpu.comm.init_distributed() (or init_process_group) first")
@@ -235,19 +249,24 @@ class TorchCommunicator:
         self.rank = dist.get_rank(self._pg)
         self.world_size = dist.get_world_size(self._pg)
         self.global_rank = self._job.world_rank
-        self.global_ranks = _global_ranks if _global_ranks is not None else tuple(dist.get_process_group_ranks(self._pg))
+        self.global_ranks = (
+            _global_ranks if _global_ranks is not None else tuple(dist.get_process_group_ranks(self._pg))
+        )
         self.group_name = group_name
         self.timeout_s = float(timeout_s)
         self._timeout = timedelta(seconds=self.timeout_s)
         self.reduce_scatter_mode = reduce_scatter
         self.traffic = traffic if traffic is not None else TrafficCounter()
-        self.fallbacks = _fallbacks if _fallbacks is not None else {}  # collective -> calls done by a fallback
+        self.fallbacks = (
+            _fallbacks if _fallbacks is not None else {}
+        )  # collective -> calls done by a fallback
         self._board_key = self._job.board.board_key(group_name, self.global_ranks)
         self._calls = 0  # collectives entered on this group (names default split groups like the simulator)
         self._is_world = group is None or group is dist.group.WORLD
 
     def __repr__(self) -> str:
-        return f"TorchCommunicator(group={self.group_name!r}, rank={self.rank}/{self.world_size}, device={self.device!r})"
+        return (f"TorchCommunicator(group={self.group_name!r}, rank={self.rank}/{self.world_size}, "
+                f"device={self.device!r})")
 
     @property
     def process_group(self) -> Any:
@@ -260,7 +279,9 @@ class TorchCommunicator:
         if isinstance(x, torch.Tensor):
             if x.device != self._torch_device and not (x.device.type == self._torch_device.type == "cuda"
                                                        and self._torch_device.index is None):
-                raise ConfigError("device", str(x.device), f"group {self.group_name} moves tensors on {self.device}")
+                raise ConfigError(
+                    "device", str(x.device), f"group {self.group_name} moves tensors on {self.device}"
+                )
             return (x if x.is_contiguous() else x.contiguous()), False
         if isinstance(x, (np.ndarray, np.generic, int, float)):
             a = np.asarray(x)  # (reshaped: np.ascontiguousarray turns a 0-d array into a 1-d one)
@@ -274,12 +295,16 @@ class TorchCommunicator:
         if op not in REDUCE_OPS:
             raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
         if op == "avg" and not (t.is_floating_point() or t.is_complex()):
-            raise ConfigError("op", op, f"avg needs a floating dtype, got {str(t.dtype).removeprefix('torch.')}")
+            raise ConfigError(
+                "op", op, f"avg needs a floating dtype, got {str(t.dtype).removeprefix('torch.')}"
+            )
 
     def _check_flat(self, collective: str, t: torch.Tensor, divisible: bool = False) -> None:
         if t.dim() != 1:
-            raise CollectiveError(f"{collective} on group {self.group_name}: rank {self.global_rank} passed a "
-                                  f"{t.dim()}-D array; flat 1-D buffers only")
+            raise CollectiveError(
+                f"{collective} on group {self.group_name}: rank {self.global_rank} passed a "
+                f"{t.dim()}-D array; flat 1-D buffers only"
+            )
         if divisible and t.shape[0] % self.world_size:
             raise CollectiveError(f"{collective} on group {self.group_name}: length {t.shape[0]} on rank "
                                   f"{self.global_rank} is not divisible by the group size {self.world_size}")
@@ -397,10 +422,14 @@ class TorchCommunicator:
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:
-            raise ConfigError("root", root, f"must be a rank of group {self.group_name} (size {self.world_size})")
+            raise ConfigError(
+                "root", root, f"must be a rank of group {self.group_name} (size {self.world_size})"
+            )
         t, as_numpy = self._tensor(x)
         out = t.clone()
-        self.traffic.record(self.group_name, "broadcast", _nbytes(t), self.world_size, is_root=self.rank == root)
+        self.traffic.record(
+            self.group_name, "broadcast", _nbytes(t), self.world_size, is_root=self.rank == root
+        )
         if self.world_size > 1:
             self._issue("broadcast", dist.broadcast, out, src=self.global_ranks[root])
         else:
@@ -423,7 +452,14 @@ class TorchCommunicator:
         self._issue("barrier", dist.barrier)
 
     # -- sub-groups ---------------------------------------------------------------------------------
-    def split(self, color: int | None, key: int | None = None, name: str | None = None) -> TorchCommunicator | None:
+    @overload
+    def split(self, color: int, key: int | None = None, name: str | None = None) -> TorchCommunicator: ...
+    @overload
+    def split(self, color: None, key: int | None = None, name: str | None = None) -> None: ...
+
+    def split(
+        self, color: int | None, key: int | None = None, name: str | None = None
+    ) -> TorchCommunicator | None:
         """``MPI_Comm_split``: ranks with the same color form a group, ordered by (key, rank).
 
         ``color=None`` opts out (returns None). ``name`` names the new group for traffic accounting
@@ -448,8 +484,10 @@ class TorchCommunicator:
                 by_color.setdefault(c, []).append((k, grank, g, h, count))
         for c, members in by_color.items():
             if len({m[3] for m in members}) > 1:
-                raise CollectiveError(f"split of group {self.group_name}: members of color {c} disagree on the "
-                                      f"group name (rank {self.global_rank} passed {name!r})")
+                raise CollectiveError(
+                    f"split of group {self.group_name}: members of color {c} disagree on the "
+                    f"group name (rank {self.global_rank} passed {name!r})"
+                )
             members.sort(key=lambda m: (m[0], m[1]))
         if not self._is_world and color is not None:
             self._align_group_names([m[4] for m in by_color[color]])
@@ -483,8 +521,10 @@ class TorchCommunicator:
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if ranks != sorted(ranks):
             if "sort_ranks" not in _NEW_GROUP_PARAMS:
-                raise CollectiveError(f"split of group {self.group_name}: a key order that differs from rank order "
-                                      f"needs new_group(sort_ranks=False) (torch {torch.__version__} has none)")
+                raise CollectiveError(
+                    f"split of group {self.group_name}: a key order that differs from rank order "
+                    f"needs new_group(sort_ranks=False) (torch {torch.__version__} has none)"
+                )
             kwargs["sort_ranks"] = False
         if not self._is_world:
             kwargs["use_local_synchronization"] = True

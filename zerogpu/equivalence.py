@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zerosim.errors import ConfigError, ZeroSimError
+from zerosim.observe import RankObservation
 
 
 def default_strategies(world_size: int) -> list[str]:
@@ -33,19 +34,23 @@ def default_strategies(world_size: int) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from zerosim.cli.simulate import add_run_arguments
+    from zerosim.engine.run_args import add_run_arguments
 
     from .simulate import add_torch_arguments
 
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m zerogpu equivalence",
-                                description="Every strategy under torchrun: contract verdicts, error vs ground "
-                                            "truth, agreement with the in-process simulator.")
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m zerogpu equivalence",
+        description="Every strategy under torchrun: contract verdicts, error vs ground "
+        "truth, agreement with the in-process simulator.",
+    )
     add_run_arguments(p)
     p.set_defaults(world_size=None, backend=None, steps=2, micro_batches=2, observe="full")
     p.add_argument("--strategies", default="all", metavar="LIST",
                    help="comma-separated strategies, or 'all' (default)")
     add_torch_arguments(p)
-    p.add_argument("--out", type=Path, default=None, metavar="FILE", help="rank 0 writes the JSON document here")
+    p.add_argument(
+        "--out", type=Path, default=None, metavar="FILE", help="rank 0 writes the JSON document here"
+    )
     return p
 
 
@@ -67,7 +72,10 @@ def environment(device: str, backend: str) -> dict[str, Any]:
     if device.startswith("cuda"):
         env["cuda"] = torch.version.cuda
         env["device_name"] = torch.cuda.get_device_name(torch.device(device))
-        env["tf32"] = {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32}
+        env["tf32"] = {
+            "matmul": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn": torch.backends.cudnn.allow_tf32,
+        }
         try:
             env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # noqa: BLE001 - informational
@@ -81,9 +89,12 @@ def _verdict_summary(v: Any) -> dict[str, Any]:
             "skipped": v.details.get("skipped"), "first_violation": str(first) if first is not None else None}
 
 
-def evaluate_entry(strategy: str, run: Any, observations: list[Any], xp: str, wall_s: float) -> dict[str, Any]:
+def evaluate_entry(
+    strategy: str, run: Any, observations: list[Any], xp: str, wall_s: float
+) -> dict[str, Any]:
     """Rank 0: the contracts, the error against the ground truth and the agreement with the simulator."""
-    from zerosim.engine.spmd import evaluate, simulate_observations
+    from zerosim.engine.run_result import evaluate
+    from zerosim.engine.spmd import simulate_observations
 
     from .agreement import bitwise_expected, compare_with_simulator
 
@@ -110,8 +121,10 @@ def render_table(doc: dict[str, Any]) -> None:
     e = doc["environment"]
     console = Console()
     console.width = max(console.width, 112)  # one row per strategy, also when piped (rich assumes 80)
-    console.print(f"[bold]zerogpu equivalence[/]: {doc['world_size']} rank(s), {e['dist_backend']} on {e['device']}"
-                  f"{' (' + e['device_name'] + ')' if e.get('device_name') else ''}, engine arrays: {doc['xp']}")
+    console.print(
+        f"[bold]zerogpu equivalence[/]: {doc['world_size']} rank(s), {e['dist_backend']} on {e['device']}"
+        f"{' (' + e['device_name'] + ')' if e.get('device_name') else ''}, engine arrays: {doc['xp']}"
+    )
     t = Table(title="C-ZERO-00x verdicts; max |error| vs the ground truth; agreement with the simulator")
     for col in ("strategy", "002", "003", "004", "005", "err vs truth", "diff vs sim", "agreement"):
         t.add_column(col, no_wrap=True)
@@ -121,18 +134,22 @@ def render_table(doc: dict[str, Any]) -> None:
         a = r["vs_simulator"]
         how = ("bitwise" if a["bitwise_equal"] else "tolerance") if a["agrees"] else "[red]DIFFERS[/]"
         err = r["max_abs_error_vs_ground_truth"]
-        t.add_row(r["strategy"], *marks, "-" if err is None else f"{err:.3g}", f"{a['max_abs_diff']:.3g}", how)
+        t.add_row(
+            r["strategy"], *marks, "-" if err is None else f"{err:.3g}", f"{a['max_abs_diff']:.3g}", how
+        )
     console.print(t)
     for r in doc["runs"]:
         for cid, v in r["verdicts"].items():
             if not v["passed"]:
-                console.print(f"[red]{r['strategy']} {cid}[/] {v['first_violation']}", highlight=False, soft_wrap=True)
+                console.print(
+                    f"[red]{r['strategy']} {cid}[/] {v['first_violation']}", highlight=False, soft_wrap=True
+                )
         for p in r["vs_simulator"]["problems"]:
             console.print(f"[red]{r['strategy']} vs simulator[/] {p}", highlight=False, soft_wrap=True)
 
 
 def main(argv: list[str]) -> NoReturn:
-    from zerosim.cli.simulate import config_from_args
+    from zerosim.engine.run_args import config_from_args
 
     from .rank import fail_on_bad_input, parse_once, run_rank
     from .simulate import resolve_setup
@@ -155,19 +172,34 @@ def main(argv: list[str]) -> NoReturn:
         exact_float32_math(device)
         comm = init_distributed(backend, device, base.timeout_s, reduce_scatter=args.reduce_scatter)
         collected = []
-        for run in runs:  # every run first: rank 0's evaluation must not keep its peers waiting in a collective
+        for (
+            run
+        ) in runs:  # every run first: rank 0's evaluation must not keep its peers waiting in a collective
             t0 = time.perf_counter()
             observation = rank_program_on_device(comm, run)
             wall = time.perf_counter() - t0
             collected.append((gather_observations(comm, observation), wall))
         code = None
         if comm.rank == 0:
-            entries = [evaluate_entry(strategy, run, observations, args.xp, wall)
-                       for strategy, run, (observations, wall) in zip(strategies, runs, collected, strict=True)]
-            doc = {"world_size": comm.world_size, "xp": args.xp, "environment": environment(comm.device, backend),
-                   "config": {"model": args.model, "steps": base.steps, "micro_batches": base.micro_batches,
-                              "precision": base.precision, "seed": base.seed, "fault": base.fault},
-                   "passed": all(e["passed"] for e in entries), "runs": entries}
+            entries = [
+                evaluate_entry(strategy, run, _on_root(observations), args.xp, wall)
+                for strategy, run, (observations, wall) in zip(strategies, runs, collected, strict=True)
+            ]
+            doc = {
+                "world_size": comm.world_size,
+                "xp": args.xp,
+                "environment": environment(comm.device, backend),
+                "config": {
+                    "model": args.model,
+                    "steps": base.steps,
+                    "micro_batches": base.micro_batches,
+                    "precision": base.precision,
+                    "seed": base.seed,
+                    "fault": base.fault,
+                },
+                "passed": all(e["passed"] for e in entries),
+                "runs": entries,
+            }
             if args.out is not None:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(doc, indent=2, default=str))
@@ -181,3 +213,10 @@ def main(argv: list[str]) -> NoReturn:
         return agree_on_exit(comm, code)
 
     run_rank(body)
+
+
+def _on_root(observations: list[RankObservation] | None) -> list[RankObservation]:
+    """The gathered observations, which only rank 0 (the gather's root) holds."""
+    if observations is None:
+        raise RuntimeError("observations are gathered on rank 0 only")
+    return observations

@@ -24,15 +24,19 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from zerosim.errors import ConfigError, ZeroSimError, require_positive_int
+from zerosim.engine.config import XP_NAMES
+from zerosim.errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError, require_positive_int
+from zerosim.precision import PRECISION_NAMES
 
 DEFAULT_OUT = Path("reports/gpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zerogpu report",
-                                description="GPU equivalence report: every strategy under torchrun on NCCL, "
-                                            "contract verdicts and error vs ground truth, as JSON + markdown.")
+    p = argparse.ArgumentParser(
+        prog="python -m zerogpu report",
+        description="GPU equivalence report: every strategy under torchrun on NCCL, "
+        "contract verdicts and error vs ground truth, as JSON + markdown.",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="ranks, one GPU each (default: the number of visible GPUs; 2 with --cpu)")
@@ -41,11 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny", metavar="PRESET", help="model preset (default tiny)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--xp", default="torch", choices=("torch", "numpy"),
+    p.add_argument("--precision", default="fp32", choices=PRECISION_NAMES)
+    p.add_argument("--xp", default="torch", choices=XP_NAMES,
                    help="the engine's arrays: torch on the device (default) or host numpy")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds (default 120)")
-    p.add_argument("--launch-timeout", type=float, default=1800.0, help="the whole torchrun launch (default 1800)")
+    p.add_argument(
+        "--launch-timeout", type=float, default=1800.0, help="the whole torchrun launch (default 1800)"
+    )
     return p
 
 
@@ -56,9 +62,13 @@ def resolve_world(args: argparse.Namespace) -> tuple[int, str]:
     if args.cpu:
         return require_positive_int("world_size", 2 if args.world_size is None else args.world_size), "cpu"
     if not torch.cuda.is_available():
-        raise ConfigError("device", "cuda", f"the GPU report needs CUDA, and this machine has none (torch "
-                          f"{torch.__version__}, CUDA build: {torch.version.cuda}); run it on a GPU machine, or "
-                          "pass --cpu for the same report with gloo on the CPU")
+        raise ConfigError(
+            "device",
+            "cuda",
+            f"the GPU report needs CUDA, and this machine has none (torch "
+            f"{torch.__version__}, CUDA build: {torch.version.cuda}); run it on a GPU machine, or "
+            "pass --cpu for the same report with gloo on the CPU",
+        )
     gpus = torch.cuda.device_count()
     n = require_positive_int("world_size", gpus if args.world_size is None else args.world_size)
     if n > gpus:
@@ -73,17 +83,23 @@ def markdown(doc: dict[str, Any]) -> str:
     if e.get("device_name"):
         where += f" ({e['device_name']}, CUDA {e.get('cuda')}, NCCL {e.get('nccl')}, TF32 off)"
     lines = [
-        "# zerogpu equivalence report", "",
-        f"- Ran: {doc['world_size']} rank(s) under torchrun, {where}; torch {e['torch']}; engine arrays: {doc['xp']}.",
-        f"- Model `{c['model']}`, {c['steps']} step(s) x {c['micro_batches']} micro-batch(es), {c['precision']}, "
+        "# zerogpu equivalence report",
+        "",
+        f"- Ran: {doc['world_size']} rank(s) under torchrun, {where}; torch {e['torch']}; engine arrays: "
+        f"{doc['xp']}.",
+        f"- Model `{c['model']}`, {c['steps']} step(s) x {c['micro_batches']} micro-batch(es), "
+        f"{c['precision']}, "
         f"seed {c['seed']}.",
-        f"- Overall: **{'PASS' if doc['passed'] else 'FAIL'}** (every contract, and agreement with the in-process "
-        "simulator).", "",
+        f"- Overall: **{'PASS' if doc['passed'] else 'FAIL'}** (every contract, and agreement with the "
+        "in-process "
+        "simulator).",
+        "",
         "C-ZERO-002: every rank's master / optimizer shard equals the independent ground truth within the "
         "contract's tolerance. C-ZERO-003: gathered weights bitwise identical on every rank. C-ZERO-004: "
-        "holdings equal the plan. C-ZERO-005: traffic equals the ring model exactly. \"vs simulator\": the "
+        'holdings equal the plan. C-ZERO-005: traffic equals the ring model exactly. "vs simulator": the '
         "same run on the in-process numpy simulator (bitwise where promised, else within tolerance; see "
-        "`zerogpu/agreement.py`).", "",
+        "`zerogpu/agreement.py`).",
+        "",
         "| strategy | shard group x replicas | C-ZERO-002 | C-ZERO-003 | C-ZERO-004 | C-ZERO-005 "
         "| max abs error vs ground truth | max abs diff vs simulator | agreement |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -96,9 +112,15 @@ def markdown(doc: dict[str, Any]) -> str:
         how = ("bitwise" if a["bitwise_equal"] else "within tolerance") if a["agrees"] else "**differs**"
         lines.append(f"| {r['strategy']} | {r['shard_group_size']} x {r['replicas']} | {' | '.join(marks)} | "
                      f"{'-' if err is None else f'{err:.3g}'} | {a['max_abs_diff']:.3g} | {how} |")
-    failures = [(r["strategy"], cid, v["first_violation"]) for r in doc["runs"] for cid, v in r["verdicts"].items()
-                if not v["passed"]]
-    failures += [(r["strategy"], "vs simulator", p) for r in doc["runs"] for p in r["vs_simulator"]["problems"]]
+    failures = [
+        (r["strategy"], cid, v["first_violation"])
+        for r in doc["runs"]
+        for cid, v in r["verdicts"].items()
+        if not v["passed"]
+    ]
+    failures += [
+        (r["strategy"], "vs simulator", p) for r in doc["runs"] for p in r["vs_simulator"]["problems"]
+    ]
     if failures:
         lines += ["", "## Failures", ""] + [f"- {s} {what}: {msg}" for s, what, msg in failures]
     return "\n".join(lines) + "\n"
@@ -112,14 +134,36 @@ def main(argv: list[str]) -> int:
         n, device = resolve_world(args)
     except ZeroSimError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     with tempfile.TemporaryDirectory(prefix="zerogpu-report-") as tmp:
         raw = Path(tmp) / "equivalence.json"
-        forwarded = ["-m", "zerogpu", "equivalence", "--device", device, "--strategies", args.strategies,
-                     "--model", args.model, "--steps", str(args.steps), "--micro-batches", str(args.micro_batches),
-                     "--precision", args.precision, "--xp", args.xp, "--timeout", str(args.timeout),
-                     "--json", "--out", str(raw)]
-        print(f"running torchrun --nproc-per-node {n} -m zerogpu equivalence on {device} ...", file=sys.stderr)
+        forwarded = [
+            "-m",
+            "zerogpu",
+            "equivalence",
+            "--device",
+            device,
+            "--strategies",
+            args.strategies,
+            "--model",
+            args.model,
+            "--steps",
+            str(args.steps),
+            "--micro-batches",
+            str(args.micro_batches),
+            "--precision",
+            args.precision,
+            "--xp",
+            args.xp,
+            "--timeout",
+            str(args.timeout),
+            "--json",
+            "--out",
+            str(raw),
+        ]
+        print(
+            f"running torchrun --nproc-per-node {n} -m zerogpu equivalence on {device} ...", file=sys.stderr
+        )
         result = run_torchrun(n, forwarded, args.launch_timeout)
         if not raw.exists():
             tail = "\n".join((result.stderr or "").strip().splitlines()[-15:])

@@ -1,4 +1,6 @@
-"""Starting ``torchrun`` from an ordinary process: ``zerosim simulate --backend torch``, the GPU report, tests.
+"""Starting ``torchrun`` from an ordinary process.
+
+Used by ``zerosim simulate --backend torch``, the GPU report and the tests.
 
 ``torchrun --standalone`` (``python -m torch.distributed.run``, the interpreter that runs us) on a
 free local port, in its own session (process group). Every launch has a wall-clock timeout: on
@@ -22,15 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zerosim.errors import ConfigError, require_positive_int
+from zerosim.errors import EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError, require_positive_int
 from zerosim.launching import (
-    EXIT_LAUNCH_TIMEOUT,
     launch_timeout_from_env,
     require_launch_timeout,
     run_process_group,
 )
 
-from .rank import EXIT_RANK_FAILED, STATUS_DIR_ENV
+from .rank import STATUS_DIR_ENV
 
 _KILL_GRACE_S = 5.0
 
@@ -51,19 +52,28 @@ class TorchrunResult:
 
 def torchrun_command(n: int, argv: Sequence[str], python: str | None = None) -> list[str]:
     """``python -m torch.distributed.run --standalone --nproc-per-node n *argv``."""
-    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-            "--max-restarts", "0", *argv]
+    return [
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(n),
+        "--max-restarts",
+        "0",
+        *argv,
+    ]
 
 
 def ranks_status(torchrun_code: int, written: dict[int, int], n: int) -> int:
     """The job's status from torchrun's and what each rank wrote (see the module docstring)."""
     if torchrun_code == 0 and all(written.get(r, 0) == 0 for r in range(n)):
         return 0
-    if EXIT_RANK_FAILED in written.values() or not written:
-        return EXIT_RANK_FAILED
+    if EXIT_RUN_FAILED in written.values() or not written:
+        return EXIT_RUN_FAILED
     worst = max(written.values())
     if worst == 0:  # torchrun failed although every rank that wrote succeeded: one died silently
-        return EXIT_RANK_FAILED
+        return EXIT_RUN_FAILED
     return worst
 
 
@@ -108,14 +118,15 @@ def torch_unavailable_reason() -> str | None:
 # ---- zerosim simulate --backend torch ------------------------------------------------------------
 
 def launch_simulate(args: argparse.Namespace) -> int:
-    """``zerosim simulate --backend torch --world-size N``: the simulation under ``torchrun --nproc-per-node N``.
+    """``zerosim simulate --backend torch --world-size N``: the simulation under
+    ``torchrun --nproc-per-node N``.
 
     The ranks print the verdict table / JSON themselves (rank 0); returns the ranks' status: 0 all
     contracts hold, 1 a contract failed, 2 bad input, 3 a rank failed or a collective timed out, 124
     the launch outlived ``$ZEROSIM_LAUNCH_TIMEOUT_S`` (default 900 s). Runs on the CPU with gloo
     (``--device auto`` on the ranks picks CUDA/NCCL where there is a GPU).
     """
-    from zerosim.cli.simulate import add_run_arguments
+    from zerosim.engine.run_args import add_run_arguments
     from zerosim.mpi.launch import forward_argv
 
     reason = torch_unavailable_reason()

@@ -3,7 +3,7 @@
 * :func:`rank_program_on_device` runs :func:`zerosim.engine.spmd.rank_program` with the engine's
   arrays on the communicator's device (``cfg.xp == "torch"``: torch tensors on ``cuda:<LOCAL_RANK>``
   under NCCL, on the CPU under gloo; ``cfg.xp == "numpy"``: host numpy, only the collectives on the
-  device). Observations are numpy either way, so :func:`zerosim.engine.spmd.evaluate` checks
+  device). Observations are numpy either way, so :func:`zerosim.engine.run_result.evaluate` checks
   C-ZERO-002..005 exactly as for the simulator and the MPI backend.
 * :func:`exact_float32_math` turns TF32 off on CUDA: an fp32 run must compute in IEEE fp32, or
   C-ZERO-002's fp32 tolerance would be measuring TF32's 10-bit mantissa, not the engine.
@@ -17,11 +17,11 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from zerosim.engine.spmd import ResolvedRun, rank_program
+from zerosim.engine.config import ResolvedRun
+from zerosim.engine.spmd import rank_program
 from zerosim.errors import ConfigError
 from zerosim.observe import RankObservation
 
-XP_CHOICES = ("torch", "numpy")
 _EXIT_KEY = "zerogpu/exit"
 EXIT_WAIT_S = 1800.0  # how long ranks wait for rank 0's evaluation (rank 0 dying ends the job sooner)
 
@@ -29,8 +29,12 @@ EXIT_WAIT_S = 1800.0  # how long ranks wait for rank 0's evaluation (rank 0 dyin
 def require_launcher(world_size: int | None) -> int:
     """The world size torchrun started (``WORLD_SIZE``); ConfigError outside torchrun or on a mismatch."""
     if "WORLD_SIZE" not in os.environ or "MASTER_ADDR" not in os.environ:
-        raise ConfigError("launcher", "no WORLD_SIZE/MASTER_ADDR", "run under torchrun (torchrun --nproc-per-node N -m zerogpu ...), "
-                          "or let zerosim start it: zerosim simulate --backend torch --world-size N")
+        raise ConfigError(
+            "launcher",
+            "no WORLD_SIZE/MASTER_ADDR",
+            "run under torchrun (torchrun --nproc-per-node N -m zerogpu ...), "
+            "or let zerosim start it: zerosim simulate --backend torch --world-size N",
+        )
     size = int(os.environ["WORLD_SIZE"])
     if world_size is not None and world_size != size:
         raise ConfigError("world_size", world_size, f"torchrun started {size} rank(s); run torchrun "

@@ -139,7 +139,8 @@ class ProgressBoard:
         return missing, notes
 
     def claim_report(self) -> bool:
-        """This rank failed: mark it, and return True when it is the first failed rank (the one that prints)."""
+        """This rank failed: mark it, and return True when it is the first failed rank (the one that prints).
+        """
         self.failed = True
         self._version += 1
         if self.store is None:

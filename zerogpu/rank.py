@@ -1,7 +1,7 @@
 """The failure policy of one torchrun rank: a failing rank ends the whole job, loudly and once.
 
 A rank that raises prints ``rank R failed: <Type>: <message>`` on stderr (a traceback too when the
-error is not one of ours, i.e. a bug) and leaves at once with :data:`EXIT_RANK_FAILED` through
+error is not one of ours, i.e. a bug) and leaves at once with :data:`EXIT_RUN_FAILED` through
 ``os._exit`` (no process-group teardown that could block on a dead peer). Its peers then fail
 fast: gloo reports "connection closed by peer" in their next collective, and torchrun's agent
 stops the remaining workers as soon as one exits non-zero. Ranks that fail together (the same
@@ -24,10 +24,9 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from zerosim.errors import ZeroSimError
+from zerosim.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, ZeroSimError
 from zerosim.rank_messages import parse_args_on_rank, rank_failure_message
 
-EXIT_RANK_FAILED = 3
 STATUS_DIR_ENV = "ZEROGPU_STATUS_DIR"
 
 
@@ -67,8 +66,8 @@ def fail_on_bad_input(error: ZeroSimError) -> NoReturn:
     """Bad input found by every rank alike (validation is deterministic): rank 0 prints, all exit 2."""
     if env_rank() == 0:
         print(f"error: {error}", file=sys.stderr, flush=True)
-    record_status(2)
-    sys.exit(agreed_exit(2))
+    record_status(EXIT_BAD_INPUT)
+    sys.exit(agreed_exit(EXIT_BAD_INPUT))
 
 
 def report_failure(error: BaseException) -> None:
@@ -96,7 +95,7 @@ def run_rank(body: Callable[[], int]) -> NoReturn:
     except SystemExit as e:
         if e.code in (0, None):
             _finish(0)
-        code = e.code if isinstance(e.code, int) else EXIT_RANK_FAILED
+        code = e.code if isinstance(e.code, int) else EXIT_RUN_FAILED
         record_status(code)
         _flush()
         os._exit(code)
@@ -105,10 +104,10 @@ def run_rank(body: Callable[[], int]) -> NoReturn:
         _flush()
         os._exit(130)
     except BaseException as e:  # noqa: BLE001 - any failure of any rank must end every rank
-        record_status(EXIT_RANK_FAILED)
+        record_status(EXIT_RUN_FAILED)
         report_failure(e)
         _flush()
-        os._exit(EXIT_RANK_FAILED)
+        os._exit(EXIT_RUN_FAILED)
     _finish(code)
 
 

@@ -1,4 +1,4 @@
-"""``torchrun --nproc-per-node N -m zerogpu selftest-comm``: the TorchCommunicator checked on the ranks it runs on.
+"""``torchrun --nproc-per-node N -m zerogpu selftest-comm``: the TorchCommunicator checked on its own ranks.
 
 Every rank builds every rank's input from a seed, so it can compute the expected result of each
 collective with numpy (reductions in rank order, as the simulator does) and compare with what
@@ -33,8 +33,10 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m zerogpu selftest-comm",
-                                description="Check every TorchCommunicator collective against numpy on these ranks.")
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m zerogpu selftest-comm",
+        description="Check every TorchCommunicator collective against numpy on these ranks.",
+    )
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
     p.add_argument("--dist-backend", default="auto", choices=("auto", "gloo", "nccl"))
     p.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds (default 60)")
@@ -86,11 +88,15 @@ class Checks:
             self.results[name] = f"{type(e).__name__}: {e}{detail}"
 
 
-def _equal(got: Any, want: np.ndarray, exact: bool, what: str, n: int, xs: list[np.ndarray] | None = None) -> None:
+def _equal(
+    got: Any, want: np.ndarray, exact: bool, what: str, n: int, xs: list[np.ndarray] | None = None
+) -> None:
     """Bitwise equality where the result is exact (moves, max, integers, two-rank sums); otherwise the
     rounding bound of a sum taken in another order: ``|got - want| <= n * eps * sum_k |x_k|``."""
     g = np.asarray(got)
-    assert g.dtype == want.dtype and g.shape == want.shape, f"{what}: got {g.dtype}{g.shape}, want {want.dtype}{want.shape}"
+    assert g.dtype == want.dtype and g.shape == want.shape, (
+        f"{what}: got {g.dtype}{g.shape}, want {want.dtype}{want.shape}"
+    )
     if exact or want.dtype.kind in "biu" or n <= 2 or xs is None:
         assert np.array_equal(g.view(np.uint8), want.view(np.uint8)), f"{what}: not bitwise equal to numpy"
         return
@@ -98,8 +104,9 @@ def _equal(got: Any, want: np.ndarray, exact: bool, what: str, n: int, xs: list[
     bound = n * eps * np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0)
     err = np.abs(g.astype(np.float64) - want.astype(np.float64))
     worst = int(np.argmax(err - bound))
-    assert np.all(err <= bound), (f"{what}: element {worst} differs by {err[worst]:.3g}, beyond the reordering "
-                                  f"bound {bound[worst]:.3g}")
+    assert np.all(err <= bound), (
+        f"{what}: element {worst} differs by {err[worst]:.3g}, beyond the reordering bound {bound[worst]:.3g}"
+    )
 
 
 def run_checks(comm: Any) -> dict[str, str | None]:
@@ -117,8 +124,18 @@ def run_checks(comm: Any) -> dict[str, str | None]:
         return c
 
     # -- reductions ----------------------------------------------------------------------------
-    cases = [("float32", "sum"), ("float32", "avg"), ("float32", "max"), ("float64", "sum"), ("float64", "avg"),
-             ("bfloat16", "sum"), ("bfloat16", "avg"), ("float16", "max"), ("int64", "sum"), ("int64", "max")]
+    cases = [
+        ("float32", "sum"),
+        ("float32", "avg"),
+        ("float32", "max"),
+        ("float64", "sum"),
+        ("float64", "avg"),
+        ("bfloat16", "sum"),
+        ("bfloat16", "avg"),
+        ("float16", "max"),
+        ("int64", "sum"),
+        ("int64", "max"),
+    ]
     for dtype_name, op in cases:
         dtype = BF16 if dtype_name == "bfloat16" else np.dtype(dtype_name)
 
@@ -145,8 +162,14 @@ def run_checks(comm: Any) -> dict[str, str | None]:
         want = rank_order(xs, "avg")[r * 6:(r + 1) * 6]
         native = TorchCommunicator(comm.process_group, comm.device, timeout_s=comm.timeout_s,
                                    group_name="rs.native", traffic=TrafficCounter(), reduce_scatter="auto")
-        fallback = TorchCommunicator(comm.process_group, comm.device, timeout_s=comm.timeout_s,
-                                     group_name="rs.native", traffic=TrafficCounter(), reduce_scatter="all_reduce")
+        fallback = TorchCommunicator(
+            comm.process_group,
+            comm.device,
+            timeout_s=comm.timeout_s,
+            group_name="rs.native",
+            traffic=TrafficCounter(),
+            reduce_scatter="all_reduce",
+        )
         a = native.reduce_scatter(xs[r], "avg")  # numpy in -> numpy out
         b = fallback.reduce_scatter(xs[r], "avg")
         assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), "numpy in should give numpy out"
@@ -156,7 +179,9 @@ def run_checks(comm: Any) -> dict[str, str | None]:
         assert native.traffic.to_json() == fallback.traffic.to_json(), \
             "the fallback must be recorded as the reduce-scatter the engine asked for"
         if n > 1:
-            assert fallback.fallbacks.get("reduce_scatter") == 1, f"fallback calls counted: {fallback.fallbacks}"
+            assert fallback.fallbacks.get("reduce_scatter") == 1, (
+                f"fallback calls counted: {fallback.fallbacks}"
+            )
 
     checks.run("reduce_scatter paths", reduce_scatter_paths)
 
@@ -190,7 +215,7 @@ def run_checks(comm: Any) -> dict[str, str | None]:
     # -- bad input: our errors, raised before anything moves -------------------------------------------
     def bad_input() -> None:
         x = ns.from_numpy(np.zeros(2 * n, np.float32))
-        cases: list[tuple[Callable[[], Any], type]] = [
+        cases: list[tuple[Callable[[], Any], type[Exception]]] = [
             (lambda: comm.all_reduce(x, "prod"), ConfigError),
             (lambda: comm.all_reduce(ns.from_numpy(np.zeros(3, np.int64)), "avg"), ConfigError),
             (lambda: comm.broadcast(x, n), ConfigError),
@@ -202,14 +227,18 @@ def run_checks(comm: Any) -> dict[str, str | None]:
             (lambda: comm.all_reduce("not an array"), ConfigError),
         ]
         if n > 1:
-            cases.append((lambda: comm.reduce_scatter(ns.from_numpy(np.zeros(n + 1, np.float32))), CollectiveError))
+            cases.append(
+                (lambda: comm.reduce_scatter(ns.from_numpy(np.zeros(n + 1, np.float32))), CollectiveError)
+            )
         for i, (call, err) in enumerate(cases):
             try:
                 call()
             except err:
                 continue
             except Exception as e:  # noqa: BLE001
-                raise AssertionError(f"bad input #{i}: raised {type(e).__name__}: {e}, want {err.__name__}") from e
+                raise AssertionError(
+                    f"bad input #{i}: raised {type(e).__name__}: {e}, want {err.__name__}"
+                ) from e
             raise AssertionError(f"bad input #{i}: nothing raised, want {err.__name__}")
 
     checks.run("bad input", bad_input)
@@ -230,7 +259,9 @@ def run_checks(comm: Any) -> dict[str, str | None]:
                len(members), [xs[k] for k in members])
         got = sub.all_gather(ns.from_numpy(xs[r][:2], copy=True))
         expected.record(sub.group_name, "all_gather", xs[r][:2].nbytes * len(members), len(members))
-        _equal(ns.to_numpy(got), np.concatenate([xs[k][:2] for k in members]), True, "all_gather on a split", n)
+        _equal(
+            ns.to_numpy(got), np.concatenate([xs[k][:2] for k in members]), True, "all_gather on a split", n
+        )
         default = comm.split(0)
         assert default is not None and default.world_size == n
         assert default.group_name.startswith(f"{comm.group_name}/split") and default.group_name.endswith(":0")
@@ -249,8 +280,13 @@ def run_checks(comm: Any) -> dict[str, str | None]:
 
     # -- traffic: the counter equals the ring-model replay of every call above --------------------------
     def traffic_case() -> None:
-        got = {k: (v.calls, v.bytes_sent, v.bytes_received, v.payload_bytes) for k, v in comm.traffic.records.items()}
-        want = {k: (v.calls, v.bytes_sent, v.bytes_received, v.payload_bytes) for k, v in expected.records.items()}
+        got = {
+            k: (v.calls, v.bytes_sent, v.bytes_received, v.payload_bytes)
+            for k, v in comm.traffic.records.items()
+        }
+        want = {
+            k: (v.calls, v.bytes_sent, v.bytes_received, v.payload_bytes) for k, v in expected.records.items()
+        }
         assert got == want, f"traffic differs from the ring model: got {got}, want {want}"
         if n > 1:
             assert comm.traffic.total_sent(collective="all_reduce") > Fraction(0)

@@ -23,9 +23,8 @@ import pickle
 from pathlib import Path
 from typing import Any, NoReturn
 
+from zerosim.engine.config import XP_NAMES
 from zerosim.errors import ConfigError, ZeroSimError
-
-from .program import XP_CHOICES
 
 # zerogpu.comm's choices, repeated so that parsing (and refusing bad input) does not import torch
 DIST_BACKENDS = ("auto", "gloo", "nccl")
@@ -35,21 +34,26 @@ REDUCE_SCATTER_MODES = ("auto", "native", "all_reduce")
 def add_torch_arguments(p: argparse.ArgumentParser) -> None:
     """The torch-only options (shared by ``simulate`` and ``equivalence``)."""
     g = p.add_argument_group("torch.distributed")
-    g.add_argument("--device", default="auto", help="auto (cuda:<LOCAL_RANK> if CUDA is available, else cpu), "
-                                                    "cpu, cuda, cuda:N")
+    g.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda:<LOCAL_RANK> if CUDA is available, else cpu), cpu, cuda, cuda:N",
+    )
     g.add_argument("--dist-backend", default="auto", choices=DIST_BACKENDS,
                    help="auto: nccl for CUDA, gloo for the CPU")
-    g.add_argument("--xp", default="torch", choices=XP_CHOICES,
+    g.add_argument("--xp", default="torch", choices=XP_NAMES,
                    help="the engine's arrays: torch tensors on the device (default) or host numpy")
     g.add_argument("--reduce-scatter", default="auto", choices=REDUCE_SCATTER_MODES,
                    help="the backend's reduce-scatter, or all-reduce + slice where it has none (auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from zerosim.cli.simulate import add_run_arguments
+    from zerosim.engine.run_args import add_run_arguments
 
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m zerogpu simulate",
-                                description="Run the reference engine under torchrun; rank 0 prints the verdicts.")
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m zerogpu simulate",
+        description="Run the reference engine under torchrun; rank 0 prints the verdicts.",
+    )
     add_run_arguments(p)
     p.set_defaults(world_size=None, backend=None)  # world size: the number of ranks torchrun started
     add_torch_arguments(p)
@@ -61,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 def resolve_setup(args: argparse.Namespace) -> tuple[Any, str, str]:
     """(validated RunConfig, device, dist backend) from the options; ConfigError on bad input.
     Deterministic, so every rank reaches the same verdict without talking to the others."""
-    from zerosim.cli.simulate import config_from_args
+    from zerosim.engine.run_args import config_from_args
 
     from .program import require_launcher
 
@@ -86,8 +90,8 @@ def main(argv: list[str]) -> NoReturn:
         fail_on_bad_input(e)
 
     def body() -> int:
-        from zerosim.cli.simulate import render
-        from zerosim.engine.spmd import evaluate
+        from zerosim.engine.run_output import render
+        from zerosim.engine.run_result import evaluate
 
         from .comm import init_distributed
         from .program import agree_on_exit, exact_float32_math, gather_observations, rank_program_on_device

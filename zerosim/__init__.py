@@ -13,7 +13,7 @@ __all__ = [
     "StrategyKind", "TensorSpec", "Topology", "ZeroSimError", "build_plan",
 ]
 
-# Core (issue 2): the seed's partition API and the user-facing partition checker.
+# The seed partitioner's API (OptimizerShard, ZeroShardMap) and the user-facing partition checker.
 from .check_impl import PartitionReport, check_partition  # noqa: E402
 from .partition.seed import OptimizerShard, ZeroShardMap  # noqa: E402
 

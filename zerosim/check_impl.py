@@ -14,19 +14,15 @@ the world size, 10^12 and 2^61 - 1 (beyond float precision). About 56,000 calls:
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import numbers
-import os
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from .checks.partition import CONTRACT, check_partition_plan
+from .dotted import import_dotted
 from .errors import ConfigError, ImplementationError, require_non_negative_int, require_positive_int
 from .partition.base import RankShard, ShardPlan
 from .verdict import Violation
@@ -97,35 +93,7 @@ class PartitionReport:
 # ---- loading a user implementation ------------------------------------------------------------
 def load_impl(spec: str) -> PartitionFn:
     """Import ``package.module:function`` (or ``path/to/file.py:function``); the cwd is importable."""
-    if not isinstance(spec, str) or spec.count(":") < 1:
-        raise ConfigError("impl", spec, "must look like 'package.module:function' or 'file.py:function'")
-    module_name, _, attr = spec.rpartition(":")
-    if not module_name or not attr:
-        raise ConfigError("impl", spec, "must look like 'package.module:function' or 'file.py:function'")
-    try:
-        if module_name.endswith(".py"):
-            path = Path(module_name)
-            if not path.is_file():
-                raise ImplementationError(f"impl {spec!r}: no such file {module_name!r}")
-            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-            assert mod_spec is not None and mod_spec.loader is not None
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            if os.getcwd() not in sys.path and "" not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            module = importlib.import_module(module_name)
-    except ImplementationError:
-        raise
-    except Exception as e:  # ImportError, SyntaxError, or anything the module raised on import
-        raise ImplementationError(f"impl {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
-    try:
-        fn = getattr(module, attr)
-    except AttributeError:
-        raise ImplementationError(f"impl {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
-    if not callable(fn):
-        raise ImplementationError(f"impl {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn
+    return import_dotted(spec, "impl", allow_files=True)
 
 
 def _is_int(x: Any) -> bool:
@@ -192,7 +160,9 @@ def _validate_balance(balance: Any) -> str | int:
         try:
             balance = int(balance)
         except ValueError:
-            raise ConfigError("balance", balance, f"must be one of {', '.join(BALANCE_MODES)} or an integer") from None
+            raise ConfigError(
+                "balance", balance, f"must be one of {', '.join(BALANCE_MODES)} or an integer"
+            ) from None
     return require_non_negative_int("balance", balance)
 
 
@@ -250,8 +220,10 @@ def check_partition(
                 intervals = as_intervals(result)
                 if intervals is None:
                     raise ImplementationError(
-                        f"impl {name}: returned {_short(result)} for (rank={rank}, world_size={ws}, total={total}); "
-                        "expected (start, end) as ints, range(start, end), or a list of those")
+                        f"impl {name}: returned {_short(result)} for (rank={rank}, world_size={ws}, "
+                        f"total={total}); "
+                        "expected (start, end) as ints, range(start, end), or a list of those"
+                    )
                 shards.append(RankShard(rank, intervals, 0))
             report.calls += ws
             bound, meta = balance_for(balance, ws, total)

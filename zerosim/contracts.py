@@ -11,22 +11,20 @@ Required keys: ``id``, ``title``, ``statement``, ``applies_to`` (list of strings
 
 from __future__ import annotations
 
-import importlib
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .dotted import import_dotted
 from .errors import ConfigError, ZeroSimError
 
-try:  # Python >= 3.11
+if sys.version_info >= (3, 11):
     import tomllib as _toml
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10 needs the tomli backport
-    try:
-        import tomli as _toml  # type: ignore[no-redef]
-    except ModuleNotFoundError:
-        _toml = None  # type: ignore[assignment]
+else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport (a dependency there)
+    import tomli as _toml
 
 CONTRACTS_ENV = "ZEROSIM_CONTRACTS_DIR"
 REQUIRED_KEYS = ("id", "title", "statement", "applies_to", "check", "tolerance")
@@ -49,32 +47,12 @@ class ContractSpec:
 
     def resolve_check(self) -> Callable[..., Any]:
         """Import and return the check function named by ``check``."""
-        return resolve_dotted(self.check, f"{self.id}.check")
+        return import_dotted(self.check, f"{self.id}.check")
 
     def resolve_checks(self) -> list[Callable[..., Any]]:
         """The main check and every extra one in ``checks``, imported."""
         names = [self.check] + [c for c in self.checks if c != self.check]
-        return [resolve_dotted(n, f"{self.id}.checks") for n in names]
-
-
-def resolve_dotted(name: str, field_name: str = "check") -> Callable[..., Any]:
-    """``package.module:function`` -> the callable (a ZeroSimError names what failed)."""
-    module_name, sep, attr = str(name).partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(field_name, name, "must look like 'package.module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:
-        raise ZeroSimError(f"{field_name}={name!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ZeroSimError(f"{field_name}={name!r}: {module_name!r} has no attribute {attr!r}") from None
-    if not callable(obj):
-        raise ZeroSimError(f"{field_name}={name!r}: {attr!r} is not callable")
-    return obj
+        return [import_dotted(n, f"{self.id}.checks") for n in names]
 
 
 def default_contracts_dir() -> Path:
@@ -111,12 +89,18 @@ def load_contract(path: str | Path) -> ContractSpec:
     if not isinstance(applies, list) or not applies or not all(isinstance(a, str) for a in applies):
         raise ConfigError(f"{path.name}:applies_to", applies, "must be a non-empty list of strings")
     tol = data["tolerance"]
-    if not isinstance(tol, dict) or not isinstance(tol.get("kind"), str) or not isinstance(tol.get("rationale"), str):
+    if (
+        not isinstance(tol, dict)
+        or not isinstance(tol.get("kind"), str)
+        or not isinstance(tol.get("rationale"), str)
+    ):
         raise ConfigError(f"{path.name}:tolerance", tol, "must be a table with string 'kind' and 'rationale'")
     if tol["kind"] == "allclose":
         for key in ("rtol", "atol"):
             if isinstance(tol.get(key), bool) or not isinstance(tol.get(key), int | float):
-                raise ConfigError(f"{path.name}:tolerance.{key}", tol.get(key), "allclose needs numeric rtol and atol")
+                raise ConfigError(
+                    f"{path.name}:tolerance.{key}", tol.get(key), "allclose needs numeric rtol and atol"
+                )
     checks = data.get("checks", [])
     if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
         raise ConfigError(f"{path.name}:checks", checks, "must be a list of 'module:function' strings")

@@ -3,11 +3,20 @@
 Every error raised at a boundary (CLI option, public function argument, user implementation,
 collective) is a :class:`ZeroSimError`, so callers can catch one type and the CLI can turn it into
 a one-line message and exit status 2 instead of a traceback from deep inside.
+
+The exit statuses every command and every backend launcher ends with are defined here, once.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+EXIT_OK = 0                #: every contract holds
+EXIT_CONTRACT_FAILED = 1   #: a contract failed (the run itself completed)
+EXIT_BAD_INPUT = 2         #: a ZeroSimError before anything ran: one line naming the field and value
+EXIT_RUN_FAILED = 3        #: the run failed: a rank raised, a collective timed out, a non-finite gradient
+EXIT_LAUNCH_TIMEOUT = 124  #: a launched job outlived its wall-clock limit (like coreutils' timeout(1))
+EXIT_INTERRUPTED = 130     #: Ctrl-C
 
 
 class ZeroSimError(Exception):
@@ -54,7 +63,9 @@ class NonFiniteGradientError(ZeroSimError):
         self.tensor = tensor
         self.step = step
         where = f" at step {step}" if step is not None else ""
-        super().__init__(f"non-finite gradient on rank {rank}, tensor {tensor!r}{where}{': ' + detail if detail else ''}")
+        super().__init__(
+            f"non-finite gradient on rank {rank}, tensor {tensor!r}{where}{': ' + detail if detail else ''}"
+        )
 
 
 def require_positive_int(field: str, value: Any) -> int:

@@ -84,7 +84,9 @@ class GroundTruth:
         return unflatten(self.params_after(step), self.layout)
 
 
-def global_batch(cfg: SimModelConfig, seed: int, step: int, world_size: int, micro_batches: int) -> tuple[np.ndarray, np.ndarray]:
+def global_batch(
+    cfg: SimModelConfig, seed: int, step: int, world_size: int, micro_batches: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Every rank's micro-batches of ``step``, concatenated rank-major then micro along the batch axis."""
     pairs = [synthetic_batch(cfg, seed, step, r, m) for r in range(world_size) for m in range(micro_batches)]
     return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
@@ -112,7 +114,9 @@ def train_ground_truth(cfg: SimModelConfig, spec: OptimizerSpec, precision: Prec
     master = ns.from_numpy(initial, copy=True)
     opt = make_optimizer(spec, ns)
     state = opt.init_state(layout.total_numel)
-    gt = GroundTruth(cfg, spec, precision, world_size, micro_batches, seed, layout, initial.copy(), grad_mode=grad_mode)
+    gt = GroundTruth(
+        cfg, spec, precision, world_size, micro_batches, seed, layout, initial.copy(), grad_mode=grad_mode
+    )
     for s in range(steps):
         params = unflatten(precision.to_params(master, ns), layout)
         if grad_mode == "concat":
@@ -120,7 +124,9 @@ def train_ground_truth(cfg: SimModelConfig, spec: OptimizerSpec, precision: Prec
             loss, grads = model.loss_and_grads(params, tokens, targets)
             grad = precision.grad_to_master(flatten(grads, layout, ns), ns)  # a new array: flatten copies
         else:
-            loss, grad = _micro_mean(model, params, layout, precision, ns, cfg, seed, s, world_size, micro_batches)
+            loss, grad = _micro_mean(
+                model, params, layout, precision, ns, cfg, seed, s, world_size, micro_batches
+            )
         norm = global_norm_from_sumsq(ns.sum_of_squares(grad))
         coef = 1.0
         if spec.max_grad_norm is not None:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from .errors import ConfigError
 
-EXIT_LAUNCH_TIMEOUT = 124  # like coreutils' timeout(1)
 DEFAULT_LAUNCH_TIMEOUT_S = 900.0
 LAUNCH_TIMEOUT_ENV = "ZEROSIM_LAUNCH_TIMEOUT_S"
 
@@ -74,7 +73,9 @@ def run_process_group(command: Sequence[str], timeout_s: float, env: dict[str, s
     leaves processes behind: on timeout or on any exception here (KeyboardInterrupt) the group is killed."""
     pipe = subprocess.PIPE if capture else None
     start = time.monotonic()
-    proc = subprocess.Popen(list(command), stdout=pipe, stderr=pipe, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        list(command), stdout=pipe, stderr=pipe, text=True, env=env, start_new_session=True
+    )
     timed_out = False
     try:
         out, err = proc.communicate(timeout=timeout_s)

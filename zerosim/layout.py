@@ -69,7 +69,9 @@ class ParamLayout:
         seen: set[str] = set()
         for t in self.tensors:
             if t.name in seen:
-                raise ConfigError("tensors", t.name, "duplicate tensor name (list a tied weight once, as an alias)")
+                raise ConfigError(
+                    "tensors", t.name, "duplicate tensor name (list a tied weight once, as an alias)"
+                )
             seen.add(t.name)
         for alias, target in self.aliases.items():
             if target not in seen:
@@ -138,7 +140,9 @@ class ParamLayout:
     def with_dtype(self, dtype: str) -> ParamLayout:
         """The same layout with every tensor in ``dtype``."""
         return ParamLayout(
-            tuple(TensorSpec(t.name, t.shape, dtype, t.block) for t in self.tensors), dict(self.aliases), self.name
+            tuple(TensorSpec(t.name, t.shape, dtype, t.block) for t in self.tensors),
+            dict(self.aliases),
+            self.name,
         )
 
     def summary(self) -> dict[str, Any]:
@@ -154,7 +158,9 @@ class ParamLayout:
 
     # ---- constructors -----------------------------------------------------------------------
     @classmethod
-    def from_list(cls, specs: Iterable[Any], name: str = "custom", aliases: Mapping[str, str] | None = None) -> ParamLayout:
+    def from_list(
+        cls, specs: Iterable[Any], name: str = "custom", aliases: Mapping[str, str] | None = None
+    ) -> ParamLayout:
         """Build from ``TensorSpec`` objects, dicts, or ``(name, shape[, dtype[, block]])`` tuples.
 
         A tensor whose block is not given is grouped by its name (``blocks.3.mlp.w`` -> ``blocks.3``).
@@ -167,7 +173,9 @@ class ParamLayout:
             if isinstance(s, Mapping):
                 s = (s.get("name"), s.get("shape"), s.get("dtype", "float32"), s.get("block"))
             if not isinstance(s, (tuple, list)) or len(s) < 2:
-                raise ConfigError(f"specs[{i}]", s, "expected TensorSpec, dict or (name, shape[, dtype[, block]])")
+                raise ConfigError(
+                    f"specs[{i}]", s, "expected TensorSpec, dict or (name, shape[, dtype[, block]])"
+                )
             tname, shape = s[0], s[1]
             if not isinstance(tname, str) or not tname:
                 raise ConfigError(f"specs[{i}].name", tname, "must be a non-empty string")

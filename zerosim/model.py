@@ -58,7 +58,9 @@ class SimModelConfig:
             require_positive_int(f.name, getattr(self, f.name))
 
     @classmethod
-    def from_gpt(cls, gpt_config: GPTConfig, batch_size: int = 2, seq_len: int | None = None) -> SimModelConfig:
+    def from_gpt(
+        cls, gpt_config: GPTConfig, batch_size: int = 2, seq_len: int | None = None
+    ) -> SimModelConfig:
         """Map a GPT preset onto this model: same vocab, width and depth, ``d_ff = mlp_ratio * d_model``;
         attention, position embeddings and biases are omitted."""
         if not isinstance(gpt_config, GPTConfig):
@@ -141,7 +143,9 @@ def target_multiplier(vocab_size: int) -> int:
     return a
 
 
-def synthetic_batch(cfg: SimModelConfig, seed: int, step: int, rank: int, micro: int) -> tuple[np.ndarray, np.ndarray]:
+def synthetic_batch(
+    cfg: SimModelConfig, seed: int, step: int, rank: int, micro: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic micro-batch ``(tokens, targets)``, int64 arrays of shape (batch_size, seq_len).
 
     Tokens are uniform over the vocabulary from ``np.random.default_rng([seed, step, rank, micro])``,
@@ -175,14 +179,18 @@ class BlockModel:
         self.xp = get_namespace(xp)
         self.layout = sim_layout(cfg)
         self.block_names: tuple[str, ...] = tuple(b.name for b in self.layout.blocks)
-        self._tensors = {b.name: tuple(self.layout.tensors[i].name for i in b.tensor_indices) for b in self.layout.blocks}
+        self._tensors = {
+            b.name: tuple(self.layout.tensors[i].name for i in b.tensor_indices) for b in self.layout.blocks
+        }
 
     def tensor_names(self, block: str) -> tuple[str, ...]:
         """The full names of ``block``'s tensors, in layout order."""
         try:
             return self._tensors[block]
         except KeyError:
-            raise ConfigError("block", block, f"unknown block; known: {', '.join(self.block_names)}") from None
+            raise ConfigError(
+                "block", block, f"unknown block; known: {', '.join(self.block_names)}"
+            ) from None
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _compute(self, p: Any) -> tuple[Any, str]:
@@ -211,7 +219,9 @@ class BlockModel:
         return r * (dxhat - xhat * xp.mean(dxhat * xhat, axis=-1, keepdims=True))
 
     # ---- forward -------------------------------------------------------------------------------
-    def forward(self, block: str, params: dict[str, Any], x: Any, targets: Any = None) -> tuple[Any, dict[str, Any]]:
+    def forward(
+        self, block: str, params: dict[str, Any], x: Any, targets: Any = None
+    ) -> tuple[Any, dict[str, Any]]:
         xp = self.xp
         names = self.tensor_names(block)
         if block == "embedding":
@@ -230,13 +240,17 @@ class BlockModel:
             h = x
             tgt = xp.reshape(xp.astype(xp.ensure(targets), "int64"), (-1,))
             if tgt.shape[0] != h.shape[0]:
-                raise ConfigError("targets", tuple(targets.shape), f"expected {h.shape[0]} targets, one per token")
+                raise ConfigError(
+                    "targets", tuple(targets.shape), f"expected {h.shape[0]} targets, one per token"
+                )
             self._check_tokens(tgt, "targets")
             logits = xp.matmul(h, xp.matrix_transpose(w))
             z = logits - xp.max(logits, axis=-1, keepdims=True)
             ez = xp.exp(z)
             sez = xp.sum(ez, axis=-1, keepdims=True)
-            logp_t = xp.take(xp.reshape(z, (-1,)), self._flat_target_index(tgt), axis=0) - xp.reshape(xp.log(sez), (-1,))
+            logp_t = xp.take(xp.reshape(z, (-1,)), self._flat_target_index(tgt), axis=0) - xp.reshape(
+                xp.log(sez), (-1,)
+            )
             loss = -xp.mean(logp_t)
             return loss, {"h": h, "probs": ez / sez, "targets": tgt}
         if block == "final_norm":
@@ -255,7 +269,9 @@ class BlockModel:
         return y, {"x": x, "r": r, "u": u}
 
     # ---- backward ------------------------------------------------------------------------------
-    def backward(self, block: str, params: dict[str, Any], cache: dict[str, Any], dy: Any) -> tuple[Any, dict[str, Any]]:
+    def backward(
+        self, block: str, params: dict[str, Any], cache: dict[str, Any], dy: Any
+    ) -> tuple[Any, dict[str, Any]]:
         xp = self.xp
         names = self.tensor_names(block)
         if block == "embedding":
@@ -267,7 +283,9 @@ class BlockModel:
             h, probs, tgt = cache["h"], cache["probs"], cache["targets"]
             n_tok, vocab = probs.shape
             scale = xp.to_float(dy) / n_tok
-            onehot = xp.astype(xp.reshape(tgt, (-1, 1)) == xp.arange(vocab, device=xp.device), xp.dtype_name(probs))
+            onehot = xp.astype(
+                xp.reshape(tgt, (-1, 1)) == xp.arange(vocab, device=xp.device), xp.dtype_name(probs)
+            )
             dlogits = (probs - onehot) * scale
             dw = xp.matmul(xp.matrix_transpose(dlogits), h)
             dh = xp.matmul(dlogits, w)
@@ -294,7 +312,11 @@ class BlockModel:
         dn = xp.matmul(du, w_in)
         dg = xp.sum(dn * xhat, axis=0)
         dx = dy + self._rmsnorm_backward(dn * g, xhat, r)
-        return dx, {names[0]: xp.astype(dg, gdt), names[1]: xp.astype(dw_in, wdt_in), names[2]: xp.astype(dw_out, wdt_out)}
+        return dx, {
+            names[0]: xp.astype(dg, gdt),
+            names[1]: xp.astype(dw_in, wdt_in),
+            names[2]: xp.astype(dw_out, wdt_out),
+        }
 
     # ---- whole model -----------------------------------------------------------------------------
     def loss_and_grads(self, params_all: dict[str, Any], tokens: Any, targets: Any,

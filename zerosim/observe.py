@@ -23,8 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from .engine.memory_tracker import StepMemory
-
 Piece = tuple[int, int, int]  # (global_start, global_end, position in the stored array)
 
 
@@ -75,9 +73,16 @@ class Holding:
         return self.stored_numel - self.real_numel
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "real_numel": self.real_numel, "stored_numel": self.stored_numel,
-                "padding": self.padding, "nbytes": self.nbytes, "dtype": self.dtype, "location": self.location,
-                "num_intervals": len(self.intervals)}
+        return {
+            "kind": self.kind,
+            "real_numel": self.real_numel,
+            "stored_numel": self.stored_numel,
+            "padding": self.padding,
+            "nbytes": self.nbytes,
+            "dtype": self.dtype,
+            "location": self.location,
+            "num_intervals": len(self.intervals),
+        }
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,24 @@ class TrafficItem:
 
 
 @dataclass
+class StepMemory:
+    """Peaks and end-of-step live bytes of one step (bytes, per category/location)."""
+
+    step: int
+    peak_by_location: dict[str, int] = field(default_factory=dict)
+    peak_by_category: dict[str, int] = field(default_factory=dict)
+    peak_live_params: int = 0  # peak of params + gathered on the device (ZeRO-3's bound)
+    live_at_end: dict[str, dict[str, int]] = field(default_factory=dict)  # location -> category -> bytes
+    live_keys_at_end: dict[str, list[str]] = field(default_factory=dict)  # transient category -> live buffers
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "peak_by_location": dict(self.peak_by_location),
+                "peak_by_category": dict(self.peak_by_category), "peak_live_params": self.peak_live_params,
+                "live_at_end": {k: dict(v) for k, v in self.live_at_end.items()},
+                "live_keys_at_end": {k: list(v) for k, v in self.live_keys_at_end.items()}}
+
+
+@dataclass
 class StepObservation:
     """One rank after one optimizer step (``step`` is 0-based: the step that consumed batch ``step``)."""
 
@@ -134,13 +157,35 @@ class StepObservation:
     def data_traffic(self) -> list[TrafficItem]:
         return [t for t in self.traffic if t.channel == "data"]
 
+    def bytes_sent(self, channel: str = "data") -> Fraction:
+        """Bytes this rank sent during the step on ``channel`` (``data``, ``control`` or ``observe``)."""
+        return sum((Fraction(t.bytes_sent) for t in self.traffic if t.channel == channel), Fraction(0))
+
+    def traffic_by_collective(self) -> dict[tuple[str, str], tuple[int, Fraction, Fraction]]:
+        """(group kind, collective) -> (calls, bytes sent, bytes received) of the step's data traffic,
+        barriers left out: what C-ZERO-005 compares with the ring model."""
+        out: dict[tuple[str, str], tuple[int, Fraction, Fraction]] = {}
+        for t in self.data_traffic():
+            if t.collective == "barrier":
+                continue
+            key = (t.group_kind, t.collective)
+            c, s, r = out.get(key, (0, Fraction(0), Fraction(0)))
+            out[key] = (c + t.calls, s + Fraction(t.bytes_sent), r + Fraction(t.bytes_received))
+        return out
+
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "loss": self.loss, "local_loss": self.local_loss, "grad_norm": self.grad_norm,
-                "clip_coef": self.clip_coef, "optimizer_step": self.optimizer_step,
-                "holdings": {k: h.to_json() for k, h in self.holdings.items()},
-                "traffic": [t.to_json() for t in self.traffic],
-                "memory": self.memory.to_json() if self.memory else None,
-                "wall_s": self.t_end - self.t_start}
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "local_loss": self.local_loss,
+            "grad_norm": self.grad_norm,
+            "clip_coef": self.clip_coef,
+            "optimizer_step": self.optimizer_step,
+            "holdings": {k: h.to_json() for k, h in self.holdings.items()},
+            "traffic": [t.to_json() for t in self.traffic],
+            "memory": self.memory.to_json() if self.memory else None,
+            "wall_s": self.t_end - self.t_start,
+        }
 
 
 @dataclass
@@ -159,10 +204,16 @@ class RankObservation:
     offload: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self, with_steps: bool = True) -> dict[str, Any]:
-        out: dict[str, Any] = {"rank": self.rank, "world_size": self.world_size, "shard_group": self.shard_group,
-                               "local_rank": self.local_rank, "backend": self.backend,
-                               "groups": {k: list(v) for k, v in self.groups.items()},
-                               "init_peak_bytes": dict(self.init_peak_bytes), "offload": dict(self.offload)}
+        out: dict[str, Any] = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "shard_group": self.shard_group,
+            "local_rank": self.local_rank,
+            "backend": self.backend,
+            "groups": {k: list(v) for k, v in self.groups.items()},
+            "init_peak_bytes": dict(self.init_peak_bytes),
+            "offload": dict(self.offload),
+        }
         if with_steps:
             out["steps"] = [s.to_json() for s in self.steps]
         return out

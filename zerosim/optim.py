@@ -94,18 +94,20 @@ class OptimizerSpec:
         if not isinstance(self.nesterov, bool):
             raise ConfigError("nesterov", self.nesterov, "must be a bool")
         if name == "sgd" and self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ConfigError("nesterov", self.nesterov, "Nesterov momentum requires momentum > 0 and dampening = 0")
+            raise ConfigError(
+                "nesterov", self.nesterov, "Nesterov momentum requires momentum > 0 and dampening = 0"
+            )
         if name != "sgd":
             for f in ("momentum", "dampening"):
                 if getattr(self, f) != 0:
                     raise ConfigError(f, getattr(self, f), f"is an SGD option; {name} has no {f}")
             if self.nesterov:
                 raise ConfigError("nesterov", self.nesterov, f"is an SGD option; {name} has no nesterov")
-        betas = self.betas
-        if isinstance(betas, str):
-            betas = tuple(b for b in betas.replace(" ", "").split(",") if b)
+        given: Any = self.betas
+        if isinstance(given, str):
+            given = [b for b in given.replace(" ", "").split(",") if b]
         try:
-            betas = tuple(betas)
+            betas = tuple(given)
         except TypeError:
             raise ConfigError("betas", self.betas, "must be two numbers (beta1, beta2)") from None
         if len(betas) != 2:
@@ -118,7 +120,9 @@ class OptimizerSpec:
         if self.max_grad_norm is not None:
             v = _real("max_grad_norm", self.max_grad_norm)
             if v <= 0:
-                raise ConfigError("max_grad_norm", self.max_grad_norm, "must be > 0 (or None for no clipping)")
+                raise ConfigError(
+                    "max_grad_norm", self.max_grad_norm, "must be > 0 (or None for no clipping)"
+                )
             object.__setattr__(self, "max_grad_norm", v)
 
     @classmethod
@@ -160,14 +164,22 @@ class _Optimizer:
 
     def _check(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-            raise ConfigError("state", type(state).__name__, "expected the dict from init_state (with an int 'step')")
+            raise ConfigError(
+                "state", type(state).__name__, "expected the dict from init_state (with an int 'step')"
+            )
         if tuple(param.shape) != tuple(grad.shape) or len(param.shape) != 1:
-            raise ConfigError("grad", tuple(grad.shape), f"must be flat and match the parameter shape {tuple(param.shape)}")
+            raise ConfigError(
+                "grad", tuple(grad.shape), f"must be flat and match the parameter shape {tuple(param.shape)}"
+            )
         for name in self.spec.state_names:
             if name not in state:
                 raise ConfigError("state", name, "missing optimizer state (use init_state)")
             if tuple(state[name].shape) != tuple(param.shape):
-                raise ConfigError(f"state.{name}", tuple(state[name].shape), f"must match the parameter shape {tuple(param.shape)}")
+                raise ConfigError(
+                    f"state.{name}",
+                    tuple(state[name].shape),
+                    f"must match the parameter shape {tuple(param.shape)}",
+                )
 
     def step(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
         """One optimizer step, in place on ``param`` (float32 master) and ``state``.
@@ -226,11 +238,12 @@ class Adam(_Optimizer):
     def _update(self, p: Any, g: Any, st: dict[str, Any], t: int) -> None:
         s, xp = self.spec, self.xp
         beta1, beta2 = s.betas
-        if s.weight_decay != 0:
+        weight_decay = s.weight_decay or 0.0  # resolved to a number when the spec was built
+        if weight_decay != 0:
             if self.decoupled:
-                p *= _f32(1.0 - s.lr * s.weight_decay)
+                p *= _f32(1.0 - s.lr * weight_decay)
             else:
-                g = xp.fma(p, s.weight_decay, g)
+                g = xp.fma(p, weight_decay, g)
         m, v = st["exp_avg"], st["exp_avg_sq"]
         xp.assign(m, _lerp(xp, m, g, 1.0 - beta1))
         v *= _f32(beta2)

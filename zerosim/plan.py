@@ -67,7 +67,9 @@ class StatePlan:
         }
 
 
-def build_plan(layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, topology: Topology) -> StatePlan:
+def build_plan(
+    layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, topology: Topology
+) -> StatePlan:
     """Compose the partitioner's ShardPlan over each shard group with the strategy's choices."""
     k = strategy.shard_group_size(topology.world_size)
     shard_plan = get_partitioner(partitioner)(layout, k)

@@ -23,6 +23,7 @@ from .dtypes import itemsize
 from .errors import ConfigError
 from .xp import ArrayNamespace, get_namespace, namespace_of
 
+PRECISION_NAMES = ("fp32", "bf16", "fp16")  # the policies, in --precision order
 _PRECISIONS = {
     "fp32": ("float32", "float32"),
     "bf16": ("bfloat16", "bfloat16"),

@@ -17,7 +17,8 @@ from .errors import ZeroSimError
 
 
 def parse_args_on_rank(parser: Any, argv: list[str], rank: int) -> Any:
-    """``parser.parse_args(argv)`` on every rank, its messages (usage errors, --help) printed by rank 0 only."""
+    """``parser.parse_args(argv)`` on every rank, its messages (usage errors, --help) printed by rank 0 only.
+    """
     quiet = open(os.devnull, "w") if rank != 0 else None  # noqa: SIM115 - closed below
     try:
         with contextlib.redirect_stdout(quiet or sys.stdout), contextlib.redirect_stderr(quiet or sys.stderr):
@@ -29,5 +30,7 @@ def parse_args_on_rank(parser: Any, argv: list[str], rank: int) -> Any:
 
 def rank_failure_message(rank: int, error: BaseException) -> str:
     """``rank R failed: <Type>: <message>``, with the traceback when the error is not ours (a bug)."""
-    detail = "" if isinstance(error, ZeroSimError) else "\n" + "".join(traceback.format_exception(error)).rstrip()
+    detail = (
+        "" if isinstance(error, ZeroSimError) else "\n" + "".join(traceback.format_exception(error)).rstrip()
+    )
     return f"rank {rank} failed: {type(error).__name__}: {error}{detail}"

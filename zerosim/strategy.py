@@ -45,7 +45,11 @@ class ShardingStrategy:
                 raise ConfigError("intra_node_size", None, f"{self.kind.value} needs the shard group size")
             require_positive_int("intra_node_size", self.intra_node_size)
         elif self.intra_node_size is not None:
-            raise ConfigError("intra_node_size", self.intra_node_size, f"only hybrid strategies take it, not {self.kind.value}")
+            raise ConfigError(
+                "intra_node_size",
+                self.intra_node_size,
+                f"only hybrid strategies take it, not {self.kind.value}",
+            )
 
     # constructors mirroring torch's enum names
     @classmethod
@@ -58,7 +62,8 @@ class ShardingStrategy:
 
     @classmethod
     def parse(cls, text: str, ranks_per_node: int | None = None) -> ShardingStrategy:
-        """Parse ``zero3``, ``FULL_SHARD``, ``hybrid_shard:8`` ... (hybrid size defaults to ranks_per_node)."""
+        """Parse ``zero3``, ``FULL_SHARD``, ``hybrid_shard:8`` ... (hybrid size defaults to ranks_per_node).
+        """
         raw = str(text)
         name, _, size = raw.strip().lower().replace("-", "_").partition(":")
         kind = _ALIASES.get(name)
@@ -73,7 +78,11 @@ class ShardingStrategy:
             elif ranks_per_node is not None:
                 n = ranks_per_node
             else:
-                raise ConfigError("strategy", raw, "hybrid strategies need a shard group size: 'hybrid_shard:8' or --ranks-per-node")
+                raise ConfigError(
+                    "strategy",
+                    raw,
+                    "hybrid strategies need a shard group size: 'hybrid_shard:8' or --ranks-per-node",
+                )
             return cls(kind, n)
         if size:
             raise ConfigError("strategy", raw, f"{kind.value} takes no ':size'")
@@ -92,8 +101,14 @@ class ShardingStrategy:
 
     @property
     def zero_stage(self) -> int:
-        return {StrategyKind.NO_SHARD: 0, StrategyKind.SHARD_OPTIMIZER: 1, StrategyKind.SHARD_GRAD_OP: 2,
-                StrategyKind.FULL_SHARD: 3, StrategyKind.HYBRID_SHARD: 3, StrategyKind.HYBRID_SHARD_ZERO2: 2}[self.kind]
+        return {
+            StrategyKind.NO_SHARD: 0,
+            StrategyKind.SHARD_OPTIMIZER: 1,
+            StrategyKind.SHARD_GRAD_OP: 2,
+            StrategyKind.FULL_SHARD: 3,
+            StrategyKind.HYBRID_SHARD: 3,
+            StrategyKind.HYBRID_SHARD_ZERO2: 2,
+        }[self.kind]
 
     @property
     def shards_optimizer(self) -> bool:
@@ -114,7 +129,9 @@ class ShardingStrategy:
         if self.is_hybrid:
             assert self.intra_node_size is not None
             if world_size % self.intra_node_size:
-                raise ConfigError("intra_node_size", self.intra_node_size, f"must divide world_size={world_size}")
+                raise ConfigError(
+                    "intra_node_size", self.intra_node_size, f"must divide world_size={world_size}"
+                )
             return self.intra_node_size
         return world_size
 
@@ -135,11 +152,13 @@ class Topology:
 
     def __post_init__(self) -> None:
         require_positive_int("world_size", self.world_size)
-        if self.ranks_per_node is None:
-            object.__setattr__(self, "ranks_per_node", self.world_size)
-        require_positive_int("ranks_per_node", self.ranks_per_node)
-        if self.world_size % self.ranks_per_node:
-            raise ConfigError("ranks_per_node", self.ranks_per_node, f"must divide world_size={self.world_size}")
+        rpn = self.world_size if self.ranks_per_node is None else self.ranks_per_node
+        object.__setattr__(self, "ranks_per_node", rpn)
+        require_positive_int("ranks_per_node", rpn)
+        if self.world_size % rpn:
+            raise ConfigError(
+                "ranks_per_node", self.ranks_per_node, f"must divide world_size={self.world_size}"
+            )
 
     @property
     def num_nodes(self) -> int:

@@ -53,7 +53,9 @@ def _torch():
     try:
         import torch
     except ImportError:  # pragma: no cover - depends on the environment
-        raise ConfigError("array_namespace", "torch", "torch is not installed (pip install 'zerosim[torch]')") from None
+        raise ConfigError(
+            "array_namespace", "torch", "torch is not installed (pip install 'zerosim[torch]')"
+        ) from None
     return torch
 
 
@@ -94,7 +96,10 @@ class ArrayNamespace:
         return f"ArrayNamespace({self.backend!r}, device={self.device!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ArrayNamespace) and (self.backend, self.device) == (other.backend, other.device)
+        return isinstance(other, ArrayNamespace) and (self.backend, self.device) == (
+            other.backend,
+            other.device,
+        )
 
     def __hash__(self) -> int:
         return hash((self.backend, self.device))

@@ -1,8 +1,8 @@
 """Run under mpiexec by tests/test_mpi_faults.py: a few collectives, with ZEROSIM_FAULT set by the test.
 
 argv: timeout_mode timeout_s [all-raise]. With ``all-raise`` every rank raises the same error after
-its first collectives (printed once: the failed ranks agree who reports). Every rank runs through zerosim.mpi.rank.run_rank, the same failure
-policy as ``python -m zerosim.mpi simulate``.
+its first collectives (printed once: the failed ranks agree who reports). Every rank runs through
+zerosim.mpi.rank.run_rank, the same failure policy as ``python -m zerosim.mpi simulate``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ DEFAULT_OUT = "reports/bench_check.json"
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("check", help="C-ZERO-001 interval check at 10^12 x 1024 vs a flag-per-parameter checker")
+    p = sub.add_parser(
+        "check", help="C-ZERO-001 interval check at 10^12 x 1024 vs a flag-per-parameter checker"
+    )
     p.add_argument("--total", default="10**12", help="parameters in the big plan (default 10**12)")
     p.add_argument("--world-size", type=int, default=1024, help="ranks in the big plan (default 1024)")
     p.add_argument("--repeats", type=int, default=50, help="timed repetitions of the big check (default 50)")
@@ -58,7 +60,9 @@ def flag_check(plan: ShardPlan) -> bool:
 
 
 def seed_plan(total: int, world_size: int) -> ShardPlan:
-    return get_partitioner("seed")(ParamLayout.from_list([("flat", (total,))], name=f"flat-{total}"), world_size)
+    return get_partitioner("seed")(
+        ParamLayout.from_list([("flat", (total,))], name=f"flat-{total}"), world_size
+    )
 
 
 def _time(fn: Any, repeats: int) -> list[float]:
@@ -109,7 +113,8 @@ def try_flag_allocation(total: int, mem: dict[str, int]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..cli._args import format_bytes, parse_int_expr, parse_int_list
+    from ..cli._args import parse_int_expr, parse_int_list
+    from ..cost.units import format_bytes
 
     total = parse_int_expr(str(args.total), "total")
     if total < 0:
@@ -121,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
     available = mem.get("MemAvailable", mem.get("MemTotal", 0))
     for n in flag_sizes:
         if n <= 0 or n > available // 4:
-            raise ConfigError("flag_sizes", n, f"must be in [1, {available // 4}] (a quarter of available memory)")
+            raise ConfigError(
+                "flag_sizes", n, f"must be in [1, {available // 4}] (a quarter of available memory)"
+            )
 
     # 1. our check on the big plan
     t0 = time.perf_counter()
@@ -129,25 +136,37 @@ def run(args: argparse.Namespace) -> int:
     build_s = time.perf_counter() - t0
     verdict = check_partition_plan(big)
     times = _time(lambda: check_partition_plan(big), repeats)
-    ours = {"total": total, "world_size": ws, "passed": verdict.passed, "intervals": verdict.details["num_intervals"],
-            "build_ms": build_s * 1e3, "check_ms_median": statistics.median(times) * 1e3,
-            "check_ms_min": min(times) * 1e3, "check_ms_max": max(times) * 1e3, "repeats": repeats,
-            "target_ms": 50.0, "meets_target": statistics.median(times) * 1e3 < 50.0}
+    ours = {
+        "total": total,
+        "world_size": ws,
+        "passed": verdict.passed,
+        "intervals": verdict.details["num_intervals"],
+        "build_ms": build_s * 1e3,
+        "check_ms_median": statistics.median(times) * 1e3,
+        "check_ms_min": min(times) * 1e3,
+        "check_ms_max": max(times) * 1e3,
+        "repeats": repeats,
+        "target_ms": 50.0,
+        "meets_target": statistics.median(times) * 1e3 < 50.0,
+    }
     print(f"interval check, {total:,} params x {ws} ranks: median {ours['check_ms_median']:.2f} ms "
           f"(min {ours['check_ms_min']:.2f}, max {ours['check_ms_max']:.2f}; {repeats} runs; target < 50 ms: "
           f"{'met' if ours['meets_target'] else 'MISSED'}); plan built in {ours['build_ms']:.1f} ms; "
           f"C-ZERO-001 {'holds' if verdict.passed else 'VIOLATED'}")
 
     # 2. side by side where the flag checker fits
-    side = []
+    side: list[dict[str, Any]] = []
     for n in flag_sizes:
         plan = seed_plan(n, ws)
         flag_s = min(_time(lambda plan=plan: flag_check(plan), 3))
         ival_s = min(_time(lambda plan=plan: check_partition_plan(plan), 5))
         side.append({"total": n, "world_size": ws, "flag_ms": flag_s * 1e3, "interval_ms": ival_s * 1e3,
                      "flag_bytes": n, "ratio_flag_over_interval": flag_s / ival_s if ival_s else None})
-        print(f"  total {n:>15,}: flag-per-parameter {flag_s * 1e3:10.2f} ms ({format_bytes(n)} of flags), "
-              f"intervals {ival_s * 1e3:7.2f} ms -> {flag_s / ival_s:,.1f}x")
+        print(
+            f"  total {n:>15,}: flag-per-parameter {flag_s * 1e3:10.2f} ms "
+            f"({format_bytes(n, binary=True, digits=4)} of flags), "
+            f"intervals {ival_s * 1e3:7.2f} ms -> {flag_s / ival_s:,.1f}x"
+        )
 
     # 3. the flag checker at the big size
     largest = side[-1]
@@ -157,10 +176,15 @@ def run(args: argparse.Namespace) -> int:
     flag_big = {"bytes_needed": need, "mem_total": mem.get("MemTotal"), "mem_available": available,
                 "fits": need <= available, "extrapolated_s": per_elem_s * total,
                 "extrapolated_from_total": largest["total"], "allocation": alloc}
-    print(f"flag-per-parameter at {total:,}: needs {format_bytes(need)} of flags; this machine has "
-          f"{format_bytes(available)} available ({format_bytes(mem.get('MemTotal', 0))} total): "
-          f"{'fits' if flag_big['fits'] else 'cannot run'}; extrapolated time {flag_big['extrapolated_s']:,.0f} s "
-          f"(linear from {largest['total']:,})")
+    print(
+        f"flag-per-parameter at {total:,}: needs {format_bytes(need, binary=True, digits=4)} of flags; this "
+        "machine has "
+        f"{format_bytes(available, binary=True, digits=4)} available "
+        f"({format_bytes(mem.get('MemTotal', 0), binary=True, digits=4)} total): "
+        f"{'fits' if flag_big['fits'] else 'cannot run'}; extrapolated time "
+        f"{flag_big['extrapolated_s']:,.0f} s "
+        f"(linear from {largest['total']:,})"
+    )
     if alloc.get("attempted"):
         print(f"  numpy.zeros({total}, bool): {alloc.get('error') or alloc.get('note')}")
 

@@ -47,12 +47,20 @@ DEFAULT_OUT = Path("reports") / "bench_mpi.json"
 def register(sub: Any) -> None:
     p = sub.add_parser("mpi", help="MPI communicator vs raw mpi4py collectives (launches mpiexec)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to launch (default: 2 4)")
+    p.add_argument(
+        "--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to launch (default: 2 4)"
+    )
     p.add_argument("--min-bytes", type=int, default=1024, help="smallest buffer (default 1 KiB)")
     p.add_argument("--max-bytes", type=int, default=64 * 1024 * 1024, help="largest buffer (default 64 MiB)")
-    p.add_argument("--repeats", type=int, default=7, help="measurements per variant (median taken; default 7)")
-    p.add_argument("--target-ms", type=float, default=20.0, help="time filled by one measurement (default 20 ms)")
-    p.add_argument("--launch-timeout", type=float, default=900.0, help="wall-clock limit per mpiexec launch (s)")
+    p.add_argument(
+        "--repeats", type=int, default=7, help="measurements per variant (median taken; default 7)"
+    )
+    p.add_argument(
+        "--target-ms", type=float, default=20.0, help="time filled by one measurement (default 20 ms)"
+    )
+    p.add_argument(
+        "--launch-timeout", type=float, default=900.0, help="wall-clock limit per mpiexec launch (s)"
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
     p.set_defaults(func=run)
 
@@ -86,9 +94,23 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="zerosim-bench-mpi-") as tmp:
         for n in args.ranks:
             part = Path(tmp) / f"ranks{n}.json"
-            argv = ["-m", "zerosim.mpi", "bench-worker", "--sizes", *map(str, sizes), "--repeats", str(args.repeats),
-                    "--target-ms", str(args.target_ms), "--out", str(part)]
-            print(f"launching mpiexec -n {n} ({len(sizes)} sizes x {len(COLLECTIVES)} collectives)...", file=sys.stderr)
+            argv = [
+                "-m",
+                "zerosim.mpi",
+                "bench-worker",
+                "--sizes",
+                *map(str, sizes),
+                "--repeats",
+                str(args.repeats),
+                "--target-ms",
+                str(args.target_ms),
+                "--out",
+                str(part),
+            ]
+            print(
+                f"launching mpiexec -n {n} ({len(sizes)} sizes x {len(COLLECTIVES)} collectives)...",
+                file=sys.stderr,
+            )
             result = run_mpiexec(n, argv, args.launch_timeout)
             if result.returncode != 0 or not part.exists():
                 sys.stderr.write(result.stderr or "")
@@ -103,8 +125,12 @@ def run(args: argparse.Namespace) -> int:
         "benchmark": "zerosim bench mpi",
         "target": {"ratio": TARGET_RATIO, "from_bytes": TARGET_FROM_BYTES, "variant": "ours"},
         "config": {"ranks": args.ranks, "sizes": sizes, "repeats": args.repeats, "target_ms": args.target_ms},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    **meta},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            **meta,
+        },
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "rows": rows,
         "below_target": [{k: r[k] for k in ("collective", "ranks", "bytes", "ratio")} for r in below],
@@ -129,16 +155,27 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from ..text_tables import print_table
+
     table = Table(title="MpiCommunicator vs raw mpi4py (GB/s = full buffer / time; ratio = raw time / ours)")
-    for col in ("size", "collective", "ranks", "ours GB/s", "raw GB/s", "ratio", "new-array ratio", "raise-mode ratio",
-                "raw/raw (noise)"):
+    for col in (
+        "size",
+        "collective",
+        "ranks",
+        "ours GB/s",
+        "raw GB/s",
+        "ratio",
+        "new-array ratio",
+        "raise-mode ratio",
+        "raw/raw (noise)",
+    ):
         table.add_column(col, justify="left" if col == "collective" else "right")
     for r in sorted(rows, key=lambda r: (r["ranks"], r["collective"], r["bytes"])):
         flag = " !" if r["bytes"] >= TARGET_FROM_BYTES and r["ratio"] < TARGET_RATIO else ""
         table.add_row(_human(r["bytes"]), r["collective"], str(r["ranks"]), f"{r['gbps']['ours']:.3f}",
                       f"{r['gbps']['raw']:.3f}", f"{r['ratio']:.3f}{flag}", f"{r['ratio_new']:.3f}",
                       f"{r['ratio_raise']:.3f}", f"{r['ratio_raw_again']:.3f}")
-    Console(width=140).print(table)
+    print_table(table, Console(width=140))
 
 
 def _paired(pairs: list[tuple[float, float]]) -> float:
@@ -221,16 +258,33 @@ def worker_main(argv: list[str]) -> int:
                     t_first, t_second = timed(fns[first], iters), timed(fns[second], iters)
                     pairs[v].append((t_first, t_second) if first == "raw" else (t_second, t_first))
             payload = full * 4
-            times = {"raw": [r for v in pairs for r, _ in pairs[v]], **{v: [o for _, o in pairs[v]] for v in pairs}}
+            times = {
+                "raw": [r for v in pairs for r, _ in pairs[v]],
+                **{v: [o for _, o in pairs[v]] for v in pairs},
+            }
             med = {v: statistics.median(ts) for v, ts in times.items()}
-            rows.append({"collective": collective, "ranks": n, "bytes": payload, "iters": iters,
-                         "median_s": med, "min_s": {v: min(ts) for v, ts in times.items()},
-                         "gbps": {v: payload / t / 1e9 for v, t in med.items()},
-                         "ratio": _paired(pairs["ours"]), "ratio_new": _paired(pairs["ours_new"]),
-                         "ratio_raise": _paired(pairs["ours_raise"]), "ratio_raw_again": _paired(pairs["raw_again"]),
-                         "ratio_of_min": min(times["raw"]) / min(times["ours"])})
+            rows.append(
+                {
+                    "collective": collective,
+                    "ranks": n,
+                    "bytes": payload,
+                    "iters": iters,
+                    "median_s": med,
+                    "min_s": {v: min(ts) for v, ts in times.items()},
+                    "gbps": {v: payload / t / 1e9 for v, t in med.items()},
+                    "ratio": _paired(pairs["ours"]),
+                    "ratio_new": _paired(pairs["ours_new"]),
+                    "ratio_raise": _paired(pairs["ours_raise"]),
+                    "ratio_raw_again": _paired(pairs["raw_again"]),
+                    "ratio_of_min": min(times["raw"]) / min(times["ours"]),
+                }
+            )
     if me == 0:
-        meta = {"mpi_library": MPI.Get_library_version().strip().splitlines()[0], "mpi4py": mpi4py.__version__,
-                "numpy": np.__version__, "thread_level": MPI.Query_thread()}
+        meta = {
+            "mpi_library": MPI.Get_library_version().strip().splitlines()[0],
+            "mpi4py": mpi4py.__version__,
+            "numpy": np.__version__,
+            "thread_level": MPI.Query_thread(),
+        }
         args.out.write_text(json.dumps({"rows": rows, "meta": meta}))
     return 0

@@ -30,6 +30,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from ..comm.sim import SCHEDULES
 from ..engine.config import ResolvedRun, RunConfig
 from ..errors import ConfigError
 from ..flat import flatten, unflatten
@@ -42,20 +43,26 @@ TARGET_RATIO = 1.5
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("sim", help="simulated ZeRO-3 step vs one unsharded numpy step; peak memory vs per-rank state")
+    p = sub.add_parser(
+        "sim", help="simulated ZeRO-3 step vs one unsharded numpy step; peak memory vs per-rank state"
+    )
     p.add_argument("--model", default="sim-10m", help="model preset (default sim-10m, ~13M parameters)")
     p.add_argument("--world-sizes", default="8,32", help="comma-separated rank counts (default 8,32)")
     p.add_argument("--strategy", default="full_shard", help="strategy (default full_shard = ZeRO-3)")
     p.add_argument("--partitioner", default="fsdp", help="partitioner (default fsdp)")
     p.add_argument("--optimizer", default="adamw")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps of each side after a warm-up (default 3)")
-    p.add_argument("--schedule", default="serial", choices=("serial", "parallel"))
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed steps of each side after a warm-up (default 3)"
+    )
+    p.add_argument("--schedule", default="serial", choices=SCHEDULES)
     p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
     p.set_defaults(func=run)
 
 
-def baseline_step(run: ResolvedRun, master: Any, state: dict[str, Any], step: int, model: BlockModel, opt: Any) -> float:
+def baseline_step(
+    run: ResolvedRun, master: Any, state: dict[str, Any], step: int, model: BlockModel, opt: Any
+) -> float:
     """One unsharded step with the same arithmetic as the N simulated ranks; returns seconds."""
     xp = numpy_namespace()
     layout, cfg = run.layout, run.model_cfg
@@ -96,8 +103,16 @@ def measure(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     """``--repeats`` rounds, each: one simulated run of 2 steps (warm-up + timed), then 2 unsharded
     steps (warm-up + timed). Alternating whole rounds exposes both sides to the same machine load."""
     reps = args.repeats
-    cfg = RunConfig(model=args.model, world_size=world_size, strategy=args.strategy, partitioner=args.partitioner,
-                    optimizer=args.optimizer, steps=2, observe="none", schedule=args.schedule)
+    cfg = RunConfig(
+        model=args.model,
+        world_size=world_size,
+        strategy=args.strategy,
+        partitioner=args.partitioner,
+        optimizer=args.optimizer,
+        steps=2,
+        observe="none",
+        schedule=args.schedule,
+    )
     run = cfg.resolve()
     xp = numpy_namespace()
     model = BlockModel(run.model_cfg, xp)
@@ -114,8 +129,16 @@ def measure(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
         baseline_step(run, master, state, 2 * i, model, opt)  # warm-up
         base.append(baseline_step(run, master, state, 2 * i + 1, model, opt))
     # memory: one simulated step under tracemalloc
-    mem_run = RunConfig(model=args.model, world_size=world_size, strategy=args.strategy, partitioner=args.partitioner,
-                        optimizer=args.optimizer, steps=1, observe="none", schedule=args.schedule).resolve()
+    mem_run = RunConfig(
+        model=args.model,
+        world_size=world_size,
+        strategy=args.strategy,
+        partitioner=args.partitioner,
+        optimizer=args.optimizer,
+        steps=1,
+        observe="none",
+        schedule=args.schedule,
+    ).resolve()
     del master, state
     tracemalloc.start()
     tracemalloc.reset_peak()
@@ -123,8 +146,11 @@ def measure(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     _, mobs = sim_step_times(mem_run)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    rank_peaks = [o.steps[0].memory.peak_by_location.get("device", 0) + o.steps[0].memory.peak_by_location.get("host", 0)
-                  for o in mobs]
+    rank_peaks = [
+        o.steps[0].memory.peak_by_location.get("device", 0)
+        + o.steps[0].memory.peak_by_location.get("host", 0)
+        for o in mobs
+    ]
     init_peaks = [sum(o.init_peak_bytes.values()) for o in mobs]
     model_bytes = run.layout.total_numel * 4
     process_peak = peak - start_bytes
@@ -132,7 +158,9 @@ def measure(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
         "world_size": world_size,
         "num_params": run.layout.total_numel,
         "tokens_per_step": run.model_cfg.tokens_per_micro_batch * world_size * run.micro_batches,
-        "sim_step_s": sim, "sim_first_step_s": sim_warm, "baseline_step_s": base,
+        "sim_step_s": sim,
+        "sim_first_step_s": sim_warm,
+        "baseline_step_s": base,
         "ratio_median": statistics.median(sim) / statistics.median(base),
         "ratio_min": min(sim) / min(base),
         "target_ratio": TARGET_RATIO,
@@ -143,7 +171,9 @@ def measure(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
             "sum_rank_init_state_bytes": sum(init_peaks),
             "full_model_fp32_bytes": model_bytes,
             "process_peak_over_sum_rank_peaks": process_peak / max(1, sum(rank_peaks)),
-            "hidden_full_copies_per_rank_upper_bound": max(0.0, (process_peak - sum(rank_peaks)) / (model_bytes * world_size)),
+            "hidden_full_copies_per_rank_upper_bound": max(
+                0.0, (process_peak - sum(rank_peaks)) / (model_bytes * world_size)
+            ),
         },
     }
     return result
@@ -165,11 +195,21 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"measuring {args.model} {args.strategy} on {n} simulated ranks ...", flush=True)
         results.append(measure(n, args))
-    report = {"benchmark": "sim", "model": args.model, "strategy": args.strategy, "partitioner": args.partitioner,
-              "optimizer": args.optimizer, "schedule": args.schedule, "repeats": args.repeats,
-              "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                          "cpus": os.cpu_count()},
-              "results": results}
+    report = {
+        "benchmark": "sim",
+        "model": args.model,
+        "strategy": args.strategy,
+        "partitioner": args.partitioner,
+        "optimizer": args.optimizer,
+        "schedule": args.schedule,
+        "repeats": args.repeats,
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+        },
+        "results": results,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
@@ -181,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(report: dict[str, Any], out: Path) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from ..text_tables import print_table
 
     t = Table(title=f"zerosim bench sim: {report['model']} {report['strategy']} ({report['partitioner']})")
     for col in ("ranks", "sim step (s, median)", "unsharded step (s, median)", "ratio median", "ratio min",
@@ -194,5 +235,5 @@ def _print_table(report: dict[str, Any], out: Path) -> None:
                   f"{statistics.median(r['baseline_step_s']):.3f}", f"{r['ratio_median']:.2f}",
                   f"{r['ratio_min']:.2f}", f"<= {r['target_ratio']}", f"{m['process_peak_bytes'] / 1e6:.1f}",
                   f"{m['sum_rank_peak_bytes'] / 1e6:.1f}", f"{m['process_peak_over_sum_rank_peaks']:.2f}")
-    Console().print(t)
+    print_table(t)
     print(f"report: {out}")

@@ -56,7 +56,9 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def check_partition_plan(plan: ShardPlan, *, limit: int = 20, context: dict[str, Any] | None = None) -> Verdict:
+def check_partition_plan(
+    plan: ShardPlan, *, limit: int = 20, context: dict[str, Any] | None = None
+) -> Verdict:
     """Check C-ZERO-001 on one ShardPlan; return a Verdict with one Violation per finding.
 
     ``limit`` caps the violations kept per clause (counts in ``details['violations_by_clause']``

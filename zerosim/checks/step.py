@@ -19,6 +19,10 @@ per step), the plan, the unit plan and the communication estimate. No backend, n
   group kind and collective (calls, bytes sent, bytes received), equals the ring model exactly.
 
 Diagnostics name contract, clause, step, rank, tensor, flat element range, expected vs got.
+
+Why one module of this length: the four step contracts share the clause collector and the
+mismatch diagnostics (tensor name, element, bits) that make their violations read alike; each
+contract has its own banner below.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ class Tolerance:
 # world 2..8, M = 1..3, clipping on/off: fp32 1.9e-6 / 7.3e-8, bf16 4.2e-3 / 2.3e-4, fp16 4.0e-4 /
 # 2.5e-5. fp32 2e-5 is the worst-case float32 reordering bound (n u, n ~ 300 terms); the 16-bit ones are
 # 2.5-4x one 16-bit ulp doubled by Adam's g^2 (bf16 2 * 2^-8, fp16 2 * 2^-11). Derivation and
-# measurements: contracts/C-ZERO-002.toml, README.md (Tolerances).
+# measurements: contracts/C-ZERO-002.toml, docs/contracts-and-tolerances.md.
 EQUIVALENCE_TOLERANCE = {
     "fp32": Tolerance(atol_scale=2e-5, norm_rtol=1e-6),
     "bf16": Tolerance(atol_scale=2e-2, norm_rtol=2e-3),
@@ -91,7 +95,9 @@ class _Clauses:
         self.counts[clause] = self.counts.get(clause, 0) + 1
         if self.counts[clause] <= MAX_PER_CLAUSE:
             ctx = {**self.context, **(context or {})}
-            self.verdict.violations.append(Violation(self.verdict.contract, clause, message, context=ctx, **kw))
+            self.verdict.violations.append(
+                Violation(self.verdict.contract, clause, message, context=ctx, **kw)
+            )
 
     def done(self, **details: Any) -> Verdict:
         hidden = {c: n - MAX_PER_CLAUSE for c, n in self.counts.items() if n > MAX_PER_CLAUSE}
@@ -162,9 +168,15 @@ def _describe_mismatch(layout: ParamLayout | None, idx: np.ndarray, mask: np.nda
 # ---------------------------------------------------------------------------------------------------
 
 
-def check_equivalence(observations: Sequence[RankObservation], reference: Any, *, layout: ParamLayout | None = None,
-                      bitwise: bool = False, tolerance: Tolerance | None = None,
-                      contract: str = "C-ZERO-002") -> Verdict:
+def check_equivalence(
+    observations: Sequence[RankObservation],
+    reference: Any,
+    *,
+    layout: ParamLayout | None = None,
+    bitwise: bool = False,
+    tolerance: Tolerance | None = None,
+    contract: str = "C-ZERO-002",
+) -> Verdict:
     """Sharded master weights and optimizer state equal the reference at every step.
 
     ``reference.steps[s]`` holds the full ``master``, ``state`` (by name), ``optimizer_step``,
@@ -181,11 +193,17 @@ def check_equivalence(observations: Sequence[RankObservation], reference: Any, *
     for obs in observations:
         for so in obs.steps:
             if so.step >= len(reference.steps):
-                col.add("steps", f"the reference has {len(reference.steps)} steps; rank observed step {so.step}",
-                        step=so.step, ranks=(obs.rank,))
+                col.add(
+                    "steps",
+                    f"the reference has {len(reference.steps)} steps; rank observed step {so.step}",
+                    step=so.step,
+                    ranks=(obs.rank,),
+                )
                 continue
             ref = reference.steps[so.step]
-            kinds: list[tuple[str, ShardValues | None, np.ndarray | None]] = [("master", so.master, ref.master)]
+            kinds: list[tuple[str, ShardValues | None, np.ndarray | None]] = [
+                ("master", so.master, ref.master)
+            ]
             kinds += [(f"optimizer.{n}", so.optimizer.get(n), ref.state.get(n)) for n in sorted(ref.state)]
             if bitwise and getattr(ref, "grads", None) is not None:
                 kinds.append(("grads", so.grads, ref.grads))
@@ -203,10 +221,17 @@ def check_equivalence(observations: Sequence[RankObservation], reference: Any, *
                     run = 1
                     while run < nz.size and pad_pos[nz[run]] == p0 + run:
                         run += 1
-                    col.add("padding", f"{kind}: {nz.size} padding elements are not zero (padding leaked into "
-                            f"values), first at shard positions [{p0}, {p0 + run})",
-                            step=so.step, ranks=(obs.rank,), tensor=kind, expected=0.0, got=float(pad[nz[0]]),
-                            context={"state": kind, "shard_positions": (p0, p0 + run)})
+                    col.add(
+                        "padding",
+                        f"{kind}: {nz.size} padding elements are not zero (padding leaked into "
+                        f"values), first at shard positions [{p0}, {p0 + run})",
+                        step=so.step,
+                        ranks=(obs.rank,),
+                        tensor=kind,
+                        expected=0.0,
+                        got=float(pad[nz[0]]),
+                        context={"state": kind, "shard_positions": (p0, p0 + run)},
+                    )
                 if (obs.rank, kind) in failed_kinds:
                     continue  # report the first step a kind diverges on each rank, not every later step
                 if bitwise:
@@ -218,14 +243,29 @@ def check_equivalence(observations: Sequence[RankObservation], reference: Any, *
                     with np.errstate(invalid="ignore", divide="ignore"):
                         mask = ~(err <= tol.atol_scale * scale)
                         if err.size:
-                            max_abs[kind] = max(max_abs.get(kind, 0.0), float(np.nanmax(err)) if not np.isnan(err).all() else float("inf"))
+                            max_abs[kind] = max(
+                                max_abs.get(kind, 0.0),
+                                float(np.nanmax(err)) if not np.isnan(err).all() else float("inf"),
+                            )
                             rel = err / np.maximum(np.abs(e64), scale * 1e-30 + 1e-45)
-                            max_rel[kind] = max(max_rel.get(kind, 0.0), float(np.nanmax(rel)) if not np.isnan(rel).all() else float("inf"))
+                            max_rel[kind] = max(
+                                max_rel.get(kind, 0.0),
+                                float(np.nanmax(rel)) if not np.isnan(rel).all() else float("inf"),
+                            )
                 if mask.any():
                     failed_kinds.add((obs.rank, kind))
                     tensor, interval, e, g, msg = _describe_mismatch(layout, idx, mask, got, exp)
-                    col.add(mode, f"{kind} differs from the reference: {msg}", step=so.step, ranks=(obs.rank,),
-                            tensor=tensor, interval=interval, expected=e, got=g, context={"state": kind})
+                    col.add(
+                        mode,
+                        f"{kind} differs from the reference: {msg}",
+                        step=so.step,
+                        ranks=(obs.rank,),
+                        tensor=tensor,
+                        interval=interval,
+                        expected=e,
+                        got=g,
+                        context={"state": kind},
+                    )
             if so.optimizer_step != ref.optimizer_step:
                 col.add("step_counter", "optimizer step counter differs from the reference", step=so.step,
                         ranks=(obs.rank,), expected=ref.optimizer_step, got=so.optimizer_step)
@@ -234,8 +274,14 @@ def check_equivalence(observations: Sequence[RankObservation], reference: Any, *
                 col.add("grad_norm", "global gradient norm differs from the reference", step=so.step,
                         ranks=(obs.rank,), expected=ref.grad_norm, got=so.grad_norm)
             if not abs(so.clip_coef - ref.clip_coef) <= nr * abs(ref.clip_coef):
-                col.add("clip_coef", "clip coefficient differs from the reference (norm not global?)", step=so.step,
-                        ranks=(obs.rank,), expected=ref.clip_coef, got=so.clip_coef)
+                col.add(
+                    "clip_coef",
+                    "clip coefficient differs from the reference (norm not global?)",
+                    step=so.step,
+                    ranks=(obs.rank,),
+                    expected=ref.clip_coef,
+                    got=so.clip_coef,
+                )
     v = col.done(mode=mode, tolerance=None if bitwise else tol.to_json(), max_abs_error=max_abs,
                  max_rel_error=max_rel)
     v.checked = checked
@@ -262,7 +308,7 @@ def assemble(observations: Sequence[RankObservation], step: int, kind: str = "ma
         sv = so.master if kind == "master" else so.optimizer.get(kind.removeprefix("optimizer."))
         if sv is None:
             return None, None
-        if out is None:
+        if out is None or covered is None:
             total = max((g1 for _, g1, _ in sv.pieces), default=0)
             for o in observations:
                 s2 = next((s for s in o.steps if s.step == step), None)
@@ -285,7 +331,11 @@ def check_post_gather_identity(observations: Sequence[RankObservation], *, layou
     steps = sorted({s.step for o in observations for s in o.steps})
     by_rank = {o.rank: o for o in observations}
     for step in steps:
-        rows = [(o.rank, next(s for s in o.steps if s.step == step)) for o in observations if any(s.step == step for s in o.steps)]
+        rows = [
+            (o.rank, next(s for s in o.steps if s.step == step))
+            for o in observations
+            if any(s.step == step for s in o.steps)
+        ]
         if not rows:
             continue
         base_rank, base = rows[0]
@@ -295,14 +345,30 @@ def check_post_gather_identity(observations: Sequence[RankObservation], *, layou
                 mask = _bitwise_diff(so.gathered, base.gathered)
                 if mask.any():
                     idx = np.arange(mask.size)
-                    tensor, interval, e, g, msg = _describe_mismatch(layout, idx, mask, so.gathered, base.gathered)
-                    col.add("identical", f"rank {rank}'s gathered weights differ from rank {base_rank}'s: {msg}",
-                            step=step, ranks=(base_rank, rank), tensor=tensor, interval=interval, expected=e, got=g)
+                    tensor, interval, e, g, msg = _describe_mismatch(
+                        layout, idx, mask, so.gathered, base.gathered
+                    )
+                    col.add(
+                        "identical",
+                        f"rank {rank}'s gathered weights differ from rank {base_rank}'s: {msg}",
+                        step=step,
+                        ranks=(base_rank, rank),
+                        tensor=tensor,
+                        interval=interval,
+                        expected=e,
+                        got=g,
+                    )
             else:
                 bad = sorted(t for t, d in so.gathered_digest.items() if base.gathered_digest.get(t) != d)
                 if bad:
-                    col.add("identical", f"rank {rank}'s gathered weights differ from rank {base_rank}'s in "
-                            f"{len(bad)} tensors (digests)", step=step, ranks=(base_rank, rank), tensor=bad[0])
+                    col.add(
+                        "identical",
+                        f"rank {rank}'s gathered weights differ from rank {base_rank}'s in "
+                        f"{len(bad)} tensors (digests)",
+                        step=step,
+                        ranks=(base_rank, rank),
+                        tensor=bad[0],
+                    )
         # the gathered weights must be the current master (not equally stale everywhere)
         groups: dict[int, list[int]] = {}
         for rank, _ in rows:
@@ -321,9 +387,14 @@ def check_post_gather_identity(observations: Sequence[RankObservation], *, layou
                                 for t, g0 in zip(layout.tensors, layout.offsets, strict=True)}
                         bad = sorted(t for t, d in so.gathered_digest.items() if want.get(t) != d)
                         if bad:
-                            col.add("matches_master", f"rank {rank} computes with weights that are not the updated "
-                                    f"master of its shard group (stale?) in {len(bad)} tensors (digests)",
-                                    step=step, ranks=(rank,), tensor=bad[0])
+                            col.add(
+                                "matches_master",
+                                f"rank {rank} computes with weights that are not the updated "
+                                f"master of its shard group (stale?) in {len(bad)} tensors (digests)",
+                                step=step,
+                                ranks=(rank,),
+                                tensor=bad[0],
+                            )
                     continue
                 checked += 1
                 expected = master.astype(so.gathered.dtype)
@@ -331,9 +402,17 @@ def check_post_gather_identity(observations: Sequence[RankObservation], *, layou
                 if mask.any():
                     idx = np.arange(mask.size)
                     tensor, interval, e, g, msg = _describe_mismatch(layout, idx, mask, so.gathered, expected)
-                    col.add("matches_master", f"rank {rank} computes with weights that are not the updated master "
-                            f"of its shard group (stale?): {msg}", step=step, ranks=(rank,), tensor=tensor,
-                            interval=interval, expected=e, got=g)
+                    col.add(
+                        "matches_master",
+                        f"rank {rank} computes with weights that are not the updated master "
+                        f"of its shard group (stale?): {msg}",
+                        step=step,
+                        ranks=(rank,),
+                        tensor=tensor,
+                        interval=interval,
+                        expected=e,
+                        got=g,
+                    )
     observed = any(s.gathered is not None or s.gathered_digest for o in observations for s in o.steps)
     if not observed:
         v = col.done(skipped="no gathered weights were observed (observe='none')")
@@ -361,7 +440,8 @@ class OwnershipExpectation:
 
 def check_ownership(observations: Sequence[RankObservation], expect: OwnershipExpectation, *,
                     layout: ParamLayout | None = None, contract: str = "C-ZERO-004") -> Verdict:
-    """What each rank holds matches the plan; memory accounting agrees; transients freed; ZeRO-3 peak bound."""
+    """What each rank holds matches the plan; memory accounting agrees; transients freed; ZeRO-3 peak bound.
+    """
     col = _Clauses(contract)
     checked = 0
     plan = expect.plan
@@ -379,10 +459,18 @@ def check_ownership(observations: Sequence[RankObservation], expect: OwnershipEx
                 if diff is not None:
                     tensor, _ = tensor_at(layout, diff[0])
                     holds = any(s <= diff[0] < e for s, e in h.intervals)
-                    col.add("intervals", f"{kind}: rank {'holds' if holds else 'is missing'} elements the plan "
-                            f"{'does not give it' if holds else 'assigns to it'}", step=so.step, ranks=(obs.rank,),
-                            tensor=tensor, interval=diff, expected=f"{want.numel} elements", got=f"{h.real_numel} elements",
-                            context={"kind": kind})
+                    col.add(
+                        "intervals",
+                        f"{kind}: rank {'holds' if holds else 'is missing'} elements the plan "
+                        f"{'does not give it' if holds else 'assigns to it'}",
+                        step=so.step,
+                        ranks=(obs.rank,),
+                        tensor=tensor,
+                        interval=diff,
+                        expected=f"{want.numel} elements",
+                        got=f"{h.real_numel} elements",
+                        context={"kind": kind},
+                    )
                 exp_pad = expect.padding[kind][obs.rank]
                 if h.padding != exp_pad:
                     col.add("padding", f"{kind}: stored padding differs from the packing rule", step=so.step,
@@ -390,8 +478,15 @@ def check_ownership(observations: Sequence[RankObservation], expect: OwnershipEx
                             "partitioner_padding": want.padding})
                 exp_bytes = h.stored_numel * expect.bytes_per_element[kind]
                 if h.nbytes != exp_bytes:
-                    col.add("bytes", f"{kind}: live bytes differ from stored elements x bytes per element",
-                            step=so.step, ranks=(obs.rank,), expected=exp_bytes, got=h.nbytes, context={"kind": kind})
+                    col.add(
+                        "bytes",
+                        f"{kind}: live bytes differ from stored elements x bytes per element",
+                        step=so.step,
+                        ranks=(obs.rank,),
+                        expected=exp_bytes,
+                        got=h.nbytes,
+                        context={"kind": kind},
+                    )
             mem = so.memory
             if mem is None:
                 continue
@@ -400,23 +495,44 @@ def check_ownership(observations: Sequence[RankObservation], expect: OwnershipEx
             for kind in ("params", "grads", "optimizer"):
                 h = so.holdings.get(kind)
                 if h is not None and live[kind] != h.nbytes:
-                    col.add("tracker", f"{kind}: the memory tracker reports {live[kind]} live bytes, the live arrays "
-                            f"hold {h.nbytes}", step=so.step, ranks=(obs.rank,), expected=h.nbytes, got=live[kind])
+                    col.add(
+                        "tracker",
+                        f"{kind}: the memory tracker reports {live[kind]} live bytes, the live arrays "
+                        f"hold {h.nbytes}",
+                        step=so.step,
+                        ranks=(obs.rank,),
+                        expected=h.nbytes,
+                        got=live[kind],
+                    )
             for cat in ("gathered", "grad_buffers", "activations"):
                 if live[cat]:
                     buffers = list(getattr(mem, "live_keys_at_end", {}).get(cat, []))
-                    col.add("transients_freed", f"{live[cat]} bytes of {cat} still live at the end of the step "
-                            f"({len(buffers)} buffer(s))",
-                            step=so.step, ranks=(obs.rank,), expected=0, got=live[cat],
-                            tensor=buffers[0].split(":")[1] if buffers and ":" in buffers[0] else None,
-                            context={"category": cat, "buffers": buffers})
+                    col.add(
+                        "transients_freed",
+                        f"{live[cat]} bytes of {cat} still live at the end of the step "
+                        f"({len(buffers)} buffer(s))",
+                        step=so.step,
+                        ranks=(obs.rank,),
+                        expected=0,
+                        got=live[cat],
+                        tensor=buffers[0].split(":")[1] if buffers and ":" in buffers[0] else None,
+                        context={"category": cat, "buffers": buffers},
+                    )
             if expect.peak_live_param_bound is not None:
                 bound = expect.peak_live_param_bound[obs.rank]
                 if mem.peak_live_params > bound:
-                    col.add("peak_bound", "peak live parameter bytes (shard + gathered blocks) exceed the plan's "
-                            f"bound (shard + {1 + expect.prefetch} largest gathered unit(s))", step=so.step,
-                            ranks=(obs.rank,), expected=bound, got=mem.peak_live_params)
-    v = col.done(peaks={o.rank: [s.memory.peak_live_params for s in o.steps if s.memory] for o in observations})
+                    col.add(
+                        "peak_bound",
+                        "peak live parameter bytes (shard + gathered blocks) exceed the plan's "
+                        f"bound (shard + {1 + expect.prefetch} largest gathered unit(s))",
+                        step=so.step,
+                        ranks=(obs.rank,),
+                        expected=bound,
+                        got=mem.peak_live_params,
+                    )
+    v = col.done(
+        peaks={o.rank: [s.memory.peak_live_params for s in o.steps if s.memory] for o in observations}
+    )
     v.checked = checked
     return v
 
@@ -424,18 +540,6 @@ def check_ownership(observations: Sequence[RankObservation], expect: OwnershipEx
 # ---------------------------------------------------------------------------------------------------
 # C-ZERO-005 communication
 # ---------------------------------------------------------------------------------------------------
-
-
-def measured_traffic(so: Any) -> dict[tuple[str, str], tuple[int, Fraction, Fraction]]:
-    """(group kind, collective) -> (calls, bytes sent, bytes received) of a step's data traffic."""
-    out: dict[tuple[str, str], tuple[int, Fraction, Fraction]] = {}
-    for t in so.data_traffic():
-        if t.collective == "barrier":
-            continue
-        key = (t.group_kind, t.collective)
-        c, s, r = out.get(key, (0, Fraction(0), Fraction(0)))
-        out[key] = (c + t.calls, s + Fraction(t.bytes_sent), r + Fraction(t.bytes_received))
-    return out
 
 
 def check_communication(observations: Sequence[RankObservation], estimate: Any, *,
@@ -446,7 +550,7 @@ def check_communication(observations: Sequence[RankObservation], estimate: Any, 
     checked = 0
     for obs in observations:
         for so in obs.steps:
-            got = measured_traffic(so)
+            got = so.traffic_by_collective()
             keys = sorted(set(expected) | set(got))
             checked += max(1, len(keys))  # no traffic expected and none measured is a check too
             for key in keys:
@@ -454,15 +558,22 @@ def check_communication(observations: Sequence[RankObservation], estimate: Any, 
                 g = got.get(key, (0, Fraction(0), Fraction(0)))
                 if e != g:
                     what = "missing" if g[0] == 0 else ("unexpected" if e[0] == 0 else "differs")
-                    col.add("ring_model", f"{key[1]} on the {key[0]} group: traffic {what} "
-                            f"(calls {g[0]} vs {e[0]} expected)", step=so.step, ranks=(obs.rank,),
-                            expected={"calls": e[0], "bytes_sent": float(e[1]), "bytes_received": float(e[2])},
-                            got={"calls": g[0], "bytes_sent": float(g[1]), "bytes_received": float(g[2])},
-                            context={"group_kind": key[0], "collective": key[1]})
-    measured_total = [float(sum((v[1] for v in measured_traffic(s).values()), Fraction(0)))
-                      for o in observations[:1] for s in o.steps]
-    v = col.done(model_bytes_sent_per_rank=float(estimate.bytes_sent), measured_bytes_sent_rank0=measured_total,
-                 paper_elements_per_rank=float(estimate.paper_elements()), padding_elements=estimate.padding)
+                    col.add(
+                        "ring_model",
+                        f"{key[1]} on the {key[0]} group: traffic {what} (calls {g[0]} vs {e[0]} expected)",
+                        step=so.step,
+                        ranks=(obs.rank,),
+                        expected={"calls": e[0], "bytes_sent": float(e[1]), "bytes_received": float(e[2])},
+                        got={"calls": g[0], "bytes_sent": float(g[1]), "bytes_received": float(g[2])},
+                        context={"group_kind": key[0], "collective": key[1]},
+                    )
+    measured_total = [float(s.bytes_sent()) for o in observations[:1] for s in o.steps]
+    v = col.done(
+        model_bytes_sent_per_rank=float(estimate.bytes_sent),
+        measured_bytes_sent_rank0=measured_total,
+        paper_elements_per_rank=float(estimate.paper_elements()),
+        padding_elements=estimate.padding,
+    )
     v.checked = checked
     return v
 

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from ..errors import ZeroSimError
+from ..errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, ZeroSimError
 
 COMMAND_MODULES = ("plan", "check", "simulate", "memory", "comm", "report", "bench")
 
@@ -32,15 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return EXIT_BAD_INPUT
     try:
         return int(args.func(args) or 0)
     except ZeroSimError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

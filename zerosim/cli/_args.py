@@ -1,4 +1,4 @@
-"""Small argument helpers shared by the ``plan`` and ``check`` commands."""
+"""Small argument helpers shared by the ``plan`` and ``check`` commands and ``zerosim bench check``."""
 
 from __future__ import annotations
 
@@ -59,16 +59,6 @@ def parse_int_list(text: str, field: str) -> list[int]:
     if not out:
         raise ConfigError(field, text, "must list at least one integer")
     return out
-
-
-def format_bytes(n: int | float) -> str:
-    """Binary units: ``474.7 MiB``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} PiB"  # pragma: no cover
 
 
 def pipe_safe(func: Callable[..., int]) -> Callable[..., int]:

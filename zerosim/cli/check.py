@@ -50,8 +50,12 @@ def _register_partition(inner: Any) -> None:
     p.add_argument("--total", type=str, action="append", metavar="N",
                    help="a total number of parameters (repeatable; 10**12 and 1e12 accepted)")
     p.add_argument("--totals", metavar="LIST", help="totals, e.g. '0,1,7,1e12' (default: a built-in sweep)")
-    p.add_argument("--balance", default=None, metavar="MODE",
-                   help=f"--impl balance rule: {', '.join(BALANCE_MODES)} or an integer bound (default: seed)")
+    p.add_argument(
+        "--balance",
+        default=None,
+        metavar="MODE",
+        help=f"--impl balance rule: {', '.join(BALANCE_MODES)} or an integer bound (default: seed)",
+    )
     p.add_argument("--limit", type=int, default=50, help="violation lines to print (0 = all; default 50)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(func=run_partition)
@@ -76,10 +80,14 @@ def run_partition(args: argparse.Namespace) -> int:
         require_non_negative_int("total", t)
     limit = require_non_negative_int("limit", args.limit)
     if args.impl is None and args.partitioner is None:
-        raise ConfigError("impl", None, "give --impl MODULE:FUNCTION (your partition function) or --partitioner NAME")
+        raise ConfigError(
+            "impl", None, "give --impl MODULE:FUNCTION (your partition function) or --partitioner NAME"
+        )
     if args.impl is not None:
         if args.model is not None:
-            raise ConfigError("model", args.model, "applies to --partitioner only (--impl works on flat totals)")
+            raise ConfigError(
+                "model", args.model, "applies to --partitioner only (--impl works on flat totals)"
+            )
         report = check_partition(args.impl, world_sizes or DEFAULT_WORLD_SIZES, totals or DEFAULT_TOTALS,
                                  balance=args.balance if args.balance is not None else "seed")
         if args.json:
@@ -91,7 +99,9 @@ def run_partition(args: argparse.Namespace) -> int:
             print(report.summary())
         return 0 if report.passed else 1
     if args.balance is not None:
-        raise ConfigError("balance", args.balance, "applies to --impl only (each partitioner has its own bound)")
+        raise ConfigError(
+            "balance", args.balance, "applies to --impl only (each partitioner has its own bound)"
+        )
     return _check_builtin(args, world_sizes, totals, limit)
 
 
@@ -104,7 +114,9 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
         layouts = [ParamLayout.from_list([("flat", (t,))], name=f"flat-{t}") for t in totals]
     else:
         layouts = [ParamLayout.from_config(args.model or "gpt2-small")]
-    cases, lines, n_violations = [], [], 0
+    cases: list[dict[str, Any]] = []
+    lines: list[str] = []
+    n_violations = 0
     for layout in layouts:
         for ws in world_sizes or DEFAULT_WORLD_SIZES:
             t0 = time.perf_counter()
@@ -115,11 +127,21 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
             n = sum(verdict.details.get("violations_by_clause", {}).values())
             n_violations += n
             lines += [str(v) for v in verdict.violations]
-            cases.append({"model": layout.name, "total": layout.total_numel, "world_size": ws,
-                          "passed": verdict.passed, "num_intervals": verdict.details.get("num_intervals"),
-                          "balance_bound": plan.balance_bound, "spread": verdict.details.get("spread"),
-                          "padding": plan.total_padding, "build_ms": (t1 - t0) * 1e3, "check_ms": (t2 - t1) * 1e3,
-                          "violations": [v.to_json() for v in verdict.violations]})
+            cases.append(
+                {
+                    "model": layout.name,
+                    "total": layout.total_numel,
+                    "world_size": ws,
+                    "passed": verdict.passed,
+                    "num_intervals": verdict.details.get("num_intervals"),
+                    "balance_bound": plan.balance_bound,
+                    "spread": verdict.details.get("spread"),
+                    "padding": plan.total_padding,
+                    "build_ms": (t1 - t0) * 1e3,
+                    "check_ms": (t2 - t1) * 1e3,
+                    "violations": [v.to_json() for v in verdict.violations],
+                }
+            )
     passed = n_violations == 0
     if args.json:
         json.dump({"contract": CONTRACT, "partitioner": partitioner.name, "passed": passed,
@@ -134,8 +156,10 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
     build_ms = [c["build_ms"] for c in cases]
     models = sorted({c["model"] for c in cases})
     intervals = max(c["num_intervals"] or 0 for c in cases)
-    where = (f"{len(cases)} case(s) on {', '.join(models[:3])}{' ...' if len(models) > 3 else ''}; world sizes "
-             f"{describe_ints(list(world_sizes or DEFAULT_WORLD_SIZES))}; up to {intervals:,} intervals")
+    where = (
+        f"{len(cases)} case(s) on {', '.join(models[:3])}{' ...' if len(models) > 3 else ''}; world sizes "
+        f"{describe_ints(list(world_sizes or DEFAULT_WORLD_SIZES))}; up to {intervals:,} intervals"
+    )
     timing = (f"plan built in {max(build_ms):.1f} ms, checked in {max(check_ms):.2f} ms (slowest case)"
               if len(cases) > 1 else f"plan built in {build_ms[0]:.1f} ms, checked in {check_ms[0]:.2f} ms")
     verb = "holds for" if passed else f"violated ({n_violations} violations) by"

@@ -17,7 +17,7 @@ from fractions import Fraction
 from typing import Any
 
 from ..cost.comm_model import CommEstimate, comm_per_step
-from ..cost.memory_model import PRECISIONS, MemorySettings
+from ..cost.memory_settings import PRECISIONS, MemorySettings
 from ..cost.units import UNITS, format_value, parse_unit
 from .memory import (
     add_model_args,
@@ -39,7 +39,9 @@ def register(sub) -> None:
     p.add_argument("--precision", default="mixed",
                    help=f"bytes of the gathered params and reduced grads: {', '.join(PRECISIONS)} "
                         "(default mixed: 2 and 2; the engine's bf16 reduces grads in fp32)")
-    p.add_argument("--micro-batches", default="1", help="micro-batches per step (ZeRO-2/3 reduce per micro-batch)")
+    p.add_argument(
+        "--micro-batches", default="1", help="micro-batches per step (ZeRO-2/3 reduce per micro-batch)"
+    )
     add_zero1_reduce_arg(p)
     p.add_argument("--unit", default="GB", help=f"table unit: {', '.join(UNITS)} (default GB = 10^9 bytes)")
     p.set_defaults(func=run)
@@ -70,10 +72,9 @@ def build_estimates(args) -> list[tuple[CommEstimate, dict[str, Any]]]:
 
 
 def render_table(rows: list[tuple[CommEstimate, dict[str, Any]]], unit: str) -> str:
-    from io import StringIO
-
-    from rich.console import Console
     from rich.table import Table
+
+    from ..text_tables import table_text
 
     first = rows[0][0]
     table = Table(title=(f"Per-rank traffic per step, {first.numel:,} params, world {first.world_size} "
@@ -92,11 +93,10 @@ def render_table(rows: list[tuple[CommEstimate, dict[str, Any]]], unit: str) -> 
         table.add_row(name, format_value(float(est.bytes_sent), unit), format_value(links["intra"], unit),
                       format_value(links["inter"], unit), f"{float(est.elements_sent) / est.numel:.4g}",
                       f"{float(est.paper_elements()) / est.numel:.4g}", colls)
-    buf = StringIO()
-    Console(file=buf, width=220, force_terminal=False, color_system=None).print(table)
+    text = table_text(table, width=220)
     notes = sorted({n for est, _ in rows for n in est.notes})
     basis = rows[0][1]["basis"]
-    return buf.getvalue() + f"intra/inter: bytes each rank sends over ring edges inside / across nodes ({basis})\n" + \
+    return text + f"intra/inter: bytes each rank sends over ring edges inside / across nodes ({basis})\n" + \
         "".join(f"note: {n}\n" for n in notes)
 
 
@@ -105,11 +105,21 @@ def run(args) -> int:
     rows = build_estimates(args)
     if args.json:
         first = rows[0][0]
-        data = {"numel": first.numel, "world_size": first.world_size, "ranks_per_node": first.ranks_per_node,
-                "micro_batches": first.micro_batches, "units": "bytes (elements where named)",
-                "strategies": {est.strategy: {**est.to_json(with_links=False), "links_mean_sent": links,
-                                              "collectives_by_link": est.collective_links(MEAN_LINKS_MAX_WORLD)}
-                               for est, links in rows}}
+        data = {
+            "numel": first.numel,
+            "world_size": first.world_size,
+            "ranks_per_node": first.ranks_per_node,
+            "micro_batches": first.micro_batches,
+            "units": "bytes (elements where named)",
+            "strategies": {
+                est.strategy: {
+                    **est.to_json(with_links=False),
+                    "links_mean_sent": links,
+                    "collectives_by_link": est.collective_links(MEAN_LINKS_MAX_WORLD),
+                }
+                for est, links in rows
+            },
+        }
         json.dump(data, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:

@@ -13,16 +13,9 @@ import json
 import sys
 from typing import Any
 
-from ..cost.memory_model import (
-    OFFLOAD_CHOICES,
-    OPTIMIZER_STATES,
-    PRECISIONS,
-    MemoryEstimate,
-    MemorySettings,
-    all_strategies,
-    memory_per_rank,
-    parse_param_count,
-)
+from ..cost.memory_model import MemoryEstimate, all_strategies, memory_per_rank
+from ..cost.memory_settings import OFFLOAD_CHOICES, OPTIMIZER_STATES, PRECISIONS, MemorySettings
+from ..cost.shard_sizes import parse_param_count
 from ..cost.units import UNITS, format_value, parse_unit
 from ..errors import ConfigError
 from ..layout import ParamLayout
@@ -68,20 +61,33 @@ def add_model_args(p) -> None:
     src.add_argument("--params", help="parameter count, e.g. 7.5e9 or 7.5B (no block structure)")
     src.add_argument("--model", help="a preset: tiny, sim-10m, gpt2-small, ..., gpt-7.5b, gpt3-175b")
     p.add_argument("--world-size", required=True, help="number of ranks (data-parallel degree N_d)")
-    p.add_argument("--ranks-per-node", default=None, help="ranks per node (hybrid group size; intra vs inter node)")
-    p.add_argument("--strategy", default="all",
-                   help="no_shard|zero1|zero2|zero3|hybrid_shard[:k]|hybrid_shard_zero2[:k]|all (default all)")
-    p.add_argument("--partitioner", default=None,
-                   help="padding rule: paper (default, ceil(P/N)), seed, deepspeed, deepspeed-zero3, fsdp, zero-redundancy, round-robin, contiguous")
+    p.add_argument(
+        "--ranks-per-node", default=None, help="ranks per node (hybrid group size; intra vs inter node)"
+    )
+    p.add_argument(
+        "--strategy",
+        default="all",
+        help="no_shard|zero1|zero2|zero3|hybrid_shard[:k]|hybrid_shard_zero2[:k]|all (default all)",
+    )
+    p.add_argument(
+        "--partitioner",
+        default=None,
+        help="padding rule: paper (default, ceil(P/N)), seed, deepspeed, deepspeed-zero3, fsdp, "
+             "zero-redundancy, round-robin, contiguous",
+    )
     p.add_argument("--json", action="store_true", help="print JSON (bytes) instead of a table")
 
 
 def add_zero1_reduce_arg(p) -> None:
     """``--zero1-reduce``: ZeRO-1's gradient averaging (the engine's ``zero1_grad_reduce``)."""
-    p.add_argument("--zero1-reduce", default="all_reduce", metavar="{all_reduce,reduce_scatter}",
-                   help="ZeRO-1 gradient averaging: all_reduce (torch ZeroRedundancyOptimizer, default: "
-                        "3(N-1)/N Psi) or reduce_scatter (DeepSpeed stage 1, the paper's 2(N-1)/N Psi; holds the "
-                        "packed full gradient and the reduced chunk at once)")
+    p.add_argument(
+        "--zero1-reduce",
+        default="all_reduce",
+        metavar="{all_reduce,reduce_scatter}",
+        help="ZeRO-1 gradient averaging: all_reduce (torch ZeroRedundancyOptimizer, default: "
+        "3(N-1)/N Psi) or reduce_scatter (DeepSpeed stage 1, the paper's 2(N-1)/N Psi; holds the "
+        "packed full gradient and the reduced chunk at once)",
+    )
 
 
 def resolve_model(args) -> ParamLayout | int:
@@ -112,15 +118,28 @@ def register(sub) -> None:
     p = sub.add_parser("memory", help="per-rank memory of params, grads, optimizer state (closed-form model)",
                        description=__doc__.split("\n\n")[0])
     add_model_args(p)
-    p.add_argument("--precision", default="mixed", help=f"one of {', '.join(PRECISIONS)} (default mixed: K=12 with adamw)")
+    p.add_argument(
+        "--precision",
+        default="mixed",
+        help=f"one of {', '.join(PRECISIONS)} (default mixed: K=12 with adamw)",
+    )
     p.add_argument("--optimizer", default="adamw", help=f"one of {', '.join(OPTIMIZER_STATES)}")
-    p.add_argument("--offload", default="none", help=f"what lives in host memory: {', '.join(OFFLOAD_CHOICES)}")
-    p.add_argument("--prefetch-depth", default="1", help="ZeRO-3 blocks gathered ahead of the current one (default 1)")
-    p.add_argument("--largest-block", default=None, help="with --params: numel of the largest block (ZeRO-3 transient)")
+    p.add_argument(
+        "--offload", default="none", help=f"what lives in host memory: {', '.join(OFFLOAD_CHOICES)}"
+    )
+    p.add_argument(
+        "--prefetch-depth", default="1", help="ZeRO-3 blocks gathered ahead of the current one (default 1)"
+    )
+    p.add_argument(
+        "--largest-block", default=None, help="with --params: numel of the largest block (ZeRO-3 transient)"
+    )
     add_zero1_reduce_arg(p)
     p.add_argument("--unit", default="GB", help=f"table unit: {', '.join(UNITS)} (default GB = 10^9 bytes)")
-    p.add_argument("--compare-deepspeed", action="store_true",
-                   help="also show DeepSpeed's estimate_zero2/3_model_states_mem_needs next to ours (needs --model)")
+    p.add_argument(
+        "--compare-deepspeed",
+        action="store_true",
+        help="also show DeepSpeed's estimate_zero2/3_model_states_mem_needs next to ours (needs --model)",
+    )
     p.set_defaults(func=run)
 
 
@@ -128,8 +147,13 @@ def build_estimates(args) -> list[MemoryEstimate]:
     model = resolve_model(args)
     topology = resolve_topology(args)
     depth = non_negative_int("prefetch-depth", args.prefetch_depth)
-    settings = MemorySettings(precision=args.precision, optimizer=args.optimizer, offload=args.offload,
-                              prefetch_depth=depth, zero1_grad_reduce=getattr(args, "zero1_reduce", "all_reduce"))
+    settings = MemorySettings(
+        precision=args.precision,
+        optimizer=args.optimizer,
+        offload=args.offload,
+        prefetch_depth=depth,
+        zero1_grad_reduce=getattr(args, "zero1_reduce", "all_reduce"),
+    )
     largest = None
     if args.largest_block is not None:
         largest = parse_param_count(args.largest_block, "largest-block")
@@ -156,18 +180,19 @@ def estimates_json(estimates: list[MemoryEstimate]) -> dict[str, Any]:
 
 
 def render_table(estimates: list[MemoryEstimate], unit: str) -> str:
-    from io import StringIO
-
-    from rich.console import Console
     from rich.table import Table
+
+    from ..text_tables import table_text
 
     unit = parse_unit(unit)
     first = estimates[0]
     s = first.settings
     model = f"{first.total_params:,} params" if first.model == f"{first.total_params} params" else \
         f"{first.model} ({first.total_params:,} params)"
-    title = (f"Per-rank memory, {model}, world {first.topology.world_size}, "
-             f"{s.precision} + {s.optimizer} (K={s.K}), offload {s.offload}; unit {unit} = {UNITS[unit]:,} bytes")
+    title = (
+        f"Per-rank memory, {model}, world {first.topology.world_size}, "
+        f"{s.precision} + {s.optimizer} (K={s.K}), offload {s.offload}; unit {unit} = {UNITS[unit]:,} bytes"
+    )
     table = Table(title=title, title_justify="left")
     table.add_column("strategy")
     for col in ("params", "grads", "optim states", "total device", "total host", "transient", "peak device"):
@@ -178,16 +203,23 @@ def render_table(estimates: list[MemoryEstimate], unit: str) -> str:
         name = e.strategy.name
         if e.strategy.kind is StrategyKind.SHARD_OPTIMIZER and s.zero1_grad_reduce != "all_reduce":
             name = f"{name} ({s.zero1_grad_reduce})"
-        table.add_row(name, format_value(c.params.total, unit), format_value(c.grads.total, unit),
-                      format_value(c.optimizer_states.total, unit), format_value(c.total.device, unit),
-                      format_value(c.total.host, unit), format_value(c.transient_device, unit) if known else "n/a",
-                      format_value(c.peak_device, unit) if known else "n/a")
-    buf = StringIO()
-    Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
+        table.add_row(
+            name,
+            format_value(c.params.total, unit),
+            format_value(c.grads.total, unit),
+            format_value(c.optimizer_states.total, unit),
+            format_value(c.total.device, unit),
+            format_value(c.total.host, unit),
+            format_value(c.transient_device, unit) if known else "n/a",
+            format_value(c.peak_device, unit) if known else "n/a",
+        )
+    text = table_text(table, width=200)
     notes = sorted({n for e in estimates for n in e.notes})
     tail = "".join(f"note: {n}\n" for n in notes)
-    return buf.getvalue() + "params/grads/optim states/total: persistent model states (ZeRO paper accounting, " \
+    return (
+        text + "params/grads/optim states/total: persistent model states (ZeRO paper accounting, "
         "per-rank worst class); transient/peak: engine accounting (gathered blocks, unsharded grads)\n" + tail
+    )
 
 
 def run(args) -> int:
@@ -196,7 +228,9 @@ def run(args) -> int:
         return run_deepspeed_compare(args, unit)
     estimates = build_estimates(args)
     if not estimates:
-        raise ConfigError("offload", args.offload, "no strategy left: param offload needs zero3 or hybrid_shard")
+        raise ConfigError(
+            "offload", args.offload, "no strategy left: param offload needs zero3 or hybrid_shard"
+        )
     if args.json:
         json.dump(estimates_json(estimates), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -211,23 +245,30 @@ def render_deepspeed_table(report: dict[str, Any], unit: str) -> str:
     The DeepSpeed columns come from the real estimator when it ran on every row, else from zerosim's
     restatement of its published formulas; the header says which (never an unlabelled mix).
     """
-    from io import StringIO
-
-    from rich.console import Console
     from rich.table import Table
+
+    from ..text_tables import table_text
 
     real = all(r["ds_real"] is not None for r in report["rows"])
     source = "real" if real else "formula restated by zerosim"
     ds = [r["ds_real"] if real else r["ds_formula"] for r in report["rows"]]
-    table = Table(title=(f"DeepSpeed estimator ({source}) vs zerosim model, {report['model']} "
-                         f"({report['total_params']:,} params, largest layer {report['largest_layer_params']:,}), "
-                         f"{report['num_nodes']} nodes x {report['num_gpus_per_node']} GPUs; "
-                         f"unit {unit} = {UNITS[unit]:,} bytes"), title_justify="left")
+    table = Table(
+        title=(
+            f"DeepSpeed estimator ({source}) vs zerosim model, {report['model']} "
+            f"({report['total_params']:,} params, largest layer {report['largest_layer_params']:,}), "
+            f"{report['num_nodes']} nodes x {report['num_gpus_per_node']} GPUs; "
+            f"unit {unit} = {UNITS[unit]:,} bytes"
+        ),
+        title_justify="left",
+    )
     short = "DS real" if real else "DS formula"
     for col in ("case", f"{short} gpu", "ours gpu (paper K=12)", "ours gpu (fp32 grads)",
                 "ours gpu peak (fp32 grads)", f"{short} cpu/node", "ours host/node"):
-        table.add_column(col if col == "case" else f"{col} [{unit}]", justify="left" if col == "case" else "right",
-                         no_wrap=col == "case")
+        table.add_column(
+            col if col == "case" else f"{col} [{unit}]",
+            justify="left" if col == "case" else "right",
+            no_wrap=col == "case",
+        )
     for r, d in zip(report["rows"], ds, strict=True):
         table.add_row(r["case"], format_value(d["gpu"], unit),
                       format_value(r["ours_mixed_k12"]["device_persistent"], unit),
@@ -235,8 +276,7 @@ def render_deepspeed_table(report: dict[str, Any], unit: str) -> str:
                       format_value(r["ours_fp32_grads"]["device_peak"], unit),
                       format_value(d["cpu_per_node"], unit),
                       format_value(r["ours_fp32_grads"]["host_per_node"], unit))
-    buf = StringIO()
-    Console(file=buf, width=240, force_terminal=False, color_system=None).print(table)
+    text = table_text(table, width=240)
     lines = [f"deepspeed: {report['deepspeed']}"]
     if not real:
         lines.append("DS formula: zerosim's restatement of the arithmetic of DeepSpeed's "
@@ -245,14 +285,16 @@ def render_deepspeed_table(report: dict[str, Any], unit: str) -> str:
         same = all(r["ds_real"] == r["ds_formula"] for r in report["rows"] if r["ds_real"] is not None)
         lines.append(f"real estimator == restated formula on every row: {same}")
     lines += [f"- {e}" for e in report["explanation"]]
-    return buf.getvalue() + "\n".join(lines) + "\n"
+    return text + "\n".join(lines) + "\n"
 
 
 def run_deepspeed_compare(args, unit: str) -> int:
     from ..cost.deepspeed_compare import compare_with_deepspeed, deepspeed_available
 
     if args.model is None:
-        raise ConfigError("model", None, "--compare-deepspeed needs --model PRESET (DeepSpeed needs the largest layer)")
+        raise ConfigError(
+            "model", None, "--compare-deepspeed needs --model PRESET (DeepSpeed needs the largest layer)"
+        )
     layout = ParamLayout.from_config(args.model)
     topology = resolve_topology(args)
     if not deepspeed_available():

@@ -14,13 +14,14 @@ import time
 from typing import Any
 
 from ..checks.partition import CONTRACT, check_state_plan
+from ..cost.units import format_bytes
 from ..dtypes import canonical_dtype, itemsize
 from ..layout import ParamLayout
 from ..partition import PARTITIONERS
 from ..plan import STATE_KINDS, StatePlan, build_plan, bytes_in
 from ..presets import PRESETS
 from ..strategy import ShardingStrategy, Topology
-from ._args import format_bytes, pipe_safe
+from ._args import pipe_safe
 
 ADAM_BYTES = 8  # m + v in fp32 per element: OptimizerShard.shard_memory_bytes's accounting
 DEFAULT_MAX_ROWS = 16
@@ -44,7 +45,9 @@ def register(sub: Any) -> None:
     p.add_argument("--dtype", default=None, help="parameter dtype (default: the preset's, float32)")
     p.add_argument("--json", action="store_true", help="machine-readable plan on stdout")
     p.add_argument("--all-ranks", action="store_true", help="show every rank, even for large worlds")
-    p.add_argument("--intervals", action="store_true", help="with --json: include each shard's flat intervals")
+    p.add_argument(
+        "--intervals", action="store_true", help="with --json: include each shard's flat intervals"
+    )
     p.set_defaults(func=run)
 
 
@@ -85,12 +88,21 @@ def _rank_rows(plan: StatePlan) -> list[dict[str, Any]]:
     owners = meta.get("block_owners")
     rows = []
     for r in plan.ranks:
-        row: dict[str, Any] = {"rank": r.rank, "node": plan.topology.node_of(r.rank), "shard_group": r.shard_group,
-                               "local_rank": r.local_rank}
+        row: dict[str, Any] = {
+            "rank": r.rank,
+            "node": plan.topology.node_of(r.rank),
+            "shard_group": r.shard_group,
+            "local_rank": r.local_rank,
+        }
         for kind in STATE_KINDS:
             s = r.holding(kind)
             numel, nbytes = numel_and_bytes(s.intervals)
-            row[kind] = {"numel": numel, "padding": s.padding, "bytes": nbytes, "num_intervals": len(s.intervals)}
+            row[kind] = {
+                "numel": numel,
+                "padding": s.padding,
+                "bytes": nbytes,
+                "num_intervals": len(s.intervals),
+            }
         row["optimizer"]["adam_state_bytes"] = row["optimizer"]["numel"] * ADAM_BYTES
         if owners is not None and plan.strategy.shard_group_size(plan.topology.world_size) > 1:
             row["blocks"] = sum(1 for o in owners if o == r.local_rank)
@@ -134,37 +146,58 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
     from rich.console import Console
     from rich.table import Table
 
+    from ..text_tables import print_table
+
     if console is None:
         console = Console(width=None if sys.stdout.isatty() else 220, highlight=False)
     layout, strat, topo, sp = plan.layout, plan.strategy, plan.topology, plan.shard_plan
     k = sp.world_size
-    dtypes = ", ".join(f"{format_bytes(b)} {d}" for d, b in layout.bytes_by_dtype().items())
+    dtypes = ", ".join(
+        f"{format_bytes(b, binary=True, digits=4)} {d}" for d, b in layout.bytes_by_dtype().items()
+    )
     console.print(f"[bold]{layout.name}[/]: {layout.total_numel:,} parameters ({dtypes}), "
                   f"{len(layout.tensors)} tensors, {layout.num_transformer_blocks} blocks"
                   + (f", tied: {', '.join(layout.aliases)}" if layout.aliases else ""))
-    sharded = [kind for kind in STATE_KINDS
-               if {"params": strat.shards_params, "grads": strat.shards_grads, "optimizer": strat.shards_optimizer}[kind]]
-    what = ", ".join(sharded) + f" sharded over groups of {k}" if sharded else "nothing sharded (every rank holds all)"
-    console.print(f"strategy [bold]{strat.name}[/] (ZeRO-{strat.zero_stage}): {what}; partitioner "
-                  f"[bold]{sp.partitioner}[/] ({sp.notes}); {topo.world_size} ranks = {topo.num_nodes} node(s) "
-                  f"x {topo.rpn}")
+    sharded = [
+        kind
+        for kind in STATE_KINDS
+        if {"params": strat.shards_params, "grads": strat.shards_grads, "optimizer": strat.shards_optimizer}[
+            kind
+        ]
+    ]
+    what = (
+        ", ".join(sharded) + f" sharded over groups of {k}"
+        if sharded
+        else "nothing sharded (every rank holds all)"
+    )
+    console.print(
+        f"strategy [bold]{strat.name}[/] (ZeRO-{strat.zero_stage}): {what}; partitioner "
+        f"[bold]{sp.partitioner}[/] ({sp.notes}); {topo.world_size} ranks = {topo.num_nodes} node(s) "
+        f"x {topo.rpn}"
+    )
     rows = _rank_rows(plan)
     blocks = "blocks" in rows[0]
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
-    for col, just in [("rank", "right"), ("group:local", "right"), ("params", "right"), ("grads", "right"),
-                      ("optimizer", "right"), ("padding", "right"), ("param bytes", "right"),
-                      ("grad bytes", "right"), ("Adam m+v fp32", "right"), ("intervals", "right")]:
-        table.add_column(col, justify=just, no_wrap=True)
+    for col in ("rank", "group:local", "params", "grads", "optimizer", "padding", "param bytes", "grad bytes",
+                "Adam m+v fp32", "intervals"):
+        table.add_column(col, justify="right", no_wrap=True)
     if blocks:
         for col in ("blocks", "frac (blocks)", "frac (bytes)"):
             table.add_column(col, justify="right", no_wrap=True)
 
     def cells(row: dict[str, Any]) -> list[str]:
-        out = [str(row["rank"]), f"{row['shard_group']}:{row['local_rank']}",
-               f"{row['params']['numel']:,}", f"{row['grads']['numel']:,}", f"{row['optimizer']['numel']:,}",
-               f"{max(row[k]['padding'] for k in STATE_KINDS):,}", format_bytes(row["params"]["bytes"]),
-               format_bytes(row["grads"]["bytes"]), format_bytes(row["optimizer"]["adam_state_bytes"]),
-               str(max(row[k]["num_intervals"] for k in STATE_KINDS))]
+        out = [
+            str(row["rank"]),
+            f"{row['shard_group']}:{row['local_rank']}",
+            f"{row['params']['numel']:,}",
+            f"{row['grads']['numel']:,}",
+            f"{row['optimizer']['numel']:,}",
+            f"{max(row[k]['padding'] for k in STATE_KINDS):,}",
+            format_bytes(row["params"]["bytes"], binary=True, digits=4),
+            format_bytes(row["grads"]["bytes"], binary=True, digits=4),
+            format_bytes(row["optimizer"]["adam_state_bytes"], binary=True, digits=4),
+            str(max(row[k]["num_intervals"] for k in STATE_KINDS)),
+        ]
         if blocks:
             out += [str(row["blocks"]), f"{row['block_fraction']:.3f}", f"{row['byte_fraction']:.3f}"]
         return out
@@ -179,20 +212,22 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
             table.add_row(label, "", *[
                 f"{pick(r[k]['numel'] for r in rows):,}" for k in STATE_KINDS],
                 f"{pick(max(r[k]['padding'] for k in STATE_KINDS) for r in rows):,}",
-                format_bytes(pick(r['params']['bytes'] for r in rows)),
-                format_bytes(pick(r['grads']['bytes'] for r in rows)),
-                format_bytes(pick(r['optimizer']['adam_state_bytes'] for r in rows)),
+                format_bytes(pick(r['params']['bytes'] for r in rows), binary=True, digits=4),
+                format_bytes(pick(r['grads']['bytes'] for r in rows), binary=True, digits=4),
+                format_bytes(pick(r['optimizer']['adam_state_bytes'] for r in rows), binary=True, digits=4),
                 str(pick(max(r[k]['num_intervals'] for k in STATE_KINDS) for r in rows)),
                 *([str(pick(r["blocks"] for r in rows)), f"{pick(r['block_fraction'] for r in rows):.3f}",
                    f"{pick(r['byte_fraction'] for r in rows):.3f}"] if blocks else []),
                 style="italic", end_section=False)
-    console.print(table)
+    print_table(table, console)
     if elided:
         console.print(f"[dim]{elided} of {len(rows)} ranks elided from the middle; min / max rows cover all "
                       f"ranks (--all-ranks shows every rank, --json gives them all).[/]")
     if blocks:
-        console.print("[dim]frac (blocks) is the seed's memory_fraction_for_rank (blocks owned / blocks); "
-                      "frac (bytes) weighs them by bytes and counts the embedding, final norm and lm head.[/]")
+        console.print(
+            "[dim]frac (blocks) is the seed's memory_fraction_for_rank (blocks owned / blocks); "
+            "frac (bytes) weighs them by bytes and counts the embedding, final norm and lm head.[/]"
+        )
     if verdict.passed:
         console.print(f"{CONTRACT} holds: {', '.join(STATE_KINDS)} in every shard group, replicas identical "
                       f"({verdict.checked} shards checked in {check_ms:.1f} ms)")

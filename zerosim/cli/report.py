@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 from pathlib import Path
 
-from ..cost.memory_model import parse_param_count
+from ..cost.shard_sizes import parse_param_count
 from ..errors import ConfigError
 from ..presets import PRESETS
 from .memory import one_line_errors, positive_int
@@ -22,18 +22,30 @@ def register(sub) -> None:
     one_line_errors(p)
     p.add_argument("--out", default=None, help="output folder (default reports/report-<timestamp>)")
     p.add_argument("--model", default="tiny", help="the simulator preset measured (default tiny)")
-    p.add_argument("--world-sizes", default="1,2,4,8", help="measured world sizes, comma-separated (default 1,2,4,8)")
-    p.add_argument("--ranks-per-node", default="2", help="ranks per node of the measured runs (hybrid group size)")
+    p.add_argument(
+        "--world-sizes", default="1,2,4,8", help="measured world sizes, comma-separated (default 1,2,4,8)"
+    )
+    p.add_argument(
+        "--ranks-per-node", default="2", help="ranks per node of the measured runs (hybrid group size)"
+    )
     p.add_argument("--steps", default="3", help="optimizer steps per measured run (default 3)")
-    p.add_argument("--precision", default="fp32", help="engine precision of the measured runs: fp32, bf16, fp16")
+    p.add_argument(
+        "--precision", default="fp32", help="engine precision of the measured runs: fp32, bf16, fp16"
+    )
     p.add_argument("--optimizer", default="adamw", help="engine optimizer: adamw, adam, sgd")
     p.add_argument("--partitioner", default="fsdp", help="engine partitioner (default fsdp)")
     p.add_argument("--large-params", default="7.5e9", help="parameters of the modelled model (default 7.5e9)")
-    p.add_argument("--large-model", default="gpt-7.5b", help="preset for the DeepSpeed comparison (default gpt-7.5b)")
+    p.add_argument(
+        "--large-model", default="gpt-7.5b", help="preset for the DeepSpeed comparison (default gpt-7.5b)"
+    )
     p.add_argument("--large-world-size", default="64", help="N_d of the modelled figures (default 64)")
-    p.add_argument("--large-ranks-per-node", default="8", help="ranks per node of the modelled figures (default 8)")
+    p.add_argument(
+        "--large-ranks-per-node", default="8", help="ranks per node of the modelled figures (default 8)"
+    )
     p.add_argument("--no-mpi", action="store_true", help="skip the mpiexec measurements")
-    p.add_argument("--no-torch", action="store_true", help="skip the torchrun (torch.distributed, gloo) measurements")
+    p.add_argument(
+        "--no-torch", action="store_true", help="skip the torchrun (torch.distributed, gloo) measurements"
+    )
     p.add_argument("--no-deepspeed", action="store_true", help="do not call the real DeepSpeed estimator")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -65,14 +77,32 @@ def config_from_args(args):
         raise ConfigError("large-ranks-per-node", large_rpn, f"must divide large-world-size={large_ws}")
     offload_ws = next((w for w in world_sizes if w >= 4), max(world_sizes))
     cfg = ReportConfig(
-        large_params=parse_param_count(args.large_params, "large-params"), large_model=args.large_model,
-        large_world_size=large_ws, large_ranks_per_node=large_rpn, sim_model=args.model,
-        world_sizes=world_sizes, ranks_per_node=rpn, steps=positive_int("steps", args.steps),
-        precision=args.precision, optimizer=args.optimizer, partitioner=args.partitioner,
-        offload_world_size=offload_ws, mpi=not args.no_mpi, torch=not args.no_torch, deepspeed=not args.no_deepspeed)
+        large_params=parse_param_count(args.large_params, "large-params"),
+        large_model=args.large_model,
+        large_world_size=large_ws,
+        large_ranks_per_node=large_rpn,
+        sim_model=args.model,
+        world_sizes=world_sizes,
+        ranks_per_node=rpn,
+        steps=positive_int("steps", args.steps),
+        precision=args.precision,
+        optimizer=args.optimizer,
+        partitioner=args.partitioner,
+        offload_world_size=offload_ws,
+        mpi=not args.no_mpi,
+        torch=not args.no_torch,
+        deepspeed=not args.no_deepspeed,
+    )
     # validate the engine options once, before anything runs (names the bad field)
-    RunConfig(model=cfg.sim_model, world_size=max(world_sizes), strategy="full_shard", precision=cfg.precision,
-              optimizer=cfg.optimizer, partitioner=cfg.partitioner, steps=cfg.steps).validate()
+    RunConfig(
+        model=cfg.sim_model,
+        world_size=max(world_sizes),
+        strategy="full_shard",
+        precision=cfg.precision,
+        optimizer=cfg.optimizer,
+        partitioner=cfg.partitioner,
+        steps=cfg.steps,
+    ).validate()
     return cfg
 
 
@@ -80,7 +110,11 @@ def run(args) -> int:
     from ..report.build import build_report
 
     cfg = config_from_args(args)
-    out = Path(args.out) if args.out else Path("reports") / f"report-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    out = (
+        Path(args.out)
+        if args.out
+        else Path("reports") / f"report-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    )
     result = build_report(out, cfg, progress=not args.quiet)
     print_contract_summary(result.contracts)
     print(f"wrote {out / 'index.md'} ({len(result.figures)} figures) in {result.timings['total_s']:.1f} s")

@@ -72,12 +72,24 @@ class TrafficCounter:
         self.records.clear()
 
     def total_sent(self, group: str | None = None, collective: str | None = None) -> Fraction:
-        return sum((r.bytes_sent for (g, c), r in self.records.items()
-                    if (group is None or g == group) and (collective is None or c == collective)), Fraction(0))
+        return sum(
+            (
+                r.bytes_sent
+                for (g, c), r in self.records.items()
+                if (group is None or g == group) and (collective is None or c == collective)
+            ),
+            Fraction(0),
+        )
 
     def total_received(self, group: str | None = None, collective: str | None = None) -> Fraction:
-        return sum((r.bytes_received for (g, c), r in self.records.items()
-                    if (group is None or g == group) and (collective is None or c == collective)), Fraction(0))
+        return sum(
+            (
+                r.bytes_received
+                for (g, c), r in self.records.items()
+                if (group is None or g == group) and (collective is None or c == collective)
+            ),
+            Fraction(0),
+        )
 
     def merge(self, other: TrafficCounter) -> None:
         for key, r in other.records.items():

@@ -24,6 +24,10 @@ Failure handling (a distributed run must never hang):
   :class:`CollectiveMismatch` on every member.
 
 Traffic is accounted per rank, attributed to the ring algorithm (see :mod:`zerosim.comm.base`).
+
+Why one module of this length: the world, its rendezvous and the communicator that enters it are
+one mechanism (a collective is a rendezvous of the group's ranks); splitting them would expose the
+world's locking to a second module.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError, ZeroSimError, require_positive_int
 from .base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter
@@ -90,7 +94,7 @@ def _concat(xs: Sequence[Any]) -> Any:
     return np.concatenate(list(xs))
 
 
-def _reduce_in_rank_order(xs: Sequence[Any], op: str) -> Any:
+def reduce_in_rank_order(xs: Sequence[Any], op: str) -> Any:
     """((x0 op x1) op x2) ...; ``avg`` is the rank-order sum divided by len(xs). A new array."""
     acc = _copy(xs[0])
     if op in ("sum", "avg"):
@@ -272,7 +276,8 @@ class SimulatedWorld:
         self._cv.notify_all()
 
     def _wait_for_baton(self, rank: int, rv: _Rendezvous | None) -> None:
-        """Block (holding the condition) until ``rv`` is done and, in serial mode, ``rank`` holds the baton."""
+        """Block (holding the condition) until ``rv`` is done and, in serial mode, ``rank`` holds the baton.
+        """
         start = time.monotonic()
         while True:
             if self._failure is not None:
@@ -359,8 +364,10 @@ class SimulatedWorld:
             members.sort(key=lambda m: (m[0], m[1]))
             names = {m[2] for m in members}
             if len(names) > 1:
-                raise CollectiveMismatch(f"split of group {parent.name}: members of color {color} disagree on "
-                                         f"the group name: {sorted(str(n) for n in names)}")
+                raise CollectiveMismatch(
+                    f"split of group {parent.name}: members of color {color} disagree on "
+                    f"the group name: {sorted(str(n) for n in names)}"
+                )
 
             name = names.pop() or f"{parent.name}/split{seq}:{color}"
             table[color] = self._new_group(name, tuple(parent.global_ranks[m[1]] for m in members))
@@ -373,7 +380,8 @@ class SimulatedWorld:
             if (c.collective, c.op, c.root) != (first.collective, first.op, first.root):
                 raise CollectiveMismatch(
                     f"group {rv.group.name} call #{rv.seq}: rank {rv.group.global_ranks[0]} called "
-                    f"{first.collective}(op={first.op}, root={first.root}) but rank {rv.group.global_ranks[i]} "
+                    f"{first.collective}(op={first.op}, root={first.root}) but rank "
+                    f"{rv.group.global_ranks[i]} "
                     f"called {c.collective}(op={c.op}, root={c.root})"
                 )
         kind = first.collective
@@ -385,15 +393,18 @@ class SimulatedWorld:
         sigs = [_signature(c.array) for c in calls]
         if any(s != sigs[0] for s in sigs):
             detail = ", ".join(f"rank {rv.group.global_ranks[i]}: {s}" for i, s in enumerate(sigs))
-            raise CollectiveMismatch(f"{kind} on group {rv.group.name} call #{rv.seq}: shapes/dtypes differ ({detail})")
-        xs = [c.array for c in calls]
+            raise CollectiveMismatch(
+                f"{kind} on group {rv.group.name} call #{rv.seq}: shapes/dtypes differ ({detail})"
+            )
+        xs = [call.array for call in calls]
         if kind == "all_reduce":
-            total = _reduce_in_rank_order(xs, first.op or "sum")
+            total = reduce_in_rank_order(xs, first.op or "sum")
             return {i: (total if i == n - 1 else _copy(total)) for i in range(n)}
         if kind == "reduce_scatter":
             length = sigs[0][0][0] if sigs[0][0] else 0
-            c = length // n
-            return {j: _reduce_in_rank_order([x[j * c:(j + 1) * c] for x in xs], first.op or "sum") for j in range(n)}
+            chunk = length // n
+            return {j: reduce_in_rank_order([x[j * chunk:(j + 1) * chunk] for x in xs], first.op or "sum")
+                    for j in range(n)}
         if kind == "all_gather":
             out = _concat(xs)
             if _is_torch(out):
@@ -424,20 +435,25 @@ class SimCommunicator:
         return f"SimCommunicator(group={self.group_name!r}, rank={self.rank}/{self.world_size})"
 
     def shared(self, key: Any, factory: Callable[[], Any]) -> Any:
-        """See :meth:`SimulatedWorld.shared` (a simulator-only convenience; the engine falls back without it)."""
+        """See :meth:`SimulatedWorld.shared` (a simulator-only convenience; the engine falls back without it).
+        """
         return self._world.shared(key, factory)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _check_1d(self, collective: str, x: Any) -> None:
         if len(x.shape) != 1:
-            raise CollectiveError(f"{collective} on group {self.group_name}: rank {self.global_rank} passed a "
-                                  f"{len(x.shape)}-D array; flat 1-D buffers only")
+            raise CollectiveError(
+                f"{collective} on group {self.group_name}: rank {self.global_rank} passed a "
+                f"{len(x.shape)}-D array; flat 1-D buffers only"
+            )
 
     def _check_op(self, op: str) -> None:
         if op not in REDUCE_OPS:
             raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
 
-    def _run(self, collective: str, x: Any, op: str | None = None, root: int | None = None, extra: Any = None) -> Any:
+    def _run(
+        self, collective: str, x: Any, op: str | None = None, root: int | None = None, extra: Any = None
+    ) -> Any:
         return self._world._collective(self._group, self.rank, _Call(collective, op, x, root, extra))
 
     # -- collectives --------------------------------------------------------------------------------
@@ -462,15 +478,26 @@ class SimCommunicator:
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:
-            raise ConfigError("root", root, f"must be a rank of group {self.group_name} (size {self.world_size})")
-        self.traffic.record(self.group_name, "broadcast", _nbytes(x), self.world_size, is_root=self.rank == root)
+            raise ConfigError(
+                "root", root, f"must be a rank of group {self.group_name} (size {self.world_size})"
+            )
+        self.traffic.record(
+            self.group_name, "broadcast", _nbytes(x), self.world_size, is_root=self.rank == root
+        )
         return self._run("broadcast", x, root=root)
 
     def barrier(self) -> None:
         self.traffic.record(self.group_name, "barrier", 0, self.world_size)
         self._run("barrier", None)
 
-    def split(self, color: int | None, key: int | None = None, name: str | None = None) -> SimCommunicator | None:
+    @overload
+    def split(self, color: int, key: int | None = None, name: str | None = None) -> SimCommunicator: ...
+    @overload
+    def split(self, color: None, key: int | None = None, name: str | None = None) -> None: ...
+
+    def split(
+        self, color: int | None, key: int | None = None, name: str | None = None
+    ) -> SimCommunicator | None:
         """``MPI_Comm_split``: ranks with the same color form a group, ordered by (key, rank).
 
         ``color=None`` opts out (returns None). ``name`` names the new group for traffic accounting
@@ -511,7 +538,9 @@ def run_spmd(world_size: int, fn: Callable[[SimCommunicator], Any], timeout_s: f
         finally:
             world._finish(rank, err)
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"sim-rank-{r}", daemon=True) for r in range(world_size)]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"sim-rank-{r}", daemon=True) for r in range(world_size)
+    ]
     for t in threads:
         t.start()
     for t in threads:

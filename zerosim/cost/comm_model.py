@@ -1,47 +1,20 @@
 """Closed-form communication per optimizer step: what every rank sends and receives, per collective.
 
-This is C-ZERO-005's expected value (the reference engine's measured traffic must equal it exactly)
-and what ``zerosim comm`` prints. It follows the engine's collective schedule (the team brief;
-:mod:`zerosim.engine.zero`) and the ring attribution of :mod:`zerosim.comm.base`: a collective
-over ``n`` ranks on an ``S``-byte buffer costs each rank ``2(n-1)/n * S`` (all-reduce) or
-``(n-1)/n * S`` (reduce-scatter, all-gather) sent, and the same received.
-
-Per step, with ``M`` micro-batches, shard group ``k``, ``r = N / k`` replicas, ``P`` = padded
-(packed) model size = sum over units of ``k * c_u``, ``C = P / k`` the shard size, ``Psi`` the
-parameter count, ``b_p`` bytes of a working parameter (2 in bf16/fp16, 4 in fp32) and 4 bytes per
-gradient element (gradients are reduced in float32):
-
-==================  ======================================================================
-NO_SHARD            all_reduce(world, Psi * 4)                              2(N-1)/N * Psi
-ZeRO-1 all_reduce   all_reduce(world, Psi * 4) + all_gather(world, P * b_p)  3(N-1)/N * ... (see below)
-ZeRO-1 reduce_sc.   reduce_scatter(world, P * 4) + all_gather(world, P * b_p)  2(N-1)/N * P
-ZeRO-2              M x reduce_scatter(world, P * 4) + all_gather(world, P * b_p)
-ZeRO-3              per unit u: M x [2 x all_gather(P_u * b_p) + reduce_scatter(P_u * 4)]
-HYBRID_SHARD        ZeRO-3 in the shard group (k) + all_reduce(replicate, C * 4) over r ranks
-HYBRID_SHARD_ZERO2  ZeRO-2 in the shard group (k) + all_reduce(replicate, C * 4) over r ranks
-==================  ======================================================================
-
-In elements sent per rank (fp32, M = 1, no padding) this is the ZeRO paper's accounting:
-NO_SHARD ``2(N-1)/N Psi``; ZeRO-2 ``(N-1)/N Psi`` (reduce-scatter) + ``(N-1)/N Psi`` (all-gather)
-``= 2(N-1)/N Psi``; ZeRO-3 ``3(N-1)/N Psi`` (1.5x). ZeRO-1 has two variants
-(``zero1_grad_reduce``): ``"all_reduce"`` (the default; torch's ZeroRedundancyOptimizer) all-reduces
-the full gradient *and* all-gathers the parameters, so it sends ``2(N-1)/N Psi + (N-1)/N Psi =
-3(N-1)/N Psi``; ``"reduce_scatter"`` (DeepSpeed stage 1 with ``reduce_scatter: true``) reduce-scatters
-the padded gradient once per step after accumulation, ``2(N-1)/N Psi``: the paper's P_os figure.
-``CommEstimate.variant`` and ``notes`` say which one a row is.
-
-Hybrid split (derived from the ring model, not the FSDP paper's approximate formula): with shard
-groups inside a node and replicate groups across nodes, each rank sends ``M * 3(k-1)/k * P * b``
-(ZeRO-3 part, fp32) **intra-node** and ``2(r-1)/r * C * 4 = 2(r-1)/r * P/k * 4`` **inter-node**: the
-cross-node volume shrinks by the sharding factor ``k`` compared with DDP's ``2(N-1)/N * Psi``.
-Link classes are attributed per ring edge: each rank sends its ring bytes to its successor in the
-group (group order, cyclic); the edge is inter-node when the successor is on another node.
-
-Control traffic (grad-norm scalar, non-finite flags, loss, the step barrier) runs on ``*.control``
-groups and is reported apart; C-ZERO-005 compares data traffic only.
+C-ZERO-005's expected value (the engine's measured traffic must equal it exactly) and what
+``zerosim comm`` prints. It follows the engine's collective schedule (:mod:`zerosim.engine.zero`)
+and the ring attribution of :mod:`zerosim.comm.base`; per strategy: NO_SHARD all-reduces the
+gradient (``2(N-1)/N Psi`` elements sent per rank), ZeRO-1 all-reduces or reduce-scatters it and
+all-gathers the parameters (``3(N-1)/N`` or ``2(N-1)/N Psi``), ZeRO-2 reduce-scatters and all-gathers
+(``2(N-1)/N Psi``), ZeRO-3 gathers twice and reduce-scatters per unit (``3(N-1)/N Psi``), hybrid
+strategies do that inside the shard group and all-reduce a ``1/k`` shard across replicas. The
+schedule with micro-batches, padding and dtypes, the hybrid intra/inter-node split and the paper's
+accounting are derived in docs/cost-model.md. Control traffic (``*.control`` groups) is reported apart.
 
 Cost: O(tensors + ranks) to build the padded units from the partitioner's plan (O(1) given a plain
 parameter count), so 10^12 parameters x 1024 ranks answer instantly.
+
+Why one module of this length: every strategy's schedule and its per-link attribution are one
+table of collectives; the engine's schedule and this model are compared line for line.
 """
 
 from __future__ import annotations
@@ -195,8 +168,12 @@ class CommEstimate:
                 succ = _ring_successor(item.group_kind, rank, self.world_size, self.shard_group_size)
                 inter_ranks += succ is not None and not topo.same_node(rank, succ)
             inter_share = Fraction(inter_ranks, len(ranks))
-            row: dict[str, Any] = {"group_kind": item.group_kind, "collective": item.collective,
-                                   "purpose": item.purpose, "basis": "mean over ranks" if len(ranks) > 1 else "rank 0"}
+            row: dict[str, Any] = {
+                "group_kind": item.group_kind,
+                "collective": item.collective,
+                "purpose": item.purpose,
+                "basis": "mean over ranks" if len(ranks) > 1 else "rank 0",
+            }
             for cls, share in (("intra", 1 - inter_share), ("inter", inter_share)):
                 row[cls] = {"elements_sent": float(item.elements_sent * share),
                             "bytes_sent": float(item.bytes_sent * share)}
@@ -227,9 +204,13 @@ class CommEstimate:
             "notes": list(self.notes),
         }
         if with_links:
-            out["links_rank0"] = {c: {k: float(v) for k, v in d.items()} for c, d in self.per_rank_links(0).items()}
+            out["links_rank0"] = {
+                c: {k: float(v) for k, v in d.items()} for c, d in self.per_rank_links(0).items()
+            }
             if self.world_size <= 4096:
-                out["links_total"] = {c: {k: float(v) for k, v in d.items()} for c, d in self.link_totals().items()}
+                out["links_total"] = {
+                    c: {k: float(v) for k, v in d.items()} for c, d in self.link_totals().items()
+                }
         return out
 
 
@@ -244,12 +225,14 @@ def _ring_successor(kind: str, rank: int, n: int, k: int, step: int = 1) -> int 
     return (rank + step * k) % n if n // k > 1 else None  # replicate: rank % k, rank % k + k, ...
 
 
-def packed_unit_sizes(layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, world_size: int) -> list[int]:
-    """``k * c_u`` for every non-empty unit, exactly as :func:`zerosim.engine.flat_buffers.build_unit_plan`
+def packed_unit_sizes(
+    layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, world_size: int
+) -> list[int]:
+    """``k * c_u`` for every non-empty unit, exactly as :func:`zerosim.flat_buffers.build_unit_plan`
     pads them (``c_u`` = the most elements any rank owns of unit ``u``), vectorised: O(intervals)."""
     import numpy as np
 
-    from ..engine.flat_buffers import unit_tensor_groups
+    from ..flat_buffers import unit_tensor_groups
     from ..partition import get_partitioner
 
     k = strategy.shard_group_size(world_size)
@@ -287,7 +270,9 @@ def packed_unit_sizes(layout: ParamLayout, strategy: ShardingStrategy, partition
         i1 = np.searchsorted(ps, e_arr, side="left")
         counts = np.maximum(i1 - i0, 0)
         idx = np.repeat(np.arange(len(s_arr)), counts)
-        piece = np.repeat(i0, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
+        piece = np.repeat(i0, counts) + (
+            np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        )
         overlap = np.minimum(e_arr[idx], pe[piece]) - np.maximum(s_arr[idx], ps[piece])
         np.add.at(owned, (r_arr[idx], pu[piece]), np.maximum(overlap, 0))
     chunk = owned.max(axis=0) if k else np.zeros(len(groups), dtype=np.int64)
@@ -301,16 +286,25 @@ def unit_sizes(layout_or_numel: ParamLayout | int, strategy: ShardingStrategy, w
     if isinstance(layout_or_numel, ParamLayout):
         if partitioner is None:
             raise ConfigError("partitioner", None, "a layout needs a partitioner to know its padding")
-        return layout_or_numel.total_numel, packed_unit_sizes(layout_or_numel, strategy, partitioner, world_size)
+        return layout_or_numel.total_numel, packed_unit_sizes(
+            layout_or_numel, strategy, partitioner, world_size
+        )
     if isinstance(layout_or_numel, bool) or not isinstance(layout_or_numel, int):
         raise ConfigError("numel", layout_or_numel, "expected a parameter count or a ParamLayout")
     psi = require_positive_int("numel", layout_or_numel)
     return psi, [-(-psi // k) * k]  # one flat unit, evenly padded (an even partitioner's padding)
 
 
-def comm_per_step(layout_or_numel: ParamLayout | int, strategy: ShardingStrategy | str, topology: Topology | int,
-                  partitioner: str | None = "fsdp", micro_batches: int = 1, param_bytes: int = 4,
-                  grad_bytes: int = 4, zero1_grad_reduce: str = "all_reduce") -> CommEstimate:
+def comm_per_step(
+    layout_or_numel: ParamLayout | int,
+    strategy: ShardingStrategy | str,
+    topology: Topology | int,
+    partitioner: str | None = "fsdp",
+    micro_batches: int = 1,
+    param_bytes: int = 4,
+    grad_bytes: int = 4,
+    zero1_grad_reduce: str = "all_reduce",
+) -> CommEstimate:
     """Per-rank data traffic of one optimizer step of the reference engine (see the module docstring).
 
     ``layout_or_numel``: a ParamLayout (units and padding from ``partitioner``, one unit per block
@@ -319,7 +313,9 @@ def comm_per_step(layout_or_numel: ParamLayout | int, strategy: ShardingStrategy
     ``"reduce_scatter"``; other strategies ignore it.
     """
     if zero1_grad_reduce not in ZERO1_GRAD_REDUCE:
-        raise ConfigError("zero1_grad_reduce", zero1_grad_reduce, f"known: {', '.join(ZERO1_GRAD_REDUCE)} (--zero1-reduce)")
+        raise ConfigError(
+            "zero1_grad_reduce", zero1_grad_reduce, f"known: {', '.join(ZERO1_GRAD_REDUCE)} (--zero1-reduce)"
+        )
     if isinstance(topology, int):
         topology = Topology(topology)
     if not isinstance(topology, Topology):
@@ -350,32 +346,81 @@ def comm_per_step(layout_or_numel: ParamLayout | int, strategy: ShardingStrategy
         if zero1_grad_reduce == "reduce_scatter":
             add(CollectiveCost(shard_kind, "reduce_scatter", "grad reduce-scatter (after accumulation)", 1, k,
                                grad_bytes, total_packed))
-            est.notes.append("ZeRO-1 (reduce_scatter, DeepSpeed stage 1): one gradient reduce-scatter per step "
-                             "and one parameter all-gather: 2(N-1)/N Psi, the paper's P_os figure")
+            est.notes.append(
+                "ZeRO-1 (reduce_scatter, DeepSpeed stage 1): one gradient reduce-scatter per step "
+                "and one parameter all-gather: 2(N-1)/N Psi, the paper's P_os figure"
+            )
         else:
             if n > 1:
                 add(CollectiveCost("world", "all_reduce", "grad reduce", 1, n, grad_bytes, psi))
-            est.notes.append("ZeRO-1 (all_reduce, torch ZeroRedundancyOptimizer): all-reduces the full gradient "
-                             "and all-gathers the parameters: 3(N-1)/N Psi (the paper's 2(N-1)/N Psi is the "
-                             "reduce_scatter variant)")
-        add(CollectiveCost(shard_kind, "all_gather", "param gather (after step)", 1, k, param_bytes, total_packed))
+            est.notes.append(
+                "ZeRO-1 (all_reduce, torch ZeroRedundancyOptimizer): all-reduces the full gradient "
+                "and all-gathers the parameters: 3(N-1)/N Psi (the paper's 2(N-1)/N Psi is the "
+                "reduce_scatter variant)"
+            )
+        add(
+            CollectiveCost(
+                shard_kind, "all_gather", "param gather (after step)", 1, k, param_bytes, total_packed
+            )
+        )
     elif kind in (StrategyKind.SHARD_GRAD_OP, StrategyKind.HYBRID_SHARD_ZERO2):
-        add(CollectiveCost(shard_kind, "reduce_scatter", "grad reduce-scatter (per micro-batch)", m, k, grad_bytes,
-                           m * total_packed))
+        add(
+            CollectiveCost(
+                shard_kind,
+                "reduce_scatter",
+                "grad reduce-scatter (per micro-batch)",
+                m,
+                k,
+                grad_bytes,
+                m * total_packed,
+            )
+        )
         if kind is StrategyKind.HYBRID_SHARD_ZERO2 and r > 1:
-            add(CollectiveCost(rep_kind, "all_reduce", "grad shard all-reduce across replicas", 1, r, grad_bytes, chunk))
-        add(CollectiveCost(shard_kind, "all_gather", "param gather (after step)", 1, k, param_bytes, total_packed))
+            add(
+                CollectiveCost(
+                    rep_kind, "all_reduce", "grad shard all-reduce across replicas", 1, r, grad_bytes, chunk
+                )
+            )
+        add(
+            CollectiveCost(
+                shard_kind, "all_gather", "param gather (after step)", 1, k, param_bytes, total_packed
+            )
+        )
     else:  # FULL_SHARD, HYBRID_SHARD
         units = len(packed)
-        add(CollectiveCost(shard_kind, "all_gather", "param gather (forward + backward, per block)", 2 * m * units, k,
-                           param_bytes, 2 * m * total_packed))
-        add(CollectiveCost(shard_kind, "reduce_scatter", "grad reduce-scatter (per block)", m * units, k, grad_bytes,
-                           m * total_packed))
+        add(
+            CollectiveCost(
+                shard_kind,
+                "all_gather",
+                "param gather (forward + backward, per block)",
+                2 * m * units,
+                k,
+                param_bytes,
+                2 * m * total_packed,
+            )
+        )
+        add(
+            CollectiveCost(
+                shard_kind,
+                "reduce_scatter",
+                "grad reduce-scatter (per block)",
+                m * units,
+                k,
+                grad_bytes,
+                m * total_packed,
+            )
+        )
         if kind is StrategyKind.HYBRID_SHARD and r > 1:
-            add(CollectiveCost(rep_kind, "all_reduce", "grad shard all-reduce across replicas", 1, r, grad_bytes, chunk))
+            add(
+                CollectiveCost(
+                    rep_kind, "all_reduce", "grad shard all-reduce across replicas", 1, r, grad_bytes, chunk
+                )
+            )
     if est.padding:
-        est.notes.append(f"padding: the collectives move {est.packed_numel:,} elements for {psi:,} parameters "
-                         f"({est.padding:,} padding elements, real traffic)")
+        est.notes.append(
+            f"padding: the collectives move {est.packed_numel:,} elements for {psi:,} parameters "
+            f"({est.padding:,} padding elements, real traffic)"
+        )
     return est
 
 

@@ -34,7 +34,8 @@ from typing import Any
 from ..errors import ConfigError, require_positive_int
 from ..layout import ParamLayout
 from ..strategy import ShardingStrategy, StrategyKind, Topology
-from .memory_model import MemorySettings, memory_per_rank
+from .memory_model import memory_per_rank
+from .memory_settings import MemorySettings
 
 
 def deepspeed_estimator_formula(
@@ -51,7 +52,7 @@ def deepspeed_estimator_formula(
     """DeepSpeed 0.19's model-state estimate ``(cpu_bytes_per_node, gpu_bytes_per_gpu)`` for ``stage`` 2 or 3.
 
     Restated from the arithmetic of DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs``
-    (REFERENCES.md, "DeepSpeed memory estimator"). Stage 2 ignores ``largest_layer_params``,
+    (docs/references.md, "DeepSpeed memory estimator"). Stage 2 ignores ``largest_layer_params``,
     ``cpu_offload_params`` and ``zero_init``.
     """
     if stage not in (2, 3):
@@ -97,9 +98,16 @@ def deepspeed_estimator_real(stage: int, total_params: int, largest_layer_params
             return int(cpu), int(gpu)
         from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(total_params, largest_layer_params, num_gpus_per_node,
-                                                            num_nodes, cpu_offload, cpu_offload_params, zero_init,
-                                                            additional_buffer_factor)
+        cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+            total_params,
+            largest_layer_params,
+            num_gpus_per_node,
+            num_nodes,
+            cpu_offload,
+            cpu_offload_params,
+            zero_init,
+            additional_buffer_factor,
+        )
         return int(cpu), int(gpu)
 
 
@@ -152,10 +160,14 @@ def compare_with_deepspeed(layout: ParamLayout, num_gpus_per_node: int = 8, num_
         real = None
         if real_ok:
             try:
-                real = deepspeed_estimator_real(case.stage, P, L, num_gpus_per_node, num_nodes, case.cpu_offload,
-                                                case.cpu_offload_params)
+                real = deepspeed_estimator_real(
+                    case.stage, P, L, num_gpus_per_node, num_nodes, case.cpu_offload, case.cpu_offload_params
+                )
             except Exception as exc:  # a broken deepspeed install must not sink the comparison
-                real_ok, real_failure = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                real_ok, real_failure = (
+                    False,
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                )
         ours = {}
         for precision in ("mixed", "bf16-fp32grads"):
             est = memory_per_rank(layout, strat, topo, MemorySettings(precision, "adamw", case.our_offload,
@@ -185,19 +197,32 @@ def compare_with_deepspeed(layout: ParamLayout, num_gpus_per_node: int = 8, num_
     else:
         ds_note = "real DeepSpeed estimator not requested"
     return {
-        "model": layout.name, "total_params": P, "largest_layer_params": L,
+        "model": layout.name,
+        "total_params": P,
+        "largest_layer_params": L,
         "largest_block_params": layout.largest_block_numel(),
-        "num_gpus_per_node": num_gpus_per_node, "num_nodes": num_nodes, "prefetch_depth": prefetch_depth,
-        "units": "bytes", "deepspeed": ds_note, "rows": rows,
+        "num_gpus_per_node": num_gpus_per_node,
+        "num_nodes": num_nodes,
+        "prefetch_depth": prefetch_depth,
+        "units": "bytes",
+        "deepspeed": ds_note,
+        "rows": rows,
         "explanation": [
-            "DeepSpeed ZeRO-3 device = 4*L + 18*P/N: 18 = 2 fp16 params + 4 fp32 grads + 4 fp32 master + 8 Adam m,v;"
-            " the ZeRO paper (ours, mixed) counts 16 = 2 + 2 fp16 grads + 12. Ours with fp32 grads: 18, equal.",
-            "DeepSpeed ZeRO-2 device = 2*P + 18*P/N: it also keeps an fp16 grad partition (2) and an fp32 one (4);"
+            "DeepSpeed ZeRO-3 device = 4*L + 18*P/N: 18 = 2 fp16 params + 4 fp32 grads + 4 fp32 master + 8 "
+            "Adam m,v;"
+            " the ZeRO paper (ours, mixed) counts 16 = 2 + 2 fp16 grads + 12. Ours with fp32 grads: 18, "
+            "equal.",
+            "DeepSpeed ZeRO-2 device = 2*P + 18*P/N: it also keeps an fp16 grad partition (2) and an fp32 "
+            "one (4);"
             " the paper counts 2*P + 14*P/N.",
-            "L: DeepSpeed's largest layer is one module's own parameters; our ZeRO-3 transient uses the largest"
-            " block (a transformer block), (1+prefetch)*2 bytes gathered + grad bytes, so our peak is higher.",
-            "Our ZeRO-2 peak adds the reference engine's unbucketed transient: the whole micro-batch gradient plus"
-            " its packed fp32 copy before the reduce-scatter; DeepSpeed reduces in buckets and leaves transients out.",
+            "L: DeepSpeed's largest layer is one module's own parameters; our ZeRO-3 transient uses the "
+            "largest"
+            " block (a transformer block), (1+prefetch)*2 bytes gathered + grad bytes, so our peak is "
+            "higher.",
+            "Our ZeRO-2 peak adds the reference engine's unbucketed transient: the whole micro-batch "
+            "gradient plus"
+            " its packed fp32 copy before the reduce-scatter; DeepSpeed reduces in buckets and leaves "
+            "transients out.",
             "Host: DeepSpeed's cpu figure is per node with a 1.5x buffer factor and load-time fp32 copies;"
             " ours is the steady-state host memory per node.",
         ],

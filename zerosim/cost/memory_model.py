@@ -29,362 +29,17 @@ length and kernels, not on the sharding strategy).
 
 from __future__ import annotations
 
-import heapq
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, require_non_negative_int
 from ..layout import ParamLayout
 from ..strategy import ShardingStrategy, StrategyKind, Topology
-from .comm_model import ZERO1_GRAD_REDUCE
-
-CATEGORIES = ("params", "grads", "optimizer_states")
-PLACES = ("device", "host")
+from .memory_settings import MemorySettings
+from .shard_sizes import ModelTensors, ShardSizes, ceil_div, model_tensors, shard_sizes, uniform_shard_sizes
 
 
-# ---------------------------------------------------------------------------------------------
-# settings: precision, optimizer, offload, prefetch
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PrecisionSpec:
-    """Bytes per element of each kind of state under one precision recipe."""
-
-    name: str
-    param_bytes: int    # working copy used in forward/backward
-    grad_bytes: int     # gradient (accumulation) dtype
-    master_bytes: int   # separate fp32 master copy kept with the optimizer (0 when params are fp32)
-    state_bytes: int    # bytes of each optimizer state buffer (Adam m, v; SGD momentum)
-    description: str
-
-
-PRECISIONS: dict[str, PrecisionSpec] = {
-    "mixed": PrecisionSpec("mixed", 2, 2, 4, 4,
-                           "ZeRO paper mixed precision: fp16 params and grads, fp32 master + fp32 optimizer states"),
-    "bf16-mixed": PrecisionSpec("bf16-mixed", 2, 2, 4, 4,
-                                "bf16 params and grads, fp32 master + fp32 optimizer states"),
-    "bf16-fp32grads": PrecisionSpec("bf16-fp32grads", 2, 4, 4, 4,
-                                    "bf16 params, fp32 gradient accumulation, fp32 master + fp32 optimizer states"),
-    "fp16-fp32grads": PrecisionSpec("fp16-fp32grads", 2, 4, 4, 4,
-                                    "fp16 params, fp32 gradient accumulation, fp32 master + fp32 optimizer states"),
-    "fp32": PrecisionSpec("fp32", 4, 4, 0, 4, "everything fp32; the params are the master copy"),
-    "bf16-pure": PrecisionSpec("bf16-pure", 2, 2, 0, 2, "pure bf16: params, grads and optimizer states bf16, no master"),
-}
-# "fp16" / "bf16" name the reference engine's policies (zerosim.precision): 16-bit params, fp32 grads
-_PRECISION_ALIASES = {"paper": "mixed", "fp16-mixed": "mixed", "amp": "mixed", "bf16mixed": "bf16-mixed",
-                      "bf16": "bf16-fp32grads", "fp16": "fp16-fp32grads", "bf16-fp32-grads": "bf16-fp32grads",
-                      "fp16-fp32-grads": "fp16-fp32grads", "float32": "fp32", "pure-bf16": "bf16-pure"}
-
-#: number of optimizer state buffers per parameter element
-OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0, "sgd-momentum": 1}
-_OPTIMIZER_ALIASES = {"sgd_momentum": "sgd-momentum", "sgdm": "sgd-momentum", "momentum": "sgd-momentum"}
-
-OFFLOAD_CHOICES = ("none", "optimizer", "grads+optimizer", "params+optimizer", "params+grads+optimizer")
-
-
-#: the reference engine's precision policies (zerosim.precision.Precision) in this model's terms: the
-#: engine keeps gradients in float32 (upcast before reduction) and a float32 master when mixed.
-ENGINE_PRECISION = {"fp32": "fp32", "bf16": "bf16-fp32grads", "fp16": "fp16-fp32grads"}
-
-
-def canonical_precision(name: str) -> str:
-    key = str(name).strip().lower().replace("_", "-")
-    key = _PRECISION_ALIASES.get(key, key)
-    if key not in PRECISIONS:
-        raise ConfigError("precision", name, f"unknown precision; known: {', '.join(PRECISIONS)}")
-    return key
-
-
-def canonical_optimizer(name: str) -> str:
-    key = str(name).strip().lower()
-    key = _OPTIMIZER_ALIASES.get(key, key)
-    if key not in OPTIMIZER_STATES:
-        raise ConfigError("optimizer", name, f"unknown optimizer; known: {', '.join(OPTIMIZER_STATES)}")
-    return key
-
-
-def parse_offload(text: str | Iterable[str] | None) -> frozenset[str]:
-    """``"none"`` | ``"optimizer"`` | ``"params+optimizer"`` | ``"all"`` ... -> the offloaded categories.
-
-    ``optimizer`` means the optimizer state *and* the fp32 master copy (they live together).
-    """
-    if text is None:
-        return frozenset()
-    parts = text.replace(",", "+").split("+") if isinstance(text, str) else list(text)
-    out: set[str] = set()
-    for raw in parts:
-        p = str(raw).strip().lower()
-        if p in ("", "none"):
-            continue
-        if p == "all":
-            out |= {"params", "grads", "optimizer_states"}
-        elif p in ("optimizer", "optimizer_states", "optim", "opt"):
-            out.add("optimizer_states")
-        elif p in ("params", "param", "parameters"):
-            out.add("params")
-        elif p in ("grads", "grad", "gradients"):
-            out.add("grads")
-        else:
-            raise ConfigError("offload", text, f"unknown part {raw!r}; use none, optimizer, grads, params joined by '+'")
-    return frozenset(out)
-
-
-def offload_name(parts: frozenset[str]) -> str:
-    if not parts:
-        return "none"
-    order = [("params", "params"), ("grads", "grads"), ("optimizer_states", "optimizer")]
-    return "+".join(label for key, label in order if key in parts)
-
-
-@dataclass(frozen=True)
-class MemorySettings:
-    """Precision recipe, optimizer, what is offloaded to host memory, and the ZeRO-3 prefetch depth.
-
-    ``grad_bucket_numel``: SHARD_GRAD_OP's transient unsharded gradient; ``None`` = the whole padded
-    flat gradient (what the reference engine does).
-    ``zero1_grad_reduce``: how ZeRO-1 averages gradients (the engine's ``RunConfig.zero1_grad_reduce``):
-    ``"all_reduce"`` (torch ZeroRedundancyOptimizer, default) or ``"reduce_scatter"`` (DeepSpeed
-    stage 1), which holds the packed full gradient and the reduced chunk at once (see
-    :func:`transient_phases`).
-    """
-
-    precision: str = "mixed"
-    optimizer: str = "adamw"
-    offload: str = "none"
-    prefetch_depth: int = 1
-    grad_bucket_numel: int | None = None
-    zero1_grad_reduce: str = "all_reduce"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "precision", canonical_precision(self.precision))
-        object.__setattr__(self, "optimizer", canonical_optimizer(self.optimizer))
-        object.__setattr__(self, "offload", offload_name(parse_offload(self.offload)))
-        require_non_negative_int("prefetch_depth", self.prefetch_depth)
-        if self.grad_bucket_numel is not None:
-            require_non_negative_int("grad_bucket_numel", self.grad_bucket_numel)
-        if not isinstance(self.zero1_grad_reduce, str) or self.zero1_grad_reduce not in ZERO1_GRAD_REDUCE:
-            raise ConfigError("zero1_grad_reduce", self.zero1_grad_reduce,
-                              f"known: {', '.join(ZERO1_GRAD_REDUCE)} (--zero1-reduce)")
-
-    @property
-    def spec(self) -> PrecisionSpec:
-        return PRECISIONS[self.precision]
-
-    @property
-    def offloaded(self) -> frozenset[str]:
-        return parse_offload(self.offload)
-
-    @property
-    def num_optimizer_states(self) -> int:
-        return OPTIMIZER_STATES[self.optimizer]
-
-    @property
-    def K(self) -> int:  # noqa: N802 - the paper's name
-        """Optimizer-state bytes per parameter (the ZeRO paper's K): master copy + state buffers."""
-        return self.spec.master_bytes + self.num_optimizer_states * self.spec.state_bytes
-
-    def optimizer_bytes(self, strategy: ShardingStrategy) -> int:
-        """K for ``strategy``: plus a separate master copy when the params are the master (fp32) but
-        cannot double as it: ZeRO-1/2 replicate the params while the optimizer steps a shard, and an
-        offloaded optimizer steps on the host while the working params stay on the device."""
-        extra = 0
-        if self.spec.master_bytes == 0:
-            split_by_sharding = strategy.shards_optimizer and not strategy.shards_params
-            off = self.offloaded
-            split_by_offload = "optimizer_states" in off and "params" not in off
-            if split_by_sharding or split_by_offload:
-                extra = self.spec.param_bytes
-        return self.K + extra
-
-    def bytes_per_element(self, strategy: ShardingStrategy | None = None) -> dict[str, int]:
-        k = self.K if strategy is None else self.optimizer_bytes(strategy)
-        return {"params": self.spec.param_bytes, "grads": self.spec.grad_bytes, "optimizer_states": k}
-
-    def to_json(self) -> dict[str, Any]:
-        return {"precision": self.precision, "optimizer": self.optimizer, "offload": self.offload,
-                "prefetch_depth": self.prefetch_depth, "grad_bucket_numel": self.grad_bucket_numel,
-                "zero1_grad_reduce": self.zero1_grad_reduce,
-                "K": self.K, "bytes_per_element": self.bytes_per_element(),
-                "precision_description": self.spec.description}
-
-
-# ---------------------------------------------------------------------------------------------
-# shard sizes per partitioner, in closed form
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ShardClass:
-    """``count`` local ranks of a shard group (listed in ``local_ranks`` as ``[start, end)`` runs)
-    that each store ``stored_numel`` elements of a sharded state (real data + padding)."""
-
-    stored_numel: int
-    count: int
-    local_ranks: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class ShardSizes:
-    """How one shard group of ``k`` ranks splits ``total`` elements: classes + total padding."""
-
-    partitioner: str
-    k: int
-    total: int
-    classes: tuple[ShardClass, ...]
-    padding: int  # elements stored in the group beyond ``total``
-    rule: str
-
-    @property
-    def max_stored(self) -> int:
-        return max(c.stored_numel for c in self.classes)
-
-
-def _runs(ranks: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    out: list[list[int]] = []
-    for r in sorted(ranks):
-        if out and out[-1][1] == r:
-            out[-1][1] = r + 1
-        else:
-            out.append([r, r + 1])
-    return tuple((a, b) for a, b in out)
-
-
-def _classes_from_sizes(sizes: Sequence[int]) -> tuple[ShardClass, ...]:
-    by: dict[int, list[int]] = {}
-    for r, s in enumerate(sizes):
-        by.setdefault(s, []).append(r)
-    return tuple(ShardClass(s, len(rs), _runs(rs)) for s, rs in sorted(by.items(), reverse=True))
-
-
-def _uniform(partitioner: str, k: int, total: int, per: int, rule: str) -> ShardSizes:
-    return ShardSizes(partitioner, k, total, (ShardClass(per, k, ((0, k),)),), per * k - total, rule)
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class _Tensors:
-    """What the closed forms need of a model: tensor numels, dim-0 sizes, block numels."""
-
-    name: str
-    numels: tuple[int, ...]
-    dim0: tuple[int, ...]
-    block_numels: tuple[int, ...]
-    module_numels: tuple[int, ...]
-    layout: ParamLayout | None
-
-    @property
-    def total(self) -> int:
-        return sum(self.numels)
-
-
-def _as_tensors(layout_or_numel: ParamLayout | int | float) -> _Tensors:
-    if isinstance(layout_or_numel, ParamLayout):
-        lay = layout_or_numel
-        numels = tuple(t.numel for t in lay.tensors)
-        dim0 = tuple(t.shape[0] if t.shape else 1 for t in lay.tensors)
-        modules: dict[str, int] = {}
-        for t in lay.tensors:  # DeepSpeed's "layer": one module's own params (weight + bias)
-            mod = t.name.rsplit(".", 1)[0] if "." in t.name else t.name
-            modules[mod] = modules.get(mod, 0) + t.numel
-        return _Tensors(lay.name, numels, dim0, tuple(lay.block_numel(b) for b in lay.blocks),
-                        tuple(modules.values()), lay)
-    n = parse_param_count(layout_or_numel)
-    return _Tensors(f"{n} params", (n,), (n,), (), (), None)
-
-
-def parse_param_count(value: Any, field: str = "params") -> int:
-    """A positive integer parameter count from ``7.5e9``, ``"7.5e9"``, ``"7.5B"``, ``124439808``."""
-    if isinstance(value, bool):
-        raise ConfigError(field, value, "must be a positive number of parameters")
-    if isinstance(value, str):
-        text = value.strip().replace("_", "").replace(",", "")
-        scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}.get(text[-1:].lower(), 1)
-        if scale != 1:
-            text = text[:-1]
-        try:
-            num = float(text) * scale
-        except ValueError:
-            raise ConfigError(field, value, "must be a number such as 7.5e9 or 7.5B") from None
-        value = num
-    if isinstance(value, float):
-        if not math.isfinite(value) or value != int(value):
-            raise ConfigError(field, value, "must be a finite whole number of parameters")
-        value = int(value)
-    if not isinstance(value, int):
-        raise ConfigError(field, value, "must be a positive number of parameters")
-    if value <= 0:
-        raise ConfigError(field, value, "must be positive")
-    return value
-
-
-def shard_sizes(model: ParamLayout | int | float, k: int, partitioner: str | None = None) -> ShardSizes:
-    """Per-rank stored elements of one sharded state over a shard group of ``k`` ranks.
-
-    Closed forms (documented with each partitioner in REFERENCES.md), O(tensors + classes):
-
-    * ``None`` / ``"paper"``: the ZeRO paper's ``Psi / N_d`` (rounded up): one flat buffer padded to
-      a multiple of ``k``, ``ceil(P/k)`` per rank. Also the reference engine's flat padding rule.
-    * ``"seed"``: ``P // k`` per rank, the first ``P % k`` ranks one more; no padding.
-    * ``"deepspeed"`` (stage 1/2): flat group padded to a multiple of ``2k``; ``padded / k`` each.
-    * ``"deepspeed-zero3"``: every tensor padded to a multiple of ``k``: ``sum ceil(n_i / k)`` each.
-    * ``"fsdp"``: torch.chunk on dim 0 per tensor, shards padded to chunk 0: ``sum ceil(d0/k)*rest``.
-    * ``"zero-redundancy"``: whole tensors, sorted by size, each to the least-loaded rank (no padding).
-    * any other registered name: the partitioner is run on the layout and its ShardPlan measured.
-    """
-    t = _as_tensors(model)
-    P = t.total
-    name = (partitioner or "paper").strip().lower().replace("_", "-")
-    if k == 1:
-        return _uniform(name, 1, P, P, "one rank holds everything")
-    if name in ("paper", "flat", "even"):
-        return _uniform(name, k, P, _ceil(P, k), "one flat buffer padded to a multiple of k: ceil(P/k) per rank")
-    if name == "seed":
-        base, rem = divmod(P, k)
-        classes = [ShardClass(base + 1, rem, ((0, rem),))] if rem else []
-        classes.append(ShardClass(base, k - rem, ((rem, k),)))
-        return ShardSizes(name, k, P, tuple(c for c in classes if c.count), 0,
-                          "P // k per rank, the first P % k ranks one more (entrenar OptimizerShard.for_rank)")
-    if name in ("deepspeed", "deepspeed-zero12"):
-        padded = _ceil(P, 2 * k) * 2 * k
-        return _uniform(name, k, P, padded // k, "flat group padded to a multiple of 2k (DeepSpeed stage 1/2)")
-    if name == "deepspeed-zero3":
-        per = sum(_ceil(n, k) for n in t.numels)
-        return _uniform(name, k, P, per, "each tensor padded to a multiple of k (DeepSpeed stage 3)")
-    if name in ("fsdp", "fsdp2"):
-        per = sum(_ceil(d0, k) * (n // d0) if d0 else 0 for n, d0 in zip(t.numels, t.dim0, strict=True))
-        return _uniform(name, k, P, per, "torch.chunk on dim 0 per tensor, padded to chunk 0 (FSDP2)")
-    if name in ("zero-redundancy", "zero-redundancy-optimizer"):
-        loads = [(0, r) for r in range(k)]
-        heapq.heapify(loads)
-        for n in sorted(t.numels, reverse=True):
-            load, r = heapq.heappop(loads)
-            heapq.heappush(loads, (load + n, r))
-        sizes = [0] * k
-        for load, r in loads:
-            sizes[r] = load
-        return ShardSizes(name, k, P, _classes_from_sizes(sizes), 0,
-                          "whole tensors, largest first, to the least-loaded rank (ZeroRedundancyOptimizer)")
-    return _measured_shard_sizes(t, k, partitioner or name)
-
-
-def _measured_shard_sizes(t: _Tensors, k: int, partitioner: str) -> ShardSizes:
-    """A partitioner without a closed form here: run it on the layout and group its ranks."""
-    from ..partition import get_partitioner
-
-    fn = get_partitioner(partitioner)
-    if t.layout is None:
-        raise ConfigError("partitioner", partitioner, "has no closed form here; pass a layout (--model), not a bare count")
-    plan = fn(t.layout, k)
-    sizes = [s.padded_numel for s in plan.shards]
-    return ShardSizes(partitioner, k, t.total, _classes_from_sizes(sizes), sum(sizes) - t.total,
-                      f"measured from the {partitioner} partitioner's ShardPlan")
-
-
-# ---------------------------------------------------------------------------------------------
-# the estimate
-# ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Placed:
     """Bytes on the device and on the host."""
@@ -502,10 +157,15 @@ class MemoryEstimate:
             "packing": self.packing,
             "padding_elements_per_shard_group": self.shard.padding,
             "largest_block_numel": self.largest_block_numel,
-            "settings": {**self.settings.to_json(), "bytes_per_element": self.settings.bytes_per_element(self.strategy)},
+            "settings": {
+                **self.settings.to_json(),
+                "bytes_per_element": self.settings.bytes_per_element(self.strategy),
+            },
             "units": "bytes",
-            "accounting": ("params/grads/optimizer_states/total: persistent model states (ZeRO paper "
-                           "accounting, with partitioner padding); transient/peak: the reference engine's schedule"),
+            "accounting": (
+                "params/grads/optimizer_states/total: persistent model states (ZeRO paper "
+                "accounting, with partitioner padding); transient/peak: the reference engine's schedule"
+            ),
             "transient_modelled": self.transient_modelled,
             "per_rank": self.per_rank.to_json(),
             "rank_classes": [c.to_json() for c in self.classes],
@@ -522,7 +182,7 @@ def _strategy(strategy: ShardingStrategy | str, topology: Topology) -> ShardingS
 _PER_TENSOR_RULES = ("fsdp", "fsdp2", "deepspeed-zero3")
 
 
-def _block_units(t: _Tensors, k: int, partitioner: str | None) -> list[UnitBytes]:
+def _block_units(t: ModelTensors, k: int, partitioner: str | None) -> list[UnitBytes]:
     """ZeRO-3 units (one per block) with their packed sizes under the partitioner's rule."""
     lay = t.layout
     assert lay is not None
@@ -534,18 +194,20 @@ def _block_units(t: _Tensors, k: int, partitioner: str | None) -> list[UnitBytes
             sub = ParamLayout(tuple(lay.tensors[i] for i in b.tensor_indices), {}, b.name)
             chunk = shard_sizes(sub, k, name).max_stored
         else:
-            chunk = _ceil(n, k)
+            chunk = ceil_div(n, k)
         out.append(UnitBytes(b.name, n, k * chunk, False))
     return out
 
 
-def _engine_units(t: _Tensors, strategy: ShardingStrategy, world_size: int,
+def _engine_units(t: ModelTensors, strategy: ShardingStrategy, world_size: int,
                   partitioner: str | None) -> tuple[int, list[UnitBytes], str]:
-    """The reference engine's packing (``zerosim.engine.flat_buffers``): exact, built from the plan."""
-    from ..engine.flat_buffers import build_unit_plan
+    """The reference engine's packing (``zerosim.flat_buffers``): exact, built from the plan."""
+    from ..flat_buffers import build_unit_plan
 
     if t.layout is None:
-        raise ConfigError("packing", "engine", "needs a layout (the engine packs per block), not a bare count")
+        raise ConfigError(
+            "packing", "engine", "needs a layout (the engine packs per block), not a bare count"
+        )
     name = partitioner or "fsdp"
     plan = build_unit_plan(t.layout, strategy, name, world_size)
     units = [UnitBytes(u.name, u.numel, u.packed_numel, not u.is_identity) for u in plan.units]
@@ -588,7 +250,9 @@ def transient_phases(strategy: ShardingStrategy, settings: MemorySettings, total
             return out
         gathered = [u.packed_numel * pb + (u.numel * pb if u.unpack_copy else 0) for u in units]
         out["forward"] = _window_max(gathered, 1 + d)
-        after_free = max(sum(gathered[max(j - d, 0):j]) + units[j].packed_numel * gb for j in range(len(units)))
+        after_free = max(
+            sum(gathered[max(j - d, 0) : j]) + units[j].packed_numel * gb for j in range(len(units))
+        )
         out["backward"] = max(out["forward"], after_free)
     elif strategy.shards_optimizer:
         packed = units[0].packed_numel if units else shard_numel
@@ -632,7 +296,7 @@ def memory_per_rank(
         raise ConfigError("packing", packing, "must be 'partitioner' or 'engine'")
     settings = settings or MemorySettings()
     strat = _strategy(strategy, topology)
-    t = _as_tensors(layout_or_numel)
+    t = model_tensors(layout_or_numel)
     P = t.total
     k = strat.shard_group_size(topology.world_size)
     r = topology.world_size // k
@@ -640,24 +304,40 @@ def memory_per_rank(
 
     off = settings.offloaded
     if "params" in off and not strat.shards_params:
-        raise ConfigError("offload", settings.offload,
-                          f"offloading params needs a strategy that shards them (zero3 / hybrid_shard), not {strat.name}")
+        raise ConfigError(
+            "offload",
+            settings.offload,
+            f"offloading params needs a strategy that shards them (zero3 / hybrid_shard), not {strat.name}",
+        )
 
     if packing == "engine":
         shard_numel, units, part_name = _engine_units(t, strat, topology.world_size, partitioner)
         if not strat.shards_optimizer:
             shard_numel = P
-        sizes = _uniform(part_name, k, P, shard_numel, "reference engine packing: per unit, every rank stores "
-                         "the largest rank's share") if k > 1 else _uniform(part_name, 1, P, P, "unsharded")
+        sizes = (
+            uniform_shard_sizes(
+                part_name,
+                k,
+                P,
+                shard_numel,
+                "reference engine packing: per unit, every rank stores the largest rank's share",
+            )
+            if k > 1
+            else uniform_shard_sizes(part_name, 1, P, P, "unsharded")
+        )
     else:
-        sizes = shard_sizes(layout_or_numel, k, partitioner) if k > 1 else _uniform(partitioner or "paper", 1, P, P, "unsharded")
+        sizes = (
+            shard_sizes(layout_or_numel, k, partitioner)
+            if k > 1
+            else uniform_shard_sizes(partitioner or "paper", 1, P, P, "unsharded")
+        )
         units = []
         if strat.shards_params and t.layout is not None and largest_block_numel is None:
             units = _block_units(t, k, partitioner)
         elif strat.shards_params and largest_block_numel is not None:
             n_blocks = max(1, settings.prefetch_depth + 1)
             L = require_non_negative_int("largest_block_numel", largest_block_numel)
-            units = [UnitBytes(f"block{i}", L, _ceil(L, k) * k, False) for i in range(n_blocks)]
+            units = [UnitBytes(f"block{i}", L, ceil_div(L, k) * k, False) for i in range(n_blocks)]
         elif strat.shards_optimizer and not strat.shards_params:
             units = [UnitBytes("model", P, k * sizes.max_stored, False)]
     if sizes.padding:
@@ -699,5 +379,8 @@ def all_strategies(topology: Topology) -> list[ShardingStrategy]:
     out = [ShardingStrategy(StrategyKind.NO_SHARD), ShardingStrategy(StrategyKind.SHARD_OPTIMIZER),
            ShardingStrategy(StrategyKind.SHARD_GRAD_OP), ShardingStrategy(StrategyKind.FULL_SHARD)]
     if topology.num_nodes > 1:
-        out += [ShardingStrategy.hybrid_shard(topology.rpn), ShardingStrategy.hybrid_shard_zero2(topology.rpn)]
+        out += [
+            ShardingStrategy.hybrid_shard(topology.rpn),
+            ShardingStrategy.hybrid_shard_zero2(topology.rpn),
+        ]
     return out

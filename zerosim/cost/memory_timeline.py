@@ -17,7 +17,8 @@ from typing import Any
 from ..errors import ConfigError, require_positive_int
 from ..layout import ParamLayout
 from ..strategy import ShardingStrategy, Topology
-from .memory_model import MemoryEstimate, MemorySettings, memory_per_rank
+from .memory_model import MemoryEstimate, memory_per_rank
+from .memory_settings import MemorySettings
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,13 @@ class TimelinePoint:
     host: int           # bytes in host memory after the event
 
     def to_json(self) -> dict[str, Any]:
-        return {"index": self.index, "phase": self.phase, "event": self.event, "device": self.device, "host": self.host}
+        return {
+            "index": self.index,
+            "phase": self.phase,
+            "event": self.event,
+            "device": self.device,
+            "host": self.host,
+        }
 
 
 def modelled_step_timeline(

@@ -13,11 +13,11 @@ from ..errors import ConfigError
 
 UNITS: dict[str, int] = {
     "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "PB": 10**15,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "PiB": 2**50,
 }
-DECIMAL_STEPS = ("B", "KB", "MB", "GB", "TB")
-BINARY_STEPS = ("B", "KiB", "MiB", "GiB", "TiB")
+DECIMAL_STEPS = ("B", "KB", "MB", "GB", "TB", "PB")
+BINARY_STEPS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 def parse_unit(name: str) -> str:

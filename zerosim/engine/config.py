@@ -13,8 +13,10 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
+from ..comm.sim import SCHEDULES
 from ..cost.comm_model import ZERO1_GRAD_REDUCE
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
+from ..flat_buffers import UnitPlan, build_unit_plan
 from ..layout import ParamLayout
 from ..model import SimModelConfig, sim_layout
 from ..optim import OptimizerSpec
@@ -23,9 +25,8 @@ from ..plan import StatePlan, build_plan
 from ..precision import Precision
 from ..presets import PRESETS
 from ..strategy import ShardingStrategy, StrategyKind, Topology
-from .flat_buffers import UnitPlan, build_unit_plan
+from .fault_catalog import FAULTS
 
-SCHEDULES = ("serial", "parallel")
 OBSERVE_LEVELS = ("full", "digest", "none", "auto")
 XP_NAMES = ("numpy", "torch")
 AUTO_FULL_LIMIT = 20_000_000    # world * steps * params above which "auto" keeps digests of gathered weights
@@ -44,7 +45,8 @@ class NanInjection:
 
 @dataclass
 class RunConfig:
-    """One run of the reference engine. Strings are parsed by :meth:`resolve` (``strategy="hybrid_shard:2"``)."""
+    """One run of the reference engine. Strings are parsed by :meth:`resolve` (``strategy="hybrid_shard:2"``).
+    """
 
     model: str | SimModelConfig = "tiny"
     world_size: int = 4
@@ -111,7 +113,11 @@ class ResolvedRun:
         self.micro_batches = require_positive_int("micro_batches", cfg.micro_batches)
         self.seed = require_non_negative_int("seed", cfg.seed)
         self.prefetch = require_non_negative_int("prefetch", cfg.prefetch)
-        if not isinstance(cfg.timeout_s, (int, float)) or isinstance(cfg.timeout_s, bool) or not cfg.timeout_s > 0:
+        if (
+            not isinstance(cfg.timeout_s, (int, float))
+            or isinstance(cfg.timeout_s, bool)
+            or not cfg.timeout_s > 0
+        ):
             raise ConfigError("timeout_s", cfg.timeout_s, "must be a positive number of seconds")
         if cfg.schedule not in SCHEDULES:
             raise ConfigError("schedule", cfg.schedule, f"known: {', '.join(SCHEDULES)}")
@@ -122,7 +128,11 @@ class ResolvedRun:
         if not isinstance(cfg.offload, bool):
             raise ConfigError("offload", cfg.offload, "must be true or false")
         if not isinstance(cfg.zero1_grad_reduce, str) or cfg.zero1_grad_reduce not in ZERO1_GRAD_REDUCE:
-            raise ConfigError("zero1_grad_reduce", cfg.zero1_grad_reduce, f"known: {', '.join(ZERO1_GRAD_REDUCE)} (--zero1-reduce)")
+            raise ConfigError(
+                "zero1_grad_reduce",
+                cfg.zero1_grad_reduce,
+                f"known: {', '.join(ZERO1_GRAD_REDUCE)} (--zero1-reduce)",
+            )
         self.zero1_grad_reduce = cfg.zero1_grad_reduce
         self.model_cfg = _model_config(cfg)
         self.layout: ParamLayout = sim_layout(self.model_cfg)
@@ -136,7 +146,9 @@ class ResolvedRun:
                 raise ConfigError("strategy", self.strategy.name,
                                   f"the shard group size {k} does not divide world_size={self.world_size}")
         try:
-            self.topology = Topology(self.world_size, cfg.ranks_per_node or _default_rpn(self.strategy, self.world_size))
+            self.topology = Topology(
+                self.world_size, cfg.ranks_per_node or _default_rpn(self.strategy, self.world_size)
+            )
         except ConfigError as e:
             raise ConfigError("ranks_per_node", cfg.ranks_per_node, e.reason) from None
         get_partitioner(cfg.partitioner)  # unknown name -> ConfigError listing the known ones
@@ -144,10 +156,12 @@ class ResolvedRun:
         self.spec = _optimizer_spec(cfg)
         self.precision = Precision.parse(cfg.precision)
         if cfg.offload and not self.strategy.shards_params:
-            raise ConfigError("offload", True, f"CPU offload is implemented for FULL_SHARD / HYBRID_SHARD, not {self.strategy.name}")
+            raise ConfigError(
+                "offload",
+                True,
+                f"CPU offload is implemented for FULL_SHARD / HYBRID_SHARD, not {self.strategy.name}",
+            )
         self.inject_nan = _injection(cfg.inject_nan, self)
-        from .faults import FAULTS  # late import: faults subclass the engine
-
         if cfg.fault is not None and cfg.fault not in FAULTS:
             raise ConfigError("fault", cfg.fault, f"unknown fault; known: {', '.join(sorted(FAULTS))}")
         self.fault = cfg.fault
@@ -159,7 +173,9 @@ class ResolvedRun:
         if self.strategy.shards_optimizer and self.layout.total_numel < 1:
             raise ConfigError("model", cfg.model, "has no parameters")
         # unit plan last: it runs the partitioner (cheap; O(tensors * ranks))
-        self.unit_plan: UnitPlan = build_unit_plan(self.layout, self.strategy, self.partitioner, self.world_size)
+        self.unit_plan: UnitPlan = build_unit_plan(
+            self.layout, self.strategy, self.partitioner, self.world_size
+        )
         # What ranks keep for the contracts (memory!): shard values (master, optimizer state: about
         # 3 x params per step over all ranks), every rank's full gathered weights (world x params per step).
         psi_steps = self.layout.total_numel * self.steps
@@ -180,17 +196,32 @@ class ResolvedRun:
     @property
     def zero1_reduce_scatter(self) -> bool:
         """ZeRO-1 averaging its gradient with a reduce-scatter into the rank's shard (not an all-reduce)."""
-        return self.strategy.kind is StrategyKind.SHARD_OPTIMIZER and self.zero1_grad_reduce == "reduce_scatter"
+        return (
+            self.strategy.kind is StrategyKind.SHARD_OPTIMIZER and self.zero1_grad_reduce == "reduce_scatter"
+        )
 
     def describe(self) -> dict[str, Any]:
-        return {"model": self.model_cfg.__dict__, "num_params": self.layout.total_numel,
-                "world_size": self.world_size, "strategy": self.strategy.name, "partitioner": self.partitioner,
-                "ranks_per_node": self.topology.ranks_per_node, "shard_group_size": self.k,
-                "replicas": self.replicas, "optimizer": self.spec.to_dict(), "precision": self.precision.name,
-                "steps": self.steps, "micro_batches": self.micro_batches, "seed": self.seed,
-                "offload": self.cfg.offload, "prefetch": self.prefetch, "fault": self.fault,
-                "zero1_grad_reduce": self.zero1_grad_reduce,
-                "packed_numel": self.unit_plan.packed_numel, "units": len(self.unit_plan.units)}
+        return {
+            "model": self.model_cfg.__dict__,
+            "num_params": self.layout.total_numel,
+            "world_size": self.world_size,
+            "strategy": self.strategy.name,
+            "partitioner": self.partitioner,
+            "ranks_per_node": self.topology.ranks_per_node,
+            "shard_group_size": self.k,
+            "replicas": self.replicas,
+            "optimizer": self.spec.to_dict(),
+            "precision": self.precision.name,
+            "steps": self.steps,
+            "micro_batches": self.micro_batches,
+            "seed": self.seed,
+            "offload": self.cfg.offload,
+            "prefetch": self.prefetch,
+            "fault": self.fault,
+            "zero1_grad_reduce": self.zero1_grad_reduce,
+            "packed_numel": self.unit_plan.packed_numel,
+            "units": len(self.unit_plan.units),
+        }
 
 
 def _default_rpn(strategy: ShardingStrategy, world_size: int) -> int:
@@ -214,7 +245,9 @@ def _model_config(cfg: RunConfig) -> SimModelConfig:
         raise ConfigError("model", cfg.model, f"unknown preset; known: {', '.join(PRESETS)}")
     m = SimModelConfig.from_preset(cfg.model, **overrides)
     if m.vocab_size * m.d_model * (m.n_layer + 2) > 2_000_000_000:
-        raise ConfigError("model", cfg.model, "too large to simulate in one process (use sim-10m, tiny or gpt2-small)")
+        raise ConfigError(
+            "model", cfg.model, "too large to simulate in one process (use sim-10m, tiny or gpt2-small)"
+        )
     return m
 
 
@@ -232,11 +265,18 @@ def _optimizer_spec(cfg: RunConfig) -> OptimizerSpec:
         return spec
     overrides: dict[str, Any] = {"max_grad_norm": cfg.max_grad_norm}
     if cfg.lr is not None:
-        if isinstance(cfg.lr, bool) or not isinstance(cfg.lr, (int, float)) or not math.isfinite(cfg.lr) or cfg.lr <= 0:
+        if (
+            isinstance(cfg.lr, bool)
+            or not isinstance(cfg.lr, (int, float))
+            or not math.isfinite(cfg.lr)
+            or cfg.lr <= 0
+        ):
             raise ConfigError("lr", cfg.lr, "must be a positive number")
         overrides["lr"] = cfg.lr
     if not isinstance(cfg.optimizer, str):
-        raise ConfigError("optimizer", cfg.optimizer, "expected a name (sgd, adam, adamw) or an OptimizerSpec")
+        raise ConfigError(
+            "optimizer", cfg.optimizer, "expected a name (sgd, adam, adamw) or an OptimizerSpec"
+        )
     name = cfg.optimizer.lower()
     if name == "sgd" and "momentum" not in cfg.extra:
         overrides["momentum"] = 0.9
@@ -252,11 +292,17 @@ def _injection(raw: Any, run: ResolvedRun) -> NanInjection | None:
     if isinstance(raw, dict):
         unknown = set(raw) - {"rank", "step", "tensor", "micro"}
         if unknown:
-            raise ConfigError("inject_nan", raw, f"unknown keys {sorted(unknown)}; expected rank, step, tensor, micro")
+            raise ConfigError(
+                "inject_nan", raw, f"unknown keys {sorted(unknown)}; expected rank, step, tensor, micro"
+            )
         try:
-            raw = NanInjection(int(raw["rank"]), int(raw.get("step", 0)), str(raw["tensor"]), int(raw.get("micro", 0)))
+            raw = NanInjection(
+                int(raw["rank"]), int(raw.get("step", 0)), str(raw["tensor"]), int(raw.get("micro", 0))
+            )
         except (KeyError, TypeError, ValueError):
-            raise ConfigError("inject_nan", raw, "expected {'rank': int, 'step': int, 'tensor': name}") from None
+            raise ConfigError(
+                "inject_nan", raw, "expected {'rank': int, 'step': int, 'tensor': name}"
+            ) from None
     if not isinstance(raw, NanInjection):
         raise ConfigError("inject_nan", raw, "expected a dict or a NanInjection")
     if not 0 <= raw.rank < run.world_size:

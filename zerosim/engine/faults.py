@@ -3,18 +3,16 @@
 A contract that cannot fail is a defect, so every step contract has a test where one of these makes
 it fail with a useful diagnostic. They are also a demo: ``zerosim simulate --fault local-norm-clip``
 shows what the contracts report. Each variant overrides one hook of :class:`ZeroEngine`; the bug
-classes are numbered as in REFERENCES.md.
+classes are numbered as in docs/references.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from ..flat_buffers import FlatUnit
 from ..observe import Holding
-from ..strategy import ShardingStrategy, StrategyKind
-from .flat_buffers import FlatUnit
+from .fault_catalog import FAULTS
 from .zero import ZeroEngine
 
 FAULTY_RANK = 1  # the rank that misbehaves in single-rank faults (rank 0 when the world has one rank)
@@ -126,55 +124,12 @@ class PaddingLeak(ZeroEngine):
         return 1.0
 
 
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    engine: type[ZeroEngine]
-    description: str
-    applies: Callable[[ShardingStrategy, int], bool]
-    catches: tuple[str, ...]  # contracts expected to fail
-
-
-def _any(s: ShardingStrategy, n: int) -> bool:
-    return n > 1
-
-
-def _hybrid(s: ShardingStrategy, n: int) -> bool:
-    return s.is_hybrid and n // (s.intra_node_size or n) > 1
-
-
-def _sharded_grads(s: ShardingStrategy, n: int) -> bool:
-    return s.shards_grads and n > 1
-
-
-def _gathers(s: ShardingStrategy, n: int) -> bool:
-    return s.kind is not StrategyKind.NO_SHARD and n > 1
-
-
-def _zero3(s: ShardingStrategy, n: int) -> bool:
-    return s.shards_params
-
-
-FAULTS: dict[str, Fault] = {f.name: f for f in (
-    Fault("sum-instead-of-avg", SumInsteadOfAvg, "gradients summed, not averaged (bug class 1)", _any, ("C-ZERO-002",)),
-    Fault("no-accum-average", NoAccumulationAverage, "micro-batch accumulation not divided by M (bug class 2)",
-          lambda s, n: True, ("C-ZERO-002",)),
-    Fault("local-norm-clip", LocalNormClip, "clip with the rank-local norm (bug class 3)", _sharded_grads, ("C-ZERO-002",)),
-    Fault("norm-over-replicas", NormOverReplicas, "hybrid norm summed over replicas (bug class 4)", _hybrid,
-          ("C-ZERO-002",)),
-    Fault("skip-replicate-allreduce", SkipReplicateAllReduce, "hybrid without the replicate all-reduce (bug class 5)",
-          _hybrid, ("C-ZERO-002", "C-ZERO-003", "C-ZERO-005")),
-    Fault("stale-params", StaleParams, "rank 1 computes with stale parameters (bug class 7)", _gathers,
-          ("C-ZERO-002", "C-ZERO-003")),
-    Fault("keep-gathered", KeepGathered, "ZeRO-3 never frees gathered blocks", _zero3, ("C-ZERO-004",)),
-    Fault("hidden-full-copy", HiddenFullCopy, "rank 0 keeps a full fp32 copy", lambda s, n: s.shards_optimizer,
-          ("C-ZERO-004",)),
-    Fault("extra-all-gather", ExtraAllGather, "one all-gather too many per step", _gathers, ("C-ZERO-005",)),
-    Fault("padding-leak", PaddingLeak, "gradient padding filled with ones (bug class 8)",
-          lambda s, n: s.shards_grads, ("C-ZERO-002",)),
-)}
+#: every variant by class name (the catalogue in :mod:`zerosim.engine.fault_catalog` names them)
+VARIANTS: dict[str, type[ZeroEngine]] = {cls.__name__: cls for cls in (
+    SumInsteadOfAvg, NoAccumulationAverage, LocalNormClip, NormOverReplicas, SkipReplicateAllReduce,
+    StaleParams, KeepGathered, HiddenFullCopy, ExtraAllGather, PaddingLeak)}
 
 
 def engine_class(fault: str | None) -> type[ZeroEngine]:
-    """The engine class for a run: the reference engine, or a broken variant by name."""
-    return ZeroEngine if fault is None else FAULTS[fault].engine
+    """The engine class for a run: the reference engine, or a broken variant by its catalogue name."""
+    return ZeroEngine if fault is None else VARIANTS[FAULTS[fault].engine]

@@ -19,10 +19,11 @@ Locations: ``device`` (the accelerator) and ``host`` (CPU offload). In the simul
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from ..observe import StepMemory
 
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "grad_buffers", "activations")
 LOCATIONS = ("device", "host")
@@ -50,24 +51,6 @@ class MemoryEvent:
                 "device_total": self.device_total, "host_total": self.host_total}
 
 
-@dataclass
-class StepMemory:
-    """Peaks and end-of-step live bytes of one step (bytes, per category/location)."""
-
-    step: int
-    peak_by_location: dict[str, int] = field(default_factory=dict)
-    peak_by_category: dict[str, int] = field(default_factory=dict)
-    peak_live_params: int = 0  # peak of params + gathered on the device (ZeRO-3's bound)
-    live_at_end: dict[str, dict[str, int]] = field(default_factory=dict)  # location -> category -> bytes
-    live_keys_at_end: dict[str, list[str]] = field(default_factory=dict)  # transient category -> live buffers
-
-    def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "peak_by_location": dict(self.peak_by_location),
-                "peak_by_category": dict(self.peak_by_category), "peak_live_params": self.peak_live_params,
-                "live_at_end": {k: dict(v) for k, v in self.live_at_end.items()},
-                "live_keys_at_end": {k: list(v) for k, v in self.live_keys_at_end.items()}}
-
-
 class MemoryTracker:
     """Per-rank accounting of live bytes. ``timeline_steps`` bounds how many steps keep events."""
 
@@ -81,6 +64,9 @@ class MemoryTracker:
         self.phase = "init"
         self.events: list[MemoryEvent] = []
         self._seq = 0
+        self._peak_loc: dict[str, int] = {}
+        self._peak_cat: dict[str, int] = {}
+        self._peak_live_params = 0
         self._reset_peaks()
         self.steps: list[StepMemory] = []
         self.init_peak_by_location: dict[str, int] = {}
@@ -131,8 +117,11 @@ class MemoryTracker:
         self._peak_loc = dict(getattr(self, "_loc_totals", {loc: 0 for loc in LOCATIONS}))
         self._peak_cat = {c: self._totals.get((c, "device"), 0) + self._totals.get((c, "host"), 0)
                           for c in CATEGORIES} if hasattr(self, "_totals") else {}
-        self._peak_live_params = (self._totals.get(("params", "device"), 0) + self._totals.get(("gathered", "device"), 0)
-                                  if hasattr(self, "_totals") else 0)
+        self._peak_live_params = (
+            self._totals.get(("params", "device"), 0) + self._totals.get(("gathered", "device"), 0)
+            if hasattr(self, "_totals")
+            else 0
+        )
 
     # ---- steps ---------------------------------------------------------------------------------------
     def begin_step(self, step: int) -> None:

@@ -11,8 +11,9 @@ Two of them, for two different questions:
   floating-point operations*: per-(rank, micro-batch) gradients from the unsharded model, reduced
   in the simulator's rank order with the strategy's grouping (reduce-scatter per micro-batch for
   ZeRO-2/3, local accumulation then all-reduce (or reduce-scatter) for NO_SHARD/ZeRO-1, shard
-  group then replicate group for hybrid), the norm summed shard by shard as the ranks sum it. Every optimizer is
-  elementwise, so a correct engine matches it **bit for bit**; any single flipped bit is a finding.
+  group then replicate group for hybrid), the norm summed shard by shard as the ranks sum it. Every
+  optimizer is elementwise, so a correct engine matches it **bit for bit**; any single flipped bit is
+  a finding.
 
 Both run in one process on numpy, never sharded, never through a communicator.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..comm.sim import reduce_in_rank_order
 from ..flat import flatten, unflatten
 from ..groundtruth import train_ground_truth
 from ..model import BlockModel, init_params, synthetic_batch
@@ -70,16 +72,6 @@ def independent_reference(run: ResolvedRun) -> Reference:
     return ref
 
 
-def _reduce_in_rank_order(xs: list[np.ndarray], op: str) -> np.ndarray:
-    """Exactly what the simulator's collectives compute: copy the first, add the rest in order, divide."""
-    acc = xs[0].copy()
-    for x in xs[1:]:
-        acc += x
-    if op == "avg":
-        acc /= len(xs)
-    return acc
-
-
 def ordered_reference(run: ResolvedRun) -> Reference:
     """The unsharded computation in the engine's floating-point order (bitwise equal when correct)."""
     xp = numpy_namespace()
@@ -110,16 +102,18 @@ def ordered_reference(run: ResolvedRun) -> Reference:
                 for micro in range(1, m_count):
                     acc += grads[(rank, micro)]
                 accs.append(acc)
-            total = _reduce_in_rank_order(accs, "avg") if n > 1 else accs[0]
+            total = reduce_in_rank_order(accs, "avg") if n > 1 else accs[0]
         else:  # ZeRO-2/3 and hybrids: reduce-scatter per micro-batch in the shard group, then replicas
             group_accs = []
-            for g in range(r):
+            for grp in range(r):
                 acc = None
                 for micro in range(m_count):
-                    red = _reduce_in_rank_order([grads[(g * k + j, micro)] for j in range(k)], "avg")
+                    red = reduce_in_rank_order([grads[(grp * k + j, micro)] for j in range(k)], "avg")
                     acc = red if acc is None else acc + red
                 group_accs.append(acc)
-            total = _reduce_in_rank_order(group_accs, "avg") if (strategy.is_hybrid and r > 1) else group_accs[0]
+            total = (
+                reduce_in_rank_order(group_accs, "avg") if (strategy.is_hybrid and r > 1) else group_accs[0]
+            )
         if m_count > 1:
             total /= m_count
         # norm exactly as the ranks sum it (reduce-scatter ZeRO-1 holds only its chunk, like ZeRO-2)
@@ -130,7 +124,7 @@ def ordered_reference(run: ResolvedRun) -> Reference:
                 for unit in units.units:
                     local += xp.sum_of_squares(_concat_pieces(total, unit.owned_global(j)))
                 partial.append(np.array([local], dtype=np.float64))
-            sumsq = float(_reduce_in_rank_order(partial, "sum")[0])
+            sumsq = float(reduce_in_rank_order(partial, "sum")[0])
         else:
             sumsq = xp.sum_of_squares(total)
         norm = global_norm_from_sumsq(sumsq)
@@ -139,9 +133,19 @@ def ordered_reference(run: ResolvedRun) -> Reference:
             coef = clip_coefficient(norm, run.spec.max_grad_norm)
             apply_clip_(total, coef, xp)
         opt.step(master, total, state)
-        ref.steps.append(ReferenceStep(step, master.copy(), {kk: v.copy() for kk, v in state.items() if kk != "step"},
-                                       int(state["step"]), float(np.mean(losses)), norm, coef, total.copy(),
-                                       np.asarray(prec.to_params(master, xp)).copy()))
+        ref.steps.append(
+            ReferenceStep(
+                step,
+                master.copy(),
+                {kk: v.copy() for kk, v in state.items() if kk != "step"},
+                int(state["step"]),
+                float(np.mean(losses)),
+                norm,
+                coef,
+                total.copy(),
+                np.asarray(prec.to_params(master, xp)).copy(),
+            )
+        )
     return ref
 
 

@@ -3,8 +3,8 @@
 No numpy here: arrays are touched only through :class:`~zerosim.xp.ArrayNamespace` (numpy in the
 simulator and under MPI, torch in zerogpu and in the torch-CPU test), and other ranks only through
 the :class:`~zerosim.comm.base.Communicator`. The collective schedule per optimizer step (M
-micro-batches, ``k`` = shard group size, ``r`` = replicas; see the team brief and
-:mod:`zerosim.cost.comm_model`, which predicts exactly this):
+micro-batches, ``k`` = shard group size, ``r`` = replicas; :mod:`zerosim.cost.comm_model` predicts
+exactly this):
 
 * NO_SHARD: gradients accumulated locally; one ``all_reduce(avg)`` of the flat gradient over the
   world; every rank steps everything.
@@ -34,6 +34,10 @@ NaN is never averaged into every rank.
 
 Subclasses in :mod:`zerosim.engine.faults` override single hooks (``grad_reduce_op``,
 ``global_sumsq``, ...) to make the deliberately broken variants the contract tests need.
+
+Why one module of this length: it is the algorithm, read top to bottom (set-up, forward with
+gathers, backward with reductions, the optimizer step, observations); the hooks the broken variants
+override only make sense next to the code they replace.
 """
 
 from __future__ import annotations
@@ -44,13 +48,13 @@ from typing import Any
 from ..comm.base import Communicator
 from ..errors import ConfigError, NonFiniteGradientError
 from ..flat import flatten
+from ..flat_buffers import FlatUnit
 from ..intervals import merge_adjacent
 from ..model import BlockModel, init_params, synthetic_batch
 from ..observe import Holding, RankObservation, ShardValues, StepObservation, TrafficItem, digest
 from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
 from ..xp import ArrayNamespace
 from .config import ResolvedRun
-from .flat_buffers import FlatUnit
 from .memory_tracker import MemoryTracker
 
 
@@ -70,10 +74,14 @@ class ZeroEngine:
 
     def __init__(self, comm: Communicator, run: ResolvedRun, xp: ArrayNamespace):
         if comm.world_size != run.world_size:
-            raise ConfigError("world_size", run.world_size,
-                              f"the communicator has {comm.world_size} ranks; the run expects {run.world_size}")
+            raise ConfigError(
+                "world_size",
+                run.world_size,
+                f"the communicator has {comm.world_size} ranks; the run expects {run.world_size}",
+            )
         self.comm = comm
         self.run = run
+        self._micro_grads: dict[str, Any] = {}  # this micro-batch's gradients, until they are reduced
         self.xp = xp
         self.rank = comm.rank
         self.strategy = run.strategy
@@ -96,7 +104,9 @@ class ZeroEngine:
         self._moved = {"host_to_device": 0, "device_to_host": 0}
         self.layout = run.layout
         self.total = self.layout.total_numel
-        self.obs = RankObservation(self.rank, comm.world_size, self.group_index, self.local, {}, getattr(comm, "backend", "?"))
+        self.obs = RankObservation(
+            self.rank, comm.world_size, self.group_index, self.local, {}, getattr(comm, "backend", "?")
+        )
         self._gathered: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
         self._make_groups()
         self._init_state()
@@ -125,7 +135,14 @@ class ZeroEngine:
         self.observe_comm = None
         if self.sharded_params:
             self.observe_comm = c.split(g, name="world.observe" if k == n else f"shard[{g}].observe")
-        for comm in (c, self.shard_comm, self.replicate_comm, self.control, self.shard_control, self.observe_comm):
+        for comm in (
+            c,
+            self.shard_comm,
+            self.replicate_comm,
+            self.control,
+            self.shard_control,
+            self.observe_comm,
+        ):
             if comm is not None:
                 self.obs.groups[comm.group_name] = tuple(comm.global_ranks)
 
@@ -146,7 +163,9 @@ class ZeroEngine:
         share = getattr(self.comm, "shared", None)  # the simulator builds it once for all its ranks
         full = share(("init_params", cfg, seed), make) if callable(share) else make()
         pdt = self.precision.param_dtype
-        self.owned_pieces = tuple(self.units.owned_global(self.local)) if self.sharded_optim else ((0, self.total, 0),)
+        self.owned_pieces = (
+            tuple(self.units.owned_global(self.local)) if self.sharded_optim else ((0, self.total, 0),)
+        )
         if self.sharded_optim:
             master = xp.zeros(self.units.shard_numel, "float32")
             host = xp.to_numpy(master) if xp.backend == "numpy" else None
@@ -164,7 +183,7 @@ class ZeroEngine:
                 self.param_shard = self.precision.to_params(self.master, xp)
             else:  # fp32: the shard is the master, unless the master lives on the host (offload)
                 self.param_shard = xp.copy(self.master) if self.offload else self.master
-            self.params_full = None
+            self.params_full: Any = None  # ZeRO-3 holds no full copy between uses
         else:
             self.param_shard = None
             if self.sharded_optim or self.mixed:
@@ -218,7 +237,8 @@ class ZeroEngine:
         return self.replicate_comm.all_reduce(acc, self.grad_reduce_op())
 
     def use_gathered(self, block: str, views: dict[str, Any], step: int) -> dict[str, Any]:
-        """The parameters the block computes with: the freshly gathered ones (bug class 7 keeps stale ones)."""
+        """The parameters the block computes with: the freshly gathered ones (bug class 7 keeps stale ones).
+        """
         return views
 
     def release(self, block: str) -> None:
@@ -274,7 +294,10 @@ class ZeroEngine:
             return
         for segs in unit.segments:
             for s in segs:
-                xp.assign(dst[s.unit_start:s.unit_start + s.length], packed[s.packed_start:s.packed_start + s.length])
+                xp.assign(
+                    dst[s.unit_start : s.unit_start + s.length],
+                    packed[s.packed_start : s.packed_start + s.length],
+                )
 
     def _own_chunk(self, full: Any) -> Any:
         """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array."""
@@ -286,14 +309,19 @@ class ZeroEngine:
 
     def _tensor_views(self, unit: FlatUnit, flat: Any) -> dict[str, Any]:
         xp = self.xp
-        return {name: xp.reshape(flat[off:off + _numel(shape)], shape)
-                for name, off, shape in zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True)}
+        return {
+            name: xp.reshape(flat[off : off + _numel(shape)], shape)
+            for name, off, shape in zip(
+                unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True
+            )
+        }
 
     # =============================================================================================
     # parameters of a block
     # =============================================================================================
     def gather_unit(self, unit: FlatUnit, comm: Communicator) -> tuple[Any, Any]:
-        """All-gather the unit's parameter chunks over ``comm``; returns (packed buffer, unit-space params)."""
+        """All-gather the unit's parameter chunks over ``comm``; returns (packed buffer, unit-space params).
+        """
         off = self.units.shard_offsets[unit.index]
         shard = self.param_shard[off:off + unit.chunk]
         packed = comm.all_gather(shard)
@@ -326,7 +354,11 @@ class ZeroEngine:
     # =============================================================================================
     def _inject(self, step: int, micro: int, grads: dict[str, Any]) -> dict[str, Any]:
         inj = self.run.inject_nan
-        if inj is None or (inj.rank, inj.step, inj.micro) != (self.rank, step, micro) or inj.tensor not in grads:
+        if (
+            inj is None
+            or (inj.rank, inj.step, inj.micro) != (self.rank, step, micro)
+            or inj.tensor not in grads
+        ):
             return grads
         xp = self.xp
         g = xp.copy(grads[inj.tensor])
@@ -399,7 +431,10 @@ class ZeroEngine:
         optimizer state); the packed copy is transient, the chunk lives until the params are refreshed."""
         assert self.shard_comm is not None
         unit = self.units.units[0]
-        named = {t.name: self.grad_acc[g0:g0 + t.numel] for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)}
+        named = {
+            t.name: self.grad_acc[g0 : g0 + t.numel]
+            for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)
+        }
         packed = self._pack_grads(unit, named)
         self.tracker.alloc("gradbuf:packed", "grad_buffers", self.xp.nbytes(packed))
         part = self.shard_comm.reduce_scatter(packed, self.grad_reduce_op())
@@ -463,13 +498,16 @@ class ZeroEngine:
         self.control.barrier()  # every rank starts the step together (control group: no data traffic)
         t0 = time.perf_counter()
         tr.begin_step(step)
-        self._micro_grads: dict[str, Any] = {}
+        self._micro_grads = {}
         self._accumulated_names: dict[str, Any] = {}
         losses = [self.micro_batch(step, m) for m in range(self.run.micro_batches)]
         tr.set_phase("reduce")
         grad_shard = None  # ZeRO-1 with reduce_scatter: the rank's averaged gradient chunk
         if not self.sharded_grads:
-            named = {t.name: self.grad_acc[g0:g0 + t.numel] for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)}
+            named = {
+                t.name: self.grad_acc[g0 : g0 + t.numel]
+                for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)
+            }
             self.check_finite(step, named, self.grad_acc)
             if self.zero1_reduce_scatter:
                 grad_shard = self._reduce_scatter_full_grad()
@@ -477,7 +515,12 @@ class ZeroEngine:
                 self.grad_acc = self.comm.all_reduce(self.grad_acc, self.grad_reduce_op())
         elif self.hybrid and self.replicate_comm is not None:
             self.grad_acc = self.replicate_reduce(self.grad_acc)
-        tr.alloc("grads", "grads", xp.nbytes(self.grad_acc), self.optimizer_location if self.sharded_grads else "device")
+        tr.alloc(
+            "grads",
+            "grads",
+            xp.nbytes(self.grad_acc),
+            self.optimizer_location if self.sharded_grads else "device",
+        )
         self.finish_accumulation(self.grad_acc if grad_shard is None else grad_shard)
         # ---- norm, clip, step ---------------------------------------------------------------------
         tr.set_phase("optimizer")
@@ -619,7 +662,9 @@ class ZeroEngine:
 
 def tensor_digests(layout: Any, flat: Any) -> dict[str, str]:
     """Per-tensor digests of a full flat numpy array (C-ZERO-003 on large runs)."""
-    return {t.name: digest(flat[g0:g0 + t.numel]) for t, g0 in zip(layout.tensors, layout.offsets, strict=True)}
+    return {
+        t.name: digest(flat[g0 : g0 + t.numel]) for t, g0 in zip(layout.tensors, layout.offsets, strict=True)
+    }
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -19,4 +19,3 @@ from __future__ import annotations
 BITWISE_MAX_GROUP = 2
 CROSS_BACKEND_RTOL = 1e-5
 CROSS_BACKEND_ATOL = 1e-6
-EXIT_RANK_FAILED = 3  # MPI_Abort code of a failed or timed-out rank (mpiexec's exit status), like simulate's 3

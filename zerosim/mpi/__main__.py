@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from ..errors import ConfigError, ZeroSimError
+from ..errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError
 from ..rank_messages import parse_args_on_rank
 from .rank import run_rank
 
@@ -35,11 +35,13 @@ USAGE = "usage: mpiexec -n N python -m zerosim.mpi simulate [zerosim simulate op
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli.simulate import add_run_arguments
     from ..comm.mpi import TIMEOUT_MODES
+    from ..engine.run_args import add_run_arguments
 
-    parser = argparse.ArgumentParser(prog="mpiexec -n N python -m zerosim.mpi simulate",
-                                     description="Run the reference engine under MPI; rank 0 prints the verdicts.")
+    parser = argparse.ArgumentParser(
+        prog="mpiexec -n N python -m zerosim.mpi simulate",
+        description="Run the reference engine under MPI; rank 0 prints the verdicts.",
+    )
     add_run_arguments(parser)
     parser.set_defaults(world_size=None)  # default: the number of ranks mpiexec started
     mpi = parser.add_argument_group("MPI")
@@ -63,24 +65,30 @@ def _agree_on_config_error(world: Any, error: ZeroSimError | None) -> None:
         return
     if lowest[0] == world.Get_rank():
         print(f"error: {error}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 def _check_world_size(args: argparse.Namespace, size: int) -> None:
     if args.world_size is None:
         args.world_size = size
     elif args.world_size != size:
-        hint = (" (every rank sees a world of 1: is this mpiexec from the MPI library mpi4py was built for? "
-                "see README.md, 'Using a system MPI')" if size == 1 else f"; run mpiexec -n {args.world_size} or drop --world-size")
+        hint = (
+            " (every rank sees a world of 1: is this mpiexec from the MPI library mpi4py was built for? "
+            "see docs/backends-and-launching.md, 'Using a system MPI')"
+            if size == 1
+            else f"; run mpiexec -n {args.world_size} or drop --world-size"
+        )
         raise ConfigError("world_size", args.world_size, f"mpiexec started {size} rank(s){hint}")
 
 
 def simulate(argv: list[str]) -> NoReturn:
     from mpi4py import MPI
 
-    from ..cli.simulate import config_from_args, render
     from ..comm.mpi import MpiCommunicator
-    from ..engine.spmd import evaluate, rank_program
+    from ..engine.run_args import config_from_args
+    from ..engine.run_output import render
+    from ..engine.run_result import evaluate
+    from ..engine.spmd import rank_program
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -97,16 +105,20 @@ def simulate(argv: list[str]) -> NoReturn:
         error = e
     _agree_on_config_error(world, error)
 
+    assert cfg is not None  # every rank validated it, or every rank has exited
+    run = cfg
+
     def body() -> int:
-        comm = MpiCommunicator(world, timeout_s=cfg.timeout_s, timeout_mode=args.timeout_mode)
-        observation = rank_program(comm, cfg)
+        comm = MpiCommunicator(world, timeout_s=run.timeout_s, timeout_mode=args.timeout_mode)
+        observation = rank_program(comm, run)
         observations = world.gather(observation, root=0)  # once per run, not the data path
         code = 0
         if rank == 0:
+            assert observations is not None  # gather's root holds every rank's
             if args.save_observations is not None:
                 with open(args.save_observations, "wb") as f:
                     pickle.dump(observations, f)
-            code = render(evaluate(cfg, observations), getattr(args, "json", False))
+            code = render(evaluate(run, observations), getattr(args, "json", False))
         return int(world.bcast(code, root=0))
 
     run_rank(body)
@@ -121,7 +133,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
         run_rank(lambda: worker_main(argv[1:]))
     print(USAGE, file=sys.stderr)
-    sys.exit(2)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError, require_positive_int
+from ..errors import EXIT_LAUNCH_TIMEOUT, ConfigError, require_positive_int
 from ..launching import (
-    EXIT_LAUNCH_TIMEOUT,
     launch_timeout_from_env,
     require_launch_timeout,
     run_process_group,
@@ -48,8 +47,12 @@ def find_mpiexec() -> list[str]:
     on_path = shutil.which("mpiexec")
     if on_path:
         return [on_path]
-    raise ConfigError("mpiexec", None, f"no mpiexec next to {sys.executable} or on PATH; install the MPI extra "
-                      "(pip install 'zerosim[mpi]', which brings the mpich wheel) or set ZEROSIM_MPIEXEC")
+    raise ConfigError(
+        "mpiexec",
+        None,
+        f"no mpiexec next to {sys.executable} or on PATH; install the MPI extra "
+        "(pip install 'zerosim[mpi]', which brings the mpich wheel) or set ZEROSIM_MPIEXEC",
+    )
 
 
 def mpi_unavailable_reason() -> str | None:
@@ -144,13 +147,16 @@ def launch_simulate(args: argparse.Namespace) -> int:
     all contracts hold, 1 a contract failed, 2 bad input, 3 a rank failed or a collective timed out,
     124 the launch outlived ``--launch-timeout``.
     """
-    from ..cli.simulate import add_run_arguments
+    from ..engine.run_args import add_run_arguments
 
     n = require_positive_int("world_size", getattr(args, "world_size", None))
     timeout_s = getattr(args, "launch_timeout", None) or launch_timeout_from_env()
     argv = ["-m", "zerosim.mpi", "simulate", *forward_argv(args, add_run_arguments, drop=("backend",))]
     result = run_mpiexec(n, argv, timeout_s, capture=False)
     if result.timed_out:
-        print(f"error: mpiexec -n {n} did not finish within {timeout_s:g}s (launch timeout); killed it and its ranks",
-              file=sys.stderr)
+        print(
+            f"error: mpiexec -n {n} did not finish within {timeout_s:g}s (launch timeout); killed it and its "
+            "ranks",
+            file=sys.stderr,
+        )
     return result.returncode

@@ -127,4 +127,6 @@ def get_partitioner(name: str) -> RegisteredPartitioner:
     try:
         return PARTITIONERS[name]
     except KeyError:
-        raise ConfigError("partitioner", name, f"unknown partitioner; known: {', '.join(sorted(PARTITIONERS))}") from None
+        raise ConfigError(
+            "partitioner", name, f"unknown partitioner; known: {', '.join(sorted(PARTITIONERS))}"
+        ) from None

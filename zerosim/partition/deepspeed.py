@@ -38,7 +38,9 @@ def flat_partition(total: int, world_size: int, alignment: int) -> tuple[int, li
     return part, intervals, padding
 
 
-@register_partitioner("deepspeed", "DeepSpeed ZeRO-1/2: flat buffer padded to a multiple of 2*ws, equal parts")
+@register_partitioner(
+    "deepspeed", "DeepSpeed ZeRO-1/2: flat buffer padded to a multiple of 2*ws, equal parts"
+)
 def deepspeed_zero12_partition(layout: ParamLayout, world_size: int) -> ShardPlan:
     """DeepSpeed ZeRO-1/2 flat partition.
 

@@ -151,7 +151,11 @@ class ZeroShardMap:
 
     def block_owner(self, block_idx: int) -> int:
         """The rank owning block ``block_idx`` (the seed panics out of range; we raise ConfigError)."""
-        if isinstance(block_idx, bool) or not isinstance(block_idx, int) or not 0 <= block_idx < self.num_blocks:
+        if (
+            isinstance(block_idx, bool)
+            or not isinstance(block_idx, int)
+            or not 0 <= block_idx < self.num_blocks
+        ):
             raise ConfigError("block_idx", block_idx, f"must be in [0, {self.num_blocks})")
         return self.block_owners[block_idx]
 

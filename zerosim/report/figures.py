@@ -20,10 +20,20 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from ..cost.units import UNITS, to_unit  # noqa: E402
 
-CATEGORY_COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer_states": "#55A868", "transient": "#C9C9C9"}
+CATEGORY_COLORS = {
+    "params": "#4C72B0",
+    "grads": "#DD8452",
+    "optimizer_states": "#55A868",
+    "transient": "#C9C9C9",
+}
 CATEGORY_LABELS = {"params": "parameters", "grads": "gradients", "optimizer_states": "optimizer states",
                    "transient": "transient (engine)"}
-STRATEGY_SHORT = {"no_shard": "DDP", "shard_optimizer": "ZeRO-1", "shard_grad_op": "ZeRO-2", "full_shard": "ZeRO-3"}
+STRATEGY_SHORT = {
+    "no_shard": "DDP",
+    "shard_optimizer": "ZeRO-1",
+    "shard_grad_op": "ZeRO-2",
+    "full_shard": "ZeRO-3",
+}
 MARKERS = "os^Dvp*h"
 
 
@@ -160,8 +170,17 @@ def plot_comm_volume(data: dict[str, Any], path: Path) -> Path:
                 x = i + off if e.get("measured") else i
                 ax.bar(x, intra, w, color="#4C72B0", hatch=hatch, edgecolor="black", linewidth=0.4,
                        label="intra-node" if i == 0 and src == "model" else None)
-                ax.bar(x, inter, w, bottom=intra, color="#C44E52", hatch=hatch, edgecolor="black", linewidth=0.4,
-                       label="inter-node" if i == 0 and src == "model" else None)
+                ax.bar(
+                    x,
+                    inter,
+                    w,
+                    bottom=intra,
+                    color="#C44E52",
+                    hatch=hatch,
+                    edgecolor="black",
+                    linewidth=0.4,
+                    label="inter-node" if i == 0 and src == "model" else None,
+                )
         ax.set_xticks(range(len(names)), [short_name(n) for n in names], fontsize=8)
         ax.set_ylabel(f"bytes sent per rank per step [{_unit_label(unit)}]")
         _title(ax, d["title"])
@@ -174,32 +193,52 @@ def plot_comm_volume(data: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+def _shared_log_range(values: list[float], tolerance: float) -> tuple[float, float]:
+    """One log range for every panel: from below the smallest non-zero error to above the tolerance."""
+    nonzero = [v for v in values if v > 0]
+    top = max([tolerance, *nonzero]) * 4
+    bottom = min([tolerance, *nonzero]) / 4
+    return bottom, top
+
+
 def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
-    """Max |sharded - ground truth| of the parameters after each step, per backend and strategy (measured)."""
+    """C-ZERO-002's relative master error per step, per backend, on one shared log range with the verdict's
+    tolerance drawn; an exact 0 (bit-identical) sits on the bottom edge with a hollow marker."""
     backends = [b for b, v in data["backends"].items() if v.get("series")]
-    fig, axes = plt.subplots(1, max(len(backends), 1), figsize=(6.5 * max(len(backends), 1), 4.6), squeeze=False)
+    tolerance = float(data["tolerance"])
+    values = [e for b in backends for errs in data["backends"][b]["series"].values() for e in errs]
+    bottom, top = _shared_log_range(values, tolerance)
+    panels = max(len(backends), 1)
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.8), squeeze=False, sharey=True)
     for ax, backend in zip(axes[0], backends, strict=False):
         series = data["backends"][backend]["series"]
         steps_max = max((len(e) for e in series.values()), default=1)
         # strategies with identical errors would hide each other: draw each distinct curve once, naming all
         curves: dict[tuple[float, ...], list[str]] = {}
         for name, errs in series.items():
-            curves.setdefault(tuple(errs), []).append(short_name(name))
+            curves.setdefault(tuple(errs), []).append(name if name.startswith("world ") else short_name(name))
         for i, (errs, names) in enumerate(curves.items()):
             label = ", ".join(names) + (" (identical)" if len(names) > 1 else "")
-            ax.plot(range(1, len(errs) + 1), errs, marker=MARKERS[i % len(MARKERS)], markersize=6, alpha=0.85,
-                    label="\n".join(textwrap.wrap(label, 40)))
-        values = [e for errs in series.values() for e in errs]
-        if values and min(values) > 0:
-            ax.set_yscale("log")
-        else:
-            ax.set_yscale("symlog", linthresh=max(min((v for v in values if v > 0), default=1e-12), 1e-300))
+            xs = range(1, len(errs) + 1)
+            line, = ax.plot(xs, [max(e, bottom) for e in errs], marker=MARKERS[i % len(MARKERS)],
+                            markersize=6, alpha=0.85, label="\n".join(textwrap.wrap(label, 44)))
+            zeros = [x for x, e in zip(xs, errs, strict=True) if e == 0]
+            if zeros:
+                ax.scatter(zeros, [bottom] * len(zeros), s=90, facecolors="white",
+                           edgecolors=line.get_color(), zorder=5)
+        ax.axhline(tolerance, color="black", linestyle="--", linewidth=1.2,
+                   label=f"C-ZERO-002 tolerance ({data['precision']}): {tolerance:g}")
+        ax.set_yscale("log")
+        ax.set_ylim(bottom, top)
         ax.set_xticks(range(1, steps_max + 1))
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("max |fp32 master - ground truth|")
+        ax.set_ylabel("max |master - ground truth| / max |ground truth|")
         _title(ax, f"MEASURED on {backend}: {data['backends'][backend]['title']}", 60)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="center right")
+    if any(e == 0 for e in values):
+        fig.text(0.01, 0.01, "hollow marker on the bottom edge: 0 (bit-identical to the ground truth)",
+                 fontsize=7)
     if not backends:
         axes[0][0].text(0.5, 0.5, "no backend produced measurements", ha="center")
     return _save(fig, path)
@@ -218,11 +257,22 @@ def plot_offload_timeline(data: dict[str, Any], path: Path) -> Path:
             ax.step(xs, [to_unit(p["device"], unit) for p in pts], where="post", linewidth=1.6,
                     linestyle=series.get("linestyle", "-"), label=series["label"])
             if series.get("show_host") and any(p.get("host") for p in pts):
-                ax.step(xs, [to_unit(p["host"], unit) for p in pts], where="post", linestyle=":", linewidth=1.2,
-                        label=series.get("host_label", f"host, {series['label']}"))
+                ax.step(
+                    xs,
+                    [to_unit(p["host"], unit) for p in pts],
+                    where="post",
+                    linestyle=":",
+                    linewidth=1.2,
+                    label=series.get("host_label", f"host, {series['label']}"),
+                )
         step = max(1, len(longest) // 30)
-        ax.set_xticks(range(0, len(longest), step), [longest[i]["event"][:40] for i in range(0, len(longest), step)],
-                      rotation=60, ha="right", fontsize=6)
+        ax.set_xticks(
+            range(0, len(longest), step),
+            [longest[i]["event"][:40] for i in range(0, len(longest), step)],
+            rotation=60,
+            ha="right",
+            fontsize=6,
+        )
         ax.set_ylabel(f"bytes per rank [{_unit_label(unit)}]")
         ax.set_xlabel("allocation / free events of one step, in order")
         _title(ax, panel["title"], 140)

@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..cost.comm_model import comm_for_run
-from ..cost.memory_model import ENGINE_PRECISION, MemoryEstimate, MemorySettings, memory_per_rank
+from ..cost.memory_model import MemoryEstimate, memory_per_rank
+from ..cost.memory_settings import ENGINE_PRECISION, MemorySettings
 from ..engine.config import ResolvedRun, RunConfig
 from ..errors import ConfigError
 from ..observe import RankObservation
@@ -46,7 +47,9 @@ def engine_memory_settings(run: ResolvedRun) -> MemorySettings:
                           zero1_grad_reduce=run.zero1_grad_reduce)
 
 
-def modelled_for_run(run: ResolvedRun, packing: str = "engine", partitioner: str | None | bool = True) -> MemoryEstimate:
+def modelled_for_run(
+    run: ResolvedRun, packing: str = "engine", partitioner: str | None | bool = True
+) -> MemoryEstimate:
     """The memory model for ``run``: ``packing="engine"`` with the run's partitioner reproduces the
     engine's buffers; ``partitioner=None`` gives the ZeRO paper's even split (no partitioner padding)."""
     part = run.partitioner if partitioner is True else (partitioner or None)
@@ -88,7 +91,9 @@ def measured_memory(obs: RankObservation, step: int | None = None) -> dict[str, 
                     "stored_numel": h.stored_numel, "padding": h.padding}
     out["total"] = {p: sum(out[c][p] for c in MODEL_STATE) for p in ("device", "host")}
     steps_in_timeline = sorted({e["step"] for e in obs.memory_timeline if e["step"] >= 0})
-    t_step = so.step if so.step in steps_in_timeline else (steps_in_timeline[-1] if steps_in_timeline else None)
+    t_step = (
+        so.step if so.step in steps_in_timeline else (steps_in_timeline[-1] if steps_in_timeline else None)
+    )
     peaks = _replay(obs.memory_timeline, t_step) if t_step is not None else {}
     out["transient"] = {"device": peaks.get("transient", 0)}
     out["activations"] = {"device": peaks.get("activations", 0)}
@@ -110,7 +115,9 @@ def memory_comparison(run: ResolvedRun, observations: Sequence[RankObservation])
     paper_model = modelled_for_run(run, "partitioner", partitioner=None)
     per_rank = [measured_memory(o) for o in observations]
     rows = []
-    explain_padding = engine_model.per_rank.numel["optimizer_states"] - paper_model.per_rank.numel["optimizer_states"]
+    explain_padding = (
+        engine_model.per_rank.numel["optimizer_states"] - paper_model.per_rank.numel["optimizer_states"]
+    )
     for cat in (*MODEL_STATE, "total", "transient"):
         if cat == "transient":
             meas = max(m["transient"]["device"] for m in per_rank)
@@ -130,21 +137,28 @@ def memory_comparison(run: ResolvedRun, observations: Sequence[RankObservation])
         if not placement_ok:
             why.append("UNEXPLAINED: device / host placement differs from the model's offload setting")
         if rel_e != 0:
-            why.append("transient: the engine's schedule differs from the modelled phases" if cat == "transient"
-                       else "UNEXPLAINED: the engine holds bytes the model does not predict")
+            why.append(
+                "transient: the engine's schedule differs from the modelled phases"
+                if cat == "transient"
+                else "UNEXPLAINED: the engine holds bytes the model does not predict"
+            )
         if rel_p != 0 and cat != "transient":
             if explain_padding and (cat != "params" or run.strategy.shards_params) and (
                     cat != "grads" or run.strategy.shards_grads):
-                why.append(f"padding: the engine stores {engine_model.per_rank.numel['optimizer_states']} elements "
-                           f"per shard ({run.partitioner} packing), the paper's even split "
-                           f"{paper_model.per_rank.numel['optimizer_states']}")
+                why.append(
+                    f"padding: the engine stores {engine_model.per_rank.numel['optimizer_states']} elements "
+                    f"per shard ({run.partitioner} packing), the paper's even split "
+                    f"{paper_model.per_rank.numel['optimizer_states']}"
+                )
             else:
                 why.append("padding")
         if cat == "transient" and rel_p != 0 and rel_e == 0:
             units = engine_model.units
             if run.strategy.shards_params and any(u.unpack_copy for u in units):
-                why.append(f"{run.partitioner} packing is not in unit order: each gathered block is also copied "
-                           "to unit order (gathered bytes x2)")
+                why.append(
+                    f"{run.partitioner} packing is not in unit order: each gathered block is also copied "
+                    "to unit order (gathered bytes x2)"
+                )
             if any(u.packed_numel > u.numel for u in units):
                 why.append(f"padding: {run.partitioner} packs {sum(u.packed_numel for u in units)} elements "
                            f"for {sum(u.numel for u in units)}")
@@ -162,7 +176,8 @@ def memory_comparison(run: ResolvedRun, observations: Sequence[RankObservation])
 # ---------------------------------------------------------------------------------------------------
 # traffic
 # ---------------------------------------------------------------------------------------------------
-def measured_traffic(observations: Sequence[RankObservation], topology: Topology, step: int = -1) -> dict[str, Any]:
+def measured_link_traffic(observations: Sequence[RankObservation], topology: Topology,
+                          step: int = -1) -> dict[str, Any]:
     """Data bytes each rank sent during one step, split intra- / inter-node by ring successor
     (the same attribution as the comm model), mean over ranks; control traffic apart."""
     tot = {"intra": Fraction(0), "inter": Fraction(0), "control": Fraction(0), "sent": Fraction(0)}
@@ -184,9 +199,14 @@ def measured_traffic(observations: Sequence[RankObservation], topology: Topology
         tot["sent"] += sent
         per_rank_sent.append(float(sent))
     n = len(observations)
-    return {"intra": float(tot["intra"] / n), "inter": float(tot["inter"] / n), "sent_mean": float(tot["sent"] / n),
-            "sent_max_rank": max(per_rank_sent), "sent_min_rank": min(per_rank_sent),
-            "control_mean": float(tot["control"] / n)}
+    return {
+        "intra": float(tot["intra"] / n),
+        "inter": float(tot["inter"] / n),
+        "sent_mean": float(tot["sent"] / n),
+        "sent_max_rank": max(per_rank_sent),
+        "sent_min_rank": min(per_rank_sent),
+        "control_mean": float(tot["control"] / n),
+    }
 
 
 def traffic_comparison(run: ResolvedRun, observations: Sequence[RankObservation]) -> dict[str, Any]:
@@ -195,20 +215,33 @@ def traffic_comparison(run: ResolvedRun, observations: Sequence[RankObservation]
     n = run.world_size
     model = {"intra": float(links["intra"]["sent"] / n), "inter": float(links["inter"]["sent"] / n),
              "sent": float(est.bytes_sent)}
-    meas = measured_traffic(observations, run.topology)
-    return {"strategy": run.strategy.name, "world_size": n, "model": model, "measured": meas,
-            "rel_diff": _rel(meas["sent_max_rank"], model["sent"]),
-            "paper_elements": float(est.paper_elements()), "packed_numel": est.packed_numel, "numel": est.numel}
+    meas = measured_link_traffic(observations, run.topology)
+    return {
+        "strategy": run.strategy.name,
+        "world_size": n,
+        "model": model,
+        "measured": meas,
+        "rel_diff": _rel(meas["sent_max_rank"], model["sent"]),
+        "paper_elements": float(est.paper_elements()),
+        "packed_numel": est.packed_numel,
+        "numel": est.numel,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
 # equivalence error per step
 # ---------------------------------------------------------------------------------------------------
-def equivalence_errors(run: ResolvedRun, observations: Sequence[RankObservation], reference: Any) -> list[float]:
-    """Per step: max over ranks and owned elements of |master - reference master| (0.0 = equal)."""
+def equivalence_errors(
+    run: ResolvedRun, observations: Sequence[RankObservation], reference: Any
+) -> list[float]:
+    """Per step: max over ranks and owned elements of ``|master - reference master| / max|reference master|``.
+
+    The quantity C-ZERO-002's ``allclose`` clause bounds by ``atol_scale`` for the master weights
+    (0.0 = equal). Relative to the reference's largest weight, so backends and world sizes share a scale."""
     out = []
     for s, ref in enumerate(reference.steps):
         worst = 0.0
+        scale = float(np.max(np.abs(ref.master.astype(np.float64)))) if ref.master.size else 0.0
         for o in observations:
             so = next((x for x in o.steps if x.step == s), None)
             if so is None or so.master is None:
@@ -219,7 +252,7 @@ def equivalence_errors(run: ResolvedRun, observations: Sequence[RankObservation]
                 exp = ref.master[g0:g1].astype(np.float64)
                 if got.size:
                     worst = max(worst, float(np.max(np.abs(got - exp))))
-        out.append(worst)
+        out.append(worst / scale if scale > 0 else worst)
     return out
 
 
@@ -247,8 +280,12 @@ def run_under_mpi(cfg: RunConfig, timeout_s: float = 120.0) -> MpiRun:
     with tempfile.TemporaryDirectory(prefix="zerosim-mpi-") as tmp:
         out = os.path.join(tmp, "observations.pkl")
         t0 = time.perf_counter()
-        res = run_mpiexec(cfg.world_size, ["-m", "zerosim.report.mpi_worker", json.dumps(spec), out], timeout_s,
-                          env={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+        res = run_mpiexec(
+            cfg.world_size,
+            ["-m", "zerosim.report.mpi_worker", json.dumps(spec), out],
+            timeout_s,
+            env={"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"},
+        )
         wall = time.perf_counter() - t0
         if res.timed_out or res.returncode != 0 or not os.path.exists(out):
             tail = (getattr(res, "stderr", "") or "").strip().splitlines()[-3:]
@@ -272,7 +309,10 @@ def torch_unavailable_reason() -> str | None:
     """Why a torchrun measurement cannot happen here, or None when it can."""
     import importlib.util
 
-    for mod, why in (("torch", "torch is not installed"), ("zerogpu.comm", "the zerogpu backend is not installed")):
+    for mod, why in (
+        ("torch", "torch is not installed"),
+        ("zerogpu.comm", "the zerogpu backend is not installed"),
+    ):
         try:
             if importlib.util.find_spec(mod) is None:
                 return why
@@ -296,14 +336,26 @@ def run_under_torch(cfgs: Sequence[RunConfig], world_size: int, timeout_s: float
     specs = []
     for cfg in cfgs:
         if cfg.world_size != world_size:
-            raise ConfigError("world_size", cfg.world_size, f"every config of one launch needs {world_size} ranks")
+            raise ConfigError(
+                "world_size", cfg.world_size, f"every config of one launch needs {world_size} ranks"
+            )
         spec = {k: v for k, v in asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))}
         spec["xp"] = "torch"
         specs.append(spec)
     with tempfile.TemporaryDirectory(prefix="zerosim-torch-") as tmp:
         out = os.path.join(tmp, "observations.pkl")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world_size),
-               "-m", "zerosim.report.torch_worker", json.dumps(specs), out]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(world_size),
+            "-m",
+            "zerosim.report.torch_worker",
+            json.dumps(specs),
+            out,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -17,7 +17,8 @@ def main(argv: list[str]) -> None:
     from mpi4py import MPI
 
     from ..comm.mpi import MpiCommunicator
-    from ..engine.spmd import RunConfig, rank_program
+    from ..engine.config import RunConfig
+    from ..engine.spmd import rank_program
     from ..mpi.rank import run_rank
 
     spec, out_path = json.loads(argv[0]), argv[1]

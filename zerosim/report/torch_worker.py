@@ -25,7 +25,8 @@ def main(argv: list[str]) -> None:
 
         from zerogpu.comm import init_distributed
 
-        from ..engine.spmd import RunConfig, rank_program
+        from ..engine.config import RunConfig
+        from ..engine.spmd import rank_program
 
         timeout = float(max((s.get("timeout_s", 60.0) for s in specs), default=60.0))
         comm = init_distributed("gloo", "cpu", timeout_s=timeout)

@@ -37,7 +37,9 @@ def totals(max_value: int = 10**12) -> st.SearchStrategy[int]:
     return st.one_of(edges, st.integers(0, max_value))
 
 
-def shapes(max_dims: int = 3, max_side: int = 24, allow_empty: bool = True) -> st.SearchStrategy[tuple[int, ...]]:
+def shapes(
+    max_dims: int = 3, max_side: int = 24, allow_empty: bool = True
+) -> st.SearchStrategy[tuple[int, ...]]:
     """Tensor shapes with 0..max_dims dims (0-d scalars and zero-sized dims included when allowed)."""
     return st.lists(st.integers(0 if allow_empty else 1, max_side), min_size=0 if allow_empty else 1,
                     max_size=max_dims).map(tuple)
@@ -90,7 +92,9 @@ def topologies(draw: Any, max_world_size: int = 64) -> Topology:
 
 
 @st.composite
-def sharding_strategies(draw: Any, topology: Topology | None = None, max_world_size: int = 64) -> ShardingStrategy:
+def sharding_strategies(
+    draw: Any, topology: Topology | None = None, max_world_size: int = 64
+) -> ShardingStrategy:
     """Any strategy; hybrid ones get a shard group size that divides the (given or drawn) world size."""
     kind = draw(st.sampled_from(list(StrategyKind)))
     if kind in (StrategyKind.HYBRID_SHARD, StrategyKind.HYBRID_SHARD_ZERO2):

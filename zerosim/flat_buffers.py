@@ -27,11 +27,11 @@ import bisect
 from dataclasses import dataclass
 from functools import cached_property
 
-from ..errors import ConfigError
-from ..intervals import Interval
-from ..layout import ParamLayout
-from ..partition import ShardPlan, get_partitioner
-from ..strategy import ShardingStrategy
+from .errors import ConfigError
+from .intervals import Interval
+from .layout import ParamLayout
+from .partition import ShardPlan, get_partitioner
+from .strategy import ShardingStrategy
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,8 @@ class UnitPlan:
         raise ConfigError("block", block, "no such unit")
 
     def owned_global(self, local_rank: int) -> list[tuple[int, int, int]]:
-        """``(global_start, global_end, shard_position)`` of every real element the rank holds, in shard order."""
+        """``(global_start, global_end, shard_position)`` of every real element the rank holds, in shard
+        order."""
         out: list[tuple[int, int, int]] = []
         for u, off in zip(self.units, self.shard_offsets, strict=True):
             pos = off
@@ -189,7 +190,9 @@ def unit_tensor_groups(layout: ParamLayout, strategy: ShardingStrategy) -> list[
     return [("model", tuple(range(len(layout.tensors))))]
 
 
-def build_unit_plan(layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, world_size: int) -> UnitPlan:
+def build_unit_plan(
+    layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, world_size: int
+) -> UnitPlan:
     """Units for ``strategy`` with the partitioner's plan over one shard group of ``k`` ranks."""
     k = strategy.shard_group_size(world_size)
     plan = get_partitioner(partitioner)(layout, k)
@@ -201,7 +204,9 @@ def build_unit_plan(layout: ParamLayout, strategy: ShardingStrategy, partitioner
     units = []
     for idx, (name, tids) in enumerate(groups):
         tensors = [layout.tensors[i] for i in tids]
-        t_offsets, pieces, acc = [], [], 0
+        t_offsets: list[int] = []
+        pieces: list[tuple[int, int, int]] = []  # (global start, global end, unit offset)
+        acc = 0
         for i, t in zip(tids, tensors, strict=True):
             t_offsets.append(acc)
             if t.numel:

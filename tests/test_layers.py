@@ -1,0 +1,203 @@
+"""The package's layers, kept: a module imports only from its own layer or the layers below it.
+
+The layers, bottom to top (docs/architecture.md draws them):
+
+0. values and plans: layouts, strategies, partitioners, plans, the array seam, the reference model
+   and optimizer as pure array functions, observations, verdicts, errors and exit statuses.
+1. contracts, pure checks and cost models: functions of values that return verdicts or estimates.
+2. comm and engine: the Communicator seam and the in-process simulator, the ZeRO engine, its run
+   configuration and results, the unsharded references.
+3. backends: MPI (mpi4py) and torch.distributed (zerogpu), their launchers and rank-side programs.
+4. interface: the command line, reports, benchmarks a user starts, verify, testing helpers.
+
+``LAYERS`` is the one table that places every module. A new module is placed by its package's
+entry (``"zerosim.cli"`` covers ``zerosim.cli.plan``); a module no entry covers fails
+:func:`test_every_module_has_a_layer` until it is added. Imports are read from the source (every
+``import`` statement, including those inside functions), so a lazy import cannot hide an upward edge.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("zerosim", "zerogpu")
+LAYER_NAMES = ("values and plans", "contracts, checks and cost models", "comm and engine", "backends",
+               "interface (cli, report, verify, testing)")
+
+#: module -> layer index into LAYER_NAMES; ``"pkg.*"`` places the package ``pkg`` and every module under it
+#: (a more specific entry wins: ``zerosim.comm.*`` is layer 2, ``zerosim.comm.mpi`` layer 3)
+LAYERS: dict[str, int] = {
+    # 0: values and plans
+    "zerosim.errors": 0, "zerosim.dtypes": 0, "zerosim.xp": 0, "zerosim.intervals": 0,
+    "zerosim.presets": 0, "zerosim.layout": 0, "zerosim.strategy": 0, "zerosim.partition.*": 0,
+    "zerosim.plan": 0, "zerosim.flat": 0, "zerosim.flat_buffers": 0, "zerosim.model": 0,
+    "zerosim.optim": 0, "zerosim.precision": 0, "zerosim.observe": 0, "zerosim.verdict": 0,
+    "zerosim.dotted": 0, "zerosim.text_tables": 0,
+    # 1: contracts, pure checks, cost models
+    "zerosim.contracts": 1, "zerosim.checks.*": 1, "zerosim.check_impl": 1, "zerosim.cost.*": 1,
+    # 2: comm and engine
+    "zerosim.comm.*": 2, "zerosim.engine.*": 2, "zerosim.groundtruth": 2,
+    # 3: backends
+    "zerosim.comm.mpi": 3, "zerosim.comm.mpi_wire": 3, "zerosim.comm.mpi_traffic": 3,
+    "zerosim.comm.mpi_watchdog": 3, "zerosim.mpi.*": 3, "zerosim.launching": 3, "zerosim.rank_messages": 3,
+    "zerosim.bench.mpi": 3, "zerogpu.*": 3,
+    # 4: interface
+    "zerosim": 4, "zerosim.__main__": 4, "zerosim.cli.*": 4, "zerosim.report.*": 4, "zerosim.bench.*": 4,
+    "zerosim.verify.*": 4, "zerosim.testing.*": 4,
+}
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the packages, by dotted name (a package by its own name)."""
+    out: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            out[name] = path
+    return out
+
+
+def layer_of(module: str, table: dict[str, int] = LAYERS) -> int | None:
+    """The layer of ``module``: its own entry, else the closest ``"pkg.*"`` entry above it; None if none."""
+    if module in table:
+        return table[module]
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        key = ".".join(parts[:end]) + ".*"
+        if key in table:
+            return table[key]
+    return None
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes inside ``if TYPE_CHECKING:`` blocks (annotations only, never run)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return out
+
+
+def imports_of(module: str, path: Path, known: set[str], runtime_only: bool = False) -> set[str]:
+    """The modules of the packages that ``module`` imports anywhere in its source, resolved to modules
+    (``from zerosim.report import figures`` is ``zerosim.report.figures`` when that is a module).
+    ``runtime_only`` leaves out imports under ``if TYPE_CHECKING:``."""
+    is_package = path.name == "__init__.py"
+    here = module.split(".") if is_package else module.split(".")[:-1]
+    found: set[str] = set()
+    tree = ast.parse(path.read_text(), str(path))
+    skip = _type_checking_only(tree) if runtime_only else set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[:len(here) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                found.add(sub if sub in known else target)
+    return {m for m in found if m.split(".")[0] in PACKAGES}
+
+
+def upward_imports(table: dict[str, int] = LAYERS) -> list[str]:
+    """One line per import of a module from a layer above the importer's."""
+    files = module_files()
+    known = set(files)
+    problems = []
+    for module, path in files.items():
+        mine = layer_of(module, table)
+        for target in sorted(imports_of(module, path, known)):
+            theirs = layer_of(target, table)
+            if mine is None or theirs is None or theirs <= mine:
+                continue
+            problems.append(f"{module} (layer {mine}: {LAYER_NAMES[mine]}) imports {target} "
+                            f"(layer {theirs}: {LAYER_NAMES[theirs]}), a layer above it")
+    return problems
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in module_files() if layer_of(m) is None]
+    assert not unplaced, (f"modules with no layer: {unplaced}; add each (or its package) to LAYERS in "
+                          f"tests/test_layers.py and to the picture in docs/architecture.md")
+
+
+def test_every_table_entry_names_a_module():
+    files = module_files()
+    planned = ("zerosim.verify",)  # placed before its first module lands
+    stale = [k for k in LAYERS if k.removesuffix(".*") not in files and k.removesuffix(".*") not in planned]
+    assert not stale, f"LAYERS entries that match no module (renamed or removed?): {stale}"
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    problems = upward_imports()
+    assert not problems, "imports against the layering:\n" + "\n".join(problems)
+
+
+def test_an_upward_import_is_reported_with_both_layers(tmp_path, monkeypatch):
+    """The check itself fails on a deliberately wrong import: a value module importing the CLI."""
+    fake_root = tmp_path
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            dest = fake_root / path.relative_to(ROOT)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(path.read_text())
+    layout = fake_root / "zerosim" / "layout.py"
+    layout.write_text(
+        layout.read_text() + "\n\ndef _wrong():\n    from .cli.simulate import run\n    return run\n"
+    )
+    monkeypatch.setitem(globals(), "ROOT", fake_root)
+    problems = upward_imports()
+    assert problems == ["zerosim.layout (layer 0: values and plans) imports zerosim.cli.simulate "
+                        "(layer 4: interface (cli, report, verify, testing)), a layer above it"]
+
+
+def test_a_module_missing_from_the_table_has_no_layer():
+    """A new top-level module is not placed by accident (``zerosim`` itself is an exact entry)."""
+    assert layer_of("zerosim.new_concept") is None
+    assert layer_of("zerosim.cli.new_command") == 4  # a package entry places its new modules
+    assert layer_of("zerosim.comm.sim") == 2 and layer_of("zerosim.comm.mpi_wire") == 3
+
+
+def import_cycles() -> list[list[str]]:
+    """Cycles in the graph of imports that run (a package and its own submodules excepted: a
+    package's ``__init__`` re-exporting its modules is not a cycle of concepts)."""
+    files = module_files()
+    known = set(files)
+    graph = {
+        m: {
+            t
+            for t in imports_of(m, p, known, runtime_only=True)
+            if t in known and not t.startswith(m + ".") and not m.startswith(t + ".")
+        }
+        for m, p in files.items()
+    }
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack)
+        stack.pop()
+        state[node] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = import_cycles()
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)

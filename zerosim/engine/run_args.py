@@ -1,0 +1,130 @@
+"""The options that describe one training run, shared by every way of starting one.
+
+``zerosim simulate`` (in process), ``mpiexec -n N python -m zerosim.mpi simulate`` and
+``torchrun --nproc-per-node N -m zerogpu simulate`` accept the same run options;
+:func:`add_run_arguments` declares them and :func:`config_from_args` turns them into the
+:class:`~zerosim.engine.config.RunConfig` every rank validates (bad input: a ConfigError naming the field).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..comm.sim import SCHEDULES
+from ..errors import ConfigError
+from ..precision import PRECISION_NAMES
+from ..presets import PRESETS
+from .config import RunConfig
+from .fault_catalog import FAULTS
+
+STRATEGY_HELP = ("no_shard|ddp|zero1|zero2|zero3|full_shard|shard_grad_op|hybrid_shard[:K]|"
+                 "hybrid_shard_zero2[:K] (default full_shard)")
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``zerosim simulate`` and ``python -m zerosim.mpi simulate``."""
+    g = p.add_argument_group("run")
+    g.add_argument(
+        "--model", default="tiny", metavar="PRESET", help=f"model preset (default tiny): {', '.join(PRESETS)}"
+    )
+    g.add_argument("--world-size", type=int, default=4, metavar="N", help="number of ranks (default 4)")
+    g.add_argument("--strategy", default="full_shard", metavar="S", help=STRATEGY_HELP)
+    g.add_argument("--partitioner", default="fsdp", metavar="P",
+                   help="how shards are cut (default fsdp): fsdp, deepspeed, deepspeed-zero3, seed, "
+                        "zero-redundancy, round-robin, contiguous")
+    g.add_argument(
+        "--optimizer", default="adamw", metavar="O", help="sgd (momentum 0.9) | adam | adamw (default)"
+    )
+    g.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3)")
+    g.add_argument("--max-grad-norm", default="1.0", metavar="X",
+                   help="global-norm clipping threshold, or 'none' (default 1.0)")
+    g.add_argument("--steps", type=int, default=3, metavar="K", help="optimizer steps (default 3)")
+    g.add_argument(
+        "--micro-batches", type=int, default=1, metavar="M", help="gradient accumulation steps (default 1)"
+    )
+    g.add_argument("--precision", default="fp32", choices=PRECISION_NAMES, help="default fp32")
+    g.add_argument("--ranks-per-node", type=int, default=None, metavar="R",
+                   help="ranks per node (topology; the hybrid shard group size by default)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--batch-size", type=int, default=None, help="sequences per micro-batch per rank (default 2)"
+    )
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    g.add_argument("--prefetch", type=int, default=0, help="ZeRO-3: blocks gathered ahead of use (default 0)")
+    g.add_argument("--offload", action="store_true", help="ZeRO-3: keep master + optimizer state on the host")
+    g.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="collective timeout: a rank that never arrives fails the run (default 60)")
+    g.add_argument("--schedule", default="serial", choices=SCHEDULES,
+                   help="simulator: one rank at a time (default) or all threads at once")
+    g.add_argument("--observe", default="auto", choices=("auto", "full", "digest"),
+                   help="keep shard values for C-ZERO-002 (full), digests only, or full when small (auto)")
+    g.add_argument("--fault", default=None, metavar="NAME",
+                   help="run a deliberately broken engine variant (shows what the contracts catch): "
+                        + ", ".join(sorted(FAULTS)))
+    g.add_argument("--inject-nan", default=None, metavar="RANK:STEP:TENSOR",
+                   help="test hook: a NaN in TENSOR's gradient on RANK at STEP (e.g. 1:0:blocks.0.mlp.w_in)")
+    g.add_argument(
+        "--zero1-reduce",
+        default="all_reduce",
+        metavar="{all_reduce,reduce_scatter}",
+        help="ZeRO-1 gradient averaging: all_reduce of the full gradient (torch ZeroRedundancyOptimizer, "
+        "default) or reduce_scatter into the rank's shard (DeepSpeed stage 1, the paper's "
+        "2(N-1)/N Psi); other strategies ignore it",
+    )
+    g.add_argument("--backend", default="sim", choices=("sim", "mpi", "torch"),
+                   help="sim: N threads in this process (default); mpi: mpiexec -n N processes; "
+                        "torch: torchrun --nproc-per-node N processes (gloo on CPU, NCCL on GPU)")
+    g.add_argument("--json", action="store_true", help="print the result as JSON instead of tables")
+
+
+def _parse_max_norm(text: Any) -> float | None:
+    if text is None or str(text).strip().lower() in ("none", "off", "0"):
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise ConfigError("max_grad_norm", text, "must be a positive number or 'none'") from None
+    if not v > 0:
+        raise ConfigError("max_grad_norm", text, "must be a positive number or 'none'")
+    return v
+
+
+def _parse_injection(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    parts = str(text).split(":", 2)
+    if len(parts) != 3:
+        raise ConfigError("inject_nan", text, "expected RANK:STEP:TENSOR, e.g. 1:0:blocks.0.mlp.w_in")
+    try:
+        return {"rank": int(parts[0]), "step": int(parts[1]), "tensor": parts[2]}
+    except ValueError:
+        raise ConfigError("inject_nan", text, "RANK and STEP must be integers") from None
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The RunConfig the options describe (validate() it before running)."""
+    return RunConfig(
+        model=args.model,
+        world_size=args.world_size,
+        strategy=args.strategy,
+        partitioner=args.partitioner,
+        optimizer=args.optimizer,
+        precision=args.precision,
+        steps=args.steps,
+        micro_batches=args.micro_batches,
+        seed=args.seed,
+        ranks_per_node=args.ranks_per_node,
+        lr=args.lr,
+        max_grad_norm=_parse_max_norm(args.max_grad_norm),
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        offload=bool(args.offload),
+        prefetch=args.prefetch,
+        timeout_s=args.timeout,
+        schedule=args.schedule,
+        observe=args.observe,
+        inject_nan=_parse_injection(args.inject_nan),
+        fault=args.fault,
+        zero1_grad_reduce=getattr(args, "zero1_reduce", "all_reduce"),
+    )

@@ -1,0 +1,163 @@
+"""The result of one run and how it is judged: every step contract (C-ZERO-002..005) on its observations.
+
+:func:`evaluate` ``(cfg, observations) -> RunResult`` computes the unsharded references and runs the
+step checks on the per-rank observations of a run from any backend (simulator, MPI, torch). It is
+pure with respect to the backend: the observations are host numpy whichever backend produced them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..checks.step import (
+    OwnershipExpectation,
+    check_communication,
+    check_equivalence,
+    check_ownership,
+    check_post_gather_identity,
+    equivalence_tolerance,
+)
+from ..cost.comm_model import CommEstimate, comm_for_run
+from ..errors import ConfigError
+from ..observe import RankObservation
+from ..verdict import Verdict
+from .config import ResolvedRun, RunConfig
+
+ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
+CONTRACTS = ("C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
+
+
+def resolve_run(cfg: RunConfig | ResolvedRun) -> ResolvedRun:
+    """``cfg`` validated and resolved (a ResolvedRun passes through unchanged)."""
+    return cfg if isinstance(cfg, ResolvedRun) else cfg.resolve()
+
+
+@dataclass
+class RunResult:
+    """Verdicts of every step contract plus per-step metrics of one run."""
+
+    config: dict[str, Any]
+    verdicts: dict[str, Verdict]
+    steps: list[dict[str, Any]]
+    comm: CommEstimate | None = None
+    observations: list[RankObservation] = field(default_factory=list, repr=False)
+    timings: dict[str, float] = field(default_factory=dict)
+    #: the unsharded runs C-ZERO-002 compared against: "independent" (ground truth), "ordered" when bitwise
+    references: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def passed(self) -> bool:
+        return all(v.passed for v in self.verdicts.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"config": self.config, "passed": self.passed,
+                "verdicts": {k: v.to_json() for k, v in self.verdicts.items()},
+                "steps": self.steps, "comm_model": self.comm.to_json(with_links=False) if self.comm else None,
+                "timings": self.timings,
+                "ranks": [o.to_json(with_steps=False) for o in self.observations]}
+
+
+def ownership_expectation(run: ResolvedRun) -> OwnershipExpectation:
+    """The plan and the byte rules the engine follows (what C-ZERO-004 holds it to)."""
+    s, units, n = run.strategy, run.unit_plan, run.world_size
+    pad = [units.padding(r % run.k) for r in range(n)]
+    zero = [0] * n
+    padding = {"params": pad if s.shards_params else zero, "grads": pad if s.shards_grads else zero,
+               "optimizer": pad if s.shards_optimizer else zero}
+    master_separate = (
+        run.precision.is_mixed or (s.shards_optimizer and not s.shards_params) or run.cfg.offload
+    )
+    states = len(run.spec.state_names) + (1 if master_separate else 0)
+    pb = run.precision.param_bytes
+    bpe = {"params": pb, "grads": 4, "optimizer": 4 * states}
+    bound = None
+    if s.shards_params:
+        biggest = max((u.packed_numel + (0 if u.is_identity else u.numel) for u in units.units), default=0)
+        bound = [units.shard_numel * pb + (1 + run.prefetch) * biggest * pb] * n
+    return OwnershipExpectation(run.state_plan, padding, bpe, bound, run.prefetch)
+
+
+def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservation], *,
+             bitwise: bool | None = None, progress: ProgressFn | None = None) -> RunResult:
+    """Run every step contract on the observations of a run of ``cfg`` (from any backend).
+
+    ``bitwise`` (default: every rank ran on the simulator with numpy) also demands bit-identical
+    agreement with the same-reduction-order reference; other backends reduce in their own order.
+    """
+    from .reference import independent_reference, ordered_reference
+
+    run = resolve_run(cfg)
+    obs = list(observations)
+    if len(obs) != run.world_size:
+        raise ConfigError("observations", len(obs), f"expected one per rank ({run.world_size})")
+    if bitwise is None:
+        bitwise = all(o.backend == "sim" for o in obs) and run.cfg.xp == "numpy"
+    timings: dict[str, float] = {}
+    layout = run.layout
+    full = all(s.master is not None for o in obs for s in o.steps)
+    verdicts: dict[str, Verdict] = {}
+
+    def phase(name: str, i: int) -> None:
+        if progress is not None:
+            progress(name, i, 4)
+
+    phase("C-ZERO-002", 0)
+    t = time.perf_counter()
+    independent = independent_reference(run)
+    timings["ground_truth_s"] = time.perf_counter() - t
+    references = {"independent": independent}
+    if full:
+        tol = equivalence_tolerance(run.precision.name)
+        v2 = check_equivalence(obs, independent, layout=layout, tolerance=tol)
+        v2.details = {"ground_truth": dict(v2.details)}
+        if bitwise:
+            t = time.perf_counter()
+            ordered = references["ordered"] = ordered_reference(run)
+            timings["ordered_reference_s"] = time.perf_counter() - t
+            vb = check_equivalence(obs, ordered, layout=layout, bitwise=True)
+            v2.extend(vb)
+            v2.details["ordered_reference"] = dict(vb.details)
+        v2.details["bitwise_required"] = bitwise
+    else:
+        v2 = Verdict("C-ZERO-002", details={"skipped": "observations hold digests only (observe='digest'); "
+                                            "run with observe='full' to compare shard values"})
+    verdicts["C-ZERO-002"] = v2
+    phase("C-ZERO-003", 1)
+    verdicts["C-ZERO-003"] = check_post_gather_identity(obs, layout=layout)
+    phase("C-ZERO-004", 2)
+    verdicts["C-ZERO-004"] = check_ownership(obs, ownership_expectation(run), layout=layout)
+    phase("C-ZERO-005", 3)
+    estimate = comm_for_run(run)
+    verdicts["C-ZERO-005"] = check_communication(obs, estimate)
+    phase("done", 4)
+    return RunResult(
+        run.describe(), verdicts, step_metrics(obs, independent), estimate, obs, timings, references
+    )
+
+
+def step_metrics(obs: Sequence[RankObservation], reference: Any | None = None) -> list[dict[str, Any]]:
+    """Per step: loss (and the ground truth's), grad norm, wall time, rank-0 traffic, peak memory."""
+    out = []
+    steps = sorted({s.step for o in obs for s in o.steps})
+    for step in steps:
+        rows = [next(s for s in o.steps if s.step == step) for o in obs]
+        r0 = rows[0]
+        data, control = float(r0.bytes_sent("data")), float(r0.bytes_sent("control"))
+        peaks = [s.memory.peak_by_location.get("device", 0) for s in rows if s.memory]
+        m: dict[str, Any] = {
+            "step": step,
+            "loss": r0.loss,
+            "grad_norm": r0.grad_norm,
+            "clip_coef": r0.clip_coef,
+            "wall_s": max(s.t_end for s in rows) - min(s.t_start for s in rows),
+            "bytes_sent_rank0": data,
+            "control_bytes_sent_rank0": control,
+            "peak_device_bytes_max_rank": max(peaks, default=0),
+        }
+        if reference is not None and step < len(reference.steps):
+            m["reference_loss"] = reference.steps[step].loss
+        out.append(m)
+    return out
