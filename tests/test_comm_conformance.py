@@ -51,10 +51,7 @@ BY_NAME = {b.name: b for b in BACKENDS}
 
 # Known departures from the conformance cases, per backend kind and case: the reason (a strict xfail,
 # so the test turns red once the backend is fixed and the entry must go).
-KNOWN_GAPS: dict[tuple[str, str], str] = {
-    ("sim", "bad-input-avg-of-int64"): "the simulator lets numpy raise UFuncTypeError for op='avg' on an "
-    "int64 buffer; MPI and torch raise ConfigError naming op (zerosim/comm/sim.py)",
-}
+KNOWN_GAPS: dict[tuple[str, str], str] = {}
 
 
 def _unavailable(kind: str) -> str | None:

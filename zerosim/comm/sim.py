@@ -118,6 +118,17 @@ def reduce_in_rank_order(xs: Sequence[Any], op: str) -> Any:
     raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
 
 
+def _is_floating(x: Any) -> bool:
+    """Whether ``x`` holds floating or complex values (what ``avg`` can divide without truncating)."""
+    if _is_torch(x):
+        return bool(x.is_floating_point() or x.is_complex())
+    return x.dtype.kind in "fcV"  # V: ml_dtypes' bfloat16
+
+
+def _dtype_name(x: Any) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
 def _read_only(x: Any) -> Any:
     """numpy results shared by every rank are made read-only, so a rank cannot corrupt its peers."""
     if not _is_torch(x):
@@ -447,9 +458,11 @@ class SimCommunicator:
                 f"{len(x.shape)}-D array; flat 1-D buffers only"
             )
 
-    def _check_op(self, op: str) -> None:
+    def _check_op(self, op: str, x: Any) -> None:
         if op not in REDUCE_OPS:
             raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
+        if op == "avg" and not _is_floating(x):
+            raise ConfigError("op", op, f"avg needs a floating dtype, got {_dtype_name(x)}")
 
     def _run(
         self, collective: str, x: Any, op: str | None = None, root: int | None = None, extra: Any = None
@@ -458,12 +471,12 @@ class SimCommunicator:
 
     # -- collectives --------------------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum") -> Any:
-        self._check_op(op)
+        self._check_op(op, x)
         self.traffic.record(self.group_name, "all_reduce", _nbytes(x), self.world_size)
         return self._run("all_reduce", x, op)
 
     def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
-        self._check_op(op)
+        self._check_op(op, x)
         self._check_1d("reduce_scatter", x)
         if x.shape[0] % self.world_size:
             raise CollectiveError(f"reduce_scatter on group {self.group_name}: length {x.shape[0]} on rank "
