@@ -58,8 +58,7 @@ class Zero1Trainer:
 
     # ---- one step -------------------------------------------------------------------------------
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        for p in self.params:
-            p.grad = None
+        self.zero_gradients()
         loss = self.model(inputs, targets)
         loss.backward()
         grad = self.mean_gradient(self.flat([p.grad for p in self.params]))[self.start:self.stop]
@@ -70,6 +69,10 @@ class Zero1Trainer:
         self.update(param, grad)
         self.copy_into_parameters(self.all_gather(param))
         return float(loss.detach())
+
+    def zero_gradients(self) -> None:
+        for p in self.params:
+            p.grad = None
 
     def mean_gradient(self, flat_grad: torch.Tensor) -> torch.Tensor:
         """The gradient averaged over ranks (each rank's loss is a mean over its own micro-batch)."""
