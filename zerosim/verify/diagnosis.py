@@ -1,0 +1,2 @@
+def diagnose(records, contracts):
+    return []
