@@ -61,6 +61,8 @@ def _full(value: torch.Tensor) -> torch.Tensor:
 
 
 class FSDP2Trainer:
+    partition_rule = "fsdp"  # torch.chunk on dim 0 per tensor, padded to the first chunk
+
     def __init__(self, model: torch.nn.Module, optim: dict[str, Any], *, reshard_after_forward: bool,
                  mesh_shape: tuple[int, ...], declared_strategy: str):
         self.model = model

@@ -24,6 +24,7 @@ from .ddp import wrap_ddp
 
 class TorchZeroTrainer:
     declared_strategy = "zero1"
+    partition_rule = "zero-redundancy"  # whole tensors, largest first, to the least-loaded rank
 
     def __init__(self, model: torch.nn.Module, optim: dict[str, Any]):
         self.model = model
