@@ -225,3 +225,15 @@ def run_all(*, worlds: Sequence[int] = WORLDS, dtype: str = "float64", device: s
     paths = write_matrix(matrix, out_dir)
     echo("wrote " + ", ".join(str(p) for p in paths.values()))
     return matrix_exit_code(matrix)
+
+
+def run_cli(args: Any) -> int:
+    """The ``--all`` branch of ``zerosim verify``: ``--out`` (default ``reports``), ``--dtype``,
+    ``--device`` and ``--timeout`` apply to every cell; the worlds are 2 and 4."""
+    timeout = getattr(args, "timeout", None)
+    try:
+        timeout_s = float(timeout) if timeout is not None else None
+    except ValueError:
+        raise ConfigError("timeout", timeout, "must be a number of seconds") from None
+    return run_all(dtype=getattr(args, "dtype", "float64"), device=getattr(args, "device", "cpu"),
+                   out_dir=getattr(args, "out", None) or "reports", timeout_s=timeout_s)

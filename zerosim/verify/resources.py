@@ -324,8 +324,8 @@ def check_memory(declared_strategy: str, layout: Any, dtype_bytes: int, world: i
                     f"{strategy.name} plan allows ({plan[kind]:,} bytes: {_plan_words(strategy, kind)}, "
                     f"{rule} partition, {dtype_bytes}-byte elements)"))
     below = sorted({k for row in rows for k in MEMORY_KINDS if row["measured"].get(k, 0) < row["planned"][k]})
-    reason = (f"resident bytes within the {strategy.name} plan on every rank"
-              if not violations else f"{len(violations)} rank/state pairs above the {strategy.name} plan")
+    reason = (f"resident bytes within the {strategy.name} plan on every rank" if not violations else
+              f"{violations[0]['message']} ({len(violations)} rank/state pairs above the plan)")
     if below and not violations:
         reason += f"; below the plan for {', '.join(below)} (the peer frees or pads less than the model assumes)"
     return {"status": "fail" if violations else "pass", "reason": reason, "violations": violations,
@@ -400,7 +400,8 @@ def check_traffic(declared_strategy: str, layout: Any, dtype_bytes: int, world: 
                         "expected_range": [float(lo), float(hi)]})
     judged = [c for c in TRAFFIC_CLASSES if c not in unobserved]
     reason = (f"received bytes of {', '.join(judged)} within the {strategy.name} ring model on every rank and step"
-              if not violations else f"{len(violations)} rank/step/class triples outside the {strategy.name} model")
+              if not violations else
+              f"{violations[0]['message']} ({len(violations)} rank/step/class triples outside the model)")
     for cls, why in unobserved.items():
         reason += f"; {cls} not judged: {why}"
     return {"status": "fail" if violations else "pass", "reason": reason, "violations": violations,
