@@ -76,14 +76,14 @@ def test_helper_leaves_a_bad_option_a_config_error() -> None:
 
 def test_failure_message_names_every_failed_contract_and_the_classes() -> None:
     """The message is built from the report alone: first violation of each failed contract (lowest step,
-    then rank), the violation count, then every diagnosis in order."""
+    then rank), the violation count (all of them, not only those listed), then every diagnosis in order."""
     late = {"contract": "C-ZERO-002", "phase": "adamw", "step": 6, "rank": 0, "tensor": "h.0.w", "start": 4,
             "stop": 9, "expected": 1.0, "got": 1.5, "error": 0.5, "tolerance": 1e-12, "message": "parameter"}
     early = dict(late, step=5, rank=1, tensor="h.1.b", start=0, stop=3)
     report = VerifyReport(
         "pkg:make", 2, 8, "float64",
         {"C-ZERO-001": ContractOutcome("pass"),
-         "C-ZERO-002": ContractOutcome("fail", "first at step 5", [late, early]),
+         "C-ZERO-002": ContractOutcome("fail", "first at step 5", [late, early], {"violation_count": 40}),
          "C-ZERO-003": ContractOutcome("fail", "ranks differ", [dict(late, contract="C-ZERO-003", rank=1)])},
         [Diagnosis("clip-norm", "starts where the clip binds"), Diagnosis("ranks-agree-wrong", "all agree")])
     lines = failure_message(report).splitlines()
@@ -91,7 +91,7 @@ def test_failure_message_names_every_failed_contract_and_the_classes() -> None:
     assert lines[1] == "C-ZERO-002 failed: first at step 5"
     assert lines[2].startswith("  first violation: step 5 (adamw), rank 1, tensor 'h.1.b' elements [0, 3): ")
     assert "error 0.5, tolerance 1e-12" in lines[2]
-    assert lines[3] == "  (2 violations in all)"
+    assert lines[3] == "  (40 violations in all)"
     assert lines[4] == "C-ZERO-003 failed: ranks differ"
     assert lines[-2:] == ["likely bug: clip-norm: starts where the clip binds", "likely bug: ranks-agree-wrong: all agree"]
     assert not any("C-ZERO-001" in line for line in lines)

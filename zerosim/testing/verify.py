@@ -21,19 +21,21 @@ from typing import Any
 __all__ = ["assert_trainer_verifies", "failure_message"]
 
 
-def _violation_line(v: dict[str, Any]) -> str:
+def _violation_line(v: dict[str, Any], reason: str = "") -> str:
+    """Where the violation is and by how much; its message unless the contract's reason already says it."""
     where = [f"step {v.get('step')}" + (f" ({v['phase']})" if v.get("phase") else "")]
     if v.get("rank") is not None:
         where.append(f"rank {v['rank']}")
     if v.get("tensor") is not None:
         span = f" elements [{v['start']}, {v['stop']})" if v.get("start") is not None else ""
         where.append(f"tensor {v['tensor']!r}{span}")
-    numbers = [f"{key} {v[key]:.3g}" if isinstance(v.get(key), float) else f"{key} {v[key]}"
-               for key in ("expected", "got", "error", "tolerance") if v.get(key) is not None]
+    digits = {"expected": ".10g", "got": ".10g", "error": ".3g", "tolerance": ".3g"}
+    numbers = [f"{key} {v[key]:{fmt}}" if isinstance(v.get(key), float) else f"{key} {v[key]}"
+               for key, fmt in digits.items() if v.get(key) is not None]
     text = ", ".join(where)
     if numbers:
         text += ": " + ", ".join(numbers)
-    if v.get("message"):
+    if v.get("message") and v["message"] not in reason:
         text += f" - {v['message']}"
     return text
 
@@ -51,9 +53,10 @@ def failure_message(report: Any) -> str:
             head += f": {outcome.reason}"
         lines.append(head)
         if first is not None:
-            lines.append(f"  first violation: {_violation_line(first)}")
-            if len(outcome.violations) > 1:
-                lines.append(f"  ({len(outcome.violations)} violations in all)")
+            lines.append(f"  first violation: {_violation_line(first, outcome.reason)}")
+            count = outcome.details.get("violation_count", len(outcome.violations))
+            if count > 1:
+                lines.append(f"  ({count} violations in all)")
     for d in report.diagnosis:
         lines.append(f"likely bug: {d.bug_class}: {d.evidence}")
     return "\n".join(lines)
