@@ -29,7 +29,17 @@ class FullStateZero1(DDPTrainer):
     partition_rule = "zero-redundancy"
 
 
-FACTORIES = {"ddp": DDPTrainer, "torch-zero": make_torch_zero, "fsdp2": make_fsdp2,
+def _deepspeed(stage: int):
+    def make(model, optim):
+        from zerosim.verify.adapters.deepspeed_zero import DeepSpeedTrainer
+
+        return DeepSpeedTrainer(model, optim, stage)
+
+    return make
+
+
+FACTORIES = {"deepspeed-1": _deepspeed(1), "deepspeed-2": _deepspeed(2), "deepspeed-3": _deepspeed(3),
+             "ddp": DDPTrainer, "torch-zero": make_torch_zero, "fsdp2": make_fsdp2,
              "fsdp2-grad-op": make_grad_op_trainer, "fsdp2-hybrid": make_hybrid_trainer,
              "full-state-zero1": FullStateZero1}
 STEPS = 2

@@ -339,11 +339,12 @@ def _plan_words(strategy: ShardingStrategy, kind: str) -> str:
     return "its shard" if sharded else "one full copy"
 
 
-def _traffic_band(layout: ParamLayout, strategy: ShardingStrategy, world: int, rank: int, dtype_bytes: int,
-                  partitioner: str | None, zero1_grad_reduce: str) -> dict[str, tuple[Fraction, Fraction]]:
+def _traffic_band(layout: ParamLayout, strategy: ShardingStrategy, world: int, rank: int, param_bytes: int,
+                  grad_bytes: int, partitioner: str | None,
+                  zero1_grad_reduce: str) -> dict[str, tuple[Fraction, Fraction]]:
     """(least, most) bytes ``rank`` receives per step in each traffic class (see the module docstring)."""
-    est = comm_per_step(layout, strategy, Topology(world), partitioner or "fsdp", param_bytes=dtype_bytes,
-                        grad_bytes=dtype_bytes, zero1_grad_reduce=zero1_grad_reduce)
+    est = comm_per_step(layout, strategy, Topology(world), partitioner or "fsdp", param_bytes=param_bytes,
+                        grad_bytes=grad_bytes, zero1_grad_reduce=zero1_grad_reduce)
     psi = layout.total_numel
     stored = _stored_numel(layout, strategy, world, rank, partitioner)
     band: dict[str, tuple[Fraction, Fraction]] = {c: (Fraction(0), Fraction(0)) for c in TRAFFIC_CLASSES}
@@ -354,7 +355,7 @@ def _traffic_band(layout: ParamLayout, strategy: ShardingStrategy, world: int, r
         if item.collective == "all_gather":
             # every gather brings the elements this rank does not store; padding may or may not travel
             passes = Fraction(item.payload_elements, est.packed_numel)
-            least = passes * max(psi - stored, 0) * dtype_bytes
+            least = passes * max(psi - stored, 0) * param_bytes
             cls = "gather"
         else:
             # a gradient buffer of the real elements only (no padding) is the least a reduction moves
@@ -367,22 +368,25 @@ def _traffic_band(layout: ParamLayout, strategy: ShardingStrategy, world: int, r
 
 
 def check_traffic(declared_strategy: str, layout: Any, dtype_bytes: int, world: int,
-                  per_rank_traffic: Sequence[Sequence[dict[str, Any]]], *, partitioner: str | None = None,
+                  per_rank_traffic: Sequence[Sequence[dict[str, Any]]], *, grad_bytes: int | None = None,
+                  partitioner: str | None = None,
                   zero1_grad_reduce: str = "all_reduce", unobserved: dict[str, str] | None = None,
                   phase: str | None = None, first_step: int = 1) -> dict[str, Any]:
     """C-ZERO-005 on counted traffic: the bytes every rank receives per step, per traffic class, lie in
     the band of the declared strategy's communication model (see the module docstring).
 
     ``per_rank_traffic[r][i]`` = :meth:`TrafficCounter.summary` of rank ``r`` at the ``i``-th step of
-    the phase (global step ``first_step + i``). ``unobserved``: class -> why the counter cannot see it
-    (that class is not judged, and the reason is reported).
+    the phase (global step ``first_step + i``). ``dtype_bytes``: bytes of a parameter element on the
+    wire; ``grad_bytes``: of a gradient element (default the same). ``unobserved``: class -> why the
+    counter cannot see it (that class is not judged, and the reason is reported).
     """
     strategy = strategy_from_declared(declared_strategy)
     lay = as_layout(layout)
     unobserved = dict(unobserved or {})
     violations, rows = [], []
     for rank, steps in enumerate(per_rank_traffic):
-        band = _traffic_band(lay, strategy, world, rank, dtype_bytes, partitioner, zero1_grad_reduce)
+        band = _traffic_band(lay, strategy, world, rank, dtype_bytes, grad_bytes or dtype_bytes, partitioner,
+                             zero1_grad_reduce)
         rows.append({"rank": rank, "band": {c: [float(lo), float(hi)] for c, (lo, hi) in band.items()},
                      "received": [{c: float(s[c]["received"]) for c in (*TRAFFIC_CLASSES, "control")} for s in steps]})
         for i, summary in enumerate(steps):
@@ -405,8 +409,9 @@ def check_traffic(declared_strategy: str, layout: Any, dtype_bytes: int, world: 
     for cls, why in unobserved.items():
         reason += f"; {cls} not judged: {why}"
     return {"status": "fail" if violations else "pass", "reason": reason, "violations": violations,
-            "details": {"strategy": strategy.name, "partitioner": partitioner, "dtype_bytes": dtype_bytes,
-                        "zero1_grad_reduce": zero1_grad_reduce, "ranks": rows}}
+            "details": {"strategy": strategy.name, "partitioner": partitioner, "param_bytes": dtype_bytes,
+                        "grad_bytes": grad_bytes or dtype_bytes, "zero1_grad_reduce": zero1_grad_reduce,
+                        "ranks": rows}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -416,11 +421,10 @@ def check_traffic(declared_strategy: str, layout: Any, dtype_bytes: int, world: 
 
 def trainer_resource_info(trainer: Any) -> dict[str, Any]:
     """What a trainer declares for C-ZERO-004/005 (built-in adapters; a user's trainer usually none)."""
-    master = getattr(trainer, "master_dtype", None)
     return {"declared_strategy": getattr(trainer, "declared_strategy", None),
             "partition_rule": getattr(trainer, "partition_rule", None),
             "zero1_grad_reduce": getattr(trainer, "zero1_grad_reduce", "all_reduce"),
-            "master_dtype_bytes": None if master is None else int(master.itemsize),
+            "wire_bytes": dict(getattr(trainer, "wire_bytes", {}) or {}),
             "has_resident_bytes": callable(getattr(trainer, "resident_bytes", None)),
             "unobserved_traffic": dict(getattr(trainer, "unobserved_traffic", {}) or {}),
             "memory_unobserved": getattr(trainer, "memory_unobserved", None)}
@@ -492,8 +496,9 @@ def resource_outcomes(phases: Sequence[PhaseResources], model: Any, dtype_bytes:
         else:
             skipped["C-ZERO-004"] = info.get("memory_unobserved") or "the trainer reports no resident_bytes()"
         per_rank = [[step[r]["traffic"] for step in ph.steps] for r in range(world)]
-        wire = info.get("master_dtype_bytes") or dtype_bytes
-        traffic.append(check_traffic(strategy, layout, wire, world, per_rank,
+        wire = info.get("wire_bytes") or {}
+        traffic.append(check_traffic(strategy, layout, wire.get("params", dtype_bytes), world, per_rank,
+                                     grad_bytes=wire.get("grads", dtype_bytes),
                                      partitioner=info.get("partition_rule"),
                                      zero1_grad_reduce=info.get("zero1_grad_reduce", "all_reduce"),
                                      unobserved=info.get("unobserved_traffic"), phase=ph.name,
