@@ -166,3 +166,58 @@ def test_ddp_declared_as_zero3_fails_memory_on_params_and_grads_and_traffic_on_g
     assert kinds == {"params", "grads", "optimizer"}
     assert out["C-ZERO-005"].status == "fail"
     assert "gather" in {v["tensor"] for v in out["C-ZERO-005"].violations}
+
+
+# ---- DeepSpeed (optional extra): what its traffic looks like against the ring model ------------------
+
+@pytest.fixture(scope="module")
+def live_deepspeed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from zerosim.verify.adapters import missing_requirement
+
+    reason = torch_unavailable_reason() or missing_requirement("deepspeed-1")
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp("resources-ds") / "observations.pkl"
+    result = run_torchrun(WORLD, [str(PROGRAM), str(out), "deepspeed-1,deepspeed-2,deepspeed-3"], 600.0)
+    assert result.returncode == 0, (result.stderr or "")[-3000:]
+    with open(out, "rb") as f:
+        return pickle.load(f)
+
+
+def _psi() -> int:
+    return sum(p.numel() for p in build_model("gpt", "float64", 0).parameters())
+
+
+@pytest.mark.torchdist
+@pytest.mark.slow
+def test_deepspeed_stage_1_traffic_is_the_zero1_all_reduce_model(live_deepspeed: dict) -> None:
+    for optim in ("sgd", "adamw"):
+        out = _outcomes(live_deepspeed, "deepspeed-1", optim)
+        assert out["C-ZERO-005"].status == "pass", out["C-ZERO-005"].reason
+        assert out["C-ZERO-004"].status == "skipped" and "private flat partitions" in out["C-ZERO-004"].reason
+
+
+@pytest.mark.torchdist
+@pytest.mark.slow
+def test_deepspeed_stage_2_all_reduces_gradients_instead_of_reduce_scattering(live_deepspeed: dict) -> None:
+    """A finding, kept: DeepSpeed 0.19's stage 2 averages gradients with bucketed all-reduces
+    (``use_multi_rank_bucket_allreduce``, on by default), twice the ZeRO-2 reduce-scatter volume."""
+    out = _outcomes(live_deepspeed, "deepspeed-2", "sgd")["C-ZERO-005"]
+    assert out.status == "fail"
+    assert {v["tensor"] for v in out.violations} == {"reduce"}
+    # 2(N-1)/N of the whole float32 gradient: DDP's volume, where ZeRO-2 has (N-1)/N
+    for rank in live_deepspeed[("deepspeed-2", "sgd")]["ranks"]:
+        for obs in rank["steps"]:
+            assert obs["traffic"]["reduce"]["received"] == Fraction(2 * (WORLD - 1), WORLD) * _psi() * 4
+
+
+@pytest.mark.torchdist
+@pytest.mark.slow
+def test_deepspeed_stage_3_gathers_parameters_once_per_step_not_twice(live_deepspeed: dict) -> None:
+    """A finding, kept: with its default ``stage3_max_reuse_distance`` DeepSpeed keeps the parameters
+    gathered in forward for backward, so after the first step it receives about one gather per step
+    where the ZeRO-3 schedule has two: C-ZERO-005 fails below the band, on parameter exchange only."""
+    out = _outcomes(live_deepspeed, "deepspeed-3", "sgd")["C-ZERO-005"]
+    assert out.status == "fail"
+    assert {v["tensor"] for v in out.violations} == {"gather"}
+    assert all(v["got"] < v["expected_range"][0] for v in out.violations)
