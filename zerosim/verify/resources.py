@@ -219,9 +219,9 @@ def _describe(name: str, spec: _Wrapped, args: tuple[Any, ...], kwargs: dict[str
     elif spec.payload == "second":
         tensors = [second]
     elif spec.payload == "first_list":
-        tensors = list(first)
+        tensors = list(first or ())
     elif spec.payload == "second_list":
-        tensors = list(second)
+        tensors = list(second or ())
     else:  # input_times_n: all_gather(tensor_list, tensor)
         tensors = [second] * len(ranks)
     nbytes = sum(_nbytes(t) for t in tensors)
@@ -311,7 +311,8 @@ def check_memory(declared_strategy: str, layout: Any, dtype_bytes: int, world: i
     lay = as_layout(layout)
     n_states = states_per_element(optim)
     rule = partitioner or "even split"
-    violations, rows = [], []
+    violations: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     for rank, measured in enumerate(per_rank_memory):
         plan = planned_bytes(lay, strategy, world, rank, dtype_bytes, n_states, partitioner)
         rows.append({"rank": rank, "measured": dict(measured), "planned": plan})
@@ -485,9 +486,10 @@ def resource_outcomes(phases: Sequence[PhaseResources], model: Any, dtype_bytes:
             skipped["C-ZERO-004"] = skipped["C-ZERO-005"] = (
                 "the trainer declares no strategy (declared_strategy): no plan to compare memory and traffic with")
             continue
-        if any(obs is None for step in ph.steps for obs in step):
+        observed = [[obs for obs in step if obs is not None] for step in ph.steps]
+        if any(len(step) != world for step in observed):
             continue
-        mem_steps = [[obs["memory"] for obs in step] for step in ph.steps]
+        mem_steps = [[obs["memory"] for obs in step] for step in observed]
         if info.get("has_resident_bytes") and all(m is not None for step in mem_steps for m in step):
             for i, per_rank in enumerate(mem_steps):
                 memory.append(check_memory(strategy, layout, dtype_bytes, world, per_rank, optim=ph.optim,
@@ -495,7 +497,7 @@ def resource_outcomes(phases: Sequence[PhaseResources], model: Any, dtype_bytes:
                                            step=ph.first_step + i))
         else:
             skipped["C-ZERO-004"] = info.get("memory_unobserved") or "the trainer reports no resident_bytes()"
-        per_rank = [[step[r]["traffic"] for step in ph.steps] for r in range(world)]
+        per_rank = [[step[r]["traffic"] for step in observed] for r in range(world)]
         wire = info.get("wire_bytes") or {}
         traffic.append(check_traffic(strategy, layout, wire.get("params", dtype_bytes), world, per_rank,
                                      grad_bytes=wire.get("grads", dtype_bytes),

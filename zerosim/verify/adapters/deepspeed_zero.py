@@ -31,7 +31,7 @@ _STATE_NAMES = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
 
 def _deepspeed() -> Any:
     try:
-        import deepspeed
+        import deepspeed  # type: ignore[import-untyped]
     except ImportError:
         raise ConfigError("target", "deepspeed", f"DeepSpeed is not installed: {INSTALL}") from None
     return deepspeed
@@ -87,12 +87,12 @@ class DeepSpeedTrainer:
         return float(loss.detach())
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        from deepspeed.utils import safe_get_full_fp32_param
+        from deepspeed.utils import safe_get_full_fp32_param  # type: ignore[import-untyped]
 
         return {name: safe_get_full_fp32_param(p).to(self.dtype) for name, p in self._named}
 
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        from deepspeed.utils import safe_get_full_optimizer_state
+        from deepspeed.utils import safe_get_full_optimizer_state  # type: ignore[import-untyped]
 
         out: dict[str, dict[str, torch.Tensor]] = {}
         for name, p in self._named:

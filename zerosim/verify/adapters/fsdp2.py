@@ -46,8 +46,8 @@ def apply_fully_shard(model: torch.nn.Module, mesh: DeviceMesh, reshard_after_fo
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
-def owned_range(param: DTensor) -> list[tuple[int, int]]:
-    """The flattened element range of ``param``'s local dim-0 shard on this rank (empty if none)."""
+def owned_range(param: Any) -> list[tuple[int, int]]:
+    """The flattened element range of ``param``'s (a DTensor's) local dim-0 shard on this rank (empty if none)."""
     local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     if param.dim() == 0:
         return [(0, 1)]
@@ -107,7 +107,7 @@ class FSDP2Trainer:
 
 def _unsharded_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
     """The unsharded parameters FSDP2 still holds (freed storages count 0 bytes)."""
-    out = []
+    out: list[torch.Tensor] = []
     for module in model.modules():
         state_of = getattr(module, "_get_fsdp_state", None)
         if state_of is None:

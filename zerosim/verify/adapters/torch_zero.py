@@ -33,7 +33,8 @@ class TorchZeroTrainer:
         cls, kwargs = optimizer_kwargs(optim)
         self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
         self.rank = dist.get_rank()
-        self._owner = {p: self.optimizer._param_to_rank[p] for p in model.parameters()}
+        owner_of = self.optimizer._param_to_rank  # type: ignore[attr-defined]
+        self._owner = {p: owner_of[p] for p in model.parameters()}
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -53,7 +54,7 @@ class TorchZeroTrainer:
         out: dict[str, dict[str, torch.Tensor]] = {}
         device = next(self.model.parameters()).device
         for owner in range(dist.get_world_size()):
-            box = [mine if owner == self.rank else None]
+            box: list[Any] = [mine if owner == self.rank else None]
             dist.broadcast_object_list(box, src=owner, device=device if device.type == "cuda" else None)
             out.update({name: {k: v.to(device) for k, v in st.items()} for name, st in box[0].items()})
         return out
