@@ -13,7 +13,7 @@ import sys
 
 from ..errors import ZeroSimError
 
-COMMAND_MODULES = ("plan", "check", "simulate", "memory", "comm", "report", "bench")
+COMMAND_MODULES = ("plan", "check", "simulate", "memory", "comm", "report", "bench", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,7 @@ diagnosis (:mod:`zerosim.verify.diagnosis`) run on the result.
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -37,7 +38,8 @@ def build_records(phases: list[Phase], phase_info: list[dict[str, Any]],
         steps = [observations[s] for s in phase.step_numbers]
         masters32 = dtype == "float64" and float32_masters(steps)
         arithmetic = "float32" if dtype == "float32" or masters32 else "float64"
-        ref = Reference(base, phase.optim, world, model_name=model_name, seed=seed, phase=phase.name)
+        ref = Reference(base, phase.optim, world, model_name=model_name, seed=seed, phase=phase.name,
+                        data_offset=phase.data_offset)
         model = ErrorModel(phase.optim, arithmetic, cfg, world)
         binds = []
         for s, ranks in zip(phase.step_numbers, steps, strict=True):
@@ -77,3 +79,19 @@ def evaluate(*, target: str, world: int, dtype: str, device: str, model_name: st
     total = sum(p.steps for p in phases)
     return VerifyReport(target, world, total, dtype, contracts, diagnose(records, contracts), device, model_name,
                         phase_info)
+
+
+def save_observations(path: str, run: dict[str, Any]) -> None:
+    """Pickle what :func:`evaluate` needs besides the model (rebuilt from its name and seed)."""
+    with open(path, "wb") as f:
+        pickle.dump(run, f)
+
+
+def evaluate_saved(path: str) -> VerifyReport:
+    """Re-evaluate a run saved with ``--save-observations`` (trusted files only: this unpickles)."""
+    from .model import build_model
+
+    with open(path, "rb") as f:
+        run = pickle.load(f)  # noqa: S301 - a file this program wrote
+    base = build_model(run["model_name"], run["dtype"], run["seed"])
+    return evaluate(base=base, **run)

@@ -58,7 +58,8 @@ class Reference:
     """Unsharded float64 training of ``model`` (deep-copied) on the global batch of ``world`` ranks."""
 
     def __init__(self, model: torch.nn.Module, optim: dict[str, Any], world: int, *, model_name: str = "gpt",
-                 seed: int = 0, phase: str = ""):
+                 seed: int = 0, phase: str = "", data_offset: int = 0):
+        self.data_offset = data_offset
         self.model = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
         self.optim = dict(optim)
         self.world = world
@@ -71,7 +72,7 @@ class Reference:
         self.phase_step = 0
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [micro_batch(r, step, self.seed, self.model_name) for r in range(self.world)]
+        return [micro_batch(r, step + self.data_offset, self.seed, self.model_name) for r in range(self.world)]
 
     def local_gradients(self, step: int) -> tuple[dict[str, np.ndarray], list[float]]:
         """Mean over ranks of |each rank's local gradient| at the current weights, and the local losses."""
@@ -81,7 +82,7 @@ class Reference:
             self.model.zero_grad(set_to_none=True)
             loss = self.model(inputs, targets)
             loss.backward()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             for n, p in zip(self.names, self.params, strict=True):
                 if p.grad is not None:
                     terms[n] += np.abs(p.grad.numpy())
@@ -133,26 +134,33 @@ class Reference:
         return out
 
 
+CLIP_DATA_OFFSETS = 8  # batch orders tried before settling for a clip that binds at the phase's first step
+
+
 def choose_clip(model: torch.nn.Module, optim: dict[str, Any], world: int, first_step: int, steps: int, *,
-                model_name: str = "gpt", seed: int = 0) -> tuple[float, int]:
-    """A ``max_grad_norm`` for the AdamW phase that binds at some step but, where the data allow, not at
-    the phase's first: (threshold, the phase step where it first binds).
+                model_name: str = "gpt", seed: int = 0) -> tuple[float, int, int]:
+    """A ``max_grad_norm`` for the AdamW phase that binds at some step but not at the phase's first:
+    (threshold, the phase step where it first binds, the data offset of the phase's batches).
 
     Runs the phase unclipped: with n_1 the first step's norm and k the first later step whose norm
     exceeds n_1, the threshold (n_1 + n_k) / 2 leaves steps 1..k-1 unclipped (their norms are at most
     n_1), so the clipped and unclipped runs agree up to step k, where it binds. A divergence that
-    starts exactly there points at the clip. If no later norm exceeds n_1, 0.9 n_1 binds at step 1.
+    starts exactly there points at the clip. When the norms of the phase's batches only fall, the
+    next batches (a data offset) are tried; if none rises, 0.9 n_1 binds at step 1.
     """
+    for offset in range(CLIP_DATA_OFFSETS):
+        ref = Reference(model, {**optim, "max_grad_norm": None}, world, model_name=model_name, seed=seed,
+                        data_offset=offset * steps)
+        norms = []
+        for k in range(steps):
+            norms.append(ref.gradient_norm(first_step + k))
+            ref.optimizer.step()
+            if k > 0 and norms[-1] > norms[0]:
+                middle = (norms[0] + norms[-1]) / 2
+                rounded = _round_sig(middle)
+                return (rounded if norms[0] < rounded < norms[-1] else middle), k + 1, offset * steps
     ref = Reference(model, {**optim, "max_grad_norm": None}, world, model_name=model_name, seed=seed)
-    norms = []
-    for k in range(steps):
-        norms.append(ref.gradient_norm(first_step + k))
-        ref.optimizer.step()
-        if k > 0 and norms[-1] > norms[0]:
-            middle = (norms[0] + norms[-1]) / 2
-            rounded = _round_sig(middle)
-            return (rounded if norms[0] < rounded < norms[-1] else middle), k + 1
-    return _round_sig(0.9 * norms[0]), 1
+    return _round_sig(0.9 * ref.gradient_norm(first_step)), 1, 0
 
 
 def _round_sig(x: float, digits: int = 4) -> float:

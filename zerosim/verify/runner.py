@@ -175,6 +175,9 @@ def build_rank_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="directory for report.json (rank 0)")
     p.add_argument("--json", action="store_true", help="rank 0 prints the report as one JSON object")
     p.add_argument("--quiet", action="store_true", help="print nothing (the launcher reads report.json)")
+    p.add_argument("--save-observations", default=None, metavar="PATH",
+                   help="rank 0 pickles the phases and every rank's observations to PATH (re-evaluate offline "
+                        "with zerosim.verify.evaluate.evaluate_saved)")
     return p
 
 

@@ -96,9 +96,11 @@ class RankSession:
                 if self.rank == 0:
                     clip = choose_clip(base, phase.optim, self.world, phase.first_step, phase.steps,
                                        model_name=self.args.model, seed=self.args.seed)
-                threshold, binds_at = self.comm.broadcast_object(clip, root=0)
+                threshold, binds_at, offset = self.comm.broadcast_object(clip, root=0)
                 phase.optim["max_grad_norm"] = threshold
+                phase.data_offset = offset
                 phase.extra["clip_first_binds_at_phase_step"] = binds_at
+                phase.extra["data_offset"] = offset
             model = build_model(self.args.model, self.args.dtype, self.args.seed).to(self.device)
             self.where = f"make_trainer for the {phase.name} phase"
             trainer, skipped = self.agree(self._local(self._make, model, phase))
@@ -107,7 +109,7 @@ class RankSession:
                 phase_info.append(self._phase_json(phase, "skipped", skipped))
                 continue
             for step in phase.step_numbers:
-                inputs, targets = (t.to(self.device) for t in micro_batch(self.rank, step, self.args.seed,
+                inputs, targets = (t.to(self.device) for t in micro_batch(self.rank, step + phase.data_offset, self.args.seed,
                                                                           self.args.model))
                 self.where = f"step {step} ({phase.name}): step()"
                 self.arrivals.mark(self.where)
@@ -123,9 +125,14 @@ class RankSession:
         self.where = "evaluation on rank 0"
         code = 0
         if self.rank == 0:
-            from .evaluate import evaluate
+            from .evaluate import evaluate, save_observations
             from .render import render_text
 
+            saved = dict(target=spec, world=self.world, dtype=self.args.dtype, device=self.args.device,
+                         model_name=self.args.model, seed=self.args.seed, phases=self.phases,
+                         phase_info=phase_info, observations=self.observations, numels=numels)
+            if self.args.save_observations:
+                save_observations(self.args.save_observations, saved)
             report = evaluate(target=spec, world=self.world, dtype=self.args.dtype, device=self.args.device,
                               model_name=self.args.model, seed=self.args.seed, phases=self.phases,
                               phase_info=phase_info, observations=self.observations, base=base, numels=numels)

@@ -32,6 +32,7 @@ class Phase:
     optim: dict[str, Any]
     first_step: int  # global, 1-based
     steps: int
+    data_offset: int = 0  # the phase's step s trains on the micro-batches of step s + data_offset
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
