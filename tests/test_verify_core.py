@@ -546,3 +546,31 @@ def test_end_to_end_a_rank_that_raises_is_named(tmp_path, monkeypatch):
     with pytest.raises(RankFailure) as e:
         verify("raising:make_trainer", world=2, timeout_s=60)
     assert e.value.rank == 1 and "rank one is broken" in str(e.value)
+
+
+@pytest.mark.torchdist
+def test_end_to_end_a_rank_that_hangs_is_named(tmp_path, monkeypatch):
+    (tmp_path / "in_test_ddp.py").write_text(DDP_TRAINER)
+    (tmp_path / "hanging.py").write_text(textwrap.dedent('''
+        import time
+
+        import torch.distributed as dist
+        from in_test_ddp import DDPTrainer
+
+        class Hanging(DDPTrainer):
+            calls = 0
+
+            def step(self, inputs, targets):
+                self.calls += 1
+                if dist.get_rank() == 1 and self.calls == 2:
+                    time.sleep(3600)
+                return super().step(inputs, targets)
+
+        def make_trainer(model, optim):
+            return Hanging(model, optim)
+    '''))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RankFailure) as e:
+        verify("hanging:make_trainer", world=2, timeout_s=15)
+    assert e.value.rank == 1, str(e.value)
+    assert "never reached" in str(e.value) and "step 2 (sgd): step()" in str(e.value)
