@@ -7,6 +7,7 @@ Plain data (numpy arrays), so the checks (:mod:`zerosim.verify.checks`) and the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,7 @@ class StepObservation:
     params: dict[str, np.ndarray]
     state: dict[str, dict[str, np.ndarray]] | None = None
     shards: dict[str, list[tuple[int, int]]] | None = None
+    resources: dict[str, Any] | None = None  # traffic and resident bytes (zerosim.verify.resources)
 
 
 @dataclass

@@ -124,7 +124,9 @@ def _collect(result: Any, run_dir: Path, world: int, launch_s: float) -> VerifyR
     """The report of a finished launch, or the error it ended with."""
     code = result.returncode
     if code in (0, 1) and (run_dir / REPORT_FILE).exists():
-        return VerifyReport.from_json(json.loads((run_dir / REPORT_FILE).read_text()))
+        report = VerifyReport.from_json(json.loads((run_dir / REPORT_FILE).read_text()))
+        report.extra["wall_s"] = round(result.elapsed_s, 2)
+        return report
     if (run_dir / ERROR_FILE).exists():
         err = json.loads((run_dir / ERROR_FILE).read_text())
         if err.get("kind") == "config":

@@ -60,6 +60,7 @@ class RankSession:
         self.where = "start"
         self.factory = self.agree(self._local(resolve_factory, args.target))
         self.observations: dict[int, list[StepObservation]] = {}
+        self.started = time.monotonic()
 
     # -- agreement ---------------------------------------------------------------------------------------
     def _local(self, fn: Any, *args: Any) -> Any:
@@ -84,12 +85,14 @@ class RankSession:
         import torch
 
         from .reference import choose_clip
+        from .resources import PhaseResources, ResourceProbe, resource_outcomes
 
         spec = self.args.target
         base = build_model(self.args.model, self.args.dtype, self.args.seed)
         expected = {n: (tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in base.named_parameters()}
         numels = {n: int(p.numel()) for n, p in base.named_parameters()}
         phase_info: list[dict[str, Any]] = []
+        phase_resources: list[Any] = []
         for phase in self.phases:
             if phase.name == "adamw":
                 clip = None
@@ -108,18 +111,25 @@ class RankSession:
             if skipped is not None:
                 phase_info.append(self._phase_json(phase, "skipped", skipped))
                 continue
+            probe = ResourceProbe(trainer)
             for step in phase.step_numbers:
                 inputs, targets = (t.to(self.device) for t in micro_batch(self.rank, step + phase.data_offset, self.args.seed,
                                                                           self.args.model))
                 self.where = f"step {step} ({phase.name}): step()"
                 self.arrivals.mark(self.where)
-                loss = trainer.step(inputs, targets)
+                with probe.counting():
+                    loss = trainer.step(inputs, targets)
                 obs = self.agree(self._local(self._observe, trainer, phase, step, loss, expected, numels))
+                obs.resources = probe.take()
                 gathered = self.comm.gather_object(obs, root=0)
                 if self.rank == 0:
                     self.observations[step] = list(gathered)
             phase_info.append(self._phase_json(phase, "ran", ""))
-            del trainer
+            if self.rank == 0:
+                phase_resources.append(PhaseResources(
+                    phase.name, dict(phase.optim), phase.first_step, probe.info,
+                    [[o.resources for o in self.observations[s]] for s in phase.step_numbers]))
+            del trainer, probe
             if torch.cuda.is_available() and self.device.startswith("cuda"):
                 torch.cuda.synchronize(self.device)
         self.where = "evaluation on rank 0"
@@ -128,14 +138,17 @@ class RankSession:
             from .evaluate import evaluate, save_observations
             from .render import render_text
 
-            saved = dict(target=spec, world=self.world, dtype=self.args.dtype, device=self.args.device,
-                         model_name=self.args.model, seed=self.args.seed, phases=self.phases,
-                         phase_info=phase_info, observations=self.observations, numels=numels)
+            resources = (resource_outcomes(phase_resources, base, base_dtype_bytes(base), self.world)
+                         if phase_resources else None)
+            run = dict(target=spec, world=self.world, dtype=self.args.dtype, device=self.args.device,
+                       model_name=self.args.model, seed=self.args.seed, phases=self.phases, phase_info=phase_info,
+                       observations=self.observations, numels=numels, resources=resources)
             if self.args.save_observations:
-                save_observations(self.args.save_observations, saved)
-            report = evaluate(target=spec, world=self.world, dtype=self.args.dtype, device=self.args.device,
-                              model_name=self.args.model, seed=self.args.seed, phases=self.phases,
-                              phase_info=phase_info, observations=self.observations, base=base, numels=numels)
+                save_observations(self.args.save_observations, run)
+            started = time.monotonic()
+            report = evaluate(base=base, **run)
+            report.extra["evaluation_s"] = round(time.monotonic() - started, 2)
+            report.extra["training_s"] = round(started - self.started, 2)
             if self.args.out:
                 Path(self.args.out).mkdir(parents=True, exist_ok=True)
                 (Path(self.args.out) / "report.json").write_text(json.dumps(report.to_json(), indent=1))
@@ -219,6 +232,10 @@ class RankSession:
             (Path(out) / f"failure-rank{self.rank}.json").write_text(json.dumps(record))
         except OSError:
             print(f"rank {self.rank}: could not write the failure record to {out}", file=sys.stderr)
+
+
+def base_dtype_bytes(model: Any) -> int:
+    return int(next(model.parameters()).element_size())
 
 
 def _as_arrays(values: Any, method: str, rank: int) -> Any:
