@@ -10,6 +10,7 @@ failed or hung. ``--all``: every installed adapter x {sgd, adamw} x world {2, 4}
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -24,7 +25,7 @@ def register(sub: Any) -> None:
                                       "yours) against C-ZERO-001..005", description=__doc__.split("\n\n")[0])
     one_line_errors(p)
     p.add_argument("target", nargs="?", default=None, help="built-in adapter name or MODULE:FACTORY")
-    p.add_argument("--world", default="4", help="ranks to start (default 4)")
+    p.add_argument("--world", default=None, help="ranks to start (default 4; under torchrun: the ranks it started)")
     p.add_argument("--steps", default=None, help="optimizer steps over both phases (default 8: 4 SGD + 4 AdamW)")
     p.add_argument("--dtype", default="float64", help="float64 (default) or float32")
     p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
@@ -70,6 +71,8 @@ def run(args: Any) -> int:
         print("error: zerosim verify: give TARGET (a built-in adapter name or MODULE:FACTORY) or --all",
               file=sys.stderr)
         return 2
+    if under_launcher():
+        _run_as_rank(args)
     try:
         report = _verify(args)
     except RankFailure as e:
@@ -85,6 +88,29 @@ def run(args: Any) -> int:
 
         print(render_text(report))
     return report.exit_code
+
+
+def under_launcher() -> bool:
+    """Started by torchrun (or another launcher that sets the torch.distributed environment)?"""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _run_as_rank(args: Any) -> None:
+    """``torchrun ... zerosim verify TARGET``: this process is one rank (no second launch)."""
+    from ..verify.runner import rank_main
+
+    world = _int("world", args.world)
+    if world is not None and world != int(os.environ["WORLD_SIZE"]):
+        raise ConfigError("world", world, f"the launcher started {os.environ['WORLD_SIZE']} rank(s); drop "
+                                          "--world or start that many")
+    argv = [args.target, "--dtype", args.dtype, "--device", args.device, "--model", args.model,
+            "--optimizers", args.optimizers]
+    for flag, value in (("--steps", args.steps), ("--timeout", args.timeout), ("--out", args.out)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.json:
+        argv.append("--json")
+    rank_main(argv)
 
 
 def _verify(args: Any) -> Any:
