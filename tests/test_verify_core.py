@@ -574,3 +574,24 @@ def test_end_to_end_a_rank_that_hangs_is_named(tmp_path, monkeypatch):
         verify("hanging:make_trainer", world=2, timeout_s=15)
     assert e.value.rank == 1, str(e.value)
     assert "never reached" in str(e.value) and "step 2 (sgd): step()" in str(e.value)
+
+
+@pytest.mark.torchdist
+def test_end_to_end_a_phase_the_trainer_does_not_support_is_skipped(tmp_path, monkeypatch):
+    (tmp_path / "in_test_ddp.py").write_text(DDP_TRAINER)
+    (tmp_path / "sgd_only.py").write_text(textwrap.dedent('''
+        from in_test_ddp import DDPTrainer
+
+        def make_trainer(model, optim):
+            if optim["name"] != "sgd":
+                raise NotImplementedError("only SGD here")
+            return DDPTrainer(model, optim)
+    '''))
+    monkeypatch.chdir(tmp_path)
+    report = verify("sgd_only:make_trainer", world=1, steps=4, timeout_s=60)
+    assert report.verdict == "pass"
+    adamw = next(p for p in report.phases if p["name"] == "adamw")
+    assert adamw["status"] == "skipped" and "only SGD here" in adamw["reason"]
+    assert "clip norm" in adamw["not_ruled_out"]
+    assert report.contracts["C-ZERO-002"].status == "pass"
+    assert report.contracts["C-ZERO-002"].details["state_compared"] == ["momentum_buffer"]

@@ -102,6 +102,8 @@ class ArrivalCounter:
         return None, "every rank saw the failure and entered the same number of collectives"
 
     def _has(self, key: str) -> bool:
+        if self.store is None:
+            return False
         try:
             return bool(self.store.check([key]))
         except Exception:  # noqa: BLE001
@@ -109,7 +111,7 @@ class ArrivalCounter:
 
     def _entry(self, rank: int) -> dict[str, Any]:
         key = f"{_KEY}{rank}"
-        if not self._has(key):
+        if self.store is None or not self._has(key):
             return {"calls": -1, "where": "never started"}
         try:
             return json.loads(self.store.get(key))

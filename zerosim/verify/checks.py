@@ -214,7 +214,7 @@ def check_ownership(records: Sequence[StepRecord], numels: dict[str, int]) -> Co
     seen: set[Any] = set()
     layouts: list[str] = []
     for rec in with_shards:
-        key = tuple(tuple((n, tuple(map(tuple, o.shards.get(n, [])))) for n in sorted(o.shards))  # type: ignore[union-attr]
+        key = tuple(tuple((n, tuple(map(tuple, ranges))) for n, ranges in sorted((o.shards or {}).items()))
                     for o in rec.ranks)
         if key in seen:
             continue

@@ -59,8 +59,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        mask = torch.tril(torch.ones(cfg.block, cfg.block, dtype=torch.bool))
-        self.register_buffer("mask", mask, persistent=False)
+        self.mask: torch.Tensor
+        self.register_buffer("mask", torch.tril(torch.ones(cfg.block, cfg.block, dtype=torch.bool)), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape

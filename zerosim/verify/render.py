@@ -23,11 +23,17 @@ def _phases(report: VerifyReport) -> str:
 def render_text(report: VerifyReport) -> str:
     lines = [f"zerosim verify {report.target}: world {report.world}, {report.steps} steps ({_phases(report)}), "
              f"{report.dtype}, model {report.model}, device {report.device}", ""]
-    lines.append(f"{'contract':<11} {'status':<8} {'max error':>10} {'tolerance':>10}  first failure / reason")
+    lines.append(f"{'contract':<11} {'status':<8} {'error':>9} {'tolerance':>9} {'err/tol':>8}  "
+                 "first failure / reason")
     for cid, c in report.contracts.items():
         err = c.details.get("max_error")
         tol = c.details.get("tolerance")
-        lines.append(f"{cid:<11} {c.status:<8} {_num(err):>10} {_num(tol):>10}  {c.reason}")
+        ratio = c.details.get("error_over_tolerance")
+        lines.append(f"{cid:<11} {c.status:<8} {_num(err):>9} {_num(tol):>9} {_num(ratio):>8}  {c.reason}")
+    c2 = report.contracts.get("C-ZERO-002")
+    if c2 is not None and c2.details.get("worst"):
+        lines.append(f"C-ZERO-002: error and tolerance at the element closest to its bound ({c2.details['worst']}); "
+                     f"largest absolute error anywhere {_num(c2.details.get('max_abs_error'))}")
     lines.append("")
     lines.append(f"verdict: {report.verdict}")
     for p in report.phases:
