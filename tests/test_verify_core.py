@@ -242,6 +242,37 @@ def test_float32_masters_are_detected():
     assert float32_masters([r.ranks for r in recs])
 
 
+def test_float32_masters_of_a_float64_model_stay_within_the_float32_bound():
+    world, steps = 2, 3
+    model = build_model("gpt")
+    masters = copy.deepcopy(model).to(torch.float32)
+    params = list(masters.parameters())
+    opt = make_optimizer(params, ADAMW)
+    traj = []
+    for k in range(steps):
+        grads = [torch.zeros_like(p) for p in params]
+        for r in range(world):
+            masters.zero_grad(set_to_none=True)
+            masters(*micro_batch(r, k + 1)).backward()
+            for g, p in zip(grads, params, strict=True):
+                g += p.grad
+        for g, p in zip(grads, params, strict=True):
+            p.grad = g / world
+        torch.nn.utils.clip_grad_norm_(params, ADAMW["max_grad_norm"], foreach=False)
+        opt.step()
+        traj.append({n: p.detach().double().numpy().copy() for n, p in masters.named_parameters()})
+    assert float32_masters([[StepObservation("adamw", k + 1, 0, 0.0, traj[k])] for k in range(steps)])
+    ref = Reference(model, ADAMW, world)
+    em = ErrorModel(ADAMW, "float32", PRESETS["gpt"], world, rounded_start=True)
+    records = []
+    for k in range(steps):
+        rs = ref.step(k + 1)
+        records.append(StepRecord(rs, em.step(rs), [StepObservation("adamw", k + 1, r, 0.0, traj[k])
+                                                    for r in range(world)]))
+    outcome = check_equivalence(records)
+    assert outcome.status == "pass", outcome.reason
+
+
 # ---- C-ZERO-001 --------------------------------------------------------------------------------------------
 
 def _ownership(shards, world=4):
@@ -388,6 +419,46 @@ def test_diagnosis_clip_norm():
 def test_diagnosis_empty_for_a_correct_run(sgd_correct):
     world, traj = sgd_correct
     assert _diagnose(records_for(SGD, world, 3, [traj] * world), numels()) == []
+
+
+def test_arrival_names_the_rank_that_never_saw_the_timeout():
+    from types import SimpleNamespace
+
+    from zerosim.verify.arrival import ArrivalCounter
+
+    store = torch.distributed.HashStore()
+    counters = [ArrivalCounter(SimpleNamespace(rank=r, world_size=3,
+                                               _job=SimpleNamespace(board=SimpleNamespace(store=store))))
+                for r in range(3)]
+    try:
+        counters[1].mark("step 2 (sgd): step()")
+        counters[2].laggard(grace_s=0.0)  # rank 2 saw the timeout; rank 1 never does
+        rank, detail = counters[0].laggard(grace_s=0.2)
+        assert rank == 1 and "never reached" in detail and "step 2 (sgd): step()" in detail
+    finally:
+        for c in reversed(counters):
+            c.restore()
+
+
+def test_arrival_names_the_rank_with_an_odd_count_of_collectives():
+    from types import SimpleNamespace
+
+    from zerosim.verify.arrival import ArrivalCounter
+
+    store = torch.distributed.HashStore()
+    counters = [ArrivalCounter(SimpleNamespace(rank=r, world_size=3,
+                                               _job=SimpleNamespace(board=SimpleNamespace(store=store))))
+                for r in range(3)]
+    try:
+        for c in counters:
+            c.calls = 7 if c.rank == 2 else 6  # rank 2 issued one collective more
+            c.mark("step 3 (adamw): full_parameters()")
+            c.laggard(grace_s=0.0)
+        rank, detail = counters[0].laggard(grace_s=0.0)
+        assert rank == 2 and "entered 7 collectives, the other ranks 6" in detail
+    finally:
+        for c in reversed(counters):
+            c.restore()
 
 
 # ---- protocol, targets, suite, report --------------------------------------------------------------------

@@ -40,7 +40,7 @@ def build_records(phases: list[Phase], phase_info: list[dict[str, Any]],
         arithmetic = "float32" if dtype == "float32" or masters32 else "float64"
         ref = Reference(base, phase.optim, world, model_name=model_name, seed=seed, phase=phase.name,
                         data_offset=phase.data_offset)
-        model = ErrorModel(phase.optim, arithmetic, cfg, world)
+        model = ErrorModel(phase.optim, arithmetic, cfg, world, rounded_start=masters32)
         binds = []
         for s, ranks in zip(phase.step_numbers, steps, strict=True):
             ref_step = ref.step(s)

@@ -42,7 +42,9 @@ q = b1^2/b2 (R_1 = 1), so dr <= 2 R_t whatever the rounding did. Then
 dp = (1 - lr wd) dp + lr dr + 2u(|p| + lr|r|).
 
 The tolerance of element i at step k is its dp (parameters) or the matching state bound; "step"
-counters must match exactly. Everything above is computed from the reference's own values, the
+counters must match exactly. A trainer that keeps float32 master weights of a float64 model (every
+parameter float32-representable after every step, e.g. DeepSpeed) is judged with u = 2^-24 and starts
+from dp = u |p_0|, the rounding of the initial weights. Everything above is computed from the reference's own values, the
 unit roundoff and the sizes: nothing is fitted to a machine.
 """
 
@@ -99,7 +101,9 @@ class StepBounds:
 class ErrorModel:
     """Propagates the per-element bound of one phase, step by step (see the module docstring)."""
 
-    def __init__(self, optim: dict[str, Any], dtype: str, cfg: GPTConfig, world: int):
+    def __init__(self, optim: dict[str, Any], dtype: str, cfg: GPTConfig, world: int, *,
+                 rounded_start: bool = False):
+        self.rounded_start = rounded_start  # the trainer starts from the weights rounded to ``dtype``
         self.optim = optim
         self.dtype = dtype
         self.u = unit_roundoff(dtype)
@@ -146,7 +150,12 @@ class ErrorModel:
     def step(self, ref: ReferenceStep) -> StepBounds:
         dg = self.clipped_gradient_bound(ref, self.gradient_bound(ref))
         coef = ref.clip_coef
-        dp_prev = self.dp or {n: np.zeros_like(a) for n, a in ref.params.items()}
+        if self.dp is not None:
+            dp_prev = self.dp
+        elif self.rounded_start:  # float32 masters of a float64 model: one rounding before the first step
+            dp_prev = {n: self.u * np.abs(a) for n, a in ref.params_before.items()}
+        else:
+            dp_prev = {n: np.zeros_like(a) for n, a in ref.params.items()}
         u, lr, wd = self.u, float(self.optim["lr"]), float(self.optim.get("weight_decay", 0.0))
         dp: dict[str, np.ndarray] = {}
         dstate: dict[str, dict[str, np.ndarray]] = {}
