@@ -155,12 +155,16 @@ def render_markdown(matrix: dict[str, Any]) -> str:
 
 
 def render_heatmap(matrix: dict[str, Any], path: Path) -> None:
-    """log10(max error / tolerance) per cell; red at or above 0 (the bound), grey for an error."""
+    """log10(max error / tolerance) of C-ZERO-002 per cell (green far below the bound, red at or above
+    it), grey for a run that ended in an error; a red frame marks a cell whose verdict is "fail" (any
+    contract, e.g. C-ZERO-005 with C-ZERO-002 well within its bound)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.patches import Rectangle
 
     cols = [(o, w) for w in matrix["worlds"] for o in matrix["optimizers"]]
     rows = matrix["adapters"]
@@ -174,22 +178,26 @@ def render_heatmap(matrix: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(2.2 + 1.9 * len(cols), 1.0 + 0.55 * len(rows)))
     cmap = plt.get_cmap("RdYlGn_r").copy()
     cmap.set_bad("#bbbbbb")
-    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, vmin=-8, vmax=2, aspect="auto")
+    image = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=TwoSlopeNorm(vmin=-6, vcenter=0, vmax=2),
+                      aspect="auto")
     for i, name in enumerate(rows):
         for j, (o, w) in enumerate(cols):
             cell = cells.get((name, o, w))
             if cell is None:
                 continue
             text = cell["verdict"]
+            if cell["verdict"] == "fail":
+                ax.add_patch(Rectangle((j - 0.46, i - 0.44), 0.92, 0.88, fill=False, edgecolor="#b00000",
+                                       linewidth=2.5))
             if cell.get("first_failing_step"):
-                text += f"\nstep {cell['first_failing_step']}"
+                text += f"\n{cell['first_failing_contract']} step {cell['first_failing_step']}"
             elif not math.isnan(values[i, j]):
                 text += f"\n{cell['error_over_tolerance']:.0e}"
             ax.text(j, i, text, ha="center", va="center", fontsize=8)
     ax.set_xticks(range(len(cols)), [f"{o}\nworld {w}" for o, w in cols])
     ax.set_yticks(range(len(rows)), rows)
     ax.set_title(f"zerosim verify --all: max error / tolerance (log10), {matrix['dtype']}")
-    fig.colorbar(image, ax=ax, label="log10(max error / tolerance); >= 0 fails")
+    fig.colorbar(image, ax=ax, label="C-ZERO-002: log10(max error / tolerance); >= 0 fails")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
