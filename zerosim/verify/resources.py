@@ -19,9 +19,12 @@ the communication model of the declared strategy (:func:`zerosim.cost.comm_model
 split into gradient reduction (all-reduce, reduce-scatter) and parameter exchange (all-gather,
 broadcast). Received bytes make a broadcast from each owner (ZeroRedundancyOptimizer) and an
 all-gather comparable: under both a rank receives every element it does not own. The expected value
-is a band: at most the model with the peer's padding, at least the same schedule on the unpadded
-parameter count (a peer that pads less than the model, or broadcasts whole tensors without padding,
-moves less). Scalars (a gradient norm, a loss, an overflow flag) are control traffic, counted apart.
+is a band: at most the model with the peer's padding; at least, per gradient reduction, the same
+collective on the unpadded gradient, and per parameter gather pass, the elements the rank does not
+store (a peer that pads less than the model, or broadcasts whole tensors without padding, moves
+less). Below the band is a failure too: a ZeRO-3 that gathers once per step keeps whole parameters
+alive from forward to backward. Scalars (a gradient norm, a loss, an overflow flag) are control
+traffic, counted apart.
 Collectives issued through torch's functional collectives (DTensor's ``full_tensor`` and norm
 reductions) bypass the wrapped Python functions; none of the peers moves model data that way
 inside a step.
