@@ -69,6 +69,17 @@ def test_helper_turns_a_protocol_breach_into_an_assertion() -> None:
         assert_trainer_verifies("tests.verify_trainers.bad:no_such_factory", world=2)
 
 
+@pytest.mark.torchdist
+@pytest.mark.slow
+def test_helper_turns_a_failing_rank_into_an_assertion_naming_it() -> None:
+    from tests.verify_trainers import bad
+
+    with pytest.raises(AssertionError) as caught:
+        assert_trainer_verifies("tests.verify_trainers.bad:rank_raises_mid_run", world=2, steps=4)
+    message = str(caught.value)
+    assert f"rank {bad.MISBEHAVING_RANK}" in message and bad.RAISED_MESSAGE in message, message
+
+
 def test_helper_leaves_a_bad_option_a_config_error() -> None:
     with pytest.raises(ConfigError, match="world"):
         assert_trainer_verifies(EXAMPLE, world=0)
