@@ -73,12 +73,16 @@ class RankSession:
     def agree(self, outcome: tuple[Any, str | None]) -> Any:
         """Every rank learns whether any rank hit a protocol error; all raise the lowest rank's."""
         value, error = outcome
-        errors = self.comm.gather_object(error, root=0)
-        first = next((e for e in errors if e), None) if errors is not None else None
-        first = self.comm.broadcast_object(first, root=0)
+        first = self.first_of_any(error)
         if first:
             raise TrainerError(first)
         return value
+
+    def first_of_any(self, value: Any) -> Any:
+        """The lowest rank's non-None ``value`` on every rank (None if every rank had None)."""
+        values = self.comm.gather_object(value, root=0)
+        first = next((v for v in values if v is not None), None) if values is not None else None
+        return self.comm.broadcast_object(first, root=0)
 
     # -- the run -----------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -107,7 +111,7 @@ class RankSession:
             model = build_model(self.args.model, self.args.dtype, self.args.seed).to(self.device)
             self.where = f"make_trainer for the {phase.name} phase"
             trainer, skipped = self.agree(self._local(self._make, model, phase))
-            skipped = self.comm.broadcast_object(skipped, root=0)
+            skipped = self.first_of_any(skipped)  # a phase one rank cannot run is skipped on every rank
             if skipped is not None:
                 phase_info.append(self._phase_json(phase, "skipped", skipped))
                 continue
