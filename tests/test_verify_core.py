@@ -523,6 +523,28 @@ def test_report_json_round_trip():
     assert back.to_json() == data and back.exit_code == 1
 
 
+def test_human_report_lists_contracts_error_tolerance_diagnosis_and_skips():
+    from zerosim.verify.render import render_text
+
+    report = VerifyReport(
+        "mine:make", 4, 8, "float64",
+        {"C-ZERO-002": ContractOutcome("fail", "first at step 6 (adamw), rank 1, wte.weight[3:9]: ...", [],
+                                       {"max_error": 2.5e-3, "tolerance": 1e-14, "error_over_tolerance": 2.5e11,
+                                        "worst": "step 6, rank 1, wte.weight[4]", "max_abs_error": 3e-3}),
+         "C-ZERO-001": ContractOutcome("skipped", "the trainer has no local_shards()")},
+        [Diagnosis("clip-norm", "divergence starts at step 6")],
+        phases=[{"name": "sgd", "first_step": 1, "last_step": 4, "status": "skipped", "reason": "no SGD",
+                 "not_ruled_out": "a gradient summed", "optim": {}},
+                {"name": "adamw", "first_step": 5, "last_step": 8, "status": "ran", "clip_binds_at": [6],
+                 "optim": {"max_grad_norm": 3.1}}])
+    text = render_text(report)
+    assert "clip 3.1 binds at step(s) 6" in text
+    row = next(line for line in text.splitlines() if line.startswith("C-ZERO-002"))
+    assert "2.50e-03" in row and "1.00e-14" in row and "first at step 6" in row
+    assert "verdict: fail" in text and "clip-norm: divergence starts at step 6" in text
+    assert "skipped sgd: no SGD; not ruled out: a gradient summed" in text
+
+
 # ---- CLI bad input (no ranks started) ---------------------------------------------------------------------
 
 def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
