@@ -19,6 +19,6 @@ class RankFailure(ZeroSimError):
     """A rank raised or hung during ``zerosim verify`` (exit 3). ``rank`` is the rank to look at."""
 
     def __init__(self, rank: int, message: str):
-        self.rank = int(rank)
+        self.rank = int(rank)  # -1: no rank could be named (the launch itself failed or timed out)
         self.message = message
-        super().__init__(f"rank {self.rank} failed: {message}")
+        super().__init__(f"rank {self.rank} failed: {message}" if self.rank >= 0 else f"the run failed: {message}")
