@@ -17,6 +17,10 @@ from zerosim.verify.targets import resolve_factory  # noqa: E402
 
 TORCH_ADAPTERS = ("ddp", "torch-zero", "fsdp2", "fsdp2-grad-op", "fsdp2-hybrid")
 DEEPSPEED_ADAPTERS = ("deepspeed-1", "deepspeed-2", "deepspeed-3")
+# findings kept, not hidden (reproduced in tests/test_verify_resources.py): DeepSpeed stage 2 all-reduces
+# gradients where ZeRO-2 reduce-scatters them; stage 3 gathers parameters once per step where ZeRO-3
+# gathers them twice. Both train correctly (C-ZERO-001..003 hold); C-ZERO-005 fails.
+KNOWN_FINDINGS = {"deepspeed-2": {"C-ZERO-005"}, "deepspeed-3": {"C-ZERO-005"}}
 
 
 def test_the_table_names_every_peer_and_each_entry_resolves_to_a_factory() -> None:
@@ -61,12 +65,12 @@ def test_hybrid_mesh_shape_keeps_a_replica_dimension_when_it_can() -> None:
     assert hybrid_mesh_shape(3) == (1, 3)
 
 
-def _verify_passes(name: str) -> None:
+def _verify_at_world_2(name: str) -> None:
     from zerosim.verify import verify
 
     report = verify(name, world=2, steps=4, timeout_s=300)
     failed = {cid: o.reason for cid, o in report.contracts.items() if o.status == "fail"}
-    assert report.verdict == "pass", failed
+    assert set(failed) == KNOWN_FINDINGS.get(name, set()), failed
     for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003"):
         assert report.contracts[cid].status == "pass", (cid, report.contracts[cid].reason)
     eq = report.contracts["C-ZERO-002"].details
@@ -76,14 +80,14 @@ def _verify_passes(name: str) -> None:
 @pytest.mark.torchdist
 @pytest.mark.parametrize("name", TORCH_ADAPTERS)
 def test_torch_adapter_passes_at_world_2(name: str) -> None:
-    _verify_passes(name)
+    _verify_at_world_2(name)
 
 
 @pytest.mark.torchdist
 @pytest.mark.slow
 @pytest.mark.parametrize("name", DEEPSPEED_ADAPTERS)
-def test_deepspeed_adapter_passes_at_world_2(name: str) -> None:
+def test_deepspeed_adapter_trains_correctly_at_world_2_with_its_known_findings(name: str) -> None:
     reason = missing_requirement(name)
     if reason:
         pytest.skip(reason)
-    _verify_passes(name)
+    _verify_at_world_2(name)
