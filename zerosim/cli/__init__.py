@@ -13,7 +13,7 @@ import sys
 
 from ..errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, ZeroSimError
 
-COMMAND_MODULES = ("plan", "check", "simulate", "memory", "comm", "report", "bench")
+COMMAND_MODULES = ("plan", "check", "simulate", "memory", "comm", "report", "bench", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:

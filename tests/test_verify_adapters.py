@@ -1,0 +1,93 @@
+"""Every installed built-in adapter verifies at world 2 (a real torchrun launch each).
+
+The peers train correctly, so C-ZERO-001..003 hold within the derived bounds; the torch peers pass
+every contract, DeepSpeed 2 and 3 fail C-ZERO-005 only (see KNOWN_FINDINGS). DeepSpeed (an optional
+extra) is skipped when it is not installed, and then the table and ``installed_adapters()`` say why.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from zerosim.errors import ConfigError  # noqa: E402
+from zerosim.verify.adapters import ADAPTERS, REQUIRES, installed_adapters, missing_requirement  # noqa: E402
+from zerosim.verify.targets import resolve_factory  # noqa: E402
+
+TORCH_ADAPTERS = ("ddp", "torch-zero", "fsdp2", "fsdp2-grad-op", "fsdp2-hybrid")
+DEEPSPEED_ADAPTERS = ("deepspeed-1", "deepspeed-2", "deepspeed-3")
+# findings kept, not hidden (reproduced in tests/test_verify_resources.py): DeepSpeed stage 2 all-reduces
+# gradients where ZeRO-2 reduce-scatters them; stage 3 gathers parameters once per step where ZeRO-3
+# gathers them twice. Both train correctly (C-ZERO-001..003 hold); C-ZERO-005 fails.
+KNOWN_FINDINGS = {"deepspeed-2": {"C-ZERO-005"}, "deepspeed-3": {"C-ZERO-005"}}
+
+
+def test_the_table_names_every_peer_and_each_entry_resolves_to_a_factory() -> None:
+    assert set(ADAPTERS) == {*TORCH_ADAPTERS, *DEEPSPEED_ADAPTERS}
+    for name in installed_adapters():
+        assert callable(resolve_factory(name))
+
+
+def test_installed_adapters_omit_exactly_the_ones_whose_peer_is_missing() -> None:
+    installed = installed_adapters()
+    assert set(TORCH_ADAPTERS) <= set(installed)
+    for name in DEEPSPEED_ADAPTERS:
+        why = missing_requirement(name)
+        assert (name in installed) == (why is None)
+        if why is not None:
+            assert "pip install" in why and REQUIRES[name][0] in why
+
+
+def test_deepspeed_adapter_without_deepspeed_is_a_clear_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from zerosim.verify.adapters import deepspeed_zero
+
+    real_import = builtins.__import__
+
+    def no_deepspeed(name: str, *args: object, **kwargs: object) -> object:
+        if name == "deepspeed" or name.startswith("deepspeed."):
+            raise ImportError("No module named 'deepspeed'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_deepspeed)
+    with pytest.raises(ConfigError, match="DeepSpeed is not installed: DS_BUILD_OPS=0 pip install"):
+        deepspeed_zero._deepspeed()
+
+
+def test_hybrid_mesh_shape_keeps_a_replica_dimension_when_it_can() -> None:
+    from zerosim.verify.adapters.fsdp2 import hybrid_mesh_shape
+
+    assert hybrid_mesh_shape(2) == (2, 1)
+    assert hybrid_mesh_shape(4) == (2, 2)
+    assert hybrid_mesh_shape(6) == (2, 3)
+    assert hybrid_mesh_shape(3) == (1, 3)
+
+
+def _verify_at_world_2(name: str) -> None:
+    from zerosim.verify import verify
+
+    report = verify(name, world=2, steps=4, timeout_s=300)
+    failed = {cid: o.reason for cid, o in report.contracts.items() if o.status == "fail"}
+    assert set(failed) == KNOWN_FINDINGS.get(name, set()), failed
+    for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003"):
+        assert report.contracts[cid].status == "pass", (cid, report.contracts[cid].reason)
+    eq = report.contracts["C-ZERO-002"].details
+    assert eq["max_error"] <= eq["tolerance"]
+
+
+@pytest.mark.torchdist
+@pytest.mark.parametrize("name", TORCH_ADAPTERS)
+def test_torch_adapter_passes_at_world_2(name: str) -> None:
+    _verify_at_world_2(name)
+
+
+@pytest.mark.torchdist
+@pytest.mark.slow
+@pytest.mark.parametrize("name", DEEPSPEED_ADAPTERS)
+def test_deepspeed_adapter_trains_correctly_at_world_2_with_its_known_findings(name: str) -> None:
+    reason = missing_requirement(name)
+    if reason:
+        pytest.skip(reason)
+    _verify_at_world_2(name)

@@ -1,0 +1,129 @@
+"""Bad input to ``zerosim verify``: exit 2 (or 3 for a failing rank), one clear line, no traceback, no hang.
+
+Each test runs the real command line (``python -m zerosim verify TARGET ...``) in a subprocess with a
+wall-clock guard, from the repository root so that ``tests.verify_trainers.bad`` is importable on
+every rank. The bad trainers are in ``tests/verify_trainers/bad.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.verify_trainers import bad  # noqa: E402
+from zerosim.verify.model import build_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GUARD_S = 300.0  # the subprocess guard: far above any run here; reaching it is itself the failure (a hang)
+HANG_TIMEOUT_S = 15  # the collective timeout given to the hang test
+BAD = "tests.verify_trainers.bad"
+FIRST_PARAMETER = next(name for name, _ in build_model("gpt").named_parameters())
+
+
+def run_verify(*args: str) -> subprocess.CompletedProcess:
+    """``python -m zerosim verify *args``; a run that outlives :data:`GUARD_S` is interrupted (SIGINT: the
+    launcher then takes its ranks down) and fails the test as a hang."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    command = [sys.executable, "-m", "zerosim", "verify", *args]
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = proc.communicate(timeout=GUARD_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        pytest.fail(f"zerosim verify {' '.join(args)} still running after {GUARD_S:g}s: a hang")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def error_line(result: subprocess.CompletedProcess, code: int) -> str:
+    """The one line the command printed on stderr, after checking the exit status and that nothing else
+    (no traceback, no second line) came out."""
+    both = result.stdout + result.stderr
+    assert result.returncode == code, f"exit {result.returncode}, expected {code}:\n{both}"
+    assert "Traceback" not in both, both
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}:\n{result.stderr}"
+    return lines[0]
+
+
+# ---- resolving TARGET: no process is started ----------------------------------------------------------
+
+
+def test_module_not_found() -> None:
+    line = error_line(run_verify("no_such_package_for_zerosim.trainer:make_trainer", "--world", "2"), 2)
+    assert "no_such_package_for_zerosim.trainer" in line and "not found" in line, line
+
+
+def test_factory_not_found() -> None:
+    line = error_line(run_verify(f"{BAD}:no_such_factory", "--world", "2"), 2)
+    assert "no_such_factory" in line, line
+
+
+def test_factory_not_callable() -> None:
+    line = error_line(run_verify(f"{BAD}:NOT_CALLABLE", "--world", "2"), 2)
+    assert "NOT_CALLABLE" in line and "not callable" in line, line
+
+
+def test_world_larger_than_the_machine_can_start() -> None:
+    world = str(64 * (os.cpu_count() or 1))
+    line = error_line(run_verify("examples.zero1_trainer:make_trainer", "--world", world), 2)
+    assert "world" in line and world in line, line
+
+
+# ---- the factory or the trainer breaks the protocol: every rank agrees, exit 2 ---------------------------
+
+PROTOCOL_BREACHES = [
+    ("raises_on_construction", ["cannot shard a model with 0 parameters"]),
+    ("without_step", ["step"]),
+    ("without_full_parameters", ["full_parameters"]),
+    ("missing_name", ["full_parameters", FIRST_PARAMETER]),
+    ("extra_name", ["full_parameters", "module.extra_bias"]),
+    ("wrong_shape", ["full_parameters", FIRST_PARAMETER, "shape"]),
+    ("wrong_dtype", ["full_parameters", FIRST_PARAMETER, "float16"]),
+    ("nan_parameters", ["full_parameters", FIRST_PARAMETER, "nan"]),
+    ("shards_out_of_bounds", ["local_shards", FIRST_PARAMETER]),
+    ("shards_not_integers", ["local_shards", FIRST_PARAMETER]),
+]
+
+
+@pytest.mark.torchdist
+@pytest.mark.slow
+@pytest.mark.parametrize(("factory", "words"), PROTOCOL_BREACHES, ids=[f for f, _ in PROTOCOL_BREACHES])
+def test_protocol_breach_is_one_line_exit_2(factory: str, words: list[str]) -> None:
+    line = error_line(run_verify(f"{BAD}:{factory}", "--world", "2", "--steps", "4"), 2)
+    missing = [w for w in words if w.lower() not in line.lower()]
+    assert not missing, f"the line should name {missing}: {line}"
+
+
+# ---- a rank fails or hangs mid-run: exit 3 naming the rank -------------------------------------------------
+
+
+@pytest.mark.torchdist
+@pytest.mark.slow
+def test_rank_raising_mid_run_is_named_with_its_error() -> None:
+    line = error_line(run_verify(f"{BAD}:rank_raises_mid_run", "--world", "2", "--steps", "4"), 3)
+    assert f"rank {bad.MISBEHAVING_RANK}" in line and bad.RAISED_MESSAGE in line, line
+
+
+@pytest.mark.torchdist
+@pytest.mark.slow
+def test_rank_hanging_is_named_after_the_timeout() -> None:
+    """Rank 1 sleeps far past the collective timeout; its peer waits in the all-gather. The run must end
+    (within the guard, long before the sleep would) with exit 3 naming rank 1."""
+    result = run_verify(f"{BAD}:rank_hangs", "--world", "2", "--steps", "4", "--timeout", str(HANG_TIMEOUT_S))
+    line = error_line(result, 3)
+    assert f"rank {bad.MISBEHAVING_RANK}" in line, line

@@ -1,0 +1,158 @@
+"""``zerosim verify TARGET``: train a live sharded trainer beside an unsharded reference; check the contracts.
+
+TARGET is a built-in adapter (ddp, torch-zero, fsdp2, fsdp2-grad-op, fsdp2-hybrid, deepspeed-1|2|3) or
+MODULE:FACTORY (``make_trainer(model, optim) -> Trainer``; the current directory and PYTHONPATH are
+importable on every rank). Starts the ranks itself (torch.distributed: gloo on the CPU, NCCL with
+``--device cuda``). Exit status: 0 every contract holds, 1 a contract failed, 2 bad input, 3 a rank
+failed or hung. ``--all``: every installed adapter x {sgd, adamw} x world {2, 4}, under reports/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from ..errors import ConfigError, ZeroSimError
+from .memory import one_line_errors
+
+EXIT_RANK_FAILED = 3
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check a live sharded trainer (FSDP2, ZeroRedundancyOptimizer, DeepSpeed, "
+        "yours) against C-ZERO-001..005",
+        description=__doc__.split("\n\n")[0],
+    )
+    one_line_errors(p)
+    p.add_argument("target", nargs="?", default=None, help="built-in adapter name or MODULE:FACTORY")
+    p.add_argument(
+        "--world", default=None, help="ranks to start (default 4; under torchrun: the ranks it started)"
+    )
+    p.add_argument(
+        "--steps", default=None, help="optimizer steps over both phases (default 8: 4 SGD + 4 AdamW)"
+    )
+    p.add_argument("--dtype", default="float64", help="float64 (default) or float32")
+    p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
+    p.add_argument("--model", default="gpt", help="built-in model: gpt (default) or gpt-tied")
+    p.add_argument("--optimizers", default="sgd,adamw", help="phases to run (default sgd,adamw)")
+    p.add_argument(
+        "--timeout", default=None, help="seconds a collective or trainer call may take (default 120)"
+    )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--out", default=None, help="directory that receives report.json")
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="every installed adapter x {sgd, adamw} x world {2, 4}: "
+        "markdown + JSON + PNG heat map under reports/",
+    )
+    p.set_defaults(func=run)
+
+
+def _int(field: str, text: Any) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(str(text))
+    except ValueError:
+        raise ConfigError(field, text, "must be an integer") from None
+
+
+def _seconds(text: Any) -> float | None:
+    if text is None:
+        return None
+    try:
+        value = float(str(text))
+    except ValueError:
+        raise ConfigError("timeout", text, "must be a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise ConfigError("timeout", text, "must be a positive number of seconds")
+    return value
+
+
+def run(args: Any) -> int:
+    from ..verify.errors import RankFailure
+
+    if args.all:
+        from ..verify import matrix
+
+        return int(matrix.run_cli(args))
+    if not args.target:
+        print(
+            "error: zerosim verify: give TARGET (a built-in adapter name or MODULE:FACTORY) or --all",
+            file=sys.stderr,
+        )
+        return 2
+    if under_launcher():
+        _run_as_rank(args)
+    try:
+        report = _verify(args)
+    except RankFailure as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_RANK_FAILED
+    except ZeroSimError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        from ..verify.render import render_text
+
+        print(render_text(report))
+    return report.exit_code
+
+
+def under_launcher() -> bool:
+    """Started by torchrun (or another launcher that sets the torch.distributed environment)?"""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def _run_as_rank(args: Any) -> None:
+    """``torchrun ... zerosim verify TARGET``: this process is one rank (no second launch)."""
+    from ..verify.runner import rank_main
+
+    world = _int("world", args.world)
+    if world is not None and world != int(os.environ["WORLD_SIZE"]):
+        raise ConfigError(
+            "world",
+            world,
+            f"the launcher started {os.environ['WORLD_SIZE']} rank(s); drop --world or start that many",
+        )
+    argv = [
+        args.target,
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--model",
+        args.model,
+        "--optimizers",
+        args.optimizers,
+    ]
+    for flag, value in (("--steps", args.steps), ("--timeout", args.timeout), ("--out", args.out)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.json:
+        argv.append("--json")
+    rank_main(argv)
+
+
+def _verify(args: Any) -> Any:
+    from ..verify import verify
+
+    world = _int("world", args.world)
+    return verify(
+        args.target,
+        world=world if world is not None else 4,
+        steps=_int("steps", args.steps),
+        dtype=args.dtype,
+        device=args.device,
+        model=args.model,
+        optimizers=args.optimizers,
+        timeout_s=_seconds(args.timeout),
+        out=args.out,
+    )

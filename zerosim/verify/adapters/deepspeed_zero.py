@@ -1,0 +1,164 @@
+"""``deepspeed-1``, ``deepspeed-2``, ``deepspeed-3``: DeepSpeed's ZeRO stages 1, 2 and 3 (optional extra).
+
+SGD runs as a client ``torch.optim.SGD`` (``zero_allow_untested_optimizer``); AdamW as DeepSpeed's
+own ``AdamW`` with ``torch_adam`` (torch's implementation, no extension to build); clipping as
+``gradient_clipping`` (a global norm over the partitioned gradients). Full values come from
+DeepSpeed's accessors, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``, which are
+collective: every rank calls them for every parameter, in the same order.
+
+DeepSpeed keeps float32 master weights and optimizer state whatever the model's dtype: a float64
+model is trained in float32 (its parameters are float32-representable after every step). The
+trainer says so (``master_dtype = torch.float32``), so verify judges it with the float32 bound.
+On the wire it reduces gradients in float32 and gathers parameters in the model's dtype
+(``wire_bytes``). It reports no ``resident_bytes``: DeepSpeed's gradients and masters live in its
+optimizer's private flat partitions, not in the module's tensors, so C-ZERO-004 is skipped for it,
+with that reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerosim.errors import ConfigError
+
+from ._torch_optim import build_optimizer
+
+INSTALL = "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"
+_STATE_NAMES = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
+
+
+def _deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError:
+        raise ConfigError("target", "deepspeed", f"DeepSpeed is not installed: {INSTALL}") from None
+    return deepspeed
+
+
+def deepspeed_config(stage: int, optim: dict[str, Any], world: int) -> dict[str, Any]:
+    """The DeepSpeed config of one ZeRO stage for the protocol's optim dict (batch sizes are nominal:
+    DeepSpeed does not split the micro-batch it is given)."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world,
+        # every parameter partitioned: by default stage 3 keeps tensors under 1e5 elements whole
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "gradient_clipping": float(optim["max_grad_norm"]) if optim.get("max_grad_norm") is not None else 0.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if optim["name"] == "adamw":
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {
+                "lr": optim["lr"],
+                "betas": list(optim.get("betas", (0.9, 0.999))),
+                "eps": optim.get("eps", 1e-8),
+                "weight_decay": optim.get("weight_decay", 0.0),
+                "torch_adam": True,
+            },
+        }
+    return config
+
+
+class DeepSpeedTrainer:
+    master_dtype = torch.float32
+    memory_unobserved = (
+        "DeepSpeed keeps gradients and fp32 masters in its optimizer's private flat "
+        "partitions, not in the module's tensors"
+    )
+
+    def __init__(self, model: torch.nn.Module, optim: dict[str, Any], stage: int):
+        deepspeed = _deepspeed()
+        self.stage = stage
+        self.declared_strategy = f"zero{stage}"
+        self.partition_rule = "deepspeed-zero3" if stage == 3 else "deepspeed"
+        self.optim_name = optim["name"]
+        self.dtype = next(model.parameters()).dtype
+        # gradients are reduced in float32, parameters gathered in the model's dtype (measured)
+        self.wire_bytes = {"params": self.dtype.itemsize, "grads": 4}
+        self.model = model
+        config = deepspeed_config(stage, optim, dist.get_world_size())
+        client = build_optimizer(model.parameters(), optim) if optim["name"] == "sgd" else None
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=client,
+            model_parameters=list(model.parameters()),
+            config=config,
+            dist_init_required=False,
+        )
+        self._named = list(self.engine.module.named_parameters())
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        loss = self.engine(inputs, targets)
+        self.engine.backward(loss)
+        self.engine.step()
+        return float(loss.detach())
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        return {name: safe_get_full_fp32_param(p).to(self.dtype) for name, p in self._named}
+
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in self._named:
+            state = {}
+            for key in _STATE_NAMES[self.optim_name]:
+                value = safe_get_full_optimizer_state(p, key)
+                if value is not None:
+                    state[key] = value.to(self.dtype)
+            if state:
+                out[name] = state
+        return out
+
+    def local_shards(self) -> dict[str, list[tuple[int, int]]]:
+        """The flattened element ranges whose fp32 master and optimizer state this rank owns.
+
+        Stages 1 and 2: each parameter group is one flat buffer (parameters in DeepSpeed's group
+        order, padded at the end) cut into equal partitions, rank ``r`` owning partition ``r``.
+        Stage 3: every parameter is cut alone into equal partitions (``ds_tensor``), padded at its end.
+        """
+        rank = dist.get_rank()
+        out: dict[str, list[tuple[int, int]]] = {name: [] for name, _ in self._named}
+        if self.stage == 3:
+            for name, p in self._named:
+                part = int(p.ds_tensor.ds_numel)
+                start, stop = rank * part, min((rank + 1) * part, int(p.ds_numel))
+                if stop > start:
+                    out[name].append((start, stop))
+            return out
+        name_of = {id(p): name for name, p in self._named}
+        for group, params in enumerate(self.optimizer.round_robin_bit16_groups):
+            part = int(self.optimizer.partition_size[group])
+            lo, hi, offset = rank * part, (rank + 1) * part, 0
+            for p in params:
+                start, stop = max(lo, offset), min(hi, offset + p.numel())
+                if stop > start:
+                    out[name_of[id(p)]].append((start - offset, stop - offset))
+                offset += p.numel()
+        return out
+
+    def close(self) -> None:
+        """Barrier before teardown: a rank destroying the group while a peer is still in DeepSpeed's
+        last collective aborts the peer."""
+        dist.barrier()
+
+
+def make_stage1_trainer(model: torch.nn.Module, optim: dict[str, Any]) -> DeepSpeedTrainer:
+    return DeepSpeedTrainer(model, optim, 1)
+
+
+def make_stage2_trainer(model: torch.nn.Module, optim: dict[str, Any]) -> DeepSpeedTrainer:
+    return DeepSpeedTrainer(model, optim, 2)
+
+
+def make_stage3_trainer(model: torch.nn.Module, optim: dict[str, Any]) -> DeepSpeedTrainer:
+    return DeepSpeedTrainer(model, optim, 3)

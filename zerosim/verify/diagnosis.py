@@ -1,0 +1,411 @@
+"""Where to look when a contract fails: the likely bug class, named from the observations, with evidence.
+
+:func:`diagnose` is a pure function of the step records (every rank's values next to the reference
+and the bound) and the contract outcomes. It returns every class whose signature is present, most
+specific first (the fixed vocabulary :data:`zerosim.verify.outcome.BUG_CLASSES`):
+
+* ``overlapping-shards``: C-ZERO-001 found ranks that own the same elements (and are not replicas).
+* ``unowned-elements``: elements that no rank owns (C-ZERO-001), or that never moved over a phase
+  while the reference moved them beyond the bound (a remainder with no owner).
+* ``gradient-scale``: the first SGD update equals the reference's gradient step times a constant
+  factor (world: summed, not averaged; 1/world: averaged twice).
+* ``permuted-shards``: the values are the reference's, in the wrong places (a gather in the wrong order).
+* ``clip-norm``: within a clipped phase, the steps before the clip first binds match and the
+  divergence starts exactly at that step (a norm over the wrong set of elements).
+* ``rank-local``: every differing element at the first failing step lies in the ranges one rank (or
+  one replica group) owns: that rank's optimizer or its shard of the reduction.
+* ``late-divergence``: the phase matches for k-1 steps and diverges at step k > 1 (state, counters,
+  zeroing).
+* ``ranks-disagree``: ranks hold different full parameters (gather, broadcast, replica drift; a rank
+  whose values equal the previous step's is named stale).
+* ``ranks-agree-wrong``: at the first failing step every rank agrees bitwise, yet not with the
+  reference (the reduction or the optimizer math).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .observation import StepObservation, StepRecord
+from .outcome import ContractOutcome, Diagnosis
+
+FACTOR_AGREEMENT = 0.9  # share of the large-gradient elements that must show the same factor (within 1%)
+
+
+def _failing(rec: StepRecord, obs: StepObservation) -> dict[str, np.ndarray]:
+    """Per tensor, the mask of elements of ``obs`` beyond the bound at ``rec``."""
+    out = {}
+    for name, exp in rec.ref.params.items():
+        err = np.abs(obs.params[name].astype(np.float64).reshape(-1) - exp.reshape(-1))
+        mask = err > rec.bounds.params[name].reshape(-1)
+        if mask.any():
+            out[name] = mask
+    return out
+
+
+def _state_failing(rec: StepRecord, obs: StepObservation) -> bool:
+    for name, entry in (obs.state or {}).items():
+        ref = rec.ref.state.get(name, {})
+        for key, got in entry.items():
+            if key not in ref:
+                continue
+            if key == "step":
+                if float(np.asarray(got).reshape(-1)[0]) != float(np.asarray(ref[key]).reshape(-1)[0]):
+                    return True
+                continue
+            bound = rec.bounds.state.get(name, {}).get(key)
+            if bound is not None and (np.abs(np.asarray(got, dtype=np.float64) - ref[key]) > bound).any():
+                return True
+    return False
+
+
+def _record_fails(rec: StepRecord) -> bool:
+    return any(_failing(rec, o) or _state_failing(rec, o) for o in rec.ranks)
+
+
+def _majority(rec: StepRecord) -> StepObservation:
+    """The observation most ranks hold bitwise (ties: the lowest rank)."""
+    keys = [b"".join(np.ascontiguousarray(o.params[n]).tobytes() for n in rec.ref.params) for o in rec.ranks]
+    counts = {k: keys.count(k) for k in keys}
+    best = max(range(len(keys)), key=lambda i: (counts[keys[i]], -i))
+    return rec.ranks[best]
+
+
+def _ranks_agree(rec: StepRecord) -> bool:
+    first = rec.ranks[0]
+    return all(
+        np.array_equal(
+            np.ascontiguousarray(o.params[n]).view(np.uint8),
+            np.ascontiguousarray(first.params[n]).view(np.uint8),
+        )
+        for o in rec.ranks[1:]
+        for n in rec.ref.params
+    )
+
+
+def _ranges(mask: np.ndarray, limit: int = 3) -> str:
+    padded = np.concatenate([[False], mask, [False]])
+    edges = np.flatnonzero(padded[1:] != padded[:-1])
+    pairs = [f"[{a}:{b}]" for a, b in zip(edges[::2][:limit], edges[1::2][:limit], strict=True)]
+    more = len(edges) // 2 - limit
+    return ", ".join(pairs) + (f" and {more} more range(s)" if more > 0 else "")
+
+
+def diagnose(records: Sequence[StepRecord], contracts: dict[str, ContractOutcome]) -> list[Diagnosis]:
+    """Every bug class whose signature the observations show, most specific first (module docstring)."""
+    found: list[Diagnosis] = []
+    own = contracts.get("C-ZERO-001")
+    found += _overlap(own)
+    if not records:
+        return found
+    first_bad = next((r for r in records if _record_fails(r)), None)
+    found += _unowned(records, own)
+    if first_bad is None and not found:
+        disagree = _disagree(records, contracts)
+        return disagree
+    found += _gradient_scale(records)
+    if first_bad is not None:
+        found += _permuted(first_bad)
+        found += _clip(records, first_bad)
+        found += _rank_local(first_bad)
+        found += _late(records, first_bad)
+    found += _disagree(records, contracts)
+    if first_bad is not None and _ranks_agree(first_bad):
+        obs = first_bad.ranks[0]
+        bad = _failing(first_bad, obs)
+        where = ", ".join(f"{n}{_ranges(m, 1)}" for n, m in list(bad.items())[:3]) or "optimizer state"
+        found.append(
+            Diagnosis(
+                "ranks-agree-wrong",
+                f"at step {first_bad.step} ({first_bad.phase}) every rank holds "
+                f"bitwise the same parameters, yet they differ from the reference in {where}"
+                f"{_counter_note(first_bad)}: look at the gradient reduction or the optimizer math, "
+                "not at the gather",
+            )
+        )
+    return found
+
+
+def _counter_note(rec: StepRecord) -> str:
+    """'; the optimizer step counter is 2, torch.optim's 1' when a rank exposes a counter that differs."""
+    for obs in rec.ranks:
+        for name, entry in (obs.state or {}).items():
+            if "step" in entry and "step" in rec.ref.state.get(name, {}):
+                got = float(np.asarray(entry["step"]).reshape(-1)[0])
+                exp = float(np.asarray(rec.ref.state[name]["step"]).reshape(-1)[0])
+                if got != exp:
+                    return f"; rank {obs.rank}'s optimizer step counter is {got:g}, torch.optim's {exp:g}"
+    return ""
+
+
+def _overlap(own: ContractOutcome | None) -> list[Diagnosis]:
+    if own is None or own.status != "fail":
+        return []
+    for v in own.violations:
+        if v.get("clause") in ("disjoint", "replicas"):
+            return [
+                Diagnosis(
+                    "overlapping-shards",
+                    f"local_shards() at step {v['step']}: {v['tensor']}"
+                    f"[{v['start']}:{v['stop']}]: {v['message']}",
+                )
+            ]
+    return []
+
+
+def _unowned(records: Sequence[StepRecord], own: ContractOutcome | None) -> list[Diagnosis]:
+    if own is not None:
+        for v in own.violations:
+            if v.get("clause") == "coverage":
+                return [
+                    Diagnosis(
+                        "unowned-elements",
+                        f"local_shards() at step {v['step']}: {v['tensor']}"
+                        f"[{v['start']}:{v['stop']}] {v['message']}",
+                    )
+                ]
+    by_phase: dict[str, list[StepRecord]] = {}
+    for r in records:
+        by_phase.setdefault(r.phase, []).append(r)
+    for phase, recs in by_phase.items():
+        start, last = recs[0], recs[-1]
+        names = list(start.ref.params)
+        frozen_parts, moved_parts = [], []
+        for n in names:
+            initial = start.ref.params_before[n].reshape(-1)
+            frozen = np.ones(initial.size, dtype=bool)
+            for r in recs:
+                for o in r.ranks:
+                    frozen &= o.params[n].astype(np.float64).reshape(-1) == initial
+            moved = np.abs(last.ref.params[n].reshape(-1) - initial) > last.bounds.params[n].reshape(-1)
+            frozen_parts.append(frozen)
+            moved_parts.append(moved)
+        stuck = np.concatenate(frozen_parts) & np.concatenate(moved_parts)
+        if not stuck.any():
+            continue
+        sizes = np.cumsum([0] + [m.size for m in moved_parts])
+        idx = np.flatnonzero(stuck)
+        i = int(np.searchsorted(sizes, idx[0], side="right") - 1)
+        local = stuck[sizes[i] : sizes[i + 1]]
+        tail = " (the end of the flattened parameters)" if idx[-1] == stuck.size - 1 else ""
+        return [
+            Diagnosis(
+                "unowned-elements",
+                f"{int(stuck.sum())} element(s) never moved over the {phase} phase "
+                f"(steps {start.step}-{last.step}) on any rank while the reference moved them; first in "
+                f"{names[i]}{_ranges(local)}; flat range {int(idx[0])}..{int(idx[-1]) + 1} of "
+                f"{stuck.size}{tail}: a remainder no rank owns",
+            )
+        ]
+    return []
+
+
+def _gradient_scale(records: Sequence[StepRecord]) -> list[Diagnosis]:
+    rec = next((r for r in records if r.phase == "sgd" and r.ref.phase_step == 1), None)
+    if rec is None or not _record_fails(rec):
+        return []
+    obs = _majority(rec)
+    world = len(rec.ranks)
+    lr = _sgd_lr(rec)
+    wd = _sgd_wd(rec)
+    if lr is None:
+        return []
+    got, ref = [], []
+    for n, before in rec.ref.params_before.items():
+        decay = wd * before.reshape(-1)
+        got.append((before.reshape(-1) - obs.params[n].astype(np.float64).reshape(-1)) / lr - decay)
+        ref.append(rec.ref.grad[n].reshape(-1))
+    g, r = np.concatenate(got), np.concatenate(ref)
+    big = np.abs(r) > 0.1 * np.max(np.abs(r))
+    if big.sum() < 3:
+        return []
+    ratio = g[big] / r[big]
+    factor = float(np.median(ratio))
+    if abs(factor - 1) < 1e-3 or np.mean(np.abs(ratio - factor) <= 0.01 * abs(factor)) < FACTOR_AGREEMENT:
+        return []
+    meaning = ""
+    if abs(factor - world) <= 0.01 * world:
+        meaning = f" = the world size {world}: gradients summed over ranks, not averaged"
+    elif abs(factor - 1 / world) <= 0.01 / world:
+        meaning = f" = 1/world (world {world}): gradients divided by the world size twice"
+    return [
+        Diagnosis(
+            "gradient-scale",
+            f"the first SGD update (step {rec.step}) is the reference's gradient "
+            f"step times {factor:.4g} on {np.mean(np.abs(ratio - factor) <= 0.01 * abs(factor)):.0%} of "
+            f"the large-gradient elements{meaning}",
+        )
+    ]
+
+
+def _sgd_lr(rec: StepRecord) -> float | None:
+    # lr from the reference's own step: p_before - p_after = lr (g + wd p_before) at SGD's first step
+    num = den = 0.0
+    wd = _sgd_wd(rec)
+    for n, before in rec.ref.params_before.items():
+        d = before.reshape(-1) - rec.ref.params[n].reshape(-1)
+        s = rec.ref.grad[n].reshape(-1) + wd * before.reshape(-1)
+        num += float(d @ s)
+        den += float(s @ s)
+    return num / den if den > 0 else None
+
+
+def _sgd_wd(rec: StepRecord) -> float:
+    # weight decay from the momentum buffer after the first step: buf = g + wd p_before
+    num = den = 0.0
+    for n, before in rec.ref.params_before.items():
+        buf = rec.ref.state.get(n, {}).get("momentum_buffer")
+        if buf is None:
+            continue
+        num += float((buf.reshape(-1) - rec.ref.grad[n].reshape(-1)) @ before.reshape(-1))
+        den += float(before.reshape(-1) @ before.reshape(-1))
+    return num / den if den > 0 else 0.0
+
+
+def _permuted(rec: StepRecord) -> list[Diagnosis]:
+    obs = _majority(rec)
+    names = list(rec.ref.params)
+    got = np.concatenate([obs.params[n].astype(np.float64).reshape(-1) for n in names])
+    exp = np.concatenate([rec.ref.params[n].reshape(-1) for n in names])
+    bound = np.concatenate([rec.bounds.params[n].reshape(-1) for n in names])
+    wrong = np.abs(got - exp) > bound
+    if wrong.sum() < 2:
+        return []
+    # a moved value is one of the reference's values to within rounding: the typical bound, not the
+    # largest (Adam's bound reaches O(lr) on near-zero gradients, far wider than the spacing of values)
+    tol = float(np.median(bound))
+    order = np.sort(exp)
+    pos = np.clip(np.searchsorted(order, got[wrong]), 1, order.size - 1)
+    nearest = np.minimum(np.abs(order[pos] - got[wrong]), np.abs(order[pos - 1] - got[wrong]))
+    if np.mean(nearest <= tol) < 0.99:
+        return []
+    i = int(np.flatnonzero(wrong)[0])
+    j = int(np.argmin(np.abs(exp - got[i])))
+    n = 0
+    while i + n < got.size and j + n < exp.size and abs(got[i + n] - exp[j + n]) <= tol:
+        n += 1
+    return [
+        Diagnosis(
+            "permuted-shards",
+            f"at step {rec.step} the parameters hold exactly the reference's values, "
+            f"{int(wrong.sum())} of them in the wrong place: flat elements [{i}:{i + n}] hold the "
+            f"reference's [{j}:{j + n}] (shards gathered in the wrong order)",
+        )
+    ]
+
+
+def _phase_records(records: Sequence[StepRecord], phase: str) -> list[StepRecord]:
+    return [r for r in records if r.phase == phase]
+
+
+def _clip(records: Sequence[StepRecord], first_bad: StepRecord) -> list[Diagnosis]:
+    phase = _phase_records(records, first_bad.phase)
+    binding = [r for r in phase if r.ref.clip_bound]
+    if not binding or binding[0] is not first_bad or first_bad.ref.phase_step == 1:
+        return []
+    if any(_record_fails(r) for r in records if r.phase != first_bad.phase and r.step < first_bad.step):
+        return []
+    return [
+        Diagnosis(
+            "clip-norm",
+            f"steps {phase[0].step}-{first_bad.step - 1} of the {first_bad.phase} phase match "
+            f"the reference; the divergence starts at step {first_bad.step}, the first step where the clip "
+            f"binds (global gradient norm {first_bad.ref.grad_norm:.4g}, clip factor "
+            f"{first_bad.ref.clip_coef:.4g}): the norm is likely taken over the wrong set of elements "
+            "(a local shard, or without the other ranks' contributions)",
+        )
+    ]
+
+
+def _rank_local(rec: StepRecord) -> list[Diagnosis]:
+    if any(o.shards is None for o in rec.ranks):
+        return []
+    obs = _majority(rec)
+    bad = _failing(rec, obs)
+    if not bad:
+        return []
+    owners: list[list[int]] = []
+    for o in rec.ranks:
+        inside = True
+        for n, mask in bad.items():
+            mine = np.zeros(mask.size, dtype=bool)
+            for a, b in (o.shards or {}).get(n, []):
+                mine[a:b] = True
+            if (mask & ~mine).any():
+                inside = False
+                break
+        if inside:
+            owners.append([o.rank])
+    if not owners or len(owners) == len(rec.ranks):
+        return []
+    who = ",".join(str(o[0]) for o in owners)
+    label = f"rank {who}" if len(owners) == 1 else f"ranks {who} (replicas of one shard)"
+    where = "; ".join(f"{n}{_ranges(m)}" for n, m in list(bad.items())[:3])
+    return [
+        Diagnosis(
+            "rank-local",
+            f"at step {rec.step} every element that differs from the reference lies in "
+            f"the ranges {label} owns ({where}): look at that rank's optimizer step or its shard of the "
+            "gradient reduction",
+        )
+    ]
+
+
+def _late(records: Sequence[StepRecord], first_bad: StepRecord) -> list[Diagnosis]:
+    if first_bad.ref.phase_step <= 1:
+        return []
+    phase = _phase_records(records, first_bad.phase)
+    return [
+        Diagnosis(
+            "late-divergence",
+            f"the {first_bad.phase} phase matches the reference for "
+            f"{first_bad.ref.phase_step - 1} step(s) (steps {phase[0].step}-{first_bad.step - 1}) and "
+            f"diverges from step {first_bad.step}: look at state carried between steps (optimizer "
+            "state, step counters, gradient zeroing, a rank that stops updating)",
+        )
+    ]
+
+
+def _disagree(records: Sequence[StepRecord], contracts: dict[str, ContractOutcome]) -> list[Diagnosis]:
+    ident = contracts.get("C-ZERO-003")
+    if ident is None or ident.status != "fail":
+        return []
+    v = ident.first_violation
+    assert v is not None
+    evidence = (
+        f"at step {v['step']} ({v['phase']}) rank {v['rank']}'s {v['tensor']}[{v['start']}:{v['stop']}] "
+        f"{v['message']}"
+    )
+    rec = next((r for r in records if r.step == v["step"]), None)
+    prev = next((r for r in records if r.step == v["step"] - 1 and r.phase == v["phase"]), None)
+    if rec is not None:
+        obs = next(o for o in rec.ranks if o.rank == v["rank"])
+        before = (
+            prev.ranks[[o.rank for o in prev.ranks].index(v["rank"])].params
+            if prev is not None
+            else rec.ref.params_before
+        )
+        if all(
+            np.array_equal(obs.params[n].astype(np.float64), np.asarray(before[n], dtype=np.float64))
+            for n in rec.ref.params
+        ):
+            evidence += f"; rank {v['rank']} still holds the parameters of the step before (stale)"
+        elif _close(obs, rec):
+            evidence += f"; rank {v['rank']} itself matches the reference, the others do not"
+    return [
+        Diagnosis(
+            "ranks-disagree",
+            evidence + ": look at the all-gather / broadcast of updated shards, or replicas that drift apart",
+        )
+    ]
+
+
+def _close(obs: StepObservation, rec: StepRecord) -> bool:
+    return not _failing(rec, obs)
+
+
+def bug_classes(diagnosis: Sequence[Diagnosis]) -> list[str]:
+    """The classes named, in order (for tests and the --all matrix)."""
+    return [d.bug_class for d in diagnosis]

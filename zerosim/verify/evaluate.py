@@ -1,0 +1,127 @@
+"""Rank 0's evaluation of a ``zerosim verify`` run: reference, bounds, checks, diagnosis -> VerifyReport.
+
+For every phase that ran, the reference (:mod:`zerosim.verify.reference`) replays the phase from the
+same initial model on the global batches, the error model (:mod:`zerosim.verify.tolerance`) derives
+each step's per-element bound in the trainer's arithmetic dtype (float32 when the run is float32,
+or when the trainer keeps float32 master weights of a float64 model: every parameter exactly
+float32-representable after every step), and the checks (:mod:`zerosim.verify.checks`) and the
+diagnosis (:mod:`zerosim.verify.diagnosis`) run on the result.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+
+from .checks import check_equivalence, check_identity, check_ownership, float32_masters
+from .model import require_model
+from .observation import StepObservation, StepRecord
+from .outcome import ContractOutcome, VerifyReport
+from .reference import Reference
+from .suite import Phase
+from .tolerance import ErrorModel
+
+
+def build_records(
+    phases: list[Phase],
+    phase_info: list[dict[str, Any]],
+    observations: dict[int, list[StepObservation]],
+    base: torch.nn.Module,
+    *,
+    world: int,
+    dtype: str,
+    model_name: str,
+    seed: int,
+) -> list[StepRecord]:
+    """Reference and bounds beside every observed step; notes per phase the arithmetic dtype judged
+    and the steps where the clip bound, in ``phase_info``."""
+    cfg = require_model(model_name)
+    info = {p["name"]: p for p in phase_info}
+    records: list[StepRecord] = []
+    for phase in phases:
+        if info.get(phase.name, {}).get("status") != "ran":
+            continue
+        steps = [observations[s] for s in phase.step_numbers]
+        masters32 = dtype == "float64" and float32_masters(steps)
+        arithmetic = "float32" if dtype == "float32" or masters32 else "float64"
+        ref = Reference(
+            base,
+            phase.optim,
+            world,
+            model_name=model_name,
+            seed=seed,
+            phase=phase.name,
+            data_offset=phase.data_offset,
+        )
+        model = ErrorModel(phase.optim, arithmetic, cfg, world, rounded_start=masters32)
+        binds = []
+        for s, ranks in zip(phase.step_numbers, steps, strict=True):
+            ref_step = ref.step(s)
+            if ref_step.clip_bound:
+                binds.append(s)
+            records.append(StepRecord(ref_step, model.step(ref_step), ranks))
+        info[phase.name]["arithmetic"] = arithmetic
+        if masters32:
+            info[phase.name]["master_dtype"] = "float32"
+        if phase.optim.get("max_grad_norm") is not None:
+            info[phase.name]["clip_binds_at"] = binds
+    return records
+
+
+def evaluate(
+    *,
+    target: str,
+    world: int,
+    dtype: str,
+    device: str,
+    model_name: str,
+    seed: int,
+    phases: list[Phase],
+    phase_info: list[dict[str, Any]],
+    observations: dict[int, list[StepObservation]],
+    base: torch.nn.Module,
+    numels: dict[str, int],
+    resources: dict[str, ContractOutcome] | None = None,
+) -> VerifyReport:
+    from .diagnosis import diagnose
+
+    records = build_records(
+        phases, phase_info, observations, base, world=world, dtype=dtype, model_name=model_name, seed=seed
+    )
+    contracts: dict[str, ContractOutcome] = {}
+    if records:
+        contracts["C-ZERO-001"] = check_ownership(records, numels)
+        contracts["C-ZERO-002"] = check_equivalence(records)
+        contracts["C-ZERO-003"] = check_identity(records)
+    else:
+        why = "every phase was skipped: " + "; ".join(p.get("reason", "") for p in phase_info)
+        for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003"):
+            contracts[cid] = ContractOutcome("skipped", why)
+    for cid in ("C-ZERO-004", "C-ZERO-005"):
+        contracts[cid] = (resources or {}).get(cid) or ContractOutcome(
+            "skipped",
+            "the trainer declares no strategy and no resident_bytes(): memory and traffic have no "
+            "model to be compared with",
+        )
+    total = sum(p.steps for p in phases)
+    return VerifyReport(
+        target, world, total, dtype, contracts, diagnose(records, contracts), device, model_name, phase_info
+    )
+
+
+def save_observations(path: str, run: dict[str, Any]) -> None:
+    """Pickle what :func:`evaluate` needs besides the model (rebuilt from its name and seed)."""
+    with open(path, "wb") as f:
+        pickle.dump(run, f)
+
+
+def evaluate_saved(path: str) -> VerifyReport:
+    """Re-evaluate a run saved with ``--save-observations`` (trusted files only: this unpickles)."""
+    from .model import build_model
+
+    with open(path, "rb") as f:
+        run = pickle.load(f)  # noqa: S301 - a file this program wrote
+    base = build_model(run["model_name"], run["dtype"], run["seed"])
+    return evaluate(base=base, **run)

@@ -1,0 +1,336 @@
+"""``zerosim verify --all``: the peers' verdict matrix (adapter x optimizer x world size).
+
+Every installed built-in adapter (:func:`zerosim.verify.adapters.installed_adapters`) runs through
+:func:`zerosim.verify.verify` once per optimizer phase ("sgd", "adamw") and world size (2, 4), each
+cell its own launch with the phase's default length, so a cell's maximum error over its tolerance
+belongs to that optimizer alone. Written under ``reports/``: ``verify-matrix.json`` (every cell:
+verdict, each contract's status, max error, tolerance, first failing step and contract, wall time),
+``verify-matrix.md`` (the same as tables) and ``verify-matrix.png`` (a heat map of
+log10(max error / tolerance), each cell labelled with its verdict and first failing step).
+
+A cell whose run ends with an error (a rank failed, the peer rejected the configuration) is kept
+as ``"error"`` with its one-line message: a peer that fails is a finding, never dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from zerosim.errors import ConfigError, ZeroSimError
+
+from .adapters import ADAPTERS, installed_adapters
+
+OPTIMIZER_PHASES = ("sgd", "adamw")
+WORLDS = (2, 4)
+PHASE_STEPS = 4  # each phase's length in the default two-phase suite (8 steps)
+
+
+def run_cell(
+    adapter: str,
+    optimizer: str,
+    world: int,
+    *,
+    steps: int = PHASE_STEPS,
+    dtype: str = "float64",
+    device: str = "cpu",
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """One matrix cell: verify ``adapter`` with one optimizer phase at ``world`` ranks."""
+    from . import verify
+
+    cell: dict[str, Any] = {"adapter": adapter, "optimizer": optimizer, "world": world, "steps": steps}
+    start = time.perf_counter()
+    try:
+        report = verify(
+            adapter,
+            world=world,
+            steps=steps,
+            dtype=dtype,
+            device=device,
+            optimizers=(optimizer,),
+            timeout_s=timeout_s,
+        )
+    except ZeroSimError as e:
+        cell.update(verdict="error", error=f"{type(e).__name__}: {e}", wall_s=time.perf_counter() - start)
+        return cell
+    cell["wall_s"] = time.perf_counter() - start
+    eq = report.contracts.get("C-ZERO-002")
+    details = eq.details if eq is not None else {}
+    failing = [
+        (v.get("step") or 0, cid)
+        for cid, o in report.contracts.items()
+        if o.status == "fail"
+        for v in o.violations[:1]
+    ]
+    phase = next((p for p in report.phases if p.get("name") == optimizer), {})
+    cell.update(
+        verdict=report.verdict,
+        contracts={cid: o.status for cid, o in report.contracts.items()},
+        reasons={cid: o.reason for cid, o in report.contracts.items() if o.status != "pass"},
+        max_error=details.get("max_error"),
+        tolerance=details.get("tolerance"),
+        error_over_tolerance=details.get("error_over_tolerance"),
+        first_failing_step=min(failing)[0] if failing else None,
+        first_failing_contract=min(failing)[1] if failing else None,
+        diagnosis=[d.bug_class for d in report.diagnosis],
+        arithmetic=phase.get("arithmetic"),
+        master_dtype=phase.get("master_dtype"),
+        clip_binds_at=phase.get("clip_binds_at"),
+    )
+    return cell
+
+
+def run_matrix(
+    adapters: Sequence[str] | None = None,
+    optimizers: Sequence[str] = OPTIMIZER_PHASES,
+    worlds: Sequence[int] = WORLDS,
+    *,
+    steps: int = PHASE_STEPS,
+    dtype: str = "float64",
+    device: str = "cpu",
+    timeout_s: float | None = None,
+    progress: Any = None,
+) -> dict[str, Any]:
+    """Every cell of the matrix (see the module docstring); ``progress(cell)`` is called after each."""
+    names = list(adapters) if adapters is not None else installed_adapters()
+    for name in names:
+        if name not in ADAPTERS:
+            raise ConfigError("adapter", name, f"not a built-in adapter; known: {', '.join(ADAPTERS)}")
+    cells = []
+    for name in names:
+        for world in worlds:
+            for optimizer in optimizers:
+                cell = run_cell(
+                    name, optimizer, world, steps=steps, dtype=dtype, device=device, timeout_s=timeout_s
+                )
+                cells.append(cell)
+                if progress is not None:
+                    progress(cell)
+    return {
+        "generated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "environment": _environment(),
+        "dtype": dtype,
+        "device": device,
+        "steps_per_cell": steps,
+        "adapters": names,
+        "not_installed": [n for n in ADAPTERS if n not in names and n not in installed_adapters()],
+        "optimizers": list(optimizers),
+        "worlds": list(worlds),
+        "cells": cells,
+    }
+
+
+def _environment() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+    }
+    for package in ("torch", "deepspeed"):
+        try:
+            env[package] = md.version(package)
+        except md.PackageNotFoundError:
+            env[package] = None
+    return env
+
+
+# ---- output ------------------------------------------------------------------------------------------
+
+
+def _label(cell: dict[str, Any]) -> str:
+    if cell["verdict"] == "error":
+        return "error"
+    ratio = cell.get("error_over_tolerance")
+    text = cell["verdict"]
+    if ratio is not None:
+        text += f" {ratio:.1e}"
+    if cell.get("first_failing_step"):
+        text += f" (step {cell['first_failing_step']}, {cell['first_failing_contract']})"
+    return text
+
+
+def render_markdown(matrix: dict[str, Any]) -> str:
+    cells = {(c["adapter"], c["optimizer"], c["world"]): c for c in matrix["cells"]}
+    cols = [(o, w) for w in matrix["worlds"] for o in matrix["optimizers"]]
+    env = matrix["environment"]
+    lines = [
+        f"# Peers' verdict matrix ({matrix['dtype']}, {matrix['device']}, {matrix['steps_per_cell']} steps "
+        f"per cell)",
+        "",
+        f"Generated {matrix['generated_utc']} with torch {env.get('torch')}, "
+        f"deepspeed {env.get('deepspeed')}, "
+        f"Python {env.get('python')} on {env.get('machine')}. Cell: verdict, max error / tolerance of "
+        "C-ZERO-002 (below 1 passes), and the first failing step and contract.",
+        "",
+        "| adapter | " + " | ".join(f"{o} @ {w}" for o, w in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for name in matrix["adapters"]:
+        row = [_label(cells[(name, o, w)]) if (name, o, w) in cells else "-" for o, w in cols]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    lines += [
+        "",
+        "## Contracts per cell",
+        "",
+        "| adapter | optimizer | world | 001 | 002 | 003 | 004 | 005 | max error | tolerance | arithmetic "
+        "| wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in matrix["cells"]:
+        st = c.get("contracts", {})
+        short = [
+            st.get(f"C-ZERO-00{i}", c["verdict"] if c["verdict"] == "error" else "-") for i in range(1, 6)
+        ]
+        err = f"{c['max_error']:.2e}" if c.get("max_error") is not None else "-"
+        tol = f"{c['tolerance']:.2e}" if c.get("tolerance") is not None else "-"
+        lines.append(
+            f"| {c['adapter']} | {c['optimizer']} | {c['world']} | "
+            + " | ".join(short)
+            + f" | {err} | {tol} | {c.get('arithmetic') or '-'} | {c['wall_s']:.1f} |"
+        )
+    notes = [c for c in matrix["cells"] if c["verdict"] in ("fail", "error")]
+    if notes:
+        lines += ["", "## Failures and errors", ""]
+        for c in notes:
+            why = c.get("error") or "; ".join(
+                f"{k}: {v}" for k, v in c.get("reasons", {}).items() if c["contracts"].get(k) == "fail"
+            )
+            lines.append(f"- {c['adapter']} {c['optimizer']} world {c['world']}: {why}")
+    skipped = sorted(
+        {
+            f"{k}: {v}"
+            for c in matrix["cells"]
+            for k, v in c.get("reasons", {}).items()
+            if c.get("contracts", {}).get(k) == "skipped"
+        }
+    )
+    if skipped:
+        lines += ["", "## Skipped contracts", ""] + [f"- {s}" for s in skipped]
+    if matrix.get("not_installed"):
+        lines += ["", f"Not installed here (not run): {', '.join(matrix['not_installed'])}."]
+    return "\n".join(lines) + "\n"
+
+
+def render_heatmap(matrix: dict[str, Any], path: Path) -> None:
+    """log10(max error / tolerance) of C-ZERO-002 per cell (green far below the bound, red at or above
+    it), grey for a run that ended in an error; a red frame marks a cell whose verdict is "fail" (any
+    contract, e.g. C-ZERO-005 with C-ZERO-002 well within its bound)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.patches import Rectangle
+
+    cols = [(o, w) for w in matrix["worlds"] for o in matrix["optimizers"]]
+    rows = matrix["adapters"]
+    cells = {(c["adapter"], c["optimizer"], c["world"]): c for c in matrix["cells"]}
+    values = np.full((len(rows), len(cols)), np.nan)
+    for i, name in enumerate(rows):
+        for j, (o, w) in enumerate(cols):
+            ratio = cells.get((name, o, w), {}).get("error_over_tolerance")
+            if ratio is not None and ratio > 0:
+                values[i, j] = math.log10(ratio)
+    fig, ax = plt.subplots(figsize=(2.2 + 1.9 * len(cols), 1.0 + 0.55 * len(rows)))
+    cmap = plt.get_cmap("RdYlGn_r").copy()
+    cmap.set_bad("#bbbbbb")
+    image = ax.imshow(
+        np.ma.masked_invalid(values), cmap=cmap, norm=TwoSlopeNorm(vmin=-6, vcenter=0, vmax=2), aspect="auto"
+    )
+    for i, name in enumerate(rows):
+        for j, (o, w) in enumerate(cols):
+            cell = cells.get((name, o, w))
+            if cell is None:
+                continue
+            text = cell["verdict"]
+            if cell["verdict"] == "fail":
+                ax.add_patch(
+                    Rectangle(
+                        (j - 0.46, i - 0.44), 0.92, 0.88, fill=False, edgecolor="#b00000", linewidth=2.5
+                    )
+                )
+            if cell.get("first_failing_step"):
+                text += f"\n{cell['first_failing_contract']} step {cell['first_failing_step']}"
+            elif not math.isnan(values[i, j]):
+                text += f"\n{cell['error_over_tolerance']:.0e}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(cols)), [f"{o}\nworld {w}" for o, w in cols])
+    ax.set_yticks(range(len(rows)), rows)
+    ax.set_title(f"zerosim verify --all: max error / tolerance (log10), {matrix['dtype']}")
+    fig.colorbar(image, ax=ax, label="C-ZERO-002: log10(max error / tolerance); >= 0 fails")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_matrix(matrix: dict[str, Any], out_dir: str | Path = "reports") -> dict[str, Path]:
+    """``verify-matrix.json``, ``.md`` and ``.png`` under ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": out / "verify-matrix.json",
+        "md": out / "verify-matrix.md",
+        "png": out / "verify-matrix.png",
+    }
+    paths["json"].write_text(json.dumps(matrix, indent=1) + "\n")
+    paths["md"].write_text(render_markdown(matrix))
+    render_heatmap(matrix, paths["png"])
+    return paths
+
+
+def matrix_exit_code(matrix: dict[str, Any]) -> int:
+    """3 if a cell's run failed outright (a rank failed, hung, or the peer rejected the run), 1 if a
+    contract failed, else 0."""
+    verdicts = {c["verdict"] for c in matrix["cells"]}
+    return 3 if "error" in verdicts else 1 if "fail" in verdicts else 0
+
+
+def run_all(
+    *,
+    worlds: Sequence[int] = WORLDS,
+    dtype: str = "float64",
+    device: str = "cpu",
+    out_dir: str | Path = "reports",
+    adapters: Sequence[str] | None = None,
+    timeout_s: float | None = None,
+    echo: Any = print,
+) -> int:
+    """``zerosim verify --all``: run the matrix, write it, print one line per cell; the exit status."""
+
+    def progress(cell: dict[str, Any]) -> None:
+        echo(
+            f"{cell['adapter']:<14} {cell['optimizer']:<6} world {cell['world']}: {_label(cell)} "
+            f"[{cell['wall_s']:.1f} s]" + (f" {cell['error']}" if cell.get("error") else "")
+        )
+
+    matrix = run_matrix(
+        adapters, worlds=worlds, dtype=dtype, device=device, timeout_s=timeout_s, progress=progress
+    )
+    paths = write_matrix(matrix, out_dir)
+    echo("wrote " + ", ".join(str(p) for p in paths.values()))
+    return matrix_exit_code(matrix)
+
+
+def run_cli(args: Any) -> int:
+    """The ``--all`` branch of ``zerosim verify``: ``--out`` (default ``reports``), ``--dtype``,
+    ``--device`` and ``--timeout`` apply to every cell; the worlds are 2 and 4."""
+    timeout = getattr(args, "timeout", None)
+    try:
+        timeout_s = float(timeout) if timeout is not None else None
+    except ValueError:
+        raise ConfigError("timeout", timeout, "must be a number of seconds") from None
+    return run_all(
+        dtype=getattr(args, "dtype", "float64"),
+        device=getattr(args, "device", "cpu"),
+        out_dir=getattr(args, "out", None) or "reports",
+        timeout_s=timeout_s,
+    )

@@ -1,0 +1,226 @@
+"""The unsharded reference C-ZERO-002 compares a trainer against: torch.optim on the global batch, float64.
+
+The reference starts from the trainer's initial model (cast to float64, exactly: float32 values are
+float64 values), builds every rank's micro-batch (:func:`zerosim.verify.model.micro_batch`),
+concatenates them in rank order and takes one ``torch.optim.SGD`` / ``torch.optim.AdamW`` step
+(``foreach=False``) on the mean loss of that global batch, after ``clip_grad_norm_`` when the phase
+clips. With equal local batches this is the protocol's "mean over ranks of the local mean losses".
+
+Besides the state after each step it records what the error model needs
+(:mod:`zerosim.verify.tolerance`): the averaged gradient, the per-element sum of the ranks' absolute
+local gradients (the terms a sharded trainer adds up), the global norm and the clip factor.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .model import micro_batch
+
+
+@dataclass
+class ReferenceStep:
+    """The reference after one step (global, 1-based); arrays are float64, keyed by parameter name."""
+
+    step: int
+    phase: str
+    phase_step: int  # 1-based within the phase (Adam's step count)
+    params_before: dict[str, np.ndarray]
+    params: dict[str, np.ndarray]
+    state: dict[str, dict[str, np.ndarray]]
+    grad: dict[str, np.ndarray]  # mean over the global batch, before clipping
+    grad_terms: dict[str, np.ndarray]  # mean over ranks of |local gradient|
+    grad_norm: float
+    clip_coef: float  # the factor clip_grad_norm_ applied (1.0: the clip did not bind, or no clip)
+    losses: list[float] = field(default_factory=list)  # each rank's local loss at the step's start
+
+    @property
+    def clip_bound(self) -> bool:
+        return self.clip_coef < 1.0
+
+
+def make_optimizer(params: Any, optim: dict[str, Any]) -> torch.optim.Optimizer:
+    """torch.optim for an :class:`~zerosim.verify.protocol.OptimConfig` (single-tensor code path)."""
+    if optim["name"] == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=optim["lr"],
+            momentum=optim.get("momentum", 0.0),
+            weight_decay=optim.get("weight_decay", 0.0),
+            foreach=False,
+        )
+    return torch.optim.AdamW(
+        params,
+        lr=optim["lr"],
+        betas=tuple(optim.get("betas", (0.9, 0.999))),
+        eps=optim.get("eps", 1e-8),
+        weight_decay=optim.get("weight_decay", 0.0),
+        foreach=False,
+    )
+
+
+class Reference:
+    """Unsharded float64 training of ``model`` (deep-copied) on the global batch of ``world`` ranks."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: dict[str, Any],
+        world: int,
+        *,
+        model_name: str = "gpt",
+        seed: int = 0,
+        phase: str = "",
+        data_offset: int = 0,
+    ):
+        self.data_offset = data_offset
+        self.model = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
+        self.optim = dict(optim)
+        self.world = world
+        self.model_name = model_name
+        self.seed = seed
+        self.phase = phase or str(optim["name"])
+        self.names = [n for n, _ in self.model.named_parameters()]
+        self.params = [p for _, p in self.model.named_parameters()]
+        self.optimizer = make_optimizer(self.params, self.optim)
+        self.phase_step = 0
+
+    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [
+            micro_batch(r, step + self.data_offset, self.seed, self.model_name) for r in range(self.world)
+        ]
+
+    def local_gradients(self, step: int) -> tuple[dict[str, np.ndarray], list[float]]:
+        """Mean over ranks of |each rank's local gradient| at the current weights, and the local losses."""
+        terms = {n: np.zeros(tuple(p.shape)) for n, p in zip(self.names, self.params, strict=True)}
+        losses = []
+        for inputs, targets in self.batches(step):
+            self.model.zero_grad(set_to_none=True)
+            loss = self.model(inputs, targets)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            for n, p in zip(self.names, self.params, strict=True):
+                if p.grad is not None:
+                    terms[n] += np.abs(p.grad.numpy())
+        return {n: t / self.world for n, t in terms.items()}, losses
+
+    def gradient_norm(self, step: int) -> float:
+        """The global gradient norm at the current weights for global step ``step`` (no update)."""
+        self._global_gradient(step)
+        return float(
+            torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None])
+            )
+        )
+
+    def _global_gradient(self, step: int) -> None:
+        batches = self.batches(step)
+        inputs = torch.cat([b[0] for b in batches])
+        targets = torch.cat([b[1] for b in batches])
+        self.model.zero_grad(set_to_none=True)
+        self.model(inputs, targets).backward()
+
+    def step(self, step: int) -> ReferenceStep:
+        """One optimizer step on the global batch of global step ``step``; returns what it recorded."""
+        before = self.snapshot()
+        terms, losses = self.local_gradients(step)
+        self._global_gradient(step)
+        grad = {
+            n: p.grad.numpy().copy()
+            for n, p in zip(self.names, self.params, strict=True)
+            if p.grad is not None
+        }
+        max_norm = self.optim.get("max_grad_norm")
+        if max_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=False))
+            coef = min(1.0, float(max_norm) / (norm + 1e-6))
+        else:
+            norm = float(
+                torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(p.grad) for p in self.params if p.grad is not None])
+                )
+            )
+            coef = 1.0
+        self.optimizer.step()
+        self.phase_step += 1
+        for n in self.names:
+            grad.setdefault(n, np.zeros(before[n].shape))
+        return ReferenceStep(
+            step,
+            self.phase,
+            self.phase_step,
+            before,
+            self.snapshot(),
+            self.state(),
+            grad,
+            terms,
+            norm,
+            coef,
+            losses,
+        )
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        return {n: p.detach().numpy().copy() for n, p in zip(self.names, self.params, strict=True)}
+
+    def state(self) -> dict[str, dict[str, np.ndarray]]:
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for n, p in zip(self.names, self.params, strict=True):
+            st = self.optimizer.state.get(p, {})
+            out[n] = {
+                k: (v.detach().numpy().copy() if torch.is_tensor(v) else np.asarray(v, dtype=np.float64))
+                for k, v in st.items()
+                if v is not None
+            }
+        return out
+
+
+CLIP_DATA_OFFSETS = 8  # batch orders tried before settling for a clip that binds at the phase's first step
+
+
+def choose_clip(
+    model: torch.nn.Module,
+    optim: dict[str, Any],
+    world: int,
+    first_step: int,
+    steps: int,
+    *,
+    model_name: str = "gpt",
+    seed: int = 0,
+) -> tuple[float, int, int]:
+    """A ``max_grad_norm`` for the AdamW phase that binds at some step but not at the phase's first:
+    (threshold, the phase step where it first binds, the data offset of the phase's batches).
+
+    Runs the phase unclipped: with n_1 the first step's norm and k the first later step whose norm
+    exceeds n_1, the threshold (n_1 + n_k) / 2 leaves steps 1..k-1 unclipped (their norms are at most
+    n_1), so the clipped and unclipped runs agree up to step k, where it binds. A divergence that
+    starts exactly there points at the clip. When the norms of the phase's batches only fall, the
+    next batches (a data offset) are tried; if none rises, 0.9 n_1 binds at step 1.
+    """
+    for offset in range(CLIP_DATA_OFFSETS):
+        ref = Reference(
+            model,
+            {**optim, "max_grad_norm": None},
+            world,
+            model_name=model_name,
+            seed=seed,
+            data_offset=offset * steps,
+        )
+        norms = []
+        for k in range(steps):
+            norms.append(ref.gradient_norm(first_step + k))
+            ref.optimizer.step()
+            if k > 0 and norms[-1] > norms[0]:
+                middle = (norms[0] + norms[-1]) / 2
+                rounded = _round_sig(middle)
+                return (rounded if norms[0] < rounded < norms[-1] else middle), k + 1, offset * steps
+    ref = Reference(model, {**optim, "max_grad_norm": None}, world, model_name=model_name, seed=seed)
+    return _round_sig(0.9 * ref.gradient_norm(first_step)), 1, 0
+
+
+def _round_sig(x: float, digits: int = 4) -> float:
+    return float(f"{x:.{digits - 1}e}")

@@ -1,0 +1,329 @@
+"""One rank of a ``zerosim verify`` run: build the trainer per phase, step it, ship observations to rank 0.
+
+Every decision that can end the run early (a phase skipped because ``make_trainer`` raised
+``NotImplementedError``, a protocol breach on any rank) is taken by rank 0 from every rank's report
+and broadcast (:meth:`RankSession.agree`), so all ranks leave together with the same status and the
+same one line. A rank that raises inside the trainer, or a collective that times out, ends the run
+with exit 3; the rank to blame is written to ``failure-rank<R>.json`` (:meth:`RankSession.record_failure`):
+the rank itself when it raised, else the rank that entered the fewest collectives
+(:mod:`zerosim.verify.arrival`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from zerosim.errors import CollectiveError
+
+from .errors import TrainerError
+from .model import build_model, micro_batch
+from .observation import StepObservation
+from .protocol import (
+    finite_loss,
+    require_trainer_object,
+    to_numpy,
+    validate_local_shards,
+    validate_optimizer_state,
+    validate_parameters,
+)
+from .suite import Phase, build_phases
+
+NOT_RULED_OUT = {
+    "sgd": "a gradient summed instead of averaged (AdamW normalises the scale away) and momentum-buffer bugs",
+    "adamw": "a clip norm over the wrong set of elements and Adam state bugs (step count, bias correction, "
+    "decoupled weight decay)",
+}
+
+
+class RankSession:
+    """The per-rank program (see the module docstring). Rank 0 keeps every observation and evaluates."""
+
+    def __init__(self, comm: Any, args: argparse.Namespace, device: str):
+        from .arrival import ArrivalCounter
+        from .targets import resolve_factory
+
+        self.comm = comm
+        self.args = args
+        self.device = device
+        self.rank = comm.rank
+        self.world = comm.world_size
+        self.phases = build_phases(args.optimizers, args.steps)
+        self.arrivals = ArrivalCounter(comm)
+        self.where = "start"
+        self.factory = self.agree(self._local(resolve_factory, args.target))
+        self.observations: dict[int, list[StepObservation]] = {}
+        self.started = time.monotonic()
+
+    # -- agreement ---------------------------------------------------------------------------------------
+    def _local(self, fn: Any, *args: Any) -> Any:
+        """(value, None) or (None, TrainerError message) for a local call that may break the protocol."""
+        try:
+            return fn(*args), None
+        except TrainerError as e:
+            return None, str(e)
+
+    def agree(self, outcome: tuple[Any, str | None]) -> Any:
+        """Every rank learns whether any rank hit a protocol error; all raise the lowest rank's."""
+        value, error = outcome
+        first = self.first_of_any(error)
+        if first:
+            raise TrainerError(first)
+        return value
+
+    def first_of_any(self, value: Any) -> Any:
+        """The lowest rank's non-None ``value`` on every rank (None if every rank had None)."""
+        values = self.comm.gather_object(value, root=0)
+        first = next((v for v in values if v is not None), None) if values is not None else None
+        return self.comm.broadcast_object(first, root=0)
+
+    # -- the run -----------------------------------------------------------------------------------------
+    def run(self) -> int:
+        import torch
+
+        from .reference import choose_clip
+        from .resources import PhaseResources, ResourceProbe, resource_outcomes
+
+        spec = self.args.target
+        base = build_model(self.args.model, self.args.dtype, self.args.seed)
+        expected = {
+            n: (tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in base.named_parameters()
+        }
+        numels = {n: int(p.numel()) for n, p in base.named_parameters()}
+        phase_info: list[dict[str, Any]] = []
+        phase_resources: list[Any] = []
+        for phase in self.phases:
+            if phase.name == "adamw":
+                clip = None
+                if self.rank == 0:
+                    clip = choose_clip(
+                        base,
+                        phase.optim,
+                        self.world,
+                        phase.first_step,
+                        phase.steps,
+                        model_name=self.args.model,
+                        seed=self.args.seed,
+                    )
+                threshold, binds_at, offset = self.comm.broadcast_object(clip, root=0)
+                phase.optim["max_grad_norm"] = threshold
+                phase.data_offset = offset
+                phase.extra["clip_first_binds_at_phase_step"] = binds_at
+                phase.extra["data_offset"] = offset
+            model = build_model(self.args.model, self.args.dtype, self.args.seed).to(self.device)
+            self.where = f"make_trainer for the {phase.name} phase"
+            trainer, skipped = self.agree(self._local(self._make, model, phase))
+            skipped = self.first_of_any(skipped)  # a phase one rank cannot run is skipped on every rank
+            if skipped is not None:
+                phase_info.append(self._phase_json(phase, "skipped", skipped))
+                continue
+            probe = ResourceProbe(trainer)
+            for step in phase.step_numbers:
+                inputs, targets = (
+                    t.to(self.device)
+                    for t in micro_batch(self.rank, step + phase.data_offset, self.args.seed, self.args.model)
+                )
+                self.where = f"step {step} ({phase.name}): step()"
+                self.arrivals.mark(self.where)
+                with probe.counting():
+                    loss = trainer.step(inputs, targets)
+                obs = self.agree(self._local(self._observe, trainer, phase, step, loss, expected, numels))
+                obs.resources = probe.take()
+                gathered = self.comm.gather_object(obs, root=0)
+                if self.rank == 0:
+                    self.observations[step] = list(gathered)
+            phase_info.append(self._phase_json(phase, "ran", ""))
+            if self.rank == 0:
+                phase_resources.append(
+                    PhaseResources(
+                        phase.name,
+                        dict(phase.optim),
+                        phase.first_step,
+                        probe.info,
+                        [[o.resources for o in self.observations[s]] for s in phase.step_numbers],
+                    )
+                )
+            del trainer, probe
+            if torch.cuda.is_available() and self.device.startswith("cuda"):
+                torch.cuda.synchronize(self.device)
+        self.where = "evaluation on rank 0"
+        code = 0
+        if self.rank == 0:
+            from .evaluate import evaluate, save_observations
+            from .render import render_text
+
+            resources = (
+                resource_outcomes(phase_resources, base, base_dtype_bytes(base), self.world)
+                if phase_resources
+                else None
+            )
+            run = dict(
+                target=spec,
+                world=self.world,
+                dtype=self.args.dtype,
+                device=self.args.device,
+                model_name=self.args.model,
+                seed=self.args.seed,
+                phases=self.phases,
+                phase_info=phase_info,
+                observations=self.observations,
+                numels=numels,
+                resources=resources,
+            )
+            if self.args.save_observations:
+                save_observations(self.args.save_observations, run)
+            started = time.monotonic()
+            report = evaluate(base=base, **run)
+            report.extra["evaluation_s"] = round(time.monotonic() - started, 2)
+            report.extra["training_s"] = round(started - self.started, 2)
+            if self.args.out:
+                Path(self.args.out).mkdir(parents=True, exist_ok=True)
+                (Path(self.args.out) / "report.json").write_text(json.dumps(report.to_json(), indent=1))
+            if not self.args.quiet:
+                print(json.dumps(report.to_json()) if self.args.json else render_text(report), flush=True)
+            code = report.exit_code
+        return code
+
+    def _make(self, model: Any, phase: Phase) -> tuple[Any, str | None]:
+        name = self.args.target
+        try:
+            trainer = self.factory(model, dict(phase.optim))
+        except NotImplementedError as e:
+            return (
+                None,
+                f"make_trainer raised NotImplementedError ({e or 'no reason given'}) for {phase.name}",
+            )
+        except TrainerError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's constructor raised: bad input, named
+            raise TrainerError(
+                f"{name}: make_trainer raised on rank {self.rank} ({phase.name} phase): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        require_trainer_object(trainer, name, self.rank)
+        return trainer, None
+
+    def _observe(
+        self,
+        trainer: Any,
+        phase: Phase,
+        step: int,
+        loss: Any,
+        expected: dict[str, Any],
+        numels: dict[str, int],
+    ) -> StepObservation:
+        loss_value = finite_loss(loss, self.rank, step)
+        self.where = f"step {step} ({phase.name}): full_parameters()"
+        self.arrivals.mark(self.where)
+        raw = trainer.full_parameters()
+        params = _as_arrays(raw, "full_parameters", self.rank)
+        validate_parameters(params, expected, self.rank)
+        state = None
+        if callable(getattr(trainer, "full_optimizer_state", None)):
+            self.where = f"step {step} ({phase.name}): full_optimizer_state()"
+            self.arrivals.mark(self.where)
+            raw_state = trainer.full_optimizer_state()
+            if not isinstance(raw_state, dict):
+                raise TrainerError(
+                    f"full_optimizer_state() on rank {self.rank} returned "
+                    f"{type(raw_state).__name__}, expected a dict"
+                )
+            state = {
+                n: _as_arrays(e, f"full_optimizer_state()[{n!r}]", self.rank) if isinstance(e, dict) else e
+                for n, e in raw_state.items()
+            }
+            validate_optimizer_state(state, expected, phase.name, self.rank)
+        shards = None
+        if callable(getattr(trainer, "local_shards", None)):
+            self.where = f"step {step} ({phase.name}): local_shards()"
+            shards = validate_local_shards(trainer.local_shards(), numels, self.rank)
+        self.where = f"step {step} ({phase.name}): sending observations to rank 0"
+        return StepObservation(phase.name, step, self.rank, loss_value, params, state, shards)
+
+    def _phase_json(self, phase: Phase, status: str, reason: str) -> dict[str, Any]:
+        info = {
+            "name": phase.name,
+            "first_step": phase.first_step,
+            "last_step": phase.first_step + phase.steps - 1,
+            "status": status,
+            "optim": {k: (list(v) if isinstance(v, tuple) else v) for k, v in phase.optim.items()},
+            **phase.extra,
+        }
+        if status == "skipped":
+            info["reason"] = reason
+            info["not_ruled_out"] = NOT_RULED_OUT.get(phase.name, "")
+        return info
+
+    # -- failure -----------------------------------------------------------------------------------------
+    def record_failure(self, error: BaseException) -> None:
+        """Write ``failure-rank<R>.json`` naming the rank to blame (see the module docstring)."""
+        out = self.args.out
+        if not out:
+            return
+        if isinstance(error, (CollectiveError, RuntimeError)) and _looks_like_peer_problem(error):
+            culprit, detail = self.arrivals.laggard()
+            kind = "hang" if "timed out" in str(error).lower() or "timeout" in str(error).lower() else "peer"
+            if culprit is None:
+                culprit, detail = self.rank, ""
+            message = (
+                f"hung or failed while rank {self.rank} waited ({detail}); rank {self.rank} saw: "
+                f"{_one_line(error)}"
+            )
+        else:
+            culprit, kind = self.rank, "raised"
+            message = f"{_one_line(error)} (during {self.where})"
+            frames = traceback.extract_tb(error.__traceback__)
+            if frames:
+                last = frames[-1]
+                message += f" at {Path(last.filename).name}:{last.lineno}"
+        record = {
+            "rank": culprit,
+            "reporter": self.rank,
+            "kind": kind,
+            "message": message,
+            "time": time.time(),
+        }
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            (Path(out) / f"failure-rank{self.rank}.json").write_text(json.dumps(record))
+        except OSError:
+            print(f"rank {self.rank}: could not write the failure record to {out}", file=sys.stderr)
+
+
+def base_dtype_bytes(model: Any) -> int:
+    return int(next(model.parameters()).element_size())
+
+
+def _as_arrays(values: Any, method: str, rank: int) -> Any:
+    if not isinstance(values, dict):
+        return values
+    out = {}
+    for name, v in values.items():
+        try:
+            out[name] = np.array(to_numpy(v), copy=True)
+        except (TypeError, RuntimeError) as e:
+            raise TrainerError(
+                f"{method} on rank {rank}: {name!r} cannot be read as an array ({type(v).__name__}: {e})"
+            ) from None
+    return out
+
+
+def _looks_like_peer_problem(error: BaseException) -> bool:
+    text = str(error).lower()
+    return isinstance(error, CollectiveError) or any(
+        s in text for s in ("timed out", "timeout", "connection closed", "connection reset", "peer")
+    )
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    if len(text) > 400:
+        text = text[:400] + "..."
+    return f"{type(error).__name__}: {text}"

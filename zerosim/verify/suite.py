@@ -1,0 +1,78 @@
+"""The default verification suite: an SGD-with-momentum phase, then an AdamW phase whose clip binds.
+
+Why two phases: Adam divides by the root of its second moment, so a gradient summed instead of
+averaged (a constant factor) hides from Adam; SGD shows it in the first update. The SGD phase
+therefore runs without a clip (a binding clip would normalise the scale too). The AdamW phase clips
+with a threshold chosen from the reference's own gradient norms
+(:func:`zerosim.verify.reference.choose_clip`) so that it binds in at least one step, where the
+data allow not in the first: a divergence that starts at the first binding step points at the clip.
+Each phase builds a fresh trainer from the same initial model; steps are numbered globally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from zerosim.errors import ConfigError
+
+OPTIMIZERS = ("sgd", "adamw")
+DEFAULT_STEPS = 8
+PHASE_CONFIGS: dict[str, dict[str, Any]] = {
+    "sgd": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "max_grad_norm": None},
+    "adamw": {
+        "name": "adamw",
+        "lr": 1e-2,
+        "betas": (0.9, 0.999),
+        "eps": 1e-8,
+        "weight_decay": 0.1,
+        "max_grad_norm": None,
+    },  # the threshold is chosen per run, see the module docstring
+}
+
+
+@dataclass
+class Phase:
+    name: str
+    optim: dict[str, Any]
+    first_step: int  # global, 1-based
+    steps: int
+    data_offset: int = 0  # the phase's step s trains on the micro-batches of step s + data_offset
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def step_numbers(self) -> range:
+        return range(self.first_step, self.first_step + self.steps)
+
+
+def require_optimizers(optimizers: Sequence[str] | str) -> tuple[str, ...]:
+    names = (
+        tuple(o.strip() for o in optimizers.split(",")) if isinstance(optimizers, str) else tuple(optimizers)
+    )
+    if not names or any(o not in OPTIMIZERS for o in names) or len(set(names)) != len(names):
+        raise ConfigError(
+            "optimizers", ",".join(map(str, names)), f"a non-empty selection of {', '.join(OPTIMIZERS)}"
+        )
+    return tuple(o for o in OPTIMIZERS if o in names)
+
+
+def build_phases(optimizers: Sequence[str] | str = OPTIMIZERS, steps: int | None = None) -> list[Phase]:
+    """The phases for ``optimizers`` sharing ``steps`` (default 8; the first phase gets the odd one)."""
+    names = require_optimizers(optimizers)
+    total = DEFAULT_STEPS if steps is None else steps
+    if isinstance(total, bool) or not isinstance(total, int) or total < 2 * len(names):
+        raise ConfigError(
+            "steps",
+            steps,
+            f"must be an integer >= {2 * len(names)} (at least 2 steps per "
+            f"phase: {', '.join(names)}), so a divergence after the first step "
+            "is seen",
+        )
+    phases = []
+    first = 1
+    for i, name in enumerate(names):
+        n = total // len(names) + (1 if i < total % len(names) else 0)
+        phases.append(Phase(name, dict(PHASE_CONFIGS[name]), first, n))
+        first += n
+    return phases
