@@ -15,6 +15,9 @@
 Each returns a :class:`~zerosim.verify.outcome.ContractOutcome` whose violations name phase, step,
 rank, tensor and a half-open element range of the flattened tensor, with expected, got, error and
 tolerance.
+
+Why one module of this length: the three value contracts walk the same per-step, per-rank
+observations and share the range collector that turns differing elements into named ranges.
 """
 
 from __future__ import annotations
@@ -44,14 +47,14 @@ def runs(mask: np.ndarray) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
 
 
-def _violation(
+def violation(
     contract: str,
-    phase: str,
-    step: int,
+    phase: str | None,
+    step: int | None,
     rank: int | None,
     tensor: str,
-    start: int,
-    stop: int,
+    start: int | None,
+    stop: int | None,
     expected: Any,
     got: Any,
     error: float | None,
@@ -59,6 +62,8 @@ def _violation(
     message: str,
     **extra: Any,
 ) -> dict[str, Any]:
+    """One violation as every contract outcome lists it: where (phase, step, rank, tensor, the
+    half-open element range), expected, got, error, tolerance and one line saying what broke."""
     return {
         "contract": contract,
         "phase": phase,
@@ -142,7 +147,7 @@ def check_equivalence(records: Sequence[StepRecord]) -> ContractOutcome:
                     if key == "step":
                         if float(np.asarray(got).reshape(-1)[0]) != float(np.asarray(exp).reshape(-1)[0]):
                             out.add(
-                                _violation(
+                                violation(
                                     "C-ZERO-002",
                                     rec.phase,
                                     rec.step,
@@ -211,7 +216,7 @@ def _compare(
         what = "parameter" if key is None else f"optimizer state {key!r}"
         extra = {} if key is None else {"state": key}
         out.add(
-            _violation(
+            violation(
                 "C-ZERO-002",
                 rec.phase,
                 rec.step,
@@ -275,7 +280,7 @@ def check_identity(records: Sequence[StepRecord]) -> ContractOutcome:
                     err = float(np.max(np.abs(a.astype(np.float64) - base.astype(np.float64))))
                     max_abs = max(max_abs, err)
                     out.add(
-                        _violation(
+                        violation(
                             "C-ZERO-003",
                             rec.phase,
                             rec.step,
@@ -336,7 +341,7 @@ def ownership_layout(rec: StepRecord, numels: dict[str, int], out: _Listing) -> 
                 if mine[start:stop].any():
                     a, b = first_run(mine[start:stop])
                     out.add(
-                        _violation(
+                        violation(
                             "C-ZERO-001",
                             phase,
                             step,
@@ -361,7 +366,7 @@ def ownership_layout(rec: StepRecord, numels: dict[str, int], out: _Listing) -> 
         if (c == 0).any():
             for start, stop in runs(c == 0)[:4]:
                 out.add(
-                    _violation(
+                    violation(
                         "C-ZERO-001",
                         phase,
                         step,
@@ -386,7 +391,7 @@ def ownership_layout(rec: StepRecord, numels: dict[str, int], out: _Listing) -> 
             start, stop = first_run(over)
             holders = _ranks_of(owners[name][start])
             out.add(
-                _violation(
+                violation(
                     "C-ZERO-001",
                     phase,
                     step,
@@ -410,7 +415,7 @@ def ownership_layout(rec: StepRecord, numels: dict[str, int], out: _Listing) -> 
         if loads and max(loads) - min(loads) > largest:
             hi, lo = ranks[int(np.argmax(loads))], ranks[int(np.argmin(loads))]
             out.add(
-                _violation(
+                violation(
                     "C-ZERO-001",
                     phase,
                     step,
@@ -448,7 +453,7 @@ def ownership_layout(rec: StepRecord, numels: dict[str, int], out: _Listing) -> 
     for members in groups.values():
         if len(members) != k:
             out.add(
-                _violation(
+                violation(
                     "C-ZERO-001",
                     phase,
                     step,
@@ -474,7 +479,7 @@ def ownership_layout(rec: StepRecord, numels: dict[str, int], out: _Listing) -> 
                 if (a != b).any():
                     start, stop = first_run(a != b)
                     out.add(
-                        _violation(
+                        violation(
                             "C-ZERO-001",
                             phase,
                             step,
@@ -496,7 +501,7 @@ def ownership_layout(rec: StepRecord, numels: dict[str, int], out: _Listing) -> 
     loads = [owned[members[0]] for members in groups.values()]
     if loads and max(loads) - min(loads) > largest:
         out.add(
-            _violation(
+            violation(
                 "C-ZERO-001",
                 phase,
                 step,

@@ -4,7 +4,7 @@ Memory (C-ZERO-004): a built-in adapter reports, per rank, the bytes of paramete
 optimizer state it really keeps, read from tensor storages (:func:`storage_bytes`: each storage
 counted once, so views into one flat buffer, DDP's bucket views and DTensor local shards cost what
 they allocate). :func:`check_memory` compares them with the plan of the declared strategy, built
-from the memory model's shard sizes (:func:`zerosim.cost.memory_model.shard_sizes`) under the
+from the memory model's shard sizes (:func:`zerosim.cost.shard_sizes.shard_sizes`) under the
 peer's own partition rule, so padding counts as the peer stores it. The contract is an upper
 bound per rank and per kind of state: a rank that keeps more than its plan (a hidden full copy, a
 strategy declared smaller than what runs) fails, naming rank and kind. Holding less than the plan
@@ -12,18 +12,20 @@ is reported in the details, not failed: FSDP2 with ``reshard_after_forward=False
 ZeRO-2) still frees its unsharded parameters after backward.
 
 Traffic (C-ZERO-005): :class:`zerosim.verify.traffic.TrafficCounter` counts, per rank, what every
-data collective of a step moves under the ring attribution. :func:`check_traffic` compares the
-bytes each rank *receives* per step with the communication model of the declared strategy
-(:func:`zerosim.cost.comm_model.comm_per_step`),
-split into gradient reduction (all-reduce, reduce-scatter) and parameter exchange (all-gather,
-broadcast). Received bytes make a broadcast from each owner (ZeroRedundancyOptimizer) and an
-all-gather comparable: under both a rank receives every element it does not own. The expected value
-is a band: at most the model with the peer's padding; at least, per gradient reduction, the same
-collective on the unpadded gradient, and per parameter gather pass, the elements the rank does not
-store (a peer that pads less than the model, or broadcasts whole tensors without padding, moves
-less). Below the band is a failure too: a ZeRO-3 that gathers once per step keeps whole parameters
-alive from forward to backward. Scalars (a gradient norm, a loss, an overflow flag) are control
-traffic, counted apart and not judged.
+data collective of a step moves under the ring attribution. :func:`check_traffic` compares the bytes
+each rank *receives* per step with the communication model of the declared strategy
+(:func:`zerosim.cost.comm_model.comm_per_step`), split into gradient reduction (all-reduce,
+reduce-scatter, reduce to an owner) and parameter exchange (all-gather, broadcast). Received bytes
+make a broadcast from each owner (ZeroRedundancyOptimizer) and an all-gather comparable: under both
+a rank receives every element it does not own. The expected value is a band: at most the model with
+the peer's padding; at least, per gradient reduction, the same collective on the unpadded gradient,
+and per parameter gather pass, the elements the rank does not store (a peer that pads less than the
+model, or broadcasts whole tensors without padding, moves less). Below the band is a failure too: a
+ZeRO-3 that gathers once per step keeps whole parameters alive from forward to backward. Scalars (a
+gradient norm, a loss, an overflow flag) are control traffic, counted apart and not judged.
+
+Why one module of this length: the memory plan and the traffic band are built from the same
+declared strategy, shard sizes and wire element sizes, and are judged in one pass per phase.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from zerosim.errors import ConfigError
 from zerosim.layout import ParamLayout
 from zerosim.strategy import ShardingStrategy, Topology
 
+from .checks import violation
 from .traffic import TRAFFIC_CLASSES, TrafficCounter, local_tensor
 
 MEMORY_KINDS = ("params", "grads", "optimizer")
@@ -157,7 +160,7 @@ def states_per_element(optim: dict[str, Any]) -> int:
     return OPTIMIZER_STATES["sgd-momentum"] if optim.get("momentum") else OPTIMIZER_STATES["sgd"]
 
 
-def _violation(
+def _rank_violation(
     contract: str,
     phase: str | None,
     step: int | None,
@@ -167,20 +170,9 @@ def _violation(
     got: Any,
     message: str,
 ) -> dict[str, Any]:
-    return {
-        "contract": contract,
-        "phase": phase,
-        "step": step,
-        "rank": rank,
-        "tensor": kind,
-        "start": None,
-        "stop": None,
-        "expected": expected,
-        "got": got,
-        "error": None if expected is None else got - expected,
-        "tolerance": 0,
-        "message": message,
-    }
+    """A per-rank byte count outside its plan: no element range, zero tolerance."""
+    error = None if expected is None else got - expected
+    return violation(contract, phase, step, rank, kind, None, None, expected, got, error, 0, message)
 
 
 def check_memory(
@@ -214,7 +206,7 @@ def check_memory(
             got = int(measured.get(kind, 0))
             if got > plan[kind]:
                 violations.append(
-                    _violation(
+                    _rank_violation(
                         "C-ZERO-004",
                         phase,
                         step,
@@ -350,7 +342,7 @@ def check_traffic(
                     what = "gradient reduction" if cls == "reduce" else "parameter exchange"
                     violations.append(
                         {
-                            **_violation(
+                            **_rank_violation(
                                 "C-ZERO-005",
                                 phase,
                                 first_step + i,

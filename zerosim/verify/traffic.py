@@ -3,11 +3,12 @@
 :class:`TrafficCounter` replaces the data collectives of ``torch.distributed`` (and of
 ``distributed_c10d``, where libraries call them) for the duration of a ``with`` block and records,
 per rank, every call's group, kind and buffer size. Bytes are attributed to the ring algorithm
-exactly as :func:`zerosim.comm.base.ring_bytes` does for the reference engine. Calls are split into
-gradient reduction (all-reduce, reduce-scatter), parameter exchange (all-gather, broadcast) and
-control (scalars: a gradient norm, a loss, an overflow flag). Collectives issued through torch's
-functional collectives (DTensor's ``full_tensor`` and norm reductions) bypass the wrapped Python
-functions; none of the peers moves model data that way inside a step.
+exactly as :func:`zerosim.comm.base.ring_bytes` does for the reference engine. Calls are split
+into gradient reduction (all-reduce, reduce-scatter, reduce to one owner), parameter exchange
+(all-gather, broadcast) and control (scalars: a gradient norm, a loss, an overflow flag).
+Collectives issued through torch's functional collectives (DTensor's ``full_tensor`` and norm
+reductions) bypass the wrapped Python functions; none of the peers moves model data that way inside
+a step.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def local_tensor(tensor: Any) -> Any:
     return local if local is not None else tensor
 
 
-REDUCE_COLLECTIVES = ("all_reduce", "reduce_scatter")
+REDUCE_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce")
 GATHER_COLLECTIVES = ("all_gather", "broadcast")
 
 
@@ -36,7 +37,7 @@ GATHER_COLLECTIVES = ("all_gather", "broadcast")
 class _Wrapped:
     """How to read one torch.distributed function's call: its ring kind, payload and group."""
 
-    kind: str  # all_reduce | reduce_scatter | all_gather | broadcast
+    kind: str  # all_reduce | reduce_scatter | reduce | all_gather | broadcast
     payload: str  # first | second | second_list | first_list | input_times_n
     group_pos: int  # positional index of ``group``
 
@@ -47,6 +48,7 @@ _WRAPPED: dict[str, _Wrapped] = {
     "all_reduce": _Wrapped("all_reduce", "first", 2),
     "all_reduce_coalesced": _Wrapped("all_reduce", "first_list", 2),
     "broadcast": _Wrapped("broadcast", "first", 2),
+    "reduce": _Wrapped("reduce", "first", 3),
     "all_gather": _Wrapped("all_gather", "input_times_n", 2),
     "all_gather_into_tensor": _Wrapped("all_gather", "first", 2),
     "all_gather_single": _Wrapped("all_gather", "first", 2),
@@ -83,6 +85,10 @@ class CollectiveCall:
         return "reduce" if self.kind in REDUCE_COLLECTIVES else "gather"
 
     def ring(self) -> tuple[Fraction, Fraction]:
+        if self.kind == "reduce":
+            # a ring reduce is a pipeline ending at the root: n-1 hops of S bytes, spread evenly as
+            # (n-1)/n S per rank, the reduce-scatter's volume (one reduce per owner sums to it exactly)
+            return ring_bytes("reduce_scatter", self.payload_bytes, len(self.group_ranks))
         return ring_bytes(self.kind, self.payload_bytes, len(self.group_ranks), self.is_root)
 
 

@@ -38,7 +38,14 @@ class DDPTrainer:
         self.model = model
         self.optim = optim
         self.ddp = wrap_ddp(model)
-        self.optimizer = build_optimizer(model.parameters(), optim)
+        self.optimizer = self.build_optimizer(model, optim)
+
+    def build_optimizer(self, model: torch.nn.Module, optim: dict[str, Any]) -> torch.optim.Optimizer:
+        return build_optimizer(model.parameters(), optim)
+
+    def local_optimizer_state(self) -> dict[Any, dict[str, Any]]:
+        """The optimizer state this rank keeps, by parameter (all of it, under DDP)."""
+        return dict(self.optimizer.state)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
@@ -63,10 +70,11 @@ class DDPTrainer:
 
     def resident_bytes(self) -> dict[str, int]:
         params = list(self.model.parameters())
+        state = self.local_optimizer_state()
         return {
             "params": storage_bytes(params),
             "grads": storage_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": storage_bytes(t for p in params for t in self.optimizer.state.get(p, {}).values()),
+            "optimizer": storage_bytes(t for p in params for t in state.get(p, {}).values()),
         }
 
 

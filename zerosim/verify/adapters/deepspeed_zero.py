@@ -73,7 +73,14 @@ class DeepSpeedTrainer:
         "partitions, not in the module's tensors"
     )
 
-    def __init__(self, model: torch.nn.Module, optim: dict[str, Any], stage: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: dict[str, Any],
+        stage: int,
+        zero_overrides: dict[str, Any] | None = None,
+    ):
+        """``zero_overrides``: keys merged into the ``zero_optimization`` section of the config."""
         deepspeed = _deepspeed()
         self.stage = stage
         self.declared_strategy = f"zero{stage}"
@@ -84,6 +91,7 @@ class DeepSpeedTrainer:
         self.wire_bytes = {"params": self.dtype.itemsize, "grads": 4}
         self.model = model
         config = deepspeed_config(stage, optim, dist.get_world_size())
+        config["zero_optimization"].update(zero_overrides or {})
         client = build_optimizer(model.parameters(), optim) if optim["name"] == "sgd" else None
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,

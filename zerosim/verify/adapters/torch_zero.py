@@ -17,38 +17,32 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ..resources import storage_bytes
-from ._torch_optim import clip_gradients, optimizer_kwargs, optimizer_state_copy
-from .ddp import wrap_ddp
+from ._torch_optim import optimizer_kwargs, optimizer_state_copy
+from .ddp import DDPTrainer
 
 
-class TorchZeroTrainer:
+class TorchZeroTrainer(DDPTrainer):
+    """DDP's forward, backward and step; ZeroRedundancyOptimizer's owned tensors and state."""
+
     declared_strategy = "zero1"
     partition_rule = "zero-redundancy"  # whole tensors, largest first, to the least-loaded rank
 
     def __init__(self, model: torch.nn.Module, optim: dict[str, Any]):
-        self.model = model
-        self.optim = optim
-        self.ddp = wrap_ddp(model)
-        cls, kwargs = optimizer_kwargs(optim)
-        self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
+        super().__init__(model, optim)
         self.rank = dist.get_rank()
         owner_of = self.optimizer._param_to_rank  # type: ignore[attr-defined]
         self._owner = {p: owner_of[p] for p in model.parameters()}
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.ddp(inputs, targets)
-        loss.backward()
-        clip_gradients(self.model.parameters(), self.optim)
-        self.optimizer.step()
-        return float(loss.detach())
+    def build_optimizer(self, model: torch.nn.Module, optim: dict[str, Any]) -> torch.optim.Optimizer:
+        cls, kwargs = optimizer_kwargs(optim)
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cls, **kwargs)
 
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+    def local_optimizer_state(self) -> dict[Any, dict[str, Any]]:
+        """The state of the tensors this rank owns (ZeroRedundancyOptimizer's inner optimizer)."""
+        return dict(self.optimizer.optim.state)  # type: ignore[attr-defined]
 
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        local = self.optimizer.optim.state
+        local = self.local_optimizer_state()
         mine = {name: {k: v.cpu() for k, v in optimizer_state_copy(local[p]).items()}
                 for name, p in self.model.named_parameters() if self._owner[p] == self.rank and p in local}
         out: dict[str, dict[str, torch.Tensor]] = {}
@@ -62,13 +56,6 @@ class TorchZeroTrainer:
     def local_shards(self) -> dict[str, list[tuple[int, int]]]:
         return {name: [(0, p.numel())] if self._owner[p] == self.rank else []
                 for name, p in self.model.named_parameters()}
-
-    def resident_bytes(self) -> dict[str, int]:
-        params = list(self.model.parameters())
-        state = self.optimizer.optim.state
-        return {"params": storage_bytes(params),
-                "grads": storage_bytes(p.grad for p in params if p.grad is not None),
-                "optimizer": storage_bytes(t for p in params for t in state.get(p, {}).values())}
 
 
 def make_trainer(model: torch.nn.Module, optim: dict[str, Any]) -> TorchZeroTrainer:
