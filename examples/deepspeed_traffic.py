@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 2 and 3 with the one configuration key that decides their traffic changed.
+"""DeepSpeed ZeRO 2 and 3 with the configuration keys that decide their traffic changed.
 
 Under its defaults DeepSpeed trains correctly (C-ZERO-001..003 hold) but does not send what the ZeRO
 schedule of its stage sends, so ``zerosim verify deepspeed-2`` and ``deepspeed-3`` fail C-ZERO-005:

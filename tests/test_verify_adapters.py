@@ -17,8 +17,8 @@ from zerosim.verify.targets import resolve_factory  # noqa: E402
 
 TORCH_ADAPTERS = ("ddp", "torch-zero", "fsdp2", "fsdp2-grad-op", "fsdp2-hybrid")
 DEEPSPEED_ADAPTERS = ("deepspeed-1", "deepspeed-2", "deepspeed-3")
-# findings kept, not hidden (reproduced in tests/test_verify_resources.py, the configuration key behind
-# each in examples/deepspeed_traffic.py): DeepSpeed stage 2 all-reduces gradients where ZeRO-2
+# findings kept, not hidden (reproduced in tests/test_verify_resources.py, the configuration keys behind
+# them in examples/deepspeed_traffic.py): DeepSpeed stage 2 all-reduces gradients where ZeRO-2
 # reduce-scatters them; stage 3 gathers parameters once per step where ZeRO-3 gathers them twice.
 # Both train correctly (C-ZERO-001..003 hold); C-ZERO-005 fails.
 KNOWN_FINDINGS = {"deepspeed-2": {"C-ZERO-005"}, "deepspeed-3": {"C-ZERO-005"}}

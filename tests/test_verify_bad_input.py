@@ -78,6 +78,46 @@ def test_factory_not_callable() -> None:
     assert "NOT_CALLABLE" in line and "not callable" in line, line
 
 
+def test_module_whose_own_import_fails_names_the_missing_dependency() -> None:
+    target = "tests.verify_trainers.needs_missing_dependency:make_trainer"
+    line = error_line(run_verify(target, "--world", "2"), 2)
+    assert "tests.verify_trainers.needs" in line and "importing" in line, line
+    assert "module 'tests.verify_trainers.needs_missing_dependency' not found" not in line, line
+
+
+def test_out_that_is_a_file_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    target = tmp_path / "report-here"
+    target.write_text("keep me")
+    line = error_line(run_verify("examples.zero1_trainer:make_trainer", "--out", str(target)), 2)
+    assert "out" in line and str(target) in line and "not a directory" in line, line
+    assert target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [(["--dtype", "float16"], "dtype"), (["--timeout", "0"], "timeout"), (["ddp"], "target"),
+     (["--world", "3"], "world"), (["--model", "gpt-tied"], "model")],
+)
+def test_all_refuses_an_option_it_cannot_honour_before_the_first_cell(
+    args: list[str], field: str, tmp_path: Path
+) -> None:
+    line = error_line(run_verify("--all", "--out", str(tmp_path / "matrix"), *args), 2)
+    assert f"invalid {field}=" in line, line
+    assert not (tmp_path / "matrix" / "verify-matrix.json").exists()
+
+
+@pytest.mark.torchdist
+def test_bad_target_under_torchrun_is_exit_2_on_every_rank() -> None:
+    """Started by an external launcher, each rank resolves TARGET itself; all agree and exit 2."""
+    from zerogpu.launch import run_torchrun
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    result = run_torchrun(2, ["-m", "zerosim.verify", f"{BAD}:no_such_factory"], GUARD_S, env=env)
+    assert result.returncode == 2, (result.stdout or "") + (result.stderr or "")
+    assert "no_such_factory" in (result.stderr or ""), result.stderr
+    assert "Traceback" not in (result.stdout or "") + (result.stderr or "")
+
+
 def test_world_larger_than_the_machine_can_start() -> None:
     world = str(64 * (os.cpu_count() or 1))
     line = error_line(run_verify("examples.zero1_trainer:make_trainer", "--world", world), 2)

@@ -80,7 +80,11 @@ def run(args: Any) -> int:
     if args.all:
         from ..verify import matrix
 
-        return int(matrix.run_cli(args))
+        try:
+            return int(matrix.run_cli(args, _seconds(args.timeout)))
+        except ZeroSimError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if not args.target:
         print(
             "error: zerosim verify: give TARGET (a built-in adapter name or MODULE:FACTORY) or --all",

@@ -20,6 +20,9 @@ specific first (the fixed vocabulary :data:`zerosim.verify.outcome.BUG_CLASSES`)
   whose values equal the previous step's is named stale).
 * ``ranks-agree-wrong``: at the first failing step every rank agrees bitwise, yet not with the
   reference (the reduction or the optimizer math).
+
+Why one module of this length: the classes are read off the same first failing step and the same
+owned ranges, and their order (most specific first) is one decision, kept in one place.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def evaluate(
     for cid in ("C-ZERO-004", "C-ZERO-005"):
         contracts[cid] = (resources or {}).get(cid) or ContractOutcome(
             "skipped",
-            "the trainer declares no strategy and no resident_bytes(): memory and traffic have no "
+            "no phase ran with a declared strategy (declared_strategy): memory and traffic have no "
             "model to be compared with",
         )
     total = sum(p.steps for p in phases)

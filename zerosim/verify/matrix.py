@@ -66,7 +66,7 @@ def run_cell(
         (v.get("step") or 0, cid)
         for cid, o in report.contracts.items()
         if o.status == "fail"
-        for v in o.violations[:1]
+        for v in o.violations
     ]
     phase = next((p for p in report.phases if p.get("name") == optimizer), {})
     cell.update(
@@ -320,17 +320,21 @@ def run_all(
     return matrix_exit_code(matrix)
 
 
-def run_cli(args: Any) -> int:
+def run_cli(args: Any, timeout_s: float | None) -> int:
     """The ``--all`` branch of ``zerosim verify``: ``--out`` (default ``reports``), ``--dtype``,
-    ``--device`` and ``--timeout`` apply to every cell; the worlds are 2 and 4."""
-    timeout = getattr(args, "timeout", None)
-    try:
-        timeout_s = float(timeout) if timeout is not None else None
-    except ValueError:
-        raise ConfigError("timeout", timeout, "must be a number of seconds") from None
-    return run_all(
-        dtype=getattr(args, "dtype", "float64"),
-        device=getattr(args, "device", "cpu"),
-        out_dir=getattr(args, "out", None) or "reports",
-        timeout_s=timeout_s,
-    )
+    ``--device`` and ``--timeout`` apply to every cell; the worlds are 2 and 4, the steps and model
+    the defaults. Every option is checked, and the output directory made, before the first cell."""
+    from .runner import require_output_dir, validate_options
+
+    fixed = (("target", args.target, None), ("world", args.world, None), ("steps", args.steps, None),
+             ("model", args.model, "gpt"), ("optimizers", args.optimizers, "sgd,adamw"))
+    for flag, value, default in fixed:
+        if value != default:
+            raise ConfigError(flag, value, "--all runs every installed adapter at world 2 and 4 with the "
+                              "default steps, model and optimizers; drop it, or drop --all")
+    dtype, device = getattr(args, "dtype", "float64"), getattr(args, "device", "cpu")
+    validate_options(world=2, steps=None, dtype=dtype, device=device, model="gpt",
+                     optimizers="sgd,adamw", timeout_s=timeout_s)
+    out_dir = getattr(args, "out", None) or "reports"
+    require_output_dir(out_dir)
+    return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s)

@@ -140,7 +140,7 @@ def planned_bytes(
     """C-ZERO-004's plan for one rank: bytes of params, grads and optimizer state the strategy lets it keep.
 
     A sharded kind holds the rank's stored shard (``partitioner``'s rule, padding included, as
-    :func:`zerosim.cost.memory_model.shard_sizes` gives it), a replicated kind the whole model.
+    :func:`zerosim.cost.shard_sizes.shard_sizes` gives it), a replicated kind the whole model.
     The optimizer keeps ``states_per_element`` buffers per element and no separate master copy: the
     peers verified here step the model's own parameters (or their shard) in place.
     """
@@ -508,6 +508,6 @@ def resource_outcomes(
             "fail" if violations else "pass",
             reason,
             violations,
-            {"checks": [r["details"] for r in results[-len(phases) :]]},
+            {"checks": [r["details"] for r in results]},
         )
     return out

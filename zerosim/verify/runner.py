@@ -68,6 +68,19 @@ def validate_options(
         raise ConfigError("timeout_s", timeout_s, "must be a positive number of seconds")
 
 
+def require_output_dir(out: Any, field: str = "out") -> None:
+    """ConfigError unless ``out`` is (or can become) a writable directory; creates it."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(field, str(out), "exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(field, str(out), f"cannot create the directory: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(field, str(out), "the directory is not writable")
+
+
 def require_startable(world: int, device: str) -> None:
     """ConfigError unless this machine can start ``world`` ranks on ``device``."""
     if device == "cpu":
@@ -131,6 +144,8 @@ def verify(
     if reason:
         raise ConfigError("backend", "torch", reason)
     require_startable(world, device)
+    if out:
+        require_output_dir(out)
     resolve_factory(target)
     collective_s = float(timeout_s or DEFAULT_TIMEOUT_S)
     names = optimizers if isinstance(optimizers, str) else ",".join(optimizers)
@@ -174,8 +189,8 @@ def _collect(result: Any, run_dir: Path, world: int, launch_s: float) -> VerifyR
         return report
     if (run_dir / ERROR_FILE).exists():
         err = json.loads((run_dir / ERROR_FILE).read_text())
-        if err.get("kind") == "config":
-            raise ZeroSimError(err["message"])
+        if err.get("kind") == "config" and "field" in err:
+            raise ConfigError(err["field"], err["value"], err["reason"])
         raise TrainerError(err["message"])
     failure = _blamed_failure(run_dir)
     if failure is not None:
@@ -275,8 +290,9 @@ def _rank_body(args: argparse.Namespace) -> int:
     device = "cpu" if args.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     exact_float32_math(device)
     comm = init_distributed("gloo" if device == "cpu" else "nccl", device, args.timeout)
-    session = RankSession(comm, args, device)
+    session = None
     try:
+        session = RankSession(comm, args, device)
         code = session.run()
     except TrainerError as e:  # every rank raised the same agreed error (see RankSession.agree)
         if comm.rank == 0:
@@ -285,7 +301,8 @@ def _rank_body(args: argparse.Namespace) -> int:
                 print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
     except BaseException as e:
-        session.record_failure(e)
+        if session is not None:
+            session.record_failure(e)
         raise
     return agree_on_exit(comm, code)
 
@@ -295,6 +312,9 @@ def _write_error(out: str | None, error: ZeroSimError) -> None:
         return
     kind = "trainer" if isinstance(error, TrainerError) else "config"
     Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / ERROR_FILE).write_text(
-        json.dumps({"kind": kind, "message": str(error), "time": time.time()})
-    )
+    record: dict[str, Any] = {"kind": kind, "message": str(error), "time": time.time()}
+    if isinstance(error, ConfigError):
+        plain = isinstance(error.value, (str, int, float, bool, type(None)))
+        value = error.value if plain else repr(error.value)
+        record.update(field=error.field, value=value, reason=error.reason)
+    (Path(out) / ERROR_FILE).write_text(json.dumps(record))

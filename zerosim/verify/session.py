@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.errors import CollectiveError
+from zerosim.errors import CollectiveError, ConfigError
 
 from .errors import TrainerError
 from .model import build_model, micro_batch
@@ -64,10 +64,11 @@ class RankSession:
 
     # -- agreement ---------------------------------------------------------------------------------------
     def _local(self, fn: Any, *args: Any) -> Any:
-        """(value, None) or (None, TrainerError message) for a local call that may break the protocol."""
+        """(value, None) or (None, the error's message) for a local call that may break the protocol
+        or refuse its input (a malformed TARGET under torchrun)."""
         try:
             return fn(*args), None
-        except TrainerError as e:
+        except (TrainerError, ConfigError) as e:
             return None, str(e)
 
     def agree(self, outcome: tuple[Any, str | None]) -> Any:

@@ -52,7 +52,7 @@ def resolve_factory(target: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise TrainerError(
                 f"target {target!r}: module {module_name!r} not found (looked in the current "
                 "directory and PYTHONPATH)"

@@ -38,7 +38,7 @@ class _Wrapped:
     """How to read one torch.distributed function's call: its ring kind, payload and group."""
 
     kind: str  # all_reduce | reduce_scatter | reduce | all_gather | broadcast
-    payload: str  # first | second | second_list | first_list | input_times_n
+    payload: str  # first | second | second_list | first_list | input_times_n | second_list_times_n
     group_pos: int  # positional index of ``group``
 
 
@@ -53,7 +53,7 @@ _WRAPPED: dict[str, _Wrapped] = {
     "all_gather_into_tensor": _Wrapped("all_gather", "first", 2),
     "all_gather_single": _Wrapped("all_gather", "first", 2),
     "_all_gather_base": _Wrapped("all_gather", "first", 2),
-    "all_gather_coalesced": _Wrapped("all_gather", "first_list", 2),
+    "all_gather_coalesced": _Wrapped("all_gather", "second_list_times_n", 2),
     "reduce_scatter": _Wrapped("reduce_scatter", "second_list", 3),
     "reduce_scatter_tensor": _Wrapped("reduce_scatter", "second", 3),
     "reduce_scatter_single": _Wrapped("reduce_scatter", "second", 3),
@@ -158,6 +158,9 @@ class TrafficCounter:
         return out
 
 
+_INPUT_KEYWORDS = ("input_tensor", "input", "input_list", "input_tensor_list")
+
+
 def _describe(name: str, spec: _Wrapped, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CollectiveCall:
     import torch.distributed as dist
 
@@ -171,7 +174,7 @@ def _describe(name: str, spec: _Wrapped, args: tuple[Any, ...], kwargs: dict[str
     second = (
         args[1]
         if len(args) > 1
-        else kwargs.get("input_tensor", kwargs.get("input", kwargs.get("input_list")))
+        else next((kwargs[k] for k in _INPUT_KEYWORDS if k in kwargs), None)
     )
     if spec.payload == "first":
         tensors = [first]
@@ -181,6 +184,8 @@ def _describe(name: str, spec: _Wrapped, args: tuple[Any, ...], kwargs: dict[str
         tensors = list(first or ())
     elif spec.payload == "second_list":
         tensors = list(second or ())
+    elif spec.payload == "second_list_times_n":  # all_gather_coalesced(output_lists, input_list)
+        tensors = list(second or ()) * len(ranks)
     else:  # input_times_n: all_gather(tensor_list, tensor)
         tensors = [second] * len(ranks)
     nbytes = sum(_nbytes(t) for t in tensors)

@@ -36,11 +36,16 @@ def missing_requirement(name: str) -> str | None:
     """Why adapter ``name`` cannot run here (its peer is not installed, with the install command), or None."""
     need = REQUIRES.get(name)
     if need is None:
-        return (
-            None
-            if importlib.util.find_spec("torch")
-            else "torch is not installed: pip install 'zerosim[torch]'"
-        )
+        if not importlib.util.find_spec("torch"):
+            return "torch is not installed: pip install 'zerosim[torch]'"
+        if name.startswith("fsdp2"):
+            try:
+                from torch.distributed.fsdp import fully_shard  # noqa: F401
+            except ImportError:
+                import torch
+
+                return f"torch {torch.__version__} has no FSDP2 (fully_shard): pip install 'torch>=2.6'"
+        return None
     package, command = need
     if importlib.util.find_spec(package) is None:
         return f"{package} is not installed: {command}"

@@ -2,7 +2,7 @@
 
 Gradients are bucket views (``gradient_as_bucket_view``: DDP's buckets are the gradients, no second
 copy) and are averaged by DDP's default all-reduce hook registered from Python, so
-:class:`zerosim.verify.resources.TrafficCounter` sees the reduction the C++ reducer would otherwise
+:class:`zerosim.verify.traffic.TrafficCounter` sees the reduction the C++ reducer would otherwise
 issue out of its reach.
 """
 

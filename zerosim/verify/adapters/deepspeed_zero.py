@@ -7,8 +7,8 @@ DeepSpeed's accessors, ``safe_get_full_fp32_param`` and ``safe_get_full_optimize
 collective: every rank calls them for every parameter, in the same order.
 
 DeepSpeed keeps float32 master weights and optimizer state whatever the model's dtype: a float64
-model is trained in float32 (its parameters are float32-representable after every step). The
-trainer says so (``master_dtype = torch.float32``), so verify judges it with the float32 bound.
+model is trained in float32 (its parameters are float32-representable after every step). verify
+detects that from the values and judges it with the float32 bound.
 On the wire it reduces gradients in float32 and gathers parameters in the model's dtype
 (``wire_bytes``). It reports no ``resident_bytes``: DeepSpeed's gradients and masters live in its
 optimizer's private flat partitions, not in the module's tensors, so C-ZERO-004 is skipped for it,
@@ -67,7 +67,6 @@ def deepspeed_config(stage: int, optim: dict[str, Any], world: int) -> dict[str,
 
 
 class DeepSpeedTrainer:
-    master_dtype = torch.float32
     memory_unobserved = (
         "DeepSpeed keeps gradients and fp32 masters in its optimizer's private flat "
         "partitions, not in the module's tensors"
@@ -153,11 +152,6 @@ class DeepSpeedTrainer:
                     out[name_of[id(p)]].append((start - offset, stop - offset))
                 offset += p.numel()
         return out
-
-    def close(self) -> None:
-        """Barrier before teardown: a rank destroying the group while a peer is still in DeepSpeed's
-        last collective aborts the peer."""
-        dist.barrier()
 
 
 def make_stage1_trainer(model: torch.nn.Module, optim: dict[str, Any]) -> DeepSpeedTrainer:
