@@ -213,7 +213,7 @@ def test_memory_compare_deepspeed_runs_with_or_without_deepspeed(capsys):
 
 
 def test_memory_compare_deepspeed_degrades_to_the_labelled_formula_without_deepspeed(capsys, monkeypatch):
-    """As in CI (deepspeed is not a dependency): the table shows zerosim's restatement, labelled so."""
+    """Without deepspeed (an optional extra): the table shows zerosim's restatement, labelled so."""
     import zerosim.cost.deepspeed_compare as dsc
 
     monkeypatch.setattr(dsc, "deepspeed_available", lambda: False)

@@ -25,6 +25,12 @@ def small_report(tmp_path_factory):
     return build_report(out, cfg, progress=False), out
 
 
+
+def small_report_argv(out) -> list[str]:
+    """``zerosim report`` on world sizes 1 and 2, one step, simulator only: seconds, not minutes."""
+    return ["report", "--out", str(out), "--world-sizes", "1,2", "--steps", "1", "--no-mpi", "--no-torch",
+            "--no-deepspeed", "--quiet", "--large-world-size", "16", "--large-ranks-per-node", "4"]
+
 def test_every_figure_is_a_real_png_with_its_json(small_report):
     result, out = small_report
     assert [f.name for f in result.figures] == list(FIGURES)
@@ -118,25 +124,7 @@ def test_a_broken_engine_makes_the_report_fail_and_name_the_violation(tmp_path, 
         return honest(dataclasses.replace(run.cfg, fault="sum-instead-of-avg").resolve())
 
     monkeypatch.setattr(build, "simulate_observations", from_a_broken_engine)
-    code = main(
-        [
-            "report",
-            "--out",
-            str(tmp_path / "r"),
-            "--world-sizes",
-            "1,2",
-            "--steps",
-            "1",
-            "--no-mpi",
-            "--no-torch",
-            "--no-deepspeed",
-            "--quiet",
-            "--large-world-size",
-            "16",
-            "--large-ranks-per-node",
-            "4",
-        ]
-    )
+    code = main(small_report_argv(tmp_path / "r"))
     out = capsys.readouterr().out
     assert code == 1
     assert "simulator: C-ZERO-002..005 hold on 7/8 runs" in out
@@ -146,25 +134,7 @@ def test_a_broken_engine_makes_the_report_fail_and_name_the_violation(tmp_path, 
 
 
 def test_report_cli_small_run_and_bad_input(tmp_path, capsys):
-    code = main(
-        [
-            "report",
-            "--out",
-            str(tmp_path / "r"),
-            "--world-sizes",
-            "1,2",
-            "--steps",
-            "1",
-            "--no-mpi",
-            "--no-torch",
-            "--no-deepspeed",
-            "--quiet",
-            "--large-world-size",
-            "16",
-            "--large-ranks-per-node",
-            "4",
-        ]
-    )
+    code = main(small_report_argv(tmp_path / "r"))
     out = capsys.readouterr().out
     assert code == 0 and "index.md" in out and (tmp_path / "r" / "index.md").exists()
     for argv, field in (

@@ -463,18 +463,18 @@ def test_diagnosis_empty_for_a_correct_run(sgd_correct):
     assert _diagnose(records_for(SGD, world, 3, [traj] * world), numels()) == []
 
 
-def test_arrival_names_the_rank_that_never_saw_the_timeout():
+def arrival_counters(world: int) -> list:
+    """One ArrivalCounter per rank of a fake world sharing one in-memory store."""
     from types import SimpleNamespace
 
     from zerosim.verify.arrival import ArrivalCounter
 
-    store = torch.distributed.HashStore()
-    counters = [
-        ArrivalCounter(
-            SimpleNamespace(rank=r, world_size=3, _job=SimpleNamespace(board=SimpleNamespace(store=store)))
-        )
-        for r in range(3)
-    ]
+    job = SimpleNamespace(board=SimpleNamespace(store=torch.distributed.HashStore()))
+    return [ArrivalCounter(SimpleNamespace(rank=r, world_size=world, _job=job)) for r in range(world)]
+
+
+def test_arrival_names_the_rank_that_never_saw_the_timeout():
+    counters = arrival_counters(3)
     try:
         counters[1].mark("step 2 (sgd): step()")
         counters[2].laggard(grace_s=0.0)  # rank 2 saw the timeout; rank 1 never does
@@ -486,17 +486,7 @@ def test_arrival_names_the_rank_that_never_saw_the_timeout():
 
 
 def test_arrival_names_the_rank_with_an_odd_count_of_collectives():
-    from types import SimpleNamespace
-
-    from zerosim.verify.arrival import ArrivalCounter
-
-    store = torch.distributed.HashStore()
-    counters = [
-        ArrivalCounter(
-            SimpleNamespace(rank=r, world_size=3, _job=SimpleNamespace(board=SimpleNamespace(store=store)))
-        )
-        for r in range(3)
-    ]
+    counters = arrival_counters(3)
     try:
         for c in counters:
             c.calls = 7 if c.rank == 2 else 6  # rank 2 issued one collective more
