@@ -28,7 +28,7 @@ from zerosim.verify.model import PRESETS, build_model, micro_batch, parameter_co
 from zerosim.verify.observation import StepObservation, StepRecord
 from zerosim.verify.protocol import validate_local_shards, validate_parameters
 from zerosim.verify.reference import Reference, choose_clip, make_optimizer
-from zerosim.verify.suite import PHASE_CONFIGS, build_phases
+from zerosim.verify.suite import MAX_STEPS, PHASE_CONFIGS, build_phases
 from zerosim.verify.targets import resolve_factory
 from zerosim.verify.tolerance import ErrorModel, adam_direction_bound, gamma, reduction_length
 
@@ -558,6 +558,9 @@ def test_suite_phases_and_bad_steps():
     assert [p.steps for p in build_phases(steps=7)] == [4, 3]
     with pytest.raises(ConfigError, match="steps"):
         build_phases(steps=3)
+    assert sum(p.steps for p in build_phases(steps=MAX_STEPS)) == MAX_STEPS
+    with pytest.raises(ConfigError, match=f"invalid steps={MAX_STEPS + 1}: at most {MAX_STEPS}"):
+        build_phases(steps=MAX_STEPS + 1)
     with pytest.raises(ConfigError, match="optimizers"):
         build_phases(("sgd", "lion"))
 
