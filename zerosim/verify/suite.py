@@ -20,7 +20,7 @@ from zerosim.errors import ConfigError
 OPTIMIZERS = ("sgd", "adamw")
 DEFAULT_STEPS = 8
 # rank 0 keeps every rank's full parameters and optimizer state of every step for the evaluation:
-# 1,000 steps at world 4 on the built-in GPT is about 1.5 GB, and about 70 s of training on 2 cores
+# 1,000 steps at world 4 on the built-in GPT is over 1.2 GB, and about 70 s of training on 2 cores
 MAX_STEPS = 1000
 PHASE_CONFIGS: dict[str, dict[str, Any]] = {
     "sgd": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "max_grad_norm": None},
