@@ -63,10 +63,11 @@ def run_cell(
     eq = report.contracts.get("C-ZERO-002")
     details = eq.details if eq is not None else {}
     failing = [
-        (v.get("step") or 0, cid)
+        (v["step"], cid)
         for cid, o in report.contracts.items()
         if o.status == "fail"
         for v in o.violations
+        if v.get("step") is not None
     ]
     phase = next((p for p in report.phases if p.get("name") == optimizer), {})
     cell.update(
@@ -241,8 +242,7 @@ def render_heatmap(matrix: dict[str, Any], path: Path) -> None:
             if ratio is not None and ratio > 0:
                 values[i, j] = math.log10(ratio)
     fig, ax = plt.subplots(figsize=(2.2 + 1.9 * len(cols), 1.0 + 0.55 * len(rows)))
-    cmap = plt.get_cmap("RdYlGn_r").copy()
-    cmap.set_bad("#bbbbbb")
+    cmap = plt.get_cmap("RdYlGn_r").with_extremes(bad="#bbbbbb")
     image = ax.imshow(
         np.ma.masked_invalid(values), cmap=cmap, norm=TwoSlopeNorm(vmin=-6, vcenter=0, vmax=2), aspect="auto"
     )

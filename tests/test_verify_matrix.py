@@ -1,0 +1,84 @@
+"""The peers' verdict matrix (``zerosim verify --all``) from cells whose verify runs are stood in for.
+
+A cell's run is replaced by a report built here, so the matrix logic is checked without launching
+ranks: the first failing step is the earliest over every violation of every failed contract (not
+the first one listed, which for C-ZERO-005 is rank-major), a run that errors makes the cell
+``error`` and the exit status 3, and the markdown, JSON and heat map are written with each cell's
+verdict, ratio and first failing step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+import zerosim.verify as verify_package  # noqa: E402
+from zerosim.verify import matrix  # noqa: E402
+from zerosim.verify.errors import RankFailure  # noqa: E402
+from zerosim.verify.outcome import ContractOutcome, VerifyReport  # noqa: E402
+
+
+def _traffic_violation(step: int, rank: int) -> dict:
+    return {"contract": "C-ZERO-005", "phase": "sgd", "step": step, "rank": rank, "tensor": "reduce",
+            "start": None, "stop": None, "expected": 10.0, "got": 20.0, "error": 10.0, "tolerance": 0,
+            "message": f"rank {rank} received 20 bytes in step {step}"}
+
+
+def _report(adapter: str, world: int, failing_steps: list[tuple[int, int]]) -> VerifyReport:
+    contracts = {
+        cid: ContractOutcome("pass") for cid in ("C-ZERO-001", "C-ZERO-003", "C-ZERO-004")
+    }
+    contracts["C-ZERO-002"] = ContractOutcome(
+        "pass", details={"max_error": 1e-16, "tolerance": 1e-14, "error_over_tolerance": 0.01}
+    )
+    contracts["C-ZERO-005"] = (
+        ContractOutcome("fail", "traffic", [_traffic_violation(s, r) for s, r in failing_steps])
+        if failing_steps else ContractOutcome("pass")
+    )
+    return VerifyReport(adapter, world, 4, "float64", contracts)
+
+
+@pytest.fixture
+def stand_in_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ddp passes; torch-zero fails C-ZERO-005 with rank 0 first listed at step 3 but rank 1 failing
+    at step 2; fsdp2 at world 4 loses a rank."""
+
+    def fake_verify(adapter: str, *, world: int, **_: object) -> VerifyReport:
+        if adapter == "fsdp2" and world == 4:
+            raise RankFailure(1, "stand-in failure")
+        failing = [(3, 0), (4, 0), (2, 1)] if adapter == "torch-zero" else []
+        return _report(adapter, world, failing)
+
+    monkeypatch.setattr(verify_package, "verify", fake_verify)
+
+
+def test_first_failing_step_is_the_earliest_over_every_violation(stand_in_runs: None) -> None:
+    cell = matrix.run_cell("torch-zero", "sgd", 2)
+    assert cell["verdict"] == "fail"
+    assert (cell["first_failing_step"], cell["first_failing_contract"]) == (2, "C-ZERO-005")
+    assert matrix.run_cell("ddp", "sgd", 2)["first_failing_step"] is None
+
+
+def test_matrix_files_and_exit_status(stand_in_runs: None, tmp_path) -> None:
+    result = matrix.run_matrix(["ddp", "torch-zero", "fsdp2"], optimizers=("sgd",), worlds=(2, 4))
+    verdicts = {(c["adapter"], c["world"]): c["verdict"] for c in result["cells"]}
+    assert verdicts == {("ddp", 2): "pass", ("ddp", 4): "pass", ("torch-zero", 2): "fail",
+                        ("torch-zero", 4): "fail", ("fsdp2", 2): "pass", ("fsdp2", 4): "error"}
+    assert matrix.matrix_exit_code(result) == 3
+    paths = matrix.write_matrix(result, tmp_path)
+    assert set(paths) == {"json", "md", "png"} and all(p.stat().st_size > 0 for p in paths.values())
+    assert json.loads(paths["json"].read_text())["cells"][2]["first_failing_step"] == 2
+    text = paths["md"].read_text()
+    assert "| ddp | pass 1.0e-02 | pass 1.0e-02 |" in text
+    assert "fail 1.0e-02 (step 2, C-ZERO-005)" in text
+    assert "rank 1 failed: stand-in failure" in text
+
+
+def test_an_unknown_adapter_is_refused_before_any_cell_runs(stand_in_runs: None) -> None:
+    from zerosim.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="invalid adapter='nccl-magic'"):
+        matrix.run_matrix(["ddp", "nccl-magic"])
