@@ -170,6 +170,8 @@ def test_memory_zero1_reduce_scatter_adds_the_reduce_transient(capsys):
         ),
         (["--world-size", "8"], "params"),
         (["--model", "gpt5", "--world-size", "8"], "model"),
+        (["--params", "7.5e9", "--largest-block", "1e20", "--world-size", "8"], "largest-block"),
+        (["--params", "1.5", "--world-size", "8"], "params"),
     ],
 )
 def test_memory_bad_input_is_one_line_and_exit_2(capsys, argv, field):
@@ -190,6 +192,26 @@ def test_bad_input_through_the_console_script_has_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "zerosim", "memory", "--params", "abc", "--world-size", "4"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "params" in proc.stderr
+
+
+def test_params_in_exponent_notation_are_exact_integers(capsys):
+    """``1e30`` is 10**30 exactly, not the float nearest it (1,000,000,000,000,000,019,884,624,838,656)."""
+    code, out, _ = run_cli(capsys, "memory", "--params", "1e30", "--world-size", "8", "--json")
+    assert code == 0 and json.loads(out)["total_params"] == 10**30
+
+
+@pytest.mark.parametrize("command", ["memory", "comm"])
+def test_a_reader_that_stops_early_ends_the_command_quietly(command):
+    """``zerosim memory --json | head -1``: the pipe's reader has gone before the first write; the
+    command exits 141 (128 + SIGPIPE, as shell tools do) with nothing on stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zerosim", command, "--params", "7.5e9", "--world-size", "64", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    proc.stdout.close()  # the reader goes away before the command has written anything
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141, err
+    assert err == ""
 
 
 def test_memory_compare_deepspeed_runs_with_or_without_deepspeed(capsys):

@@ -330,3 +330,9 @@ def test_fp32_offload_keeps_a_separate_host_master():
     assert on.optimizer_states.host == (8 + 4) * 250 and on.params.device == 4 * 250
     everything = memory_per_rank(1000, "zero3", 4, MemorySettings("fp32", "adamw", "all")).per_rank
     assert everything.optimizer_states.host == 8 * 250  # the host params are the master
+
+
+@pytest.mark.parametrize("k", [0, -2, None, "4", 2.0, True])
+def test_shard_sizes_refuses_a_group_size_that_is_not_a_positive_integer(k):
+    with pytest.raises(ConfigError, match=r"invalid k=.*must be a positive integer"):
+        shard_sizes(10, k)

@@ -198,3 +198,15 @@ def test_relative_differences_never_read_as_bytes(small_report):
                 assert value == "0 (exact)" or value.endswith("%") or value == "inf", (name, value)
             if name.endswith("[B]") or name.endswith("[B] (measured)"):
                 assert re.fullmatch(r"[0-9,]+", value), (name, value)
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "/dev/null"])
+def test_report_out_that_cannot_be_a_folder_is_one_line_and_exit_2(tmp_path, capsys, where):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    out = {"a file": afile, "under a file": afile / "sub", "/dev/null": "/dev/null"}[where]
+    code = main(small_report_argv(out))
+    captured = capsys.readouterr()
+    assert code == 2 and captured.err.startswith(f"error: invalid out='{out}'")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert afile.read_text() == "keep me"

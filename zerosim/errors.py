@@ -9,6 +9,8 @@ The exit statuses every command and every backend launcher ends with are defined
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 EXIT_OK = 0                #: every contract holds
@@ -17,6 +19,7 @@ EXIT_BAD_INPUT = 2         #: a ZeroSimError before anything ran: one line namin
 EXIT_RUN_FAILED = 3        #: the run failed: a rank raised, a collective timed out, a non-finite gradient
 EXIT_LAUNCH_TIMEOUT = 124  #: a launched job outlived its wall-clock limit (like coreutils' timeout(1))
 EXIT_INTERRUPTED = 130     #: Ctrl-C
+EXIT_BROKEN_PIPE = 141     #: stdout closed by its reader (`| head`): 128 + SIGPIPE, as a shell tool exits
 
 
 class ZeroSimError(Exception):
@@ -93,3 +96,16 @@ def require_rank(rank: Any, world_size: int, field: str = "rank") -> int:
     if not 0 <= rank < world_size:
         raise ConfigError(field, rank, f"must be in [0, {world_size}) for world_size={world_size}")
     return rank
+
+
+def require_output_dir(out: Any, field: str = "out") -> None:
+    """ConfigError unless ``out`` is (or can become) a writable directory; creates it."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(field, str(out), "exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(field, str(out), f"cannot create the directory: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(field, str(out), "the directory is not writable")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from ..errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, ZeroSimError
+from ..errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, ZeroSimError
 
 COMMAND_MODULES = ("plan", "check", "simulate", "memory", "comm", "report", "bench", "verify")
 
@@ -41,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader of stdout went away (``| head -1``): stop quietly, as shell tools do, and keep
+        # the interpreter's final flush from raising again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -157,6 +157,9 @@ def build_estimates(args) -> list[MemoryEstimate]:
     largest = None
     if args.largest_block is not None:
         largest = parse_param_count(args.largest_block, "largest-block")
+        if isinstance(model, int) and largest > model:
+            raise ConfigError("largest-block", args.largest_block,
+                              f"a block cannot hold more than the model's {model:,} parameters")
     out = []
     for strat in resolve_strategies(args, topology):
         if "params" in settings.offloaded and not strat.shards_params:

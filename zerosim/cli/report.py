@@ -11,7 +11,7 @@ import datetime as _dt
 from pathlib import Path
 
 from ..cost.shard_sizes import parse_param_count
-from ..errors import ConfigError
+from ..errors import ConfigError, require_output_dir
 from ..presets import PRESETS
 from .memory import one_line_errors, positive_int
 
@@ -115,6 +115,7 @@ def run(args) -> int:
         if args.out
         else Path("reports") / f"report-{_dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     )
+    require_output_dir(out)
     result = build_report(out, cfg, progress=not args.quiet)
     print_contract_summary(result.contracts)
     print(f"wrote {out / 'index.md'} ({len(result.figures)} figures) in {result.timings['total_s']:.1f} s")

@@ -12,9 +12,10 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, require_positive_int
 from ..layout import ParamLayout
 
 
@@ -110,10 +111,12 @@ def parse_param_count(value: Any, field: str = "params") -> int:
         if scale != 1:
             text = text[:-1]
         try:
-            num = float(text) * scale
-        except ValueError:
+            exact = Decimal(text) * scale  # decimal, not float: 1e30 stays 10**30 exactly
+        except InvalidOperation:
             raise ConfigError(field, value, "must be a number such as 7.5e9 or 7.5B") from None
-        value = num
+        if not exact.is_finite() or exact != exact.to_integral_value():
+            raise ConfigError(field, value, "must be a finite whole number of parameters")
+        value = int(exact)
     if isinstance(value, float):
         if not math.isfinite(value) or value != int(value):
             raise ConfigError(field, value, "must be a finite whole number of parameters")
@@ -139,6 +142,7 @@ def shard_sizes(model: ParamLayout | int | float, k: int, partitioner: str | Non
     * ``"zero-redundancy"``: whole tensors, sorted by size, each to the least-loaded rank (no padding).
     * any other registered name: the partitioner is run on the layout and its ShardPlan measured.
     """
+    require_positive_int("k", k)
     t = model_tensors(model)
     P = t.total
     name = (partitioner or "paper").strip().lower().replace("_", "-")

@@ -324,7 +324,9 @@ def run_cli(args: Any, timeout_s: float | None) -> int:
     """The ``--all`` branch of ``zerosim verify``: ``--out`` (default ``reports``), ``--dtype``,
     ``--device`` and ``--timeout`` apply to every cell; the worlds are 2 and 4, the steps and model
     the defaults. Every option is checked, and the output directory made, before the first cell."""
-    from .runner import require_output_dir, validate_options
+    from zerosim.errors import require_output_dir
+
+    from .runner import validate_options
 
     fixed = (("target", args.target, None), ("world", args.world, None), ("steps", args.steps, None),
              ("model", args.model, "gpt"), ("optimizers", args.optimizers, "sgd,adamw"))

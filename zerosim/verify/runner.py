@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zerosim.errors import ConfigError, ZeroSimError, require_positive_int
+from zerosim.errors import ConfigError, ZeroSimError, require_output_dir, require_positive_int
 
 from .errors import RankFailure, TrainerError
 from .outcome import VerifyReport
@@ -66,19 +66,6 @@ def validate_options(
         or not 0 < timeout_s < float("inf")
     ):
         raise ConfigError("timeout_s", timeout_s, "must be a positive number of seconds")
-
-
-def require_output_dir(out: Any, field: str = "out") -> None:
-    """ConfigError unless ``out`` is (or can become) a writable directory; creates it."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(field, str(out), "exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(field, str(out), f"cannot create the directory: {e.strerror or e}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(field, str(out), "the directory is not writable")
 
 
 def require_startable(world: int, device: str) -> None:
