@@ -140,6 +140,16 @@ def test_raising_function_is_an_implementation_error_naming_the_case():
     assert "ZeroDivisionError" in str(e.value) and "rank=0, world_size=4, total=4" in str(e.value)
 
 
+def test_sys_exit_in_the_function_is_its_failure_not_our_exit_status():
+    """SystemExit(3) would read as "a rank failed"; it is reported as the implementation's error."""
+
+    def exits(rank, ws, total):
+        raise SystemExit(7)
+
+    with pytest.raises(ImplementationError, match=r"raised SystemExit: 7 for \(rank=0"):
+        check_partition(exits, [2], [4], name="mine")
+
+
 def test_bad_sweep_arguments_are_config_errors():
     for kwargs, field in [({"world_sizes": [0]}, "world_sizes"), ({"world_sizes": [4, -1]}, "world_sizes"),
                           ({"totals": [-5]}, "totals"), ({"totals": []}, "totals"),
@@ -168,6 +178,9 @@ def test_load_impl_errors(tmp_path, monkeypatch):
         load_impl("broken_part:fn")
     with pytest.raises(ImplementationError, match="no such file"):
         load_impl(str(tmp_path / "missing.py") + ":fn")
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ImplementationError, match="cannot import 'exits_on_import': SystemExit: 3"):
+        load_impl("exits_on_import:fn")
 
 
 def test_load_impl_from_a_file_path(tmp_path):

@@ -213,7 +213,7 @@ def check_partition(
             for rank in range(ws):
                 try:
                     result = fn(rank, ws, total)
-                except Exception as e:
+                except (Exception, SystemExit) as e:  # sys.exit() in user code is its failure too
                     raise ImplementationError(
                         f"impl {name}: raised {type(e).__name__}: {e} "
                         f"for (rank={rank}, world_size={ws}, total={total})") from e

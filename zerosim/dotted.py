@@ -60,7 +60,7 @@ def _import_module(module_name: str, spec: str, field: str, allow_files: bool) -
         return importlib.import_module(module_name)
     except ImplementationError:
         raise
-    except Exception as e:  # ImportError, SyntaxError, or anything the module raised on import
+    except (Exception, SystemExit) as e:  # ImportError, SyntaxError, anything raised on import, sys.exit
         raise ImplementationError(
             f"{field}={spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}"
         ) from e
