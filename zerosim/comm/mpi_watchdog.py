@@ -36,10 +36,16 @@ WATCHDOG_POLL_S = 0.05
 WATCHDOG_BUSY_POLL_S = 0.25
 
 
+ABORT_FORWARD_GRACE_S = 0.5
+
+
 def abort_world(message: str, code: int = EXIT_RUN_FAILED) -> None:
     """Print ``message`` (the caller decides it is the one to print) and abort every rank with ``code``."""
     if message:
         print(message, file=sys.stderr, flush=True)
+        # mpiexec forwards a rank's stderr through its proxy; an abort right after the write can take
+        # the proxy down before it has forwarded the line, so give the forwarding a moment
+        time.sleep(ABORT_FORWARD_GRACE_S)
     MPI.COMM_WORLD.Abort(code)
 
 
