@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -19,6 +20,9 @@ from mpi4py import MPI
 from zerosim.comm.base import TrafficCounter
 from zerosim.comm.mpi import MpiCommunicator
 from zerosim.errors import ConfigError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the conformance suite's reference
+from comm_conformance import rank_order  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -34,19 +38,6 @@ def inputs(n_ranks: int, length: int, dtype: np.dtype, seed: int) -> list[np.nda
         else:
             out.append(rng.standard_normal(length).astype(dtype))
     return out
-
-
-def rank_order(xs: list[np.ndarray], op: str) -> np.ndarray:
-    """The simulator's arithmetic: ((x0 op x1) op x2) ..., avg = that sum divided in place."""
-    acc = xs[0].copy()
-    for x in xs[1:]:
-        if op == "max":
-            np.maximum(acc, x, out=acc)
-        else:
-            acc += x
-    if op == "avg":
-        acc /= len(xs)
-    return acc
 
 
 def check_close(name: str, got: np.ndarray, want: np.ndarray, bitwise: bool,

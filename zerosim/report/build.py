@@ -207,22 +207,28 @@ def _measure_padding_demo(cfg: ReportConfig, tick: Callable[[str], None]) -> lis
     return out
 
 
+def _launched_run(cfg: ReportConfig, world_size: int, strategy: str, **extra: Any) -> RunConfig:
+    """One strategy of the report's settings as a launched backend runs it, every value observed."""
+    return RunConfig(
+        model=cfg.sim_model,
+        world_size=world_size,
+        strategy=strategy,
+        steps=cfg.steps,
+        precision=cfg.precision,
+        optimizer=cfg.optimizer,
+        partitioner=cfg.partitioner,
+        observe="full",
+        **extra,
+    )
+
+
 def _measure_mpi(cfg: ReportConfig, tick: Callable[[str], None]) -> dict[str, Any]:
     out: dict[str, Any] = {"world_size": cfg.mpi_world_size, "runs": {}, "error": None}
     for name in MPI_STRATEGIES:
         tick(f"mpiexec -n {cfg.mpi_world_size}: {name}")
         if out["error"]:
             continue
-        rc = RunConfig(
-            model=cfg.sim_model,
-            world_size=cfg.mpi_world_size,
-            strategy=name,
-            steps=cfg.steps,
-            precision=cfg.precision,
-            optimizer=cfg.optimizer,
-            partitioner=cfg.partitioner,
-            observe="full",
-        )
+        rc = _launched_run(cfg, cfg.mpi_world_size, name)
         res = run_under_mpi(rc)
         if res.error:
             out["error"] = res.error
@@ -243,20 +249,7 @@ def _measure_torch(cfg: ReportConfig, tick: Callable[[str], None]) -> dict[str, 
     """The MPI set of strategies under torchrun (one launch, gloo on CPU, torch arrays)."""
     out: dict[str, Any] = {"world_size": cfg.torch_world_size, "runs": {}, "error": None, "wall_s": 0.0}
     tick(f"torchrun --nproc-per-node {cfg.torch_world_size}: {len(MPI_STRATEGIES)} strategies")
-    cfgs = [
-        RunConfig(
-            model=cfg.sim_model,
-            world_size=cfg.torch_world_size,
-            strategy=name,
-            steps=cfg.steps,
-            precision=cfg.precision,
-            optimizer=cfg.optimizer,
-            partitioner=cfg.partitioner,
-            observe="full",
-            xp="torch",
-        )
-        for name in MPI_STRATEGIES
-    ]
+    cfgs = [_launched_run(cfg, cfg.torch_world_size, name, xp="torch") for name in MPI_STRATEGIES]
     res = run_under_torch(cfgs, cfg.torch_world_size)
     out["wall_s"] = res.wall_s
     if res.error:
