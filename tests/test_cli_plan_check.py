@@ -9,7 +9,10 @@ import sys
 import pytest
 
 from zerosim.cli import main
+from zerosim.engine.config import RunConfig
 from zerosim.layout import ParamLayout
+from zerosim.model import SimModelConfig, sim_layout
+from zerosim.presets import PRESETS, simulator_presets
 
 
 def run(capsys, *argv):
@@ -88,6 +91,32 @@ def test_plan_bad_input_is_one_line_and_exit_2(capsys, argv, field):
     assert code == 2 and out == ""
     assert err.startswith(f"error: invalid {field}=") and err.count("\n") == 1
     assert "Traceback" not in err
+
+
+# ---- one preset name, one model ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_a_preset_name_is_the_same_model_in_plan_memory_and_simulate(capsys, name):
+    layout = ParamLayout.from_config(name)  # what plan, memory, comm and check partition --model build
+    code, out, _ = run(capsys, "plan", "--model", name, "--world-size", "4", "--json")
+    assert code == 0 and json.loads(out)["total_numel"] == layout.total_numel
+    code, out, _ = run(capsys, "memory", "--model", name, "--world-size", "4", "--json")
+    assert code == 0 and json.loads(out)["total_params"] == layout.total_numel
+    if name in simulator_presets():
+        simulated = RunConfig(model=name, world_size=2).resolve().layout
+        assert simulated.tensors == layout.tensors and simulated.aliases == layout.aliases
+        assert simulated.blocks == layout.blocks
+        assert simulated.tensors == sim_layout(SimModelConfig.from_preset(name)).tensors
+        if name == "tiny":  # end to end through the command for the toy (a sim-10m run takes ~15 s)
+            code, out, err = run(capsys, "simulate", "--model", name, "--world-size", "2", "--steps", "1",
+                                 "--json")
+            assert code == 0, err
+            assert json.loads(out)["config"]["num_params"] == layout.total_numel
+    else:
+        code, out, err = run(capsys, "simulate", "--model", name, "--steps", "1")
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert f"model={name!r}" in err and "block models" in err
+        assert all(sim in err for sim in simulator_presets()) and "plan, memory and comm" in err
 
 
 # ---- zerosim check partition -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ def test_no_arguments_runs_a_meaningful_default_and_passes():
     p = run_cli("simulate")
     assert p.returncode == 0, p.stderr
     out = p.stdout
-    for cid in ("C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005"):
+    for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005"):
         assert cid in out
     assert "PASS" in out and "FAIL" not in out
     assert "full_shard on 4 ranks" in out
@@ -35,7 +35,7 @@ def test_json_output(capsys):
     assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert data["passed"] is True
-    assert set(data["verdicts"]) == {"C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005"}
+    assert set(data["verdicts"]) == {"C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005"}
     assert data["config"]["strategy"] == "hybrid_shard:2" and len(data["steps"]) == 2
     assert data["comm_model"]["per_rank"]["by_group_kind"]["replicate"] > 0
 

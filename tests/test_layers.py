@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "zerosim.dotted": 0, "zerosim.text_tables": 0,
     # 1: contracts, pure checks, cost models
     "zerosim.contracts": 1, "zerosim.checks.*": 1, "zerosim.check_impl": 1, "zerosim.cost.*": 1,
+    "zerosim.checks.rounding": 1,
     # 2: comm and engine
     "zerosim.comm.*": 2, "zerosim.engine.*": 2, "zerosim.groundtruth": 2,
     # 3: backends
@@ -45,7 +46,7 @@ LAYERS: dict[str, int] = {
     "zerosim.bench.mpi": 3, "zerogpu.*": 3,
     # 4: interface
     "zerosim": 4, "zerosim.__main__": 4, "zerosim.cli.*": 4, "zerosim.report.*": 4, "zerosim.bench.*": 4,
-    "zerosim.verify.*": 4, "zerosim.testing.*": 4,
+    "zerosim.verify.*": 4, "zerosim.testing.*": 4, "zerosim.mutants": 4,
 }
 
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 
 from zerosim import ConfigError, GPTConfig, ParamLayout, TensorSpec
 from zerosim.layout import infer_block
-from zerosim.presets import PRESETS
+from zerosim.model import SimModelConfig, sim_layout
+from zerosim.presets import PRESETS, simulator_presets
 from zerosim.testing.strategies import layouts
 
 
@@ -22,8 +23,10 @@ def test_gpt2_presets_match_published_parameter_counts(preset, expected):
     assert ParamLayout.from_config(preset).total_numel == expected
 
 
-def test_every_preset_builds_with_blocks_embedding_norm_and_tied_head():
+def test_every_gpt2_preset_builds_with_blocks_embedding_norm_and_tied_head():
     for name, cfg in PRESETS.items():
+        if cfg.structure != "gpt2":
+            continue
         layout = ParamLayout.from_config(name)
         kinds = [b.kind for b in layout.blocks]
         assert kinds[0] == "embedding" and kinds[-1] == "final_norm", name
@@ -31,6 +34,33 @@ def test_every_preset_builds_with_blocks_embedding_norm_and_tied_head():
         assert layout.aliases == {"lm_head.weight": "wte.weight"}
         assert layout.tensor_range("lm_head.weight") == layout.tensor_range("wte.weight")
         assert layout.total_bytes == 4 * layout.total_numel
+
+
+def test_every_block_model_preset_is_the_simulators_model():
+    block_presets = [name for name, cfg in PRESETS.items() if cfg.structure == "block"]
+    assert {"tiny", "sim-10m"} <= set(block_presets)
+    for name in block_presets:
+        cfg = PRESETS[name]
+        layout = ParamLayout.from_config(name)
+        assert layout.tensors == sim_layout(SimModelConfig.from_preset(name)).tensors, name
+        kinds = [b.kind for b in layout.blocks]
+        assert kinds == ["embedding"] + ["block"] * cfg.n_layer + ["final_norm", "lm_head"]
+        assert layout.aliases == {}  # the head is its own tensor
+        d, v, f = cfg.d_model, cfg.vocab_size, cfg.mlp_ratio * cfg.d_model
+        assert layout.total_numel == 2 * v * d + cfg.n_layer * (d + 2 * f * d) + d
+        assert layout.total_bytes == 4 * layout.total_numel
+
+
+def test_presets_have_a_known_structure_and_gpt2_layouts_are_not_simulated():
+    assert set(simulator_presets()) == {n for n, c in PRESETS.items() if c.structure == "block"}
+    gpt2_layouts = {"gpt2-small", "gpt2-medium", "gpt2-large", "gpt-7.5b", "gpt3-175b"}
+    assert gpt2_layouts.isdisjoint(simulator_presets())
+    with pytest.raises(ConfigError, match="structure"):
+        GPTConfig(vocab_size=8, seq_len=4, n_layer=1, n_head=1, d_model=4, structure="llama")
+    for name in set(PRESETS) - set(simulator_presets()):
+        with pytest.raises(ConfigError, match="block models") as e:
+            SimModelConfig.from_preset(name)
+        assert e.value.field == "model"
 
 
 def test_untied_head_is_counted_separately():

@@ -27,6 +27,7 @@ from typing import Any
 from zerosim.engine.config import XP_NAMES
 from zerosim.errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError, require_positive_int
 from zerosim.precision import PRECISION_NAMES
+from zerosim.presets import simulator_presets
 
 DEFAULT_OUT = Path("reports/gpu")
 
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks, one GPU each (default: the number of visible GPUs; 2 with --cpu)")
     p.add_argument("--cpu", action="store_true", help="no CUDA needed: gloo on the CPU (the same report)")
     p.add_argument("--strategies", default="all", metavar="LIST", help="comma-separated, or 'all' (default)")
-    p.add_argument("--model", default="tiny", metavar="PRESET", help="model preset (default tiny)")
+    p.add_argument("--model", default="tiny", metavar="PRESET",
+                   help=f"block-model preset (default tiny): {', '.join(simulator_presets())}")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--micro-batches", type=int, default=2)
     p.add_argument("--precision", default="fp32", choices=PRECISION_NAMES)

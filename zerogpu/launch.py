@@ -12,12 +12,19 @@ writes its status to ``$ZEROGPU_STATUS_DIR/rank<R>`` (:func:`zerogpu.rank.record
 :func:`run_torchrun` returns the ranks' status instead: 3 if any rank failed (or died without a
 word, e.g. killed by a signal), else the highest status a rank wrote (1 a contract failed, 2 bad
 input), 124 when the launch outlived its timeout.
+
+``zerosim simulate --backend torch`` (:func:`launch_simulate`) streams rank 0's output and ends with
+the ranks' own one-line verdict on a failure; torchrun's noise (its warnings, the ``ChildFailedError``
+summary) goes to a log named in that line (:func:`zerosim.launching.run_streamed`). A rank killed by
+a signal is named from torchrun's summary: ``rank 1 failed: killed by signal 9 (SIGKILL)``, exit 3.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -26,9 +33,12 @@ from pathlib import Path
 
 from zerosim.errors import EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError, require_positive_int
 from zerosim.launching import (
+    death_line,
+    finish_launch,
     launch_timeout_from_env,
     require_launch_timeout,
     run_process_group,
+    run_streamed,
 )
 
 from .rank import STATUS_DIR_ENV
@@ -135,8 +145,38 @@ def launch_simulate(args: argparse.Namespace) -> int:
     n = require_positive_int("world_size", getattr(args, "world_size", None))
     timeout_s = launch_timeout_from_env()
     argv = ["-m", "zerogpu", "simulate", *forward_argv(args, add_run_arguments, drop=("backend",))]
-    result = run_torchrun(n, argv, timeout_s, capture=False)
-    if result.timed_out:
-        print(f"error: torchrun --nproc-per-node {n} did not finish within {timeout_s:g}s (launch timeout); "
-              "killed it and its ranks", file=sys.stderr)
-    return result.returncode
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    if sys.stdout.isatty():  # the ranks write into a pipe to this process: keep the terminal's width
+        env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
+    with tempfile.TemporaryDirectory(prefix="zerogpu-status-") as status_dir:
+        run = run_streamed(torchrun_command(n, argv), timeout_s, {**env, STATUS_DIR_ENV: status_dir},
+                           log_name="torchrun", kill_grace_s=_KILL_GRACE_S)
+        written = _read_status(status_dir)
+    code = EXIT_RUN_FAILED if run.returncode is None else ranks_status(run.returncode, written, n)
+    return finish_launch(run, code, f"torchrun --nproc-per-node {n}", f"{timeout_s:g}s",
+                         lambda r: diagnose_torchrun_death(r.log_text(), bool(r.messages)))
+
+
+# ---- torchrun's report of a rank that died ------------------------------------------------------------
+
+_FAILURE_RE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def diagnose_torchrun_death(log: str, said_why: bool = False) -> str | None:
+    """``rank R failed: killed by signal S (NAME)`` from torchrun's failure summary in ``log``.
+
+    The summary's root cause (the first failure torchrun observed) when it died by a signal; else a
+    rank that died by a signal other than SIGTERM (torchrun's own way of stopping the survivors) when
+    a peer noticed first; else, when no rank ``said_why``, the root cause's exit status; else None.
+    """
+    head, sep, root_part = log.partition("Root Cause")
+    failures = [(int(r), int(c)) for r, c in _FAILURE_RE.findall(head)]
+    root = [(int(r), int(c)) for r, c in _FAILURE_RE.findall(root_part)] if sep else []
+    if root and root[0][1] < 0:
+        return death_line(root[0][0], -root[0][1], None)
+    killed = [(r, c) for r, c in root + failures if c < 0 and -c != 15]
+    if killed:
+        return death_line(killed[0][0], -killed[0][1], None)
+    if root and not said_why:
+        return death_line(root[0][0], None, root[0][1])
+    return None

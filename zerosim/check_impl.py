@@ -10,11 +10,23 @@ A user function ``fn(rank, world_size, total)`` returns the flat range(s) ``rank
 answers into a ShardPlan per case and runs :func:`zerosim.checks.partition.check_partition_plan` on
 it. The default sweep: world sizes 1..64 and 1024; totals 0, 1, small primes, totals smaller than
 the world size, 10^12 and 2^61 - 1 (beyond float precision). About 56,000 calls: a second or two.
+
+Bounds (each refused with one line stating the limit):
+
+* a sweep makes at most :data:`MAX_CALLS` calls (2^20, about half a minute) and no world size is
+  above :data:`zerosim.partition.MAX_WORLD_SIZE`; both are checked before the first call;
+* one call may take at most ``call_timeout`` seconds (default :data:`DEFAULT_CALL_TIMEOUT_S`): the
+  sweep runs in a daemon thread watched by the caller's thread, so a function that never returns
+  ends the check with an ImplementationError naming the call, and cannot keep the process alive.
+  Importing a ``module:function`` string is bounded the same way;
+* the ranges returned for one (world size, total) case may number at most :data:`MAX_RANGES`
+  (2^20): C-ZERO-001 sorts them all, and an unbounded answer would take unbounded time and memory.
 """
 
 from __future__ import annotations
 
 import numbers
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -24,6 +36,7 @@ from typing import Any
 from .checks.partition import CONTRACT, check_partition_plan
 from .dotted import import_dotted
 from .errors import ConfigError, ImplementationError, require_non_negative_int, require_positive_int
+from .partition import MAX_WORLD_SIZE
 from .partition.base import RankShard, ShardPlan
 from .verdict import Violation
 
@@ -32,6 +45,13 @@ DEFAULT_TOTALS: tuple[int, ...] = (
     0, 1, 2, 3, 5, 7, 13, 31, 63, 64, 100, 1023, 1025, 65_537, 1_000_003, 2**31 - 1, 10**12, 2**61 - 1,
 )
 BALANCE_MODES = ("seed", "chunk", "none")
+#: Calls one sweep may make (sum of the world sizes x number of totals): about half a minute of a
+#: cheap Python function on two cores. The default sweep makes about 56,000.
+MAX_CALLS = 2**20
+#: Ranges the ranks of one (world size, total) case may return together (C-ZERO-001 sorts them all).
+MAX_RANGES = 2**20
+#: Seconds one call of the user's function (or the import of its module) may take.
+DEFAULT_CALL_TIMEOUT_S = 10.0
 
 PartitionFn = Callable[[int, int, int], Any]
 
@@ -91,9 +111,52 @@ class PartitionReport:
 
 
 # ---- loading a user implementation ------------------------------------------------------------
-def load_impl(spec: str) -> PartitionFn:
-    """Import ``package.module:function`` (or ``path/to/file.py:function``); the cwd is importable."""
-    return import_dotted(spec, "impl", allow_files=True)
+def load_impl(spec: str, timeout: float | None = None) -> PartitionFn:
+    """Import ``package.module:function`` (or ``path/to/file.py:function``); the cwd is importable.
+
+    With ``timeout`` (seconds), an import that has not finished by then is an ImplementationError.
+    """
+    if timeout is None:
+        return import_dotted(spec, "impl", allow_files=True)
+    state = _Watched()
+    state.call = ("import", time.monotonic())
+    return _watch(lambda: import_dotted(spec, "impl", allow_files=True), state, timeout,
+                  lambda what: f"impl {spec}: importing the module did not finish within {timeout:g} s "
+                               "(the per-call timeout, --call-timeout S)")
+
+
+class _Watched:
+    """What the sweep thread is doing: ``call`` is (what, started) while a user call runs, else None."""
+
+    def __init__(self) -> None:
+        self.call: tuple[Any, float] | None = None
+        self.cancelled = False
+
+
+def _watch(target: Callable[[], Any], state: _Watched, timeout: float, message: Callable[[Any], str]) -> Any:
+    """Run ``target`` in a daemon thread; return its result or raise what it raised. When the call
+    recorded in ``state`` has run longer than ``timeout`` seconds, cancel and raise ImplementationError
+    (the thread is abandoned: being a daemon, it never keeps the process alive)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = target()
+        except BaseException as e:  # handed to the watching thread, which raises it
+            box["error"] = e
+
+    worker = threading.Thread(target=run, name="zerosim-check-impl", daemon=True)
+    worker.start()
+    poll = min(0.05, timeout / 4)
+    while worker.is_alive():
+        worker.join(poll)
+        call = state.call
+        if worker.is_alive() and call is not None and time.monotonic() - call[1] > timeout:
+            state.cancelled = True
+            raise ImplementationError(message(call[0]))
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
 
 
 def _is_int(x: Any) -> bool:
@@ -187,36 +250,91 @@ def check_partition(
     name: str | None = None,
     limit_per_case: int = 10,
     max_violations: int = 1000,
+    call_timeout: float | None = DEFAULT_CALL_TIMEOUT_S,
 ) -> PartitionReport:
     """Sweep ``fn`` over every (world size, total) and check C-ZERO-001 on each resulting plan.
 
     ``balance``: ``"seed"`` (default: every shard within 1 of ``total // world_size`` and spread
     <= 1), ``"chunk"`` (spread <= ceil(total / world_size), for ceil-sized rules like torch.chunk),
     ``"none"``, or an integer bound on the spread. ``fn`` may be a ``module:function`` string.
-    Raises ImplementationError if ``fn`` raises or returns something that is not a range or a list
-    of ranges (naming the rank, world size and total); ConfigError for bad arguments.
+    Raises ImplementationError if ``fn`` raises, returns something that is not a range or a list
+    of ranges, returns more than :data:`MAX_RANGES` ranges for one case, or does not return within
+    ``call_timeout`` seconds (each naming the rank, world size and total; ``call_timeout=None`` calls
+    ``fn`` in this thread, unbounded); ConfigError for bad arguments, or a sweep above
+    :data:`MAX_CALLS` calls or a world size above :data:`zerosim.partition.MAX_WORLD_SIZE`.
     """
-    if isinstance(fn, str):
-        name = name or fn
-        fn = load_impl(fn)
-    if not callable(fn):
-        raise ConfigError("fn", fn, "must be a callable (rank, world_size, total) -> (start, end)")
-    name = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+    if call_timeout is not None:
+        if isinstance(call_timeout, bool) or not isinstance(call_timeout, int | float) or not (
+                0 < call_timeout < float("inf")):
+            raise ConfigError("call_timeout", call_timeout, "must be a positive number of seconds (or None)")
     ws_list = _validate_ints("world_sizes", world_sizes, positive=True)
     total_list = _validate_ints("totals", totals, positive=False)
     balance = _validate_balance(balance)
+    check_sweep_size(ws_list, len(total_list))
+    if isinstance(fn, str):
+        name = name or fn
+        fn = load_impl(fn, call_timeout)
+    if not callable(fn):
+        raise ConfigError("fn", fn, "must be a callable (rank, world_size, total) -> (start, end)")
+    name = name or f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
     report = PartitionReport(name, ws_list, total_list, str(balance))
+    state = _Watched()
     t0 = time.perf_counter()
-    for total in total_list:
-        for ws in ws_list:
+    if call_timeout is None:
+        _sweep(fn, name, report, balance, limit_per_case, max_violations, state)
+    else:
+        _watch(lambda: _sweep(fn, name, report, balance, limit_per_case, max_violations, state), state,
+               call_timeout,
+               lambda call: f"impl {name}: no answer within {call_timeout:g} s for (rank={call[0]}, "
+                            f"world_size={call[1]}, total={call[2]}) "
+                            "(the per-call timeout, --call-timeout S)")
+    report.elapsed_s = time.perf_counter() - t0
+    return report
+
+
+def check_sweep_size(world_sizes: Sequence[int], n_cases: int, what: str = "calls") -> None:
+    """ConfigError unless every world size is at most MAX_WORLD_SIZE and the sweep over ``n_cases``
+    totals (or layouts) makes at most MAX_CALLS ``what`` (one per rank of every case)."""
+    for ws in world_sizes:
+        if ws > MAX_WORLD_SIZE:
+            raise ConfigError("world_size", ws, f"at most {MAX_WORLD_SIZE:,} (2^16) ranks: every rank's "
+                              "shard is kept and checked, a few seconds per case at 2^16 ranks")
+    n = sum(world_sizes) * n_cases
+    if n > MAX_CALLS:
+        raise ConfigError("world_sizes", describe_ints(world_sizes),
+                          f"the sweep makes {n:,} {what} ({sum(world_sizes):,} ranks x {n_cases} "
+                          f"total(s)), above the limit of {MAX_CALLS:,} (2^20, about half a minute on two "
+                          "cores); check fewer or smaller world sizes")
+
+
+def _sweep(fn: PartitionFn, name: str, report: PartitionReport, balance: str | int, limit_per_case: int,
+           max_violations: int, state: _Watched) -> None:
+    """Call ``fn`` for every rank of every case and check each case's plan; ``state.call`` names the
+    call in progress (for the watchdog) and ``state.cancelled`` stops the sweep."""
+    for total in report.totals:
+        for ws in report.world_sizes:
             shards = []
+            ranges = 0
             for rank in range(ws):
+                if state.cancelled:
+                    return
+                state.call = ((rank, ws, total), time.monotonic())
                 try:
                     result = fn(rank, ws, total)
                 except (Exception, SystemExit) as e:  # sys.exit() in user code is its failure too
                     raise ImplementationError(
                         f"impl {name}: raised {type(e).__name__}: {e} "
                         f"for (rank={rank}, world_size={ws}, total={total})") from e
+                finally:
+                    state.call = None
+                n = _length(result)
+                if ranges + n > MAX_RANGES:
+                    raise ImplementationError(
+                        f"impl {name}: returned {n:,} ranges for (rank={rank}, world_size={ws}, "
+                        f"total={total})"
+                        + (f" after {ranges:,} from the ranks before it" if ranges else "")
+                        + f"; at most {MAX_RANGES:,} (2^20) ranges per (world size, total) case are checked "
+                        "(C-ZERO-001 sorts them all; more would take unbounded time and memory)")
                 intervals = as_intervals(result)
                 if intervals is None:
                     raise ImplementationError(
@@ -224,6 +342,7 @@ def check_partition(
                         f"total={total}); "
                         "expected (start, end) as ints, range(start, end), or a list of those"
                     )
+                ranges += len(intervals)
                 shards.append(RankShard(rank, intervals, 0))
             report.calls += ws
             bound, meta = balance_for(balance, ws, total)
@@ -237,8 +356,16 @@ def check_partition(
                 room = max(0, max_violations - len(report.violations))
                 report.violations += verdict.violations[:room]
                 report.suppressed += sum(counts.values()) - min(room, len(verdict.violations))
-    report.elapsed_s = time.perf_counter() - t0
-    return report
+
+
+def _length(result: Any) -> int:
+    """Ranges an answer holds at most, without converting it (a single range counts as one)."""
+    if _one_range(result) is not None:
+        return 1
+    try:
+        return len(result) if isinstance(result, tuple | list) or hasattr(result, "tolist") else 1
+    except TypeError:  # a 0-d array, or a length that cannot be taken: as_intervals rejects it
+        return 1
 
 
 def _short(obj: Any, width: int = 80) -> str:

@@ -16,7 +16,8 @@ from typing import Any
 EXIT_OK = 0                #: every contract holds
 EXIT_CONTRACT_FAILED = 1   #: a contract failed (the run itself completed)
 EXIT_BAD_INPUT = 2         #: a ZeroSimError before anything ran: one line naming the field and value
-EXIT_RUN_FAILED = 3        #: the run failed: a rank raised, a collective timed out, a non-finite gradient
+EXIT_RUN_FAILED = 3        #: the run failed: a rank raised, a collective timed out, a non-finite gradient,
+#: or the run diverged (the unsharded reference itself went non-finite)
 EXIT_LAUNCH_TIMEOUT = 124  #: a launched job outlived its wall-clock limit (like coreutils' timeout(1))
 EXIT_INTERRUPTED = 130     #: Ctrl-C
 EXIT_BROKEN_PIPE = 141     #: stdout closed by its reader (`| head`): 128 + SIGPIPE, as a shell tool exits

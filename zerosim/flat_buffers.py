@@ -31,6 +31,7 @@ from .errors import ConfigError
 from .intervals import Interval
 from .layout import ParamLayout
 from .partition import ShardPlan, get_partitioner
+from .partition.base import RegisteredPartitioner
 from .strategy import ShardingStrategy
 
 
@@ -191,11 +192,12 @@ def unit_tensor_groups(layout: ParamLayout, strategy: ShardingStrategy) -> list[
 
 
 def build_unit_plan(
-    layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, world_size: int
+    layout: ParamLayout, strategy: ShardingStrategy, partitioner: str | RegisteredPartitioner, world_size: int
 ) -> UnitPlan:
     """Units for ``strategy`` with the partitioner's plan over one shard group of ``k`` ranks."""
     k = strategy.shard_group_size(world_size)
-    plan = get_partitioner(partitioner)(layout, k)
+    rule = get_partitioner(partitioner)
+    plan = rule(layout, k)
     per_block = units_per_block(strategy)
     offsets = layout.offsets
     groups = unit_tensor_groups(layout, strategy)
@@ -229,7 +231,7 @@ def build_unit_plan(
             segments.append(tuple(segs))
         units.append(FlatUnit(idx, name, tuple(t.name for t in tensors), tuple(t.shape for t in tensors),
                               tuple(t_offsets), tuple(pieces), numel, k, chunk, owned, tuple(segments)))
-    return UnitPlan(layout, partitioner, k, per_block, tuple(u for u in units if u.numel), plan)
+    return UnitPlan(layout, rule.name, k, per_block, tuple(u for u in units if u.numel), plan)
 
 
 def _owned_in_unit(intervals: list[Interval], ends: list[int],

@@ -17,10 +17,19 @@ average of per-micro-batch means, which is what data parallelism with gradient a
 computes (``grad_mode="micro"`` computes it that way instead: each (rank, micro) gradient with loss
 scale ``1 / (world_size * micro_batches)`` in ``grad_dtype``, upcast and summed in rank-major order;
 the two agree to float32 rounding in fp32, to 16-bit rounding in bf16/fp16).
+
+With ``record_terms`` each snapshot also keeps what C-ZERO-002's rounding bound
+(:mod:`zerosim.checks.rounding`) needs: the mean gradient before clipping and, per element, the mean
+over the ``world_size * micro_batches`` local gradients of their absolute values (in ``"concat"``
+mode these are computed besides the concatenated batch, at the same working parameters).
+
+Divergence: a step whose loss, gradient, master weights or optimizer state is not finite ends the
+training there: ``diverged_at`` is that step (0-based) and no snapshot is taken of it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +57,8 @@ class StepSnapshot:
     grad_norm: float                   # global 2-norm of the (float32) gradient, before clipping
     clip_coef: float = 1.0             # factor applied to the gradient (1.0: none)
     optimizer_step: int = 0            # the optimizer's step counter after the step
+    grad: np.ndarray | None = None        # float32 mean gradient before clipping (record_terms)
+    grad_terms: np.ndarray | None = None  # mean over local gradients of |local gradient| (record_terms)
 
 
 @dataclass
@@ -64,6 +75,7 @@ class GroundTruth:
     initial_params: np.ndarray
     snapshots: list[StepSnapshot] = field(default_factory=list)
     grad_mode: str = "concat"
+    diverged_at: int | None = None  # the 0-based step whose loss or state went non-finite (not snapshotted)
 
     @property
     def losses(self) -> list[float]:
@@ -94,7 +106,7 @@ def global_batch(
 
 def train_ground_truth(cfg: SimModelConfig, spec: OptimizerSpec, precision: Precision | str, world_size: int,
                        micro_batches: int, steps: int, seed: int, xp: ArrayNamespace | str | None = None,
-                       grad_mode: str = "concat") -> GroundTruth:
+                       grad_mode: str = "concat", record_terms: bool = False) -> GroundTruth:
     """Train unsharded for ``steps`` steps and snapshot after each (see the module docstring)."""
     if not isinstance(cfg, SimModelConfig):
         raise ConfigError("cfg", cfg, "expected a SimModelConfig")
@@ -119,20 +131,31 @@ def train_ground_truth(cfg: SimModelConfig, spec: OptimizerSpec, precision: Prec
     )
     for s in range(steps):
         params = unflatten(precision.to_params(master, ns), layout)
+        terms: np.ndarray | None = None
         if grad_mode == "concat":
-            tokens, targets = global_batch(cfg, seed, s, world_size, micro_batches)
-            loss, grads = model.loss_and_grads(params, tokens, targets)
-            grad = precision.grad_to_master(flatten(grads, layout, ns), ns)  # a new array: flatten copies
+            loss, grad = mean_gradient(model, params, precision, cfg, seed, s, world_size, micro_batches,
+                                       "concat")
+            if record_terms:
+                terms = _micro_terms(model, params, layout, precision, ns, cfg, seed, s, world_size,
+                                     micro_batches)
         else:
-            loss, grad = _micro_mean(
-                model, params, layout, precision, ns, cfg, seed, s, world_size, micro_batches
+            loss, grad, terms = _micro_mean(
+                model, params, layout, precision, ns, cfg, seed, s, world_size, micro_batches, record_terms
             )
+        if not (math.isfinite(loss) and ns.isfinite_all(grad)):
+            gt.diverged_at = s
+            break
         norm = global_norm_from_sumsq(ns.sum_of_squares(grad))
+        unclipped = ns.to_numpy(grad, copy=True) if record_terms else None
         coef = 1.0
         if spec.max_grad_norm is not None:
             coef = clip_coefficient(norm, spec.max_grad_norm)
             apply_clip_(grad, coef, ns)
         opt.step(master, grad, state)
+        arrays = [v for k, v in state.items() if k != "step"]
+        if not all(ns.isfinite_all(a) for a in [master, *arrays]):
+            gt.diverged_at = s
+            break
         gt.snapshots.append(StepSnapshot(
             step=s + 1,
             params=ns.to_numpy(master, copy=True),
@@ -141,21 +164,57 @@ def train_ground_truth(cfg: SimModelConfig, spec: OptimizerSpec, precision: Prec
             grad_norm=norm,
             clip_coef=coef,
             optimizer_step=int(state["step"]),
+            grad=unclipped,
+            grad_terms=terms,
         ))
     return gt
 
 
+def mean_gradient(model: BlockModel, params: dict[str, Any], precision: Precision, cfg: SimModelConfig,
+                  seed: int, step: int, world_size: int, micro_batches: int,
+                  grad_mode: str) -> tuple[float, Any]:
+    """The mean loss and float32 mean gradient of step ``step``'s global batch at the working
+    parameters ``params``, computed as ``train_ground_truth`` computes it in ``grad_mode``."""
+    layout, ns = model.layout, model.xp
+    if grad_mode == "concat":
+        tokens, targets = global_batch(cfg, seed, step, world_size, micro_batches)
+        loss, grads = model.loss_and_grads(params, tokens, targets)
+        return loss, precision.grad_to_master(flatten(grads, layout, ns), ns)  # a new array: flatten copies
+    loss, grad, _ = _micro_mean(model, params, layout, precision, ns, cfg, seed, step, world_size,
+                                micro_batches)
+    return loss, grad
+
+
 def _micro_mean(model: BlockModel, params: dict[str, Any], layout: ParamLayout, precision: Precision,
                 ns: ArrayNamespace, cfg: SimModelConfig, seed: int, step: int, world_size: int,
-                micro_batches: int) -> tuple[float, Any]:
-    """Mean loss and float32 gradient as the average of per-(rank, micro) gradients."""
+                micro_batches: int, record_terms: bool = False) -> tuple[float, Any, np.ndarray | None]:
+    """Mean loss and float32 gradient as the average of per-(rank, micro) gradients, and (with
+    ``record_terms``) the float64 mean of their absolute values."""
     scale = 1.0 / (world_size * micro_batches)
     total = ns.zeros(layout.total_numel, "float32")
+    terms = np.zeros(layout.total_numel) if record_terms else None
     loss = 0.0
     for r in range(world_size):
         for m in range(micro_batches):
             tokens, targets = synthetic_batch(cfg, seed, step, r, m)
             lm, grads = model.loss_and_grads(params, tokens, targets, loss_scale=scale)
-            total += precision.grad_to_master(flatten(grads, layout, ns), ns)
+            g = precision.grad_to_master(flatten(grads, layout, ns), ns)
+            total += g
+            if terms is not None:
+                terms += np.abs(ns.to_numpy(g).astype(np.float64))
             loss += lm * scale
-    return loss, total
+    return loss, total, terms
+
+
+def _micro_terms(model: BlockModel, params: dict[str, Any], layout: ParamLayout, precision: Precision,
+                 ns: ArrayNamespace, cfg: SimModelConfig, seed: int, step: int, world_size: int,
+                 micro_batches: int) -> np.ndarray:
+    """The float64 mean over every (rank, micro) gradient of its absolute value, per element."""
+    terms = np.zeros(layout.total_numel)
+    for r in range(world_size):
+        for m in range(micro_batches):
+            tokens, targets = synthetic_batch(cfg, seed, step, r, m)
+            _, grads = model.loss_and_grads(params, tokens, targets)
+            g = ns.to_numpy(precision.grad_to_master(flatten(grads, layout, ns), ns))
+            terms += np.abs(g.astype(np.float64))
+    return terms / (world_size * micro_batches)

@@ -4,18 +4,35 @@ Shared by :mod:`zerosim.mpi.launch` and :mod:`zerogpu.launch` (distributed runs 
 launcher runs in its own session (process group); when the launch outlives its timeout, or this
 process is interrupted, the whole group (launcher, proxies / agent, ranks) gets SIGTERM, then
 SIGKILL, so no rank outlives the launch. Pure standard library: no MPI, no torch.
+
+What the user sees of a launch started for them (``zerosim simulate --backend mpi|torch``,
+:func:`run_streamed` and :func:`finish_launch`): the ranks' standard output, streamed as it comes
+(rank 0's verdict table or JSON), and at the end the zerosim lines the ranks wrote on standard error
+(``rank R failed: ...``, ``error: ...``), each once. Everything else the launch printed (MPICH's
+termination banner, torchrun's ``ChildFailedError``, tracebacks) goes to a log file, named in the
+last line when the run failed. A rank that died without a word (killed by a signal) is named from
+the launcher's own report, in one line: ``rank 1 failed: killed by signal 9 (SIGKILL) ...``. When
+this process's standard output is closed by its reader (``| head -1``), the launch is stopped and
+:class:`BrokenPipeError` raised, so the command ends quietly with exit 141 like every other command.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import signal
 import subprocess
+import sys
+import tempfile
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
 
-from .errors import ConfigError
+from .errors import EXIT_BAD_INPUT, EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError
 
 DEFAULT_LAUNCH_TIMEOUT_S = 900.0
 LAUNCH_TIMEOUT_ENV = "ZEROSIM_LAUNCH_TIMEOUT_S"
@@ -87,3 +104,213 @@ def run_process_group(command: Sequence[str], timeout_s: float, env: dict[str, s
         kill_process_group(proc, kill_grace_s)
         raise
     return GroupRun(None if timed_out else proc.returncode, out, err, timed_out, time.monotonic() - start)
+
+
+# ---- a launch whose output the user reads: stdout streamed, stderr sorted, noise to a log -----------
+
+#: a line a rank writes for the user (rank_messages.rank_failure_message, bad input on rank 0)
+MESSAGE_RE = re.compile(r"^(rank \d+ failed: |error: )")
+_JOIN_S = 5.0  # how long the output readers may take to drain after the launcher has exited
+
+
+@dataclass
+class StreamedRun:
+    """What :func:`run_streamed` did. ``returncode`` is the launcher's own status, None when it was
+    stopped (timeout, or this process's stdout closed); ``messages`` are the ranks' zerosim lines
+    (``rank R failed: ...``, ``error: ...``) in order, each once; ``log_path`` holds everything else."""
+
+    returncode: int | None
+    timed_out: bool
+    broken_pipe: bool
+    log_path: Path
+    elapsed_s: float
+    messages: list[str] = field(default_factory=list)
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+
+def _write_out(data: bytes) -> None:
+    """``data`` to this process's stdout as it is (bytes when the stream has a buffer: no re-encoding)."""
+    out: Any = sys.stdout
+    buffer = getattr(out, "buffer", None)
+    if buffer is not None:
+        out.flush()
+        buffer.write(data)
+        buffer.flush()
+    else:
+        out.write(data.decode("utf-8", "replace"))
+        out.flush()
+
+
+def _pump_stdout(stream: IO[bytes], log: _Log, broken: threading.Event,
+                 is_noise: Callable[[str], bool] | None) -> None:
+    """Forward the launch's stdout line by line; from the first noise line on (a launcher's banner,
+    which it prints last) everything goes to the log. Blank lines are held until the next line, so a
+    banner's leading blank line goes with it."""
+    held: list[bytes] = []
+    diverted = False
+    for raw in iter(stream.readline, b""):
+        if broken.is_set() or diverted:
+            log.write(raw)
+            continue
+        if is_noise is not None and is_noise(raw.decode("utf-8", "replace")):
+            diverted = True
+            log.write(b"".join(held) + raw)
+            held = []
+            continue
+        if not raw.strip():
+            held.append(raw)
+            continue
+        try:
+            _write_out(b"".join(held) + raw)
+        except OSError as e:  # BrokenPipeError, or EPIPE / EINVAL from a closed reader
+            if not isinstance(e, BrokenPipeError) and e.errno not in (errno.EPIPE, errno.EINVAL):
+                raise
+            broken.set()
+            log.write(raw)
+        held = []
+    if held and not broken.is_set() and not diverted:
+        try:
+            _write_out(b"".join(held))
+        except OSError:
+            broken.set()
+
+
+def _pump_stderr(stream: IO[bytes], log: _Log, messages: list[str]) -> None:
+    """Every line to the log; the ranks' zerosim lines also to ``messages`` (each once)."""
+    for raw in iter(stream.readline, b""):
+        log.write(raw)
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if MESSAGE_RE.match(line) and line not in messages:
+            messages.append(line)
+
+
+class _Log:
+    """The launch's log file, written by both output readers."""
+
+    def __init__(self, name: str):
+        fd, path = tempfile.mkstemp(prefix=f"zerosim-{name}-", suffix=".log")
+        self.path = Path(path)
+        self._file = os.fdopen(fd, "wb")
+        self._lock = threading.Lock()
+
+    def write(self, data: bytes) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.write(data)
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def run_streamed(command: Sequence[str], timeout_s: float, env: dict[str, str], *, log_name: str,
+                 kill_grace_s: float = 3.0, is_noise: Callable[[str], bool] | None = None) -> StreamedRun:
+    """Run ``command`` like :func:`run_process_group`, its stdout streamed to ours (lines ``is_noise``
+    flags, and all after them, to the log instead) and its stderr sorted (see the module docstring).
+
+    Stops the group when the timeout expires, when this process is interrupted, and when our stdout
+    is closed by its reader (``broken_pipe``). The log is ``zerosim-<log_name>-*.log`` in the temporary
+    folder; the caller removes it (:func:`finish_launch` does) or names it.
+    """
+    log = _Log(log_name)
+    start = time.monotonic()
+    broken = threading.Event()
+    messages: list[str] = []
+    try:
+        proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                start_new_session=True)
+    except BaseException:
+        log.close()
+        raise
+    assert proc.stdout is not None and proc.stderr is not None
+    readers = [
+        threading.Thread(target=_pump_stdout, args=(proc.stdout, log, broken, is_noise), daemon=True),
+        threading.Thread(target=_pump_stderr, args=(proc.stderr, log, messages), daemon=True),
+    ]
+    for t in readers:
+        t.start()
+    timed_out = False
+    try:
+        deadline = start + timeout_s
+        while proc.poll() is None:
+            if broken.is_set():
+                kill_process_group(proc, kill_grace_s)
+                break
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                kill_process_group(proc, kill_grace_s)
+                break
+            try:
+                proc.wait(timeout=min(0.1, remaining))
+            except subprocess.TimeoutExpired:
+                pass
+        for t in readers:  # a rank that outlived its launcher would hold the pipes open: not for long
+            t.join(max(0.1, min(_JOIN_S, deadline - time.monotonic())))
+        if any(t.is_alive() for t in readers):
+            kill_process_group(proc, kill_grace_s)
+            for t in readers:
+                t.join(_JOIN_S)
+    except BaseException:  # KeyboardInterrupt: take the ranks down with us
+        kill_process_group(proc, kill_grace_s)
+        log.close()
+        log.path.unlink(missing_ok=True)
+        raise
+    log.close()
+    stopped = timed_out or broken.is_set()
+    return StreamedRun(None if stopped else proc.returncode, timed_out, broken.is_set(), log.path,
+                       time.monotonic() - start, messages)
+
+
+def signal_description(number: int) -> str:
+    """``9`` -> ``"signal 9 (SIGKILL)"``."""
+    try:
+        return f"signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def death_line(rank: int | str, signal_number: int | None, exit_status: int | None) -> str:
+    """``rank R failed: killed by signal 9 (SIGKILL)`` (or ``exited with status N without a message``)."""
+    if signal_number is not None:
+        how = f"killed by {signal_description(signal_number)}"
+    else:
+        how = f"exited with status {exit_status} without a message"
+    return f"rank {rank} failed: {how}"
+
+
+def finish_launch(run: StreamedRun, code: int, launcher: str, limit: str,
+                  diagnose: Callable[[StreamedRun], str | None]) -> int:
+    """Tell the user how a streamed launch ended (one line when it failed) and return its exit status.
+
+    ``code`` is the run's status as the backend read it (0 pass, 1 a contract failed, 2 bad input, else
+    failed); ``diagnose(run)`` names a rank that died without a word (``rank R failed: killed by ...``)
+    from the launcher's report, or None. ``limit`` describes the launch timeout in its message.
+    Raises BrokenPipeError when our stdout was closed (the CLI then exits 141 quietly).
+    """
+    if run.broken_pipe:
+        run.log_path.unlink(missing_ok=True)
+        raise BrokenPipeError(errno.EPIPE, "stdout closed by its reader")
+    if run.timed_out:
+        print(f"error: {launcher} did not finish within {limit} (launch timeout); killed it and its ranks "
+              f"({launcher} output: {run.log_path})", file=sys.stderr, flush=True)
+        return EXIT_LAUNCH_TIMEOUT
+    if code in (0, 1, EXIT_BAD_INPUT):
+        for line in run.messages:
+            print(line, file=sys.stderr)
+        sys.stderr.flush()
+        run.log_path.unlink(missing_ok=True)
+        return code
+    death = diagnose(run)
+    lines = [death] if death else list(run.messages)
+    if not lines:
+        lines = [f"error: the run failed: {launcher} exited with status {run.returncode}, no rank said why"]
+    for line in lines[:-1]:
+        print(line, file=sys.stderr)
+    print(f"{lines[-1]} ({launcher} output: {run.log_path})", file=sys.stderr, flush=True)
+    return EXIT_RUN_FAILED

@@ -192,11 +192,18 @@ class ParamLayout:
 
     @classmethod
     def from_config(cls, config: GPTConfig | str, name: str | None = None) -> ParamLayout:
-        """GPT-2-style layout from a config or a preset name (``gpt2-small`` has 124,439,808 parameters)."""
+        """The layout of a config or a preset name, in the config's own structure: a GPT-2-style
+        decoder (``gpt2-small`` has 124,439,808 parameters), or for ``structure="block"`` the
+        simulator's block model (:func:`block_model_layout`; ``tiny`` has 6,192 parameters)."""
         if isinstance(config, str):
             name = name or config
             config = get_preset(config)
+        if not isinstance(config, GPTConfig):
+            raise ConfigError("config", config, "expected a preset name or a zerosim.presets.GPTConfig")
         c = config
+        if c.structure == "block":
+            return block_model_layout(c.vocab_size, c.d_model, c.n_layer, c.mlp_ratio * c.d_model,
+                                      dtype=c.dtype, name=name or "sim")
         d, f, dt = c.d_model, c.mlp_ratio * c.d_model, c.dtype
         t: list[TensorSpec] = [
             TensorSpec("wte.weight", (c.vocab_size, d), dt, "embedding"),
@@ -248,6 +255,29 @@ class ParamLayout:
             canonical[key] = pname
             tensors.append(TensorSpec(pname, tuple(p.shape), str(p.dtype), infer_block(pname)))
         return cls(tuple(tensors), aliases, name or type(module).__name__)
+
+
+def block_model_layout(
+    vocab_size: int, d_model: int, n_layer: int, d_ff: int, dtype: str = "float32", name: str = "sim"
+) -> ParamLayout:
+    """The simulator's block model (:mod:`zerosim.model`) as a layout, in flat order: block
+    "embedding" (``embedding.weight`` (V, d)); blocks "blocks.{i}" (``norm.weight`` (d,),
+    ``mlp.w_in`` (d_ff, d), ``mlp.w_out`` (d, d_ff)); "final_norm" (``final_norm.weight`` (d,));
+    "lm_head" (``lm_head.weight`` (V, d), untied)."""
+    V, d, f = vocab_size, d_model, d_ff
+    tensors = [TensorSpec("embedding.weight", (V, d), dtype, "embedding")]
+    for i in range(n_layer):
+        b = f"blocks.{i}"
+        tensors += [
+            TensorSpec(f"{b}.norm.weight", (d,), dtype, b),
+            TensorSpec(f"{b}.mlp.w_in", (f, d), dtype, b),
+            TensorSpec(f"{b}.mlp.w_out", (d, f), dtype, b),
+        ]
+    tensors += [
+        TensorSpec("final_norm.weight", (d,), dtype, "final_norm"),
+        TensorSpec("lm_head.weight", (V, d), dtype, "lm_head"),
+    ]
+    return ParamLayout(tuple(tensors), {}, name)
 
 
 _BLOCK_RE = re.compile(r"(?:^|\.)(?:h|layers|blocks|layer|block)\.(\d+)(?:\.|$)")

@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, require_non_negative_int, require_positive_int
-from .layout import ParamLayout, TensorSpec
-from .presets import GPTConfig, get_preset
+from .layout import ParamLayout, block_model_layout
+from .presets import GPTConfig, require_simulator_preset
 from .xp import ArrayNamespace, get_namespace
 
 RMS_EPS = 1e-6
@@ -76,8 +76,10 @@ class SimModelConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> SimModelConfig:
-        """``from_gpt(get_preset(name))`` with any field overridden (``batch_size=4``, ``seq_len=16``)."""
-        cfg = cls.from_gpt(get_preset(name))
+        """``from_gpt`` of the block-model preset ``name`` with any field overridden (``batch_size=4``,
+        ``seq_len=16``). A GPT-2-layout preset (``gpt2-small``, ...) is a ConfigError: it names a
+        different model, which the simulator does not run."""
+        cfg = cls.from_gpt(require_simulator_preset(name))
         known = {f.name for f in fields(cls)}
         for key in overrides:
             if key not in known:
@@ -91,21 +93,9 @@ class SimModelConfig:
 
 def sim_layout(cfg: SimModelConfig) -> ParamLayout:
     """The model's tensors in flat order (float32: mixed precision changes the working dtype, not
-    the layout). Blocks: "embedding", "blocks.{i}", "final_norm", "lm_head"."""
-    V, d, f = cfg.vocab_size, cfg.d_model, cfg.d_ff
-    tensors = [TensorSpec("embedding.weight", (V, d), "float32", "embedding")]
-    for i in range(cfg.n_layer):
-        b = f"blocks.{i}"
-        tensors += [
-            TensorSpec(f"{b}.norm.weight", (d,), "float32", b),
-            TensorSpec(f"{b}.mlp.w_in", (f, d), "float32", b),
-            TensorSpec(f"{b}.mlp.w_out", (d, f), "float32", b),
-        ]
-    tensors += [
-        TensorSpec("final_norm.weight", (d,), "float32", "final_norm"),
-        TensorSpec("lm_head.weight", (V, d), "float32", "lm_head"),
-    ]
-    return ParamLayout(tuple(tensors), {}, "sim")
+    the layout). Blocks: "embedding", "blocks.{i}", "final_norm", "lm_head"
+    (:func:`zerosim.layout.block_model_layout`, the layout plan, memory and comm use for the same preset)."""
+    return block_model_layout(cfg.vocab_size, cfg.d_model, cfg.n_layer, cfg.d_ff, "float32", "sim")
 
 
 def init_params(cfg: SimModelConfig, seed: int) -> dict[str, np.ndarray]:

@@ -11,9 +11,10 @@ import bisect
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import require_rank
+from .errors import ConfigError, require_rank
 from .layout import ParamLayout
-from .partition import RankShard, ShardPlan, get_partitioner
+from .partition import MAX_WORLD_SIZE, RankShard, ShardPlan, get_partitioner
+from .partition.base import RegisteredPartitioner
 from .strategy import ShardingStrategy, Topology
 
 STATE_KINDS = ("params", "grads", "optimizer")
@@ -68,23 +69,32 @@ class StatePlan:
 
 
 def build_plan(
-    layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, topology: Topology
+    layout: ParamLayout,
+    strategy: ShardingStrategy,
+    partitioner: str | RegisteredPartitioner,
+    topology: Topology,
 ) -> StatePlan:
-    """Compose the partitioner's ShardPlan over each shard group with the strategy's choices."""
+    """Compose the partitioner's ShardPlan over each shard group with the strategy's choices.
+
+    At most :data:`MAX_WORLD_SIZE` ranks (ConfigError stating the limit): the plan holds a RankState
+    per rank.
+    """
+    if topology.world_size > MAX_WORLD_SIZE:
+        raise ConfigError(
+            "world_size", topology.world_size,
+            f"at most {MAX_WORLD_SIZE:,} (2^16) ranks: a plan holds every rank's params, grads and optimizer "
+            "shards as Python objects, a few seconds at 2^16 ranks; larger worlds take minutes and GBs",
+        )
     k = strategy.shard_group_size(topology.world_size)
     shard_plan = get_partitioner(partitioner)(layout, k)
     full = RankShard(-1, ((0, layout.total_numel),) if layout.total_numel else (), 0)
+    flags = (strategy.shards_params, strategy.shards_grads, strategy.shards_optimizer)
     ranks = []
     for rank in range(topology.world_size):
         group, local = divmod(rank, k)
         own = shard_plan.shard(local)
-
-        def pick(sharded: bool, own: RankShard = own, rank: int = rank) -> RankShard:
-            src = own if sharded else full
-            return RankShard(rank, src.intervals, src.padding)
-
-        ranks.append(RankState(rank, group, local, pick(strategy.shards_params), pick(strategy.shards_grads),
-                               pick(strategy.shards_optimizer)))
+        held = [own if sharded else full for sharded in flags]
+        ranks.append(RankState(rank, group, local, *(RankShard(rank, s.intervals, s.padding) for s in held)))
     return StatePlan(layout, strategy, topology, shard_plan, tuple(ranks))
 
 

@@ -1,4 +1,13 @@
-"""Built-in GPT-style model configurations (the shapes, never the weights)."""
+"""Built-in model configurations (the shapes, never the weights).
+
+Every preset names one model with one structure (``GPTConfig.structure``), used by every command:
+
+* ``"gpt2"``: a GPT-2-style decoder (token + position embedding, attention and MLP with biases,
+  final norm, head tied to the token embedding). ``zerosim plan``, ``memory`` and ``comm`` model it.
+* ``"block"``: the simulator's block model (token embedding, ``n_layer`` x [RMSNorm gain, MLP
+  ``w_in``, ``w_out``], final norm gain, untied head; :func:`zerosim.layout.block_model_layout`).
+  ``zerosim simulate`` trains it; plan, memory and comm model the same layout.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +15,16 @@ from dataclasses import dataclass, replace
 
 from .errors import ConfigError
 
+#: The structures a preset can have: a GPT-2-style decoder, or the simulator's block model.
+STRUCTURES = ("gpt2", "block")
+
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """A GPT-2-style decoder: token + position embedding, ``n_layer`` pre-norm blocks, final norm, lm head."""
+    """A model's shapes. ``structure="gpt2"`` (default): a GPT-2-style decoder (token + position
+    embedding, ``n_layer`` pre-norm attention + MLP blocks, final norm, lm head). ``structure="block"``:
+    the simulator's block model (embedding, ``n_layer`` x [norm, MLP], final norm, untied head), which
+    uses ``vocab_size``, ``seq_len``, ``n_layer``, ``d_model``, ``mlp_ratio`` and ``dtype`` only."""
 
     vocab_size: int
     seq_len: int
@@ -20,8 +35,11 @@ class GPTConfig:
     bias: bool = True
     tied_embeddings: bool = True
     dtype: str = "float32"
+    structure: str = "gpt2"
 
     def __post_init__(self) -> None:
+        if self.structure not in STRUCTURES:
+            raise ConfigError("structure", self.structure, f"known: {', '.join(STRUCTURES)}")
         for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -34,10 +52,12 @@ class GPTConfig:
 
 
 PRESETS: dict[str, GPTConfig] = {
-    # A toy for tests: every code path, microseconds per step.
-    "tiny": GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16),
-    # ~10M parameters: the simulator benchmark's model.
-    "sim-10m": GPTConfig(vocab_size=8192, seq_len=64, n_layer=6, n_head=4, d_model=384),
+    # Simulator block models (``zerosim simulate`` trains them; plan, memory and comm model the same layout).
+    # A toy for tests: every code path, microseconds per step (6,192 parameters).
+    "tiny": GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16, structure="block"),
+    # The simulator benchmark's model (13,372,032 parameters).
+    "sim-10m": GPTConfig(vocab_size=8192, seq_len=64, n_layer=6, n_head=4, d_model=384, structure="block"),
+    # GPT-2-style layouts (plan, memory and comm model them; too large or not built for the simulator).
     "gpt2-small": GPTConfig(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768),
     "gpt2-medium": GPTConfig(vocab_size=50257, seq_len=1024, n_layer=24, n_head=16, d_model=1024),
     "gpt2-large": GPTConfig(vocab_size=50257, seq_len=1024, n_layer=36, n_head=20, d_model=1280),
@@ -46,6 +66,23 @@ PRESETS: dict[str, GPTConfig] = {
     # GPT-3 175B shape.
     "gpt3-175b": GPTConfig(vocab_size=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288),
 }
+
+
+def simulator_presets() -> tuple[str, ...]:
+    """The presets ``zerosim simulate`` runs: those with the block-model structure."""
+    return tuple(name for name, cfg in PRESETS.items() if cfg.structure == "block")
+
+
+def require_simulator_preset(name: str) -> GPTConfig:
+    """The preset ``name`` if it is a block model; else a ConfigError (field ``model``) saying which are."""
+    cfg = get_preset(name)
+    if cfg.structure != "block":
+        raise ConfigError(
+            "model", name,
+            f"is a GPT-2 layout; the simulator runs the block models ({', '.join(simulator_presets())}); "
+            "zerosim plan, memory and comm model the GPT-2 layouts",
+        )
+    return cfg
 
 
 def get_preset(name: str) -> GPTConfig:

@@ -3,6 +3,12 @@
 Shared by the MPI rank entry point (:mod:`zerosim.mpi`) and the torchrun one (:mod:`zerogpu.rank`),
 so a failure reads the same under ``mpiexec`` and ``torchrun``. Serves the "bad input: one line;
 a failing rank ends the run non-zero, loudly and once" rule. Pure standard library.
+
+The ``rank R failed: ...`` line comes first and stands alone: a traceback (an error that is not
+ours) follows it on later lines, which ``zerosim simulate --backend mpi|torch`` keeps in its log
+(:mod:`zerosim.launching`). Under that launcher each rank also leaves its process id in
+``$ZEROSIM_RANK_DIR/rank<R>.pid`` (:func:`record_pid`), so a rank killed by a signal can be named
+from the launcher's report of the process that died.
 """
 
 from __future__ import annotations
@@ -14,6 +20,28 @@ import traceback
 from typing import Any
 
 from .errors import ZeroSimError
+
+RANK_DIR_ENV = "ZEROSIM_RANK_DIR"
+
+
+def record_pid(rank: int) -> None:
+    """Leave this process's id in ``$ZEROSIM_RANK_DIR/rank<R>.pid`` when the launcher asked for it."""
+    folder = os.environ.get(RANK_DIR_ENV)
+    if not folder:
+        return
+    with contextlib.suppress(OSError), open(os.path.join(folder, f"rank{rank}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def read_pids(folder: str) -> dict[int, int]:
+    """process id -> rank, from the files :func:`record_pid` left in ``folder``."""
+    out: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            if name.startswith("rank") and name.endswith(".pid"):
+                with contextlib.suppress(OSError, ValueError), open(os.path.join(folder, name)) as f:
+                    out[int(f.read().strip())] = int(name[4:-4])
+    return out
 
 
 def parse_args_on_rank(parser: Any, argv: list[str], rank: int) -> Any:

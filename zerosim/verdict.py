@@ -50,23 +50,44 @@ class Violation:
         }
 
 
+#: a verdict's outcome: no violation, a violation, or no violation up to the step where the reference
+#: the check compares against went non-finite (the steps after it were not compared)
+OUTCOMES = ("pass", "fail", "diverged")
+
+
 @dataclass
 class Verdict:
     contract: str
     violations: list[Violation] = field(default_factory=list)
     checked: int = 0  # how many things (ranks, steps, tensors, plans) the check looked at
     details: dict[str, Any] = field(default_factory=dict)
+    #: the 0-based step at which the reference went non-finite (loss or state); steps from it on were
+    #: not compared. Not a violation: ``passed`` stays true when nothing before it was violated.
+    diverged_at: int | None = None
 
     @property
     def passed(self) -> bool:
         return not self.violations
 
+    @property
+    def outcome(self) -> str:
+        """"fail" (a violation), "diverged" (none, but the comparison stopped where the reference went
+        non-finite) or "pass"."""
+        if self.violations:
+            return "fail"
+        return "diverged" if self.diverged_at is not None else "pass"
+
     def extend(self, other: Verdict) -> None:
         self.violations.extend(other.violations)
         self.checked += other.checked
+        if other.diverged_at is not None:
+            self.diverged_at = (
+                other.diverged_at if self.diverged_at is None else min(self.diverged_at, other.diverged_at)
+            )
 
     def to_json(self) -> dict[str, Any]:
-        return {"contract": self.contract, "passed": self.passed, "checked": self.checked,
+        return {"contract": self.contract, "passed": self.passed, "outcome": self.outcome,
+                "diverged_at": self.diverged_at, "checked": self.checked,
                 "violations": [v.to_json() for v in self.violations],
                 "details": {k: _jsonable(v) for k, v in self.details.items()}}
 

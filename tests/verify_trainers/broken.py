@@ -237,3 +237,11 @@ def hybrid_zero1(model: torch.nn.Module, optim: dict) -> Zero1Trainer:
 
 def hybrid_replicas_drift(model: torch.nn.Module, optim: dict) -> Zero1Trainer:
     return HybridReplicasDrift(model, optim)
+
+
+#: every broken trainer above with the world size it runs at (``zerosim mutants --trainers``)
+MUTANTS = {
+    "summed_gradient": 2, "local_clip_norm": 2, "unowned_remainder": 2, "overlapping_shards": 2,
+    "rank_stops_updating": 2, "wrong_gather_order": 2, "stale_parameters": 2, "double_weight_decay": 2,
+    "adam_step_off_by_one": 2, "gradients_never_zeroed": 2, "hybrid_replicas_drift": 4,
+}

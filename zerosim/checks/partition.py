@@ -204,7 +204,13 @@ def check_state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
             verdict.violations += [dataclasses.replace(_to_global(x, members), context={**x.context, **ctx})
                                    for x in v.violations]
             verdict.checked += v.checked
-        for members in topo.replicate_groups(strategy) if sharded[kind] else [list(range(topo.world_size))]:
+        if not sharded[kind]:
+            replicate_groups = [list(range(topo.world_size))]
+        elif topo.world_size > base.world_size:
+            replicate_groups = topo.replicate_groups(strategy)
+        else:  # one shard group spans the world: every replicate group is a single rank
+            replicate_groups = []
+        for members in replicate_groups:
             first = state_plan.ranks[members[0]].holding(kind)
             for r in members[1:]:
                 other = state_plan.ranks[r].holding(kind)

@@ -11,7 +11,15 @@ import sys
 import time
 from typing import Any
 
-from ..check_impl import BALANCE_MODES, DEFAULT_TOTALS, DEFAULT_WORLD_SIZES, check_partition, describe_ints
+from ..check_impl import (
+    BALANCE_MODES,
+    DEFAULT_CALL_TIMEOUT_S,
+    DEFAULT_TOTALS,
+    DEFAULT_WORLD_SIZES,
+    check_partition,
+    check_sweep_size,
+    describe_ints,
+)
 from ..checks.partition import CONTRACT, check_partition_plan
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
 from ..layout import ParamLayout
@@ -56,9 +64,24 @@ def _register_partition(inner: Any) -> None:
         metavar="MODE",
         help=f"--impl balance rule: {', '.join(BALANCE_MODES)} or an integer bound (default: seed)",
     )
+    p.add_argument("--call-timeout", default=None, metavar="S",
+                   help="--impl: seconds one call (or the import) may take "
+                        f"(default {DEFAULT_CALL_TIMEOUT_S:g})")
     p.add_argument("--limit", type=int, default=50, help="violation lines to print (0 = all; default 50)")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(func=run_partition)
+
+
+def _call_timeout(text: str | None) -> float:
+    if text is None:
+        return DEFAULT_CALL_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 86_400:
+        raise ConfigError("call-timeout", text, "must be a number of seconds in (0, 86400]")
+    return value
 
 
 def _collect(single: list[str] | None, listed: str | None, field: str) -> list[int] | None:
@@ -89,7 +112,8 @@ def run_partition(args: argparse.Namespace) -> int:
                 "model", args.model, "applies to --partitioner only (--impl works on flat totals)"
             )
         report = check_partition(args.impl, world_sizes or DEFAULT_WORLD_SIZES, totals or DEFAULT_TOTALS,
-                                 balance=args.balance if args.balance is not None else "seed")
+                                 balance=args.balance if args.balance is not None else "seed",
+                                 call_timeout=_call_timeout(args.call_timeout))
         if args.json:
             json.dump(report.to_json(), sys.stdout, indent=2)
             print()
@@ -102,6 +126,8 @@ def run_partition(args: argparse.Namespace) -> int:
         raise ConfigError(
             "balance", args.balance, "applies to --impl only (each partitioner has its own bound)"
         )
+    if args.call_timeout is not None:
+        raise ConfigError("call-timeout", args.call_timeout, "applies to --impl only")
     return _check_builtin(args, world_sizes, totals, limit)
 
 
@@ -114,6 +140,8 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
         layouts = [ParamLayout.from_list([("flat", (t,))], name=f"flat-{t}") for t in totals]
     else:
         layouts = [ParamLayout.from_config(args.model or "gpt2-small")]
+    # the same bounds as an --impl sweep (a rank's shard per rank per case), before the first case
+    check_sweep_size(world_sizes or DEFAULT_WORLD_SIZES, len(layouts), "rank shards")
     cases: list[dict[str, Any]] = []
     lines: list[str] = []
     n_violations = 0

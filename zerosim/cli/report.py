@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..cost.shard_sizes import parse_param_count
 from ..errors import ConfigError, require_output_dir
-from ..presets import PRESETS
+from ..presets import PRESETS, require_simulator_preset, simulator_presets
+from ..report.config import check_measured_world_sizes
 from .memory import one_line_errors, positive_int
 
 
@@ -21,7 +22,8 @@ def register(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     one_line_errors(p)
     p.add_argument("--out", default=None, help="output folder (default reports/report-<timestamp>)")
-    p.add_argument("--model", default="tiny", help="the simulator preset measured (default tiny)")
+    p.add_argument("--model", default="tiny",
+                   help=f"the simulator preset measured (default tiny): {', '.join(simulator_presets())}")
     p.add_argument(
         "--world-sizes", default="1,2,4,8", help="measured world sizes, comma-separated (default 1,2,4,8)"
     )
@@ -55,7 +57,9 @@ def _world_sizes(text: str) -> tuple[int, ...]:
     items = [t for t in str(text).split(",") if t.strip()]
     if not items:
         raise ConfigError("world-sizes", text, "must list at least one positive integer")
-    return tuple(sorted({positive_int("world-sizes", t) for t in items}))
+    sizes = tuple(sorted({positive_int("world-sizes", t) for t in items}))
+    check_measured_world_sizes(sizes, "world-sizes")
+    return sizes
 
 
 def config_from_args(args):
@@ -64,6 +68,7 @@ def config_from_args(args):
 
     if args.model not in PRESETS:
         raise ConfigError("model", args.model, f"unknown preset; known: {', '.join(PRESETS)}")
+    require_simulator_preset(args.model)  # the measured runs simulate it: a block model only
     if args.large_model not in PRESETS:
         raise ConfigError("large-model", args.large_model, f"unknown preset; known: {', '.join(PRESETS)}")
     world_sizes = _world_sizes(args.world_sizes)

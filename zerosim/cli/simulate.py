@@ -1,10 +1,12 @@
-"""``zerosim simulate``: train with the reference ZeRO engine on N simulated ranks, check C-ZERO-002..005.
+"""``zerosim simulate``: train with the reference ZeRO engine on N simulated ranks, check C-ZERO-001..005.
 
 With no arguments it runs a meaningful default in a second or two: the ``tiny`` model, 4 ranks,
 FULL_SHARD (ZeRO-3), the ``fsdp`` partitioner, AdamW with clipping at 1.0, 3 steps. A rich progress
 bar, then a table of contract verdicts (and the first violations, if any). Exit status: 0 every
 contract holds, 1 a contract failed, 2 bad input (one line, before anything runs), 3 the run itself
-failed (a non-finite gradient, a rank error, a collective timeout).
+failed (a non-finite gradient, a rank error, a collective timeout) or diverged (the unsharded
+reference itself went non-finite: no contract can be judged after that step). A plan that breaks
+C-ZERO-001 is never trained (exit 1).
 
 The run options (:mod:`zerosim.engine.run_args`) and the printed result (:mod:`zerosim.engine.run_output`)
 are shared with ``mpiexec -n N python -m zerosim.mpi simulate`` (``--backend mpi`` launches that) and
@@ -48,7 +50,12 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise ConfigError("backend", backend, f"the {backend} backend is not available here ({e}); "
                               f"pip install 'zerosim[{extra}]'") from None
-        config_from_args(args).validate()  # bad input fails here, before the launcher starts
+        resolved = config_from_args(args).validate()  # bad input fails here, before the launcher starts
+        from ..engine.run_result import plan_refused_result, plan_verdict
+
+        plan = plan_verdict(resolved)
+        if not plan.passed:  # a plan with gaps or overlaps is never launched
+            return render(plan_refused_result(resolved, plan), args.json)
         return int(launcher.launch_simulate(args))
     from ..engine.spmd import run_simulated
 

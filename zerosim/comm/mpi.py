@@ -35,8 +35,9 @@ Timeouts (a collective whose peers never arrive must not hang the job):
 
 Test-only fault hook: ``ZEROSIM_FAULT="raise:rank=R:call=K"`` makes world rank ``R`` raise when it
 enters its ``K``-th collective (0-based, all groups counted), ``"hang:rank=R:call=K"`` makes it sleep
-forever there instead (:mod:`zerosim.comm.fault_plan`, shared with the torch backend). Used by
-tests/test_mpi_faults.py; never set it in a real run.
+forever there instead, ``"kill:rank=R:call=K"`` makes its process SIGKILL itself there
+(:mod:`zerosim.comm.fault_plan`, shared with the simulator and the torch backend). Used by
+tests/test_mpi_faults.py and tests/test_process_faults.py; never set it in a real run.
 
 Why one module of this length: each collective's hot path is written out (type checks, cached
 reduce plans, integer traffic tallies) so that a call costs what MPI costs.

@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..errors import EXIT_RUN_FAILED, CollectiveTimeout
-from .fault_plan import FaultPlan
+from .fault_plan import FaultPlan, collective_plan
 from .mpi_wire import MPI
 
 if TYPE_CHECKING:
@@ -227,8 +227,9 @@ def process_watchdog() -> Watchdog:
 
 
 def process_fault_plan() -> FaultPlan | None:
+    """This process's collective fault plan (raise, hang, kill) from ``$ZEROSIM_FAULT``, or None."""
     if not _FAULT:
-        _FAULT.append(FaultPlan.from_env())
+        _FAULT.append(collective_plan(FaultPlan.from_env()))
     return _FAULT[0]
 
 

@@ -23,6 +23,12 @@ Failure handling (a distributed run must never hang):
 - mismatched calls (all_gather on one rank, all_reduce on another; different shapes) raise
   :class:`CollectiveMismatch` on every member.
 
+Test-only fault hook: ``ZEROSIM_FAULT="raise:rank=R:call=K"`` makes simulated rank ``R`` raise when it
+enters its ``K``-th collective (0-based, every group and ``split`` counted, one counter per rank),
+``"hang:rank=R:call=K"`` makes its thread sleep forever there instead (its peers' timeout ends the
+run): the same descriptions as under ``mpiexec`` and ``torchrun`` (:mod:`zerosim.comm.fault_plan`).
+``kill`` needs a process per rank and is refused here (ConfigError).
+
 Traffic is accounted per rank, attributed to the ring algorithm (see :mod:`zerosim.comm.base`).
 
 Why one module of this length: the world, its rendezvous and the communicator that enters it are
@@ -40,6 +46,7 @@ from typing import Any, overload
 
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError, ZeroSimError, require_positive_int
 from .base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter
+from .fault_plan import FAULT_ENV, FaultCounter, FaultPlan, collective_plan
 
 SCHEDULES = ("serial", "parallel")
 
@@ -206,6 +213,15 @@ class SimulatedWorld:
         self._failure: tuple[int, BaseException] | None = None
         self._shared: dict[Any, list[Any]] = {}
         self.world_group = self._new_group("world", tuple(range(world_size)))
+        self.faults = self._fault_counters()
+
+    def _fault_counters(self) -> list[FaultCounter]:
+        """One ``$ZEROSIM_FAULT`` collective counter per simulated rank (see the module docstring)."""
+        plan = collective_plan(FaultPlan.from_env())
+        if plan is not None and plan.kind == "kill":
+            raise ConfigError(FAULT_ENV, plan.text, "kill needs one process per rank: use --backend mpi or "
+                              "torch (the simulator's ranks are threads of this process)")
+        return [FaultCounter(plan, r) for r in range(self.world_size)]
 
     def shared(self, key: Any, factory: Callable[[], Any]) -> Any:
         """A read-only value every rank of this world needs (the seed's initial parameters): built once
@@ -441,6 +457,7 @@ class SimCommunicator:
         self.global_ranks = group.global_ranks
         self.traffic = world.traffic[global_rank]
         self.backend = "sim"
+        self._fault = world.faults[global_rank]
 
     def __repr__(self) -> str:
         return f"SimCommunicator(group={self.group_name!r}, rank={self.rank}/{self.world_size})"
@@ -467,6 +484,8 @@ class SimCommunicator:
     def _run(
         self, collective: str, x: Any, op: str | None = None, root: int | None = None, extra: Any = None
     ) -> Any:
+        if self._fault.plan is not None:
+            self._fault.tick(collective, self.group_name)
         return self._world._collective(self._group, self.rank, _Call(collective, op, x, root, extra))
 
     # -- collectives --------------------------------------------------------------------------------

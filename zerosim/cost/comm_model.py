@@ -320,7 +320,7 @@ def comm_per_step(
         topology = Topology(topology)
     if not isinstance(topology, Topology):
         raise ConfigError("topology", topology, "expected a Topology or a world size")
-    if isinstance(strategy, str):
+    if not isinstance(strategy, ShardingStrategy):  # a name; anything else is refused by parse
         strategy = ShardingStrategy.parse(strategy, topology.ranks_per_node)
     require_positive_int("micro_batches", micro_batches)
     require_positive_int("param_bytes", param_bytes)

@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, require_positive_int
+from ..errors import ConfigError, require_non_negative_int, require_positive_int
 from ..layout import ParamLayout
 from ..strategy import ShardingStrategy, StrategyKind, Topology
 from .memory_model import memory_per_rank
@@ -55,8 +55,15 @@ def deepspeed_estimator_formula(
     (docs/references.md, "DeepSpeed memory estimator"). Stage 2 ignores ``largest_layer_params``,
     ``cpu_offload_params`` and ``zero_init``.
     """
-    if stage not in (2, 3):
+    if isinstance(stage, bool) or stage not in (2, 3):
         raise ConfigError("stage", stage, "DeepSpeed's estimator covers ZeRO stages 2 and 3")
+    require_non_negative_int("total_params", total_params)
+    require_non_negative_int("largest_layer_params", largest_layer_params)
+    require_positive_int("num_gpus_per_node", num_gpus_per_node)
+    require_positive_int("num_nodes", num_nodes)
+    if isinstance(additional_buffer_factor, bool) or not isinstance(additional_buffer_factor, int | float) \
+            or not 0 < additional_buffer_factor < float("inf"):
+        raise ConfigError("additional_buffer_factor", additional_buffer_factor, "must be a positive number")
     gpus = num_nodes * num_gpus_per_node
     P, f = total_params, additional_buffer_factor
     if stage == 2:
@@ -113,6 +120,8 @@ def deepspeed_estimator_real(stage: int, total_params: int, largest_layer_params
 
 def largest_layer_numel(layout: ParamLayout) -> int:
     """DeepSpeed's "largest layer": the most parameters one module owns directly (weight + bias)."""
+    if not isinstance(layout, ParamLayout):
+        raise ConfigError("layout", type(layout).__name__, "must be a zerosim.ParamLayout")
     modules: dict[str, int] = {}
     for t in layout.tensors:
         mod = t.name.rsplit(".", 1)[0] if "." in t.name else t.name
@@ -145,6 +154,7 @@ def compare_with_deepspeed(layout: ParamLayout, num_gpus_per_node: int = 8, num_
     ``ds_formula`` always; ``ds_real`` only when DeepSpeed is installed and ``use_real`` (else ``None``
     and ``deepspeed`` says why). Our host bytes are per node (per-rank host x ranks per node).
     """
+    largest_layer_numel(layout)  # validates ``layout``
     require_positive_int("num_gpus_per_node", num_gpus_per_node)
     require_positive_int("num_nodes", num_nodes)
     P = layout.total_numel

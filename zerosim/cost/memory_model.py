@@ -376,6 +376,8 @@ def memory_per_rank(
 
 def all_strategies(topology: Topology) -> list[ShardingStrategy]:
     """Every strategy, hybrids included when the topology has more than one node."""
+    if not isinstance(topology, Topology):
+        raise ConfigError("topology", type(topology).__name__, "must be a zerosim.Topology")
     out = [ShardingStrategy(StrategyKind.NO_SHARD), ShardingStrategy(StrategyKind.SHARD_OPTIMIZER),
            ShardingStrategy(StrategyKind.SHARD_GRAD_OP), ShardingStrategy(StrategyKind.FULL_SHARD)]
     if topology.num_nodes > 1:

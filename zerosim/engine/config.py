@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
+from ..comm.fault_plan import FAULT_ENV, GRADIENT_KINDS, FaultPlan
 from ..comm.sim import SCHEDULES
 from ..cost.comm_model import ZERO1_GRAD_REDUCE
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
@@ -21,26 +22,40 @@ from ..layout import ParamLayout
 from ..model import SimModelConfig, sim_layout
 from ..optim import OptimizerSpec
 from ..partition import get_partitioner
+from ..partition.base import RegisteredPartitioner
+from ..partition.mutations import mutate
 from ..plan import StatePlan, build_plan
 from ..precision import Precision
-from ..presets import PRESETS
+from ..presets import PRESETS, require_simulator_preset, simulator_presets
 from ..strategy import ShardingStrategy, StrategyKind, Topology
-from .fault_catalog import FAULTS
+from .fault_catalog import FAULTS, refusal
 
 OBSERVE_LEVELS = ("full", "digest", "none", "auto")
 XP_NAMES = ("numpy", "torch")
+LOAD_MODES = ("seed", "broadcast")
 AUTO_FULL_LIMIT = 20_000_000    # world * steps * params above which "auto" keeps digests of gathered weights
 AUTO_VALUES_LIMIT = 30_000_000  # steps * params above which "auto" keeps no shard values (C-ZERO-002 skipped)
+#: The largest world size a run is configured for: every rank runs its own engine (a thread, or a
+#: process) and time grows faster than the world size: 128 ranks of ``tiny`` took about a minute on
+#: two cores, 256 ranks about four.
+MAX_SIM_WORLD_SIZE = 128
+#: Bounds on the work of one run, measured on two cores: about 1e10 model flop/s (6 x params x tokens)
+#: and about 6 ms of per-micro-batch bookkeeping per rank; each limit is about an hour there.
+MAX_SIM_FLOP = 36_000_000_000_000
+MAX_SIM_RANK_MICRO_STEPS = 600_000
 
 
 @dataclass(frozen=True)
 class NanInjection:
-    """Test hook: put a NaN into ``tensor``'s gradient on ``rank`` at ``step`` / ``micro`` (element 0)."""
+    """Test hook: put ``value`` (``"nan"``, ``"inf"`` or ``"-inf"``) into ``tensor``'s gradient on ``rank``
+    at ``step`` / ``micro`` (element 0). Also set by ``ZEROSIM_FAULT=nan|inf|-inf:rank=R:step=S[:micro=M]
+    [:tensor=NAME]`` (:mod:`zerosim.comm.fault_plan`) when ``RunConfig.inject_nan`` is None."""
 
     rank: int
     step: int
     tensor: str
     micro: int = 0
+    value: str = "nan"
 
 
 @dataclass
@@ -69,6 +84,12 @@ class RunConfig:
     observe: str = "auto"
     inject_nan: dict[str, Any] | NanInjection | None = None
     fault: str | None = None
+    #: Initial weights: built from the seed on every rank ("seed"), or built on rank 0 only and
+    #: broadcast tensor by tensor, each rank keeping its shard ("broadcast": the rank-0 load path).
+    load: str = "seed"
+    #: After this step (0-based), save the full state dict (every shard all-gathered and assembled by
+    #: the plan) and load it back at the same world size; None: never.
+    reshard_at: int | None = None
     xp: str = "numpy"
     #: How ZeRO-1 averages the gradient: "all_reduce" of the full flat gradient (torch's
     #: ZeroRedundancyOptimizer; default) or "reduce_scatter" into the rank's shard (DeepSpeed stage 1
@@ -109,6 +130,11 @@ class ResolvedRun:
             raise ConfigError("config", type(cfg).__name__, "expected a RunConfig")
         self.cfg = cfg
         self.world_size = require_positive_int("world_size", cfg.world_size)
+        if self.world_size > MAX_SIM_WORLD_SIZE:
+            raise ConfigError("world_size", self.world_size,
+                              f"at most {MAX_SIM_WORLD_SIZE} ranks: every rank runs its own engine and time "
+                              "grows faster than the world size (about a minute for 128 ranks of tiny on two "
+                              "cores, four for 256); zerosim plan and memory model larger worlds")
         self.steps = require_positive_int("steps", cfg.steps)
         self.micro_batches = require_positive_int("micro_batches", cfg.micro_batches)
         self.seed = require_non_negative_int("seed", cfg.seed)
@@ -136,6 +162,7 @@ class ResolvedRun:
         self.zero1_grad_reduce = cfg.zero1_grad_reduce
         self.model_cfg = _model_config(cfg)
         self.layout: ParamLayout = sim_layout(self.model_cfg)
+        self._refuse_unbounded_work()
         self.strategy = _strategy(cfg)
         if cfg.ranks_per_node is not None:
             require_positive_int("ranks_per_node", cfg.ranks_per_node)
@@ -151,7 +178,8 @@ class ResolvedRun:
             )
         except ConfigError as e:
             raise ConfigError("ranks_per_node", cfg.ranks_per_node, e.reason) from None
-        get_partitioner(cfg.partitioner)  # unknown name -> ConfigError listing the known ones
+        #: the partition rule the run uses: the named one, or its broken mutation under a partitioner fault
+        self.partition_rule: RegisteredPartitioner = get_partitioner(cfg.partitioner)  # unknown: ConfigError
         self.partitioner = cfg.partitioner
         self.spec = _optimizer_spec(cfg)
         self.precision = Precision.parse(cfg.precision)
@@ -162,12 +190,16 @@ class ResolvedRun:
                 f"CPU offload is implemented for FULL_SHARD / HYBRID_SHARD, not {self.strategy.name}",
             )
         self.inject_nan = _injection(cfg.inject_nan, self)
+        if cfg.load not in LOAD_MODES:
+            raise ConfigError("load", cfg.load, f"known: {', '.join(LOAD_MODES)}")
+        if cfg.reshard_at is not None:
+            require_non_negative_int("reshard_at", cfg.reshard_at)
+            if cfg.reshard_at >= self.steps:
+                raise ConfigError("reshard_at", cfg.reshard_at,
+                                  f"must be a step of the run, below steps={self.steps}")
         if cfg.fault is not None and cfg.fault not in FAULTS:
             raise ConfigError("fault", cfg.fault, f"unknown fault; known: {', '.join(sorted(FAULTS))}")
         self.fault = cfg.fault
-        if cfg.fault is not None and not FAULTS[cfg.fault].applies(self.strategy, self.world_size):
-            raise ConfigError("fault", cfg.fault, f"does not apply to strategy {self.strategy.name} with "
-                              f"world_size={self.world_size}")
         self.k = self.strategy.shard_group_size(self.world_size)
         self.replicas = self.world_size // self.k
         if self.strategy.shards_optimizer and self.layout.total_numel < 1:
@@ -176,6 +208,14 @@ class ResolvedRun:
         self.unit_plan: UnitPlan = build_unit_plan(
             self.layout, self.strategy, self.partitioner, self.world_size
         )
+        if self.fault is not None:
+            why_not = refusal(FAULTS[self.fault], self)
+            if why_not:
+                raise ConfigError("fault", self.fault, why_not)
+            if FAULTS[self.fault].where == "partitioner":  # the run trains with the broken rule
+                self.partition_rule = mutate(self.partition_rule, FAULTS[self.fault].implementation)
+                self.unit_plan = build_unit_plan(self.layout, self.strategy, self.partition_rule,
+                                                 self.world_size)
         # What ranks keep for the contracts (memory!): shard values (master, optimizer state: about
         # 3 x params per step over all ranks), every rank's full gathered weights (world x params per step).
         psi_steps = self.layout.total_numel * self.steps
@@ -184,10 +224,26 @@ class ResolvedRun:
         self.observe_full = cfg.observe == "full" or (auto and psi_steps * self.world_size <= AUTO_FULL_LIMIT)
         self.observe_gathered = cfg.observe != "none"  # "none": timing runs (the benchmark) observe nothing
 
+    def _refuse_unbounded_work(self) -> None:
+        """ConfigError before anything runs when the run's work exceeds what finishes in about an hour."""
+        m = self.model_cfg
+        shape = (f"{self.world_size} ranks x {self.steps} steps x {self.micro_batches} micro-batches x "
+                 f"{m.batch_size} sequences x {m.seq_len} tokens")
+        tokens = self.world_size * self.steps * self.micro_batches * m.batch_size * m.seq_len
+        flop = 6 * self.layout.total_numel * tokens
+        if flop > MAX_SIM_FLOP:
+            raise ConfigError("run size", shape, f"about {flop:.2g} model flop, above the limit of "
+                              f"{MAX_SIM_FLOP:.2g} (about an hour on two cores); lower steps, micro-batches, "
+                              "batch size, sequence length or world size")
+        rank_micro_steps = self.world_size * self.steps * self.micro_batches
+        if rank_micro_steps > MAX_SIM_RANK_MICRO_STEPS:
+            raise ConfigError("run size", shape, f"{rank_micro_steps:,} rank micro-batch steps, above the "
+                              f"limit of {MAX_SIM_RANK_MICRO_STEPS:,} (about an hour on two cores)")
+
     @cached_property
     def state_plan(self) -> StatePlan:
         """The plan C-ZERO-004 compares the engine's live arrays against."""
-        return build_plan(self.layout, self.strategy, self.partitioner, self.topology)
+        return build_plan(self.layout, self.strategy, self.partition_rule, self.topology)
 
     @property
     def strategy_kind(self) -> StrategyKind:
@@ -218,6 +274,8 @@ class ResolvedRun:
             "offload": self.cfg.offload,
             "prefetch": self.prefetch,
             "fault": self.fault,
+            "load": self.cfg.load,
+            "reshard_at": self.cfg.reshard_at,
             "zero1_grad_reduce": self.zero1_grad_reduce,
             "packed_numel": self.unit_plan.packed_numel,
             "units": len(self.unit_plan.units),
@@ -243,10 +301,12 @@ def _model_config(cfg: RunConfig) -> SimModelConfig:
         raise ConfigError("model", cfg.model, "expected a preset name or a SimModelConfig")
     if cfg.model not in PRESETS:
         raise ConfigError("model", cfg.model, f"unknown preset; known: {', '.join(PRESETS)}")
+    require_simulator_preset(cfg.model)  # a GPT-2 layout is refused: the simulator runs block models only
     m = SimModelConfig.from_preset(cfg.model, **overrides)
     if m.vocab_size * m.d_model * (m.n_layer + 2) > 2_000_000_000:
         raise ConfigError(
-            "model", cfg.model, "too large to simulate in one process (use sim-10m, tiny or gpt2-small)"
+            "model", cfg.model,
+            f"too large to simulate in one process (use {' or '.join(simulator_presets())})",
         )
     return m
 
@@ -287,17 +347,29 @@ def _optimizer_spec(cfg: RunConfig) -> OptimizerSpec:
 
 
 def _injection(raw: Any, run: ResolvedRun) -> NanInjection | None:
+    """``inject_nan`` validated; when None, the gradient fault of ``$ZEROSIM_FAULT`` (nan, inf, -inf), if any.
+    A malformed ``$ZEROSIM_FAULT`` of any kind is a ConfigError here, before any rank starts."""
+    field = "inject_nan"
+    plan = FaultPlan.from_env()
+    if plan is not None and plan.kind in GRADIENT_KINDS:
+        if raw is not None:
+            raise ConfigError(FAULT_ENV, plan.text, "inject_nan is set too; use one of them")
+        field = FAULT_ENV
+        raw = NanInjection(plan.rank, plan.step, plan.tensor or run.layout.tensors[0].name, plan.micro,
+                           plan.kind)
     if raw is None:
         return None
     if isinstance(raw, dict):
-        unknown = set(raw) - {"rank", "step", "tensor", "micro"}
+        unknown = set(raw) - {"rank", "step", "tensor", "micro", "value"}
         if unknown:
             raise ConfigError(
-                "inject_nan", raw, f"unknown keys {sorted(unknown)}; expected rank, step, tensor, micro"
+                "inject_nan", raw,
+                f"unknown keys {sorted(unknown)}; expected rank, step, tensor, micro, value",
             )
         try:
             raw = NanInjection(
-                int(raw["rank"]), int(raw.get("step", 0)), str(raw["tensor"]), int(raw.get("micro", 0))
+                int(raw["rank"]), int(raw.get("step", 0)), str(raw["tensor"]), int(raw.get("micro", 0)),
+                str(raw.get("value", "nan")),
             )
         except (KeyError, TypeError, ValueError):
             raise ConfigError(
@@ -305,11 +377,13 @@ def _injection(raw: Any, run: ResolvedRun) -> NanInjection | None:
             ) from None
     if not isinstance(raw, NanInjection):
         raise ConfigError("inject_nan", raw, "expected a dict or a NanInjection")
+    if raw.value not in GRADIENT_KINDS:
+        raise ConfigError(f"{field}.value", raw.value, f"known: {', '.join(GRADIENT_KINDS)}")
     if not 0 <= raw.rank < run.world_size:
-        raise ConfigError("inject_nan.rank", raw.rank, f"must be in [0, {run.world_size})")
+        raise ConfigError(f"{field}.rank", raw.rank, f"must be in [0, {run.world_size})")
     if not 0 <= raw.step < run.steps:
-        raise ConfigError("inject_nan.step", raw.step, f"must be in [0, {run.steps})")
+        raise ConfigError(f"{field}.step", raw.step, f"must be in [0, {run.steps})")
     if not 0 <= raw.micro < run.micro_batches:
-        raise ConfigError("inject_nan.micro", raw.micro, f"must be in [0, {run.micro_batches})")
+        raise ConfigError(f"{field}.micro", raw.micro, f"must be in [0, {run.micro_batches})")
     run.layout.tensor_range(raw.tensor)  # ConfigError for an unknown tensor
     return raw

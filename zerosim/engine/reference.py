@@ -5,8 +5,10 @@ Two of them, for two different questions:
 * :func:`independent_reference` adapts the model helper's ground truth
   (:func:`zerosim.groundtruth.train_ground_truth`): the model trained unsharded on the
   concatenation of every rank's micro-batches. It shares no reduction code with the engine, so
-  agreeing with it within the documented tolerance says the *semantics* are right (the right
-  divisor, the global norm, every replica reduced, no stale parameter).
+  agreeing with it within the derived per-element rounding bound (:mod:`zerosim.checks.rounding`,
+  propagated step by step from the ground truth's own values: :func:`rounding_bound`) says the
+  *semantics* are right (the right divisor, the global norm, every replica reduced, no stale
+  parameter). Where the ground truth goes non-finite (loss or state) it stops: ``diverged_at``.
 * :func:`ordered_reference` is the same unsharded computation with the engine's *order of
   floating-point operations*: per-(rank, micro-batch) gradients from the unsharded model, reduced
   in the simulator's rank order with the strategy's grouping (reduce-scatter per micro-batch for
@@ -24,9 +26,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..checks.rounding import UNDERFLOW, UNIT_ROUNDOFF, OptimizerHyper, RoundingBound, StepBounds, StepValues
 from ..comm.sim import reduce_in_rank_order
 from ..flat import flatten, unflatten
-from ..groundtruth import train_ground_truth
+from ..groundtruth import GroundTruth, mean_gradient, train_ground_truth
+from ..layout import ParamLayout
 from ..model import BlockModel, init_params, synthetic_batch
 from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
 from ..xp import numpy_namespace
@@ -46,16 +50,22 @@ class ReferenceStep:
     clip_coef: float
     grads: np.ndarray | None = None       # the clipped gradient the optimizer consumed (ordered only)
     params: np.ndarray | None = None      # working params after the step (param dtype)
+    #: per-element rounding bounds (independent only), flat float64 by kind: "master",
+    #: "optimizer.<state name>"; and the bounds of the grad norm and the clip factor
+    bounds: dict[str, np.ndarray] | None = None
+    grad_norm_bound: float | None = None
+    clip_coef_bound: float | None = None
 
 
 @dataclass
 class Reference:
     name: str
     steps: list[ReferenceStep] = field(default_factory=list)
+    diverged_at: int | None = None  # the 0-based step at which it went non-finite (no ReferenceStep)
 
 
 def independent_reference(run: ResolvedRun) -> Reference:
-    """The model helper's unsharded ground truth, step by step.
+    """The model helper's unsharded ground truth, step by step, with its per-element rounding bounds.
 
     fp32: ``grad_mode="concat"`` (one batch of every rank's micro-batches: different matrix shapes,
     nothing shared with the engine but the model). bf16/fp16: ``grad_mode="micro"`` (per micro-batch
@@ -64,12 +74,99 @@ def independent_reference(run: ResolvedRun) -> Reference:
     16-bit rounding, which Adam's normalisation turns into O(lr) parameter differences."""
     mode = "micro" if run.precision.is_mixed else "concat"
     gt = train_ground_truth(run.model_cfg, run.spec, run.precision, run.world_size, run.micro_batches,
-                            run.steps, run.seed, grad_mode=mode)
-    ref = Reference(f"ground_truth[{mode}]")
+                            run.steps, run.seed, grad_mode=mode, record_terms=True)
+    ref = Reference(f"ground_truth[{mode}]", diverged_at=gt.diverged_at)
+    bound = rounding_bound(run, mode)
+    kinds = ["master"] + [f"optimizer.{k}" for k in run.spec.state_names]
     for i, snap in enumerate(gt.snapshots):
-        ref.steps.append(ReferenceStep(i, snap.params, dict(snap.state), snap.optimizer_step, snap.loss,
-                                       snap.grad_norm, snap.clip_coef))
+        b = bound.step(step_values(gt, i))
+        ref.steps.append(ReferenceStep(
+            i, snap.params, dict(snap.state), snap.optimizer_step, snap.loss, snap.grad_norm, snap.clip_coef,
+            bounds=flat_bounds(b, gt.layout, kinds), grad_norm_bound=b.grad_norm, clip_coef_bound=b.clip_coef,
+        ))
     return ref
+
+
+def reduction_length(run: ResolvedRun) -> int:
+    """A bound on the additions along any gradient element's chain: the global batch's tokens, the
+    local gradients added across ranks and micro-batches, and 4 (layers + 1) dot products of at most
+    the widest dimension (vocabulary, width or MLP width) each."""
+    cfg = run.model_cfg
+    local = run.world_size * run.micro_batches
+    widest = max(cfg.vocab_size, cfg.d_model, cfg.d_ff)
+    return local * cfg.tokens_per_micro_batch + local + 4 * (cfg.n_layer + 1) * widest
+
+
+def rounding_bound(run: ResolvedRun, grad_mode: str | None = None) -> RoundingBound:
+    """The rounding model of :mod:`zerosim.checks.rounding` for this run: float32 masters and optimizer;
+    mixed precision computes with the master cast to 16 bits and rounds each local gradient to 16 bits
+    once: the engine the unscaled gradient (then divides by K = world x micro-batches), the ground
+    truth the gradient already scaled by 1/K, so underflow costs f16 once and K f16. With
+    ``grad_mode`` the model probes the ground truth's gradient (computed that way) at perturbed
+    masters (:meth:`RoundingBound.probed_response`)."""
+    xp = numpy_namespace()
+    probe = None
+    if grad_mode is not None:
+        model, layout, prec_ = BlockModel(run.model_cfg, xp), run.layout, run.precision
+
+        def probe(values: StepValues, master: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            flat = np.concatenate([master[t.name] for t in layout.tensors]).astype(np.float32)
+            params = unflatten(prec_.to_params(flat, xp), layout)
+            # the ground truth's optimizer step t trains on the batch of data step t - 1
+            _, grad = mean_gradient(model, params, prec_, run.model_cfg, run.seed, values.t - 1,
+                                    run.world_size, run.micro_batches, grad_mode)
+            return _named(np.asarray(grad), layout)
+
+    prec, spec = run.precision, run.spec
+    mx = spec.max_grad_norm
+    clip = None if mx is None else (lambda norm: clip_coefficient(norm, mx))
+    cast = None
+    grad_roundoff = grad_floor = 0.0
+    if prec.is_mixed:
+        def cast(a: np.ndarray) -> np.ndarray:
+            return np.asarray(prec.to_params(np.asarray(a, dtype=np.float32), xp)).astype(np.float64)
+
+        local = run.world_size * run.micro_batches
+        grad_roundoff = UNIT_ROUNDOFF[prec.grad_dtype]
+        grad_floor = (local + 1) * UNDERFLOW[prec.grad_dtype]
+    return RoundingBound(OptimizerHyper.from_mapping(spec.to_dict()), u=UNIT_ROUNDOFF[prec.master_dtype],
+                         n=reduction_length(run), working_cast=cast, grad_roundoff=grad_roundoff,
+                         grad_floor=grad_floor, clip_function=clip, probe=probe)
+
+
+def _named(flat: np.ndarray, layout: ParamLayout) -> dict[str, np.ndarray]:
+    return {t.name: flat[g0:g0 + t.numel] for t, g0 in zip(layout.tensors, layout.offsets, strict=True)}
+
+
+def step_values(gt: GroundTruth, i: int) -> StepValues:
+    """The ground truth's step ``i`` (0-based) as the rounding model reads it, per tensor."""
+    snap, layout = gt.snapshots[i], gt.layout
+    if snap.grad is None or snap.grad_terms is None:
+        raise ValueError("the ground truth was trained without record_terms")
+    state = {k: _named(v, layout) for k, v in snap.state.items()}
+    return StepValues(
+        t=snap.optimizer_step,
+        params_before=_named(gt.params_after(i), layout),
+        params=_named(snap.params, layout),
+        state={t.name: {k: state[k][t.name] for k in state} for t in layout.tensors},
+        grad=_named(snap.grad, layout),
+        grad_terms=_named(snap.grad_terms, layout),
+        grad_norm=snap.grad_norm,
+        clip_coef=snap.clip_coef,
+    )
+
+
+def flat_bounds(b: StepBounds, layout: ParamLayout, kinds: list[str]) -> dict[str, np.ndarray]:
+    """The per-tensor bounds of one step as flat arrays in layout order, by C-ZERO-002's kind names."""
+    out = {}
+    for kind in kinds:
+        if kind == "master":
+            parts = [b.params[t.name] for t in layout.tensors]
+        else:
+            name = kind.removeprefix("optimizer.")
+            parts = [b.state[t.name][name] for t in layout.tensors]
+        out[kind] = np.concatenate(parts) if parts else np.zeros(0)
+    return out
 
 
 def ordered_reference(run: ResolvedRun) -> Reference:

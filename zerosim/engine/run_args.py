@@ -14,7 +14,7 @@ from typing import Any
 from ..comm.sim import SCHEDULES
 from ..errors import ConfigError
 from ..precision import PRECISION_NAMES
-from ..presets import PRESETS
+from ..presets import simulator_presets
 from .config import RunConfig
 from .fault_catalog import FAULTS
 
@@ -26,7 +26,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by ``zerosim simulate`` and ``python -m zerosim.mpi simulate``."""
     g = p.add_argument_group("run")
     g.add_argument(
-        "--model", default="tiny", metavar="PRESET", help=f"model preset (default tiny): {', '.join(PRESETS)}"
+        "--model", default="tiny", metavar="PRESET",
+        help=f"block-model preset (default tiny): {', '.join(simulator_presets())}",
     )
     g.add_argument("--world-size", type=int, default=4, metavar="N", help="number of ranks (default 4)")
     g.add_argument("--strategy", default="full_shard", metavar="S", help=STRATEGY_HELP)
@@ -60,8 +61,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--observe", default="auto", choices=("auto", "full", "digest"),
                    help="keep shard values for C-ZERO-002 (full), digests only, or full when small (auto)")
     g.add_argument("--fault", default=None, metavar="NAME",
-                   help="run a deliberately broken engine variant (shows what the contracts catch): "
-                        + ", ".join(sorted(FAULTS)))
+                   help="run a deliberately broken variant (shows what the contracts catch; `zerosim "
+                        "mutants` runs them all): " + ", ".join(sorted(FAULTS)))
+    g.add_argument("--load", default="seed", choices=("seed", "broadcast"),
+                   help="initial weights built on every rank from the seed (default), or on rank 0 only "
+                        "and broadcast tensor by tensor, each rank keeping its shard")
+    g.add_argument("--reshard-at", type=int, default=None, metavar="STEP",
+                   help="after STEP, save the full state dict and load it back (a state-dict round trip)")
     g.add_argument("--inject-nan", default=None, metavar="RANK:STEP:TENSOR",
                    help="test hook: a NaN in TENSOR's gradient on RANK at STEP (e.g. 1:0:blocks.0.mlp.w_in)")
     g.add_argument(
@@ -126,5 +132,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
         observe=args.observe,
         inject_nan=_parse_injection(args.inject_nan),
         fault=args.fault,
+        load=getattr(args, "load", "seed"),
+        reshard_at=getattr(args, "reshard_at", None),
         zero1_grad_reduce=getattr(args, "zero1_reduce", "all_reduce"),
     )

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any
 
-from ..errors import EXIT_CONTRACT_FAILED, EXIT_OK
+from ..errors import EXIT_CONTRACT_FAILED, EXIT_OK, EXIT_RUN_FAILED
 from .run_result import RunResult
 
 
@@ -28,13 +28,23 @@ def _summary(contract: str, v: Any) -> str:
     d = v.details
     if d.get("skipped"):
         return str(d["skipped"])
+    if contract == "C-ZERO-001":
+        return (f"shard group of {d.get('world_size', '?')}: every element owned once, spread "
+                f"{d.get('spread', '?')} <= {d.get('balance_bound', '?')}")
     if contract == "C-ZERO-002":
         gt = d.get("ground_truth", {})
         errs = gt.get("max_abs_error", {})
         worst = max(errs.values(), default=0.0)
-        tol = gt.get("tolerance") or {}
         bit = "bitwise equal to the same-order reference; " if d.get("bitwise_required") else ""
-        return f"{bit}max |err| vs ground truth {worst:.2g} (tolerance {tol.get('atol_scale', '?')} x scale)"
+        if "max_error_over_bound" in gt:
+            ratio = max(gt["max_error_over_bound"].values(), default=0.0)
+            within = f"at most {ratio:.2g} x its derived rounding bound"
+        else:
+            within = f"tolerance {(gt.get('tolerance') or {}).get('atol_scale', '?')} x scale"
+        if v.diverged_at is None:
+            return f"{bit}max |err| vs ground truth {worst:.2g} ({within})"
+        compared = f"; before it max |err| {worst:.2g} ({within})" if v.diverged_at > 0 else ""
+        return f"{bit}ground truth non-finite from step {v.diverged_at}{compared}"
     if contract == "C-ZERO-003":
         return (f"{d.get('ranks', '?')} ranks x {d.get('steps', '?')} steps bitwise identical to each other "
                 "and to the master")
@@ -52,8 +62,10 @@ def _summary(contract: str, v: Any) -> str:
 
 
 def render(result: RunResult, as_json: bool) -> int:
-    """Print the verdicts (table or JSON); return the exit status (0 pass, 1 a contract failed)."""
-    code = EXIT_OK if result.passed else EXIT_CONTRACT_FAILED
+    """Print the verdicts (table or JSON); return the exit status (0 pass, 1 a contract failed, 3 no
+    contract failed but the training diverged: a reference went non-finite and was compared up to there)."""
+    outcome = result.outcome
+    code = {"pass": EXIT_OK, "fail": EXIT_CONTRACT_FAILED, "diverged": EXIT_RUN_FAILED}[outcome]
     if as_json:
         try:
             json.dump(result.to_json(), sys.stdout, indent=2)
@@ -90,7 +102,8 @@ def render(result: RunResult, as_json: bool) -> int:
         table.add_column(col)
     for cid, v in result.verdicts.items():
         skipped = bool(v.details.get("skipped"))
-        verdict = "[yellow]SKIP[/]" if skipped else ("[green]PASS[/]" if v.passed else "[red]FAIL[/]")
+        verdict = "[yellow]SKIP[/]" if skipped else {
+            "pass": "[green]PASS[/]", "fail": "[red]FAIL[/]", "diverged": "[yellow]DIVERGED[/]"}[v.outcome]
         summary = _summary(cid, v) if v.passed else f"{len(v.violations)} violation(s)"
         table.add_row(cid, titles.get(cid, ""), verdict, str(v.checked), summary)
     print_table(table, console)
@@ -101,4 +114,9 @@ def render(result: RunResult, as_json: bool) -> int:
             shown += 1
     if shown:
         console.print("(more detail: --json)")
+    for cid, v in result.verdicts.items():
+        if v.diverged_at is not None:
+            console.print(f"{cid}: the training diverged: the reference is not finite (loss or state) "
+                          f"from step {v.diverged_at} on; the steps before it were compared", style="yellow",
+                          markup=False, highlight=False, soft_wrap=True)
     return code

@@ -1,8 +1,10 @@
-"""The result of one run and how it is judged: every step contract (C-ZERO-002..005) on its observations.
+"""The result of one run and how it is judged: C-ZERO-001 on its plan, C-ZERO-002..005 on its observations.
 
-:func:`evaluate` ``(cfg, observations) -> RunResult`` computes the unsharded references and runs the
-step checks on the per-rank observations of a run from any backend (simulator, MPI, torch). It is
-pure with respect to the backend: the observations are host numpy whichever backend produced them.
+:func:`plan_verdict` checks the partition the run trains with before any rank starts (a plan that
+breaks C-ZERO-001 is never trained: :func:`plan_refused_result`). :func:`evaluate` ``(cfg,
+observations) -> RunResult`` computes the unsharded references and runs the step checks on the
+per-rank observations of a run from any backend (simulator, MPI, torch). It is pure with respect to
+the backend: the observations are host numpy whichever backend produced them.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks.partition import check_partition_plan
 from ..checks.step import (
     OwnershipExpectation,
     check_communication,
@@ -27,7 +30,7 @@ from ..verdict import Verdict
 from .config import ResolvedRun, RunConfig
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
-CONTRACTS = ("C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
+CONTRACTS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
 
 
 def resolve_run(cfg: RunConfig | ResolvedRun) -> ResolvedRun:
@@ -52,12 +55,34 @@ class RunResult:
     def passed(self) -> bool:
         return all(v.passed for v in self.verdicts.values())
 
+    @property
+    def outcome(self) -> str:
+        """"fail" (a contract was violated), "diverged" (none was, but a reference went non-finite and
+        the comparison stopped there: :attr:`Verdict.diverged_at`) or "pass"."""
+        outcomes = {v.outcome for v in self.verdicts.values()}
+        return "fail" if "fail" in outcomes else ("diverged" if "diverged" in outcomes else "pass")
+
     def to_json(self) -> dict[str, Any]:
-        return {"config": self.config, "passed": self.passed,
+        return {"config": self.config, "passed": self.passed, "outcome": self.outcome,
                 "verdicts": {k: v.to_json() for k, v in self.verdicts.items()},
                 "steps": self.steps, "comm_model": self.comm.to_json(with_links=False) if self.comm else None,
                 "timings": self.timings,
                 "ranks": [o.to_json(with_steps=False) for o in self.observations]}
+
+
+def plan_verdict(run: ResolvedRun) -> Verdict:
+    """C-ZERO-001 on the partition the run trains with: one shard group's plan (every group has it)."""
+    return check_partition_plan(run.unit_plan.shard_plan, context={"partitioner": run.unit_plan.partitioner,
+                                                                   "shard_group_size": run.k})
+
+
+def plan_refused_result(run: ResolvedRun, verdict: Verdict) -> RunResult:
+    """The result of a run whose plan breaks C-ZERO-001: nothing was trained, the step contracts were
+    not run (their verdicts say so)."""
+    verdicts = {"C-ZERO-001": verdict}
+    for contract in CONTRACTS[1:]:
+        verdicts[contract] = Verdict(contract, details={"skipped": "not trained: the plan breaks C-ZERO-001"})
+    return RunResult(run.describe(), verdicts, [])
 
 
 def ownership_expectation(run: ResolvedRun) -> OwnershipExpectation:
@@ -98,7 +123,7 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
     timings: dict[str, float] = {}
     layout = run.layout
     full = all(s.master is not None for o in obs for s in o.steps)
-    verdicts: dict[str, Verdict] = {}
+    verdicts: dict[str, Verdict] = {"C-ZERO-001": plan_verdict(run)}
 
     def phase(name: str, i: int) -> None:
         if progress is not None:

@@ -19,7 +19,7 @@ from ..observe import RankObservation
 from ..xp import numpy_namespace, torch_namespace
 from .config import ResolvedRun, RunConfig
 from .faults import engine_class
-from .run_result import ProgressFn, RunResult, evaluate, resolve_run
+from .run_result import ProgressFn, RunResult, evaluate, plan_refused_result, plan_verdict, resolve_run
 
 __all__ = ["rank_program", "run_simulated", "simulate_observations"]
 
@@ -63,6 +63,9 @@ def simulate_observations(
 def run_simulated(cfg: RunConfig, progress: ProgressFn | None = None) -> RunResult:
     """Validate, run on the in-process simulator, evaluate every step contract."""
     run = resolve_run(cfg)
+    plan = plan_verdict(run)
+    if not plan.passed:  # a plan with gaps or overlaps is never trained
+        return plan_refused_result(run, plan)
     t = time.perf_counter()
     obs = simulate_observations(run, progress)
     train_s = time.perf_counter() - t

@@ -160,8 +160,11 @@ class ZeroEngine:
                 flat.flags.writeable = False  # would warn on wrapping a read-only array; it only copies out)
             return flat
 
-        share = getattr(self.comm, "shared", None)  # the simulator builds it once for all its ranks
-        full = share(("init_params", cfg, seed), make) if callable(share) else make()
+        if self.run.cfg.load == "broadcast":
+            full = self.receive_initial_weights(make)
+        else:
+            share = getattr(self.comm, "shared", None)  # the simulator builds it once for all its ranks
+            full = share(("init_params", cfg, seed), make) if callable(share) else make()
         pdt = self.precision.param_dtype
         self.owned_pieces = (
             tuple(self.units.owned_global(self.local)) if self.sharded_optim else ((0, self.total, 0),)
@@ -195,6 +198,22 @@ class ZeroEngine:
         self.grad_acc = xp.zeros(n_grad, "float32")
         self.opt_state = self.opt.init_state(self.master.shape[0])
         self._track_state()
+
+    def receive_initial_weights(self, make: Any) -> Any:
+        """The rank-0 load path (``load="broadcast"``): only world rank 0 builds the weights; they are
+        broadcast one tensor at a time over :meth:`load_comm` and every rank returns the full flat
+        host array (the caller keeps its shard). C-ZERO-002/003 hold every rank to the same weights."""
+        xp = self.xp
+        comm = self.load_comm()
+        source = make() if self.rank == 0 else None
+        full = xp.zeros(self.total, "float32")
+        for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True):
+            if not t.numel:
+                continue
+            buf = xp.from_numpy(source[g0:g0 + t.numel], copy=True) if source is not None else \
+                xp.zeros(t.numel, "float32")
+            xp.assign(full[g0:g0 + t.numel], comm.broadcast(buf, root=0))
+        return xp.to_numpy(full)
 
     def _track_state(self) -> None:
         xp, tr = self.xp, self.tracker
@@ -261,6 +280,15 @@ class ZeroEngine:
 
     def extra_holdings(self) -> dict[str, Holding]:
         return {}
+
+    def load_comm(self) -> Communicator:
+        """The group the rank-0 load broadcasts over: the whole world (a fault misses a replica group)."""
+        return self.comm
+
+    def gathered_chunk_index(self, local_rank: int) -> int:
+        """Where shard-group rank ``local_rank``'s shard sits in an all-gathered buffer: at its own rank
+        (a full-state-dict assembly in another order reloads another rank's shard)."""
+        return local_rank
 
     # =============================================================================================
     # packing (unit space <-> packed rank-major space)
@@ -362,7 +390,7 @@ class ZeroEngine:
             return grads
         xp = self.xp
         g = xp.copy(grads[inj.tensor])
-        xp.assign(xp.reshape(g, (-1,))[0:1], float("nan"))
+        xp.assign(xp.reshape(g, (-1,))[0:1], float(inj.value))  # "nan", "inf" or "-inf"
         return {**grads, inj.tensor: g}
 
     def check_finite(self, step: int, named: dict[str, Any], flat: Any | None = None) -> None:
@@ -559,7 +587,34 @@ class ZeroEngine:
             self.obs.offload.setdefault("steps", []).append(dict(self._moved))
             self._moved = {"host_to_device": 0, "device_to_host": 0}
         self.observe(obs)
+        if self.run.cfg.reshard_at == step:
+            self.reshard_round_trip()
         return obs
+
+    def reshard_round_trip(self) -> None:
+        """Save the full state dict and load it back at the same world size, between two steps.
+
+        Every sharded float32 state (master, optimizer moments) is all-gathered over the shard group,
+        assembled into the full flat array by the plan (:meth:`assemble_full_state`), and this rank
+        keeps its own pieces. Correct code changes no bit, which C-ZERO-002 checks at the next step.
+        The traffic falls between steps, outside every step's C-ZERO-005 count."""
+        if not self.sharded_optim or self.shard_comm is None:
+            return  # every rank already holds the full state
+        arrays = [self.master, *(self.opt_state[n] for n in self.run.spec.state_names)]
+        for arr in arrays:
+            full = self.assemble_full_state(self.shard_comm.all_gather(arr))
+            self.xp.assign(arr, self._own_chunk(full))
+
+    def assemble_full_state(self, gathered: Any) -> Any:
+        """The full flat array from an all-gather of every rank's packed shard (padding dropped)."""
+        xp = self.xp
+        full = xp.zeros(self.total, "float32")
+        size = self.units.shard_numel
+        for j in range(self.k):
+            base = self.gathered_chunk_index(j) * size
+            for g0, g1, pos in self.units.owned_global(j):
+                xp.assign(full[g0:g1], gathered[base + pos:base + pos + g1 - g0])
+        return full
 
     def optimizer_step(self, grad: Any) -> None:
         self.opt.step(self.master, grad, self.opt_state)

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ..errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError
-from ..rank_messages import parse_args_on_rank
+from ..rank_messages import parse_args_on_rank, record_pid
 from .rank import run_rank
 
 USAGE = "usage: mpiexec -n N python -m zerosim.mpi simulate [zerosim simulate options]"
@@ -92,6 +92,7 @@ def simulate(argv: list[str]) -> NoReturn:
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
+    record_pid(rank)
     try:
         args = parse_args_on_rank(build_parser(), argv, rank)
     except SystemExit as e:  # the same on every rank: nothing started, nobody waits

@@ -9,6 +9,12 @@ point detects and reports.
 Every launch has a wall-clock timeout. ``mpiexec`` runs in its own session (process group); on
 timeout the whole group gets SIGTERM, then SIGKILL, so no rank outlives the launch
 (:func:`zerosim.launching.run_process_group`, shared with the torchrun launcher).
+
+``zerosim simulate --backend mpi`` (:func:`launch_simulate`) streams rank 0's output and ends with
+the ranks' own one-line verdict on a failure; MPICH's noise (``Abort(3) on node ...``, the
+"BAD TERMINATION" banner it prints on stdout when a rank dies) goes to a log named in that line. A
+rank killed by a signal is named from the banner's process id and the ids the ranks recorded
+(:func:`zerosim.rank_messages.record_pid`): ``rank 1 failed: killed by signal 9 (SIGKILL)``, exit 3.
 """
 
 from __future__ import annotations
@@ -16,19 +22,25 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import shlex
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EXIT_LAUNCH_TIMEOUT, ConfigError, require_positive_int
+from ..errors import EXIT_BAD_INPUT, EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError, require_positive_int
 from ..launching import (
+    death_line,
+    finish_launch,
     launch_timeout_from_env,
     require_launch_timeout,
     run_process_group,
+    run_streamed,
 )
+from ..rank_messages import RANK_DIR_ENV, read_pids
 
 _KILL_GRACE_S = 3.0
 
@@ -150,13 +162,44 @@ def launch_simulate(args: argparse.Namespace) -> int:
     from ..engine.run_args import add_run_arguments
 
     n = require_positive_int("world_size", getattr(args, "world_size", None))
-    timeout_s = getattr(args, "launch_timeout", None) or launch_timeout_from_env()
+    timeout_s = require_launch_timeout(getattr(args, "launch_timeout", None) or launch_timeout_from_env())
+    require_mpi4py()
     argv = ["-m", "zerosim.mpi", "simulate", *forward_argv(args, add_run_arguments, drop=("backend",))]
-    result = run_mpiexec(n, argv, timeout_s, capture=False)
-    if result.timed_out:
-        print(
-            f"error: mpiexec -n {n} did not finish within {timeout_s:g}s (launch timeout); killed it and its "
-            "ranks",
-            file=sys.stderr,
-        )
-    return result.returncode
+    command = [*find_mpiexec(), "-n", str(n), sys.executable, *argv]
+    with tempfile.TemporaryDirectory(prefix="zerosim-mpi-ranks-") as rank_dir:
+        run = run_streamed(command, timeout_s, {**os.environ, RANK_DIR_ENV: rank_dir}, log_name="mpiexec",
+                           kill_grace_s=_KILL_GRACE_S, is_noise=is_mpich_banner)
+        pids = read_pids(rank_dir)
+    code = run.returncode if run.returncode in (0, 1, EXIT_BAD_INPUT) else EXIT_RUN_FAILED
+    return finish_launch(run, code, f"mpiexec -n {n}", f"{timeout_s:g}s",
+                         lambda r: diagnose_mpich_death(r.log_text(), pids, bool(r.messages)))
+
+
+# ---- MPICH's report of a rank that died -------------------------------------------------------------
+
+_BANNER_RE = re.compile(r"^={20,}\s*$")
+_PID_RE = re.compile(r"PID (\d+) RUNNING AT")
+_EXIT_CODE_RE = re.compile(r"EXIT CODE: (\d+)")
+_SIGNAL_RE = re.compile(r"EXIT STRING: .*\(signal (\d+)\)")
+
+
+def is_mpich_banner(line: str) -> bool:
+    """The first line of the banner MPICH's mpiexec prints on stdout when a rank terminates badly."""
+    return bool(_BANNER_RE.match(line))
+
+
+def diagnose_mpich_death(log: str, pids: dict[int, int], said_why: bool = False) -> str | None:
+    """``rank R failed: killed by signal S (NAME)`` from MPICH's banner in ``log`` and the ranks' process
+    ids (``pids``: pid -> rank); None when the log holds no such banner, or when it reports an exit
+    status (no signal) and a rank ``said_why`` (its own ``rank R failed: ...`` line is the better one)."""
+    pid = _PID_RE.search(log)
+    if pid is None:
+        return None
+    rank: int | str = pids.get(int(pid.group(1)), f"? (pid {pid.group(1)})")
+    sig = _SIGNAL_RE.search(log)
+    code = _EXIT_CODE_RE.search(log)
+    if sig is not None:
+        return death_line(rank, int(sig.group(1)), None)
+    if said_why:
+        return None
+    return death_line(rank, None, int(code.group(1)) if code else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+from ._common import MAX_INTERVALS, MAX_WORLD_SIZE
 from .base import PARTITIONERS, RankShard, ShardPlan, get_partitioner, register_partitioner
 
 # Built-in partitioner modules; each registers itself with ``register_partitioner`` on import.
@@ -22,4 +23,5 @@ def _import_builtins() -> None:
 _import_builtins()
 _load_builtin = True
 
-__all__ = ["PARTITIONERS", "RankShard", "ShardPlan", "get_partitioner", "register_partitioner"]
+__all__ = ["MAX_INTERVALS", "MAX_WORLD_SIZE", "PARTITIONERS", "RankShard", "ShardPlan", "get_partitioner",
+           "register_partitioner"]

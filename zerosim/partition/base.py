@@ -121,9 +121,14 @@ def register_partitioner(name: str, description: str):
     return deco
 
 
-def get_partitioner(name: str) -> RegisteredPartitioner:
+def get_partitioner(name: str | RegisteredPartitioner) -> RegisteredPartitioner:
+    """The registered rule called ``name`` (a rule passed in is returned as it is)."""
+    if isinstance(name, RegisteredPartitioner):
+        return name
     from . import _load_builtin  # noqa: F401  (registers the built-in partitioners)
 
+    if not isinstance(name, str):
+        raise ConfigError("partitioner", name, f"must be a name; known: {', '.join(sorted(PARTITIONERS))}")
     try:
         return PARTITIONERS[name]
     except KeyError:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ..intervals import Interval
 from ..layout import ParamLayout
-from ._common import ceil_div, check_args, make_plan
+from ._common import ceil_div, check_args, check_interval_count, make_plan
 from .base import ShardPlan, register_partitioner
 
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -66,8 +66,11 @@ def deepspeed_zero3_partition(layout: ParamLayout, world_size: int) -> ShardPlan
     real elements except the tail ones, which together lack the ``pad_i < ws`` padding elements.
     """
     ws = check_args(layout, world_size)
+    # only ranks below ceil(n / p) hold elements of a parameter: O(intervals) work, not O(tensors * ranks)
+    pieces = sum(ceil_div(n, ceil_div(n, ws)) for n in layout.numels() if n)
+    check_interval_count("deepspeed-zero3", pieces, ws)
     per_rank: list[list[Interval]] = [[] for _ in range(ws)]
-    padding = [0] * ws
+    real_numel = [0] * ws
     stored = bound = 0
     for offset, tensor in zip(layout.offsets, layout.tensors, strict=True):
         n = tensor.numel
@@ -77,12 +80,12 @@ def deepspeed_zero3_partition(layout: ParamLayout, world_size: int) -> ShardPlan
         bound += min(part, pad)
         if part == 0:
             continue
-        for r in range(ws):
+        for r in range(ceil_div(n, part)):
             start = r * part
-            real = max(min(start + part, n) - start, 0)
-            if real:
-                per_rank[r].append((offset + start, offset + start + real))
-            padding[r] += part - real
+            real = min(start + part, n) - start
+            per_rank[r].append((offset + start, offset + start + real))
+            real_numel[r] += real
+    padding = [stored - n for n in real_numel]  # every rank stores p_i elements of every parameter
     return make_plan(
         "deepspeed-zero3", ws, layout.total_numel, per_rank, padding, bound,
         notes="each parameter padded to a multiple of ws; tail ranks hold the padding",

@@ -16,7 +16,7 @@ import math
 
 from ..intervals import Interval
 from ..layout import ParamLayout
-from ._common import ceil_div, check_args, make_plan
+from ._common import ceil_div, check_args, check_interval_count, make_plan
 from .base import ShardPlan, register_partitioner
 
 
@@ -32,6 +32,12 @@ def rows_to_flat(offset: int, rows: tuple[int, int], row_numel: int) -> Interval
     return (offset + a * row_numel, offset + b * row_numel)
 
 
+def _rows_and_row_numel(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows of dim 0, elements per row); a 0-d tensor is one row of one element."""
+    shape = shape or (1,)
+    return shape[0], math.prod(shape[1:])
+
+
 @register_partitioner("fsdp", "FSDP2 fully_shard: torch.chunk on dim 0 per tensor, padded to chunk 0's size")
 def fsdp_partition(layout: ParamLayout, world_size: int) -> ShardPlan:
     """FSDP's dim-0 chunking.
@@ -41,22 +47,24 @@ def fsdp_partition(layout: ParamLayout, world_size: int) -> ShardPlan:
     tensor no two ranks differ by more than that, and the bound adds the worst case of each tensor.
     """
     ws = check_args(layout, world_size)
+    shapes = [(offset, *_rows_and_row_numel(tensor.shape)) for offset, tensor in
+              zip(layout.offsets, layout.tensors, strict=True)]
+    # only ranks below ceil(d0 / c) get rows of a tensor: O(intervals) work, never O(tensors * ranks)
+    check_interval_count("fsdp", sum(ceil_div(d0, ceil_div(d0, ws)) for _, d0, m in shapes if d0 * m), ws)
     per_rank: list[list[Interval]] = [[] for _ in range(ws)]
-    padding = [0] * ws
+    real = [0] * ws
     stored = bound = 0
-    for offset, tensor in zip(layout.offsets, layout.tensors, strict=True):
-        shape = tensor.shape or (1,)
-        d0, m = shape[0], math.prod(shape[1:])
+    for offset, d0, m in shapes:
         c = ceil_div(d0, ws)
         stored += c * m
         bound += (c - max(0, d0 - (ws - 1) * c)) * m
         if c * m == 0:
             continue
-        for r, rows in enumerate(chunk_rows(d0, ws)):
-            n_rows = rows[1] - rows[0]
-            if n_rows:
-                per_rank[r].append(rows_to_flat(offset, rows, m))
-            padding[r] += (c - n_rows) * m
+        for r in range(ceil_div(d0, c)):
+            rows = (r * c, min((r + 1) * c, d0))
+            per_rank[r].append(rows_to_flat(offset, rows, m))
+            real[r] += (rows[1] - rows[0]) * m
+    padding = [stored - n for n in real]  # every rank stores c_i rows of every tensor
     return make_plan(
         "fsdp", ws, layout.total_numel, per_rank, padding, bound,
         notes="torch.chunk(dim=0) per tensor; shards padded to chunk 0's rows",

@@ -96,9 +96,12 @@ def seed_partition(layout: ParamLayout, world_size: int) -> ShardPlan:
     """
     ws = check_args(layout, world_size)
     total = layout.total_numel
-    shards = OptimizerShard.all_ranks(ws, total)
+    base, remainder = divmod(total, ws)
+    # OptimizerShard.for_rank's rule, without validating every rank again: rank r starts after
+    # r shards of ``base`` and min(r, remainder) extra elements
+    starts = [r * base + min(r, remainder) for r in range(ws + 1)]
     return make_plan(
-        "seed", ws, total, [[s.interval] for s in shards], [0] * ws, balance_bound=1,
+        "seed", ws, total, [[(starts[r], starts[r + 1])] for r in range(ws)], [0] * ws, balance_bound=1,
         notes="OptimizerShard.for_rank: sizes differ by at most 1; no padding",
         balance_target=total // ws, balance_tolerance=1,
     )

@@ -73,7 +73,7 @@ class ReportResult:
 
     @property
     def contracts(self) -> list[dict[str, Any]]:
-        """One row per measured run (backend, world size, strategy) with its C-ZERO-002..005 verdicts."""
+        """One row per measured run (backend, world size, strategy) with its C-ZERO-001..005 verdicts."""
         return self.tables.get("contracts", [])
 
     @property
@@ -126,7 +126,7 @@ class _Progress:
 
 
 def checked_run(run: Any, observations: Any, backend: str) -> tuple[dict[str, Any], Any]:
-    """C-ZERO-002..005 on one measured run (:func:`zerosim.engine.run_result.evaluate`): (its JSON row, the
+    """C-ZERO-001..005 on one measured run (:func:`zerosim.engine.run_result.evaluate`): (its JSON row, the
     evaluation, whose ``references`` the report reuses for the equivalence-error figure)."""
     result = evaluate(run, observations)
     row = {

@@ -8,6 +8,25 @@ from typing import Any
 from ..errors import ConfigError, require_positive_int
 
 DEFAULT_DP_DEGREES = tuple(2**i for i in range(11))  # 1 .. 1024
+#: The measured runs train every strategy at every listed world size in this process: at most 32
+#: ranks per world size and 64 ranks over all of them (the default 1, 2, 4, 8 takes 15-30 s on two
+#: cores; 32 ranks alone take about a minute).
+MAX_MEASURED_WORLD_SIZE = 32
+MAX_MEASURED_RANKS = 64
+
+
+def check_measured_world_sizes(world_sizes: tuple[int, ...], field: str = "world_sizes") -> None:
+    """ConfigError unless each world size is at most MAX_MEASURED_WORLD_SIZE and they sum to at most
+    MAX_MEASURED_RANKS."""
+    why = ("every strategy is trained at every measured world size, about a minute at 32 ranks on "
+           "two cores")
+    for w in world_sizes:
+        if w > MAX_MEASURED_WORLD_SIZE:
+            raise ConfigError(field, w,
+                              f"at most {MAX_MEASURED_WORLD_SIZE} ranks per measured world size: {why}")
+    if sum(world_sizes) > MAX_MEASURED_RANKS:
+        raise ConfigError(field, ",".join(map(str, world_sizes)),
+                          f"at most {MAX_MEASURED_RANKS} ranks over all measured world sizes: {why}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +70,7 @@ class ReportConfig:
             raise ConfigError("world_sizes", self.world_sizes, "must list at least one world size")
         for w in self.world_sizes:
             require_positive_int("world_sizes", w)
+        check_measured_world_sizes(tuple(self.world_sizes))
         for w in self.dp_degrees:
             require_positive_int("dp_degrees", w)
         if self.large_world_size % self.large_ranks_per_node:
