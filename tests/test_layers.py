@@ -39,7 +39,7 @@ LAYERS: dict[str, int] = {
     "zerosim.contracts": 1, "zerosim.checks.*": 1, "zerosim.check_impl": 1, "zerosim.cost.*": 1,
     "zerosim.checks.rounding": 1,
     # 2: comm and engine
-    "zerosim.comm.*": 2, "zerosim.engine.*": 2, "zerosim.groundtruth": 2,
+    "zerosim.comm.*": 2, "zerosim.engine.*": 2, "zerosim.groundtruth": 2, "zerosim.checkpoint.*": 2,
     # 3: backends
     "zerosim.comm.mpi": 3, "zerosim.comm.mpi_wire": 3, "zerosim.comm.mpi_traffic": 3,
     "zerosim.comm.mpi_watchdog": 3, "zerosim.mpi.*": 3, "zerosim.launching": 3, "zerosim.rank_messages": 3,

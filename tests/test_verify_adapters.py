@@ -1,8 +1,9 @@
 """Every installed built-in adapter verifies at world 2 (a real torchrun launch each).
 
-The peers train correctly, so C-ZERO-001..003 hold within the derived bounds; the torch peers pass
-every contract, DeepSpeed 2 and 3 fail C-ZERO-005 only (see KNOWN_FINDINGS). DeepSpeed (an optional
-extra) is skipped when it is not installed, and then the table and ``installed_adapters()`` say why.
+The peers train correctly, so C-ZERO-001..003 hold within the derived bounds; the torch peers and
+zerogpu's own ZeroTrainer pass every contract, DeepSpeed 2 and 3 fail C-ZERO-005 only (see
+KNOWN_FINDINGS). DeepSpeed (an optional extra) is skipped when it is not installed, and then the
+table and ``installed_adapters()`` say why.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from zerosim.verify.targets import resolve_factory  # noqa: E402
 
 TORCH_ADAPTERS = ("ddp", "torch-zero", "fsdp2", "fsdp2-grad-op", "fsdp2-hybrid")
 DEEPSPEED_ADAPTERS = ("deepspeed-1", "deepspeed-2", "deepspeed-3")
+ZEROGPU_ADAPTERS = ("zerogpu-1", "zerogpu-2", "zerogpu-3", "zerogpu-hybrid", "zerogpu-3-offload")
 # findings kept, not hidden (reproduced in tests/test_verify_resources.py, the configuration keys behind
 # them in examples/deepspeed_traffic.py): DeepSpeed stage 2 all-reduces gradients where ZeRO-2
 # reduce-scatters them; stage 3 gathers parameters once per step where ZeRO-3 gathers them twice.
@@ -25,14 +27,14 @@ KNOWN_FINDINGS = {"deepspeed-2": {"C-ZERO-005"}, "deepspeed-3": {"C-ZERO-005"}}
 
 
 def test_the_table_names_every_peer_and_each_entry_resolves_to_a_factory() -> None:
-    assert set(ADAPTERS) == {*TORCH_ADAPTERS, *DEEPSPEED_ADAPTERS}
+    assert set(ADAPTERS) == {*TORCH_ADAPTERS, *DEEPSPEED_ADAPTERS, *ZEROGPU_ADAPTERS}
     for name in installed_adapters():
         assert callable(resolve_factory(name))
 
 
 def test_installed_adapters_omit_exactly_the_ones_whose_peer_is_missing() -> None:
     installed = installed_adapters()
-    assert set(TORCH_ADAPTERS) <= set(installed)
+    assert {*TORCH_ADAPTERS, *ZEROGPU_ADAPTERS} <= set(installed)
     for name in DEEPSPEED_ADAPTERS:
         why = missing_requirement(name)
         assert (name in installed) == (why is None)
@@ -81,6 +83,12 @@ def _verify_at_world_2(name: str) -> None:
 @pytest.mark.torchdist
 @pytest.mark.parametrize("name", TORCH_ADAPTERS)
 def test_torch_adapter_passes_at_world_2(name: str) -> None:
+    _verify_at_world_2(name)
+
+
+@pytest.mark.torchdist
+@pytest.mark.parametrize("name", ZEROGPU_ADAPTERS)
+def test_zerogpu_adapter_passes_every_contract_at_world_2(name: str) -> None:
     _verify_at_world_2(name)
 
 

@@ -203,3 +203,17 @@ def test_bad_namespace_arguments():
     with pytest.raises(ConfigError) as e:
         NP.dtype("float8")
     assert e.value.field == "dtype"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(("values", "finite"), [
+    ([1.0, -2.0, 0.5], True),
+    ([60000.0, 60000.0, 60000.0], True),  # the float16 sum overflows: decided element by element
+    ([1.0, float("nan"), 2.0], False),
+    ([float("inf"), float("-inf")], False),  # the sum is NaN, not Inf
+    ([], True),
+])
+def test_isfinite_all_never_trusts_an_overflowing_sum(dtype: str, values: list, finite: bool) -> None:
+    for ns in (NP, TH):
+        arr = ns.astype(ns.from_numpy(np.asarray(values, dtype=np.float64)), dtype)
+        assert ns.isfinite_all(arr) is finite, (ns.backend, dtype, values)

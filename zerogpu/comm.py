@@ -80,8 +80,17 @@ REDUCE_SCATTER_MODES = ("auto", "native", "all_reduce")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
+    """torch.distributed's single-tensor all-gather, looked up per call (so a wrapper installed later,
+    such as ``zerosim verify``'s traffic counter, sees the call)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args: Any, **kwargs: Any) -> Any:
+    """torch.distributed's single-tensor reduce-scatter, looked up per call (as the all-gather is)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(*args, **kwargs)
 _NEW_GROUP_PARAMS = set(inspect.signature(dist.new_group).parameters)
 
 

@@ -37,7 +37,7 @@ from .checks.partition import CONTRACT, check_partition_plan
 from .dotted import import_dotted
 from .errors import ConfigError, ImplementationError, require_non_negative_int, require_positive_int
 from .partition import MAX_WORLD_SIZE
-from .partition.base import RankShard, ShardPlan
+from .partition.base import RankShard, ShardPlan, ShardTable
 from .verdict import Violation
 
 DEFAULT_WORLD_SIZES: tuple[int, ...] = tuple(range(1, 65)) + (1024,)
@@ -297,8 +297,9 @@ def check_sweep_size(world_sizes: Sequence[int], n_cases: int, what: str = "call
     totals (or layouts) makes at most MAX_CALLS ``what`` (one per rank of every case)."""
     for ws in world_sizes:
         if ws > MAX_WORLD_SIZE:
-            raise ConfigError("world_size", ws, f"at most {MAX_WORLD_SIZE:,} (2^16) ranks: every rank's "
-                              "shard is kept and checked, a few seconds per case at 2^16 ranks")
+            raise ConfigError("world_size", ws, f"at most {MAX_WORLD_SIZE:,} (2^20) ranks: the function "
+                              "is called once per rank and every shard is checked, seconds per case at "
+                              "2^20 ranks")
     n = sum(world_sizes) * n_cases
     if n > MAX_CALLS:
         raise ConfigError("world_sizes", describe_ints(world_sizes),
@@ -346,7 +347,9 @@ def _sweep(fn: PartitionFn, name: str, report: PartitionReport, balance: str | i
                 shards.append(RankShard(rank, intervals, 0))
             report.calls += ws
             bound, meta = balance_for(balance, ws, total)
-            plan = ShardPlan(name, ws, total, tuple(shards), bound, "user partition function", meta)
+            table = ShardTable.from_lists([sh.intervals for sh in shards], [0] * ws)
+            plan = ShardPlan(name, ws, total, tuple(shards) if table is None else table, bound,
+                             "user partition function", meta)
             verdict = check_partition_plan(plan, limit=limit_per_case)
             report.cases += 1
             counts = verdict.details.get("violations_by_clause", {})

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from .errors import ConfigError
 from .intervals import Interval
@@ -99,6 +100,20 @@ class FlatUnit:
                     pos += max(n, 0) or 1
                     packed += max(n, 0)
         return tuple(out)
+
+    def pack_indices(self, xp: Any) -> tuple[Any, Any]:
+        """``(unit positions, packed positions)`` of every owned element as ``xp`` index arrays, in
+        segment order (rank by rank): one fancy-indexed copy packs or unpacks the whole unit, whatever
+        the number of ranks. Built once per unit and array namespace."""
+        cache = self.__dict__.setdefault("_pack_indices", {})
+        key = repr(xp)
+        if key not in cache:
+            segs = [s for per_rank in self.segments for s in per_rank if s.length > 0]
+            unit = [xp.arange(s.unit_start, s.unit_start + s.length, dtype=xp.int64) for s in segs]
+            packed = [xp.arange(s.packed_start, s.packed_start + s.length, dtype=xp.int64) for s in segs]
+            empty = xp.arange(0, dtype=xp.int64)
+            cache[key] = (xp.concat(unit) if unit else empty, xp.concat(packed) if packed else empty)
+        return cache[key]
 
     @cached_property
     def padding_runs(self) -> tuple[tuple[int, int], ...]:

@@ -29,7 +29,9 @@ training there: ``diverged_at`` is that step (0-based) and no snapshot is taken 
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,9 +101,47 @@ class GroundTruth:
 def global_batch(
     cfg: SimModelConfig, seed: int, step: int, world_size: int, micro_batches: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Every rank's micro-batches of ``step``, concatenated rank-major then micro along the batch axis."""
+    """Every rank's micro-batches of ``step``, concatenated rank-major then micro along the batch axis
+    (read-only arrays: the last few steps' batches are kept and shared by every caller)."""
+    return _global_batch(cfg, seed, step, world_size, micro_batches)
+
+
+@functools.lru_cache(maxsize=8)
+def _global_batch(
+    cfg: SimModelConfig, seed: int, step: int, world_size: int, micro_batches: int
+) -> tuple[np.ndarray, np.ndarray]:
     pairs = [synthetic_batch(cfg, seed, step, r, m) for r in range(world_size) for m in range(micro_batches)]
-    return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+    tokens, targets = np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+    tokens.flags.writeable = False
+    targets.flags.writeable = False
+    return tokens, targets
+
+
+#: elements (gradients, or one micro-batch's widest activations) a stack of local passes holds at
+#: once: :func:`local_gradients` runs as many micro-batches per stacked pass as fit
+STACK_ELEMENTS = 1 << 22
+
+
+def local_gradients(model: BlockModel, params: dict[str, Any], precision: Precision, cfg: SimModelConfig,
+                    seed: int, step: int, world_size: int, micro_batches: int,
+                    loss_scale: float = 1.0) -> Iterator[tuple[list[float], Any]]:
+    """Every (rank, micro) local loss and float32 flat gradient (of ``loss_scale * loss``, in
+    ``grad_dtype`` then upcast) of step ``step``, rank-major then micro order, in stacks: each item
+    is (the stack's losses, its gradients as an (S, P) array). Each row is bitwise the gradient of
+    that micro-batch computed alone (:meth:`BlockModel.stacked_loss_and_grads`)."""
+    layout, ns = model.layout, model.xp
+    count = world_size * micro_batches
+    tokens, targets = global_batch(cfg, seed, step, world_size, micro_batches)
+    tokens = tokens.reshape(count, cfg.batch_size, cfg.seq_len)
+    targets = targets.reshape(count, cfg.batch_size, cfg.seq_len)
+    widest = cfg.tokens_per_micro_batch * max(cfg.vocab_size, cfg.d_ff, cfg.d_model)
+    size = max(1, min(count, STACK_ELEMENTS // max(layout.total_numel, widest, 1)))
+    for start in range(0, count, size):
+        stop = min(count, start + size)
+        losses, grads = model.stacked_loss_and_grads(params, tokens[start:stop], targets[start:stop],
+                                                     loss_scale)
+        flat = ns.concat([ns.reshape(grads[t.name], (stop - start, -1)) for t in layout.tensors], axis=1)
+        yield losses, precision.grad_to_master(flat, ns)
 
 
 def train_ground_truth(cfg: SimModelConfig, spec: OptimizerSpec, precision: Precision | str, world_size: int,
@@ -194,14 +234,13 @@ def _micro_mean(model: BlockModel, params: dict[str, Any], layout: ParamLayout, 
     total = ns.zeros(layout.total_numel, "float32")
     terms = np.zeros(layout.total_numel) if record_terms else None
     loss = 0.0
-    for r in range(world_size):
-        for m in range(micro_batches):
-            tokens, targets = synthetic_batch(cfg, seed, step, r, m)
-            lm, grads = model.loss_and_grads(params, tokens, targets, loss_scale=scale)
-            g = precision.grad_to_master(flatten(grads, layout, ns), ns)
-            total += g
-            if terms is not None:
-                terms += np.abs(ns.to_numpy(g).astype(np.float64))
+    for losses, stack in local_gradients(model, params, precision, cfg, seed, step, world_size,
+                                         micro_batches, loss_scale=scale):
+        absolute = np.abs(ns.to_numpy(stack).astype(np.float64)) if terms is not None else None
+        for i, lm in enumerate(losses):  # added one local gradient at a time, in rank-major order
+            total += stack[i]
+            if terms is not None and absolute is not None:
+                terms += absolute[i]
             loss += lm * scale
     return loss, total, terms
 
@@ -211,10 +250,7 @@ def _micro_terms(model: BlockModel, params: dict[str, Any], layout: ParamLayout,
                  micro_batches: int) -> np.ndarray:
     """The float64 mean over every (rank, micro) gradient of its absolute value, per element."""
     terms = np.zeros(layout.total_numel)
-    for r in range(world_size):
-        for m in range(micro_batches):
-            tokens, targets = synthetic_batch(cfg, seed, step, r, m)
-            _, grads = model.loss_and_grads(params, tokens, targets)
-            g = ns.to_numpy(precision.grad_to_master(flatten(grads, layout, ns), ns))
-            terms += np.abs(g.astype(np.float64))
+    for _, stack in local_gradients(model, params, precision, cfg, seed, step, world_size, micro_batches):
+        for row in np.abs(ns.to_numpy(stack).astype(np.float64)):  # one local gradient at a time
+            terms += row
     return terms / (world_size * micro_batches)

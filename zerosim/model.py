@@ -160,6 +160,14 @@ class BlockModel:
     otherwise. For "lm_head", ``targets`` is required, ``y`` is the 0-d mean cross-entropy and ``dy``
     the scalar gradient of the objective w.r.t. that loss (1.0, or a scale such as 1/M for gradient
     accumulation over M micro-batches). For "embedding", ``dx`` is None.
+
+    Stacked micro-batches: tokens of shape (S, B, T) run S micro-batches at once (hidden states
+    (S, B*T, d), the lm_head's ``y`` the (S,) per-micro-batch losses, every gradient with a leading
+    S axis). Every matrix product is then a stack of the same per-micro-batch products (numpy's
+    stacked ``matmul`` runs one BLAS call per micro-batch, with the shapes and strides of the
+    single micro-batch), the elementwise and per-token ops are unchanged, and the sums over tokens
+    stay inside each micro-batch, so on numpy each micro-batch's loss and gradients are bitwise
+    those of running it alone (tests/test_model_stacked.py holds that).
     """
 
     def __init__(self, cfg: SimModelConfig, xp: ArrayNamespace | str | None = None):
@@ -172,6 +180,7 @@ class BlockModel:
         self._tensors = {
             b.name: tuple(self.layout.tensors[i].name for i in b.tensor_indices) for b in self.layout.blocks
         }
+        self._dtype_names: dict[Any, tuple[str, str]] = {}
 
     def tensor_names(self, block: str) -> tuple[str, ...]:
         """The full names of ``block``'s tensors, in layout order."""
@@ -185,8 +194,11 @@ class BlockModel:
     # ---- helpers ---------------------------------------------------------------------------------
     def _compute(self, p: Any) -> tuple[Any, str]:
         """``p`` upcast to the compute dtype, and the name of its own dtype."""
-        name = self.xp.dtype_name(p)
-        return self.xp.astype(p, "float64" if name == "float64" else "float32"), name
+        names = self._dtype_names.get(p.dtype)
+        if names is None:  # once per dtype: (its name, the compute dtype's)
+            name = self.xp.dtype_name(p)
+            names = self._dtype_names[p.dtype] = (name, "float64" if name == "float64" else "float32")
+        return self.xp.astype(p, names[1]), names[0]
 
     def _param(self, params: dict[str, Any], name: str) -> Any:
         try:
@@ -197,7 +209,8 @@ class BlockModel:
     def _sigmoid(self, u: Any) -> Any:
         xp = self.xp
         e = xp.exp(-xp.abs(u))
-        return xp.where(u >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+        d = 1.0 + e
+        return xp.where(u >= 0, 1.0 / d, e / d)
 
     def _rms(self, x: Any) -> Any:
         """1 / sqrt(mean(x**2) + eps), shape (N, 1)."""
@@ -216,12 +229,15 @@ class BlockModel:
         names = self.tensor_names(block)
         if block == "embedding":
             tokens = xp.ensure(x)
-            if tokens.ndim != 2:
-                raise ConfigError("tokens", tuple(tokens.shape), "expected a (batch, seq) integer array")
+            if tokens.ndim not in (2, 3):
+                raise ConfigError("tokens", tuple(tokens.shape), "expected a (batch, seq) integer array "
+                                  "(or a (micro-batches, batch, seq) stack)")
             idx = xp.reshape(xp.astype(tokens, "int64"), (-1,))
             w = self._param(params, names[0])
             self._check_tokens(idx, "tokens")
             y, _ = self._compute(xp.take(w, idx, axis=0))  # gather first, then upcast the rows only
+            if tokens.ndim == 3:  # a stack: (S, B*T, d)
+                y = xp.reshape(y, (tokens.shape[0], -1, y.shape[-1]))
             return y, {"idx": idx, "dtype": xp.dtype_name(w)}
         if block == "lm_head":
             if targets is None:
@@ -229,9 +245,10 @@ class BlockModel:
             w, _ = self._compute(self._param(params, names[0]))
             h = x
             tgt = xp.reshape(xp.astype(xp.ensure(targets), "int64"), (-1,))
-            if tgt.shape[0] != h.shape[0]:
+            n_tok = h.shape[0] if h.ndim == 2 else h.shape[0] * h.shape[1]
+            if tgt.shape[0] != n_tok:
                 raise ConfigError(
-                    "targets", tuple(targets.shape), f"expected {h.shape[0]} targets, one per token"
+                    "targets", tuple(targets.shape), f"expected {n_tok} targets, one per token"
                 )
             self._check_tokens(tgt, "targets")
             logits = xp.matmul(h, xp.matrix_transpose(w))
@@ -241,7 +258,10 @@ class BlockModel:
             logp_t = xp.take(xp.reshape(z, (-1,)), self._flat_target_index(tgt), axis=0) - xp.reshape(
                 xp.log(sez), (-1,)
             )
-            loss = -xp.mean(logp_t)
+            if h.ndim == 3:  # a stack: one mean per micro-batch, over its own tokens
+                loss = -xp.mean(xp.reshape(logp_t, h.shape[:2]), axis=-1)
+            else:
+                loss = -xp.mean(logp_t)
             return loss, {"h": h, "probs": ez / sez, "targets": tgt}
         if block == "final_norm":
             g, _ = self._compute(self._param(params, names[0]))
@@ -266,15 +286,24 @@ class BlockModel:
         names = self.tensor_names(block)
         if block == "embedding":
             idx = cache["idx"]
-            dw = xp.index_add_rows(self.cfg.vocab_size, idx, dy)
+            vocab = self.cfg.vocab_size
+            if dy.ndim == 3:  # a stack: micro-batch s adds into its own rows s * V .. (s + 1) * V
+                n_stack, n_tok, d = dy.shape
+                base = xp.arange(n_stack, dtype=xp.dtype("int64"), device=xp.device) * vocab
+                rows = xp.reshape(xp.reshape(idx, (n_stack, n_tok)) + xp.reshape(base, (-1, 1)), (-1,))
+                dw = xp.index_add_rows(n_stack * vocab, rows, xp.reshape(dy, (-1, d)))
+                dw = xp.reshape(dw, (n_stack, vocab, d))
+            else:
+                dw = xp.index_add_rows(vocab, idx, dy)
             return None, {names[0]: xp.astype(dw, cache["dtype"])}
         if block == "lm_head":
             w, wdt = self._compute(self._param(params, names[0]))
             h, probs, tgt = cache["h"], cache["probs"], cache["targets"]
-            n_tok, vocab = probs.shape
+            n_tok, vocab = probs.shape[-2:]
             scale = xp.to_float(dy) / n_tok
             onehot = xp.astype(
-                xp.reshape(tgt, (-1, 1)) == xp.arange(vocab, device=xp.device), xp.dtype_name(probs)
+                xp.reshape(xp.reshape(tgt, (-1, 1)) == xp.arange(vocab, device=xp.device), probs.shape),
+                xp.dtype_name(probs),
             )
             dlogits = (probs - onehot) * scale
             dw = xp.matmul(xp.matrix_transpose(dlogits), h)
@@ -284,7 +313,7 @@ class BlockModel:
             g, gdt = self._compute(self._param(params, names[0]))
             x, r = cache["x"], cache["r"]
             xhat = x * r
-            dg = xp.sum(dy * xhat, axis=0)
+            dg = xp.sum(dy * xhat, axis=-2)
             dx = self._rmsnorm_backward(dy * g, xhat, r)
             return dx, {names[0]: xp.astype(dg, gdt)}
         g, gdt = self._compute(self._param(params, names[0]))
@@ -300,7 +329,7 @@ class BlockModel:
         du = da * (s * (1.0 + u * (1.0 - s)))
         dw_in = xp.matmul(xp.matrix_transpose(du), n)
         dn = xp.matmul(du, w_in)
-        dg = xp.sum(dn * xhat, axis=0)
+        dg = xp.sum(dn * xhat, axis=-2)
         dx = dy + self._rmsnorm_backward(dn * g, xhat, r)
         return dx, {
             names[0]: xp.astype(dg, gdt),
@@ -313,13 +342,29 @@ class BlockModel:
                        loss_scale: float = 1.0) -> tuple[float, dict[str, Any]]:
         """Chain every block: returns the mean loss (Python float) and the gradients of
         ``loss_scale * loss`` for every tensor (dtype of the parameters)."""
+        loss, grads = self._chain(params_all, tokens, targets, loss_scale)
+        return self.xp.to_float(loss), grads
+
+    def stacked_loss_and_grads(self, params_all: dict[str, Any], tokens: Any, targets: Any,
+                               loss_scale: float = 1.0) -> tuple[list[float], dict[str, Any]]:
+        """:meth:`loss_and_grads` of S micro-batches at once (``tokens`` and ``targets`` of shape
+        (S, B, T)): the S mean losses and every tensor's gradients stacked along a leading axis,
+        (S, *shape). On numpy each micro-batch's values are bitwise those of running it alone (see
+        the class docstring)."""
+        if len(tokens.shape) != 3:
+            raise ConfigError("tokens", tuple(tokens.shape), "expected a (micro-batches, batch, seq) stack")
+        losses, grads = self._chain(params_all, tokens, targets, loss_scale)
+        return [float(v) for v in self.xp.to_numpy(losses)], grads
+
+    def _chain(self, params_all: dict[str, Any], tokens: Any, targets: Any,
+               loss_scale: float) -> tuple[Any, dict[str, Any]]:
         caches = []
         x: Any = tokens
         for block in self.block_names:
             p = {n: self._param(params_all, n) for n in self.tensor_names(block)}
             x, cache = self.forward(block, p, x, targets if block == "lm_head" else None)
             caches.append(cache)
-        loss = self.xp.to_float(x)
+        loss = x
         grads: dict[str, Any] = {}
         dy: Any = float(loss_scale)
         for block, cache in zip(reversed(self.block_names), reversed(caches), strict=True):

@@ -1,7 +1,8 @@
 """Reference optimizers with torch.optim's exact semantics, on flat float32 arrays; global-norm clipping.
 
-Each optimizer works on a FLAT 1-D float32 array (a rank's shard of the master parameters, or the
-whole vector) with a gradient of the same length, **elementwise only**: element ``i`` of the result
+Each optimizer works on a FLAT 1-D float32 array (float64 for a float64 model: hyper-parameters are
+then used unrounded, as torch's float64 kernels use them) (a rank's shard of the master parameters, or
+the whole vector) with a gradient of the same length, **elementwise only**: element ``i`` of the result
 depends on element ``i`` of the parameter, gradient and state and on nothing else. So a sharded step
 equals the full step *bit for bit* on the same elements, whatever the shard boundaries: this is why
 C-ZERO-002 (sharded optimizer step == full optimizer step) can be checked bitwise.
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, require_non_negative_int
-from .xp import ArrayNamespace, get_namespace
+from .xp import ArrayNamespace, get_namespace, namespace_of
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6)
@@ -47,6 +48,12 @@ CHUNK = 1 << 15  # elements per update chunk on CPU (float64 temporaries of 256 
 def _f32(v: float) -> float:
     """``v`` rounded to float32 (as torch rounds a Python scalar for a float32 kernel)."""
     return float(np.float32(v))
+
+
+def _scalar_for(dtype: str) -> Any:
+    """How torch rounds a Python scalar for a kernel on ``dtype``: to float32 for float32 (and the 16-bit
+    types, which compute in float32); unchanged for float64."""
+    return float if dtype == "float64" else _f32
 
 
 def _real(field: str, value: Any) -> float:
@@ -154,12 +161,13 @@ class _Optimizer:
         self.spec = spec
         self.xp = get_namespace(xp)
 
-    def init_state(self, n: int) -> dict[str, Any]:
-        """Fresh state for ``n`` elements: ``{"step": 0, <name>: zeros(n, float32), ...}``."""
+    def init_state(self, n: int, dtype: str = "float32") -> dict[str, Any]:
+        """Fresh state for ``n`` elements: ``{"step": 0, <name>: zeros(n, dtype), ...}`` (``dtype`` is the
+        master's: float32, or float64 for a float64 model)."""
         require_non_negative_int("n", n)
         state: dict[str, Any] = {"step": 0}
         for name in self.spec.state_names:
-            state[name] = self.xp.zeros(n, "float32")
+            state[name] = self.xp.zeros(n, dtype)
         return state
 
     def _check(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
@@ -211,6 +219,7 @@ class SGD(_Optimizer):
 
     def _update(self, p: Any, g: Any, st: dict[str, Any], t: int) -> None:
         s, xp = self.spec, self.xp
+        r = _scalar_for(xp.dtype_name(p))
         if s.weight_decay != 0:
             g = xp.fma(p, s.weight_decay, g)
         if s.momentum != 0:
@@ -218,7 +227,7 @@ class SGD(_Optimizer):
             if t == 1:
                 xp.assign(buf, g)
             else:
-                buf *= _f32(s.momentum)
+                buf *= r(s.momentum)
                 xp.assign(buf, xp.fma(g, 1.0 - s.dampening, buf))
             g = xp.fma(buf, s.momentum, g) if s.nesterov else buf
         xp.assign(p, xp.fma(g, -s.lr, p))
@@ -237,23 +246,24 @@ class Adam(_Optimizer):
 
     def _update(self, p: Any, g: Any, st: dict[str, Any], t: int) -> None:
         s, xp = self.spec, self.xp
+        r = _scalar_for(xp.dtype_name(p))
         beta1, beta2 = s.betas
         weight_decay = s.weight_decay or 0.0  # resolved to a number when the spec was built
         if weight_decay != 0:
             if self.decoupled:
-                p *= _f32(1.0 - s.lr * weight_decay)
+                p *= r(1.0 - s.lr * weight_decay)
             else:
                 g = xp.fma(p, weight_decay, g)
         m, v = st["exp_avg"], st["exp_avg_sq"]
         xp.assign(m, _lerp(xp, m, g, 1.0 - beta1))
-        v *= _f32(beta2)
-        xp.assign(v, xp.fma(g * _f32(1.0 - beta2), g, v))
+        v *= r(beta2)
+        xp.assign(v, xp.fma(g * r(1.0 - beta2), g, v))
         bias_correction1 = 1.0 - beta1 ** float(t)
         bias_correction2 = 1.0 - beta2 ** float(t)
         step_size = s.lr / bias_correction1
-        denom = xp.sqrt(v) / _f32(bias_correction2**0.5)
-        denom += _f32(s.eps)
-        p += (m * _f32(-step_size)) / denom
+        denom = xp.sqrt(v) / r(bias_correction2**0.5)
+        denom += r(s.eps)
+        p += (m * r(-step_size)) / denom
 
 
 class AdamW(Adam):
@@ -265,11 +275,11 @@ class AdamW(Adam):
 def _lerp(xp: ArrayNamespace, start: Any, end: Any, weight: float) -> Any:
     """torch's CPU ``lerp`` with a scalar weight (vectorised kernel): for ``|w| < 0.5``
     ``fma(w, end - start, start)``, else ``fma(w - 1, end - start, end)``; ``w`` in float32."""
-    w = _f32(weight)
+    w = _scalar_for(xp.dtype_name(start))(weight)
     diff = end - start
     if abs(w) < 0.5:
         return xp.fma(diff, w, start)
-    return xp.fma(diff, _f32(w - 1.0), end)
+    return xp.fma(diff, _scalar_for(xp.dtype_name(start))(w - 1.0), end)
 
 
 def make_optimizer(spec: OptimizerSpec, xp: ArrayNamespace | str | None = None) -> _Optimizer:
@@ -290,15 +300,19 @@ def global_norm_from_sumsq(sumsq: float) -> float:
     return math.sqrt(v)
 
 
-def clip_coefficient(total_norm: float, max_norm: float) -> float:
+def clip_coefficient(total_norm: float, max_norm: float, dtype: str = "float32") -> float:
     """torch.nn.utils.clip_grad_norm_'s factor ``min(1, max_norm / (total_norm + 1e-6))``, computed as
     torch computes it on a float32 norm: ``(1 / (norm + 1e-6)) * max_norm`` in float32 (torch's
     ``float / tensor`` is ``tensor.reciprocal() * float``). Returned as a float exactly
     representable in float32; 1.0 means "no clipping". A non-finite norm gives a non-finite factor
-    (as in torch): the caller's non-finite check must catch it."""
+    (as in torch): the caller's non-finite check must catch it. ``dtype="float64"`` (a float64
+    model, whose norm torch computes in float64): the same formula in float64."""
     mx = _real("max_grad_norm", max_norm)
     if mx <= 0:
         raise ConfigError("max_grad_norm", max_norm, "must be > 0")
+    if dtype == "float64":
+        coef64 = (1.0 / (float(total_norm) + CLIP_EPS)) * mx
+        return min(coef64, 1.0) if not math.isnan(coef64) else float("nan")
     with np.errstate(all="ignore"):
         denom = np.float32(total_norm) + np.float32(CLIP_EPS)
         coef = (np.float32(1.0) / denom) * np.float32(mx)
@@ -306,6 +320,8 @@ def clip_coefficient(total_norm: float, max_norm: float) -> float:
 
 
 def apply_clip_(grad: Any, coef: float, xp: ArrayNamespace | str | None = None) -> None:
-    """Scale ``grad`` in place by ``coef`` (float32 multiply, as torch's ``mul_``); 1.0 is a no-op."""
+    """Scale ``grad`` in place by ``coef`` (a multiply in the gradient's dtype, as torch's ``mul_``); 1.0
+    is a no-op."""
     if coef != 1.0:
-        grad *= _f32(coef)
+        ns = get_namespace(xp) if xp is not None else namespace_of(grad)
+        grad *= _scalar_for(ns.dtype_name(grad))(coef)

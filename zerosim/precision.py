@@ -10,6 +10,7 @@ Semantics (the reference engine, the ground truth and the memory model all follo
   micro-batches, clipped and fed to the optimizer: reductions never happen in 16 bits.
 * After the optimizer step the float32 master is cast down (round to nearest even) to
   ``param_dtype``: that copy is what the next forward uses (and what ZeRO-3 all-gathers).
+* A float64 torch model (:meth:`Precision.of_model_dtype`) keeps everything in float64 instead.
 * No loss scaling: fp16 gradients that underflow stay underflowed (a documented gap; bf16 has
   fp32's range and needs none).
 """
@@ -53,6 +54,19 @@ class Precision:
             raise ConfigError("precision", name, f"unknown precision; known: {', '.join(_PRECISIONS)}")
         param, grad = _PRECISIONS[key]
         return cls(key, param, grad)
+
+    @classmethod
+    def of_model_dtype(cls, dtype: str) -> Precision:
+        """The policy for a model whose parameters are all ``dtype`` (a torch model trained by zerogpu):
+        float32 / bfloat16 / float16 as :meth:`parse`; float64 keeps master, gradients and optimizer
+        state in float64 too ("fp64": nothing is mixed; what a float64 reference is compared with)."""
+        key = str(dtype).removeprefix("torch.")
+        if key == "float64":
+            return cls("fp64", "float64", "float64", "float64")
+        if key not in _ALIASES:
+            raise ConfigError("dtype", dtype, "a ZeRO model's parameters must be float64, float32, bfloat16 "
+                              "or float16")
+        return cls.parse(key)
 
     @property
     def is_mixed(self) -> bool:

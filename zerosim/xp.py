@@ -237,9 +237,10 @@ class ArrayNamespace:
             prod = np.multiply(a, b, dtype=np.float64)
             np.add(prod, c, out=out, dtype=np.float64, casting="same_kind")
             return out
-        b64 = b if scalar else self.astype(b, "float64")
-        r = self.astype(a, "float64") * b64
-        r += self.astype(c, "float64")
+        # one float64 temporary: the float32 operands are promoted exactly inside the in-place ops
+        r = a.to(dtype=self.dtype("float64"))
+        r.mul_(b)
+        r.add_(c)
         return self.astype(r, name)
 
     def sqrt(self, x: Any) -> Any:
@@ -257,10 +258,18 @@ class ArrayNamespace:
         added across ranks differ from the unsharded sum only by float64 rounding (relative
         <= n * 2**-53), far below float32 resolution, so the clip coefficient is the same."""
         y = self.astype(x, "float64")
+        if self.backend == "torch" and y.dim() == 1:
+            return float(y.dot(y))  # one pass, no temporary of squares
         return float(self.xp.sum(y * y))
 
     def isfinite_all(self, x: Any) -> bool:
-        """True when no element is NaN or Inf (the non-finite gradient check)."""
+        """True when no element is NaN or Inf (the non-finite gradient check). A NaN or Inf anywhere
+        makes the sum non-finite, so a finite sum settles it in one pass; a non-finite sum (a NaN, an
+        Inf, or an overflow of finite values) is decided element by element."""
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflowing sum is expected, not an error
+            total = self.xp.sum(x)
+        if bool(self.xp.isfinite(total)):
+            return True
         return bool(self.xp.all(self.xp.isfinite(x)))
 
     def nbytes(self, x: Any) -> int:

@@ -1,6 +1,7 @@
 """Deliberately broken ZeRO-1 trainers: each one real-world bug that ``zerosim verify`` must catch.
 
-Every class changes one method of the correct example (``examples/zero1_trainer.py``), and every
+Every class changes one method of the correct example (``examples/zero1_trainer.py``), or, for the
+resume bug, of zerogpu's ZeroTrainer (the example cannot save or load), and every
 factory below builds one of them: ``zerosim verify tests.verify_trainers.broken:summed_gradient``.
 The docstrings name the bug each mirrors; ``tests/test_verify_broken.py`` asserts the contract, the
 first failing step, the rank / tensor / element range and the bug class the harness reports.
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from examples.zero1_trainer import Zero1Trainer
+from zerogpu.trainer import ZeroTrainer
 
 BROKEN_RANK = 1  # the rank that misbehaves in the single-rank bugs
 STOPS_AFTER_STEPS = 2  # the stopping rank's last real update, counted within one optimizer phase
@@ -237,6 +239,32 @@ def hybrid_zero1(model: torch.nn.Module, optim: dict) -> Zero1Trainer:
 
 def hybrid_replicas_drift(model: torch.nn.Module, optim: dict) -> Zero1Trainer:
     return HybridReplicasDrift(model, optim)
+
+
+class OptimizerStateDroppedOnLoad(ZeroTrainer):
+    """``load_checkpoint`` restores the weights but leaves the optimizer as freshly built: momentum and
+    Adam's moments zero, the step counter back at 0.
+
+    The resume bug of a checkpoint that holds only the model's state dict (or a loader that builds
+    the optimizer after loading and never loads its state): training goes on from the right weights,
+    so the loss looks fine, but every update after the resume is wrong. Only a resume shows it."""
+
+    def __init__(self, model: torch.nn.Module, optim: dict):
+        super().__init__(model, optim, "zero1")
+
+    def load_checkpoint(self, directory: object, *, strict: bool = True) -> object:
+        result = super().load_checkpoint(directory, strict=strict)
+        for name in self.engine.run.spec.state_names:
+            self.engine.opt_state[name].zero_()
+        self.engine.opt_state["step"] = 0
+        self._steps = 0
+        return result
+
+
+def optimizer_state_dropped_on_load(model: torch.nn.Module, optim: dict) -> ZeroTrainer:
+    """Runs correctly until resumed (``zerosim verify ... --resume-at K``): not in MUTANTS below, whose
+    runs never resume."""
+    return OptimizerStateDroppedOnLoad(model, optim)
 
 
 #: every broken trainer above with the world size it runs at (``zerosim mutants --trainers``)

@@ -8,7 +8,8 @@ For each world size N (default 8 and 32) on the ``sim-10m`` preset:
    same N micro-batches, one after the other, gradients accumulated in float32, the global norm,
    clipping, the full optimizer step. Both are timed alternately, ``--repeats`` times after a
    warm-up; the ratio of the medians and of the minima are reported (the minimum is the least
-   disturbed by other processes on a shared machine). Target: at most 1.5.
+   disturbed by other processes on a shared machine). Target: at most 1.1 up to 8 ranks, at most
+   1.3 beyond (:func:`target_ratio`).
 2. **memory**: the peak of the process's traced allocations (``tracemalloc``: numpy registers
    every array) during one simulated step, against the sum over ranks of what each rank holds at its
    own peak (the engine's memory tracker: shards, gathered blocks, gradient buffers, activations),
@@ -39,7 +40,12 @@ from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_
 from ..xp import numpy_namespace
 
 DEFAULT_OUT = "reports/bench_sim.json"
-TARGET_RATIO = 1.5
+
+
+def target_ratio(world_size: int) -> float:
+    """The simulated step's target, as a multiple of the unsharded numpy step: 1.1 up to 8 ranks, 1.3
+    beyond (more ranks: more collectives and more, smaller shards per unit of arithmetic)."""
+    return 1.1 if world_size <= 8 else 1.3
 
 
 def register(sub: Any) -> None:
@@ -163,7 +169,7 @@ def measure(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
         "baseline_step_s": base,
         "ratio_median": statistics.median(sim) / statistics.median(base),
         "ratio_min": min(sim) / min(base),
-        "target_ratio": TARGET_RATIO,
+        "target_ratio": target_ratio(world_size),
         "memory": {
             "process_peak_bytes": process_peak,
             "sum_rank_peak_bytes": sum(rank_peaks),

@@ -24,8 +24,10 @@ import dataclasses
 import numbers
 from typing import Any
 
-from ..intervals import clip, first_difference, outside, sweep
-from ..partition.base import RankShard, ShardPlan
+import numpy as np
+
+from ..intervals import clip, first_difference, outside, sweep, sweep_arrays
+from ..partition.base import RankShard, ShardPlan, ShardTable
 from ..verdict import Verdict, Violation
 
 CONTRACT = "C-ZERO-001"
@@ -46,6 +48,14 @@ class _Collector:
         self.per_clause[clause] = n + 1
         if n < self.limit:
             self.violations.append(Violation(CONTRACT, clause, message, context=dict(self.context), **kw))
+
+    def add_first(self, clause: str, count: int, make: Any) -> None:
+        """Count ``count`` findings of ``clause``; build (``make(i)`` -> message, kwargs) only those kept."""
+        n = self.per_clause.get(clause, 0)
+        for i in range(max(0, min(count, self.limit - n))):
+            message, kw = make(i)
+            self.violations.append(Violation(CONTRACT, clause, message, context=dict(self.context), **kw))
+        self.per_clause[clause] = n + count
 
     @property
     def suppressed(self) -> int:
@@ -68,6 +78,9 @@ def check_partition_plan(
     ctx = {"world_size": ws, "total": total} if context is None else dict(context)
     out = _Collector(ctx, limit)
     verdict = Verdict(CONTRACT, checked=len(plan.shards))
+    table = plan.table
+    if table is not None and _table_is_well_formed(table, total):
+        return _check_table(plan, table, verdict, out, limit)
 
     # -- well_formed ------------------------------------------------------------------------------
     if not _is_int(total) or total < 0:
@@ -120,17 +133,7 @@ def check_partition_plan(
 
     # -- coverage and disjoint: one sweep over the sorted intervals ------------------------------
     cov = sweep(labelled, 0, total, limit=limit)
-    for s, e, left, right in cov.gaps:
-        ranks = tuple(r for r in (left, right) if r is not None)
-        side = f"after rank {left}" if left is not None else "at the start"
-        side += f", before rank {right}" if right is not None else ", up to the end"
-        out.add("coverage", f"{e - s} elements owned by no rank ({side})", ranks=ranks, interval=(s, e))
-    out.per_clause["coverage"] = cov.gap_count
-    for s, e, a, b in cov.overlaps:
-        who = f"ranks {a} and {b}" if a != b else f"rank {a} (listed twice)"
-        out.add("disjoint", f"{e - s} elements owned by {who}", ranks=(a, b), interval=(s, e))
-    if cov.overlap_count:
-        out.per_clause["disjoint"] = cov.overlap_count
+    _report_coverage(out, cov)
 
     # -- balance ------------------------------------------------------------------------------------
     if real:
@@ -156,6 +159,81 @@ def check_partition_plan(
     return _finish(verdict, out, plan)
 
 
+def _table_is_well_formed(table: ShardTable, total: Any) -> bool:
+    """Whether an array plan needs none of the well_formed / out-of-space findings (else the
+    per-interval path reports them one by one)."""
+    return (_is_int(total) and 0 <= total < ShardTable.MAX_VALUE and len(table.starts) == len(table.ends)
+            and len(table.first) == len(table.padding) + 1 and int(table.first[0]) == 0
+            and int(table.first[-1]) == len(table.starts) and bool(np.all(np.diff(table.first) >= 0))
+            and bool(np.all(table.starts <= table.ends)) and bool(np.all(table.starts >= 0))
+            and bool(np.all(table.ends <= total)) and bool(np.all(table.padding >= 0)))
+
+
+def _check_table(plan: ShardPlan, table: ShardTable, verdict: Verdict, out: _Collector,
+                 limit: int) -> Verdict:
+    """C-ZERO-001 on a plan held as arrays: the same clauses, findings and details as the
+    per-interval path, with every rank's every interval checked by array arithmetic."""
+    ws, total = plan.world_size, plan.total
+    if len(table) != ws:
+        out.add("well_formed", f"plan has {len(table)} shards for world_size={ws}", expected=ws,
+                got=len(table))
+    real = table.real_numel()
+    padded = plan.meta.get("padded_shard_numel")
+    if padded is not None:
+        stored = real + table.padding
+        bad = np.flatnonzero(stored != padded)
+
+        def padding_finding(i: int) -> tuple[str, dict[str, Any]]:
+            pos = int(bad[i])
+            n, pad = int(real[pos]), int(table.padding[pos])
+            return (f"rank stores {n} real + {pad} padding elements, not the declared shard size {padded}",
+                    {"ranks": (pos,), "expected": padded, "got": n + pad})
+
+        out.add_first("padding", len(bad), padding_finding)
+
+    cov = sweep_arrays(table.starts, table.ends, table.owners(), 0, total, limit=limit)
+    _report_coverage(out, cov)
+
+    if len(real):
+        hi_rank, lo_rank = int(np.argmax(real)), int(np.argmin(real))
+        hi_n, lo_n = int(real[hi_rank]), int(real[lo_rank])
+        spread = hi_n - lo_n
+        target, tol = plan.meta.get("balance_target"), plan.meta.get("balance_tolerance")
+        off_target = 0
+        if target is not None and tol is not None:
+            off = np.flatnonzero(np.abs(real - target) > tol)
+            off_target = len(off)
+
+            def balance_finding(i: int) -> tuple[str, dict[str, Any]]:
+                pos, n = int(off[i]), int(real[off[i]])
+                return (f"shard holds {n} elements, not within {tol} of total // world_size = {target}",
+                        {"ranks": (pos,), "expected": target, "got": n})
+
+            out.add_first("balance", off_target, balance_finding)
+        if spread > plan.balance_bound and not off_target:
+            out.add("balance", f"rank {hi_rank} holds {hi_n} elements and rank {lo_rank} holds "
+                    f"{lo_n}: spread {spread} exceeds the bound {plan.balance_bound}",
+                    ranks=(hi_rank, lo_rank), expected=plan.balance_bound, got=spread)
+        verdict.details.update(max_numel=hi_n, min_numel=lo_n, spread=spread)
+    verdict.details.update(num_intervals=int(np.count_nonzero(table.ends > table.starts)),
+                           gap_elements=cov.gap_elements, overlap_elements=cov.overlap_elements)
+    return _finish(verdict, out, plan)
+
+
+def _report_coverage(out: _Collector, cov: Any) -> None:
+    for s, e, left, right in cov.gaps:
+        ranks = tuple(r for r in (left, right) if r is not None)
+        side = f"after rank {left}" if left is not None else "at the start"
+        side += f", before rank {right}" if right is not None else ", up to the end"
+        out.add("coverage", f"{e - s} elements owned by no rank ({side})", ranks=ranks, interval=(s, e))
+    out.per_clause["coverage"] = cov.gap_count
+    for s, e, a, b in cov.overlaps:
+        who = f"ranks {a} and {b}" if a != b else f"rank {a} (listed twice)"
+        out.add("disjoint", f"{e - s} elements owned by {who}", ranks=(a, b), interval=(s, e))
+    if cov.overlap_count:
+        out.per_clause["disjoint"] = cov.overlap_count
+
+
 def _finish(verdict: Verdict, out: _Collector, plan: ShardPlan) -> Verdict:
     verdict.violations.extend(out.violations)
     verdict.details.update(partitioner=plan.partitioner, world_size=plan.world_size, total=plan.total,
@@ -173,7 +251,7 @@ def check_state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
     group (ranks with the same local index in their shard groups) holds identical shards
     (clause ``replicas``): a hybrid plan whose replicas differ would silently diverge.
     """
-    from ..plan import STATE_KINDS
+    from ..plan import STATE_KINDS, RankStates
 
     strategy, topo = state_plan.strategy, state_plan.topology
     total = state_plan.layout.total_numel
@@ -181,6 +259,13 @@ def check_state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
     verdict = Verdict(CONTRACT)
     sharded = {"params": strategy.shards_params, "grads": strategy.shards_grads,
                "optimizer": strategy.shards_optimizer}
+    ranks = state_plan.ranks
+    if (isinstance(ranks, RankStates) and ranks.derived(base) and len(ranks) == topo.world_size
+            and ranks.flags == tuple(sharded[k] for k in STATE_KINDS)
+            and topo.world_size % base.world_size == 0):
+        fast = _check_derived(state_plan, sharded, limit)
+        if fast is not None:
+            return fast
     # Groups whose shards are the very same objects (params, grads and optimizer state of one
     # partition, every shard group of a hybrid plan) are checked once; a tampered group is not.
     seen: dict[tuple, tuple[Verdict, list]] = {}
@@ -222,6 +307,34 @@ def check_state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
                     f"replicas hold different {kind} shards: rank {members[0]} has {first.numel} elements "
                     f"(+{first.padding} padding), rank {r} has {other.numel} (+{other.padding})",
                     ranks=(members[0], r), interval=diff, context={"state": kind}))
+    verdict.details.update(strategy=strategy.name, world_size=topo.world_size, total=total,
+                           partitioner=base.partitioner, shard_group_size=base.world_size)
+    return verdict
+
+
+def _check_derived(state_plan: Any, sharded: dict[str, bool], limit: int) -> Verdict | None:
+    """check_state_plan for a plan whose every rank's holding is derived from its one ShardPlan.
+
+    Rank ``r`` holds local rank ``r % k``'s shard for sharded kinds and ``[0, total)`` for
+    replicated ones (:class:`zerosim.plan.RankStates`), so every shard group holds the very same
+    shards and every replicate group identical ones: the shard plan and the whole-space shard are
+    each checked once, in full, and stand for every group. Returns None when a check fails, so the
+    caller reports each group's findings with its global ranks.
+    """
+    from ..plan import STATE_KINDS
+
+    strategy, topo = state_plan.strategy, state_plan.topology
+    total = state_plan.layout.total_numel
+    base = state_plan.shard_plan
+    full = ShardPlan("replicated", 1, total, (RankShard(0, ((0, total),) if total else (), 0),), 0)
+    v_sharded = check_partition_plan(base, limit=limit, context={})
+    v_full = check_partition_plan(full, limit=limit, context={})
+    if not (v_sharded.passed and v_full.passed):
+        return None
+    verdict = Verdict(CONTRACT)
+    groups = topo.world_size // base.world_size
+    for kind in STATE_KINDS:
+        verdict.checked += v_sharded.checked * groups if sharded[kind] else v_full.checked * topo.world_size
     verdict.details.update(strategy=strategy.name, world_size=topo.world_size, total=total,
                            partitioner=base.partitioner, shard_group_size=base.world_size)
     return verdict

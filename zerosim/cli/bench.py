@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-BENCH_MODULES = ("sim", "mpi", "check")
+BENCH_MODULES = ("sim", "mpi", "check", "peers", "scale", "offload")
 
 
 def register(sub) -> None:

@@ -13,9 +13,12 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from ..checks.partition import CONTRACT, check_state_plan
+from ..cost.shard_sizes import parse_param_count
 from ..cost.units import format_bytes
-from ..dtypes import canonical_dtype, itemsize
+from ..dtypes import canonical_dtype
 from ..layout import ParamLayout
 from ..partition import PARTITIONERS
 from ..plan import STATE_KINDS, StatePlan, build_plan, bytes_in
@@ -34,6 +37,8 @@ def register(sub: Any) -> None:
                     "partitioner and topology, checked against C-ZERO-001.")
     p.add_argument("--model", default="gpt2-small", metavar="PRESET",
                    help=f"built-in model (default gpt2-small): {', '.join(PRESETS)}")
+    p.add_argument("--params", default=None, metavar="N",
+                   help="instead of --model: one flat tensor of N parameters (e.g. 1e15, 10**15)")
     p.add_argument("--world-size", type=int, default=8, metavar="N", help="number of ranks (default 8)")
     p.add_argument("--strategy", default="full_shard", metavar="S",
                    help="no_shard|zero1|zero2|zero3|full_shard|shard_grad_op|hybrid_shard[:K]|"
@@ -53,7 +58,11 @@ def register(sub: Any) -> None:
 
 @pipe_safe
 def run(args: argparse.Namespace) -> int:
-    layout = ParamLayout.from_config(args.model)
+    if getattr(args, "params", None) is not None:
+        total = parse_param_count(args.params, "params")
+        layout = ParamLayout.from_list([("flat", (total,))], name=f"flat-{total}")
+    else:
+        layout = ParamLayout.from_config(args.model)
     if args.dtype:
         layout = layout.with_dtype(canonical_dtype(args.dtype, "dtype"))
     topology = Topology(args.world_size, args.ranks_per_node)
@@ -71,45 +80,91 @@ def run(args: argparse.Namespace) -> int:
     return 0 if verdict.passed else 1
 
 
-def _rank_rows(plan: StatePlan) -> list[dict[str, Any]]:
-    """Per-rank numbers; counted once per distinct shard (replicas and state kinds share them)."""
-    cache: dict[int, tuple[int, int]] = {}
-    dtypes = plan.layout.bytes_by_dtype()
-    single_itemsize = itemsize(next(iter(dtypes))) if len(dtypes) == 1 else None
+class RankColumns:
+    """Every rank's numbers as arrays over the world (no per-rank Python objects).
 
-    def numel_and_bytes(intervals: tuple) -> tuple[int, int]:
-        key = id(intervals)  # the plan keeps every intervals tuple alive, so ids stay unique
-        if key not in cache:
-            n = sum(e - s for s, e in intervals)
-            cache[key] = (n, n * single_itemsize if single_itemsize else bytes_in(plan.layout, intervals))
-        return cache[key]
+    A plan built by :func:`zerosim.plan.build_plan` holds one ShardPlan: local rank ``r % k``'s
+    numbers are computed once per local rank and spread to every shard group; any other StatePlan is
+    read rank by rank.
+    """
 
-    meta = plan.shard_plan.meta
-    owners = meta.get("block_owners")
-    rows = []
-    for r in plan.ranks:
-        row: dict[str, Any] = {
-            "rank": r.rank,
-            "node": plan.topology.node_of(r.rank),
-            "shard_group": r.shard_group,
-            "local_rank": r.local_rank,
-        }
+    def __init__(self, plan: StatePlan):
+        from ..plan import RankStates, shard_columns
+
+        self.plan = plan
+        topo, layout = plan.topology, plan.layout
+        ws = topo.world_size
+        self.rank = np.arange(ws, dtype=np.int64)
+        sp = plan.shard_plan
+        total, total_bytes = layout.total_numel, layout.total_bytes
+        flags = {"params": plan.strategy.shards_params, "grads": plan.strategy.shards_grads,
+                 "optimizer": plan.strategy.shards_optimizer}
+        self.cols: dict[str, dict[str, np.ndarray]] = {}
+        if isinstance(plan.ranks, RankStates) and plan.ranks.derived(sp):
+            k = sp.world_size
+            self.group, self.local = self.rank // k, self.rank % k
+            local = shard_columns(layout, sp)
+            for kind in STATE_KINDS:
+                if flags[kind]:
+                    self.cols[kind] = {"numel": local.numel[self.local], "padding": local.padding[self.local],
+                                       "bytes": local.nbytes[self.local],
+                                       "num_intervals": local.num_intervals[self.local]}
+                else:
+                    self.cols[kind] = {"numel": np.full(ws, total, dtype=np.int64),
+                                       "padding": np.zeros(ws, dtype=np.int64),
+                                       "bytes": np.full(ws, total_bytes, dtype=np.int64),
+                                       "num_intervals": np.full(ws, 1 if total else 0, dtype=np.int64)}
+        else:
+            states = list(plan.ranks)
+            self.group = np.array([r.shard_group for r in states], dtype=np.int64)
+            self.local = np.array([r.local_rank for r in states], dtype=np.int64)
+            for kind in STATE_KINDS:
+                held = [r.holding(kind) for r in states]
+                self.cols[kind] = {"numel": np.array([h.numel for h in held], dtype=object),
+                                   "padding": np.array([h.padding for h in held], dtype=object),
+                                   "bytes": np.array([bytes_in(layout, h.intervals) for h in held],
+                                                     dtype=object),
+                                   "num_intervals": np.array([len(h.intervals) for h in held],
+                                                             dtype=np.int64)}
+        self.cols["optimizer"]["adam_state_bytes"] = self.cols["optimizer"]["numel"] * ADAM_BYTES
+        meta = sp.meta
+        self.blocks = (meta.get("block_owners") is not None
+                       and plan.strategy.shard_group_size(ws) > 1)
+        if self.blocks:
+            counts = np.bincount(np.asarray(meta["block_owners"], dtype=np.int64), minlength=sp.world_size)
+            self.block_cols = {"blocks": counts[self.local],
+                               "block_fraction": np.asarray(meta["block_fraction"], dtype=float)[self.local],
+                               "byte_fraction": np.asarray(meta["byte_fraction"], dtype=float)[self.local]}
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+    def row(self, i: int) -> dict[str, Any]:
+        """Rank ``i``'s row as in ``zerosim plan --json``."""
+        rank = int(self.rank[i])
+        row: dict[str, Any] = {"rank": rank, "node": self.plan.topology.node_of(rank),
+                               "shard_group": int(self.group[i]), "local_rank": int(self.local[i])}
         for kind in STATE_KINDS:
-            s = r.holding(kind)
-            numel, nbytes = numel_and_bytes(s.intervals)
-            row[kind] = {
-                "numel": numel,
-                "padding": s.padding,
-                "bytes": nbytes,
-                "num_intervals": len(s.intervals),
-            }
-        row["optimizer"]["adam_state_bytes"] = row["optimizer"]["numel"] * ADAM_BYTES
-        if owners is not None and plan.strategy.shard_group_size(plan.topology.world_size) > 1:
-            row["blocks"] = sum(1 for o in owners if o == r.local_rank)
-            row["block_fraction"] = meta["block_fraction"][r.local_rank]
-            row["byte_fraction"] = meta["byte_fraction"][r.local_rank]
-        rows.append(row)
-    return rows
+            row[kind] = {name: int(col[i]) for name, col in self.cols[kind].items()}
+        if self.blocks:
+            row["blocks"] = int(self.block_cols["blocks"][i])
+            row["block_fraction"] = float(self.block_cols["block_fraction"][i])
+            row["byte_fraction"] = float(self.block_cols["byte_fraction"][i])
+        return row
+
+    def extreme(self, pick: Any, kind: str, name: str) -> Any:
+        """min or max (``pick``) of one column over every rank."""
+        col = self.cols[kind][name]
+        return int(pick(col))
+
+    def max_over_kinds(self, name: str) -> np.ndarray:
+        return np.maximum.reduce([self.cols[k][name] for k in STATE_KINDS])
+
+
+def _rank_rows(plan: StatePlan) -> list[dict[str, Any]]:
+    """Every rank's row (``zerosim plan --json``)."""
+    cols = RankColumns(plan)
+    return [cols.row(i) for i in range(len(cols))]
 
 
 def plan_json(plan: StatePlan, verdict: Any, check_ms: float, with_intervals: bool = False) -> dict[str, Any]:
@@ -175,8 +230,8 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
         f"[bold]{sp.partitioner}[/] ({sp.notes}); {topo.world_size} ranks = {topo.num_nodes} node(s) "
         f"x {topo.rpn}"
     )
-    rows = _rank_rows(plan)
-    blocks = "blocks" in rows[0]
+    rows = RankColumns(plan)
+    blocks = rows.blocks
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
     for col in ("rank", "group:local", "params", "grads", "optimizer", "padding", "param bytes", "grad bytes",
                 "Adam m+v fp32", "intervals"):
@@ -206,18 +261,19 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
     for i, idx in enumerate(shown):
         if elided and i == len(shown) // 2:
             table.add_row("...", f"+{elided} ranks", *["..."] * (len(table.columns) - 2), style="dim")
-        table.add_row(*cells(rows[idx]))
+        table.add_row(*cells(rows.row(idx)))
     if elided:
-        for label, pick in (("min", min), ("max", max)):
+        padding, intervals = rows.max_over_kinds("padding"), rows.max_over_kinds("num_intervals")
+        for label, pick in (("min", np.min), ("max", np.max)):
             table.add_row(label, "", *[
-                f"{pick(r[k]['numel'] for r in rows):,}" for k in STATE_KINDS],
-                f"{pick(max(r[k]['padding'] for k in STATE_KINDS) for r in rows):,}",
-                format_bytes(pick(r['params']['bytes'] for r in rows), binary=True, digits=4),
-                format_bytes(pick(r['grads']['bytes'] for r in rows), binary=True, digits=4),
-                format_bytes(pick(r['optimizer']['adam_state_bytes'] for r in rows), binary=True, digits=4),
-                str(pick(max(r[k]['num_intervals'] for k in STATE_KINDS) for r in rows)),
-                *([str(pick(r["blocks"] for r in rows)), f"{pick(r['block_fraction'] for r in rows):.3f}",
-                   f"{pick(r['byte_fraction'] for r in rows):.3f}"] if blocks else []),
+                f"{rows.extreme(pick, k, 'numel'):,}" for k in STATE_KINDS],
+                f"{pick(padding):,}",
+                format_bytes(rows.extreme(pick, "params", "bytes"), binary=True, digits=4),
+                format_bytes(rows.extreme(pick, "grads", "bytes"), binary=True, digits=4),
+                format_bytes(rows.extreme(pick, "optimizer", "adam_state_bytes"), binary=True, digits=4),
+                str(pick(intervals)),
+                *([str(pick(rows.block_cols["blocks"])), f"{pick(rows.block_cols['block_fraction']):.3f}",
+                   f"{pick(rows.block_cols['byte_fraction']):.3f}"] if blocks else []),
                 style="italic", end_section=False)
     print_table(table, console)
     if elided:

@@ -4,7 +4,9 @@ TARGET is a built-in adapter (ddp, torch-zero, fsdp2, fsdp2-grad-op, fsdp2-hybri
 MODULE:FACTORY (``make_trainer(model, optim) -> Trainer``; the current directory and PYTHONPATH are
 importable on every rank). Starts the ranks itself (torch.distributed: gloo on the CPU, NCCL with
 ``--device cuda``). Exit status: 0 every contract holds, 1 a contract failed, 2 bad input, 3 a rank
-failed or hung. ``--all``: every installed adapter x {sgd, adamw} x world {2, 4}, under reports/.
+failed or hung. ``--all``: every installed adapter x {sgd, adamw} x world {2, 4}, plus resumes
+2 -> 3 and 4 -> 2, under reports/. ``--resume-at K --resume-world M``: save after step K of each
+phase, resume on M fresh ranks, check C-ZERO-007.
 """
 
 from __future__ import annotations
@@ -42,13 +44,29 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--timeout", default=None, help="seconds a collective or trainer call may take (default 120)"
     )
+    p.add_argument(
+        "--resume-at",
+        default=None,
+        metavar="K",
+        help="stop each phase after its K-th step, save_checkpoint on every rank, start --resume-world "
+        "fresh ranks that load_checkpoint and continue; checks C-ZERO-007",
+    )
+    p.add_argument(
+        "--resume-world", default=None, metavar="M", help="ranks of the resumed run (default: --world)"
+    )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--out", default=None, help="directory that receives report.json")
     p.add_argument(
         "--all",
         action="store_true",
-        help="every installed adapter x {sgd, adamw} x world {2, 4}: "
+        help="every installed adapter x {sgd, adamw} x world {2, 4}, plus a resume column (2->3, 4->2): "
         "markdown + JSON + PNG heat map under reports/",
+    )
+    p.add_argument(
+        "--resume-matrix",
+        action="store_true",
+        help="only the resume column of --all: every installed adapter saved at world 2 and 4, resumed "
+        "at 3 and 2 (reports/verify-resume-matrix.md and .json)",
     )
     p.set_defaults(func=run)
 
@@ -77,7 +95,7 @@ def _seconds(text: Any) -> float | None:
 def run(args: Any) -> int:
     from ..verify.errors import RankFailure
 
-    if args.all:
+    if args.all or args.resume_matrix:
         from ..verify import matrix
 
         try:
@@ -120,6 +138,12 @@ def _run_as_rank(args: Any) -> None:
     from ..verify.runner import rank_main
 
     world = _int("world", args.world)
+    if args.resume_at is not None or args.resume_world is not None:
+        raise ConfigError(
+            "resume_at",
+            args.resume_at,
+            "resuming needs two launches; run zerosim verify --resume-at K without torchrun",
+        )
     if world is not None and world != int(os.environ["WORLD_SIZE"]):
         raise ConfigError(
             "world",
@@ -159,4 +183,6 @@ def _verify(args: Any) -> Any:
         optimizers=args.optimizers,
         timeout_s=_seconds(args.timeout),
         out=args.out,
+        resume_at=_int("resume_at", args.resume_at),
+        resume_world=_int("resume_world", args.resume_world),
     )

@@ -149,8 +149,11 @@ def _nbytes(x: Any) -> int:
     return int(x.nbytes)
 
 
-def _signature(x: Any) -> tuple[tuple[int, ...], str]:
-    return tuple(int(d) for d in x.shape), str(x.dtype)
+def _signature(x: Any) -> tuple[type, tuple[int, ...], Any]:
+    """(array type, shape, dtype) of a collective's array, compared across the group's members: the
+    dtype object itself, cheap to compare (only a mismatch message spells out its name); the type
+    first, so dtypes of different array libraries are never compared with each other."""
+    return type(x), tuple(x.shape), x.dtype
 
 
 # ---- world state ----------------------------------------------------------------------------------
@@ -201,11 +204,19 @@ class SimulatedWorld:
         self.timeout_s = float(timeout_s)
         self.schedule = schedule
         self.traffic = [TrafficCounter() for _ in range(world_size)]
-        self._cv = threading.Condition()
+        # One lock guards the world's state. Each rank sleeps, with that lock let go, on its own wake-up
+        # token: a lock held while no wake-up is pending, released (under the world lock) by whoever
+        # changes what that rank waits for (the next baton holder, a completed collective's members).
+        # A woken rank re-checks the state under the world lock, so a stale token costs one extra look.
+        self._lock = threading.Lock()
+        self._tokens = [threading.Lock() for _ in range(world_size)]
+        for token in self._tokens:
+            token.acquire()
         self._groups: list[_Group] = []
         self._next_seq: dict[tuple[int, int], int] = {}  # (gid, global rank) -> next call number
         self._pending: dict[tuple[int, int], _Rendezvous] = {}  # (gid, seq) -> rendezvous
         self._status = ["ready"] * world_size  # ready | blocked | done
+        self._n_ready = world_size
         self._waiting_on: dict[int, _Rendezvous] = {}
         self._holder: int | None = 0 if schedule == "serial" else None
         self._last_progress = time.monotonic()
@@ -227,7 +238,7 @@ class SimulatedWorld:
         """A read-only value every rank of this world needs (the seed's initial parameters): built once
         by the first rank that asks, handed to each rank, and dropped when the last rank has taken it.
         Only the simulator has this (its ranks share a process); other backends build per rank."""
-        with self._cv:
+        with self._lock:
             entry = self._shared.get(key)
             if entry is None:
                 entry = self._shared[key] = [factory(), 0]
@@ -249,25 +260,39 @@ class SimulatedWorld:
 
     # -- rank lifecycle (called by run_spmd's threads) ---------------------------------------------
     def _enter(self, rank: int) -> None:
-        with self._cv:
+        with self._lock:
             self._wait_for_baton(rank, None)
 
     def _finish(self, rank: int, error: BaseException | None) -> None:
-        with self._cv:
-            self._status[rank] = "done"
+        with self._lock:
+            self._set_status(rank, "done")
             if error is not None and not isinstance(error, _Aborted) and self._failure is None:
                 self._failure = (rank, error)
+                self._wake_all()  # every waiting rank stops
             self._progress()
             if self._failure is None:
                 self._pass_baton(rank)
                 self._detect_deadlock()
-            self._cv.notify_all()
 
     @property
     def failure(self) -> tuple[int, BaseException] | None:
         return self._failure
 
     # -- scheduling -------------------------------------------------------------------------------
+    def _set_status(self, rank: int, status: str) -> None:
+        self._n_ready += (status == "ready") - (self._status[rank] == "ready")
+        self._status[rank] = status
+
+    def _wake(self, ranks: Sequence[int]) -> None:
+        tokens = self._tokens
+        for r in ranks:
+            token = tokens[r]
+            if token.locked():  # no wake-up pending yet (the world lock orders every waker)
+                token.release()
+
+    def _wake_all(self) -> None:
+        self._wake(range(self.world_size))
+
     def _progress(self) -> None:
         self._last_progress = time.monotonic()
 
@@ -280,12 +305,13 @@ class SimulatedWorld:
             if self._status[r] == "ready":
                 self._holder = r
                 self._progress()
+                self._wake((r,))
                 return
         self._holder = None
 
     def _detect_deadlock(self) -> None:
         """Every rank is blocked or done and nothing can complete: fail the blocked collectives."""
-        if any(s == "ready" for s in self._status):
+        if self._n_ready:
             return
         blocked = [r for r, s in enumerate(self._status) if s == "blocked"]
         if not blocked:
@@ -300,7 +326,7 @@ class SimulatedWorld:
             )
             rv.error = CollectiveAbandoned(rv.collective, missing, rv.group.name, detail)
             rv.done = True
-        self._cv.notify_all()
+        self._wake_all()
 
     def _wait_for_baton(self, rank: int, rv: _Rendezvous | None) -> None:
         """Block (holding the condition) until ``rv`` is done and, in serial mode, ``rank`` holds the baton.
@@ -319,7 +345,11 @@ class SimulatedWorld:
             remaining = self.timeout_s - (time.monotonic() - since)
             if remaining <= 0:
                 raise self._timeout_error(rv)
-            self._cv.wait(remaining)
+            self._lock.release()
+            try:
+                self._tokens[rank].acquire(timeout=remaining)
+            finally:
+                self._lock.acquire()
 
     def _timeout_error(self, rv: _Rendezvous | None) -> CollectiveTimeout:
         """Name the collective that could not complete and the ranks that never arrived at it."""
@@ -339,7 +369,7 @@ class SimulatedWorld:
     # -- the collective core --------------------------------------------------------------------------
     def _collective(self, group: _Group, grank: int, call: _Call) -> Any:
         rank = group.global_ranks[grank]
-        with self._cv:
+        with self._lock:
             if self._failure is not None:
                 raise _Aborted(f"rank {self._failure[0]} failed")
             key = (group.gid, rank)
@@ -360,22 +390,22 @@ class SimulatedWorld:
                 rv.done = True
                 for g in group.global_ranks:
                     if self._status[g] == "blocked" and self._waiting_on.get(g) is rv:
-                        self._status[g] = "ready"
+                        self._set_status(g, "ready")
                         del self._waiting_on[g]
-                self._cv.notify_all()
+                if self.schedule != "serial" or self._holder is None:
+                    self._wake(group.global_ranks)
             else:
-                self._status[rank] = "blocked"
+                self._set_status(rank, "blocked")
                 self._waiting_on[rank] = rv
                 self._pass_baton(rank)
                 self._detect_deadlock()
-                self._cv.notify_all()
                 try:
                     self._wait_for_baton(rank, rv)
                 finally:
                     if self._waiting_on.get(rank) is rv:
                         del self._waiting_on[rank]
                     if self._status[rank] == "blocked":
-                        self._status[rank] = "ready"
+                        self._set_status(rank, "ready")
             if rv.error is not None:
                 raise rv.error
             return rv.results.pop(grank)
@@ -419,7 +449,8 @@ class SimulatedWorld:
             return self._complete_split(rv.group, rv.seq, [c.extra for c in calls])
         sigs = [_signature(c.array) for c in calls]
         if any(s != sigs[0] for s in sigs):
-            detail = ", ".join(f"rank {rv.group.global_ranks[i]}: {s}" for i, s in enumerate(sigs))
+            detail = ", ".join(f"rank {rv.group.global_ranks[i]}: {(tuple(int(d) for d in s[1]), str(s[2]))}"
+                               for i, s in enumerate(sigs))
             raise CollectiveMismatch(
                 f"{kind} on group {rv.group.name} call #{rv.seq}: shapes/dtypes differ ({detail})"
             )
@@ -428,10 +459,13 @@ class SimulatedWorld:
             total = reduce_in_rank_order(xs, first.op or "sum")
             return {i: (total if i == n - 1 else _copy(total)) for i in range(n)}
         if kind == "reduce_scatter":
-            length = sigs[0][0][0] if sigs[0][0] else 0
+            length = sigs[0][1][0] if sigs[0][1] else 0
             chunk = length // n
-            return {j: reduce_in_rank_order([x[j * chunk:(j + 1) * chunk] for x in xs], first.op or "sum")
-                    for j in range(n)}
+            # the whole buffer reduced in rank order once (element by element the same arithmetic as
+            # reducing each chunk apart), then rank j gets its own chunk of it: n adds of the buffer,
+            # not n * n slices
+            total = reduce_in_rank_order(xs, first.op or "sum")
+            return {j: total[j * chunk:(j + 1) * chunk] for j in range(n)}
         if kind == "all_gather":
             out = _concat(xs)
             if _is_torch(out):

@@ -29,9 +29,9 @@ import numpy as np
 from ..checks.rounding import UNDERFLOW, UNIT_ROUNDOFF, OptimizerHyper, RoundingBound, StepBounds, StepValues
 from ..comm.sim import reduce_in_rank_order
 from ..flat import flatten, unflatten
-from ..groundtruth import GroundTruth, mean_gradient, train_ground_truth
+from ..groundtruth import GroundTruth, local_gradients, mean_gradient, train_ground_truth
 from ..layout import ParamLayout
-from ..model import BlockModel, init_params, synthetic_batch
+from ..model import BlockModel, init_params
 from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
 from ..xp import numpy_namespace
 from .config import ResolvedRun
@@ -183,34 +183,13 @@ def ordered_reference(run: ResolvedRun) -> Reference:
     ref = Reference("ordered")
     for step in range(run.steps):
         params = unflatten(prec.to_params(master, xp), layout)
-        grads: dict[tuple[int, int], np.ndarray] = {}
-        losses = []
-        for rank in range(n):
-            for micro in range(m_count):
-                tokens, targets = synthetic_batch(cfg, run.seed, step, rank, micro)
-                loss, g = model.loss_and_grads(params, tokens, targets)
-                grads[(rank, micro)] = flatten(g, layout).astype(np.float32)
+        losses: list[float] = []
+        reduce = _RankOrderReduction(strategy.shards_grads, n, k, r, m_count, strategy.is_hybrid)
+        for stack_losses, stack in local_gradients(model, params, prec, cfg, run.seed, step, n, m_count):
+            for i, loss in enumerate(stack_losses):  # rank-major then micro order
+                reduce.add(stack[i])
                 losses.append(loss)
-        if not strategy.shards_grads:  # NO_SHARD, ZeRO-1: local accumulation, one all-reduce (or a
-            # reduce-scatter: the simulator sums every element in the same rank order either way)
-            accs = []
-            for rank in range(n):
-                acc = grads[(rank, 0)].copy()
-                for micro in range(1, m_count):
-                    acc += grads[(rank, micro)]
-                accs.append(acc)
-            total = reduce_in_rank_order(accs, "avg") if n > 1 else accs[0]
-        else:  # ZeRO-2/3 and hybrids: reduce-scatter per micro-batch in the shard group, then replicas
-            group_accs = []
-            for grp in range(r):
-                acc = None
-                for micro in range(m_count):
-                    red = reduce_in_rank_order([grads[(grp * k + j, micro)] for j in range(k)], "avg")
-                    acc = red if acc is None else acc + red
-                group_accs.append(acc)
-            total = (
-                reduce_in_rank_order(group_accs, "avg") if (strategy.is_hybrid and r > 1) else group_accs[0]
-            )
+        total = reduce.result()
         if m_count > 1:
             total /= m_count
         # norm exactly as the ranks sum it (reduce-scatter ZeRO-1 holds only its chunk, like ZeRO-2)
@@ -244,6 +223,76 @@ def ordered_reference(run: ResolvedRun) -> Reference:
             )
         )
     return ref
+
+
+class _RankOrderReduction:
+    """The simulator's reduction of the per-(rank, micro) gradients, fed one at a time in rank-major then
+    micro order, holding running sums instead of every local gradient (each sum adds its terms in the
+    order :func:`~zerosim.comm.sim.reduce_in_rank_order` adds them, so the result is bitwise the same):
+
+    * NO_SHARD / ZeRO-1: each rank accumulates its micro-batches locally; the per-rank sums are
+      averaged over the world in rank order (one rank: its sum as it is);
+    * ZeRO-2/3 and hybrids: per micro-batch, an average over the shard group (ranks ``g k .. g k +
+      k - 1``) in rank order, accumulated over micro-batches; hybrid: the group results averaged
+      over the replicas in group order (without hybrid only group 0 exists)."""
+
+    def __init__(self, shards_grads: bool, world_size: int, k: int, replicas: int, micro_batches: int,
+                 hybrid: bool):
+        self.shards_grads, self.hybrid = shards_grads, hybrid
+        self.n, self.k, self.r, self.m = world_size, k, replicas, micro_batches
+        self.index = 0
+        self.rank_acc: np.ndarray | None = None       # this rank's micro-batches so far (NO_SHARD, ZeRO-1)
+        self.world_sum: np.ndarray | None = None      # the ranks' sums so far, in rank order
+        self.micro_sums: list[np.ndarray | None] = [None] * micro_batches  # per micro, this shard group
+        self.group_sum: np.ndarray | None = None      # the shard groups' results so far, in group order
+
+    def add(self, grad: np.ndarray) -> None:
+        rank, micro = divmod(self.index, self.m)
+        self.index += 1
+        if not self.shards_grads:
+            if micro == 0:
+                self.rank_acc = grad.copy()
+            else:
+                assert self.rank_acc is not None
+                self.rank_acc += grad
+            if micro == self.m - 1:
+                if self.world_sum is None:
+                    self.world_sum = self.rank_acc
+                else:
+                    self.world_sum += self.rank_acc
+                self.rank_acc = None
+            return
+        group, j = divmod(rank, self.k)
+        acc = self.micro_sums[micro]
+        if j == 0:
+            self.micro_sums[micro] = grad.copy()
+        else:
+            assert acc is not None
+            acc += grad
+        if j == self.k - 1 and micro == self.m - 1:  # the group's last local gradient: reduce the group
+            group_acc = None
+            for part in self.micro_sums:
+                assert part is not None
+                part /= self.k
+                group_acc = part if group_acc is None else group_acc + part
+            assert group_acc is not None
+            self.micro_sums = [None] * self.m
+            if group == 0:
+                self.group_sum = group_acc
+            elif self.hybrid:
+                assert self.group_sum is not None
+                self.group_sum += group_acc
+
+    def result(self) -> np.ndarray:
+        if not self.shards_grads:
+            assert self.world_sum is not None
+            if self.n > 1:
+                self.world_sum /= self.n
+            return self.world_sum
+        assert self.group_sum is not None
+        if self.hybrid and self.r > 1:
+            self.group_sum /= self.r
+        return self.group_sum
 
 
 def _concat_pieces(full: np.ndarray, pieces: list[tuple[int, int]]) -> np.ndarray:

@@ -9,6 +9,7 @@ the backend: the observations are host numpy whichever backend produced them.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -105,12 +106,107 @@ def ownership_expectation(run: ResolvedRun) -> OwnershipExpectation:
     return OwnershipExpectation(run.state_plan, padding, bpe, bound, run.prefetch)
 
 
+_ONE_THREAD = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+class ReferenceJob:
+    """The unsharded references of a run, computed in a child process while the run trains.
+
+    The references depend on the configuration only, never on the observations, so the simulator
+    starts them before its ranks train: they run on a core the serially scheduled ranks leave
+    idle. :meth:`get` waits for them; if the child cannot deliver (it could not start, it died),
+    the caller computes them itself, as it would have without a job. A child's ZeroSimError
+    (bad input) is raised as it is."""
+
+    def __init__(self, run: ResolvedRun, ordered: bool):
+        import multiprocessing
+
+        self.ordered = ordered
+        self._result: tuple[dict[str, Any], dict[str, float]] | None = None
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: safe beside the rank threads
+        self._conn, child = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_reference_job, args=(run.cfg, ordered, child), daemon=True,
+                                 name="zerosim-references")
+        # the child computes on the one core the training leaves idle: one BLAS thread, so it never
+        # takes the training's core (the variables are read when the child starts its BLAS library)
+        saved = {k: os.environ.get(k) for k in _ONE_THREAD}
+        os.environ.update(dict.fromkeys(_ONE_THREAD, "1"))
+        try:
+            self._proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        child.close()
+
+    @staticmethod
+    def worth_it(run: ResolvedRun) -> bool:
+        """Whether a child process pays for itself: many local passes (a fresh interpreter costs about
+        a second of a core) and small results (the references cross a pipe)."""
+        return (run.world_size * run.micro_batches >= 128
+                and run.layout.total_numel * run.steps <= 1 << 22 and run.cfg.xp == "numpy")
+
+    def get(self) -> tuple[dict[str, Any], dict[str, float]] | None:
+        """(references by name, their timings), or None where the child delivered nothing."""
+        if self._result is None:
+            try:
+                status, payload = self._conn.recv()
+            except (EOFError, OSError):
+                status, payload = "lost", None
+            finally:
+                self._conn.close()
+                self._proc.join(timeout=5)
+            if status == "error":
+                raise payload
+            if status != "ok":
+                return None
+            self._result = payload
+        return self._result
+
+    def cancel(self) -> None:
+        """Stop the child (the run failed before its references were needed)."""
+        if self._proc.is_alive():
+            self._proc.terminate()
+        self._proc.join(timeout=5)
+        self._conn.close()
+
+
+def _reference_job(cfg: RunConfig, ordered: bool, conn: Any) -> None:
+    """The child's work: the references of ``cfg`` and their timings, sent back over ``conn``."""
+    from ..errors import ZeroSimError
+    from .reference import independent_reference, ordered_reference
+
+    try:
+        run = cfg.resolve()
+        refs: dict[str, Any] = {}
+        timings: dict[str, float] = {}
+        t = time.perf_counter()
+        refs["independent"] = independent_reference(run)
+        timings["ground_truth_s"] = time.perf_counter() - t
+        if ordered:
+            t = time.perf_counter()
+            refs["ordered"] = ordered_reference(run)
+            timings["ordered_reference_s"] = time.perf_counter() - t
+        conn.send(("ok", (refs, timings)))
+    except ZeroSimError as e:
+        conn.send(("error", e))
+    except Exception:  # noqa: BLE001 - the parent computes the references itself
+        conn.send(("failed", None))
+    finally:
+        conn.close()
+
+
 def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservation], *,
-             bitwise: bool | None = None, progress: ProgressFn | None = None) -> RunResult:
+             bitwise: bool | None = None, progress: ProgressFn | None = None,
+             references: ReferenceJob | None = None) -> RunResult:
     """Run every step contract on the observations of a run of ``cfg`` (from any backend).
 
     ``bitwise`` (default: every rank ran on the simulator with numpy) also demands bit-identical
     agreement with the same-reduction-order reference; other backends reduce in their own order.
+    ``references``: a :class:`ReferenceJob` started for this run; what it delivers is used instead
+    of computing the same references here.
     """
     from .reference import independent_reference, ordered_reference
 
@@ -130,18 +226,30 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
             progress(name, i, 4)
 
     phase("C-ZERO-002", 0)
-    t = time.perf_counter()
-    independent = independent_reference(run)
-    timings["ground_truth_s"] = time.perf_counter() - t
-    references = {"independent": independent}
+    done: dict[str, Any] = {}
+    if references is not None:
+        t = time.perf_counter()
+        got = references.get()
+        if got is not None:
+            done = dict(got[0])
+            timings.update(got[1])
+            timings["references_wait_s"] = time.perf_counter() - t
+    if "independent" not in done:
+        t = time.perf_counter()
+        done["independent"] = independent_reference(run)
+        timings["ground_truth_s"] = time.perf_counter() - t
+    independent = done["independent"]
+    references_used: dict[str, Any] = {"independent": independent}
     if full:
         tol = equivalence_tolerance(run.precision.name)
         v2 = check_equivalence(obs, independent, layout=layout, tolerance=tol)
         v2.details = {"ground_truth": dict(v2.details)}
         if bitwise:
-            t = time.perf_counter()
-            ordered = references["ordered"] = ordered_reference(run)
-            timings["ordered_reference_s"] = time.perf_counter() - t
+            if "ordered" not in done:
+                t = time.perf_counter()
+                done["ordered"] = ordered_reference(run)
+                timings["ordered_reference_s"] = time.perf_counter() - t
+            ordered = references_used["ordered"] = done["ordered"]
             vb = check_equivalence(obs, ordered, layout=layout, bitwise=True)
             v2.extend(vb)
             v2.details["ordered_reference"] = dict(vb.details)
@@ -159,7 +267,7 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
     verdicts["C-ZERO-005"] = check_communication(obs, estimate)
     phase("done", 4)
     return RunResult(
-        run.describe(), verdicts, step_metrics(obs, independent), estimate, obs, timings, references
+        run.describe(), verdicts, step_metrics(obs, independent), estimate, obs, timings, references_used
     )
 
 

@@ -19,7 +19,15 @@ from ..observe import RankObservation
 from ..xp import numpy_namespace, torch_namespace
 from .config import ResolvedRun, RunConfig
 from .faults import engine_class
-from .run_result import ProgressFn, RunResult, evaluate, plan_refused_result, plan_verdict, resolve_run
+from .run_result import (
+    ProgressFn,
+    ReferenceJob,
+    RunResult,
+    evaluate,
+    plan_refused_result,
+    plan_verdict,
+    resolve_run,
+)
 
 __all__ = ["rank_program", "run_simulated", "simulate_observations"]
 
@@ -61,14 +69,29 @@ def simulate_observations(
 
 
 def run_simulated(cfg: RunConfig, progress: ProgressFn | None = None) -> RunResult:
-    """Validate, run on the in-process simulator, evaluate every step contract."""
+    """Validate, run on the in-process simulator, evaluate every step contract.
+
+    Where it pays (:meth:`ReferenceJob.worth_it`: many ranks, a small model) the unsharded
+    references are computed in a child process while the ranks train, on the core the serially
+    scheduled ranks leave idle; the contracts and what they compare are the same either way."""
     run = resolve_run(cfg)
     plan = plan_verdict(run)
     if not plan.passed:  # a plan with gaps or overlaps is never trained
         return plan_refused_result(run, plan)
+    job = None
+    if ReferenceJob.worth_it(run):
+        try:
+            job = ReferenceJob(run, ordered=run.observe_values)
+        except OSError:  # no child process here: evaluate computes the references itself
+            job = None
     t = time.perf_counter()
-    obs = simulate_observations(run, progress)
+    try:
+        obs = simulate_observations(run, progress)
+    except BaseException:
+        if job is not None:
+            job.cancel()
+        raise
     train_s = time.perf_counter() - t
-    result = evaluate(run, obs, progress=progress)
+    result = evaluate(run, obs, progress=progress, references=job)
     result.timings["train_s"] = train_s
     return result

@@ -20,6 +20,9 @@ exactly this):
 * HYBRID_SHARD / HYBRID_SHARD_ZERO2: ZeRO-3 / ZeRO-2 inside the shard group, then once per step an
   ``all_reduce(avg)`` of the gradient shard over the replicate group (ZERO2: then the all-gather).
 
+Dtypes: master, gradient shard and optimizer state are float32 (``precision.master_dtype``); a float64
+torch model trained by :class:`zerogpu.trainer.ZeroTrainer` keeps them in float64 (precision "fp64").
+
 Averaging: each reduction averages over its group (``avg`` = rank-order sum / group size); after
 the M micro-batches the accumulated gradient is divided by M. The global gradient norm is the
 float64 sum of squares over the elements each rank *owns* (padding excluded), all-reduced once
@@ -42,6 +45,7 @@ override only make sense next to the code they replace.
 
 from __future__ import annotations
 
+import bisect
 import time
 from typing import Any
 
@@ -97,7 +101,8 @@ class ZeroEngine:
         self.zero1_reduce_scatter = run.zero1_reduce_scatter
         self.precision = run.precision
         self.mixed = self.precision.is_mixed
-        self.model = BlockModel(run.model_cfg, xp)
+        self.state_dtype = self.precision.master_dtype  # master, gradient shard, optimizer state
+        self.model = self.build_model()
         self.opt = make_optimizer(run.spec, xp)
         self.tracker = MemoryTracker(self.rank)
         self.offload = bool(run.cfg.offload)
@@ -149,38 +154,34 @@ class ZeroEngine:
     # =============================================================================================
     # state
     # =============================================================================================
-    def _init_state(self) -> None:
-        """Every rank builds the same initial parameters from the seed and keeps only what it owns."""
-        xp = self.xp
+    def build_model(self) -> Any:
+        """The model whose forward and backward :meth:`micro_batch` runs: the simulator's block model."""
+        return BlockModel(self.run.model_cfg, self.xp)
+
+    def initial_flat(self) -> Any:
+        """The full initial parameters as one flat host numpy array in layout order (read-only)."""
         cfg, seed = self.run.model_cfg, self.run.seed
 
         def make() -> Any:
             flat = flatten(init_params(cfg, seed), self.layout)  # host numpy, transient
-            if xp.backend == "numpy":  # shared between simulated ranks: nobody may write into it (torch
+            if self.xp.backend == "numpy":  # shared between simulated ranks: nobody may write into it (torch
                 flat.flags.writeable = False  # would warn on wrapping a read-only array; it only copies out)
             return flat
 
-        if self.run.cfg.load == "broadcast":
-            full = self.receive_initial_weights(make)
-        else:
-            share = getattr(self.comm, "shared", None)  # the simulator builds it once for all its ranks
-            full = share(("init_params", cfg, seed), make) if callable(share) else make()
-        pdt = self.precision.param_dtype
+        share = getattr(self.comm, "shared", None)  # the simulator builds it once for all its ranks
+        return share(("init_params", cfg, seed), make) if callable(share) else make()
+
+    def _init_state(self) -> None:
+        """Every rank builds the same initial parameters and keeps only what it owns (``load="broadcast"``:
+        only rank 0 builds them; the others receive them one tensor at a time)."""
+        xp = self.xp
         self.owned_pieces = (
             tuple(self.units.owned_global(self.local)) if self.sharded_optim else ((0, self.total, 0),)
         )
-        if self.sharded_optim:
-            master = xp.zeros(self.units.shard_numel, "float32")
-            host = xp.to_numpy(master) if xp.backend == "numpy" else None
-            if host is not None:
-                for g0, g1, pos in self.owned_pieces:
-                    host[pos:pos + g1 - g0] = full[g0:g1]
-            else:
-                for g0, g1, pos in self.owned_pieces:
-                    xp.assign(master[pos:pos + g1 - g0], xp.from_numpy(full[g0:g1]))
-            self.master = master
+        if self.run.cfg.load == "broadcast":
+            self.master, params_full = self.receive_initial_weights(self.initial_flat)
         else:
-            self.master = xp.from_numpy(full, copy=True)
+            self.master, params_full = self._state_from_full(self.initial_flat())
         if self.sharded_params:
             if self.mixed:
                 self.param_shard = self.precision.to_params(self.master, xp)
@@ -189,31 +190,87 @@ class ZeroEngine:
             self.params_full: Any = None  # ZeRO-3 holds no full copy between uses
         else:
             self.param_shard = None
-            if self.sharded_optim or self.mixed:
-                self.params_full = xp.astype(xp.from_numpy(full, copy=True), pdt)
-            else:
-                self.params_full = self.master  # NO_SHARD fp32: the params are the master copy
-        del full
+            # NO_SHARD fp32: the params are the master copy
+            self.params_full = params_full if params_full is not None else self.master
         n_grad = self.units.shard_numel if self.sharded_grads else self.total
-        self.grad_acc = xp.zeros(n_grad, "float32")
-        self.opt_state = self.opt.init_state(self.master.shape[0])
+        self.grad_acc = xp.zeros(n_grad, self.state_dtype)
+        self.opt_state = self.opt.init_state(self.master.shape[0], self.state_dtype)
         self._track_state()
 
-    def receive_initial_weights(self, make: Any) -> Any:
-        """The rank-0 load path (``load="broadcast"``): only world rank 0 builds the weights; they are
-        broadcast one tensor at a time over :meth:`load_comm` and every rank returns the full flat
-        host array (the caller keeps its shard). C-ZERO-002/003 hold every rank to the same weights."""
-        xp = self.xp
+    @property
+    def separate_full_params(self) -> bool:
+        """Whether the rank keeps full working parameters apart from its master (ZeRO-1/2, mixed NO_SHARD)."""
+        return not self.sharded_params and (self.sharded_optim or self.mixed)
+
+    def _state_from_full(self, full: Any) -> tuple[Any, Any]:
+        """The master (this rank's packed pieces) and the separate full working parameters (or None)
+        from the full flat host array."""
+        xp, sdt = self.xp, self.state_dtype
+        if self.sharded_optim:
+            master = xp.zeros(self.units.shard_numel, sdt)
+            host = xp.to_numpy(master) if xp.backend == "numpy" else None
+            if host is not None:
+                for g0, g1, pos in self.owned_pieces:
+                    host[pos:pos + g1 - g0] = full[g0:g1]
+            else:
+                for g0, g1, pos in self.owned_pieces:
+                    xp.assign(master[pos:pos + g1 - g0], xp.from_numpy(full[g0:g1]))
+        else:
+            master = xp.astype(xp.from_numpy(full, copy=True), sdt)
+        params = None
+        if self.separate_full_params:
+            params = xp.astype(xp.from_numpy(full, copy=True), self.precision.param_dtype)
+        return master, params
+
+    def receive_initial_weights(self, make: Any) -> tuple[Any, Any]:
+        """The rank-0 load path (``load="broadcast"``): only world rank 0 builds the weights (``make()``);
+        they are broadcast one tensor at a time over :meth:`load_comm` and each rank keeps, as each
+        tensor arrives, only its own pieces (:meth:`keep_broadcast_tensor`). Returns the master and the
+        separate full working parameters (or None), bitwise what :meth:`_state_from_full` gives.
+        C-ZERO-002/003 hold every rank to the same weights; C-ZERO-006 to its shard."""
+        xp, sdt = self.xp, self.state_dtype
         comm = self.load_comm()
         source = make() if self.rank == 0 else None
-        full = xp.zeros(self.total, "float32")
+        master = xp.zeros(self.units.shard_numel if self.sharded_optim else self.total, sdt)
+        params = xp.zeros(self.total, self.precision.param_dtype) if self.separate_full_params else None
         for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True):
             if not t.numel:
                 continue
-            buf = xp.from_numpy(source[g0:g0 + t.numel], copy=True) if source is not None else \
-                xp.zeros(t.numel, "float32")
-            xp.assign(full[g0:g0 + t.numel], comm.broadcast(buf, root=0))
-        return xp.to_numpy(full)
+            if source is not None:
+                buf = xp.astype(xp.from_numpy(source[g0:g0 + t.numel], copy=True), sdt)
+            else:
+                buf = xp.zeros(t.numel, sdt)
+            self.keep_broadcast_tensor(g0, comm.broadcast(buf, root=0), master, params)
+            del buf
+        del source
+        return master, params
+
+    def keep_broadcast_tensor(self, g0: int, flat: Any, master: Any, params: Any = None) -> None:
+        """Keep this rank's share of a broadcast 1-D array whose elements are the global flat range
+        ``[g0, g0 + len(flat))``: the owned pieces go into ``master`` (the packed shard, or the full
+        master when unsharded), and the whole range, cast, into the full working ``params`` if given."""
+        xp = self.xp
+        g1 = g0 + int(flat.shape[0])
+        for a, b, pos in self.owned_in(g0, g1):
+            xp.assign(master[pos:pos + b - a], flat[a - g0:b - g0])
+        if params is not None:
+            xp.assign(params[g0:g1], xp.astype(flat, self.precision.param_dtype))
+
+    def owned_in(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(global start, global end, position in the shard)`` of the owned elements in ``[lo, hi)``."""
+        cached = self.__dict__.get("_pieces_by_start")
+        if cached is None or cached[0] is not self.owned_pieces:
+            ordered = sorted(self.owned_pieces)
+            cached = self.__dict__["_pieces_by_start"] = (self.owned_pieces, ordered, [p[0] for p in ordered])
+        _, ordered, starts = cached
+        out = []
+        for g0, g1, pos in ordered[max(bisect.bisect_right(starts, lo) - 1, 0):]:
+            if g0 >= hi:
+                break
+            a, b = max(g0, lo), min(g1, hi)
+            if a < b:
+                out.append((a, b, pos + a - g0))
+        return out
 
     def _track_state(self) -> None:
         xp, tr = self.xp, self.tracker
@@ -294,14 +351,21 @@ class ZeroEngine:
     # packing (unit space <-> packed rank-major space)
     # =============================================================================================
     def _pack_grads(self, unit: FlatUnit, grads: dict[str, Any]) -> Any:
-        """The unit's gradients, upcast to float32, in packed order with zero padding (a new array):
+        """The unit's gradients, upcast to the master dtype, in packed order with zero padding (a new array):
         one copy per (rank, tensor) piece, padding zeroed, nothing else written twice."""
         xp = self.xp
-        packed = xp.empty(unit.packed_numel, "float32")
+        packed = xp.empty(unit.packed_numel, self.state_dtype)
         pad = self.pad_value()
+        flat = [xp.reshape(grads[name], (-1,)) for name in unit.tensor_names]
+        if xp.backend == "numpy":
+            # padding everywhere, then one fancy-indexed copy of the owned elements, instead of a
+            # copy per (rank, tensor) piece and per padding run
+            unit_pos, packed_pos = unit.pack_indices(xp)
+            xp.assign(packed, pad)
+            packed[packed_pos] = xp.concat(flat)[unit_pos]
+            return packed
         for start, length in unit.padding_runs:
             xp.assign(packed[start:start + length], pad)
-        flat = [xp.reshape(grads[name], (-1,)) for name in unit.tensor_names]
         for t, t_start, p_start, length in unit.tensor_pieces:
             xp.assign(packed[p_start:p_start + length], flat[t][t_start:t_start + length])
         return packed
@@ -320,6 +384,11 @@ class ZeroEngine:
         if unit.is_identity:
             xp.assign(dst, packed[:unit.numel])
             return
+        if xp.backend == "numpy":
+            # one fancy-indexed copy instead of a copy per (rank, segment)
+            unit_pos, packed_pos = unit.pack_indices(xp)
+            dst[unit_pos] = packed[packed_pos]
+            return
         for segs in unit.segments:
             for s in segs:
                 xp.assign(
@@ -330,7 +399,7 @@ class ZeroEngine:
     def _own_chunk(self, full: Any) -> Any:
         """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array."""
         xp = self.xp
-        out = xp.zeros(self.units.shard_numel, "float32")
+        out = xp.zeros(self.units.shard_numel, self.state_dtype)
         for g0, g1, pos in self.owned_pieces:
             xp.assign(out[pos:pos + g1 - g0], full[g0:g1])
         return out
@@ -402,15 +471,17 @@ class ZeroEngine:
                 if not xp.isfinite_all(g):
                     bad = float(_tensor_index(self.layout, name) + 1)
                     break
-        flags = xp.zeros(self.comm.world_size, "float64")
+        # One scalar: the lowest offending (rank, tensor) wins the max of ``span - key`` (exact in float64).
+        n_tensors = len(self.layout.tensors)
+        span = float(self.comm.world_size * n_tensors + 1)
+        flag = xp.zeros(1, "float64")
         if bad:
-            xp.assign(flags[self.rank:self.rank + 1], bad)
-        flags = xp.to_numpy(self.control.all_reduce(flags, "max"))
-        for r in range(len(flags)):
-            if flags[r] > 0:
-                tensor = self.layout.tensors[int(flags[r]) - 1].name
-                raise NonFiniteGradientError(r, tensor, step, "detected before the gradient reduction; "
-                                             "no rank stepped with it")
+            xp.assign(flag, span - (self.rank * n_tensors + bad - 1))
+        worst = xp.to_float(self.control.all_reduce(flag, "max")[0])
+        if worst > 0:
+            r, t = divmod(int(span - worst), n_tensors)
+            raise NonFiniteGradientError(r, self.layout.tensors[t].name, step,
+                                         "detected before the gradient reduction; no rank stepped with it")
 
     def on_block_grads(self, step: int, micro: int, block: str, grads: dict[str, Any]) -> None:
         """Where a block's fresh gradients go: reduce-scatter (ZeRO-3), the micro-batch buffer (ZeRO-2),
@@ -436,7 +507,7 @@ class ZeroEngine:
                 if micro == 0:
                     xp.assign(view, flat)
                 else:
-                    view += xp.astype(flat, "float32")
+                    view += xp.astype(flat, self.state_dtype)
             if self.run.inject_nan is not None:
                 self._accumulated_names.update(grads)
 
@@ -566,7 +637,7 @@ class ZeroEngine:
         norm = global_norm_from_sumsq(sumsq)
         coef = 1.0
         if self.run.spec.max_grad_norm is not None:
-            coef = clip_coefficient(norm, self.run.spec.max_grad_norm)
+            coef = clip_coefficient(norm, self.run.spec.max_grad_norm, self.state_dtype)
             apply_clip_(grad, coef, xp)
         self.optimizer_step(grad)
         self._stepped_grad = grad
@@ -608,7 +679,7 @@ class ZeroEngine:
     def assemble_full_state(self, gathered: Any) -> Any:
         """The full flat array from an all-gather of every rank's packed shard (padding dropped)."""
         xp = self.xp
-        full = xp.zeros(self.total, "float32")
+        full = xp.zeros(self.total, self.state_dtype)
         size = self.units.shard_numel
         for j in range(self.k):
             base = self.gathered_chunk_index(j) * size
@@ -656,7 +727,7 @@ class ZeroEngine:
             out["params"] = Holding("params", full, self.params_full.shape[0], xp.nbytes(self.params_full),
                                     self.precision.param_dtype)
         out["grads"] = Holding("grads", own if self.sharded_grads else full, self.grad_acc.shape[0],
-                               xp.nbytes(self.grad_acc), "float32",
+                               xp.nbytes(self.grad_acc), self.state_dtype,
                                self.optimizer_location if self.sharded_grads else "device")
         arrays = [self.opt_state[n] for n in self.run.spec.state_names]
         master_separate = not (self.master is self.param_shard or self.master is self.params_full)
@@ -664,7 +735,8 @@ class ZeroEngine:
             arrays.append(self.master)
         stored = self.master.shape[0]
         out["optimizer"] = Holding("optimizer", own if self.sharded_optim else full, stored,
-                                   sum(xp.nbytes(a) for a in arrays), "float32", self.optimizer_location)
+                                   sum(xp.nbytes(a) for a in arrays), self.state_dtype,
+                                   self.optimizer_location)
         out.update(self.extra_holdings())
         return out
 

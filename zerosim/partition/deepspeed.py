@@ -13,10 +13,12 @@ Both serve C-ZERO-001. Padding is counted per rank and never listed as data.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..intervals import Interval
 from ..layout import ParamLayout
-from ._common import ceil_div, check_args, check_interval_count, make_plan
-from .base import ShardPlan, register_partitioner
+from ._common import ceil_div, check_args, check_interval_count, make_flat_plan, make_plan
+from .base import ShardPlan, ShardTable, register_partitioner
 
 NCCL_START_ALIGNMENT_FACTOR = 2
 
@@ -50,11 +52,21 @@ def deepspeed_zero12_partition(layout: ParamLayout, world_size: int) -> ShardPla
     ws = check_args(layout, world_size)
     total = layout.total_numel
     alignment = NCCL_START_ALIGNMENT_FACTOR * ws
+    notes = f"flat buffer padded to a multiple of {alignment} (2*ws); every rank stores {{part}} elements"
+    if total + alignment < ShardTable.MAX_VALUE:
+        part = ceil_div(total, alignment) * alignment // ws
+        starts = np.arange(ws, dtype=np.int64) * part
+        ends = np.minimum(starts + part, total)
+        real = np.maximum(ends - starts, 0)
+        return make_flat_plan(
+            "deepspeed", total, starts, starts + real, part - real, min(part, 2 * ws - 1),
+            notes=notes.format(part=part), padded_shard_numel=part, padded_total=part * ws,
+            alignment=alignment,
+        )
     part, intervals, padding = flat_partition(total, ws, alignment)
     return make_plan(
         "deepspeed", ws, total, [[iv] for iv in intervals], padding, min(part, 2 * ws - 1),
-        notes=f"flat buffer padded to a multiple of {alignment} (2*ws); every rank stores {part} elements",
-        padded_shard_numel=part, padded_total=part * ws, alignment=alignment,
+        notes=notes.format(part=part), padded_shard_numel=part, padded_total=part * ws, alignment=alignment,
     )
 
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import ConfigError, require_non_negative_int, require_positive_int, require_rank
 from ..intervals import Interval, merge_adjacent
 from ..layout import Block, ParamLayout
-from ._common import ceil_div, check_args, make_plan
-from .base import ShardPlan, register_partitioner
+from ._common import ceil_div, check_args, make_flat_plan, make_plan
+from .base import ShardPlan, ShardTable, register_partitioner
 
 ADAM_STATE_BYTES_PER_PARAM = 2 * 4  # m + v, fp32: what the seed's shard_memory_bytes counts
 
@@ -99,11 +101,16 @@ def seed_partition(layout: ParamLayout, world_size: int) -> ShardPlan:
     base, remainder = divmod(total, ws)
     # OptimizerShard.for_rank's rule, without validating every rank again: rank r starts after
     # r shards of ``base`` and min(r, remainder) extra elements
+    notes = "OptimizerShard.for_rank: sizes differ by at most 1; no padding"
+    if total < ShardTable.MAX_VALUE:
+        r = np.arange(ws + 1, dtype=np.int64)
+        bounds = r * base + np.minimum(r, remainder)
+        return make_flat_plan("seed", total, bounds[:-1], bounds[1:], np.zeros(ws, dtype=np.int64),
+                              balance_bound=1, notes=notes, balance_target=total // ws, balance_tolerance=1)
     starts = [r * base + min(r, remainder) for r in range(ws + 1)]
     return make_plan(
         "seed", ws, total, [[(starts[r], starts[r + 1])] for r in range(ws)], [0] * ws, balance_bound=1,
-        notes="OptimizerShard.for_rank: sizes differ by at most 1; no padding",
-        balance_target=total // ws, balance_tolerance=1,
+        notes=notes, balance_target=total // ws, balance_tolerance=1,
     )
 
 

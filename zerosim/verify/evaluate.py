@@ -20,6 +20,7 @@ from .model import require_model
 from .observation import StepObservation, StepRecord
 from .outcome import ContractOutcome, VerifyReport
 from .reference import Reference
+from .resume import ResumeRun, check_resume
 from .suite import Phase
 from .tolerance import ErrorModel
 
@@ -34,9 +35,11 @@ def build_records(
     dtype: str,
     model_name: str,
     seed: int,
+    resume: ResumeRun | None = None,
 ) -> list[StepRecord]:
     """Reference and bounds beside every observed step; notes per phase the arithmetic dtype judged
-    and the steps where the clip bound, in ``phase_info``."""
+    and the steps where the clip bound, in ``phase_info``. With ``resume``, the reference's batches
+    after the resume are the new world's, and the bound's reduction length is the larger world's."""
     cfg = require_model(model_name)
     info = {p["name"]: p for p in phase_info}
     records: list[StepRecord] = []
@@ -54,8 +57,10 @@ def build_records(
             seed=seed,
             phase=phase.name,
             data_offset=phase.data_offset,
+            resume=(resume.last_step_before(phase.first_step), resume.world_after) if resume else None,
         )
-        model = ErrorModel(phase.optim, arithmetic, cfg, world, rounded_start=masters32)
+        bound_world = max(world, resume.world_after) if resume else world
+        model = ErrorModel(phase.optim, arithmetic, cfg, bound_world, rounded_start=masters32)
         binds = []
         for s, ranks in zip(phase.step_numbers, steps, strict=True):
             ref_step = ref.step(s)
@@ -84,11 +89,20 @@ def evaluate(
     base: torch.nn.Module,
     numels: dict[str, int],
     resources: dict[str, ContractOutcome] | None = None,
+    resume: ResumeRun | None = None,
 ) -> VerifyReport:
     from .diagnosis import diagnose
 
     records = build_records(
-        phases, phase_info, observations, base, world=world, dtype=dtype, model_name=model_name, seed=seed
+        phases,
+        phase_info,
+        observations,
+        base,
+        world=world,
+        dtype=dtype,
+        model_name=model_name,
+        seed=seed,
+        resume=resume,
     )
     contracts: dict[str, ContractOutcome] = {}
     if records:
@@ -105,10 +119,18 @@ def evaluate(
             "no phase ran with a declared strategy (declared_strategy): memory and traffic have no "
             "model to be compared with",
         )
+    if resume is not None:
+        contracts["C-ZERO-007"] = check_resume(records, resume, {p.name: p.first_step for p in phases})
+        if not resume.after_load:
+            why = "; ".join(p.get("reason", "") for p in phase_info if p.get("reason"))
+            contracts["C-ZERO-007"] = ContractOutcome("skipped", f"no phase resumed: {why}")
     total = sum(p.steps for p in phases)
-    return VerifyReport(
+    report = VerifyReport(
         target, world, total, dtype, contracts, diagnose(records, contracts), device, model_name, phase_info
     )
+    if resume is not None:
+        report.extra["resume"] = resume.to_json()
+    return report
 
 
 def save_observations(path: str, run: dict[str, Any]) -> None:

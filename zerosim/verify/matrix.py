@@ -8,6 +8,12 @@ verdict, each contract's status, max error, tolerance, first failing step and co
 ``verify-matrix.md`` (the same as tables) and ``verify-matrix.png`` (a heat map of
 log10(max error / tolerance), each cell labelled with its verdict and first failing step).
 
+The resume column: for each pair (N, M) of :data:`RESUME_PAIRS` (2 -> 3, 4 -> 2), every adapter runs
+both phases at N ranks, each phase interrupted after step :data:`RESUME_AT` and resumed from its own
+checkpoint on M fresh ranks (``verify(..., resume_at=, resume_world=)``); the cell shows the run's
+verdict and C-ZERO-007. ``--resume-matrix`` runs this column alone (``verify-resume-matrix.json``
+and ``.md``).
+
 A cell whose run ends with an error (a rank failed, the peer rejected the configuration) is kept
 as ``"error"`` with its one-line message: a peer that fails is a finding, never dropped.
 """
@@ -29,6 +35,8 @@ from .adapters import ADAPTERS, installed_adapters
 OPTIMIZER_PHASES = ("sgd", "adamw")
 WORLDS = (2, 4)
 PHASE_STEPS = 4  # each phase's length in the default two-phase suite (8 steps)
+RESUME_PAIRS = ((2, 3), (4, 2))  # (world saved at, world resumed at) of the resume column
+RESUME_AT = 2  # each phase resumes after this many of its steps
 
 
 def run_cell(
@@ -62,13 +70,7 @@ def run_cell(
     cell["wall_s"] = time.perf_counter() - start
     eq = report.contracts.get("C-ZERO-002")
     details = eq.details if eq is not None else {}
-    failing = [
-        (v["step"], cid)
-        for cid, o in report.contracts.items()
-        if o.status == "fail"
-        for v in o.violations
-        if v.get("step") is not None
-    ]
+    failing = _failing_steps(report)
     phase = next((p for p in report.phases if p.get("name") == optimizer), {})
     cell.update(
         verdict=report.verdict,
@@ -77,12 +79,67 @@ def run_cell(
         max_error=details.get("max_error"),
         tolerance=details.get("tolerance"),
         error_over_tolerance=details.get("error_over_tolerance"),
-        first_failing_step=min(failing)[0] if failing else None,
-        first_failing_contract=min(failing)[1] if failing else None,
+        first_failing_step=failing[0] if failing else None,
+        first_failing_contract=failing[1] if failing else None,
         diagnosis=[d.bug_class for d in report.diagnosis],
         arithmetic=phase.get("arithmetic"),
         master_dtype=phase.get("master_dtype"),
         clip_binds_at=phase.get("clip_binds_at"),
+    )
+    return cell
+
+
+def run_resume_cell(
+    adapter: str,
+    world: int,
+    resume_world: int,
+    *,
+    at: int = RESUME_AT,
+    steps: int = PHASE_STEPS,
+    dtype: str = "float64",
+    device: str = "cpu",
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """One resume cell: both phases of ``steps`` each at ``world`` ranks, each interrupted after its
+    ``at``-th step and resumed on ``resume_world`` fresh ranks (C-ZERO-007 and the others)."""
+    from . import verify
+
+    cell: dict[str, Any] = {
+        "adapter": adapter,
+        "world": world,
+        "resume_world": resume_world,
+        "resume_at": at,
+        "steps": steps * len(OPTIMIZER_PHASES),
+    }
+    start = time.perf_counter()
+    try:
+        report = verify(
+            adapter,
+            world=world,
+            steps=steps * len(OPTIMIZER_PHASES),
+            dtype=dtype,
+            device=device,
+            timeout_s=timeout_s,
+            resume_at=at,
+            resume_world=resume_world,
+        )
+    except ZeroSimError as e:
+        cell.update(verdict="error", error=f"{type(e).__name__}: {e}", wall_s=time.perf_counter() - start)
+        return cell
+    cell["wall_s"] = time.perf_counter() - start
+    resumed = report.contracts.get("C-ZERO-007")
+    details = resumed.details if resumed is not None else {}
+    failing = _failing_steps(report)
+    cell.update(
+        verdict=report.verdict,
+        contracts={cid: o.status for cid, o in report.contracts.items()},
+        reasons={cid: o.reason for cid, o in report.contracts.items() if o.status != "pass"},
+        resumed=resumed.status if resumed is not None else "skipped",
+        error_over_tolerance=details.get("error_over_tolerance"),
+        round_trip_violations=details.get("round_trip_violations"),
+        first_failing_step=failing[0] if failing else None,
+        first_failing_contract=failing[1] if failing else None,
+        phases={p["name"]: p.get("reason") or p.get("status") for p in report.phases},
     )
     return cell
 
@@ -97,13 +154,16 @@ def run_matrix(
     device: str = "cpu",
     timeout_s: float | None = None,
     progress: Any = None,
+    resume_pairs: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
-    """Every cell of the matrix (see the module docstring); ``progress(cell)`` is called after each."""
+    """Every cell of the matrix (see the module docstring), then the resume column for each pair in
+    ``resume_pairs``; ``progress(cell)`` is called after each."""
     names = list(adapters) if adapters is not None else installed_adapters()
     for name in names:
         if name not in ADAPTERS:
             raise ConfigError("adapter", name, f"not a built-in adapter; known: {', '.join(ADAPTERS)}")
     cells = []
+    resume_cells = []
     for name in names:
         for world in worlds:
             for optimizer in optimizers:
@@ -113,6 +173,11 @@ def run_matrix(
                 cells.append(cell)
                 if progress is not None:
                     progress(cell)
+        for n, m in resume_pairs:
+            cell = run_resume_cell(name, n, m, steps=steps, dtype=dtype, device=device, timeout_s=timeout_s)
+            resume_cells.append(cell)
+            if progress is not None:
+                progress(cell)
     return {
         "generated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": _environment(),
@@ -124,6 +189,9 @@ def run_matrix(
         "optimizers": list(optimizers),
         "worlds": list(worlds),
         "cells": cells,
+        "resume_pairs": [list(p) for p in resume_pairs],
+        "resume_at": RESUME_AT,
+        "resume_cells": resume_cells,
     }
 
 
@@ -158,7 +226,74 @@ def _label(cell: dict[str, Any]) -> str:
     return text
 
 
+def _resume_label(cell: dict[str, Any]) -> str:
+    if cell["verdict"] == "error":
+        return "error"
+    text = f"{cell['verdict']} (C-ZERO-007 {cell['resumed']}"
+    if cell.get("error_over_tolerance") is not None:
+        text += f" {cell['error_over_tolerance']:.1e}"
+    text += ")"
+    if cell.get("first_failing_step"):
+        text += f" step {cell['first_failing_step']}, {cell['first_failing_contract']}"
+    not_resumed = [name for name, status in (cell.get("phases") or {}).items() if status != "ran"]
+    if not_resumed:
+        text += f"; not resumed: {', '.join(not_resumed)}"
+    return text
+
+
+def render_resume_markdown(matrix: dict[str, Any]) -> list[str]:
+    """The resume column: one row per adapter, one column per (saved world -> resumed world)."""
+    cells = matrix.get("resume_cells") or []
+    if not cells:
+        return []
+    pairs = [tuple(p) for p in matrix["resume_pairs"]]
+    by = {(c["adapter"], c["world"], c["resume_world"]): c for c in cells}
+    lines = [
+        "",
+        f"## Resume (C-ZERO-007): each phase saved after its step {matrix.get('resume_at', RESUME_AT)}, "
+        "loaded on fresh ranks",
+        "",
+        "Cell: the run's verdict (every contract), C-ZERO-007's status and its max error / tolerance over "
+        "the continued steps (the round trip right after loading is judged bitwise), and the first "
+        "failing step and contract.",
+        "",
+        "| adapter | " + " | ".join(f"{n} -> {m}" for n, m in pairs) + " |",
+        "|---|" + "---|" * len(pairs),
+    ]
+    for name in matrix["adapters"]:
+        row = [_resume_label(by[(name, n, m)]) if (name, n, m) in by else "-" for n, m in pairs]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    notes = []
+    for c in cells:
+        where = f"{c['adapter']} {c['world']} -> {c['resume_world']}"
+        if c["verdict"] == "error":
+            notes.append(f"- {where}: {c['error']}")
+            continue
+        for cid, why in c.get("reasons", {}).items():
+            if c["contracts"].get(cid) == "fail" or cid == "C-ZERO-007":
+                notes.append(f"- {where}: {cid} {c['contracts'].get(cid)}: {why}")
+        for phase, status in (c.get("phases") or {}).items():
+            if status not in ("ran", None):
+                notes.append(f"- {where}: {phase} phase: {status}")
+    if notes:
+        lines += ["", "### Resume findings", "", *notes]
+    return lines
+
+
 def render_markdown(matrix: dict[str, Any]) -> str:
+    if not matrix["cells"]:
+        env = matrix["environment"]
+        head = [
+            f"# Peers' resume matrix ({matrix['dtype']}, {matrix['device']}, "
+            f"{matrix['steps_per_cell']} steps per phase)",
+            "",
+            f"Generated {matrix['generated_utc']} with torch {env.get('torch')}, deepspeed "
+            f"{env.get('deepspeed')}, Python {env.get('python')} on {env.get('machine')}.",
+        ]
+        tail = []
+        if matrix.get("not_installed"):
+            tail = ["", f"Not installed here (not run): {', '.join(matrix['not_installed'])}."]
+        return "\n".join(head + render_resume_markdown(matrix) + tail) + "\n"
     cells = {(c["adapter"], c["optimizer"], c["world"]): c for c in matrix["cells"]}
     cols = [(o, w) for w in matrix["worlds"] for o in matrix["optimizers"]]
     env = matrix["environment"]
@@ -215,6 +350,7 @@ def render_markdown(matrix: dict[str, Any]) -> str:
     )
     if skipped:
         lines += ["", "## Skipped contracts", ""] + [f"- {s}" for s in skipped]
+    lines += render_resume_markdown(matrix)
     if matrix.get("not_installed"):
         lines += ["", f"Not installed here (not run): {', '.join(matrix['not_installed'])}."]
     return "\n".join(lines) + "\n"
@@ -273,24 +409,24 @@ def render_heatmap(matrix: dict[str, Any], path: Path) -> None:
 
 
 def write_matrix(matrix: dict[str, Any], out_dir: str | Path = "reports") -> dict[str, Path]:
-    """``verify-matrix.json``, ``.md`` and ``.png`` under ``out_dir``."""
+    """``verify-matrix.json``, ``.md`` and ``.png`` under ``out_dir``; a matrix of the resume column
+    alone goes to ``verify-resume-matrix.json`` and ``.md``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "json": out / "verify-matrix.json",
-        "md": out / "verify-matrix.md",
-        "png": out / "verify-matrix.png",
-    }
+    stem = "verify-matrix" if matrix["cells"] else "verify-resume-matrix"
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
     paths["json"].write_text(json.dumps(matrix, indent=1) + "\n")
     paths["md"].write_text(render_markdown(matrix))
-    render_heatmap(matrix, paths["png"])
+    if matrix["cells"]:
+        paths["png"] = out / "verify-matrix.png"
+        render_heatmap(matrix, paths["png"])
     return paths
 
 
 def matrix_exit_code(matrix: dict[str, Any]) -> int:
     """3 if a cell's run failed outright (a rank failed, hung, or the peer rejected the run), 1 if a
     contract failed, else 0."""
-    verdicts = {c["verdict"] for c in matrix["cells"]}
+    verdicts = {c["verdict"] for c in [*matrix["cells"], *matrix.get("resume_cells", [])]}
     return 3 if "error" in verdicts else 1 if "fail" in verdicts else 0
 
 
@@ -303,17 +439,30 @@ def run_all(
     adapters: Sequence[str] | None = None,
     timeout_s: float | None = None,
     echo: Any = print,
+    optimizers: Sequence[str] = OPTIMIZER_PHASES,
+    resume_pairs: Sequence[tuple[int, int]] = RESUME_PAIRS,
 ) -> int:
     """``zerosim verify --all``: run the matrix, write it, print one line per cell; the exit status."""
 
     def progress(cell: dict[str, Any]) -> None:
+        if "resume_world" in cell:
+            what = f"resume {cell['world']}->{cell['resume_world']}: {_resume_label(cell)}"
+        else:
+            what = f"{cell['optimizer']:<6} world {cell['world']}: {_label(cell)}"
         echo(
-            f"{cell['adapter']:<14} {cell['optimizer']:<6} world {cell['world']}: {_label(cell)} "
-            f"[{cell['wall_s']:.1f} s]" + (f" {cell['error']}" if cell.get("error") else "")
+            f"{cell['adapter']:<14} {what} [{cell['wall_s']:.1f} s]"
+            + (f" {cell['error']}" if cell.get("error") else "")
         )
 
     matrix = run_matrix(
-        adapters, worlds=worlds, dtype=dtype, device=device, timeout_s=timeout_s, progress=progress
+        adapters,
+        optimizers=optimizers,
+        worlds=worlds,
+        dtype=dtype,
+        device=device,
+        timeout_s=timeout_s,
+        progress=progress,
+        resume_pairs=resume_pairs,
     )
     paths = write_matrix(matrix, out_dir)
     echo("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -322,21 +471,42 @@ def run_all(
 
 def run_cli(args: Any, timeout_s: float | None) -> int:
     """The ``--all`` branch of ``zerosim verify``: ``--out`` (default ``reports``), ``--dtype``,
-    ``--device`` and ``--timeout`` apply to every cell; the worlds are 2 and 4, the steps and model
-    the defaults. Every option is checked, and the output directory made, before the first cell."""
+    ``--device`` and ``--timeout`` apply to every cell; the worlds are 2 and 4, the resume pairs
+    2 -> 3 and 4 -> 2, the steps and model the defaults. ``--resume-matrix``: the resume column
+    alone. Every option is checked, and the output directory made, before the first cell."""
     from zerosim.errors import require_output_dir
 
     from .runner import validate_options
 
+    resume_only = bool(getattr(args, "resume_matrix", False))
     fixed = (("target", args.target, None), ("world", args.world, None), ("steps", args.steps, None),
-             ("model", args.model, "gpt"), ("optimizers", args.optimizers, "sgd,adamw"))
+             ("model", args.model, "gpt"), ("optimizers", args.optimizers, "sgd,adamw"),
+             ("resume_at", getattr(args, "resume_at", None), None),
+             ("resume_world", getattr(args, "resume_world", None), None))
+    what = "--resume-matrix" if resume_only else "--all"
     for flag, value, default in fixed:
         if value != default:
-            raise ConfigError(flag, value, "--all runs every installed adapter at world 2 and 4 with the "
-                              "default steps, model and optimizers; drop it, or drop --all")
+            raise ConfigError(flag, value, f"{what} runs every installed adapter at world 2 and 4 (resumed "
+                              "2 -> 3 and 4 -> 2) with the default steps, model and optimizers; drop it, "
+                              f"or drop {what}")
     dtype, device = getattr(args, "dtype", "float64"), getattr(args, "device", "cpu")
     validate_options(world=2, steps=None, dtype=dtype, device=device, model="gpt",
                      optimizers="sgd,adamw", timeout_s=timeout_s)
     out_dir = getattr(args, "out", None) or "reports"
     require_output_dir(out_dir)
+    if resume_only:
+        return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s, optimizers=(),
+                       worlds=())
     return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s)
+
+
+def _failing_steps(report: Any) -> tuple[int, str] | None:
+    """(step, contract) of the earliest violation in ``report`` (ties: the lowest contract id), or None."""
+    failing = [
+        (v["step"], cid)
+        for cid, o in report.contracts.items()
+        if o.status == "fail"
+        for v in o.violations
+        if v.get("step") is not None
+    ]
+    return min(failing) if failing else None

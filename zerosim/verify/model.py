@@ -8,6 +8,9 @@ count, or that drops a remainder, is exercised at every world size. Presets:
 * ``gpt``: 2 blocks, separate embedding and head (the head has no bias).
 * ``gpt-tied``: 2 blocks, the head's weight *is* the token embedding (one parameter, listed once by
   ``named_parameters()`` under ``wte.weight``; its gradient is the sum of both uses), plus a head bias.
+* ``gpt-50m``: the same structure at 50,291,111 parameters (d_model 511 = 7 heads of 73, 8 blocks,
+  MLP width 2047, vocabulary 24571, 65 positions), for timing a step (``zerosim bench peers``); its
+  sizes keep the same property.
 
 ``forward(inputs, targets)`` returns the mean cross-entropy over the local batch: the loss a trainer's
 ``step`` minimises. :func:`micro_batch` gives every (rank, step) its own tokens, seeded, so ranks train
@@ -43,7 +46,11 @@ class GPTConfig:
         return max(self.d_model, self.d_mlp, self.vocab, self.block)
 
 
-PRESETS = {"gpt": GPTConfig(), "gpt-tied": GPTConfig(tied=True)}
+PRESETS = {
+    "gpt": GPTConfig(),
+    "gpt-tied": GPTConfig(tied=True),
+    "gpt-50m": GPTConfig(vocab=24571, block=65, d_model=511, n_head=7, d_mlp=2047, n_layer=8, batch=2),
+}
 
 
 def require_model(name: str) -> GPTConfig:

@@ -13,6 +13,14 @@ Optional: ``full_optimizer_state() -> dict[str, dict[str, Tensor]]`` (torch.opti
 list[tuple[int, int]]]`` (half-open ranges of each flattened parameter whose optimizer state this
 rank owns; C-ZERO-001 is checked from them).
 
+Optional, for ``--resume-at``: ``save_checkpoint(directory)`` and ``load_checkpoint(directory)``, both
+collective (every rank calls them, between steps, with the same directory, on a shared filesystem).
+``save_checkpoint`` writes everything the trainer needs to continue: parameters, optimizer state and
+step counters. ``load_checkpoint`` is called on a freshly built trainer (the same factory, a fresh
+model of the same seed) at possibly another world size, and must leave it exactly where the saved
+trainer was: its ``full_parameters()`` and ``full_optimizer_state()`` bitwise equal to the saved
+trainer's, and its next steps those the saved trainer would have taken on the new world's batches.
+
 The validators here turn a protocol breach into a one-line :class:`~zerosim.verify.errors.TrainerError`
 naming the method, the parameter and the rank (bad input, exit 2).
 """
@@ -28,7 +36,8 @@ import numpy as np
 from .errors import TrainerError
 
 REQUIRED_METHODS = ("step", "full_parameters")
-OPTIONAL_METHODS = ("full_optimizer_state", "local_shards")
+OPTIONAL_METHODS = ("full_optimizer_state", "local_shards", "save_checkpoint", "load_checkpoint")
+RESUME_METHODS = ("save_checkpoint", "load_checkpoint")
 STATE_NAMES = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq", "step")}
 
 
@@ -70,6 +79,14 @@ def require_trainer_object(obj: Any, factory: str, rank: int) -> None:
         attr = getattr(obj, name, None)
         if attr is not None and not callable(attr):
             raise TrainerError(f"{factory}: {name} on rank {rank} is {type(attr).__name__}, not a method")
+
+
+def missing_resume_method(obj: Any) -> str | None:
+    """The first of ``save_checkpoint`` / ``load_checkpoint`` that ``obj`` lacks (None: it has both)."""
+    for name in RESUME_METHODS:
+        if not callable(getattr(obj, name, None)):
+            return name
+    return None
 
 
 def to_numpy(value: Any) -> np.ndarray:

@@ -77,8 +77,12 @@ class Reference:
         seed: int = 0,
         phase: str = "",
         data_offset: int = 0,
+        resume: tuple[int, int] | None = None,
     ):
         self.data_offset = data_offset
+        # (last global step before a resume, the world size after it): later steps average that many
+        # ranks' micro-batches
+        self.resume = resume
         self.model = copy.deepcopy(model).to(device="cpu", dtype=torch.float64)
         self.optim = dict(optim)
         self.world = world
@@ -90,16 +94,24 @@ class Reference:
         self.optimizer = make_optimizer(self.params, self.optim)
         self.phase_step = 0
 
+    def world_at(self, step: int) -> int:
+        """The number of ranks whose micro-batches make up global step ``step``'s batch."""
+        if self.resume is not None and step > self.resume[0]:
+            return self.resume[1]
+        return self.world
+
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [
-            micro_batch(r, step + self.data_offset, self.seed, self.model_name) for r in range(self.world)
+            micro_batch(r, step + self.data_offset, self.seed, self.model_name)
+            for r in range(self.world_at(step))
         ]
 
     def local_gradients(self, step: int) -> tuple[dict[str, np.ndarray], list[float]]:
         """Mean over ranks of |each rank's local gradient| at the current weights, and the local losses."""
         terms = {n: np.zeros(tuple(p.shape)) for n, p in zip(self.names, self.params, strict=True)}
         losses = []
-        for inputs, targets in self.batches(step):
+        batches = self.batches(step)
+        for inputs, targets in batches:
             self.model.zero_grad(set_to_none=True)
             loss = self.model(inputs, targets)
             loss.backward()
@@ -107,7 +119,7 @@ class Reference:
             for n, p in zip(self.names, self.params, strict=True):
                 if p.grad is not None:
                     terms[n] += np.abs(p.grad.numpy())
-        return {n: t / self.world for n, t in terms.items()}, losses
+        return {n: t / len(batches) for n, t in terms.items()}, losses
 
     def gradient_norm(self, step: int) -> float:
         """The global gradient norm at the current weights for global step ``step`` (no update)."""

@@ -21,10 +21,20 @@ def _phases(report: VerifyReport) -> str:
     return "; ".join(parts)
 
 
+def _resumed(report: VerifyReport) -> str:
+    r = report.extra.get("resume")
+    if not r:
+        return ""
+    return (
+        f"; resumed from a checkpoint after step {r['at_phase_step']} of each phase on "
+        f"{r['world_after']} fresh rank(s)"
+    )
+
+
 def render_text(report: VerifyReport) -> str:
     lines = [
         f"zerosim verify {report.target}: world {report.world}, {report.steps} steps ({_phases(report)}), "
-        f"{report.dtype}, model {report.model}, device {report.device}",
+        f"{report.dtype}, model {report.model}, device {report.device}" + _resumed(report),
         "",
     ]
     lines.append(

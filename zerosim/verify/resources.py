@@ -136,20 +136,23 @@ def planned_bytes(
     dtype_bytes: int,
     states_per_element: int,
     partitioner: str | None = None,
+    master_copy: bool = False,
 ) -> dict[str, int]:
     """C-ZERO-004's plan for one rank: bytes of params, grads and optimizer state the strategy lets it keep.
 
     A sharded kind holds the rank's stored shard (``partitioner``'s rule, padding included, as
     :func:`zerosim.cost.shard_sizes.shard_sizes` gives it), a replicated kind the whole model.
-    The optimizer keeps ``states_per_element`` buffers per element and no separate master copy: the
-    peers verified here step the model's own parameters (or their shard) in place.
+    The optimizer keeps ``states_per_element`` buffers per element; no separate master copy unless the
+    trainer declares one (``master_copy = True``: DeepSpeed and zerogpu's ZeRO-1/2 step a master shard
+    of their own and gather it into replicated parameters), which adds one buffer to the optimizer.
     """
     full = layout.total_numel
     shard = _stored_numel(layout, strategy, world, rank, partitioner)
+    buffers = states_per_element + (1 if master_copy else 0)
     return {
         "params": (shard if strategy.shards_params else full) * dtype_bytes,
         "grads": (shard if strategy.shards_grads else full) * dtype_bytes,
-        "optimizer": (shard if strategy.shards_optimizer else full) * dtype_bytes * states_per_element,
+        "optimizer": (shard if strategy.shards_optimizer else full) * dtype_bytes * buffers,
     }
 
 
@@ -184,6 +187,7 @@ def check_memory(
     *,
     optim: dict[str, Any],
     partitioner: str | None = None,
+    master_copy: bool = False,
     phase: str | None = None,
     step: int | None = None,
 ) -> dict[str, Any]:
@@ -200,7 +204,7 @@ def check_memory(
     violations: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
     for rank, measured in enumerate(per_rank_memory):
-        plan = planned_bytes(lay, strategy, world, rank, dtype_bytes, n_states, partitioner)
+        plan = planned_bytes(lay, strategy, world, rank, dtype_bytes, n_states, partitioner, master_copy)
         rows.append({"rank": rank, "measured": dict(measured), "planned": plan})
         for kind in MEMORY_KINDS:
             got = int(measured.get(kind, 0))
@@ -390,6 +394,7 @@ def trainer_resource_info(trainer: Any) -> dict[str, Any]:
     return {
         "declared_strategy": getattr(trainer, "declared_strategy", None),
         "partition_rule": getattr(trainer, "partition_rule", None),
+        "master_copy": bool(getattr(trainer, "master_copy", False)),
         "zero1_grad_reduce": getattr(trainer, "zero1_grad_reduce", "all_reduce"),
         "wire_bytes": dict(getattr(trainer, "wire_bytes", {}) or {}),
         "has_resident_bytes": callable(getattr(trainer, "resident_bytes", None)),
@@ -473,6 +478,7 @@ def resource_outcomes(
                         per_rank,
                         optim=ph.optim,
                         partitioner=info.get("partition_rule"),
+                        master_copy=bool(info.get("master_copy")),
                         phase=ph.name,
                         step=ph.first_step + i,
                     )

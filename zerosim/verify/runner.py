@@ -15,6 +15,10 @@ with the same one line), and at the end trains the reference, derives the bounds
 and the diagnosis, and writes the report. Exit status, the same on every rank: 0 every contract
 holds, 1 a contract failed, 2 bad input, 3 a rank failed or hung (:mod:`zerogpu.rank`).
 
+With ``--resume-at K`` the launcher starts two launches in turn, each under the same wall-clock
+bound: ``--world`` ranks that train and save (``--resume-stage save``), then ``--resume-world`` fresh
+ranks that load, continue and report (``--resume-stage load``; :mod:`zerosim.verify.session`).
+
 Under an external launcher (``torchrun --nnodes ... -m zerosim.verify TARGET``) the same program
 runs; rank 0 prints the report (``--json``: one object) and writes it under ``--out`` if given.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -34,6 +39,7 @@ from zerosim.errors import ConfigError, ZeroSimError, require_output_dir, requir
 
 from .errors import RankFailure, TrainerError
 from .outcome import VerifyReport
+from .resume import SNAPSHOT_FILE
 from .suite import OPTIMIZERS, build_phases
 
 DEFAULT_TIMEOUT_S = 120.0  # a collective (or a trainer call between two of them) that takes longer: a hang
@@ -66,6 +72,24 @@ def validate_options(
         or not 0 < timeout_s < float("inf")
     ):
         raise ConfigError("timeout_s", timeout_s, "must be a positive number of seconds")
+
+
+def validate_resume(at: Any, world: Any, optimizers: Any, steps: Any, device: str) -> None:
+    """ConfigError (one line naming the field and value) unless every phase can be interrupted after
+    its ``at``-th step (1 <= at < the shortest phase) and ``world`` ranks (when given) can start."""
+    require_positive_int("resume_at", at)
+    phases = build_phases(optimizers, steps)
+    shortest = min(phases, key=lambda p: p.steps)
+    if at >= shortest.steps:
+        raise ConfigError(
+            "resume_at",
+            at,
+            f"must be below {shortest.steps}: every phase resumes after its K-th step and the "
+            f"{shortest.name} phase has {shortest.steps} steps (--steps gives more)",
+        )
+    if world is not None:
+        require_positive_int("resume_world", world)
+        require_startable(world, device)
 
 
 def require_startable(world: int, device: str) -> None:
@@ -107,12 +131,19 @@ def verify(
     optimizers: Any = OPTIMIZERS,
     timeout_s: float | None = None,
     out: str | None = None,
+    resume_at: int | None = None,
+    resume_world: int | None = None,
 ) -> VerifyReport:
     """Train ``target`` on ``world`` ranks next to the unsharded reference and check C-ZERO-001..005.
 
     Raises ConfigError (bad option), TrainerError (the trainer breaks the protocol; exit 2) or
     RankFailure (a rank raised or hung; exit 3). ``timeout_s`` bounds every collective and every
     trainer call (default 120 s); ``out``: a directory that receives ``report.json``.
+
+    ``resume_at=K``: each phase stops after its K-th step; every rank calls ``save_checkpoint``; those
+    ranks end; ``resume_world`` ranks (default ``world``) start in a second launch, build a fresh
+    trainer, call ``load_checkpoint`` and train the phase's remaining steps; C-ZERO-007 is checked
+    besides the others (:mod:`zerosim.verify.resume`).
     """
     from zerogpu.launch import run_torchrun, torch_unavailable_reason
 
@@ -127,6 +158,11 @@ def verify(
         optimizers=optimizers,
         timeout_s=timeout_s,
     )
+    if resume_world is not None and resume_at is None:
+        raise ConfigError("resume_world", resume_world, "needs --resume-at K (the phase step to resume at)")
+    if resume_at is not None:
+        resume_world = world if resume_world is None else resume_world
+        validate_resume(resume_at, resume_world, optimizers, steps, device)
     reason = torch_unavailable_reason()
     if reason:
         raise ConfigError("backend", "torch", reason)
@@ -163,8 +199,30 @@ def verify(
             argv += ["--steps", str(steps)]
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
         launch_s = 4 * collective_s + 300.0
-        result = run_torchrun(world, argv, launch_s, env={"PYTHONPATH": path}, capture=True)
-        return _collect(result, run_dir, world, launch_s)
+        if resume_at is None:
+            result = run_torchrun(world, argv, launch_s, env={"PYTHONPATH": path}, capture=True)
+            return _collect(result, run_dir, world, launch_s)
+        assert resume_world is not None
+        resume_dir = run_dir / "resume"
+        shutil.rmtree(resume_dir, ignore_errors=True)
+        resume_dir.mkdir(parents=True)
+        common = ["--resume-at", str(resume_at), "--resume-dir", str(resume_dir)]
+        env = {"PYTHONPATH": path}
+        save_argv = argv + common + ["--resume-stage", "save"]
+        first = run_torchrun(world, save_argv, launch_s, env=env, capture=True)
+        if first.returncode != 0 or not (resume_dir / SNAPSHOT_FILE).exists():
+            _collect(first, run_dir, world, launch_s)  # raises the first launch's error
+            raise RankFailure(-1, f"the first launch ended with status {first.returncode} without saving")
+        second = run_torchrun(
+            resume_world,
+            argv + common + ["--resume-stage", "load"],
+            launch_s,
+            env=env,
+            capture=True,
+        )
+        report = _collect(second, run_dir, resume_world, launch_s)
+        report.extra["wall_s"] = round(first.elapsed_s + second.elapsed_s, 2)
+        return report
 
 
 def _collect(result: Any, run_dir: Path, world: int, launch_s: float) -> VerifyReport:
@@ -228,6 +286,16 @@ def build_rank_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="rank 0 prints the report as one JSON object")
     p.add_argument("--quiet", action="store_true", help="print nothing (the launcher reads report.json)")
     p.add_argument(
+        "--resume-at", type=int, default=None, help="interrupt each phase after this many of its steps"
+    )
+    p.add_argument("--resume-dir", default=None, help="where the checkpoints and the first run's state go")
+    p.add_argument(
+        "--resume-stage",
+        default=None,
+        choices=("save", "load"),
+        help="save: train up to the resume and save; load: load, continue and evaluate",
+    )
+    p.add_argument(
         "--save-observations",
         default=None,
         metavar="PATH",
@@ -259,6 +327,12 @@ def rank_main(argv: list[str]) -> NoReturn:
             optimizers=args.optimizers,
             timeout_s=args.timeout,
         )
+        if args.resume_stage is not None or args.resume_at is not None:
+            if args.resume_stage is None or args.resume_dir is None:
+                raise ConfigError(
+                    "resume_at", args.resume_at, "use zerosim verify --resume-at K (it starts both launches)"
+                )
+            validate_resume(args.resume_at, None, args.optimizers, args.steps, args.device)
     except ZeroSimError as e:
         _write_error(args.out, e)
         fail_on_bad_input(e)

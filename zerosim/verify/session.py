@@ -7,12 +7,19 @@ same one line. A rank that raises inside the trainer, or a collective that times
 with exit 3; the rank to blame is written to ``failure-rank<R>.json`` (:meth:`RankSession.record_failure`):
 the rank itself when it raised, else the rank that entered the fewest collectives
 (:mod:`zerosim.verify.arrival`).
+
+A resumed run (``--resume-stage``) is two launches of this program. ``save``: each phase runs its
+first ``--resume-at`` steps, every rank calls ``save_checkpoint``, and rank 0 leaves the phases and
+the observations so far in the resume directory. ``load``: rank 0 reads them back, each phase builds
+a fresh trainer, calls ``load_checkpoint``, reports its state right after loading, trains the
+remaining steps, and rank 0 evaluates the whole run (:mod:`zerosim.verify.resume`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import sys
 import time
 import traceback
@@ -28,12 +35,14 @@ from .model import build_model, micro_batch
 from .observation import StepObservation
 from .protocol import (
     finite_loss,
+    missing_resume_method,
     require_trainer_object,
     to_numpy,
     validate_local_shards,
     validate_optimizer_state,
     validate_parameters,
 )
+from .resume import SNAPSHOT_FILE, ResumeRun
 from .suite import Phase, build_phases
 
 NOT_RULED_OUT = {
@@ -100,8 +109,17 @@ class RankSession:
         numels = {n: int(p.numel()) for n, p in base.named_parameters()}
         phase_info: list[dict[str, Any]] = []
         phase_resources: list[Any] = []
+        stage = getattr(self.args, "resume_stage", None)
+        resume_at = getattr(self.args, "resume_at", None)
+        first_info: dict[str, dict[str, Any]] = {}
+        resume: ResumeRun | None = None
+        if stage == "load":
+            resume, first_info = self._load_first_run()
         for phase in self.phases:
-            if phase.name == "adamw":
+            if stage == "load" and first_info.get(phase.name, {}).get("status") != "ran":
+                phase_info.append(first_info.get(phase.name) or self._phase_json(phase, "skipped", ""))
+                continue
+            if phase.name == "adamw" and stage != "load":  # the resumed run keeps the first run's clip
                 clip = None
                 if self.rank == 0:
                     clip = choose_clip(
@@ -125,8 +143,22 @@ class RankSession:
             if skipped is not None:
                 phase_info.append(self._phase_json(phase, "skipped", skipped))
                 continue
+            if stage is not None:
+                self.where = f"{phase.name} phase: checking the trainer for save/load"
+                self._require_resumable(trainer)
+            steps = phase.step_numbers
+            if stage == "save":
+                steps = steps[:resume_at]
+            elif stage == "load":
+                assert resume is not None
+                steps = steps[resume_at:]
+                reason = self._resume_phase(trainer, phase, resume, expected, numels)
+                if reason is not None:
+                    phase_info.append(self._phase_json(phase, "skipped", reason))
+                    del trainer
+                    continue
             probe = ResourceProbe(trainer)
-            for step in phase.step_numbers:
+            for step in steps:
                 inputs, targets = (
                     t.to(self.device)
                     for t in micro_batch(self.rank, step + phase.data_offset, self.args.seed, self.args.model)
@@ -140,20 +172,30 @@ class RankSession:
                 gathered = self.comm.gather_object(obs, root=0)
                 if self.rank == 0:
                     self.observations[step] = list(gathered)
+            if stage == "save":
+                self.where = f"{phase.name} phase: save_checkpoint()"
+                self.arrivals.mark(self.where)
+                trainer.save_checkpoint(str(Path(self.args.resume_dir) / phase.name))
             phase_info.append(self._phase_json(phase, "ran", ""))
-            if self.rank == 0:
+            if self.rank == 0 and stage != "save":
                 phase_resources.append(
                     PhaseResources(
                         phase.name,
                         dict(phase.optim),
-                        phase.first_step,
+                        steps[0],
                         probe.info,
-                        [[o.resources for o in self.observations[s]] for s in phase.step_numbers],
+                        [[o.resources for o in self.observations[s]] for s in steps],
                     )
                 )
             del trainer, probe
             if torch.cuda.is_available() and self.device.startswith("cuda"):
                 torch.cuda.synchronize(self.device)
+        if stage == "save":
+            self.where = "writing the first run's observations"
+            if self.rank == 0:
+                self._save_first_run(phase_info)
+            self.comm.barrier()
+            return 0
         self.where = "evaluation on rank 0"
         code = 0
         if self.rank == 0:
@@ -167,7 +209,7 @@ class RankSession:
             )
             run = dict(
                 target=spec,
-                world=self.world,
+                world=resume.world_before if resume is not None else self.world,
                 dtype=self.args.dtype,
                 device=self.args.device,
                 model_name=self.args.model,
@@ -181,7 +223,7 @@ class RankSession:
             if self.args.save_observations:
                 save_observations(self.args.save_observations, run)
             started = time.monotonic()
-            report = evaluate(base=base, **run)
+            report = evaluate(base=base, resume=resume, **run)
             report.extra["evaluation_s"] = round(time.monotonic() - started, 2)
             report.extra["training_s"] = round(started - self.started, 2)
             if self.args.out:
@@ -191,6 +233,70 @@ class RankSession:
                 print(json.dumps(report.to_json()) if self.args.json else render_text(report), flush=True)
             code = report.exit_code
         return code
+
+    # -- resuming ----------------------------------------------------------------------------------------
+    def _require_resumable(self, trainer: Any) -> None:
+        """Every rank agrees on a TrainerError (bad input) when the trainer cannot save or load."""
+        missing = missing_resume_method(trainer)
+        error = None
+        if missing is not None:
+            error = (
+                f"{self.args.target}: the trainer has no {missing}() method; --resume-at needs "
+                "save_checkpoint(directory) and load_checkpoint(directory)"
+            )
+        self.agree((None, error))
+
+    def _save_first_run(self, phase_info: list[dict[str, Any]]) -> None:
+        """Rank 0 of the first world: the phases (with the chosen clip) and every observation so far."""
+        snapshot = {
+            "world": self.world,
+            "phases": self.phases,
+            "phase_info": phase_info,
+            "observations": self.observations,
+        }
+        path = Path(self.args.resume_dir) / SNAPSHOT_FILE
+        with open(path.with_suffix(".tmp"), "wb") as f:
+            pickle.dump(snapshot, f)
+        path.with_suffix(".tmp").replace(path)
+
+    def _load_first_run(self) -> tuple[ResumeRun, dict[str, dict[str, Any]]]:
+        """Rank 0 reads what the first world left (a file this program wrote in its own run directory)
+        and sends every rank the phases; rank 0 keeps the observations."""
+        first = None
+        if self.rank == 0:
+            with open(Path(self.args.resume_dir) / SNAPSHOT_FILE, "rb") as f:
+                first = pickle.load(f)  # noqa: S301 - written by the first launch of this run
+        plan = self.comm.broadcast_object(
+            None if first is None else (first["world"], first["phases"], first["phase_info"]), root=0
+        )
+        world_before, self.phases, info = plan
+        if first is not None:
+            self.observations = dict(first["observations"])
+        resume = ResumeRun(int(self.args.resume_at), int(world_before), self.world)
+        return resume, {p["name"]: p for p in info}
+
+    def _resume_phase(
+        self, trainer: Any, phase: Phase, resume: ResumeRun, expected: dict[str, Any], numels: dict[str, int]
+    ) -> str | None:
+        """``load_checkpoint`` on every rank, then every rank's state right after it to rank 0. The reason
+        the phase cannot resume (the trainer raised NotImplementedError on some rank), or None."""
+        last = resume.last_step_before(phase.first_step)
+        self.where = f"{phase.name} phase: load_checkpoint()"
+        self.arrivals.mark(self.where)
+        reason = None
+        try:
+            trainer.load_checkpoint(str(Path(self.args.resume_dir) / phase.name))
+        except NotImplementedError as e:
+            reason = f"load_checkpoint raised NotImplementedError ({e or 'no reason given'})"
+        reason = self.first_of_any(reason)
+        if reason is not None:
+            return f"resume from world {resume.world_before} to {resume.world_after}: {reason}"
+        obs = self.agree(self._local(self._observe, trainer, phase, last, 0.0, expected, numels))
+        gathered = self.comm.gather_object(obs, root=0)
+        if self.rank == 0:
+            resume.after_load[phase.name] = list(gathered)
+            resume.before_save[phase.name] = self.observations[last][0]
+        return None
 
     def _make(self, model: Any, phase: Phase) -> tuple[Any, str | None]:
         name = self.args.target

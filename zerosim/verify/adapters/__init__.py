@@ -22,6 +22,11 @@ ADAPTERS: dict[str, str] = {
     "deepspeed-1": f"{_HERE}.deepspeed_zero:make_stage1_trainer",
     "deepspeed-2": f"{_HERE}.deepspeed_zero:make_stage2_trainer",
     "deepspeed-3": f"{_HERE}.deepspeed_zero:make_stage3_trainer",
+    "zerogpu-1": f"{_HERE}.zerogpu:make_zero1_trainer",
+    "zerogpu-2": f"{_HERE}.zerogpu:make_zero2_trainer",
+    "zerogpu-3": f"{_HERE}.zerogpu:make_zero3_trainer",
+    "zerogpu-hybrid": f"{_HERE}.zerogpu:make_hybrid_trainer",
+    "zerogpu-3-offload": f"{_HERE}.zerogpu:make_offload_trainer",
 }
 
 #: the Python package each adapter needs beyond torch, and how to install it

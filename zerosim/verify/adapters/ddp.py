@@ -16,6 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.nn.parallel import DistributedDataParallel
 
 from ..resources import storage_bytes
+from ._checkpoint import load_full, save_full
 from ._torch_optim import build_optimizer, clip_gradients, optimizer_state_copy
 
 
@@ -67,6 +68,16 @@ class DDPTrainer:
 
     def local_shards(self) -> dict[str, list[tuple[int, int]]]:
         return {name: [(0, p.numel())] for name, p in self.model.named_parameters()}
+
+    def save_checkpoint(self, directory: Any) -> None:
+        """Rank 0 saves the model's and the optimizer's state dicts (every rank holds all of both)."""
+        save_full(directory, self.model.state_dict(), self.optimizer.state_dict())
+
+    def load_checkpoint(self, directory: Any) -> None:
+        """Every rank loads the whole file: any world size resumes from any other's checkpoint."""
+        saved = load_full(directory)
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
 
     def resident_bytes(self) -> dict[str, int]:
         params = list(self.model.parameters())

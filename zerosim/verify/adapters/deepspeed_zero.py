@@ -27,6 +27,7 @@ from zerosim.errors import ConfigError
 from ._torch_optim import build_optimizer
 
 INSTALL = "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"
+_TAG = "resume"  # the checkpoint tag verify's resume uses
 _STATE_NAMES = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
 
 
@@ -126,6 +127,50 @@ class DeepSpeedTrainer:
                 out[name] = state
         return out
 
+    def save_checkpoint(self, directory: Any) -> None:
+        """DeepSpeed's own ``save_checkpoint`` (collective: every rank writes its partitions), plus the
+        world size it was saved at."""
+        import json
+        from pathlib import Path
+
+        self.engine.save_checkpoint(str(directory), tag=_TAG)
+        if dist.get_rank() == 0:
+            (Path(directory) / "saved_world.json").write_text(json.dumps({"world": dist.get_world_size()}))
+        dist.barrier()
+
+    def load_checkpoint(self, directory: Any) -> None:
+        """DeepSpeed's own ``load_checkpoint``. At the world size of the save, directly; at another one,
+        through DeepSpeed's universal checkpoint: rank 0 converts the save with ``ds_to_universal``,
+        then every rank loads the result with ``load_universal_checkpoint`` on. A conversion that fails
+        raises NotImplementedError on every rank (verify reports the resume as skipped, with DeepSpeed's
+        message)."""
+        import json
+        from pathlib import Path
+
+        d = Path(directory)
+        saved = json.loads((d / "saved_world.json").read_text())["world"]
+        if saved == dist.get_world_size():
+            self.engine.load_checkpoint(
+                str(d), tag=_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+            return
+        universal = f"{_TAG}_universal"
+        failure: list[Any] = [None]
+        if dist.get_rank() == 0:
+            failure[0] = _to_universal(d / _TAG, d / universal)
+        dist.broadcast_object_list(failure, src=0)
+        if failure[0] is not None:
+            raise NotImplementedError(
+                f"DeepSpeed's ds_to_universal could not convert the world-{saved} checkpoint: {failure[0]}"
+            )
+        self.engine._config.load_universal_checkpoint = True
+        try:
+            self.engine.load_checkpoint(
+                str(d), tag=universal, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+
     def local_shards(self) -> dict[str, list[tuple[int, int]]]:
         """The flattened element ranges whose fp32 master and optimizer state this rank owns.
 
@@ -152,6 +197,31 @@ class DeepSpeedTrainer:
                     out[name_of[id(p)]].append((start - offset, stop - offset))
                 offset += p.numel()
         return out
+
+
+def _to_universal(source: Any, target: Any) -> str | None:
+    """Convert a DeepSpeed checkpoint folder to a universal one; None, or the one-line reason it failed."""
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(
+        input_folder=str(source),
+        output_folder=str(target),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,
+    )
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            ds_to_universal.main(args)
+    except Exception as e:  # noqa: BLE001 - DeepSpeed's converter failing is reported, not raised
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return None
 
 
 def make_stage1_trainer(model: torch.nn.Module, optim: dict[str, Any]) -> DeepSpeedTrainer:

@@ -107,6 +107,28 @@ class FSDP2Trainer:
     def local_shards(self) -> dict[str, list[tuple[int, int]]]:
         return {name: owned_range(p) for name, p in self.model.named_parameters()}
 
+    def save_checkpoint(self, directory: Any) -> None:
+        """torch.distributed.checkpoint: every rank writes its shards of the model's and the optimizer's
+        state dicts (``get_state_dict``) with ``dcp.save``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+
+    def load_checkpoint(self, directory: Any) -> None:
+        """``dcp.load`` into this trainer's own (sharded) state dicts, which reshards from the saved world
+        size to this one, then ``set_state_dict``."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(directory))
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+
     def resident_bytes(self) -> dict[str, int]:
         params = list(self.model.parameters())
         return {

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ._checkpoint import load_full, save_full
 from ._torch_optim import optimizer_kwargs, optimizer_state_copy
 from .ddp import DDPTrainer
 
@@ -56,6 +57,20 @@ class TorchZeroTrainer(DDPTrainer):
     def local_shards(self) -> dict[str, list[tuple[int, int]]]:
         return {name: [(0, p.numel())] if self._owner[p] == self.rank else []
                 for name, p in self.model.named_parameters()}
+
+    def save_checkpoint(self, directory: Any) -> None:
+        """The optimizer state consolidated on rank 0 (``consolidate_state_dict(to=0)``), saved there with
+        the model's state dict."""
+        self.optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
+        state = self.optimizer.state_dict() if self.rank == 0 else None
+        save_full(directory, self.model.state_dict(), state)
+
+    def load_checkpoint(self, directory: Any) -> None:
+        """Every rank loads the consolidated dict; ZeroRedundancyOptimizer keeps the state of the tensors
+        it assigns to this rank at the current world size."""
+        saved = load_full(directory)
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
 
 
 def make_trainer(model: torch.nn.Module, optim: dict[str, Any]) -> TorchZeroTrainer:

@@ -1,0 +1,164 @@
+"""``zerosim verify TARGET --resume-at K --resume-world M``: save, a second launch at another world size,
+load, continue; C-ZERO-007 judged on the round trip (bitwise) and the continued steps (derived bound).
+
+The live runs use one optimizer phase of a few steps to stay short; the bad-input cases run the real
+command line and expect exit 2 with one line naming the field.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.test_verify_bad_input import error_line, run_verify  # noqa: E402
+from zerosim.verify.checks import _Listing  # noqa: E402
+from zerosim.verify.observation import StepObservation  # noqa: E402
+from zerosim.verify.reference import Reference  # noqa: E402
+from zerosim.verify.resume import check_round_trip  # noqa: E402
+
+TIMEOUT_S = 120.0
+
+
+def _resume(target: str, world: int, resume_world: int, *, optimizer: str, steps: int, at: int):
+    from zerosim.verify import verify
+
+    return verify(target, world=world, steps=steps, optimizers=(optimizer,), timeout_s=TIMEOUT_S,
+                  resume_at=at, resume_world=resume_world)
+
+
+# ---- pure parts ------------------------------------------------------------------------------------
+
+
+def test_reference_takes_the_new_worlds_batches_after_the_resume() -> None:
+    from zerosim.verify.model import build_model
+
+    ref = Reference(build_model(), {"name": "sgd", "lr": 0.1}, 2, resume=(3, 5))
+    assert [len(ref.batches(s)) for s in (1, 3, 4, 9)] == [2, 2, 5, 5]
+
+
+def test_round_trip_names_a_lost_state_and_a_changed_element() -> None:
+    params = {"w": np.arange(6.0).reshape(2, 3)}
+    state = {"w": {"exp_avg": np.ones((2, 3)), "exp_avg_sq": np.ones((2, 3)), "step": np.array(2.0)}}
+    saved = StepObservation("adamw", 2, 0, 0.0, params, state)
+    changed = {"w": params["w"].copy()}
+    changed["w"][1, 1] = np.nextafter(changed["w"][1, 1], 10.0)  # one ulp: bitwise, not within a bound
+    loaded = [
+        StepObservation("adamw", 2, 0, 0.0, dict(params), {"w": {**state["w"], "step": np.array(0.0)}}),
+        StepObservation("adamw", 2, 1, 0.0, changed, {"w": {"exp_avg": state["w"]["exp_avg"]}}),
+    ]
+    out = _Listing("C-ZERO-007")
+    check_round_trip(out, "adamw", 2, saved, loaded)
+    found = {(v["rank"], v["tensor"], v["start"], v["stop"]) for v in out.violations}
+    assert found == {(0, "w[step]", 0, 1), (1, "w", 4, 5), (1, "w[exp_avg_sq]", 0, 6), (1, "w[step]", 0, 1)}
+    missing = next(v for v in out.violations if v["tensor"] == "w[exp_avg_sq]")
+    assert missing["state"] == "exp_avg_sq" and "missing after load_checkpoint" in missing["message"]
+
+
+# ---- live runs -------------------------------------------------------------------------------------
+
+
+@pytest.mark.torchdist
+def test_zerogpu_zero3_resumes_from_3_to_2_ranks() -> None:
+    report = _resume("zerogpu-3", 3, 2, optimizer="adamw", steps=4, at=2)
+    assert report.verdict == "pass", {k: v.reason for k, v in report.contracts.items()}
+    c7 = report.contracts["C-ZERO-007"]
+    assert c7.status == "pass"
+    assert c7.details["round_trip_violations"] == 0 and c7.details["continued_steps"] == 2
+    assert "exp_avg" in c7.details["state_compared"]
+    assert report.extra["resume"] == {
+        "at_phase_step": 2, "world_before": 3, "world_after": 2, "phases_resumed": ["adamw"]
+    }
+
+
+@pytest.mark.torchdist
+def test_fsdp2_resumes_from_2_to_3_ranks_through_dcp() -> None:
+    report = _resume("fsdp2", 2, 3, optimizer="sgd", steps=3, at=1)
+    assert report.verdict == "pass", {k: v.reason for k, v in report.contracts.items()}
+    assert report.contracts["C-ZERO-007"].status == "pass"
+    assert report.contracts["C-ZERO-007"].details["continued_steps"] == 2
+
+
+@pytest.mark.torchdist
+def test_a_load_that_drops_the_optimizer_state_fails_c_zero_007_naming_the_tensor() -> None:
+    report = _resume("tests.verify_trainers.broken:optimizer_state_dropped_on_load", 2, 3,
+                     optimizer="sgd", steps=3, at=1)
+    assert report.verdict == "fail"
+    c7 = report.contracts["C-ZERO-007"]
+    assert c7.status == "fail"
+    first = c7.violations[0]
+    assert first["clause"] == "round_trip" and first["step"] == 1 and first["state"] == "momentum_buffer"
+    assert first["tensor"] == "wte.weight[momentum_buffer]"
+    assert "wte.weight[momentum_buffer]" in c7.reason
+    assert {v["rank"] for v in c7.violations if v["clause"] == "round_trip"} == {0, 1, 2}
+    # the continued steps leave the reference too (C-ZERO-002 fails from the first step after loading)
+    assert min(v["step"] for v in report.contracts["C-ZERO-002"].violations) == 2
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,field",
+    [
+        (["--resume-at", "0"], "resume_at"),
+        (["--resume-at", "4"], "resume_at"),  # the default phases have 4 steps each
+        (["--resume-at", "x"], "resume_at"),
+        (["--resume-at", "1", "--resume-world", "0"], "resume_world"),
+        (["--resume-world", "3"], "resume_world"),
+    ],
+)
+def test_bad_resume_options_are_one_line_exit_2(args: list[str], field: str) -> None:
+    line = error_line(run_verify("zerogpu-1", "--world", "2", *args), 2)
+    assert field in line, line
+
+
+@pytest.mark.torchdist
+def test_a_trainer_without_save_checkpoint_is_bad_input_naming_the_method() -> None:
+    result = run_verify("examples.zero1_trainer:make_trainer", "--world", "2", "--steps", "4",
+                        "--resume-at", "1", "--resume-world", "2")
+    line = error_line(result, 2)
+    assert "save_checkpoint()" in line and "--resume-at" in line, line
+
+
+# ---- the resume column of the matrix (runs stood in for) ----------------------------------------------
+
+
+def test_resume_column_cells_files_and_exit_status(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import zerosim.verify as verify_package
+    from zerosim.verify import matrix
+    from zerosim.verify.errors import RankFailure
+    from zerosim.verify.outcome import ContractOutcome, VerifyReport
+
+    seen = []
+
+    def fake_verify(adapter: str, *, world: int, resume_at: int, resume_world: int, **_: object):
+        seen.append((adapter, world, resume_world, resume_at))
+        if adapter == "fsdp2" and resume_world == 2:
+            raise RankFailure(0, "stand-in failure")
+        lost = adapter == "torch-zero"
+        c7 = ContractOutcome(
+            "fail" if lost else "pass",
+            "first at step 2 (sgd), rank 0, w[momentum_buffer][0:3]: lost" if lost else "",
+            [{"step": 2, "rank": 0, "tensor": "w[momentum_buffer]"}] if lost else [],
+            {"error_over_tolerance": 0.01, "round_trip_violations": 1 if lost else 0},
+        )
+        contracts = {"C-ZERO-002": ContractOutcome("pass"), "C-ZERO-007": c7}
+        phases = [{"name": "sgd", "status": "ran"}, {"name": "adamw", "status": "ran"}]
+        return VerifyReport(adapter, world, 8, "float64", contracts, phases=phases)
+
+    monkeypatch.setattr(verify_package, "verify", fake_verify)
+    result = matrix.run_matrix(["ddp", "torch-zero", "fsdp2"], optimizers=(), worlds=(),
+                               resume_pairs=matrix.RESUME_PAIRS)
+    assert seen[:2] == [("ddp", 2, 3, matrix.RESUME_AT), ("ddp", 4, 2, matrix.RESUME_AT)]
+    verdicts = {(c["adapter"], c["world"], c["resume_world"]): c["verdict"] for c in result["resume_cells"]}
+    assert verdicts[("ddp", 4, 2)] == "pass" and verdicts[("torch-zero", 2, 3)] == "fail"
+    assert verdicts[("fsdp2", 4, 2)] == "error"
+    assert matrix.matrix_exit_code(result) == 3
+    paths = matrix.write_matrix(result, tmp_path)
+    assert sorted(p.name for p in paths.values()) == ["verify-resume-matrix.json", "verify-resume-matrix.md"]
+    text = paths["md"].read_text()
+    assert "| ddp | pass (C-ZERO-007 pass 1.0e-02) | pass (C-ZERO-007 pass 1.0e-02) |" in text
+    assert "fail (C-ZERO-007 fail 1.0e-02) step 2, C-ZERO-007" in text
+    assert "fsdp2 4 -> 2: RankFailure" in text

@@ -1,0 +1,346 @@
+"""The ZeRO engine driving a torch ``nn.Module``: autograd computes, the engine shards, reduces and steps.
+
+:class:`ModuleEngine` is :class:`zerosim.engine.zero.ZeroEngine` (the code the simulator, MPI and
+torchrun backends run) with the simulator's hand-differentiated model replaced by a real module:
+
+* **Parameters.** NO_SHARD / ZeRO-1 / ZeRO-2: every parameter's ``.data`` is a view into the
+  engine's flat replicated parameters, so the engine's in-place refresh after the step is what the
+  next forward sees. ZeRO-3 / hybrid: each unit (:mod:`zerogpu.module_units`) owns one flat
+  buffer in the parameter dtype whose storage is allocated only while the unit is in use; the
+  parameters are views into it. Between uses the storage has size zero: the rank holds only its
+  shard, as C-ZERO-004 demands.
+* **ZeRO-3 schedule.** A forward pre-hook gathers the unit (the engine's ``block_params``: the
+  all-gather of every rank's chunk, with ``prefetch`` units gathered ahead) and copies it into the
+  unit's buffer; the forward hook frees the buffer and hooks the unit's outputs, so the first
+  gradient reaching them gathers the unit again before its backward runs. When autograd has
+  accumulated the gradient of every parameter of a unit, its gradients are reduce-scattered (the
+  engine's ``on_block_grads``) and the buffer is freed. The root unit follows the same rules, so
+  every unit is gathered twice per step, the ZeRO-3 schedule the communication model counts.
+  Refilling a storage that autograd saved for backward is done without bumping the tensor's
+  version counter (FSDP does the same): the values written are the ones saved.
+* **Gradients.** Everything after the gradients is the engine's: averaging reduce-scatter or
+  all-reduce, accumulation, the global norm over owned elements, clipping, the optimizer step on
+  the master shard, the all-gather or cast that refreshes the working parameters.
+
+Collectives are issued in autograd order, which is the same on every rank when every rank runs the
+same graph. A parameter that receives no gradient in a step is reduced as zeros after backward (in
+unit order on every rank); a graph that differs between ranks (data-dependent control flow that
+skips a unit on some ranks) desynchronises the collectives and ends in the communicator's timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_flatten
+
+from zerosim.comm.base import Communicator
+from zerosim.engine.zero import ZeroEngine
+from zerosim.errors import ConfigError
+from zerosim.flat_buffers import FlatUnit, UnitPlan
+from zerosim.layout import ParamLayout
+from zerosim.optim import OptimizerSpec
+from zerosim.precision import Precision
+from zerosim.strategy import ShardingStrategy
+from zerosim.xp import ArrayNamespace
+
+from .module_units import ModuleUnits
+
+LossFn = Callable[[torch.nn.Module, Any, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The run options :class:`ZeroEngine` reads from ``run.cfg`` that a module run fixes."""
+
+    offload: bool = False
+    load: str = "seed"
+    reshard_at: int | None = None
+
+
+@dataclass
+class ModuleRun:
+    """What :class:`ZeroEngine` needs of a run, for a torch module instead of a simulator preset."""
+
+    layout: ParamLayout
+    unit_plan: UnitPlan
+    strategy: ShardingStrategy
+    world_size: int
+    precision: Precision
+    spec: OptimizerSpec
+    partitioner: str
+    prefetch: int = 1
+    zero1_reduce_scatter: bool = False
+    steps: int = 1
+    micro_batches: int = 1
+    seed: int = 0
+    inject_nan: Any = None
+    fault: Any = None
+    model_cfg: Any = None
+    observe_values: bool = False
+    observe_full: bool = False
+    observe_gathered: bool = False
+    cfg: EngineOptions = field(default_factory=EngineOptions)
+
+    @property
+    def k(self) -> int:
+        return self.strategy.shard_group_size(self.world_size)
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.k
+
+
+class ModuleFlat:
+    """A module's parameters seen as one flat host array (read-only): ``flat[a:b]`` copies just the
+    elements ``[a, b)`` out of the tensors they lie in; ``numpy.asarray(flat)`` builds the whole."""
+
+    def __init__(self, tensors: list[torch.Tensor], offsets: tuple[int, ...], total: int, dtype: torch.dtype):
+        self.tensors, self.offsets, self.total, self.dtype = tensors, offsets, total, dtype
+        self.shape = (total,)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        start, stop, step = index.indices(self.total)
+        if step != 1:
+            raise IndexError("ModuleFlat supports contiguous slices only")
+        parts = []
+        for t, off in zip(self.tensors, self.offsets, strict=True):
+            lo, hi = max(start, off), min(stop, off + t.numel())
+            if lo < hi:
+                parts.append(t.detach().reshape(-1)[lo - off:hi - off].to(device="cpu", dtype=self.dtype))
+        if not parts:
+            return torch.zeros(0, dtype=self.dtype).numpy()
+        return torch.cat(parts).numpy()
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        full = self[0:self.total]
+        return full if dtype is None else full.astype(dtype)
+
+
+class ModuleEngine(ZeroEngine):
+    """One rank's engine over a torch module (see the module docstring); ``train_step`` is one step."""
+
+    def __init__(self, comm: Communicator, run: ModuleRun, xp: ArrayNamespace, described: ModuleUnits,
+                 loss_fn: LossFn, offload: Any = None):
+        self.described = described
+        self.module = described.unit_modules["root"]
+        self.loss_fn = loss_fn
+        self.offload_manager = offload
+        super().__init__(comm, run, xp)  # type: ignore[arg-type]
+        self._batch: tuple[Any, Any] = (None, None)
+        self._step_index = 0
+        self._micro_index = 0
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._grads: dict[str, dict[str, torch.Tensor]] = {}
+        self._reduced: set[str] = set()
+        self._order: list[str] = []
+        self._backward_order: list[str] = []
+        self._hooks: list[Any] = []
+        self._bind_parameters()
+        if self.offload_manager is not None:
+            self._register_offload()
+
+    # ---- the engine's model hooks ------------------------------------------------------------
+    def build_model(self) -> Any:
+        return None  # the computation is the module's
+
+    def initial_flat(self) -> Any:
+        """The module's current parameters as a flat array in layout order, in the master dtype. Built
+        lazily: a slice copies only the tensors it covers, so a ZeRO-3 rank, which only slices out its
+        own pieces, never holds a second full copy of the model while it starts."""
+        return ModuleFlat([self.described.parameters[t.name] for t in self.layout.tensors],
+                          self.layout.offsets, self.total, self.xp.dtype(self.state_dtype))
+
+    # ---- parameters as views into the engine's buffers ---------------------------------------
+    def _bind_parameters(self) -> None:
+        params = self.described.parameters
+        if not self.sharded_params:
+            for t in self.layout.tensors:
+                g0, g1 = self.layout.tensor_range(t.name)
+                params[t.name].data = self.params_full[g0:g1].view(t.shape)
+            return
+        dtype = self.xp.dtype(self.precision.param_dtype)
+        for unit in self.units.units:
+            buf = torch.empty(unit.numel, dtype=dtype, device=self.xp.device)
+            pieces = zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True)
+            for name, off, shape in pieces:
+                n = int(np.prod(shape, dtype=np.int64))
+                params[name].data = buf[off:off + n].view(shape)
+            buf.untyped_storage().resize_(0)
+            self._buffers[unit.name] = buf
+        self._order = [u for u in self.described.order if u in self._buffers]
+        for unit_name in self._order:
+            module = self.described.unit_modules[unit_name]
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(unit_name)))
+            self._hooks.append(module.register_forward_hook(self._post_forward_hook(unit_name)))
+        # after the whole forward nothing gathered ahead may wait for the next one (it would go stale)
+        self._hooks.append(self.module.register_forward_hook(lambda *_: self._drop_prefetched()))
+        root, rest = self._order[:1], self._order[1:]
+        if root != ["root"]:
+            root, rest = [], self._order
+        self._backward_order = [*root, *reversed(rest)]  # the root's output (the loss) is reached first
+        for unit in self.units.units:
+            for name in unit.tensor_names:
+                self._hooks.append(params[name].register_post_accumulate_grad_hook(
+                    self._grad_hook(unit.name, name)))
+
+    def unit_resident_bytes(self) -> int:
+        """Bytes of the ZeRO-3 unit buffers allocated right now (zero between uses)."""
+        return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
+
+    def _materialize(self, unit_name: str, order: list[str]) -> None:
+        """Gather ``unit_name`` (and ``prefetch`` units ahead along ``order``, kept packed until their
+        turn) and unpack it straight into its buffer, unless it is there already."""
+        buf = self._buffers[unit_name]
+        if buf.untyped_storage().nbytes():
+            return
+        position = order.index(unit_name)
+        for ahead in order[position:position + 1 + self.run.prefetch]:
+            if ahead not in self._gathered:
+                packed = self._gather_packed(self.unit_by_block[ahead], order)
+                self.tracker.alloc(f"gathered:{ahead}", "gathered", self.xp.nbytes(packed))
+                self._gathered[ahead] = (packed, None, {})
+        packed = self._gathered[unit_name][0]
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
+            self._unpack_into(buf, packed, self.unit_by_block[unit_name])
+        self.release(unit_name)
+        self.tracker.alloc(f"unit:{unit_name}", "gathered", buf.numel() * buf.element_size())
+
+    def _free(self, unit_name: str) -> None:
+        buf = self._buffers[unit_name]
+        if buf.untyped_storage().nbytes():
+            buf.untyped_storage().resize_(0)
+            self.tracker.free(f"unit:{unit_name}")
+
+    def _drop_prefetched(self) -> None:
+        for name in list(self._gathered):
+            self.release(name)
+
+    def _pre_forward_hook(self, unit_name: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any) -> None:
+            self._materialize(unit_name, self._order)
+        return hook
+
+    def _post_forward_hook(self, unit_name: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            self._free(unit_name)
+            if not torch.is_grad_enabled():
+                return
+            backward_order = self._backward_order
+
+            def regather(grad: torch.Tensor) -> None:
+                self._materialize(unit_name, backward_order)
+
+            for leaf in tree_flatten(output)[0]:
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                    leaf.register_hook(regather)
+        return hook
+
+    def _grad_hook(self, unit_name: str, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            grads = self._grads.setdefault(unit_name, {})
+            grads[name] = param.grad  # type: ignore[assignment]
+            param.grad = None
+            if len(grads) == len(self.unit_by_block[unit_name].tensor_names):
+                self._reduce_unit(unit_name)
+        return hook
+
+    def _reduce_unit(self, unit_name: str) -> None:
+        unit = self.unit_by_block[unit_name]
+        got = self._grads.pop(unit_name, {})
+        grads = {n: got[n] if n in got else self._zero_grad(n) for n in unit.tensor_names}
+        self.on_block_grads(self._step_index, self._micro_index, unit_name, grads)
+        self._reduced.add(unit_name)
+        self._free(unit_name)
+
+    def _zero_grad(self, name: str) -> torch.Tensor:
+        p = self.described.parameters[name]
+        return torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+
+    # ---- offload: the units' parameter shards through the offload manager -------------------------
+    def _register_offload(self) -> None:
+        manager = self.offload_manager
+        for unit, off in zip(self.units.units, self.units.shard_offsets, strict=True):
+            manager.register_unit(unit.name, self.param_shard[off:off + unit.chunk])
+        state = [self.opt_state[n] for n in self.run.spec.state_names]
+        if self.master is not self.param_shard:
+            state.append(self.master)
+        manager.register_host_state("optimizer", [*state, self.grad_acc])
+        manager.validate()
+
+    def _gather_packed(self, unit: FlatUnit, order: list[str], comm: Communicator | None = None) -> Any:
+        """The all-gather of every rank's chunk of ``unit`` (packed, rank-major); with offload the chunk
+        comes from the manager's device tier, the units after it in ``order`` prefetched."""
+        comm = comm or self.shard_comm
+        assert comm is not None
+        if self.offload_manager is None:
+            off = self.units.shard_offsets[unit.index]
+            return comm.all_gather(self.param_shard[off:off + unit.chunk])
+        at = order.index(unit.name) if unit.name in order else len(order)
+        shard = self.offload_manager.fetch(unit.name, order[at + 1:])
+        packed = comm.all_gather(shard)
+        self.offload_manager.release(unit.name)
+        return packed
+
+    def gather_unit(self, unit: FlatUnit, comm: Communicator) -> tuple[Any, Any]:
+        """All-gather the unit's chunks (the engine's full-parameter view uses it)."""
+        packed = self._gather_packed(unit, self._order, comm)
+        return packed, self._unpack(unit, packed, self.precision.param_dtype)
+
+    def refresh_params(self) -> None:
+        super().refresh_params()
+        if self.offload_manager is not None:
+            for unit, off in zip(self.units.units, self.units.shard_offsets, strict=True):
+                self.offload_manager.update_host(unit.name, self.param_shard[off:off + unit.chunk])
+
+    def observe(self, obs: Any) -> None:
+        """Keep only the latest step's observation and memory record: a trainer runs for as long as
+        the user trains, and nothing reads older steps (the contracts are judged by verify)."""
+        super().observe(obs)
+        del self.obs.steps[:-1]
+        del self.tracker.steps[:-1]
+
+    # ---- one micro-batch through the module ------------------------------------------------------
+    def set_batch(self, inputs: Any, targets: Any) -> None:
+        self._batch = (inputs, targets)
+
+    def micro_batch(self, step: int, micro: int) -> float:
+        """Forward and backward of the module on the batch given to :meth:`set_batch`; gradients to the
+        engine (per unit as autograd completes them under ZeRO-3, all at once otherwise)."""
+        self._step_index, self._micro_index = step, micro
+        self._grads, self._reduced = {}, set()
+        inputs, targets = self._batch
+        self.tracker.set_phase(f"forward[{micro}]")
+        loss = self.loss_fn(self.module, inputs, targets)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ConfigError("loss", type(loss).__name__, "the loss function must return a 1-element tensor")
+        self.tracker.set_phase(f"backward[{micro}]")
+        loss.backward()
+        if self.sharded_params:
+            for unit_name in reversed(self._order):  # units autograd never completed: zeros for the rest
+                if unit_name not in self._reduced:
+                    self._reduce_unit(unit_name)
+        else:
+            params = self.described.parameters
+            grads = {}
+            for t in self.layout.tensors:
+                p = params[t.name]
+                grads[t.name] = p.grad if p.grad is not None else self._zero_grad(t.name)
+                p.grad = None
+            self.on_block_grads(step, micro, "model", grads)
+        self._drop_prefetched()
+        self.on_micro_batch_end(step, micro)
+        return float(loss.detach())
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,290 @@
+"""``ZeroTrainer``: zerosim's ZeRO engine around any torch ``nn.Module`` (ZeRO-1/2/3, hybrid, offload).
+
+::
+
+    import torch.distributed as dist
+    from zerogpu import ZeroTrainer
+
+    dist.init_process_group("gloo")                      # or "nccl", under torchrun
+    trainer = ZeroTrainer(model, torch.optim.AdamW(model.parameters(), lr=3e-4), "zero3")
+    for inputs, targets in batches:
+        loss = trainer.step(inputs, targets)             # model(inputs, targets) -> scalar loss
+    weights = trainer.full_parameters()                  # collective: every rank gets full tensors
+
+The forward and backward are the module's (autograd); the flat buffers, the shard plan of the
+chosen partitioner, the averaging reduce-scatter / all-reduce, the global-norm clipping, the
+optimizer step and the all-gather are :class:`zerosim.engine.zero.ZeroEngine`'s, the same code the
+simulator checks against its ground truth (:mod:`zerogpu.module_engine` says how the two meet).
+Strategies: ``"ddp"`` (no sharding), ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"hybrid"`` (ZeRO-3
+inside shard groups, replicated across them; ``mesh=(replicas, shard_size)``, a 2-D DeviceMesh, or
+``"hybrid_shard:<shard size>"``), ``"hybrid_zero2"``. ``offload=OffloadConfig(...)`` (ZeRO-3
+only) keeps the parameter shards on the host tier of :class:`zerogpu.offload.OffloadManager` and
+fetches them per unit within a device budget.
+
+Numerics: the optimizer is zerosim's torch.optim-exact SGD / Adam / AdamW (:mod:`zerosim.optim`)
+on a master copy in float32 (float64 for a float64 model; bfloat16 / float16 models train on a
+float32 master). Given the same gradients, a step is bitwise equal to the simulator's engine; the
+gradients are autograd's, and the reduction order is the communicator's (bitwise equal to the
+simulator's rank-order sum at two ranks, within the reordering bound above; see
+:mod:`zerogpu.comm`).
+
+It implements the trainer protocol of ``zerosim verify`` (``step``, ``full_parameters``,
+``full_optimizer_state``, ``local_shards``, ``save_checkpoint`` / ``load_checkpoint``, plus
+``declared_strategy``, ``partition_rule`` and
+``resident_bytes`` for C-ZERO-004/005), so ``zerosim verify zerogpu-3`` checks it like any peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerosim.comm.base import DEFAULT_TIMEOUT_S
+from zerosim.errors import ConfigError, require_non_negative_int
+from zerosim.flat_buffers import build_unit_plan
+from zerosim.optim import OptimizerSpec
+from zerosim.partition import get_partitioner
+from zerosim.precision import Precision
+from zerosim.strategy import ShardingStrategy
+from zerosim.xp import torch_namespace
+
+from .comm import TorchCommunicator
+from .module_engine import LossFn, ModuleEngine, ModuleRun
+from .module_units import UnitSpec, describe_module
+
+STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "hybrid", "hybrid_zero2")
+_DECLARED = {"no_shard": "ddp", "shard_optimizer": "zero1", "shard_grad_op": "zero2", "full_shard": "zero3"}
+
+
+def default_loss(model: torch.nn.Module, inputs: Any, targets: Any) -> torch.Tensor:
+    """``model(inputs, targets)`` (a model that returns its loss), or ``model(inputs)`` without targets."""
+    return model(inputs) if targets is None else model(inputs, targets)
+
+
+def optimizer_spec(optim: Any) -> OptimizerSpec:
+    """The :class:`OptimizerSpec` for an ``OptimizerSpec``, the verify protocol's dict, or a torch.optim
+    SGD / Adam / AdamW with one parameter group (its hyper-parameters are read; the object is unused)."""
+    if isinstance(optim, OptimizerSpec):
+        return optim
+    if isinstance(optim, Mapping):
+        options = {k: v for k, v in optim.items() if k != "name"}
+        return OptimizerSpec.parse(str(optim.get("name")), **options)
+    if isinstance(optim, torch.optim.Optimizer):
+        kind = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}.get(type(optim))
+        if kind is None or len(optim.param_groups) != 1:
+            raise ConfigError("optim", type(optim).__name__, "ZeroTrainer steps SGD, Adam or AdamW with one "
+                              "parameter group (pass an OptimizerSpec for anything else it supports)")
+        g = optim.param_groups[0]
+        for flag in ("maximize", "amsgrad", "capturable", "differentiable"):
+            if g.get(flag):
+                raise ConfigError(f"optim.{flag}", True, "is not supported by zerosim's optimizers")
+        lr = float(g["lr"]) if not isinstance(g["lr"], torch.Tensor) else float(g["lr"].item())
+        if kind == "sgd":
+            return OptimizerSpec("sgd", lr=lr, momentum=g["momentum"], dampening=g["dampening"],
+                                 nesterov=g["nesterov"], weight_decay=g["weight_decay"])
+        return OptimizerSpec(kind, lr=lr, betas=tuple(g["betas"]), eps=g["eps"],
+                             weight_decay=g["weight_decay"])
+    raise ConfigError("optim", type(optim).__name__,
+                      "must be an OptimizerSpec, a dict or a torch.optim optimizer")
+
+
+def resolve_strategy(strategy: Any, mesh: Any, world: int) -> ShardingStrategy:
+    """The engine strategy for a name (see STRATEGY_NAMES) and an optional ``(replicas, shard)`` mesh."""
+    shape = _mesh_shape(mesh)
+    if shape is not None and shape[0] * shape[1] != world:
+        raise ConfigError("mesh", shape, f"has {shape[0] * shape[1]} ranks but the world has {world}")
+    if isinstance(strategy, ShardingStrategy):
+        return strategy
+    if not isinstance(strategy, str):
+        raise ConfigError("strategy", strategy, f"known: {', '.join(STRATEGY_NAMES)}")
+    name = strategy.strip().lower()
+    if name in ("hybrid", "hybrid_zero2"):
+        size = shape[1] if shape is not None else (world // 2 if world % 2 == 0 else world)
+        name = f"{'hybrid_shard' if name == 'hybrid' else 'hybrid_shard_zero2'}:{size}"
+    elif shape is not None:
+        raise ConfigError("mesh", shape,
+                          f"a 2-D mesh needs strategy 'hybrid' or 'hybrid_zero2', not {strategy!r}")
+    parsed = ShardingStrategy.parse(name)
+    if parsed.is_hybrid and world % parsed.shard_group_size(world):
+        raise ConfigError("strategy", strategy,
+                          f"the shard group size does not divide the world size {world}")
+    return parsed
+
+
+def _mesh_shape(mesh: Any) -> tuple[int, int] | None:
+    if mesh is None:
+        return None
+    shape = tuple(getattr(mesh, "shape", mesh))  # a DeviceMesh or a (replicas, shard size) tuple
+    if len(shape) == 1:
+        return (1, int(shape[0]))
+    if len(shape) != 2 or not all(isinstance(d, int) and d > 0 for d in shape):
+        raise ConfigError("mesh", mesh, "must be (replicas, shard size) or a 1-D / 2-D DeviceMesh")
+    return (int(shape[0]), int(shape[1]))
+
+
+class ZeroTrainer:
+    """Sharded data-parallel training of ``model`` on the current torch.distributed world (C-ZERO-001..005).
+
+    ``partitioner``: any registered zerosim partitioner (``"fsdp"``: dim-0 chunks per tensor as FSDP2;
+    ``"seed"``, ``"deepspeed"``, ``"zero-redundancy"``, or your own). ``units``: which submodules ZeRO-3
+    gathers as one (:mod:`zerogpu.module_units`). ``prefetch``: units gathered ahead. ``loss_fn``:
+    ``fn(model, inputs, targets) -> loss`` (default: the model returns its loss).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optim: Any,
+        strategy: str | ShardingStrategy = "zero3",
+        *,
+        partitioner: str = "fsdp",
+        mesh: Any = None,
+        offload: Any = None,
+        units: UnitSpec = None,
+        prefetch: int = 1,
+        loss_fn: LossFn | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        if not dist.is_available() or not dist.is_initialized():
+            raise ConfigError("torch.distributed", "uninitialized",
+                              "call torch.distributed.init_process_group (e.g. under torchrun) first")
+        described = describe_module(model, units)
+        world = dist.get_world_size()
+        spec = optimizer_spec(optim)
+        plan_strategy = resolve_strategy(strategy, mesh, world)
+        rule = get_partitioner(partitioner)
+        require_non_negative_int("prefetch", prefetch)
+        if offload is not None and not plan_strategy.shards_params:
+            raise ConfigError("offload", type(offload).__name__,
+                              f"parameter offload needs ZeRO-3 or hybrid, not {plan_strategy.name}")
+        device = str(described.device)
+        self.model = model
+        self.strategy = plan_strategy
+        self.partition_rule = rule.name
+        self.declared_strategy = _declared(plan_strategy, world)
+        self.comm = TorchCommunicator(device=device, timeout_s=timeout_s)
+        run = ModuleRun(
+            layout=described.layout,
+            unit_plan=build_unit_plan(described.layout, plan_strategy, rule, world),
+            strategy=plan_strategy,
+            world_size=world,
+            precision=Precision.of_model_dtype(str(described.dtype)),
+            spec=spec,
+            partitioner=rule.name,
+            prefetch=prefetch,
+        )
+        manager = None
+        if offload is not None:
+            from .offload import OffloadConfig, OffloadManager
+
+            if not isinstance(offload, OffloadConfig):
+                raise ConfigError("offload", type(offload).__name__,
+                                  "must be a zerogpu.offload.OffloadConfig")
+            manager = OffloadManager(offload, device)
+        self.offload = manager
+        self.engine = ModuleEngine(self.comm, run, torch_namespace(device), described,
+                                   loss_fn or default_loss, manager)
+        self.described = described
+        e = self.engine
+        #: a master shard apart from the parameters (ZeRO-1/2, mixed precision): one buffer more in C-ZERO-004
+        self.master_copy = not (e.master is e.param_shard or e.master is e.params_full)
+        self._steps = 0
+
+    # ---- training ---------------------------------------------------------------------------------
+    def step(self, inputs: Any, targets: Any = None) -> float:
+        """One optimizer step on this rank's batch (the gradient is the mean over ranks); the local loss."""
+        self.engine.set_batch(inputs, targets)
+        obs = self.engine.step(self._steps)
+        self._steps += 1
+        return float(obs.local_loss)
+
+    # ---- the verify protocol: full values, shards, resident bytes ----------------------------------
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, full, as this rank computes with it next (collective under ZeRO-3)."""
+        flat = self.engine.xp.from_numpy(self.engine.full_params_view())  # bfloat16 included
+        return self._split(flat.to(self.described.device))
+
+    @torch.no_grad()
+    def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """torch.optim-named state of every parameter, full (collective when the state is sharded)."""
+        e = self.engine
+        arrays = {}
+        for name in e.run.spec.state_names:
+            arr = e.opt_state[name]
+            if e.sharded_optim:
+                assert e.shard_comm is not None
+                arr = e.assemble_full_state(e.shard_comm.all_gather(arr))
+            arrays[name] = self._split(arr)
+        step = torch.tensor(float(e.opt_state["step"]), dtype=torch.float32)
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for t in e.layout.tensors:
+            state = {key: split[t.name] for key, split in arrays.items()}
+            if e.run.spec.name != "sgd":
+                state["step"] = step.clone()
+            out[t.name] = state
+        return out
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, directory: Any) -> Any:
+        """Write the engine's master weights, optimizer state and step counter as a sharded checkpoint
+        (:func:`zerosim.checkpoint.save_engine_state`; collective, between steps)."""
+        from zerosim.checkpoint import save_engine_state
+
+        return save_engine_state(self.engine, directory)
+
+    def load_checkpoint(self, directory: Any, *, strict: bool = True) -> Any:
+        """Load a checkpoint saved at any world size and strategy (collective, between steps). The
+        engine's arrays are written in place, so the module's parameters (views into them) see the
+        loaded values; the step counter resumes from the checkpoint's."""
+        from zerosim.checkpoint import load_engine_state
+
+        result = load_engine_state(self.engine, directory, strict=strict)
+        self._steps = int(self.engine.opt_state["step"])
+        return result
+
+    def local_shards(self) -> dict[str, list[tuple[int, int]]]:
+        """Half-open ranges of each flattened parameter whose optimizer state this rank owns (C-ZERO-001)."""
+        e = self.engine
+        out: dict[str, list[tuple[int, int]]] = {}
+        for t in e.layout.tensors:
+            g0, g1 = e.layout.tensor_range(t.name)
+            out[t.name] = [(max(a, g0) - g0, min(b, g1) - g0)
+                           for a, b, _ in e.owned_pieces if a < g1 and b > g0]
+        return out
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank keeps (C-ZERO-004's measured side):
+        the engine's live arrays, plus any ZeRO-3 unit buffer allocated right now (none between steps)."""
+        held = self.engine.holdings()
+        return {
+            "params": held["params"].nbytes + self.engine.unit_resident_bytes(),
+            "grads": held["grads"].nbytes,
+            "optimizer": held["optimizer"].nbytes,
+        }
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Resident bytes per kind and, with offload, the offload manager's tiers (current and peak)."""
+        out: dict[str, Any] = {"resident": self.resident_bytes()}
+        if self.offload is not None:
+            out["offload"] = self.offload.memory_stats()
+        return out
+
+    def _split(self, flat: Any) -> dict[str, torch.Tensor]:
+        layout = self.engine.layout
+        out = {}
+        for t in layout.tensors:
+            g0, g1 = layout.tensor_range(t.name)
+            out[t.name] = flat[g0:g1].reshape(t.shape).clone()
+        return out
+
+
+def _declared(strategy: ShardingStrategy, world: int) -> str | None:
+    """The name ``zerosim verify`` judges memory and traffic by (ddp, zero1..3, hybrid:<shard size>);
+    None for hybrid ZeRO-2, which verify has no plan for."""
+    if strategy.kind.value == "hybrid_shard":
+        return f"hybrid:{strategy.shard_group_size(world)}"
+    return _DECLARED.get(strategy.kind.value)

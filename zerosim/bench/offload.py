@@ -1,0 +1,164 @@
+"""``zerosim bench offload``: ZeRO-3 with and without CPU offload of the parameter shards, side by side.
+
+The same model is trained by two :class:`zerogpu.trainer.ZeroTrainer`s at ZeRO-3, one of them with
+``offload=OffloadConfig(device_budget_bytes=B)``, where ``B`` is what the ``--budget-units`` largest
+units' shards take (2 by default: the tier cannot hold every unit, so eviction and prefetch run
+every step). Steps alternate between the two trainers, so both see the same machine state. The
+benchmark reports:
+
+* the median step time of each, and their ratio (what offload costs);
+* the device tier's peak against its budget (the budget is C-ZERO-004's bound for that tier);
+* the offload manager's statistics: prefetch hits and misses, evictions, bytes and seconds copied,
+  and the overlap fraction (on a CPU-only machine copies overlap nothing: 0 by construction);
+* whether the two runs stayed bitwise equal (they must: offload moves bits, it computes nothing).
+
+It runs on one rank in this process (a one-rank gloo group) unless torch.distributed is already
+initialised, as under ``torchrun ... -m zerosim bench offload`` (then every rank runs it and rank 0
+writes). ``--device cuda`` puts the model on the GPU; the host tier is then pinned and copies go
+over a side stream. JSON: ``reports/bench_offload.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, require_non_negative_int, require_positive_int
+
+DEFAULT_OUT = "reports/bench_offload.json"
+DEVICES = ("cpu", "cuda")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("offload", help="ZeRO-3 with and without CPU offload: step time, device peak, budget")
+    p.add_argument("--model", default="gpt", help="a zerosim verify model preset (default gpt)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per trainer (default 6)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--budget-units", type=int, default=2,
+                   help="device budget = the shards of this many largest units (default 2)")
+    p.add_argument("--prefetch", type=int, default=1, help="offload prefetch depth (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
+    p.set_defaults(func=run)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    require_positive_int("steps", args.steps)
+    require_non_negative_int("warmup", args.warmup)
+    require_positive_int("budget_units", args.budget_units)
+    require_non_negative_int("prefetch", args.prefetch)
+    if args.device not in DEVICES:
+        raise ConfigError("device", args.device, f"must be one of {', '.join(DEVICES)}")
+    from ..verify.model import require_model
+
+    require_model(args.model)
+
+
+def run(args: argparse.Namespace) -> int:
+    _validate(args)
+    import torch
+    import torch.distributed as dist
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda", "no CUDA device is visible here")
+    own_group = not dist.is_initialized()
+    with tempfile.TemporaryDirectory(prefix="zerosim-offload-") as tmp:
+        if own_group:
+            dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        try:
+            report = measure(args)
+        finally:
+            if own_group:
+                dist.destroy_process_group()
+    if report["rank"] == 0:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        _print(report, out)
+    held = report["device_peak_bytes"] <= report["device_budget_bytes"]
+    return 0 if report["bitwise_equal"] and held else 1
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Both trainers, steps interleaved; the figures of the module docstring."""
+    import torch
+    import torch.distributed as dist
+
+    from zerogpu.offload import OffloadConfig
+    from zerogpu.trainer import ZeroTrainer
+
+    from ..verify.model import build_model, micro_batch, parameter_count
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else None
+    optim = {"name": "adamw", "lr": 1e-3}
+
+    def model() -> torch.nn.Module:
+        m = build_model(args.model, "float32")
+        return m.to(device) if device is not None else m
+
+    plain = ZeroTrainer(model(), optim, "zero3")
+    itemsize = 4
+    chunks = sorted(u.chunk * itemsize for u in plain.engine.units.units)
+    budget = sum(chunks[-args.budget_units:])
+    offloaded = ZeroTrainer(model(), optim, "zero3",
+                            offload=OffloadConfig(device_budget_bytes=budget, prefetch_depth=args.prefetch))
+    times: dict[str, list[float]] = {"plain": [], "offload": []}
+    for step in range(1, args.warmup + args.steps + 1):
+        x, y = micro_batch(rank, step, model=args.model)
+        if device is not None:
+            x, y = x.to(device), y.to(device)
+        for name, trainer in (("plain", plain), ("offload", offloaded)):
+            _sync(device)
+            t0 = time.perf_counter()
+            trainer.step(x, y)
+            _sync(device)
+            if step > args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    a, b = plain.full_parameters(), offloaded.full_parameters()
+    equal = all(torch.equal(a[n], b[n]) for n in a)
+    manager = offloaded.offload
+    assert manager is not None
+    memory, perf = manager.memory_stats(), manager.performance_stats()
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "benchmark": "offload", "rank": rank, "world": world, "model": args.model,
+        "parameters": parameter_count(plain.model), "device": str(device or "cpu"),
+        "units": len(chunks), "unit_shard_bytes": chunks, "device_budget_bytes": budget,
+        "device_peak_bytes": memory["device"]["peak"], "host_peak_bytes": memory["host"]["peak"],
+        "median_step_s": medians, "offload_over_plain": medians["offload"] / medians["plain"],
+        "samples_s": times, "bitwise_equal": equal, "memory_stats": memory, "performance_stats": perf,
+        "prefetch_depth": args.prefetch, "machine": {"python": platform.python_version(),
+                                                    "cpus": os.cpu_count(), "torch": torch.__version__},
+    }
+
+
+def _sync(device: Any) -> None:
+    if device is not None:
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _print(report: dict[str, Any], out: Path) -> None:
+    med = report["median_step_s"]
+    perf = report["performance_stats"]
+    print(f"zerosim bench offload: {report['model']} ({report['parameters']:,} parameters), "
+          f"{report['units']} units, world {report['world']}, {report['device']}")
+    print(f"  step: {med['plain'] * 1e3:.1f} ms without offload, {med['offload'] * 1e3:.1f} ms with "
+          f"({report['offload_over_plain']:.2f}x)")
+    print(f"  device tier: peak {report['device_peak_bytes']:,} B of a "
+          f"{report['device_budget_bytes']:,} B budget")
+    print(f"  fetches {perf['fetches']}: {perf['prefetch_hits']} prefetch hits, {perf['resident_hits']} "
+          f"resident hits, {perf['misses']} misses; {perf['evictions']} evictions; "
+          f"{perf['bytes_host_to_device']:,} B copied in {perf['seconds_copying'] * 1e3:.1f} ms; "
+          f"overlap {perf['overlap_fraction']:.2f}")
+    print(f"  bitwise equal to the run without offload: {'yes' if report['bitwise_equal'] else 'NO'}")
+    print(f"  written: {out}")

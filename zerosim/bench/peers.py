@@ -1,0 +1,589 @@
+"""``zerosim bench peers``: one optimizer step of the same model under every built-in adapter, timed.
+
+Every adapter of :data:`zerosim.verify.adapters.ADAPTERS` whose library is installed here (DDP,
+ZeroRedundancyOptimizer, FSDP2 in its ZeRO-2 / ZeRO-3 / hybrid forms, DeepSpeed ZeRO 1-3, and every
+``zerogpu-*`` adapter the table holds at run time) trains the same seeded model (the verify GPT,
+``gpt``, and ``gpt-50m``, 50.3M parameters) on the same per-rank micro-batches with the same
+optimizer (AdamW, global-norm clip at 1.0; ``--optimizer sgd``: SGD with momentum, same clip).
+``--adapters`` picks some of them, and may name your own trainer as ``MODULE:FACTORY`` (the factory
+``zerosim verify`` takes), timed beside the peers.
+
+Ranks are started by :func:`zerogpu.launch.run_torchrun` (a wall-clock limit, no process left behind):
+one ``torchrun -m zerosim.bench.peers_rank`` launch per model that runs the adapters one after the
+other, each building its own trainer from a fresh copy of the model. gloo on the CPU at world 2 by
+default; ``--device cuda``: NCCL, one rank per GPU. Per adapter, ``--warmup`` steps are run and
+discarded, then ``--steps`` steps are timed: every rank enters a barrier, times ``trainer.step()``
+alone (on CUDA between two device synchronisations), and a step's time is the slowest rank's.
+The adapter's time is the median of those; min, max and every sample are kept.
+
+Each adapter carries its ZeRO stage (0 for DDP, 1, 2, 3, or ``hybrid``): the trainer's own
+``declared_strategy`` when it has one, else :data:`STAGES` (which must name every built-in adapter).
+Two ratios per adapter and model: its median over the fastest *peer* of the same stage (a peer is a
+built-in adapter not named ``zerogpu-*``), and over the fastest adapter of all; the fastest peer of
+a stage is 1.0 exactly. The report records the load average before and after: other processes on
+the machine slow every adapter, not equally.
+
+An adapter that fails (raises on some rank, or a trainer call outlives ``--timeout``) ends that
+launch; its error is recorded and the remaining adapters are run in a new launch. Exit status: 0
+every adapter measured, 3 some adapter failed (the report names it), 2 bad input.
+Writes ``<out>/bench_peers.json`` and ``<out>/bench_peers.md`` (default ``reports/``).
+
+Under an external launcher (across nodes) run the rank program itself: ``torchrun --nnodes N ...
+-m zerosim.bench.peers_rank --models ... --adapters ... --out DIR`` (see :mod:`zerosim.bench.peers_rank`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import EXIT_RUN_FAILED, ConfigError, require_non_negative_int, require_positive_int
+
+DEFAULT_MODELS = ("gpt", "gpt-50m")
+DEFAULT_STEPS = 3
+DEFAULT_WARMUP = 1
+DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_OUT = Path("reports")
+JSON_NAME = "bench_peers.json"
+MD_NAME = "bench_peers.md"
+DTYPES = ("float32", "float64")
+DEVICES = ("cpu", "cuda")
+OPTIMIZERS = ("adamw", "sgd")
+MAX_GRAD_NORM = 1.0
+OURS_PREFIX = "zerogpu-"  # built-in adapters whose name starts so are ours; the other built-ins are peers
+
+#: ZeRO stage of every known adapter: 0 (replicated, DDP), 1, 2, 3, or "hybrid" (sharded within a group,
+#: replicated across groups). A trainer's ``declared_strategy`` takes precedence at run time.
+STAGES: dict[str, int | str] = {
+    "ddp": 0,
+    "torch-zero": 1,
+    "deepspeed-1": 1,
+    "zerogpu-1": 1,
+    "fsdp2-grad-op": 2,
+    "deepspeed-2": 2,
+    "zerogpu-2": 2,
+    "fsdp2": 3,
+    "deepspeed-3": 3,
+    "zerogpu-3": 3,
+    "zerogpu-3-offload": 3,
+    "fsdp2-hybrid": "hybrid",
+    "zerogpu-hybrid": "hybrid",
+}
+_STAGE_ORDER: dict[int | str | None, int] = {0: 0, 1: 1, 2: 2, 3: 3, "hybrid": 4, None: 5}
+
+
+# ---- stages and peers -----------------------------------------------------------------------------------
+
+
+def stage_from_strategy(declared: Any) -> int | str | None:
+    """The stage a ``declared_strategy`` names (``ddp`` 0, ``zeroK`` K, ``hybrid[:k]``), or None."""
+    if not isinstance(declared, str):
+        return None
+    text = declared.strip().lower()
+    if text in ("ddp", "no_shard", "zero0"):
+        return 0
+    if text in ("zero1", "zero2", "zero3"):
+        return int(text[-1])
+    if text.startswith("hybrid"):
+        return "hybrid"
+    return None
+
+
+def stage_of(adapter: str, declared: Any = None) -> tuple[int | str | None, str]:
+    """(stage, where it came from: ``"declared"`` or ``"table"``; ``"unknown"`` when neither says)."""
+    stage = stage_from_strategy(declared)
+    if stage is not None:
+        return stage, "declared"
+    if adapter in STAGES:
+        return STAGES[adapter], "table"
+    return None, "unknown"
+
+
+def is_peer(adapter: str) -> bool:
+    """Whether ``adapter`` is a peer: a built-in adapter not named ``zerogpu-*`` (a ``MODULE:FACTORY``
+    target is the user's own trainer, never a peer)."""
+    from ..verify.adapters import ADAPTERS
+
+    return adapter in ADAPTERS and not adapter.startswith(OURS_PREFIX)
+
+
+# ---- options ----------------------------------------------------------------------------------------------
+
+
+def parse_int(field: str, text: Any) -> int:
+    """``text`` as an integer; ConfigError naming ``field`` otherwise."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ConfigError(field, text, "must be an integer") from None
+
+
+def parse_seconds(field: str, text: Any) -> float:
+    """``text`` as a positive, finite number of seconds; ConfigError naming ``field`` otherwise."""
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        raise ConfigError(field, text, "must be a number of seconds") from None
+    if not 0 < value < math.inf:
+        raise ConfigError(field, text, "must be a positive, finite number of seconds")
+    return value
+
+
+def split_names(field: str, text: str | Sequence[str]) -> list[str]:
+    """A comma-separated list (or a sequence) as names; ConfigError when empty or repeated."""
+    names = [n.strip() for n in text.split(",")] if isinstance(text, str) else [str(n).strip() for n in text]
+    if not names or any(not n for n in names):
+        raise ConfigError(field, text if isinstance(text, str) else ",".join(names),
+                          "give a comma-separated list of names")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(field, ",".join(names), f"{', '.join(repeated)} given twice")
+    return names
+
+
+def select_models(text: str | Sequence[str]) -> list[str]:
+    from ..verify.model import require_model
+
+    names = split_names("models", text)
+    for name in names:
+        require_model(name)
+    return names
+
+
+def select_adapters(text: str | Sequence[str] | None) -> list[str]:
+    """The adapters to run: ``text`` validated (built-in names against the table, ``MODULE:FACTORY`` by
+    importing it), or every installed built-in adapter in table order."""
+    from ..verify.adapters import ADAPTERS, installed_adapters, missing_requirement
+    from ..verify.targets import resolve_factory
+
+    if text is None:
+        names = installed_adapters()
+        if not names:
+            raise ConfigError("adapters", "", "no built-in adapter can run here (is torch installed?)")
+        return names
+    names = split_names("adapters", text)
+    for name in names:
+        if name in ADAPTERS:
+            reason = missing_requirement(name)
+            if reason:
+                raise ConfigError("adapters", name, reason)
+        elif ":" in name:
+            resolve_factory(name)
+        else:
+            raise ConfigError("adapters", name, f"not a built-in adapter ({', '.join(ADAPTERS)}) "
+                              "and not MODULE:FACTORY")
+    return names
+
+
+def validate_run(*, steps: Any, warmup: Any, dtype: Any, device: Any, optimizer: Any, timeout_s: Any) -> None:
+    """ConfigError for a bad option the launcher and every rank check alike (deterministic)."""
+    require_positive_int("steps", steps)
+    require_non_negative_int("warmup", warmup)
+    if dtype not in DTYPES:
+        raise ConfigError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
+    if device not in DEVICES:
+        raise ConfigError("device", device, f"must be one of {', '.join(DEVICES)}")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError("optimizer", optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
+        raise ConfigError("timeout", timeout_s, "must be a positive, finite number of seconds")
+
+
+def optim_config(optimizer: str) -> dict[str, Any]:
+    """The protocol's optim dict for ``optimizer``: verify's phase settings with a clip at 1.0."""
+    from ..verify.suite import PHASE_CONFIGS
+
+    return {**PHASE_CONFIGS[optimizer], "max_grad_norm": MAX_GRAD_NORM}
+
+
+def default_world(device: str) -> int:
+    """2 ranks on the CPU; on CUDA one rank per GPU (0 when there is none: refused later)."""
+    if device == "cpu":
+        return 2
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def model_info(name: str) -> dict[str, Any]:
+    """A preset's parameter count and sizes (counted on the meta device: nothing is allocated)."""
+    import dataclasses
+
+    import torch
+
+    from ..verify.model import GPT, require_model
+
+    cfg = require_model(name)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return {"params": sum(p.numel() for p in model.parameters()), "config": dataclasses.asdict(cfg)}
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Machine and library versions for the report."""
+    import importlib.metadata as md
+
+    env: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+    for package in ("torch", "deepspeed"):
+        try:
+            env[package] = md.version(package)
+        except md.PackageNotFoundError:
+            env[package] = None
+    if device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            env["gpu"] = torch.cuda.get_device_name(0)
+            env["gpus"] = torch.cuda.device_count()
+            env["cuda"] = torch.version.cuda
+    return env
+
+
+# ---- the report -----------------------------------------------------------------------------------------
+
+
+def summarize(rows: Iterable[dict[str, Any]], models: Sequence[str]) -> list[dict[str, Any]]:
+    """Every row with its median / min / max and both ratios, ordered by model, stage, table order.
+
+    ``ratio_to_stage_peer``: median over the smallest median of a peer of the same stage (None when no
+    peer of that stage was measured); ``ratio_to_fastest``: over the smallest median of the model.
+    """
+    from ..verify.adapters import ADAPTERS
+
+    table_order = {name: i for i, name in enumerate(ADAPTERS)}
+    out: list[dict[str, Any]] = []
+    for row in rows:
+        row = {k: v for k, v in row.items() if k != "kind"}
+        row["peer"] = is_peer(row["adapter"])
+        samples = row.get("samples") or []
+        if row.get("status") == "ok" and samples:
+            row["median_s"] = statistics.median(samples)
+            row["min_s"] = min(samples)
+            row["max_s"] = max(samples)
+        out.append(row)
+    for model in models:
+        mine = [r for r in out if r["model"] == model and "median_s" in r]
+        fastest = min(mine, key=lambda r: r["median_s"], default=None)
+        for r in (r for r in out if r["model"] == model):
+            measured = "median_s" in r
+            r["fastest"] = fastest["adapter"] if fastest else None
+            r["ratio_to_fastest"] = r["median_s"] / fastest["median_s"] if measured and fastest else None
+            stage = r.get("stage")
+            peers = [p for p in mine if p["peer"] and stage is not None and p.get("stage") == stage]
+            best = min(peers, key=lambda p: p["median_s"], default=None)
+            r["stage_peer"] = best["adapter"] if best else None
+            r["ratio_to_stage_peer"] = r["median_s"] / best["median_s"] if measured and best else None
+    model_order = {m: i for i, m in enumerate(models)}
+    out.sort(key=lambda r: (model_order.get(r["model"], len(model_order)),
+                            _STAGE_ORDER.get(r.get("stage"), len(_STAGE_ORDER)),
+                            table_order.get(r["adapter"], len(table_order))))
+    return out
+
+
+def build_report(rows: Iterable[dict[str, Any]], *, models: Sequence[str], adapters: Sequence[str],
+                 meta: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """The JSON report (see the module docstring)."""
+    results = summarize(rows, models)
+    return {
+        "benchmark": "zerosim bench peers",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": meta.get("machine", {}),
+        "torch": meta.get("machine", {}).get("torch"),
+        "device": settings["device"],
+        "backend": "nccl" if settings["device"] == "cuda" else "gloo",
+        "world": settings["world"],
+        "dtype": settings["dtype"],
+        "optimizer": optim_config(settings["optimizer"]),
+        "steps": settings["steps"],
+        "warmup": settings["warmup"],
+        "timeout_s": settings["timeout_s"],
+        "timing": "per step: the slowest rank's trainer.step() after a barrier; per adapter: the median",
+        "models": {m: model_info(m) for m in models},
+        "adapters": list(adapters),
+        "stages": {a: stage_of(a)[0] for a in adapters},
+        "results": results,
+        "failed": [{"model": r["model"], "adapter": r["adapter"], "error": r.get("error")}
+                   for r in results if r.get("status") != "ok"],
+    }
+
+
+def _seconds(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if value < 10 else f"{value:.2f}"
+
+
+def _ratio(value: Any) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def table_rows(report: dict[str, Any]) -> list[list[str]]:
+    """One row of cells per (model, adapter), as printed and written to the markdown."""
+    rows = []
+    for r in report["results"]:
+        stage = r.get("stage")
+        note = ""
+        if r.get("status") != "ok":
+            note = f"failed: {r.get('error') or 'unknown error'}"
+        elif r.get("stage_peer") == r["adapter"]:
+            note = "fastest peer of its stage"
+        elif r.get("stage_peer"):
+            note = f"vs {r['stage_peer']}"
+        rows.append([
+            r["model"], r["adapter"], "-" if stage is None else str(stage),
+            _seconds(r.get("median_s")), _seconds(r.get("min_s")), _seconds(r.get("max_s")),
+            _ratio(r.get("ratio_to_stage_peer")), _ratio(r.get("ratio_to_fastest")), note,
+        ])
+    return rows
+
+
+COLUMNS = ("model", "adapter", "stage", "median s", "min s", "max s", "/ stage peer", "/ fastest", "note")
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    machine = report.get("machine", {})
+    models = ", ".join(f"{m} ({info['params']:,} params)" for m, info in report["models"].items())
+    lines = [
+        "# zerosim bench peers",
+        "",
+        f"One optimizer step ({report['optimizer']['name']}, gradient clip {MAX_GRAD_NORM}) of {models}, "
+        f"{report['dtype']}, {report['world']} ranks on {report['device']} ({report['backend']}); "
+        f"median of {report['steps']} timed step(s) after {report['warmup']} warm-up step(s), each the "
+        f"slowest rank's `trainer.step()` after a barrier. torch {machine.get('torch')}, deepspeed "
+        f"{machine.get('deepspeed')}, Python {machine.get('python')}, {machine.get('cpus')} CPUs"
+        + (f", {machine['gpu']}" if machine.get("gpu") else "") + f"; {report['created']}.",
+        "",
+        "`/ stage peer`: median over the fastest peer (a built-in adapter not named `zerogpu-*`) of the "
+        "same ZeRO stage; `/ fastest`: over the fastest adapter of the model.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(report)]
+    load = report.get("load_average") or {}
+    if report.get("wall_s") is not None:
+        lines += ["", f"Wall time {report['wall_s']:g} s; load average (1, 5, 15 min) before "
+                  f"{load.get('before')}, after {load.get('after')}."]
+    return "\n".join(lines) + "\n"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..text_tables import print_table
+
+    title = (f"one {report['optimizer']['name']} step, {report['dtype']}, world {report['world']} "
+             f"({report['backend']}), median of {report['steps']} after {report['warmup']} warm-up")
+    table = Table(title=title)
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in ("model", "adapter", "note") else "right")
+    for cells in table_rows(report):
+        table.add_row(*cells)
+    print_table(table, Console(width=140))
+
+
+def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / JSON_NAME, out_dir / MD_NAME
+    json_path.write_text(json.dumps(report, indent=1) + "\n")
+    md_path.write_text(render_markdown(report))
+    return json_path, md_path
+
+
+# ---- the command ------------------------------------------------------------------------------------------
+
+
+def register(sub: Any) -> None:
+    from ..cli.memory import one_line_errors
+
+    p = sub.add_parser(
+        "peers",
+        help="one optimizer step under every installed adapter (ddp, torch-zero, fsdp2*, deepspeed-*, "
+        "zerogpu-*), ratios per ZeRO stage (launches torchrun)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    one_line_errors(p)
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"verify model presets (default {','.join(DEFAULT_MODELS)})")
+    p.add_argument("--adapters", default=None,
+                   help="comma-separated built-in adapters or MODULE:FACTORY (default: every installed one)")
+    p.add_argument("--world", default=None,
+                   help="ranks (default 2 on the CPU, one per GPU with --device cuda)")
+    p.add_argument("--steps", default=str(DEFAULT_STEPS),
+                   help=f"timed steps per adapter (default {DEFAULT_STEPS})")
+    p.add_argument("--warmup", default=str(DEFAULT_WARMUP),
+                   help=f"untimed steps first (default {DEFAULT_WARMUP})")
+    p.add_argument("--dtype", default="float32", help="float32 (default) or float64")
+    p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
+    p.add_argument("--optimizer", default="adamw", help="adamw (default) or sgd (momentum 0.9)")
+    p.add_argument("--timeout", default=str(DEFAULT_TIMEOUT_S),
+                   help="seconds a trainer construction, step or collective may take "
+                   f"(default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--out", default=str(DEFAULT_OUT),
+                   help=f"directory for {JSON_NAME} and {MD_NAME} (default {DEFAULT_OUT})")
+    p.set_defaults(func=run)
+
+
+def options(args: argparse.Namespace) -> dict[str, Any]:
+    """The validated settings of a run from the command line (ConfigError for the first bad one)."""
+    from ..errors import require_output_dir
+    from ..verify.runner import require_startable
+
+    settings: dict[str, Any] = {
+        "steps": parse_int("steps", args.steps),
+        "warmup": parse_int("warmup", args.warmup),
+        "dtype": args.dtype,
+        "device": args.device,
+        "optimizer": args.optimizer,
+        "timeout_s": parse_seconds("timeout", args.timeout),
+    }
+    validate_run(**settings)
+    settings["world"] = default_world(args.device) if args.world is None else parse_int("world", args.world)
+    if args.world is not None:
+        require_positive_int("world", settings["world"])
+    settings["models"] = select_models(args.models)
+    settings["adapters"] = select_adapters(args.adapters)
+    from zerogpu.launch import torch_unavailable_reason
+
+    reason = torch_unavailable_reason()
+    if reason:
+        raise ConfigError("backend", "torch", reason)
+    require_startable(settings["world"], settings["device"])
+    require_output_dir(args.out)
+    settings["out"] = Path(args.out)
+    return settings
+
+
+def rank_argv(settings: dict[str, Any], model: str, adapters: Sequence[str], results: Path) -> list[str]:
+    """What follows torchrun's options: the rank program for ``model`` x ``adapters``."""
+    return [
+        "-m", "zerosim.bench.peers_rank",
+        "--models", model,
+        "--adapters", ",".join(adapters),
+        "--steps", str(settings["steps"]),
+        "--warmup", str(settings["warmup"]),
+        "--dtype", settings["dtype"],
+        "--device", settings["device"],
+        "--optimizer", settings["optimizer"],
+        "--timeout", repr(settings["timeout_s"]),
+        "--results", str(results),
+    ]
+
+
+def read_results(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the meta record, the result rows) rank 0 appended to ``path`` (missing file: nothing)."""
+    meta: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
+    if not path.exists():
+        return meta, rows
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a rank that died while writing it
+        if record.get("kind") == "meta":
+            meta = record
+        elif record.get("kind") == "result":
+            rows.append(record)
+    return meta, rows
+
+
+def launch_error(result: Any, limit_s: float) -> str:
+    """One line for a launch that ended before every adapter was measured."""
+    lines = (result.stderr or "").splitlines()
+    for line in lines:
+        if line.startswith("rank ") and " failed: " in line:
+            return line.strip()[:500]
+    if result.timed_out:
+        return f"the launch did not finish within {limit_s:g}s; every rank was killed"
+    tail = " | ".join(line.strip() for line in lines[-3:] if line.strip()) or "no output"
+    return f"the ranks ended with status {result.returncode} ({tail[:400]})"
+
+
+def measure_model(
+    settings: dict[str, Any], model: str, tmp: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every adapter on ``model``: launches until each has a result or an error (one launch if none fails)."""
+    from zerogpu.launch import run_torchrun
+
+    remaining = list(settings["adapters"])
+    rows: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    path_env = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
+    attempt = 0
+    while remaining:
+        attempt += 1
+        results = tmp / f"{model}-{attempt}.jsonl"
+        calls = len(remaining) * (settings["steps"] + settings["warmup"] + 1)
+        limit_s = 300.0 + settings["timeout_s"] * calls
+        print(f"{model}: torchrun --nproc-per-node {settings['world']}, {len(remaining)} adapter(s): "
+              f"{', '.join(remaining)}", file=sys.stderr, flush=True)
+        result = run_torchrun(settings["world"], rank_argv(settings, model, remaining, results), limit_s,
+                              env={"PYTHONPATH": path_env}, capture=True)
+        got_meta, done = read_results(results)
+        meta = meta or got_meta
+        rows.extend(done)
+        finished = {r["adapter"] for r in done}
+        rest = [a for a in remaining if a not in finished]
+        if not rest:
+            break
+        failed, remaining = rest[0], rest[1:]
+        error = launch_error(result, limit_s)
+        stage, source = stage_of(failed)
+        rows.append({"kind": "result", "model": model, "adapter": failed, "status": "error", "stage": stage,
+                     "stage_source": source, "error": error, "exit_status": result.returncode})
+        print(f"{model}: {failed} failed: {error}", file=sys.stderr, flush=True)
+    return meta, rows
+
+
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = options(args)
+    started = time.monotonic()
+    load_before = load_average()
+    rows: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="zerosim-bench-peers-") as tmp:
+        for model in settings["models"]:
+            got_meta, got = measure_model(settings, model, Path(tmp))
+            meta = meta or got_meta
+            rows.extend(got)
+    if not meta:
+        meta = {"machine": environment(settings["device"])}
+    report = build_report(rows, models=settings["models"], adapters=settings["adapters"], meta=meta,
+                          settings=settings)
+    report["wall_s"] = round(time.monotonic() - started, 1)
+    report["load_average"] = {"before": load_before, "after": load_average()}
+    json_path, md_path = write_report(report, settings["out"])
+    print_report(report)
+    print(f"wall time {report['wall_s']:.1f}s; wrote {json_path} and {md_path}")
+    if report["failed"]:
+        names = ", ".join(f"{f['adapter']} ({f['model']})" for f in report["failed"])
+        print(f"error: {len(report['failed'])} adapter run(s) failed: {names}", file=sys.stderr)
+        return EXIT_RUN_FAILED
+    return 0
