@@ -31,6 +31,7 @@ from typing import Any
 from zerosim.errors import ConfigError, ZeroSimError
 
 from .adapters import ADAPTERS, installed_adapters
+from .outcome import VerifyReport
 
 OPTIMIZER_PHASES = ("sgd", "adamw")
 WORLDS = (2, 4)
@@ -50,24 +51,11 @@ def run_cell(
     timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """One matrix cell: verify ``adapter`` with one optimizer phase at ``world`` ranks."""
-    from . import verify
-
     cell: dict[str, Any] = {"adapter": adapter, "optimizer": optimizer, "world": world, "steps": steps}
-    start = time.perf_counter()
-    try:
-        report = verify(
-            adapter,
-            world=world,
-            steps=steps,
-            dtype=dtype,
-            device=device,
-            optimizers=(optimizer,),
-            timeout_s=timeout_s,
-        )
-    except ZeroSimError as e:
-        cell.update(verdict="error", error=f"{type(e).__name__}: {e}", wall_s=time.perf_counter() - start)
+    report = _timed_verify(cell, adapter, world=world, steps=steps, dtype=dtype, device=device,
+                           optimizers=(optimizer,), timeout_s=timeout_s)
+    if report is None:
         return cell
-    cell["wall_s"] = time.perf_counter() - start
     eq = report.contracts.get("C-ZERO-002")
     details = eq.details if eq is not None else {}
     failing = _failing_steps(report)
@@ -102,8 +90,6 @@ def run_resume_cell(
 ) -> dict[str, Any]:
     """One resume cell: both phases of ``steps`` each at ``world`` ranks, each interrupted after its
     ``at``-th step and resumed on ``resume_world`` fresh ranks (C-ZERO-007 and the others)."""
-    from . import verify
-
     cell: dict[str, Any] = {
         "adapter": adapter,
         "world": world,
@@ -111,22 +97,10 @@ def run_resume_cell(
         "resume_at": at,
         "steps": steps * len(OPTIMIZER_PHASES),
     }
-    start = time.perf_counter()
-    try:
-        report = verify(
-            adapter,
-            world=world,
-            steps=steps * len(OPTIMIZER_PHASES),
-            dtype=dtype,
-            device=device,
-            timeout_s=timeout_s,
-            resume_at=at,
-            resume_world=resume_world,
-        )
-    except ZeroSimError as e:
-        cell.update(verdict="error", error=f"{type(e).__name__}: {e}", wall_s=time.perf_counter() - start)
+    report = _timed_verify(cell, adapter, world=world, steps=steps * len(OPTIMIZER_PHASES), dtype=dtype,
+                           device=device, timeout_s=timeout_s, resume_at=at, resume_world=resume_world)
+    if report is None:
         return cell
-    cell["wall_s"] = time.perf_counter() - start
     resumed = report.contracts.get("C-ZERO-007")
     details = resumed.details if resumed is not None else {}
     failing = _failing_steps(report)
@@ -498,6 +472,21 @@ def run_cli(args: Any, timeout_s: float | None) -> int:
         return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s, optimizers=(),
                        worlds=())
     return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s)
+
+
+def _timed_verify(cell: dict[str, Any], adapter: str, **options: Any) -> VerifyReport | None:
+    """``verify(adapter, **options)`` with its wall time in ``cell``; None (``cell`` marked "error" with
+    the one-line reason) when it ends in a ZeroSimError."""
+    from . import verify
+
+    start = time.perf_counter()
+    try:
+        report = verify(adapter, **options)
+    except ZeroSimError as e:
+        cell.update(verdict="error", error=f"{type(e).__name__}: {e}", wall_s=time.perf_counter() - start)
+        return None
+    cell["wall_s"] = time.perf_counter() - start
+    return report
 
 
 def _failing_steps(report: Any) -> tuple[int, str] | None:
