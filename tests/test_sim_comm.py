@@ -154,3 +154,30 @@ def test_torch_tensors_go_through_the_same_collectives():
 def test_thirty_two_ranks_in_lockstep():
     out = run_spmd(32, lambda comm: comm.all_reduce(np.array([comm.rank], np.int64))[0])
     assert out == [sum(range(32))] * 32
+
+
+def test_a_value_derived_from_a_shared_gather_is_built_once_per_group_and_read_only():
+    """Ranks of a group share one all-gathered buffer; what they derive from it (the engine's
+    unit-order copy) is built once, handed to every rank of that group, and nobody may write it."""
+    built: list[int] = []
+
+    def fn(comm):
+        sub = comm.split(comm.rank % 2, name=f"pair{comm.rank % 2}")  # two groups of two
+        gathered = sub.all_gather(np.array([comm.rank], np.float32))
+
+        def make():
+            built.append(comm.rank)
+            return gathered[::-1].copy()
+
+        value = sub.derived(gathered, "reversed", make)
+        own = sub.derived(np.zeros(1, np.float32), "reversed", lambda: np.ones(1, np.float32))
+        return value, own
+
+    out = run_spmd(4, fn)
+    assert len(built) == 2  # once per group, not once per rank
+    for rank, (value, own) in enumerate(out):
+        expected = np.array([rank % 2 + 2, rank % 2], np.float32)
+        np.testing.assert_array_equal(value, expected)
+        assert not value.flags.writeable
+        assert own.flags.writeable  # a writable (private) source: built by and for this rank only
+    assert out[0][0] is out[2][0] and out[1][0] is out[3][0] and out[0][0] is not out[1][0]

@@ -179,6 +179,7 @@ def test_a_model_zero_cannot_shard_is_one_clear_line(world_of_one, model, patter
     ({"strategy": "zero3", "units": ["no.such.module"]}, r"invalid units='no.such.module'"),
     ({"strategy": "zero1", "offload": object()}, r"invalid offload='object': parameter offload needs ZeRO-3"),
     ({"strategy": "zero3", "partitioner": "nope"}, r"partitioner"),
+    ({"strategy": "zero3", "optimizer_kernel": "fast"}, r"invalid optimizer_kernel='fast': must be one of"),
 ])
 def test_bad_options_are_one_clear_line(world_of_one, kwargs: dict, pattern: str) -> None:
     from zerogpu.trainer import ZeroTrainer

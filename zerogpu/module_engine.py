@@ -74,6 +74,7 @@ class ModuleRun:
     spec: OptimizerSpec
     partitioner: str
     prefetch: int = 1
+    optimizer_kernel: str = "reference"  # see zerogpu.torch_kernels.OPTIMIZER_KERNELS
     zero1_reduce_scatter: bool = False
     steps: int = 1
     micro_batches: int = 1
@@ -133,6 +134,7 @@ class ModuleEngine(ZeroEngine):
         self.module = described.unit_modules["root"]
         self.loss_fn = loss_fn
         self.offload_manager = offload
+        self.optimizer_kernel = run.optimizer_kernel
         super().__init__(comm, run, xp)  # type: ignore[arg-type]
         self._batch: tuple[Any, Any] = (None, None)
         self._step_index = 0
@@ -150,6 +152,12 @@ class ModuleEngine(ZeroEngine):
     # ---- the engine's model hooks ------------------------------------------------------------
     def build_model(self) -> Any:
         return None  # the computation is the module's
+
+    def build_optimizer(self) -> Any:
+        """The reference optimizer, or torch.optim's own kernels (``optimizer_kernel``)."""
+        from .torch_kernels import make_step_optimizer
+
+        return make_step_optimizer(self.run.spec, self.xp, self.optimizer_kernel)
 
     def initial_flat(self) -> Any:
         """The module's current parameters as a flat array in layout order, in the master dtype. Built

@@ -54,6 +54,7 @@ from zerosim.xp import torch_namespace
 from .comm import TorchCommunicator
 from .module_engine import LossFn, ModuleEngine, ModuleRun
 from .module_units import UnitSpec, describe_module
+from .torch_kernels import OPTIMIZER_KERNELS
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "hybrid", "hybrid_zero2")
 _DECLARED = {"no_shard": "ddp", "shard_optimizer": "zero1", "shard_grad_op": "zero2", "full_shard": "zero3"}
@@ -132,6 +133,10 @@ class ZeroTrainer:
     ``"seed"``, ``"deepspeed"``, ``"zero-redundancy"``, or your own). ``units``: which submodules ZeRO-3
     gathers as one (:mod:`zerogpu.module_units`). ``prefetch``: units gathered ahead. ``loss_fn``:
     ``fn(model, inputs, targets) -> loss`` (default: the model returns its loss).
+    ``optimizer_kernel``: ``"reference"`` (zerosim's exact optimizer: bitwise equal to the simulator on
+    every CPU kernel), ``"torch"`` (torch.optim's default kernel for the device, what a peer's
+    ``torch.optim`` optimizer runs) or ``"fused"`` (torch's fused kernel); see
+    :mod:`zerogpu.torch_kernels`.
     """
 
     def __init__(
@@ -147,6 +152,7 @@ class ZeroTrainer:
         prefetch: int = 1,
         loss_fn: LossFn | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        optimizer_kernel: str = "reference",
     ):
         if not dist.is_available() or not dist.is_initialized():
             raise ConfigError("torch.distributed", "uninitialized",
@@ -157,6 +163,9 @@ class ZeroTrainer:
         plan_strategy = resolve_strategy(strategy, mesh, world)
         rule = get_partitioner(partitioner)
         require_non_negative_int("prefetch", prefetch)
+        if optimizer_kernel not in OPTIMIZER_KERNELS:
+            raise ConfigError("optimizer_kernel", optimizer_kernel,
+                              f"must be one of {', '.join(OPTIMIZER_KERNELS)}")
         if offload is not None and not plan_strategy.shards_params:
             raise ConfigError("offload", type(offload).__name__,
                               f"parameter offload needs ZeRO-3 or hybrid, not {plan_strategy.name}")
@@ -175,6 +184,7 @@ class ZeroTrainer:
             spec=spec,
             partitioner=rule.name,
             prefetch=prefetch,
+            optimizer_kernel=optimizer_kernel,
         )
         manager = None
         if offload is not None:

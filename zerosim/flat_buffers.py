@@ -35,6 +35,9 @@ from .partition import ShardPlan, get_partitioner
 from .partition.base import RegisteredPartitioner
 from .strategy import ShardingStrategy
 
+SHORT_PIECE = 256
+"""Mean piece length (elements) below which a unit is packed with one fancy-indexed copy."""
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -100,6 +103,14 @@ class FlatUnit:
                     pos += max(n, 0) or 1
                     packed += max(n, 0)
         return tuple(out)
+
+    @cached_property
+    def short_pieces(self) -> bool:
+        """True when the unit's (rank, segment) pieces average fewer than :data:`SHORT_PIECE` elements:
+        one fancy-indexed copy (:meth:`pack_indices`) then beats a slice copy per piece, whose fixed
+        cost dominates; for longer pieces slice copies run at memory bandwidth and win."""
+        pieces = sum(1 for per_rank in self.segments for s in per_rank if s.length > 0)
+        return pieces > 0 and self.numel < SHORT_PIECE * pieces
 
     def pack_indices(self, xp: Any) -> tuple[Any, Any]:
         """``(unit positions, packed positions)`` of every owned element as ``xp`` index arrays, in

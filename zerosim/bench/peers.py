@@ -78,6 +78,11 @@ STAGES: dict[str, int | str] = {
     "zerogpu-3-offload": 3,
     "fsdp2-hybrid": "hybrid",
     "zerogpu-hybrid": "hybrid",
+    "zerogpu-1-native": 1,
+    "zerogpu-2-native": 2,
+    "zerogpu-3-native": 3,
+    "zerogpu-3-offload-native": 3,
+    "zerogpu-hybrid-native": "hybrid",
 }
 _STAGE_ORDER: dict[int | str | None, int] = {0: 0, 1: 1, 2: 2, 3: 3, "hybrid": 4, None: 5}
 
@@ -163,27 +168,28 @@ def select_models(text: str | Sequence[str]) -> list[str]:
 
 
 def select_adapters(text: str | Sequence[str] | None) -> list[str]:
-    """The adapters to run: ``text`` validated (built-in names against the table, ``MODULE:FACTORY`` by
-    importing it), or every installed built-in adapter in table order."""
-    from ..verify.adapters import ADAPTERS, installed_adapters, missing_requirement
+    """The adapters to run: ``text`` validated (built-in names and named variants against the tables,
+    ``MODULE:FACTORY`` by importing it), or every installed built-in adapter in table order followed by
+    the ``-native`` variants of the installed zerogpu adapters."""
+    from ..verify.adapters import ADAPTERS, VARIANTS, installed_adapters, missing_requirement
     from ..verify.targets import resolve_factory
 
     if text is None:
         names = installed_adapters()
         if not names:
             raise ConfigError("adapters", "", "no built-in adapter can run here (is torch installed?)")
-        return names
+        return names + [v for v in VARIANTS if v.removesuffix("-native") in names]
     names = split_names("adapters", text)
     for name in names:
         if name in ADAPTERS:
             reason = missing_requirement(name)
             if reason:
                 raise ConfigError("adapters", name, reason)
-        elif ":" in name:
+        elif name in VARIANTS or ":" in name:
             resolve_factory(name)
         else:
-            raise ConfigError("adapters", name, f"not a built-in adapter ({', '.join(ADAPTERS)}) "
-                              "and not MODULE:FACTORY")
+            raise ConfigError("adapters", name, f"not a built-in adapter ({', '.join(ADAPTERS)}), "
+                              f"not a variant ({', '.join(VARIANTS)}) and not MODULE:FACTORY")
     return names
 
 
@@ -265,9 +271,9 @@ def summarize(rows: Iterable[dict[str, Any]], models: Sequence[str]) -> list[dic
     ``ratio_to_stage_peer``: median over the smallest median of a peer of the same stage (None when no
     peer of that stage was measured); ``ratio_to_fastest``: over the smallest median of the model.
     """
-    from ..verify.adapters import ADAPTERS
+    from ..verify.adapters import ADAPTERS, VARIANTS
 
-    table_order = {name: i for i, name in enumerate(ADAPTERS)}
+    table_order = {name: i for i, name in enumerate([*ADAPTERS, *VARIANTS])}
     out: list[dict[str, Any]] = []
     for row in rows:
         row = {k: v for k, v in row.items() if k != "kind"}

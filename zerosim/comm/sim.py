@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -223,6 +224,7 @@ class SimulatedWorld:
         self._last_call: dict[int, tuple[str, str]] = {}  # global rank -> (collective, group) it last entered
         self._failure: tuple[int, BaseException] | None = None
         self._shared: dict[Any, list[Any]] = {}
+        self._derived: dict[tuple[int, Any], Any] = {}
         self.world_group = self._new_group("world", tuple(range(world_size)))
         self.faults = self._fault_counters()
 
@@ -247,6 +249,26 @@ class SimulatedWorld:
             if entry[1] >= self.world_size:
                 del self._shared[key]
             return value
+
+    def derived(self, source: Any, key: Any, factory: Callable[[], Any]) -> Any:
+        """A read-only value computed from ``source``, a result every rank of a group shares (the
+        all-gathered buffer, see :meth:`_complete`): the first rank that asks builds it, the others get
+        the same array while ``source`` lives. Ranks stay separate in what they *hold*: each still
+        accounts its own copy; only the identical arithmetic is done once."""
+        ident = (id(source), key)
+        with self._lock:
+            if ident in self._derived:
+                return self._derived[ident]
+            value = factory()
+            if not _is_torch(value):
+                _read_only(value)
+            self._derived[ident] = value
+        weakref.finalize(source, self._forget_derived, ident)
+        return value
+
+    def _forget_derived(self, ident: tuple[int, Any]) -> None:
+        with self._lock:
+            self._derived.pop(ident, None)
 
     # -- groups -------------------------------------------------------------------------------------
     def _new_group(self, name: str, global_ranks: tuple[int, ...]) -> _Group:
@@ -500,6 +522,13 @@ class SimCommunicator:
         """See :meth:`SimulatedWorld.shared` (a simulator-only convenience; the engine falls back without it).
         """
         return self._world.shared(key, factory)
+
+    def derived(self, source: Any, key: Any, factory: Callable[[], Any]) -> Any:
+        """See :meth:`SimulatedWorld.derived`: a value computed once from a result all ranks share, when
+        ``source`` is such a result (a read-only numpy array); otherwise ``factory()`` for this rank."""
+        if _is_torch(source) or getattr(source, "flags", None) is None or source.flags.writeable:
+            return factory()
+        return self._world.derived(source, key, factory)
 
     # -- helpers ----------------------------------------------------------------------------------
     def _check_1d(self, collective: str, x: Any) -> None:

@@ -103,7 +103,7 @@ class ZeroEngine:
         self.mixed = self.precision.is_mixed
         self.state_dtype = self.precision.master_dtype  # master, gradient shard, optimizer state
         self.model = self.build_model()
-        self.opt = make_optimizer(run.spec, xp)
+        self.opt = self.build_optimizer()
         self.tracker = MemoryTracker(self.rank)
         self.offload = bool(run.cfg.offload)
         self._moved = {"host_to_device": 0, "device_to_host": 0}
@@ -157,6 +157,11 @@ class ZeroEngine:
     def build_model(self) -> Any:
         """The model whose forward and backward :meth:`micro_batch` runs: the simulator's block model."""
         return BlockModel(self.run.model_cfg, self.xp)
+
+    def build_optimizer(self) -> Any:
+        """What steps the master shard (C-ZERO-002's "full optimizer step" on owned elements): the
+        reference optimizer of the run's spec, the same arithmetic on every backend."""
+        return make_optimizer(self.run.spec, self.xp)
 
     def initial_flat(self) -> Any:
         """The full initial parameters as one flat host numpy array in layout order (read-only)."""
@@ -357,7 +362,7 @@ class ZeroEngine:
         packed = xp.empty(unit.packed_numel, self.state_dtype)
         pad = self.pad_value()
         flat = [xp.reshape(grads[name], (-1,)) for name in unit.tensor_names]
-        if xp.backend == "numpy":
+        if xp.backend == "numpy" and unit.short_pieces:
             # padding everywhere, then one fancy-indexed copy of the owned elements, instead of a
             # copy per (rank, tensor) piece and per padding run
             unit_pos, packed_pos = unit.pack_indices(xp)
@@ -384,7 +389,7 @@ class ZeroEngine:
         if unit.is_identity:
             xp.assign(dst, packed[:unit.numel])
             return
-        if xp.backend == "numpy":
+        if xp.backend == "numpy" and unit.short_pieces:
             # one fancy-indexed copy instead of a copy per (rank, segment)
             unit_pos, packed_pos = unit.pack_indices(xp)
             dst[unit_pos] = packed[packed_pos]
@@ -422,7 +427,12 @@ class ZeroEngine:
         off = self.units.shard_offsets[unit.index]
         shard = self.param_shard[off:off + unit.chunk]
         packed = comm.all_gather(shard)
-        return packed, self._unpack(unit, packed, self.precision.param_dtype)
+        dtype = self.precision.param_dtype
+        derived = getattr(comm, "derived", None)  # the simulator unpacks a shared result once for the group
+        if callable(derived) and not unit.is_identity:
+            return packed, derived(packed, ("unpacked", unit.index, dtype),
+                                   lambda: self._unpack(unit, packed, dtype))
+        return packed, self._unpack(unit, packed, dtype)
 
     def block_params(self, block: str, step: int, order: list[str], position: int) -> dict[str, Any]:
         """The block's parameters for computing. ZeRO-3: gather it (and up to ``prefetch`` blocks ahead)."""

@@ -1,6 +1,7 @@
 """TARGET resolution for ``zerosim verify``: a built-in adapter name or ``MODULE:FACTORY``.
 
-A built-in name maps to its ``module:factory`` through :data:`zerosim.verify.adapters.ADAPTERS`.
+A built-in name maps to its ``module:factory`` through :data:`zerosim.verify.adapters.ADAPTERS` (or
+:data:`~zerosim.verify.adapters.VARIANTS`, the named variants such as ``zerogpu-3-native``).
 ``MODULE:FACTORY`` is imported with the current directory first on ``sys.path`` (the launcher also
 puts it on every rank's ``PYTHONPATH``). Anything that cannot give a callable factory is a
 :class:`~zerosim.verify.errors.TrainerError`: one line naming the target and what failed (exit 2).
@@ -21,7 +22,7 @@ from .errors import TrainerError
 
 def factory_spec(target: str) -> str:
     """``module:factory`` for TARGET (an adapter name is looked up; ``MODULE:FACTORY`` returned as is)."""
-    from .adapters import ADAPTERS, missing_requirement
+    from .adapters import ADAPTERS, VARIANTS, missing_requirement
 
     if not isinstance(target, str) or not target.strip():
         raise ConfigError("target", target, "give a built-in adapter name or MODULE:FACTORY")
@@ -30,6 +31,8 @@ def factory_spec(target: str) -> str:
         if reason:
             raise ConfigError("target", target, reason)
         return ADAPTERS[target]
+    if target in VARIANTS:
+        return VARIANTS[target]
     if ":" not in target:
         raise ConfigError(
             "target", target, f"not a built-in adapter ({', '.join(ADAPTERS)}) and not MODULE:FACTORY"

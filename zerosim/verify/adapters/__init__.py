@@ -29,6 +29,16 @@ ADAPTERS: dict[str, str] = {
     "zerogpu-3-offload": f"{_HERE}.zerogpu:make_offload_trainer",
 }
 
+#: named variants: runnable by name (``zerosim verify``, ``zerosim bench peers``), not part of ``--all``.
+#: ``-native``: zerogpu stepping its optimizer shard with torch.optim's own kernel, not the reference one
+VARIANTS: dict[str, str] = {
+    "zerogpu-1-native": f"{_HERE}.zerogpu:make_zero1_native_trainer",
+    "zerogpu-2-native": f"{_HERE}.zerogpu:make_zero2_native_trainer",
+    "zerogpu-3-native": f"{_HERE}.zerogpu:make_zero3_native_trainer",
+    "zerogpu-hybrid-native": f"{_HERE}.zerogpu:make_hybrid_native_trainer",
+    "zerogpu-3-offload-native": f"{_HERE}.zerogpu:make_offload_native_trainer",
+}
+
 #: the Python package each adapter needs beyond torch, and how to install it
 REQUIRES: dict[str, tuple[str, str]] = {
     "deepspeed-1": ("deepspeed", "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"),

@@ -1,0 +1,101 @@
+"""The optimizer update on torch.optim's own kernels, for the engine's flat master shard.
+
+:class:`ZeroTrainer` steps its optimizer shard with zerosim's reference optimizers by default
+(:mod:`zerosim.optim`): every float32 operation emulated so that numpy and torch, and every CPU
+kernel, give the same bits, which is what makes the trainer bitwise equal to the simulator. That
+exactness costs several float64 passes per element. ``optimizer_kernel="torch"`` or ``"fused"``
+runs the same update with torch.optim's functional ``sgd`` / ``adam`` / ``adamw`` instead: the
+kernels a peer's ``torch.optim`` optimizer runs (``"torch"``: torch.optim's default for the device,
+single-tensor on CPU, ``foreach`` on CUDA; ``"fused"``: the fused kernel, CPU and CUDA).
+
+Same formula, same hyper-parameters, same state names (``momentum_buffer``, ``exp_avg``,
+``exp_avg_sq``), so checkpoints and state dicts do not change. What changes is the rounding: torch's
+kernels may fuse multiply-adds or not, and their vectorised float32 ``sqrt`` is not always correctly
+rounded, so results stay within the per-operation rounding model that verify's C-ZERO-002 bound is
+derived from (every float32 operation faithful, ``|d| <= 2u``) but are bitwise equal to the simulator
+only where torch's kernel happens to compute the reference's exact operations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerosim.errors import ConfigError
+from zerosim.optim import OptimizerSpec, make_optimizer
+from zerosim.xp import ArrayNamespace
+
+#: ``optimizer_kernel`` values: zerosim's exact emulation, torch.optim's default kernel, torch's fused kernel
+OPTIMIZER_KERNELS = ("reference", "torch", "fused")
+
+
+class TorchKernelOptimizer:
+    """The optimizer interface the engine calls (``init_state(n, dtype)``, ``step(param, grad, state)``)
+    over torch.optim's functional kernels: one flat tensor, one call per step."""
+
+    def __init__(self, spec: OptimizerSpec, xp: ArrayNamespace, fused: bool):
+        self.spec = spec
+        self.xp = xp
+        self.fused = fused
+        self._reference = make_optimizer(spec, xp)  # state allocation and argument checks are shared
+
+    def init_state(self, n: int, dtype: str = "float32") -> dict[str, Any]:
+        return self._reference.init_state(n, dtype)
+
+    def step(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
+        """One step of ``spec`` in place on ``param`` and ``state`` (``state["step"]`` counts as in
+        :mod:`zerosim.optim`)."""
+        self._reference._check(param, grad, state)
+        s, t = self.spec, int(state["step"]) + 1
+        if s.name == "sgd":
+            self._sgd(param, grad, state, t)
+        else:
+            self._adam(param, grad, state, t)
+        state["step"] = t
+
+    def _flags(self) -> dict[str, Any]:
+        if self.fused:
+            return {"fused": True, "foreach": False}
+        return {"fused": None, "foreach": None}  # torch.optim's own default for the tensors' device
+
+    def _adam(self, param: Any, grad: Any, state: dict[str, Any], t: int) -> None:
+        from torch.optim.adam import adam
+        from torch.optim.adamw import adamw
+
+        s = self.spec
+        beta1, beta2 = s.betas
+        # the functional API increments the step tensor itself; a CPU float32 step as torch.optim keeps
+        step = torch.tensor(float(t - 1), dtype=torch.float32)
+        if self.fused and param.device.type != "cpu":
+            step = step.to(param.device)
+        kernel = adamw if s.name == "adamw" else adam
+        kernel([param], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [step],
+               amsgrad=False, beta1=beta1, beta2=beta2, lr=s.lr, weight_decay=s.weight_decay or 0.0,
+               eps=s.eps, maximize=False, capturable=False, differentiable=False,
+               grad_scale=None, found_inf=None, **self._flags())
+
+    def _sgd(self, param: Any, grad: Any, state: dict[str, Any], t: int) -> None:
+        from torch.optim.sgd import sgd
+
+        s = self.spec
+        buffers: list[Any] = []
+        if s.momentum != 0:
+            # torch starts the momentum buffer from the first gradient (a clone): None on step 1
+            buffers = [None if t == 1 else state["momentum_buffer"]]
+        else:
+            buffers = [None]
+        sgd([param], [grad], buffers, weight_decay=s.weight_decay or 0.0, momentum=s.momentum,
+            lr=s.lr, dampening=s.dampening, nesterov=s.nesterov, maximize=False,
+            grad_scale=None, found_inf=None, **self._flags())
+        if s.momentum != 0 and t == 1:
+            state["momentum_buffer"].copy_(buffers[0])
+
+
+def make_step_optimizer(spec: OptimizerSpec, xp: ArrayNamespace, kernel: str) -> Any:
+    """The engine's optimizer for ``optimizer_kernel=kernel`` (see :data:`OPTIMIZER_KERNELS`)."""
+    if kernel not in OPTIMIZER_KERNELS:
+        raise ConfigError("optimizer_kernel", kernel, f"must be one of {', '.join(OPTIMIZER_KERNELS)}")
+    if kernel == "reference":
+        return make_optimizer(spec, xp)
+    return TorchKernelOptimizer(spec, xp, fused=kernel == "fused")
