@@ -2,8 +2,9 @@
 with torch.optim's own functional kernels.
 
 The wrapper is checked against torch.optim itself holding the same flat tensor as its only parameter:
-the same kernel on the same tensor shape, so equal bit for bit on any processor (a hyper-parameter,
-state or step count passed wrongly shows up as a difference). How far these kernels sit from the
+the same kernel on the same tensor, so equal bit for bit on any processor (a hyper-parameter, state or
+step count passed wrongly shows up as a difference), also when the wrapper runs the kernel chunk by
+chunk (elementwise, chunk boundaries at multiples of every SIMD width). How far these kernels sit from the
 reference optimizer is verify's business (tests/test_verify_adapters.py runs the ``-native``
 adapters against the derived bound).
 """
@@ -40,7 +41,13 @@ SPECS = {
 @pytest.mark.parametrize("kernel", ["torch", "fused"])
 @pytest.mark.parametrize("name", sorted(SPECS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_kernel_equals_torch_optim_on_the_same_flat_tensor(kernel: str, name: str, dtype) -> None:
+@pytest.mark.parametrize("chunk", [None, 256])
+def test_the_kernel_equals_torch_optim_on_the_same_flat_tensor(monkeypatch, kernel: str, name: str, dtype,
+                                                               chunk: int | None) -> None:
+    """``chunk``: the CPU single-tensor kernel run 256 elements at a time over the 1031 (five calls, the
+    last one with a scalar tail) must still equal torch.optim's one call on the whole tensor."""
+    if chunk is not None:
+        monkeypatch.setattr("zerogpu.torch_kernels.CPU_CHUNK", chunk)
     spec, make_torch = SPECS[name]
     gen = torch.Generator().manual_seed(7)
     start = torch.randn(N, generator=gen, dtype=dtype)
@@ -79,3 +86,23 @@ def test_a_bad_state_is_refused_as_by_the_reference_optimizer() -> None:
     opt = make_step_optimizer(OptimizerSpec("adamw", lr=1e-3), torch_namespace("cpu"), "torch")
     with pytest.raises(ConfigError, match="state"):
         opt.step(torch.zeros(4), torch.zeros(4), {"step": 0})
+
+
+def test_a_started_all_reduce_is_in_place_and_refuses_what_it_cannot_reduce_in_place(world_of_one) -> None:
+    """``TorchCommunicator.all_reduce_start``, what ZeRO-1 overlaps with backward (exercised at two ranks
+    by tests/zerogpu_programs/trainer_probe.py): in place, traffic recorded like ``all_reduce``."""
+    from zerogpu.comm import TorchCommunicator
+
+    comm = TorchCommunicator(device="cpu")
+    x = torch.arange(6, dtype=torch.float32)
+    pending = comm.all_reduce_start(x[2:5], "avg")
+    assert pending.wait().data_ptr() == x[2:5].data_ptr()  # the caller's own elements, reduced in place
+    assert torch.equal(x, torch.arange(6, dtype=torch.float32))  # one rank: the average is the value
+    record = comm.traffic.records[("world", "all_reduce")]
+    assert (record.calls, record.payload_bytes) == (1, 12)  # three float32 elements
+    with pytest.raises(ConfigError, match=r"all_reduce_start reduces in place"):
+        comm.all_reduce_start(torch.zeros(4, 2).t()[0], "sum")  # a strided view: not in place
+    import numpy as np
+
+    with pytest.raises(ConfigError, match=r"all_reduce_start reduces in place"):
+        comm.all_reduce_start(np.zeros(3, np.float32), "sum")

@@ -374,6 +374,30 @@ class TorchCommunicator:
             out /= self.world_size  # the simulator's arithmetic: the sum, then divide in place
         return self._out(out, as_numpy)
 
+    def all_reduce_start(self, x: torch.Tensor, op: str = "sum") -> PendingAllReduce:
+        """Start an all-reduce of ``x`` **in place** and return at once; :meth:`PendingAllReduce.wait`
+        finishes it (``avg``: the sum, then divided in place, as :meth:`all_reduce`). The arithmetic is
+        :meth:`all_reduce`'s; what differs is that the caller goes on computing while the backend
+        moves the bytes (gradient reduction overlapped with backward). ``x`` must be a contiguous
+        tensor on this communicator's device and must not be touched until ``wait`` returns.
+        Collectives of one group still complete in the order they were started."""
+        t, as_numpy = self._tensor(x)
+        if as_numpy or t is not x:
+            raise ConfigError("array", type(x).__name__,
+                              "all_reduce_start reduces in place: a contiguous tensor on the group's device")
+        self._check_op(op, t)
+        self.traffic.record(self.group_name, "all_reduce", _nbytes(t), self.world_size)
+        call = self._enter("all_reduce")
+        work = None
+        try:
+            if self.world_size > 1:
+                work = dist.all_reduce(t, op=_OPS[op], group=self._pg, async_op=True)
+        except Exception as e:  # noqa: BLE001 - every backend error becomes ours, with a diagnosis
+            raise self._error("all_reduce", call, e) from e
+        finally:
+            self._job.board.leave()
+        return PendingAllReduce(self, t, op, work, call)
+
     def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
         t, as_numpy = self._tensor(x)
         self._check_op(op, t)
@@ -569,6 +593,29 @@ class TorchCommunicator:
     def _require_world(self, what: str) -> None:
         if not self._is_world:
             raise ConfigError("group", self.group_name, f"{what} runs on the world communicator only")
+
+
+class PendingAllReduce:
+    """An all-reduce started by :meth:`TorchCommunicator.all_reduce_start`; :meth:`wait` completes it."""
+
+    def __init__(self, comm: TorchCommunicator, tensor: torch.Tensor, op: str, work: Any, call: int):
+        self._comm, self._tensor, self._op, self._work, self._call = comm, tensor, op, work, call
+        self._done = False
+
+    def wait(self) -> torch.Tensor:
+        """Wait at most the group's timeout (CollectiveTimeout naming the ranks that never arrived);
+        returns the reduced tensor (the one given to ``all_reduce_start``)."""
+        if not self._done:
+            comm = self._comm
+            try:
+                if self._work is not None:
+                    self._work.wait(timeout=comm._timeout)
+            except Exception as e:  # noqa: BLE001 - every backend error becomes ours, with a diagnosis
+                raise comm._error("all_reduce", self._call, e) from e
+            if self._op == "avg":
+                self._tensor /= comm.world_size
+            self._done = True
+        return self._tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -21,6 +21,11 @@ torchrun backends run) with the simulator's hand-differentiated model replaced b
 * **Gradients.** Everything after the gradients is the engine's: averaging reduce-scatter or
   all-reduce, accumulation, the global norm over owned elements, clipping, the optimizer step on
   the master shard, the all-gather or cast that refreshes the working parameters.
+* **NO_SHARD / ZeRO-1 overlap.** On the last micro-batch, once autograd has completed the gradients
+  of a block (a unit of :mod:`zerogpu.module_units`), the block's gradients are accumulated and
+  checked for non-finite values across ranks. Then the all-reduce of their ranges of the flat
+  gradient is started without waiting, so the bytes move while backward goes on. The step waits
+  for all of them before the norm. The arithmetic is the engine's all-reduce, element for element.
 
 Collectives are issued in autograd order, which is the same on every rank when every rank runs the
 same graph. A parameter that receives no gradient in a step is reduced as zeros after backward (in
@@ -145,6 +150,12 @@ class ModuleEngine(ZeroEngine):
         self._order: list[str] = []
         self._backward_order: list[str] = []
         self._hooks: list[Any] = []
+        # NO_SHARD / ZeRO-1: the full-gradient all-reduce is started block by block from backward
+        self._overlap = self._overlap_possible()
+        self._arrived: dict[str, dict[str, torch.Tensor]] = {}  # block -> its gradients completed so far
+        self._block_sizes: dict[str, int] = {}
+        self._started: set[str] = set()  # tensors whose reduction is under way this step
+        self._pending: list[Any] = []
         self._bind_parameters()
         if self.offload_manager is not None:
             self._register_offload()
@@ -173,6 +184,13 @@ class ModuleEngine(ZeroEngine):
             for t in self.layout.tensors:
                 g0, g1 = self.layout.tensor_range(t.name)
                 params[t.name].data = self.params_full[g0:g1].view(t.shape)
+            if self._overlap:
+                for block in self.layout.blocks:
+                    self._block_sizes[block.name] = len(block.tensor_indices)
+                    for i in block.tensor_indices:
+                        name = self.layout.tensors[i].name
+                        self._hooks.append(params[name].register_post_accumulate_grad_hook(
+                            self._overlap_hook(block.name, name)))
             return
         dtype = self.xp.dtype(self.precision.param_dtype)
         for unit in self.units.units:
@@ -261,6 +279,60 @@ class ModuleEngine(ZeroEngine):
                 self._reduce_unit(unit_name)
         return hook
 
+    # ---- NO_SHARD / ZeRO-1: the all-reduce overlapped with backward ---------------------------------
+    def _overlap_possible(self) -> bool:
+        """Whether the full-gradient all-reduce can start block by block during backward: a replicated
+        gradient (NO_SHARD, ZeRO-1 reducing by all-reduce), more than one rank, and a communicator that
+        can start an all-reduce without waiting for it."""
+        return (not self.sharded_grads and not self.zero1_reduce_scatter and self.comm.world_size > 1
+                and callable(getattr(self.comm, "all_reduce_start", None)) and self.run.inject_nan is None)
+
+    def _overlap_hook(self, block: str, name: str) -> Callable[[torch.Tensor], None]:
+        """On the last micro-batch, a gradient waits with its block's until autograd has completed
+        all of them; the block is then accumulated, checked and its all-reduce started."""
+        def hook(param: torch.Tensor) -> None:
+            if self._micro_index != self.run.micro_batches - 1:
+                return  # earlier micro-batches only accumulate, after backward
+            got = self._arrived.setdefault(block, {})
+            got[name] = param.grad  # type: ignore[assignment]
+            param.grad = None
+            if len(got) == self._block_sizes[block]:
+                grads = self._arrived.pop(block)
+                self.on_block_grads(self._step_index, self._micro_index, "model", grads)
+                self._start_reduce(list(grads))
+        return hook
+
+    def _start_reduce(self, names: list[str]) -> None:
+        """Agree the accumulated gradients of ``names`` are finite (the engine's check before any
+        reduction), then start the all-reduce of each contiguous run of them in the flat gradient."""
+        step = self._step_index
+        self.check_finite(step, {n: self.grad_acc[slice(*self.layout.tensor_range(n))] for n in names})
+        runs: list[list[int]] = []
+        for g0, g1 in sorted(self.layout.tensor_range(n) for n in names):
+            if runs and runs[-1][1] == g0:
+                runs[-1][1] = g1
+            else:
+                runs.append([g0, g1])
+        op = self.grad_reduce_op()
+        start = self.comm.all_reduce_start  # type: ignore[attr-defined]
+        self._pending.extend(start(self.grad_acc[g0:g1], op) for g0, g1 in runs)
+        self._started.update(names)
+
+    def reduce_full_grad(self, step: int) -> Any | None:
+        """Overlapped: start what backward left (blocks autograd did not complete), then
+        wait for every all-reduce. Element for element this is the arithmetic of one all-reduce of the
+        whole gradient; only how gloo or NCCL groups the additions inside a call may differ."""
+        if not self._overlap:
+            return super().reduce_full_grad(step)
+        rest = [t.name for t in self.layout.tensors if t.name not in self._started]
+        if rest:
+            self._start_reduce(rest)
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait()
+        self._started = set()
+        return None
+
     def _reduce_unit(self, unit_name: str) -> None:
         unit = self.unit_by_block[unit_name]
         got = self._grads.pop(unit_name, {})
@@ -338,10 +410,16 @@ class ModuleEngine(ZeroEngine):
                     self._reduce_unit(unit_name)
         else:
             params = self.described.parameters
+            # overlap: gradients of blocks autograd did not complete arrived but were not accumulated yet
+            arrived = {name: g for block in self._arrived.values() for name, g in block.items()}
+            self._arrived = {}
             grads = {}
             for t in self.layout.tensors:
+                if t.name in self._started:  # already accumulated and being reduced (overlap)
+                    continue
                 p = params[t.name]
-                grads[t.name] = p.grad if p.grad is not None else self._zero_grad(t.name)
+                g = arrived.get(t.name, p.grad)
+                grads[t.name] = g if g is not None else self._zero_grad(t.name)
                 p.grad = None
             self.on_block_grads(step, micro, "model", grads)
         self._drop_prefetched()

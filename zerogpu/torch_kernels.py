@@ -28,6 +28,8 @@ from zerosim.xp import ArrayNamespace
 
 #: ``optimizer_kernel`` values: zerosim's exact emulation, torch.optim's default kernel, torch's fused kernel
 OPTIMIZER_KERNELS = ("reference", "torch", "fused")
+#: elements per call of the single-tensor kernel on CPU (512 KiB of float32 per array: cache-resident)
+CPU_CHUNK = 1 << 17
 
 
 class TorchKernelOptimizer:
@@ -45,13 +47,21 @@ class TorchKernelOptimizer:
 
     def step(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
         """One step of ``spec`` in place on ``param`` and ``state`` (``state["step"]`` counts as in
-        :mod:`zerosim.optim`)."""
+        :mod:`zerosim.optim`).
+
+        On CPU the single-tensor kernel runs chunk by chunk (:data:`CPU_CHUNK` elements), so each of
+        its passes over param, grad and state stays in cache instead of streaming the whole shard
+        from memory once per operation (3x faster on a 25M-element shard with one thread). The kernels
+        are elementwise, and every chunk boundary is a multiple of any SIMD width, so the elements a
+        vector loop or its scalar tail handle are the same as in one call: the bits do not change."""
         self._reference._check(param, grad, state)
         s, t = self.spec, int(state["step"]) + 1
-        if s.name == "sgd":
-            self._sgd(param, grad, state, t)
-        else:
-            self._adam(param, grad, state, t)
+        n = int(param.shape[0])
+        chunk = CPU_CHUNK if param.device.type == "cpu" and not self.fused else max(n, 1)
+        update = self._sgd if s.name == "sgd" else self._adam
+        for lo in range(0, n, chunk):
+            hi = min(lo + chunk, n)
+            update(param[lo:hi], grad[lo:hi], {k: state[k][lo:hi] for k in s.state_names}, t)
         state["step"] = t
 
     def _flags(self) -> dict[str, Any]:

@@ -1,12 +1,13 @@
 """Under torchrun: ZeroTrainer on a probe whose gradients are given, against the engine arithmetic in numpy.
 
 The probe's loss is ``sum_t (p_t * G_t).sum()``, so autograd's gradient of ``p_t`` is exactly ``G_t``
-(a seeded float32 array per rank and step). What remains is the engine: the averaging reduction, the
-global-norm clip and the optimizer step. Rank 0 repeats that arithmetic on the full flat vector in
-numpy (rank-order sum divided by the world size, :mod:`zerosim.optim`) and prints one JSON line per
-(strategy, optimizer): the largest difference of parameters and optimizer state. At two ranks a sum
-is one commutative addition, so the difference must be exactly 0; at more ranks gloo adds in its own
-order and the test allows the reordering bound instead.
+(a seeded float32 array per rank and step). One parameter of block 1 is never used (gradient zero),
+so the engine's path for blocks autograd never completes runs too. What remains is the engine: the
+averaging reduction, the global-norm clip and the optimizer step. Rank 0 repeats that arithmetic on
+the full flat vector in numpy (rank-order sum divided by the world size, :mod:`zerosim.optim`) and
+prints one JSON line per (strategy, optimizer): the largest difference of parameters and optimizer
+state. At two ranks a sum is one commutative addition, so the difference must be exactly 0; at more
+ranks gloo adds in its own order and the test allows the reordering bound instead.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch.distributed as dist
 from zerogpu.trainer import ZeroTrainer
 from zerosim.optim import OptimizerSpec, clip_coefficient, global_norm_from_sumsq, make_optimizer
 
-SHAPES = {"a.weight": (7, 5), "a.bias": (7,), "blocks.0.w": (11, 3), "blocks.1.w": (13,), "head.w": (3, 3)}
+SHAPES = {"a.weight": (7, 5), "a.bias": (7,), "blocks.0.w": (11, 3), "blocks.1.w": (13,),
+          "blocks.1.unused": (4,), "head.w": (3, 3)}
+UNUSED = {"blocks.1.unused"}  # never in the graph: autograd never completes block 1, its gradient is zero
 STEPS = 3
 
 
@@ -35,6 +38,7 @@ class Probe(torch.nn.Module):
         self.blocks = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
         self.blocks[0].w = torch.nn.Parameter(torch.randn(*SHAPES["blocks.0.w"], generator=gen))
         self.blocks[1].w = torch.nn.Parameter(torch.randn(*SHAPES["blocks.1.w"], generator=gen))
+        self.blocks[1].unused = torch.nn.Parameter(torch.randn(*SHAPES["blocks.1.unused"], generator=gen))
         self.head = torch.nn.Module()
         self.head.w = torch.nn.Parameter(torch.randn(*SHAPES["head.w"], generator=gen))
         for i, block in enumerate(self.blocks):
@@ -54,7 +58,7 @@ class Probe(torch.nn.Module):
 
 def gradients(rank: int, step: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(1000 * step + rank)
-    return {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    return {n: (rng.standard_normal(s) * (n not in UNUSED)).astype(np.float32) for n, s in SHAPES.items()}
 
 
 def reference(spec: OptimizerSpec, world: int, names: list[str]) -> tuple[np.ndarray, dict]:

@@ -521,6 +521,21 @@ class ZeroEngine:
             if self.run.inject_nan is not None:
                 self._accumulated_names.update(grads)
 
+    def reduce_full_grad(self, step: int) -> Any | None:
+        """NO_SHARD / ZeRO-1, after the last micro-batch: every rank agrees the accumulated full gradient
+        is finite, then it is averaged over the world (all-reduce, in ``grad_acc``), or reduce-scattered
+        into this rank's chunk (``zero1_reduce_scatter``: the chunk is returned; otherwise None)."""
+        named = {
+            t.name: self.grad_acc[g0 : g0 + t.numel]
+            for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)
+        }
+        self.check_finite(step, named, self.grad_acc)
+        if self.zero1_reduce_scatter:
+            return self._reduce_scatter_full_grad()
+        if self.comm.world_size > 1:
+            self.grad_acc = self.comm.all_reduce(self.grad_acc, self.grad_reduce_op())
+        return None
+
     def _reduce_scatter_into_acc(self, unit: FlatUnit, packed: Any, micro: int) -> None:
         assert self.shard_comm is not None
         part = self.shard_comm.reduce_scatter(packed, self.grad_reduce_op())
@@ -613,15 +628,7 @@ class ZeroEngine:
         tr.set_phase("reduce")
         grad_shard = None  # ZeRO-1 with reduce_scatter: the rank's averaged gradient chunk
         if not self.sharded_grads:
-            named = {
-                t.name: self.grad_acc[g0 : g0 + t.numel]
-                for t, g0 in zip(self.layout.tensors, self.layout.offsets, strict=True)
-            }
-            self.check_finite(step, named, self.grad_acc)
-            if self.zero1_reduce_scatter:
-                grad_shard = self._reduce_scatter_full_grad()
-            elif self.comm.world_size > 1:
-                self.grad_acc = self.comm.all_reduce(self.grad_acc, self.grad_reduce_op())
+            grad_shard = self.reduce_full_grad(step)
         elif self.hybrid and self.replicate_comm is not None:
             self.grad_acc = self.replicate_reduce(self.grad_acc)
         tr.alloc(
