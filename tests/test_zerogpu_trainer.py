@@ -197,3 +197,17 @@ def test_a_torch_optimizer_it_cannot_reproduce_is_refused(world_of_one) -> None:
         ZeroTrainer(model, torch.optim.RMSprop(model.parameters()), "zero3")
     with pytest.raises(ConfigError, match=r"optim.amsgrad=True"):
         ZeroTrainer(model, torch.optim.Adam(model.parameters(), amsgrad=True), "zero3")
+
+
+@pytest.mark.torchdist
+def test_a_non_finite_gradient_on_one_rank_stops_the_step_everywhere_and_the_next_step_trains() -> None:
+    """Also while NO_SHARD / ZeRO-1 all-reduces started during backward are in flight."""
+    program = Path(__file__).parent / "zerogpu_programs" / "nonfinite_probe.py"
+    result = run_torchrun(2, [str(program)], timeout_s=300)
+    assert result.returncode == 0, (result.stderr or "")[-2000:]
+    assert result.stdout is not None
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["strategy"] for r in rows] == ["ddp", "zero1", "zero3", "hybrid"]
+    for r in rows:
+        assert "rank 1" in r["error"] and "blocks.0.w" in r["error"], r
+        assert r["unchanged"] and r["finite_after"] and r["ranks_agree_after"], r

@@ -26,6 +26,8 @@ torchrun backends run) with the simulator's hand-differentiated model replaced b
   checked for non-finite values across ranks. Then the all-reduce of their ranges of the flat
   gradient is started without waiting, so the bytes move while backward goes on. The step waits
   for all of them before the norm. The arithmetic is the engine's all-reduce, element for element.
+  Hybrid likewise starts each unit's all-reduce over the replicate group right after the unit's
+  reduce-scatter.
 
 Collectives are issued in autograd order, which is the same on every rank when every rank runs the
 same graph. A parameter that receives no gradient in a step is reduced as zeros after backward (in
@@ -152,6 +154,9 @@ class ModuleEngine(ZeroEngine):
         self._hooks: list[Any] = []
         # NO_SHARD / ZeRO-1: the full-gradient all-reduce is started block by block from backward
         self._overlap = self._overlap_possible()
+        # hybrid: each unit's replica all-reduce is started right after its reduce-scatter
+        self._overlap_replicas = self._replica_overlap_possible()
+        self._started_units: set[str] = set()
         self._arrived: dict[str, dict[str, torch.Tensor]] = {}  # block -> its gradients completed so far
         self._block_sizes: dict[str, int] = {}
         self._started: set[str] = set()  # tensors whose reduction is under way this step
@@ -318,6 +323,33 @@ class ModuleEngine(ZeroEngine):
         self._pending.extend(start(self.grad_acc[g0:g1], op) for g0, g1 in runs)
         self._started.update(names)
 
+    def _replica_overlap_possible(self) -> bool:
+        rep = self.replicate_comm
+        return (self.hybrid and rep is not None and rep.world_size > 1 and self.offload_manager is None
+                and callable(getattr(rep, "all_reduce_start", None)) and self.run.inject_nan is None)
+
+    def _start_replica_reduce(self, unit_name: str) -> None:
+        """Hybrid: start averaging the unit's reduced gradient chunk over the replicate group."""
+        unit = self.unit_by_block[unit_name]
+        off = self.units.shard_offsets[unit.index]
+        start = self.replicate_comm.all_reduce_start  # type: ignore[union-attr]
+        self._pending.append(start(self.grad_acc[off:off + unit.chunk], self.grad_reduce_op()))
+        self._started_units.add(unit_name)
+
+    def replicate_reduce(self, acc: Any) -> Any:
+        """Overlapped: start the units backward did not reach, then wait for every replica all-reduce
+        (element for element the arithmetic of one all-reduce of the whole shard)."""
+        if not self._overlap_replicas:
+            return super().replicate_reduce(acc)
+        for unit in self.units.units:
+            if unit.name not in self._started_units:
+                self._start_replica_reduce(unit.name)
+        pending, self._pending = self._pending, []
+        for work in pending:
+            work.wait()
+        self._started_units = set()
+        return acc
+
     def reduce_full_grad(self, step: int) -> Any | None:
         """Overlapped: start what backward left (blocks autograd did not complete), then
         wait for every all-reduce. Element for element this is the arithmetic of one all-reduce of the
@@ -338,6 +370,8 @@ class ModuleEngine(ZeroEngine):
         got = self._grads.pop(unit_name, {})
         grads = {n: got[n] if n in got else self._zero_grad(n) for n in unit.tensor_names}
         self.on_block_grads(self._step_index, self._micro_index, unit_name, grads)
+        if self._overlap_replicas and self._micro_index == self.run.micro_batches - 1:
+            self._start_replica_reduce(unit_name)
         self._reduced.add(unit_name)
         self._free(unit_name)
 
@@ -397,6 +431,11 @@ class ModuleEngine(ZeroEngine):
         engine (per unit as autograd completes them under ZeRO-3, all at once otherwise)."""
         self._step_index, self._micro_index = step, micro
         self._grads, self._reduced = {}, set()
+        if micro == 0 and (self._started or self._arrived or self._started_units):
+            # a step that ended in an error (a non-finite gradient): finish what it started, keep nothing
+            for work in self._pending:
+                work.wait()
+            self._arrived, self._started, self._pending, self._started_units = {}, set(), [], set()
         inputs, targets = self._batch
         self.tracker.set_phase(f"forward[{micro}]")
         loss = self.loss_fn(self.module, inputs, targets)
