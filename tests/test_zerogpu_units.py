@@ -89,9 +89,10 @@ def test_the_option_choices_are_the_communicators() -> None:
     import zerogpu.comm as comm
     import zerogpu.simulate as simulate
 
-    assert (simulate.DIST_BACKENDS, simulate.REDUCE_SCATTER_MODES) == (
+    assert (simulate.DIST_BACKENDS, simulate.REDUCE_SCATTER_MODES, simulate.ALL_GATHER_MODES) == (
         comm.DIST_BACKENDS,
         comm.REDUCE_SCATTER_MODES,
+        comm.ALL_GATHER_MODES,
     )
 
 

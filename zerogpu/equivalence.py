@@ -170,7 +170,8 @@ def main(argv: list[str]) -> NoReturn:
         from .program import agree_on_exit, exact_float32_math, gather_observations, rank_program_on_device
 
         exact_float32_math(device)
-        comm = init_distributed(backend, device, base.timeout_s, reduce_scatter=args.reduce_scatter)
+        comm = init_distributed(backend, device, base.timeout_s, reduce_scatter=args.reduce_scatter,
+                                all_gather=args.all_gather)
         collected = []
         for (
             run

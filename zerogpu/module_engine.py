@@ -23,9 +23,11 @@ torchrun backends run) with the simulator's hand-differentiated model replaced b
   the master shard, the all-gather or cast that refreshes the working parameters.
 * **NO_SHARD / ZeRO-1 overlap.** On the last micro-batch, once autograd has completed the gradients
   of a block (a unit of :mod:`zerogpu.module_units`), the block's gradients are accumulated and
-  checked for non-finite values across ranks. Then the all-reduce of their ranges of the flat
-  gradient is started without waiting, so the bytes move while backward goes on. The step waits
-  for all of them before the norm. The arithmetic is the engine's all-reduce, element for element.
+  checked for non-finite values on this rank. Then the all-reduce of their ranges of the flat
+  gradient is started without waiting, so the bytes move while backward goes on. After backward the
+  ranks agree once (one scalar) whether any of them found a non-finite gradient, naming the first,
+  and the step waits for every all-reduce before the norm. No rank steps with a non-finite
+  gradient. The arithmetic is the engine's all-reduce, element for element.
   Hybrid likewise starts each unit's all-reduce over the replicate group right after the unit's
   reduce-scatter.
 
@@ -161,6 +163,7 @@ class ModuleEngine(ZeroEngine):
         self._block_sizes: dict[str, int] = {}
         self._started: set[str] = set()  # tensors whose reduction is under way this step
         self._pending: list[Any] = []
+        self._local_bad = 0  # this rank's first non-finite gradient among those started (index + 1)
         self._bind_parameters()
         if self.offload_manager is not None:
             self._register_offload()
@@ -308,10 +311,12 @@ class ModuleEngine(ZeroEngine):
         return hook
 
     def _start_reduce(self, names: list[str]) -> None:
-        """Agree the accumulated gradients of ``names`` are finite (the engine's check before any
-        reduction), then start the all-reduce of each contiguous run of them in the flat gradient."""
-        step = self._step_index
-        self.check_finite(step, {n: self.grad_acc[slice(*self.layout.tensor_range(n))] for n in names})
+        """Note this rank's first non-finite gradient among ``names`` (no collective: the ranks agree
+        once, in :meth:`reduce_full_grad`, before anyone steps), then start the all-reduce of each
+        contiguous run of them in the flat gradient."""
+        bad = self.first_nonfinite({n: self.grad_acc[slice(*self.layout.tensor_range(n))] for n in names})
+        if bad and (not self._local_bad or bad < self._local_bad):
+            self._local_bad = bad
         runs: list[list[int]] = []
         for g0, g1 in sorted(self.layout.tensor_range(n) for n in names):
             if runs and runs[-1][1] == g0:
@@ -359,6 +364,8 @@ class ModuleEngine(ZeroEngine):
         rest = [t.name for t in self.layout.tensors if t.name not in self._started]
         if rest:
             self._start_reduce(rest)
+        bad, self._local_bad = self._local_bad, 0
+        self.agree_finite(step, bad, "detected before the step; no rank stepped with it")
         pending, self._pending = self._pending, []
         for work in pending:
             work.wait()
@@ -436,6 +443,7 @@ class ModuleEngine(ZeroEngine):
             for work in self._pending:
                 work.wait()
             self._arrived, self._started, self._pending, self._started_units = {}, set(), [], set()
+            self._local_bad = 0
         inputs, targets = self._batch
         self.tracker.set_phase(f"forward[{micro}]")
         loss = self.loss_fn(self.module, inputs, targets)

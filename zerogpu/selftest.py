@@ -3,8 +3,9 @@
 Every rank builds every rank's input from a seed, so it can compute the expected result of each
 collective with numpy (reductions in rank order, as the simulator does) and compare with what
 torch.distributed returned. Checked: every collective and reduce op for float32 / float64 /
-bfloat16 / float16 / int64 / bool; both reduce-scatter paths (the backend's own and the all-reduce
-fallback); torch and numpy arrays in and out, inputs left unmodified; ``split`` (colors, key
+bfloat16 / float16 / int64 / bool; every reduce-scatter path (the backend's own, one reduce per
+chunk, the all-reduce fallback) and all-gather path (the backend's own, one broadcast per chunk);
+torch and numpy arrays in and out, inputs left unmodified; ``split`` (colors, key
 order, names, nested splits, opting out); bad input raising our errors; and the traffic counter
 against an independent replay of the ring model (:func:`zerosim.comm.base.ring_bytes`).
 
@@ -113,7 +114,7 @@ def run_checks(comm: Any) -> dict[str, str | None]:
     """Every check on this rank; returns name -> None or failure message."""
     import torch
 
-    from .comm import TorchCommunicator
+    from .comm import TorchCommunicator, UnsupportedCollective
 
     n, r = comm.world_size, comm.rank
     ns = comm._ns
@@ -156,34 +157,63 @@ def run_checks(comm: Any) -> dict[str, str | None]:
 
         checks.run(f"reduce {dtype_name} {op}", reduce_case)
 
-    # -- both reduce-scatter paths give the same values and the same recorded traffic ----------------
+    # -- every path of reduce-scatter and all-gather: the same values, the same recorded traffic -------
+    def paths_comm(name: str, reduce_scatter: str = "auto", all_gather: str = "auto") -> TorchCommunicator:
+        return TorchCommunicator(comm.process_group, comm.device, timeout_s=comm.timeout_s,
+                                 group_name=f"paths.{name}", traffic=TrafficCounter(),
+                                 reduce_scatter=reduce_scatter, all_gather=all_gather)
+
+    def native_available(run: Callable[[], Any]) -> bool:
+        try:
+            run()
+        except UnsupportedCollective:
+            return False  # this backend has no such collective of its own
+        return True
+
     def reduce_scatter_paths() -> None:
         xs = [rank_input(k, 6 * n, np.float32, salt=2) for k in range(n)]
         want = rank_order(xs, "avg")[r * 6:(r + 1) * 6]
-        native = TorchCommunicator(comm.process_group, comm.device, timeout_s=comm.timeout_s,
-                                   group_name="rs.native", traffic=TrafficCounter(), reduce_scatter="auto")
-        fallback = TorchCommunicator(
-            comm.process_group,
-            comm.device,
-            timeout_s=comm.timeout_s,
-            group_name="rs.native",
-            traffic=TrafficCounter(),
-            reduce_scatter="all_reduce",
-        )
-        a = native.reduce_scatter(xs[r], "avg")  # numpy in -> numpy out
-        b = fallback.reduce_scatter(xs[r], "avg")
-        assert isinstance(a, np.ndarray) and isinstance(b, np.ndarray), "numpy in should give numpy out"
         chunks = [x[r * 6:(r + 1) * 6] for x in xs]
-        _equal(a, want, False, "reduce_scatter avg (backend's own)", n, chunks)
-        _equal(b, want, False, "reduce_scatter avg (all-reduce fallback)", n, chunks)
-        assert native.traffic.to_json() == fallback.traffic.to_json(), \
-            "the fallback must be recorded as the reduce-scatter the engine asked for"
-        if n > 1:
-            assert fallback.fallbacks.get("reduce_scatter") == 1, (
-                f"fallback calls counted: {fallback.fallbacks}"
-            )
+        results, traffic = {}, {}
+        for mode in ("native", "reduce", "all_reduce"):
+            c = paths_comm("rs", reduce_scatter=mode)
+            given = xs[r].copy()
+
+            def run(c: TorchCommunicator = c, given: np.ndarray = given, mode: str = mode) -> None:
+                results[mode] = c.reduce_scatter(given, "avg")  # numpy in -> numpy out
+
+            if not native_available(run):
+                continue
+            assert isinstance(results[mode], np.ndarray), "numpy in should give numpy out"
+            assert np.array_equal(given, xs[r]), f"reduce_scatter ({mode}) modified its input"
+            _equal(results[mode], want, False, f"reduce_scatter avg ({mode})", n, chunks)
+            traffic[mode] = c.traffic.to_json()
+            if mode == "all_reduce" and n > 1:
+                assert c.fallbacks.get("reduce_scatter") == 1, f"fallback calls counted: {c.fallbacks}"
+        assert len(set(map(json.dumps, traffic.values()))) == 1, \
+            f"every path must be recorded as the reduce-scatter the engine asked for: {traffic}"
 
     checks.run("reduce_scatter paths", reduce_scatter_paths)
+
+    def all_gather_paths() -> None:
+        for dtype_name in ("float32", "bool"):
+            xs = [rank_input(k, 5, np.dtype(dtype_name), salt=7) for k in range(n)]
+            traffic = {}
+            for mode in ("native", "broadcast"):
+                c = paths_comm("ag", all_gather=mode)
+                got: list[Any] = []
+
+                def run(c: TorchCommunicator = c, got: list[Any] = got, x: np.ndarray = xs[r]) -> None:
+                    got.append(c.all_gather(x.copy()))
+
+                if not native_available(run):
+                    continue
+                _equal(got[0], np.concatenate(xs), True, f"all_gather {dtype_name} ({mode})", n)
+                traffic[mode] = c.traffic.to_json()
+            assert len(set(map(json.dumps, traffic.values()))) == 1, \
+                f"every path must be recorded as the all-gather the engine asked for: {traffic}"
+
+    checks.run("all_gather paths", all_gather_paths)
 
     # -- gathers and broadcasts move every dtype exactly ---------------------------------------------
     for dtype_name in ("float32", "bfloat16", "int64", "bool"):

@@ -11,7 +11,9 @@ for any non-zero worker; ``zerosim simulate --backend torch`` (:mod:`zerogpu.lau
 
 Torch options: ``--device auto|cpu|cuda[:N]``, ``--dist-backend auto|gloo|nccl``, ``--xp torch|numpy``
 (the engine's arrays: torch tensors on the device, default; or host numpy with only the collectives
-on the device), ``--reduce-scatter auto|native|all_reduce`` and ``--save-observations PATH``.
+on the device), ``--reduce-scatter auto|native|reduce|all_reduce``, ``--all-gather
+auto|native|broadcast`` (how those two collectives travel: :mod:`zerogpu.comm`) and
+``--save-observations PATH``.
 ``--world-size`` defaults to the number of ranks torchrun started; ``--timeout`` is the
 ``init_process_group`` timeout and every collective's.
 """
@@ -28,7 +30,8 @@ from zerosim.errors import ConfigError, ZeroSimError
 
 # zerogpu.comm's choices, repeated so that parsing (and refusing bad input) does not import torch
 DIST_BACKENDS = ("auto", "gloo", "nccl")
-REDUCE_SCATTER_MODES = ("auto", "native", "all_reduce")
+REDUCE_SCATTER_MODES = ("auto", "native", "reduce", "all_reduce")
+ALL_GATHER_MODES = ("auto", "native", "broadcast")
 
 
 def add_torch_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +47,10 @@ def add_torch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--xp", default="torch", choices=XP_NAMES,
                    help="the engine's arrays: torch tensors on the device (default) or host numpy")
     g.add_argument("--reduce-scatter", default="auto", choices=REDUCE_SCATTER_MODES,
-                   help="the backend's reduce-scatter, or all-reduce + slice where it has none (auto)")
+                   help="auto: one reduce per chunk on gloo, the backend's own on NCCL (all-reduce + slice "
+                        "where it has none)")
+    g.add_argument("--all-gather", default="auto", choices=ALL_GATHER_MODES,
+                   help="auto: one broadcast per chunk on gloo, the backend's own on NCCL")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,7 +103,8 @@ def main(argv: list[str]) -> NoReturn:
         from .program import agree_on_exit, exact_float32_math, gather_observations, rank_program_on_device
 
         exact_float32_math(device)
-        comm = init_distributed(backend, device, cfg.timeout_s, reduce_scatter=args.reduce_scatter)
+        comm = init_distributed(backend, device, cfg.timeout_s, reduce_scatter=args.reduce_scatter,
+                                all_gather=args.all_gather)
         run = cfg.resolve()
         observations = gather_observations(comm, rank_program_on_device(comm, run))
         code = None

@@ -474,14 +474,25 @@ class ZeroEngine:
 
     def check_finite(self, step: int, named: dict[str, Any], flat: Any | None = None) -> None:
         """Before a reduction: all ranks agree whether any rank holds a non-finite gradient."""
+        self.agree_finite(step, self.first_nonfinite(named, flat),
+                          "detected before the gradient reduction; no rank stepped with it")
+
+    def first_nonfinite(self, named: dict[str, Any], flat: Any | None = None) -> int:
+        """This rank's first non-finite gradient among ``named``, as its layout index + 1 (0: none);
+        ``flat``, when given, holds the same elements and is checked first in one pass."""
         xp = self.xp
-        bad = 0.0
-        if flat is None or not xp.isfinite_all(flat):
-            for name, g in named.items():
-                if not xp.isfinite_all(g):
-                    bad = float(_tensor_index(self.layout, name) + 1)
-                    break
-        # One scalar: the lowest offending (rank, tensor) wins the max of ``span - key`` (exact in float64).
+        if flat is not None and xp.isfinite_all(flat):
+            return 0
+        for name, g in named.items():
+            if not xp.isfinite_all(g):
+                return _tensor_index(self.layout, name) + 1
+        return 0
+
+    def agree_finite(self, step: int, bad: int, when: str) -> None:
+        """All ranks agree whether any rank found a non-finite gradient (``bad``: layout index + 1, or
+        0) with one scalar all-reduce: the lowest offending (rank, tensor) wins the max of
+        ``span - key`` (exact in float64). Raises :class:`NonFiniteGradientError` naming it."""
+        xp = self.xp
         n_tensors = len(self.layout.tensors)
         span = float(self.comm.world_size * n_tensors + 1)
         flag = xp.zeros(1, "float64")
@@ -490,8 +501,7 @@ class ZeroEngine:
         worst = xp.to_float(self.control.all_reduce(flag, "max")[0])
         if worst > 0:
             r, t = divmod(int(span - worst), n_tensors)
-            raise NonFiniteGradientError(r, self.layout.tensors[t].name, step,
-                                         "detected before the gradient reduction; no rank stepped with it")
+            raise NonFiniteGradientError(r, self.layout.tensors[t].name, step, when)
 
     def on_block_grads(self, step: int, micro: int, block: str, grads: dict[str, Any]) -> None:
         """Where a block's fresh gradients go: reduce-scatter (ZeRO-3), the micro-batch buffer (ZeRO-2),
