@@ -221,6 +221,13 @@ def reduce_scatter_case(dtype: np.dtype, op: str, chunk: int) -> Case:
         moves_only = op == "max" or dtype.kind in "iub"
         check_values(what, got, rank_order(pieces, op), pieces, moves_only or exact or n <= 2)
         traffic.check(what)
+        # a donated input may be used as scratch space; the result and the traffic stay the same
+        traffic = TrafficExpectation(comm)
+        donated = comm.reduce_scatter(xs[r].copy(), op, donate=True)
+        traffic.call(comm, "reduce_scatter", mine.nbytes)
+        same = np.asarray(donated).tobytes() == np.asarray(got).tobytes()
+        assert same, f"{what}: the result with a donated input differs"
+        traffic.check(f"{what} (donated input)")
 
     return case
 

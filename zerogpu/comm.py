@@ -435,7 +435,9 @@ class TorchCommunicator:
             self._job.board.leave()
         return PendingAllReduce(self, t, op, work, call)
 
-    def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
+    def reduce_scatter(self, x: Any, op: str = "sum", *, donate: bool = False) -> Any:
+        """``donate=True``: ``x`` is scratch space (gloo's reduces and the all-reduce fallback run in
+        it, and the result is a view into it) instead of being copied first."""
         t, as_numpy = self._tensor(x)
         self._check_op(op, t)
         self._check_flat("reduce_scatter", t, divisible=True)
@@ -446,9 +448,9 @@ class TorchCommunicator:
         if n == 1:
             self._enter("reduce_scatter")
             self._job.board.leave()
-            out = t.clone()
+            out = t if donate else t.clone()
         elif path == "reduce":
-            out = self._reduce_scatter_via_reduce(t, op, c)
+            out = self._reduce_scatter_via_reduce(t, op, c, donate)
         elif path == "native":
             out = torch.empty(c, dtype=t.dtype, device=t.device)
             try:
@@ -459,9 +461,9 @@ class TorchCommunicator:
                     raise
                 # this backend has no reduce-scatter (decided identically on every rank): fall back
                 self._job.native_reduce_scatter = False
-                out = self._reduce_scatter_via_all_reduce(t, op, c)
+                out = self._reduce_scatter_via_all_reduce(t, op, c, donate)
         else:
-            out = self._reduce_scatter_via_all_reduce(t, op, c)
+            out = self._reduce_scatter_via_all_reduce(t, op, c, donate)
         if op == "avg":
             out /= n
         return self._out(out, as_numpy)
@@ -474,22 +476,25 @@ class TorchCommunicator:
             return "reduce"
         return "all_reduce" if self._job.native_reduce_scatter is False else "native"
 
-    def _reduce_scatter_via_reduce(self, t: torch.Tensor, op: str, c: int) -> torch.Tensor:
+    def _reduce_scatter_via_reduce(self, t: torch.Tensor, op: str, c: int, donate: bool) -> torch.Tensor:
         """One reduce per chunk to its owner, all in flight together. Each chunk is reduced in a copy
-        (gloo uses a non-root's buffer as scratch); this rank keeps the copy it owns."""
-        chunks = [t[i * c:(i + 1) * c].clone() for i in range(self.world_size)]
+        (gloo uses a non-root's buffer as scratch), or in place in a donated input; this rank keeps
+        the chunk it owns."""
+        chunks = [t[i * c:(i + 1) * c] if donate else t[i * c:(i + 1) * c].clone()
+                  for i in range(self.world_size)]
         self._issue_each("reduce_scatter", [
             (dist.reduce, (chunk,), {"dst": self.global_ranks[i], "op": _OPS[op]})
             for i, chunk in enumerate(chunks)
         ])
         return chunks[self.rank]
 
-    def _reduce_scatter_via_all_reduce(self, t: torch.Tensor, op: str, c: int) -> torch.Tensor:
+    def _reduce_scatter_via_all_reduce(self, t: torch.Tensor, op: str, c: int, donate: bool) -> torch.Tensor:
         """Fallback: all-reduce the whole buffer, keep this rank's chunk (recorded as a reduce-scatter)."""
-        full = t.clone()
+        full = t if donate else t.clone()
         self._issue("reduce_scatter", dist.all_reduce, full, op=_OPS[op])
         self.fallbacks["reduce_scatter"] = self.fallbacks.get("reduce_scatter", 0) + 1
-        return full[self.rank * c:(self.rank + 1) * c].clone()
+        mine = full[self.rank * c:(self.rank + 1) * c]
+        return mine if donate else mine.clone()
 
     def all_gather(self, x: Any) -> Any:
         t, as_numpy = self._tensor(x)

@@ -187,9 +187,12 @@ def run_checks(comm: Any) -> dict[str, str | None]:
             assert isinstance(results[mode], np.ndarray), "numpy in should give numpy out"
             assert np.array_equal(given, xs[r]), f"reduce_scatter ({mode}) modified its input"
             _equal(results[mode], want, False, f"reduce_scatter avg ({mode})", n, chunks)
+            donated = c.reduce_scatter(xs[r].copy(), "avg", donate=True)  # the input as scratch space
+            assert np.array_equal(donated, results[mode]), \
+                f"reduce_scatter ({mode}) with a donated input differs"
             traffic[mode] = c.traffic.to_json()
             if mode == "all_reduce" and n > 1:
-                assert c.fallbacks.get("reduce_scatter") == 1, f"fallback calls counted: {c.fallbacks}"
+                assert c.fallbacks.get("reduce_scatter") == 2, f"fallback calls counted: {c.fallbacks}"
         assert len(set(map(json.dumps, traffic.values()))) == 1, \
             f"every path must be recorded as the reduce-scatter the engine asked for: {traffic}"
 

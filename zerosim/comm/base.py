@@ -116,7 +116,9 @@ class Communicator(Protocol):
     - ``all_reduce(x, op)``: every rank gets the elementwise reduction (``sum``, ``avg``, ``max``)
       of all ranks' ``x``. Returns a new array; ``x`` is not modified.
     - ``reduce_scatter(x, op)``: ``x`` is 1-D with ``len(x) % world_size == 0``; rank ``r`` gets the
-      reduction of chunk ``r`` (``x[r*c:(r+1)*c]``, ``c = len(x) // world_size``).
+      reduction of chunk ``r`` (``x[r*c:(r+1)*c]``, ``c = len(x) // world_size``). ``x`` is not
+      modified, unless the caller passes ``donate=True`` (it never reads ``x`` again): a backend may
+      then use ``x`` as scratch space and return a view into it, saving a copy of the whole input.
     - ``all_gather(x)``: every rank contributes an equally sized 1-D ``x``; all get the
       concatenation in rank order.
     - ``broadcast(x, root)``: every rank gets root's ``x`` (same shape/dtype on every rank).
@@ -137,7 +139,7 @@ class Communicator(Protocol):
     traffic: TrafficCounter
 
     def all_reduce(self, x: Any, op: str = "sum") -> Any: ...
-    def reduce_scatter(self, x: Any, op: str = "sum") -> Any: ...
+    def reduce_scatter(self, x: Any, op: str = "sum", *, donate: bool = False) -> Any: ...
     def all_gather(self, x: Any) -> Any: ...
     def broadcast(self, x: Any, root: int = 0) -> Any: ...
     def barrier(self) -> None: ...

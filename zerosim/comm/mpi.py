@@ -228,7 +228,9 @@ class MpiCommunicator:
             wd.current = None
         return self._finish_reduce(acc, result, plan) if plan.divide or acc is not result else result
 
-    def reduce_scatter(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
+    def reduce_scatter(self, x: np.ndarray, op: str = "sum", *, out: np.ndarray | None = None,
+                       donate: bool = False) -> np.ndarray:
+        """``donate`` is accepted and ignored: MPI_Reduce_scatter never writes to its send buffer."""
         if type(x) is not NDARRAY or not x.flags.c_contiguous:
             x = contiguous(x)
         n = self.world_size

@@ -557,7 +557,8 @@ class SimCommunicator:
         self.traffic.record(self.group_name, "all_reduce", _nbytes(x), self.world_size)
         return self._run("all_reduce", x, op)
 
-    def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
+    def reduce_scatter(self, x: Any, op: str = "sum", *, donate: bool = False) -> Any:
+        """``donate`` is accepted and ignored: the simulator never writes to an input."""
         self._check_op(op, x)
         self._check_1d("reduce_scatter", x)
         if x.shape[0] % self.world_size:

@@ -404,10 +404,27 @@ class ZeroEngine:
     def _own_chunk(self, full: Any) -> Any:
         """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array."""
         xp = self.xp
-        out = xp.zeros(self.units.shard_numel, self.state_dtype)
+        out = xp.empty(self.units.shard_numel, self.state_dtype)
         for g0, g1, pos in self.owned_pieces:
             xp.assign(out[pos:pos + g1 - g0], full[g0:g1])
+        for p0, p1 in self._padding_spans():
+            xp.assign(out[p0:p1], xp.zeros(p1 - p0, self.state_dtype))
         return out
+
+    def _padding_spans(self) -> tuple[tuple[int, int], ...]:
+        """The packed positions of this rank's chunk that no owned piece covers (the padding), as
+        ``(start, stop)`` spans; computed once per plan."""
+        cached = self.__dict__.get("_padding_cache")
+        if cached is None or cached[0] is not self.owned_pieces:
+            spans, at = [], 0
+            for pos, length in sorted((pos, g1 - g0) for g0, g1, pos in self.owned_pieces):
+                if pos > at:
+                    spans.append((at, pos))
+                at = max(at, pos + length)
+            if at < self.units.shard_numel:
+                spans.append((at, self.units.shard_numel))
+            cached = self.__dict__["_padding_cache"] = (self.owned_pieces, tuple(spans))
+        return cached[1]
 
     def _tensor_views(self, unit: FlatUnit, flat: Any) -> dict[str, Any]:
         xp = self.xp
@@ -548,7 +565,8 @@ class ZeroEngine:
 
     def _reduce_scatter_into_acc(self, unit: FlatUnit, packed: Any, micro: int) -> None:
         assert self.shard_comm is not None
-        part = self.shard_comm.reduce_scatter(packed, self.grad_reduce_op())
+        # the packed buffer is read by nothing after this: the communicator may use it as scratch
+        part = self.shard_comm.reduce_scatter(packed, self.grad_reduce_op(), donate=True)
         if self.offload:  # the reduced shard goes to the host accumulator right away
             self._moved["device_to_host"] += self.xp.nbytes(part)
         off = self.units.shard_offsets[unit.index]
