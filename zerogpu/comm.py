@@ -29,7 +29,9 @@ point-to-root collectives, because gloo's own ``reduce_scatter_tensor`` and
 0.34 s against 0.10 s as broadcasts; at 4 ranks 0.78 s against 0.33 s and 0.57 s against 0.20 s):
 
 - ``"reduce"``: one ``reduce`` per chunk to the rank that owns it, all started before any is
-  waited for. Each rank receives ``(n-1)/n * S``, the reduce-scatter's volume.
+  waited for. Each rank receives ``(n-1)/n * S``, the reduce-scatter's volume. gloo uses a
+  non-root's buffer as scratch space, so each chunk is reduced in a copy, unless the caller
+  donates its input (``donate=True``).
 - ``"broadcast"``: one ``broadcast`` per chunk from the rank that owns it, all started together.
   Each rank receives ``(n-1)/n * S``, the all-gather's volume; the values are copies, exact.
 - ``"all_reduce"`` (reduce-scatter only): the full buffer is all-reduced and this rank's chunk
