@@ -95,6 +95,9 @@ from .progress import ProgressBoard
 REDUCE_SCATTER_MODES = ("auto", "native", "reduce", "all_reduce")
 ALL_GATHER_MODES = ("auto", "native", "broadcast")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
+# all_gather_into on gloo: views at least this long are broadcast into directly; shorter ones of a
+# rank share one staging buffer (a broadcast costs a round trip whatever its size)
+DIRECT_GATHER_MIN = 65_536
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 def _all_gather_single(*args: Any, **kwargs: Any) -> Any:
@@ -508,7 +511,7 @@ class TorchCommunicator:
             self._job.board.leave()
             return self._out(t.clone(), as_numpy)
         out = torch.empty(t.shape[0] * n, dtype=t.dtype, device=t.device)
-        if self.all_gather_mode == "broadcast" or (self.all_gather_mode == "auto" and self._on_gloo):
+        if self._gathers_by_broadcast():
             chunks = out.split(t.shape[0])
             chunks[self.rank].copy_(t)
             self._issue_each("all_gather", [
@@ -517,6 +520,60 @@ class TorchCommunicator:
         else:
             self._issue("all_gather", _all_gather_single, out, t)
         return self._out(out, as_numpy)
+
+    def all_gather_into(self, x: torch.Tensor, destinations: list[list[tuple[int, torch.Tensor]]]) -> None:
+        """An all-gather of ``x`` whose result is written where it is used instead of returned:
+        ``destinations[j]`` lists ``(offset, view)`` pairs, and ``view`` receives rank ``j``'s
+        ``x[offset:offset + view.numel()]``. Positions no pair lists (padding) are not delivered.
+        Traffic is recorded as the all-gather of ``x``.
+
+        On the broadcast path (gloo) each view of at least :data:`DIRECT_GATHER_MIN` elements is
+        broadcast into from its owner, so nothing lands in a buffer that then has to be copied; the
+        smaller views of a rank travel together in one staging buffer. Elsewhere the packed result
+        is gathered once and copied out."""
+        self._check_flat("all_gather", x)
+        n = self.world_size
+        if len(destinations) != n:
+            raise CollectiveError(f"all_gather_into on group {self.group_name}: {len(destinations)} "
+                                  f"destination lists for {n} ranks")
+        for pieces in destinations:
+            for off, view in pieces:
+                if view.dtype != x.dtype or not view.is_contiguous() or off + view.numel() > x.shape[0]:
+                    raise CollectiveError(f"all_gather_into on group {self.group_name}: the destination at "
+                                          f"offset {off} is not a contiguous {x.dtype} view inside a chunk")
+        if n == 1 or not self._gathers_by_broadcast():
+            gathered = self.all_gather(x)
+            c = x.shape[0]
+            for j, pieces in enumerate(destinations):
+                for off, view in pieces:
+                    view.copy_(gathered[j * c + off:j * c + off + view.numel()].view(view.shape))
+            return
+        self.traffic.record(self.group_name, "all_gather", _nbytes(x) * n, n)
+        calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+        staged: list[tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]] = []
+        for j, pieces in enumerate(destinations):
+            src = self.global_ranks[j]
+            small = [(off, view) for off, view in pieces if view.numel() < DIRECT_GATHER_MIN]
+            for off, view in pieces:
+                if view.numel() >= DIRECT_GATHER_MIN:
+                    if j == self.rank:
+                        view.copy_(x[off:off + view.numel()].view(view.shape))
+                    calls.append((dist.broadcast, (view,), {"src": src}))
+            if small:
+                staging = torch.empty(sum(v.numel() for _, v in small), dtype=x.dtype, device=x.device)
+                if j == self.rank:
+                    torch.cat([x[off:off + v.numel()] for off, v in small], out=staging)
+                calls.append((dist.broadcast, (staging,), {"src": src}))
+                staged.append((staging, small))
+        self._issue_each("all_gather", calls)
+        for staging, small in staged:
+            at = 0
+            for _, view in small:
+                view.copy_(staging[at:at + view.numel()].view(view.shape))
+                at += view.numel()
+
+    def _gathers_by_broadcast(self) -> bool:
+        return self.all_gather_mode == "broadcast" or (self.all_gather_mode == "auto" and self._on_gloo)
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:

@@ -417,10 +417,26 @@ class ModuleEngine(ZeroEngine):
         return packed, self._unpack(unit, packed, self.precision.param_dtype)
 
     def refresh_params(self) -> None:
+        gather_into = getattr(self.shard_comm, "all_gather_into", None)
+        if self.sharded_optim and not self.sharded_params and callable(gather_into):
+            # ZeRO-1/2: every rank's updated chunk is received straight into the parameters it covers
+            gather_into(self.precision.to_params(self.master, self.xp), self._param_destinations())
+            return
         super().refresh_params()
         if self.offload_manager is not None:
             for unit, off in zip(self.units.units, self.units.shard_offsets, strict=True):
                 self.offload_manager.update_host(unit.name, self.param_shard[off:off + unit.chunk])
+
+    def _param_destinations(self) -> list[list[tuple[int, torch.Tensor]]]:
+        """Per shard-group rank, where each piece of its chunk lives in the full parameters:
+        ``(position in the chunk, view of params_full)``, the all-gather's unpacking done by the
+        receive itself (C-ZERO-003: every rank then holds the same full parameters)."""
+        cached = self.__dict__.get("_destinations")
+        if cached is None or cached[0] is not self.params_full:
+            dests = [[(pos, self.params_full[g0:g1]) for g0, g1, pos in self.units.owned_global(j)]
+                     for j in range(self.k)]
+            cached = self.__dict__["_destinations"] = (self.params_full, dests)
+        return cached[1]
 
     def observe(self, obs: Any) -> None:
         """Keep only the latest step's observation and memory record: a trainer runs for as long as

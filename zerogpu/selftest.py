@@ -4,8 +4,9 @@ Every rank builds every rank's input from a seed, so it can compute the expected
 collective with numpy (reductions in rank order, as the simulator does) and compare with what
 torch.distributed returned. Checked: every collective and reduce op for float32 / float64 /
 bfloat16 / float16 / int64 / bool; every reduce-scatter path (the backend's own, one reduce per
-chunk, the all-reduce fallback) and all-gather path (the backend's own, one broadcast per chunk);
-torch and numpy arrays in and out, inputs left unmodified; ``split`` (colors, key
+chunk, the all-reduce fallback), with and without a donated input, and all-gather path (the
+backend's own, one broadcast per chunk), also gathering straight into interleaved destinations
+(``all_gather_into``); torch and numpy arrays in and out, inputs left unmodified; ``split`` (colors, key
 order, names, nested splits, opting out); bad input raising our errors; and the traffic counter
 against an independent replay of the ring model (:func:`zerosim.comm.base.ring_bytes`).
 
@@ -217,6 +218,39 @@ def run_checks(comm: Any) -> dict[str, str | None]:
                 f"every path must be recorded as the all-gather the engine asked for: {traffic}"
 
     checks.run("all_gather paths", all_gather_paths)
+
+    def all_gather_into_paths() -> None:
+        # each rank's chunk: one piece long enough to be broadcast into directly, two short ones that
+        # travel staged, and padding nobody receives; the pieces land interleaved in one full buffer
+        from .comm import DIRECT_GATHER_MIN
+
+        long, short = DIRECT_GATHER_MIN, 7
+        chunk = long + 2 * short + 3
+        xs = [rank_input(k, chunk, np.float32, salt=8) for k in range(n)]
+        for mode in ("native", "broadcast"):
+            c = paths_comm("agi", all_gather=mode)
+            full = torch.full((n * (chunk - 3),), float("nan"), device=c._torch_device)
+            want = np.empty(n * (chunk - 3), np.float32)
+            dests = []
+            for j in range(n):
+                at = j * short  # the short pieces first, the long one after all of them
+                spans = [(0, n * 2 * short + j * long, long), (long, at, short),
+                         (long + short, n * short + at, short)]
+                dests.append([(off, full[start:start + size]) for off, start, size in spans])
+                for off, start, size in spans:
+                    want[start:start + size] = xs[j][off:off + size]
+            mine = torch.from_numpy(xs[r].copy()).to(c._torch_device)
+            try:
+                c.all_gather_into(mine, dests)
+            except UnsupportedCollective:
+                continue  # this backend has no all-gather of its own
+            _equal(ns.to_numpy(full), want, True, f"all_gather_into ({mode})", n)
+            reference = TrafficCounter()
+            reference.record(c.group_name, "all_gather", xs[r].nbytes * n, n)
+            assert c.traffic.to_json() == reference.to_json(), \
+                f"all_gather_into ({mode}) must be recorded as one all-gather: {c.traffic.to_json()}"
+
+    checks.run("all_gather_into paths", all_gather_into_paths)
 
     # -- gathers and broadcasts move every dtype exactly ---------------------------------------------
     for dtype_name in ("float32", "bfloat16", "int64", "bool"):
