@@ -112,7 +112,11 @@ def run_rank(body: Callable[[], int]) -> NoReturn:
 
 
 def _finish(code: int) -> NoReturn:
-    """Normal end: tear the process group down (every rank got here, so nothing blocks) and exit."""
+    """Normal end: tear the process group down (every rank got here, so nothing blocks) and leave
+    through ``os._exit``. A normal interpreter exit would run C++ static destructors and finalize
+    process-group objects the communicators still reference; with gloo that aborted the process
+    now and then (``terminate called without an active exception``, SIGABRT) after a run that had
+    passed, turning an agreed status 0 into a failed rank."""
     import torch.distributed as dist
 
     from .comm import current_job
@@ -125,4 +129,4 @@ def _finish(code: int) -> NoReturn:
         if dist.is_initialized():
             dist.destroy_process_group()
     _flush()
-    sys.exit(agreed_exit(code))
+    os._exit(agreed_exit(code))
