@@ -111,12 +111,19 @@ def run_rank(body: Callable[[], int]) -> NoReturn:
     _finish(code)
 
 
+def leave_rank(code: int) -> NoReturn:
+    """Exit a torchrun rank whose work is done (process group already torn down): flush, then
+    ``os._exit``. A normal interpreter exit finalizes the gloo process-group objects that modules and
+    communicators still reference, and with torch 2.13 that aborted the process now and then
+    (``terminate called without an active exception``, SIGABRT) after everything had passed,
+    turning status 0 into a failed rank."""
+    _flush()
+    os._exit(code)
+
+
 def _finish(code: int) -> NoReturn:
     """Normal end: tear the process group down (every rank got here, so nothing blocks) and leave
-    through ``os._exit``. A normal interpreter exit would run C++ static destructors and finalize
-    process-group objects the communicators still reference; with gloo that aborted the process
-    now and then (``terminate called without an active exception``, SIGABRT) after a run that had
-    passed, turning an agreed status 0 into a failed rank."""
+    (:func:`leave_rank`)."""
     import torch.distributed as dist
 
     from .comm import current_job
@@ -128,5 +135,4 @@ def _finish(code: int) -> NoReturn:
     with contextlib.suppress(Exception):
         if dist.is_initialized():
             dist.destroy_process_group()
-    _flush()
-    os._exit(agreed_exit(code))
+    leave_rank(agreed_exit(code))

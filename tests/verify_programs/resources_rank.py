@@ -76,4 +76,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from zerogpu.rank import leave_rank
+
     main()
+    leave_rank(0)

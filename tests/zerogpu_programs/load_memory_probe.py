@@ -88,3 +88,6 @@ def load(directory: Path) -> None:
 if __name__ == "__main__":
     what, where = sys.argv[1], Path(sys.argv[2])
     make(where) if what == "make" else load(where)
+    from zerogpu.rank import leave_rank
+
+    leave_rank(0)

@@ -9,7 +9,6 @@ finds it before the unit's reduce-scatter. Prints one JSON line per strategy fro
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import torch
@@ -52,4 +51,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zerogpu.rank import leave_rank
+
+    leave_rank(main())

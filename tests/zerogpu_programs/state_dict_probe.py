@@ -65,4 +65,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from zerogpu.rank import leave_rank
+
+    leave_rank(main())
