@@ -554,11 +554,10 @@ class TorchCommunicator:
         for j, pieces in enumerate(destinations):
             src = self.global_ranks[j]
             small = [(off, view) for off, view in pieces if view.numel() < DIRECT_GATHER_MIN]
-            for off, view in pieces:
-                if view.numel() >= DIRECT_GATHER_MIN:
-                    if j == self.rank:
-                        view.copy_(x[off:off + view.numel()].view(view.shape))
-                    calls.append((dist.broadcast, (view,), {"src": src}))
+            for off, view in (p for p in pieces if p[1].numel() >= DIRECT_GATHER_MIN):
+                if j == self.rank:
+                    view.copy_(x[off:off + view.numel()].view(view.shape))
+                calls.append((dist.broadcast, (view,), {"src": src}))
             if small:
                 staging = torch.empty(sum(v.numel() for _, v in small), dtype=x.dtype, device=x.device)
                 if j == self.rank:

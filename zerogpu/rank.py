@@ -97,26 +97,24 @@ def run_rank(body: Callable[[], int]) -> NoReturn:
             _finish(0)
         code = e.code if isinstance(e.code, int) else EXIT_RUN_FAILED
         record_status(code)
-        _flush()
-        os._exit(code)
+        leave_rank(code)
     except KeyboardInterrupt:
         record_status(130)
-        _flush()
-        os._exit(130)
+        leave_rank(130)
     except BaseException as e:  # noqa: BLE001 - any failure of any rank must end every rank
         record_status(EXIT_RUN_FAILED)
         report_failure(e)
-        _flush()
-        os._exit(EXIT_RUN_FAILED)
+        leave_rank(EXIT_RUN_FAILED)
     _finish(code)
 
 
 def leave_rank(code: int) -> NoReturn:
-    """Exit a torchrun rank whose work is done (process group already torn down): flush, then
-    ``os._exit``. A normal interpreter exit finalizes the gloo process-group objects that modules and
-    communicators still reference, and with torch 2.13 that aborted the process now and then
-    (``terminate called without an active exception``, SIGABRT) after everything had passed,
-    turning status 0 into a failed rank."""
+    """Exit a torchrun rank: flush, then ``os._exit``. There is no teardown that could block on a
+    dead peer, and none after a normal end, whose process group is already torn down. A normal
+    interpreter exit finalizes the gloo process-group objects that modules and communicators still
+    reference; with torch 2.13 that aborted the process now and then (``terminate called without
+    an active exception``, SIGABRT) after everything had passed, turning status 0 into a failed
+    rank."""
     _flush()
     os._exit(code)
 
