@@ -130,13 +130,14 @@ def test_non_finite_gradient_on_one_rank_is_reported_not_averaged(strategy, prec
     assert "no rank stepped with it" in str(e.value)
 
 
-def test_a_nan_is_caught_before_any_reduction_so_no_rank_ever_holds_it():
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])  # zero3 on the simulator: reduce-scatters run ahead
+def test_a_nan_is_caught_before_any_rank_accumulates_it_so_no_rank_ever_holds_it(strategy):
     """Every rank stops at the same point with the same error, and no NaN reached any rank's state."""
     from zerosim.comm.sim import run_spmd
     from zerosim.engine.zero import ZeroEngine
     from zerosim.xp import numpy_namespace
 
-    run = RunConfig(strategy="zero2", world_size=4, steps=2, micro_batches=2,
+    run = RunConfig(strategy=strategy, world_size=4, steps=2, micro_batches=2,
                     inject_nan={"rank": 2, "step": 1, "tensor": "lm_head.weight", "micro": 1}).resolve()
 
     def program(comm):
@@ -247,3 +248,56 @@ def test_packing_by_one_gather_and_by_slice_copies_gives_the_same_bits(world):
         np.testing.assert_array_equal(unpacked[0], np.concatenate([g.ravel() for g in grads.values()]))
     # the engine's own choice: long pieces at 2 ranks, a mix at 4, all short at 64
     assert kinds == {2: {True, False}, 4: {True, False}, 64: {True}}[world]
+
+
+# ---- run-ahead on the simulator --------------------------------------------------------------------
+
+def _fingerprint(observations):
+    """Per rank and step: loss, norm, master and optimizer-state bytes, traffic, memory peaks."""
+    out = []
+    for o in observations:
+        for s in o.steps:
+            out.append((o.rank, s.step, s.loss, s.grad_norm, s.master.values.tobytes(),
+                        tuple(sorted((k, v.values.tobytes()) for k, v in s.optimizer.items())),
+                        tuple((t.group, t.collective, t.calls, t.bytes_sent) for t in s.traffic),
+                        tuple(sorted(s.memory.peak_by_category.items()))))
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "hybrid_shard:2"])
+def test_run_ahead_changes_no_bit_no_byte_of_traffic_and_no_accounted_peak(strategy, monkeypatch):
+    """ZeRO-3 on the simulator starts its gathers and reduce-scatters ahead; the same run waiting for
+    each collective in turn (what mpiexec and torchrun do) observes exactly the same."""
+    from zerosim.engine.zero import ZeroEngine
+
+    cfg = RunConfig(strategy=strategy, world_size=4, steps=2, micro_batches=2, prefetch=1, max_grad_norm=0.5)
+    ahead = simulate_observations(cfg)
+    monkeypatch.setattr(ZeroEngine, "_can_run_ahead", lambda self: False)
+    in_turn = simulate_observations(cfg)
+    assert _fingerprint(ahead) == _fingerprint(in_turn)
+
+
+def test_run_ahead_computes_each_ranks_micro_batch_in_one_piece(monkeypatch):
+    """Serial schedule, ZeRO-3: every rank's forward and backward of a micro-batch run without another
+    rank computing in between (its activations stay in cache), lowest rank first."""
+    from zerosim.model import BlockModel
+
+    trace: list[tuple[int, str]] = []
+    for name in ("forward", "backward"):
+        original = getattr(BlockModel, name)
+
+        def traced(self, block, *args, _original=original, _name=name, **kwargs):
+            trace.append((_current_rank(), _name))
+            return _original(self, block, *args, **kwargs)
+
+        monkeypatch.setattr(BlockModel, name, traced)
+    simulate_observations(RunConfig(strategy="zero3", world_size=4, steps=1, micro_batches=1))
+    runs = [r for i, (r, _) in enumerate(trace) if i == 0 or trace[i - 1][0] != r]
+    assert runs == [0, 1, 2, 3], runs  # one contiguous run of forward + backward per rank
+
+
+def _current_rank() -> int:
+    import threading
+
+    return int(threading.current_thread().name.removeprefix("sim-rank-"))
+

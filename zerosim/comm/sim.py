@@ -102,28 +102,30 @@ def _concat(xs: Sequence[Any]) -> Any:
     return np.concatenate(list(xs))
 
 
+def _maximum_into(acc: Any, x: Any) -> None:
+    if _is_torch(acc):
+        import torch
+
+        torch.maximum(acc, x, out=acc)
+    else:
+        import numpy as np
+
+        np.maximum(acc, x, out=acc)
+
+
 def reduce_in_rank_order(xs: Sequence[Any], op: str) -> Any:
     """((x0 op x1) op x2) ...; ``avg`` is the rank-order sum divided by len(xs). A new array."""
+    if op not in REDUCE_OPS:
+        raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
     acc = _copy(xs[0])
-    if op in ("sum", "avg"):
-        for x in xs[1:]:
-            acc += x
-        if op == "avg":
-            acc /= len(xs)
-        return acc
-    if op == "max":
-        if _is_torch(acc):
-            import torch
-
-            for x in xs[1:]:
-                torch.maximum(acc, x, out=acc)
+    for x in xs[1:]:
+        if op == "max":
+            _maximum_into(acc, x)
         else:
-            import numpy as np
-
-            for x in xs[1:]:
-                np.maximum(acc, x, out=acc)
-        return acc
-    raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
+            acc += x
+    if op == "avg":
+        acc /= len(xs)
+    return acc
 
 
 def _is_floating(x: Any) -> bool:
@@ -173,6 +175,20 @@ class _Call:
     array: Any
     root: int | None
     extra: Any = None
+    donated: bool = False  # the caller never reads ``array`` again: it may become the accumulator
+    signature: Any = None  # (type, shape, dtype) of ``array``, kept after a fold drops the array
+
+    def __post_init__(self) -> None:
+        if self.array is not None:
+            self.signature = _signature(self.array)
+
+    def matches(self, other: _Call) -> bool:
+        return (self.collective, self.op, self.root, self.signature) == (
+            other.collective, other.op, other.root, other.signature)
+
+
+#: the collectives whose members' arrays are folded into one accumulator as they arrive
+_FOLDED = ("all_reduce", "reduce_scatter")
 
 
 @dataclass
@@ -183,6 +199,31 @@ class _Rendezvous:
     results: dict[int, Any] = field(default_factory=dict)
     error: BaseException | None = None
     done: bool = False
+    acc: Any = None  # reductions: ((x0 op x1) op x2) ... of the members folded so far
+    folded: int = 0  # members 0 .. folded-1 are in ``acc`` (their arrays dropped)
+
+    def fold(self) -> None:
+        """Reductions: add every member whose predecessors are all in, in rank order, as soon as it
+        arrives (the same additions, in the same order, as reducing at the end), and drop its array.
+        A member that arrives while it is still hot in cache is added then, and the rendezvous holds
+        one accumulator instead of every member's buffer. A call that does not match member 0's stops
+        the folding; completing the rendezvous then reports the mismatch."""
+        first = self.calls.get(0)
+        if first is None or first.collective not in _FOLDED:
+            return
+        while self.folded in self.calls:
+            call = self.calls[self.folded]
+            if not call.matches(first):
+                return
+            x = call.array
+            if self.folded == 0:
+                self.acc = x if call.donated else _copy(x)
+            elif first.op == "max":
+                _maximum_into(self.acc, x)
+            else:
+                self.acc += x
+            call.array = None
+            self.folded += 1
 
     @property
     def collective(self) -> str:
@@ -390,47 +431,87 @@ class SimulatedWorld:
 
     # -- the collective core --------------------------------------------------------------------------
     def _collective(self, group: _Group, grank: int, call: _Call) -> Any:
-        rank = group.global_ranks[grank]
         with self._lock:
-            if self._failure is not None:
-                raise _Aborted(f"rank {self._failure[0]} failed")
-            key = (group.gid, rank)
-            seq = self._next_seq.get(key, 0)
-            self._next_seq[key] = seq + 1
-            rv = self._pending.get((group.gid, seq))
-            if rv is None:
-                rv = self._pending[(group.gid, seq)] = _Rendezvous(group, seq)
-            rv.calls[grank] = call
-            self._last_call[rank] = (call.collective, group.name)
-            self._progress()
-            if len(rv.calls) == len(group.global_ranks):
-                del self._pending[(group.gid, seq)]
-                try:
-                    rv.results = self._complete(rv)
-                except BaseException as e:  # reported to every member, not just the last to arrive
-                    rv.error = e
-                rv.done = True
-                for g in group.global_ranks:
-                    if self._status[g] == "blocked" and self._waiting_on.get(g) is rv:
-                        self._set_status(g, "ready")
-                        del self._waiting_on[g]
-                if self.schedule != "serial" or self._holder is None:
-                    self._wake(group.global_ranks)
-            else:
-                self._set_status(rank, "blocked")
-                self._waiting_on[rank] = rv
-                self._pass_baton(rank)
-                self._detect_deadlock()
-                try:
-                    self._wait_for_baton(rank, rv)
-                finally:
-                    if self._waiting_on.get(rank) is rv:
-                        del self._waiting_on[rank]
-                    if self._status[rank] == "blocked":
-                        self._set_status(rank, "ready")
-            if rv.error is not None:
-                raise rv.error
-            return rv.results.pop(grank)
+            rv = self._arrive(group, grank, call)
+            return self._await(group.global_ranks[grank], grank, rv)
+
+    def _start(self, group: _Group, grank: int, call: _Call, into: Any = None) -> PendingCollective:
+        """Enter a collective without waiting for it: the rank runs on; :meth:`PendingCollective.wait`
+        blocks until every member has entered and returns this rank's result (written into ``into``
+        when given)."""
+        with self._lock:
+            rv = self._arrive(group, grank, call)
+            return PendingCollective(self, group.global_ranks[grank], grank, rv, into)
+
+    def _wait_started(self, rank: int, grank: int, rv: _Rendezvous) -> Any:
+        with self._lock:
+            return self._await(rank, grank, rv)
+
+    def _arrive(self, group: _Group, grank: int, call: _Call) -> _Rendezvous:
+        """Register ``call`` at its rendezvous (the group's next call of this rank); the last member to
+        arrive completes it and makes its waiting members ready. Holds the world lock."""
+        rank = group.global_ranks[grank]
+        if self._failure is not None:
+            raise _Aborted(f"rank {self._failure[0]} failed")
+        key = (group.gid, rank)
+        seq = self._next_seq.get(key, 0)
+        self._next_seq[key] = seq + 1
+        rv = self._pending.get((group.gid, seq))
+        if rv is None:
+            rv = self._pending[(group.gid, seq)] = _Rendezvous(group, seq)
+        rv.calls[grank] = call
+        rv.fold()
+        self._last_call[rank] = (call.collective, group.name)
+        self._progress()
+        if len(rv.calls) == len(group.global_ranks):
+            del self._pending[(group.gid, seq)]
+            try:
+                rv.results = self._complete(rv)
+            except BaseException as e:  # reported to every member, not just the last to arrive
+                rv.error = e
+            rv.acc = None
+            rv.done = True
+            for g in group.global_ranks:
+                if self._status[g] == "blocked" and self._waiting_on.get(g) is rv:
+                    self._set_status(g, "ready")
+                    del self._waiting_on[g]
+            if self.schedule != "serial" or self._holder is None:
+                self._wake(group.global_ranks)
+        return rv
+
+    def _await(self, rank: int, grank: int, rv: _Rendezvous) -> Any:
+        """Block until ``rv`` is complete (and, serial schedule, this rank holds the baton again);
+        return this rank's result or raise the collective's error. Holds the world lock."""
+        if not rv.done:
+            self._set_status(rank, "blocked")
+            self._waiting_on[rank] = rv
+            self._pass_baton(rank)
+            self._detect_deadlock()
+            try:
+                self._wait_for_baton(rank, rv)
+            finally:
+                if self._waiting_on.get(rank) is rv:
+                    del self._waiting_on[rank]
+                if self._status[rank] == "blocked":
+                    self._set_status(rank, "ready")
+        self._yield_to_first(rank, rv.group)
+        if rv.error is not None:
+            raise rv.error
+        return rv.results.pop(grank)
+
+    def _yield_to_first(self, rank: int, group: _Group) -> None:
+        """Serial schedule: a rank taking a completed collective's result hands the baton to the
+        group's first rank when that one is ready, and waits for it to come back. The lower ranks then
+        run first: they are the ones a reduction folds first, so a rank that started reductions ahead
+        is added while its buffers are fresh instead of being held until rank 0 arrives."""
+        first = group.global_ranks[0]
+        if (self.schedule != "serial" or self._holder != rank or first == rank
+                or self._status[first] != "ready"):
+            return
+        self._holder = first
+        self._progress()
+        self._wake((first,))
+        self._wait_for_baton(rank, None)
 
     def _complete_split(self, parent: _Group, seq: int, tokens: list[Any]) -> dict[int, Any]:
         """One new group per color, members ordered by (key, parent rank); each member gets its group."""
@@ -469,16 +550,20 @@ class SimulatedWorld:
             return {i: None for i in range(n)}
         if kind == "split":
             return self._complete_split(rv.group, rv.seq, [c.extra for c in calls])
-        sigs = [_signature(c.array) for c in calls]
+        sigs = [c.signature for c in calls]
         if any(s != sigs[0] for s in sigs):
             detail = ", ".join(f"rank {rv.group.global_ranks[i]}: {(tuple(int(d) for d in s[1]), str(s[2]))}"
                                for i, s in enumerate(sigs))
             raise CollectiveMismatch(
                 f"{kind} on group {rv.group.name} call #{rv.seq}: shapes/dtypes differ ({detail})"
             )
-        xs = [call.array for call in calls]
+        if kind in _FOLDED:
+            # every member matched, so every member was folded into ``acc`` in rank order as it arrived
+            assert rv.folded == n, (rv.folded, n)
+            total = rv.acc
+            if first.op == "avg":
+                total /= n
         if kind == "all_reduce":
-            total = reduce_in_rank_order(xs, first.op or "sum")
             return {i: (total if i == n - 1 else _copy(total)) for i in range(n)}
         if kind == "reduce_scatter":
             length = sigs[0][1][0] if sigs[0][1] else 0
@@ -486,8 +571,8 @@ class SimulatedWorld:
             # the whole buffer reduced in rank order once (element by element the same arithmetic as
             # reducing each chunk apart), then rank j gets its own chunk of it: n adds of the buffer,
             # not n * n slices
-            total = reduce_in_rank_order(xs, first.op or "sum")
             return {j: total[j * chunk:(j + 1) * chunk] for j in range(n)}
+        xs = [call.array for call in calls]
         if kind == "all_gather":
             out = _concat(xs)
             if _is_torch(out):
@@ -500,8 +585,39 @@ class SimulatedWorld:
         raise CollectiveError(f"unknown collective {kind!r}")
 
 
+class PendingCollective:
+    """A collective a simulated rank has entered without waiting (``all_reduce_start``,
+    ``all_gather_start``, ``reduce_scatter_start``). Until :meth:`wait` returns, the caller leaves
+    the input array alone."""
+
+    def __init__(self, world: SimulatedWorld, rank: int, grank: int, rv: _Rendezvous, into: Any = None):
+        self._world, self._rank, self._grank, self._rv, self._into = world, rank, grank, rv, into
+        self._result: Any = None
+        self._waited = False
+
+    def wait(self) -> Any:
+        """This rank's result (blocks until every member of the group has entered the collective)."""
+        if not self._waited:
+            result = self._world._wait_started(self._rank, self._grank, self._rv)
+            if self._into is not None:  # an all-reduce lands in its input, as torch's all_reduce_start
+                if _is_torch(self._into):
+                    self._into.copy_(result)
+                else:
+                    self._into[...] = result
+                result = self._into
+            self._result, self._waited = result, True
+        return self._result
+
+
 class SimCommunicator:
-    """One rank's view of one group of a :class:`SimulatedWorld` (implements ``Communicator``)."""
+    """One rank's view of one group of a :class:`SimulatedWorld` (implements ``Communicator``).
+
+    Beyond the protocol it can *start* an all-reduce, an all-gather or a reduce-scatter and wait for it later
+    (``shares_results``: an all-gather's result is one read-only array every member shares, so a
+    rank that starts many of them ahead costs the process one copy, not one per rank). The engine
+    uses that to let each rank run its whole micro-batch before the next rank runs its own."""
+
+    shares_results = True
 
     def __init__(self, world: SimulatedWorld, group: _Group, global_rank: int):
         self._world = world
@@ -545,11 +661,15 @@ class SimCommunicator:
             raise ConfigError("op", op, f"avg needs a floating dtype, got {_dtype_name(x)}")
 
     def _run(
-        self, collective: str, x: Any, op: str | None = None, root: int | None = None, extra: Any = None
+        self, collective: str, x: Any, op: str | None = None, root: int | None = None, extra: Any = None,
+        *, donated: bool = False, wait: bool = True, into: Any = None,
     ) -> Any:
         if self._fault.plan is not None:
             self._fault.tick(collective, self.group_name)
-        return self._world._collective(self._group, self.rank, _Call(collective, op, x, root, extra))
+        call = _Call(collective, op, x, root, extra, donated)
+        if wait:
+            return self._world._collective(self._group, self.rank, call)
+        return self._world._start(self._group, self.rank, call, into)
 
     # -- collectives --------------------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum") -> Any:
@@ -557,20 +677,43 @@ class SimCommunicator:
         self.traffic.record(self.group_name, "all_reduce", _nbytes(x), self.world_size)
         return self._run("all_reduce", x, op)
 
+    def all_reduce_start(self, x: Any, op: str = "sum") -> PendingCollective:
+        """:meth:`all_reduce` without waiting, reducing ``x`` in place as torch's ``all_reduce_start``
+        does: ``wait()`` writes the result into ``x`` and returns it."""
+        self._check_op(op, x)
+        self.traffic.record(self.group_name, "all_reduce", _nbytes(x), self.world_size)
+        return self._run("all_reduce", x, op, wait=False, into=x)
+
     def reduce_scatter(self, x: Any, op: str = "sum", *, donate: bool = False) -> Any:
-        """``donate`` is accepted and ignored: the simulator never writes to an input."""
+        """A donated ``x`` of group rank 0 becomes the accumulator the others are added into (and
+        every member's result is a view of it); other inputs are never written."""
+        return self._reduce_scatter(x, op, donate, wait=True)
+
+    def reduce_scatter_start(self, x: Any, op: str = "sum", *, donate: bool = False) -> PendingCollective:
+        """:meth:`reduce_scatter` without waiting: ``x`` is added into the accumulator as soon as
+        the lower ranks' inputs are in (so a donated buffer is free by then); ``wait()`` returns the chunk."""
+        return self._reduce_scatter(x, op, donate, wait=False)
+
+    def _reduce_scatter(self, x: Any, op: str, donate: bool, *, wait: bool) -> Any:
         self._check_op(op, x)
         self._check_1d("reduce_scatter", x)
         if x.shape[0] % self.world_size:
             raise CollectiveError(f"reduce_scatter on group {self.group_name}: length {x.shape[0]} on rank "
                                   f"{self.global_rank} is not divisible by the group size {self.world_size}")
         self.traffic.record(self.group_name, "reduce_scatter", _nbytes(x), self.world_size)
-        return self._run("reduce_scatter", x, op)
+        return self._run("reduce_scatter", x, op, donated=donate, wait=wait)
 
     def all_gather(self, x: Any) -> Any:
+        return self._all_gather(x, wait=True)
+
+    def all_gather_start(self, x: Any) -> PendingCollective:
+        """:meth:`all_gather` without waiting; ``wait()`` returns the shared result."""
+        return self._all_gather(x, wait=False)
+
+    def _all_gather(self, x: Any, *, wait: bool) -> Any:
         self._check_1d("all_gather", x)
         self.traffic.record(self.group_name, "all_gather", _nbytes(x) * self.world_size, self.world_size)
-        return self._run("all_gather", x)
+        return self._run("all_gather", x, wait=wait)
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.world_size:

@@ -33,7 +33,16 @@ for it (reduce-scatter ZeRO-1 holds only its chunk and sums like ZeRO-2).
 Non-finite gradients are detected before every reduction; the ranks agree through one small
 ``all_reduce(max)`` of a per-rank flag on the ``world.control`` group and all raise
 :class:`~zerosim.errors.NonFiniteGradientError` naming the first offending rank and tensor, so a
-NaN is never averaged into every rank.
+NaN is never averaged into every rank's state.
+
+Run-ahead (ZeRO-3 on a communicator that can start collectives and shares their results: the
+simulator): each micro-batch *starts* its all-gathers (forward and backward, in schedule order)
+before computing, and starts each block's finite vote and reduce-scatter without waiting; after
+backward it takes the votes (raising for the first flagged block, as before) and only then
+accumulates the reduced chunks. The collectives, their inputs, the traffic and the arithmetic are
+the same; only the waiting moves, so a simulated rank runs its whole micro-batch while its
+activations are still in cache instead of every rank advancing block by block. The memory tracker
+accounts a gathered block when the rank takes it, as before.
 
 Subclasses in :mod:`zerosim.engine.faults` override single hooks (``grad_reduce_op``,
 ``global_sumsq``, ...) to make the deliberately broken variants the contract tests need.
@@ -60,6 +69,8 @@ from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_
 from ..xp import ArrayNamespace
 from .config import ResolvedRun
 from .memory_tracker import MemoryTracker
+
+BEFORE_REDUCTION = "detected before the gradient reduction; no rank stepped with it"
 
 
 def tree_nbytes(xp: ArrayNamespace, obj: Any) -> int:
@@ -115,6 +126,11 @@ class ZeroEngine:
         self._gathered: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
         self._make_groups()
         self._init_state()
+        self.runs_ahead = self._can_run_ahead()
+        self._phase = "forward"
+        self._started_gathers: dict[tuple[str, int], Any] = {}  # (phase, unit index) -> pending all-gather
+        # (unit, pending finite vote, pending reduce-scatter), in backward order
+        self._started_reductions: list[tuple[FlatUnit, Any, Any]] = []
 
     # =============================================================================================
     # groups
@@ -440,10 +456,12 @@ class ZeroEngine:
     # =============================================================================================
     def gather_unit(self, unit: FlatUnit, comm: Communicator) -> tuple[Any, Any]:
         """All-gather the unit's parameter chunks over ``comm``; returns (packed buffer, unit-space params).
-        """
+        Run-ahead: the all-gather this micro-batch started for the unit's current phase."""
         off = self.units.shard_offsets[unit.index]
         shard = self.param_shard[off:off + unit.chunk]
-        packed = comm.all_gather(shard)
+        key = (self._phase, unit.index)
+        started = self._started_gathers.pop(key, None) if comm is self.shard_comm else None
+        packed = comm.all_gather(shard) if started is None else started.wait()
         dtype = self.precision.param_dtype
         derived = getattr(comm, "derived", None)  # the simulator unpacks a shared result once for the group
         if callable(derived) and not unit.is_identity:
@@ -491,8 +509,7 @@ class ZeroEngine:
 
     def check_finite(self, step: int, named: dict[str, Any], flat: Any | None = None) -> None:
         """Before a reduction: all ranks agree whether any rank holds a non-finite gradient."""
-        self.agree_finite(step, self.first_nonfinite(named, flat),
-                          "detected before the gradient reduction; no rank stepped with it")
+        self.agree_finite(step, self.first_nonfinite(named, flat), BEFORE_REDUCTION)
 
     def first_nonfinite(self, named: dict[str, Any], flat: Any | None = None) -> int:
         """This rank's first non-finite gradient among ``named``, as its layout index + 1 (0: none);
@@ -509,15 +526,23 @@ class ZeroEngine:
         """All ranks agree whether any rank found a non-finite gradient (``bad``: layout index + 1, or
         0) with one scalar all-reduce: the lowest offending (rank, tensor) wins the max of
         ``span - key`` (exact in float64). Raises :class:`NonFiniteGradientError` naming it."""
+        self._raise_if_flagged(step, self.control.all_reduce(self._finite_flag(bad), "max"), when)
+
+    def _finite_flag(self, bad: int) -> Any:
+        """This rank's vote for :meth:`agree_finite`: ``span - key`` (0: all finite) in a float64 array."""
         xp = self.xp
         n_tensors = len(self.layout.tensors)
-        span = float(self.comm.world_size * n_tensors + 1)
         flag = xp.zeros(1, "float64")
         if bad:
-            xp.assign(flag, span - (self.rank * n_tensors + bad - 1))
-        worst = xp.to_float(self.control.all_reduce(flag, "max")[0])
+            xp.assign(flag, float(self.comm.world_size * n_tensors + 1) - (self.rank * n_tensors + bad - 1))
+        return flag
+
+    def _raise_if_flagged(self, step: int, agreed: Any, when: str) -> None:
+        """Raise :class:`NonFiniteGradientError` naming the (rank, tensor) the all-reduced vote encodes."""
+        n_tensors = len(self.layout.tensors)
+        worst = self.xp.to_float(agreed[0])
         if worst > 0:
-            r, t = divmod(int(span - worst), n_tensors)
+            r, t = divmod(int(self.comm.world_size * n_tensors + 1 - worst), n_tensors)
             raise NonFiniteGradientError(r, self.layout.tensors[t].name, step, when)
 
     def on_block_grads(self, step: int, micro: int, block: str, grads: dict[str, Any]) -> None:
@@ -529,8 +554,11 @@ class ZeroEngine:
             unit = self.unit_by_block[block]
             packed = self._pack_grads(unit, grads)
             self.tracker.alloc(f"gradbuf:{block}", "grad_buffers", xp.nbytes(packed))
-            self.check_finite(step, grads, packed)
-            self._reduce_scatter_into_acc(unit, packed, micro)
+            if self.runs_ahead and self._phase == "backward":
+                self._start_reduce_scatter(unit, grads, packed)
+            else:
+                self.check_finite(step, grads, packed)
+                self._reduce_scatter_into_acc(unit, packed, micro)
             self.tracker.free(f"gradbuf:{block}")
         elif self.sharded_grads:
             self._micro_grads.update(grads)
@@ -567,6 +595,10 @@ class ZeroEngine:
         assert self.shard_comm is not None
         # the packed buffer is read by nothing after this: the communicator may use it as scratch
         part = self.shard_comm.reduce_scatter(packed, self.grad_reduce_op(), donate=True)
+        self._accumulate_chunk(unit, part, micro)
+
+    def _accumulate_chunk(self, unit: FlatUnit, part: Any, micro: int) -> None:
+        """Add the unit's reduced gradient chunk into this rank's gradient shard (micro-batch 0: write)."""
         if self.offload:  # the reduced shard goes to the host accumulator right away
             self._moved["device_to_host"] += self.xp.nbytes(part)
         off = self.units.shard_offsets[unit.index]
@@ -607,6 +639,52 @@ class ZeroEngine:
             self.tracker.free("gradbuf:packed")
 
     # =============================================================================================
+    # run-ahead (see the module docstring)
+    # =============================================================================================
+    def _can_run_ahead(self) -> bool:
+        """ZeRO-3 whose shard-group communicator can start an all-gather and a reduce-scatter and
+        shares all-gather results among its members (the simulator: starting every gather of a
+        micro-batch ahead then costs the process one copy of the model, not one per rank)."""
+        comm = self.shard_comm
+        return (self.sharded_params and comm is not None and getattr(comm, "shares_results", False)
+                and callable(getattr(comm, "all_gather_start", None))
+                and callable(getattr(comm, "reduce_scatter_start", None))
+                and callable(getattr(self.control, "all_reduce_start", None)))
+
+    def _start_gathers(self, order: list[str]) -> None:
+        """Start the micro-batch's all-gathers in the order the schedule takes them: every block for
+        the forward, then every block again for the backward."""
+        assert self.shard_comm is not None
+        for phase, blocks in (("forward", order), ("backward", order[::-1])):
+            for block in blocks:
+                unit = self.unit_by_block[block]
+                off = self.units.shard_offsets[unit.index]
+                self._started_gathers[(phase, unit.index)] = self.shard_comm.all_gather_start(  # type: ignore[attr-defined]
+                    self.param_shard[off:off + unit.chunk])
+
+    def _start_reduce_scatter(self, unit: FlatUnit, grads: dict[str, Any], packed: Any) -> None:
+        """Start the block's finite vote (:meth:`check_finite`'s all-reduce) and its reduce-scatter;
+        the packed buffer is donated."""
+        assert self.shard_comm is not None
+        vote = self.control.all_reduce_start(  # type: ignore[attr-defined]
+            self._finite_flag(self.first_nonfinite(grads, packed)), "max")
+        reduction = self.shard_comm.reduce_scatter_start(  # type: ignore[attr-defined]
+            packed, self.grad_reduce_op(), donate=True)
+        self._started_reductions.append((unit, vote, reduction))
+
+    def _finish_started(self, step: int, micro: int) -> None:
+        """After backward: every block's finite vote in backward order (the first flagged block raises,
+        naming the same rank and tensor as waiting block by block would), and only then the reduced
+        chunks are accumulated, so no rank's state ever holds a non-finite gradient. A gather the
+        schedule did not take is dropped (its rendezvous completed when every rank started it)."""
+        self._started_gathers.clear()
+        started, self._started_reductions = self._started_reductions, []
+        for _, vote, _ in started:
+            self._raise_if_flagged(step, vote.wait(), BEFORE_REDUCTION)
+        for unit, _, reduction in started:
+            self._accumulate_chunk(unit, reduction.wait(), micro)
+
+    # =============================================================================================
     # one step
     # =============================================================================================
     def micro_batch(self, step: int, micro: int) -> float:
@@ -615,8 +693,11 @@ class ZeroEngine:
         cfg = self.run.model_cfg
         tokens, targets = synthetic_batch(cfg, self.run.seed, step, self.rank, micro)
         order = list(self.model.block_names)
+        if self.runs_ahead:
+            self._start_gathers(order)
         caches: list[Any] = []
         x: Any = tokens
+        self._phase = "forward"
         tr.set_phase(f"forward[{micro}]")
         for i, block in enumerate(order):
             params = self.block_params(block, step, order, i)
@@ -628,6 +709,7 @@ class ZeroEngine:
             caches.append(cache)
         loss = xp.to_float(x)
         dy: Any = 1.0
+        self._phase = "backward"
         tr.set_phase(f"backward[{micro}]")
         rev = list(reversed(order))
         for i, block in enumerate(rev):
@@ -640,6 +722,9 @@ class ZeroEngine:
                 self.release(block)
             self.on_block_grads(step, micro, block, grads)
             del grads
+        if self.runs_ahead:
+            self._finish_started(step, micro)
+        self._phase = "forward"
         self.on_micro_batch_end(step, micro)
         return loss
 
