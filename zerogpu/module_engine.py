@@ -8,7 +8,10 @@ torchrun backends run) with the simulator's hand-differentiated model replaced b
   next forward sees. ZeRO-3 / hybrid: each unit (:mod:`zerogpu.module_units`) owns one flat
   buffer in the parameter dtype whose storage is allocated only while the unit is in use; the
   parameters are views into it. Between uses the storage has size zero: the rank holds only its
-  shard, as C-ZERO-004 demands.
+  shard, as C-ZERO-004 demands. A shard group of one rank (hybrid with shard size 1, ZeRO-3 at
+  world 1) holds every unit whole in its shard: the parameters are views into the shard itself,
+  always resident, and nothing is gathered, copied or freed for them (an all-gather over one rank
+  moves no byte; FSDP2 still copies).
 * **ZeRO-3 schedule.** A forward pre-hook gathers the unit (the engine's ``block_params``: the
   all-gather of every rank's chunk, with ``prefetch`` units gathered ahead) and copies it into the
   unit's buffer; the forward hook frees the buffer and hooks the unit's outputs, so the first
@@ -149,6 +152,7 @@ class ModuleEngine(ZeroEngine):
         self._step_index = 0
         self._micro_index = 0
         self._buffers: dict[str, torch.Tensor] = {}
+        self._resident_units: set[str] = set()  # units whose buffer is a view of the shard (k == 1)
         self._grads: dict[str, dict[str, torch.Tensor]] = {}
         self._reduced: set[str] = set()
         self._order: list[str] = []
@@ -202,12 +206,18 @@ class ModuleEngine(ZeroEngine):
             return
         dtype = self.xp.dtype(self.precision.param_dtype)
         for unit in self.units.units:
-            buf = torch.empty(unit.numel, dtype=dtype, device=self.xp.device)
+            if self._resident(unit):
+                off = self.units.shard_offsets[unit.index]
+                buf = self.param_shard[off:off + unit.numel]
+                self._resident_units.add(unit.name)
+            else:
+                buf = torch.empty(unit.numel, dtype=dtype, device=self.xp.device)
             pieces = zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True)
             for name, off, shape in pieces:
                 n = int(np.prod(shape, dtype=np.int64))
                 params[name].data = buf[off:off + n].view(shape)
-            buf.untyped_storage().resize_(0)
+            if unit.name not in self._resident_units:
+                buf.untyped_storage().resize_(0)
             self._buffers[unit.name] = buf
         self._order = [u for u in self.described.order if u in self._buffers]
         for unit_name in self._order:
@@ -225,9 +235,18 @@ class ModuleEngine(ZeroEngine):
                 self._hooks.append(params[name].register_post_accumulate_grad_hook(
                     self._grad_hook(unit.name, name)))
 
+    def _resident(self, unit: FlatUnit) -> bool:
+        """Whether ``unit`` lives in this rank's shard whole, in unit order: a shard group of one rank,
+        an identity packing, and working parameters that are the master shard itself (no offload, no
+        mixed precision: the optimizer updates them in place, so the views always see the step)."""
+        return (self.k == 1 and unit.is_identity and self.offload_manager is None
+                and self.param_shard is self.master)
+
     def unit_resident_bytes(self) -> int:
-        """Bytes of the ZeRO-3 unit buffers allocated right now (zero between uses)."""
-        return sum(b.untyped_storage().nbytes() for b in self._buffers.values())
+        """Bytes of the ZeRO-3 unit buffers allocated right now (zero between uses; a unit resident
+        in the shard is counted with the shard)."""
+        return sum(b.untyped_storage().nbytes() for name, b in self._buffers.items()
+                   if name not in self._resident_units)
 
     def _materialize(self, unit_name: str, order: list[str]) -> None:
         """Gather ``unit_name`` (and ``prefetch`` units ahead along ``order``, kept packed until their
@@ -250,7 +269,7 @@ class ModuleEngine(ZeroEngine):
 
     def _free(self, unit_name: str) -> None:
         buf = self._buffers[unit_name]
-        if buf.untyped_storage().nbytes():
+        if unit_name not in self._resident_units and buf.untyped_storage().nbytes():
             buf.untyped_storage().resize_(0)
             self.tracker.free(f"unit:{unit_name}")
 
