@@ -7,7 +7,8 @@ averaging reduction, the global-norm clip and the optimizer step. Rank 0 repeats
 the full flat vector in numpy (rank-order sum divided by the world size, :mod:`zerosim.optim`) and
 prints one JSON line per (strategy, optimizer): the largest difference of parameters and optimizer
 state. At two ranks a sum is one commutative addition, so the difference must be exactly 0; at more
-ranks gloo adds in its own order and the test allows the reordering bound instead.
+ranks gloo adds in its own order and the test allows the reordering bound instead. Each line also
+counts the all-reduces over the world group per step.
 """
 
 from __future__ import annotations
@@ -104,8 +105,12 @@ def main() -> int:
                     got_s = torch.cat([state[n][key].reshape(-1) for n in names]).numpy()
                     diffs[key] = float(np.max(np.abs(got_s - want_state[key])))
                 scale = float(np.max(np.abs(want)))
+                records = trainer.engine.comm.traffic.records
+                data_all_reduces = sum(r.calls for (group, kind), r in records.items()
+                                       if kind == "all_reduce" and group == trainer.engine.comm.group_name)
                 print(json.dumps({"strategy": strategy, "optimizer": opt_name, "world": world,
-                                  "diffs": diffs, "scale": scale}), flush=True)
+                                  "diffs": diffs, "scale": scale,
+                                  "data_all_reduces_per_step": data_all_reduces / STEPS}), flush=True)
             trainer.engine.remove_hooks()
     dist.destroy_process_group()
     return 0
