@@ -11,7 +11,7 @@ torchrun backends run) with the simulator's hand-differentiated model replaced b
   shard, as C-ZERO-004 demands. A shard group of one rank (hybrid with shard size 1, ZeRO-3 at
   world 1) holds every unit whole in its shard: the parameters are views into the shard itself,
   always resident, and nothing is gathered, copied or freed for them (an all-gather over one rank
-  moves no byte; FSDP2 still copies).
+  would only copy the shard).
 * **ZeRO-3 schedule.** A forward pre-hook gathers the unit (the engine's ``block_params``: the
   all-gather of every rank's chunk, with ``prefetch`` units gathered ahead) and copies it into the
   unit's buffer; the forward hook frees the buffer and hooks the unit's outputs, so the first

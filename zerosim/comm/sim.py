@@ -1,14 +1,19 @@
 """The in-process simulator: N ranks in one process, each running the same SPMD program.
 
 Every rank is a thread running ``fn(comm)``. Collectives meet at a *rendezvous* (one per group and
-call number); the last rank to arrive computes the result **once**, in rank order, so a run is
-bitwise reproducible, and hands every member its own result.
+call number). A reduction adds each member's input into one accumulator as soon as every lower
+member's is in (``((x0 op x1) op x2) ...``, so a run is bitwise reproducible, and a pending
+reduction holds one buffer rather than one per rank); an all-gather is computed once, by the last
+member to arrive, and shared read-only. A rank may also *start* a collective and wait for it later
+(:class:`PendingCollective`), which the ZeRO-3 engine uses to run a whole micro-batch ahead.
 
 Two schedules keep the same semantics:
 
 - ``serial`` (default): one rank runs at a time. A rank runs until it blocks in a collective that
-  is still waiting for peers, then hands the baton to the next runnable rank (cyclic rank order).
-  No oversubscription of the BLAS threads, deterministic interleaving, instant deadlock detection.
+  is still waiting for peers, then hands the baton to the next runnable rank (cyclic rank order);
+  a rank taking a completed collective's result first hands the baton to the group's first rank
+  when that one can run, so lower ranks go first. No oversubscription of the BLAS threads,
+  deterministic interleaving, instant deadlock detection.
 - ``parallel``: all ranks run freely (numpy releases the GIL in its kernels), meeting at barriers.
 
 Failure handling (a distributed run must never hang):
@@ -612,10 +617,10 @@ class PendingCollective:
 class SimCommunicator:
     """One rank's view of one group of a :class:`SimulatedWorld` (implements ``Communicator``).
 
-    Beyond the protocol it can *start* an all-reduce, an all-gather or a reduce-scatter and wait for it later
-    (``shares_results``: an all-gather's result is one read-only array every member shares, so a
-    rank that starts many of them ahead costs the process one copy, not one per rank). The engine
-    uses that to let each rank run its whole micro-batch before the next rank runs its own."""
+    Beyond the protocol it can *start* an all-reduce, an all-gather or a reduce-scatter and wait for
+    it later (``shares_results``: an all-gather's result is one read-only array every member shares,
+    so a rank that starts many of them ahead costs the process one copy, not one per rank). The
+    engine uses that to let each rank run its whole micro-batch before the next rank runs its own."""
 
     shares_results = True
 
