@@ -425,8 +425,8 @@ class ModuleEngine(ZeroEngine):
     # ---- offload: the units' parameter shards through the offload manager -------------------------
     def _register_offload(self) -> None:
         manager = self.offload_manager
-        for unit, off in zip(self.units.units, self.units.shard_offsets, strict=True):
-            manager.register_unit(unit.name, self.param_shard[off:off + unit.chunk])
+        for unit in self.units.units:
+            manager.register_unit(unit.name, self.param_chunk(unit))
         state = [self.opt_state[n] for n in self.run.spec.state_names]
         if self.master is not self.param_shard:
             state.append(self.master)
@@ -439,8 +439,7 @@ class ModuleEngine(ZeroEngine):
         comm = comm or self.shard_comm
         assert comm is not None
         if self.offload_manager is None:
-            off = self.units.shard_offsets[unit.index]
-            return comm.all_gather(self.param_shard[off:off + unit.chunk])
+            return comm.all_gather(self.param_chunk(unit))
         at = order.index(unit.name) if unit.name in order else len(order)
         shard = self.offload_manager.fetch(unit.name, order[at + 1:])
         packed = comm.all_gather(shard)
@@ -460,8 +459,8 @@ class ModuleEngine(ZeroEngine):
             return
         super().refresh_params()
         if self.offload_manager is not None:
-            for unit, off in zip(self.units.units, self.units.shard_offsets, strict=True):
-                self.offload_manager.update_host(unit.name, self.param_shard[off:off + unit.chunk])
+            for unit in self.units.units:
+                self.offload_manager.update_host(unit.name, self.param_chunk(unit))
 
     def _param_destinations(self) -> list[list[tuple[int, torch.Tensor]]]:
         """Per shard-group rank, where each piece of its chunk lives in the full parameters:

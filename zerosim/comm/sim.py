@@ -107,8 +107,11 @@ def _concat(xs: Sequence[Any]) -> Any:
     return np.concatenate(list(xs))
 
 
-def _maximum_into(acc: Any, x: Any) -> None:
-    if _is_torch(acc):
+def _combine_into(acc: Any, x: Any, op: str) -> None:
+    """``acc = acc op x`` in place (``avg`` adds: the division comes once, at the end)."""
+    if op != "max":
+        acc += x
+    elif _is_torch(acc):
         import torch
 
         torch.maximum(acc, x, out=acc)
@@ -124,10 +127,7 @@ def reduce_in_rank_order(xs: Sequence[Any], op: str) -> Any:
         raise ConfigError("op", op, f"unknown reduce op; known: {', '.join(REDUCE_OPS)}")
     acc = _copy(xs[0])
     for x in xs[1:]:
-        if op == "max":
-            _maximum_into(acc, x)
-        else:
-            acc += x
+        _combine_into(acc, x, op)
     if op == "avg":
         acc /= len(xs)
     return acc
@@ -223,10 +223,8 @@ class _Rendezvous:
             x = call.array
             if self.folded == 0:
                 self.acc = x if call.donated else _copy(x)
-            elif first.op == "max":
-                _maximum_into(self.acc, x)
             else:
-                self.acc += x
+                _combine_into(self.acc, x, first.op or "sum")
             call.array = None
             self.folded += 1
 

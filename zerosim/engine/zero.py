@@ -458,14 +458,17 @@ class ZeroEngine:
     # =============================================================================================
     # parameters of a block
     # =============================================================================================
+    def param_chunk(self, unit: FlatUnit) -> Any:
+        """This rank's chunk of ``unit`` in its working-parameter shard (what an all-gather sends)."""
+        off = self.units.shard_offsets[unit.index]
+        return self.param_shard[off:off + unit.chunk]
+
     def gather_unit(self, unit: FlatUnit, comm: Communicator) -> tuple[Any, Any]:
         """All-gather the unit's parameter chunks over ``comm``; returns (packed buffer, unit-space params).
         Run-ahead: the all-gather this micro-batch started for the unit's current phase."""
-        off = self.units.shard_offsets[unit.index]
-        shard = self.param_shard[off:off + unit.chunk]
         key = (self._phase, unit.index)
         started = self._started_gathers.pop(key, None) if comm is self.shard_comm else None
-        packed = comm.all_gather(shard) if started is None else started.wait()
+        packed = comm.all_gather(self.param_chunk(unit)) if started is None else started.wait()
         dtype = self.precision.param_dtype
         derived = getattr(comm, "derived", None)  # the simulator unpacks a shared result once for the group
         if callable(derived) and not unit.is_identity:
@@ -532,21 +535,23 @@ class ZeroEngine:
         ``span - key`` (exact in float64). Raises :class:`NonFiniteGradientError` naming it."""
         self._raise_if_flagged(step, self.control.all_reduce(self._finite_flag(bad), "max"), when)
 
+    def _vote_span(self) -> int:
+        """One more than the number of (rank, tensor) keys a finite vote can name."""
+        return self.comm.world_size * len(self.layout.tensors) + 1
+
     def _finite_flag(self, bad: int) -> Any:
         """This rank's vote for :meth:`agree_finite`: ``span - key`` (0: all finite) in a float64 array."""
         xp = self.xp
-        n_tensors = len(self.layout.tensors)
         flag = xp.zeros(1, "float64")
         if bad:
-            xp.assign(flag, float(self.comm.world_size * n_tensors + 1) - (self.rank * n_tensors + bad - 1))
+            xp.assign(flag, float(self._vote_span() - (self.rank * len(self.layout.tensors) + bad - 1)))
         return flag
 
     def _raise_if_flagged(self, step: int, agreed: Any, when: str) -> None:
         """Raise :class:`NonFiniteGradientError` naming the (rank, tensor) the all-reduced vote encodes."""
-        n_tensors = len(self.layout.tensors)
         worst = self.xp.to_float(agreed[0])
         if worst > 0:
-            r, t = divmod(int(self.comm.world_size * n_tensors + 1 - worst), n_tensors)
+            r, t = divmod(int(self._vote_span() - worst), len(self.layout.tensors))
             raise NonFiniteGradientError(r, self.layout.tensors[t].name, step, when)
 
     def on_block_grads(self, step: int, micro: int, block: str, grads: dict[str, Any]) -> None:
@@ -662,9 +667,8 @@ class ZeroEngine:
         for phase, blocks in (("forward", order), ("backward", order[::-1])):
             for block in blocks:
                 unit = self.unit_by_block[block]
-                off = self.units.shard_offsets[unit.index]
                 self._started_gathers[(phase, unit.index)] = self.shard_comm.all_gather_start(  # type: ignore[attr-defined]
-                    self.param_shard[off:off + unit.chunk])
+                    self.param_chunk(unit))
 
     def _start_reduce_scatter(self, unit: FlatUnit, grads: dict[str, Any], packed: Any) -> None:
         """Start the block's finite vote (:meth:`check_finite`'s all-reduce) and its reduce-scatter;
@@ -728,7 +732,6 @@ class ZeroEngine:
             del grads
         if self.runs_ahead:
             self._finish_started(step, micro)
-        self._phase = "forward"
         self.on_micro_batch_end(step, micro)
         return loss
 
