@@ -20,11 +20,15 @@ import pytest
 pytest.importorskip("torch")
 
 from zerosim.bench.peers import (  # noqa: E402
+    MAX_TIMED_STEPS,
     STAGES,
     is_peer,
+    merge_rounds,
+    sequence,
     stage_from_strategy,
     stage_of,
     summarize,
+    timed_steps,
 )
 from zerosim.cli import main  # noqa: E402
 from zerosim.verify.adapters import ADAPTERS  # noqa: E402
@@ -87,6 +91,45 @@ def test_ratios_are_over_the_fastest_peer_of_the_stage_and_the_fastest_of_all() 
     assert "median_s" not in by["torch-zero"] and by["torch-zero"]["ratio_to_fastest"] is None
 
 
+# ---- rounds and the number of timed steps ----------------------------------------------------------------
+
+
+def test_rounds_alternate_the_order_so_drifting_load_falls_on_every_adapter_alike() -> None:
+    assert sequence(["a", "b", "c"], 1) == [(0, "a"), (0, "b"), (0, "c")]
+    assert sequence(["a", "b", "c"], 3) == [(0, "a"), (0, "b"), (0, "c"), (1, "c"), (1, "b"), (1, "a"),
+                                            (2, "a"), (2, "b"), (2, "c")]
+    # the mean position of every adapter in two rounds is the same
+    order = sequence(["a", "b", "c", "d"], 2)
+    positions = {a: [i for i, (_, b) in enumerate(order) if b == a] for a in "abcd"}
+    assert {sum(p) for p in positions.values()} == {7}
+
+
+def test_short_steps_are_timed_until_they_add_up_to_the_minimum_time() -> None:
+    assert timed_steps(3, 1.0, [2.0, 1.5, 1.9]) == 3  # a second-long step: the steps asked for
+    assert timed_steps(3, 1.0, [0.010, 0.012, 0.011]) == 91  # ceil(1.0 / 0.011)
+    assert timed_steps(3, 1.0, [1e-6, 1e-6, 1e-6]) == MAX_TIMED_STEPS
+    assert timed_steps(3, 0.0, [0.010, 0.010, 0.010]) == 3  # no minimum time: exactly the steps
+    assert timed_steps(3, 1.0, [0.0, 0.0, 0.0]) == MAX_TIMED_STEPS
+
+
+def test_rounds_merge_into_one_row_and_a_failure_in_any_round_is_the_row() -> None:
+    def ok(round_index: int, samples: list[float]) -> dict[str, Any]:
+        return {**_row("ddp", 0, samples), "round": round_index, "position": round_index,
+                "warmup_samples": [9.0], "rank_samples": [samples, [s / 2 for s in samples]], "init_s": 1.0}
+
+    merged = merge_rounds([ok(1, [0.3]), ok(0, [0.1, 0.2])])
+    assert len(merged) == 1
+    row = merged[0]
+    assert row["samples"] == [0.1, 0.2, 0.3] and row["steps_per_round"] == [2, 1] and row["rounds"] == 2
+    assert row["rank_samples"] == [[0.1, 0.2, 0.3], [0.05, 0.1, 0.15]] and row["warmup_samples"] == [9.0, 9.0]
+    assert "round" not in row and "position" not in row
+    failed = {"kind": "result", "model": "m", "adapter": "ddp", "status": "error", "stage": 0,
+              "error": "boom"}
+    assert merge_rounds([ok(0, [0.1]), failed]) == [failed]
+    by = {r["adapter"]: r for r in summarize([ok(0, [0.1, 0.2]), ok(1, [0.6])], ["m"])}
+    assert by["ddp"]["median_s"] == 0.2 and by["ddp"]["max_s"] == 0.6
+
+
 # ---- bad input: one line, exit 2, nothing launched --------------------------------------------------------
 
 
@@ -105,6 +148,10 @@ def test_ratios_are_over_the_fastest_peer_of_the_stage_and_the_fastest_of_all() 
         (["--device", "tpu"], "device='tpu'"),
         (["--optimizer", "lion"], "optimizer='lion'"),
         (["--timeout", "0"], "timeout='0'"),
+        (["--rounds", "0"], "rounds=0"),
+        (["--min-time", "-1"], "min_time='-1'"),
+        (["--min-time", "inf"], "min_time='inf'"),
+        (["--steps", str(MAX_TIMED_STEPS + 1)], f"steps={MAX_TIMED_STEPS + 1}"),
         (["--steps"], "expected one argument"),
     ],
 )
@@ -131,7 +178,7 @@ def test_bad_input_is_one_line_and_exit_2(
 def tiny_run(tmp_path_factory: Any) -> tuple[subprocess.CompletedProcess, dict[str, Any], Path]:
     out = tmp_path_factory.mktemp("peers")
     result = run_bench("--models", "gpt", "--adapters", "ddp,fsdp2", "--steps", "2", "--warmup", "1",
-                       "--out", str(out))
+                       "--rounds", "2", "--min-time", "0.05", "--out", str(out))
     report = json.loads((out / "bench_peers.json").read_text()) if (out / "bench_peers.json").exists() else {}
     return result, report, out
 
@@ -151,9 +198,15 @@ def test_a_tiny_run_writes_the_report(tiny_run: Any) -> None:
     for name, stage in (("ddp", 0), ("fsdp2", 3)):
         r = rows[name]
         assert r["status"] == "ok" and r["stage"] == stage and r["stage_source"] == "declared"
-        assert len(r["samples"]) == 2 and len(r["warmup_samples"]) == 1 and len(r["rank_samples"]) == 2
-        assert all(s > 0 for s in r["samples"])
-        assert r["samples"] == [max(per_rank[k] for per_rank in r["rank_samples"]) for k in range(2)]
+        assert r["rounds"] == 2 and len(r["warmup_samples"]) == 2 and len(r["rank_samples"]) == 2
+        assert all(s > 0 for s in r["samples"]) and len(r["samples"]) == sum(r["steps_per_round"])
+        n = len(r["samples"])
+        assert r["samples"] == [max(per_rank[k] for per_rank in r["rank_samples"]) for k in range(n)]
+        at = 0
+        for count in r["steps_per_round"]:  # each round: the most steps any rank wanted after its first 2
+            wanted = [timed_steps(2, 0.05, per_rank[at:at + 2]) for per_rank in r["rank_samples"]]
+            assert count == max(wanted) >= 2, (count, wanted)
+            at += count
         assert r["median_s"] == statistics.median(r["samples"])
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
         assert r["ratio_to_stage_peer"] == 1.0 and r["stage_peer"] == name  # alone in its stage

@@ -8,6 +8,9 @@ table and ``installed_adapters()`` say why.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("torch")
@@ -136,3 +139,21 @@ def test_deepspeed_stage_2_reducing_to_each_owner_sends_exactly_the_zero2_volume
     statuses = {cid: o.status for cid, o in report.contracts.items()}
     assert statuses == {"C-ZERO-001": "pass", "C-ZERO-002": "pass", "C-ZERO-003": "pass",
                         "C-ZERO-004": "skipped", "C-ZERO-005": "pass"}, report.contracts["C-ZERO-005"].reason
+
+
+@pytest.mark.torchdist
+def test_closing_a_deepspeed_zero3_trainer_lets_the_process_free_it() -> None:
+    """DeepSpeed ZeRO-3 keeps every engine reachable after destroy() (its root module in a module-level
+    list, its parameter coordinator in a class-wide cache); the adapter's close() drops both, so
+    zerosim bench peers and verify can build one engine after another in a process."""
+    pytest.importorskip("deepspeed")
+    from zerogpu.launch import run_torchrun
+
+    probe = Path(__file__).parent / "verify_programs" / "release_probe.py"
+    result = run_torchrun(2, [str(probe), "close", "deepspeed-3"], timeout_s=300)
+    assert result.returncode == 0, (result.stderr or "")[-2000:]
+    rows = [json.loads(line) for line in (result.stdout or "").splitlines() if line.startswith("{")]
+    assert len(rows) == 2 * 2
+    for r in rows:
+        assert r["alive"] == [], r
+

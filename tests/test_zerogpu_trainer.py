@@ -125,6 +125,40 @@ def test_a_shard_group_of_one_keeps_its_units_as_views_of_the_shard(world_of_one
     assert all(p.untyped_storage().nbytes() == 0 for p in gathered_model.parameters())
 
 
+def _hooks_on(model) -> int:
+    count = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return count + sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+
+
+def test_close_detaches_the_trainer_from_its_model(world_of_one) -> None:
+    from zerogpu.trainer import ZeroTrainer
+
+    model = _gpt()
+    trainer = ZeroTrainer(model, {"name": "adamw", "lr": 1e-3}, "zero3")
+    trainer.step(*_batches(1)[0])
+    assert _hooks_on(model) > 0
+    trainer.close()
+    assert _hooks_on(model) == 0
+
+
+RELEASE_PROBE = Path(__file__).parent / "verify_programs" / "release_probe.py"
+
+
+@pytest.mark.torchdist
+def test_a_dropped_trainer_frees_its_engine_and_model_and_leaves_no_hook_behind() -> None:
+    """torch keeps a parameter's post-accumulate-grad hooks where Python's collector cannot follow
+    them; hooks that held the engine strongly kept every dropped trainer's engine, buffers and model
+    for the life of the process (0.5-0.7 GB per rank and trainer at 50M parameters). Two ranks, each
+    strategy built, stepped and dropped twice, no close()."""
+    adapters = "zerogpu-1,zerogpu-2,zerogpu-3,zerogpu-3-offload"
+    result = run_torchrun(2, [str(RELEASE_PROBE), "drop", adapters], timeout_s=300)
+    assert result.returncode == 0, (result.stderr or "")[-2000:]
+    rows = [json.loads(line) for line in (result.stdout or "").splitlines() if line.startswith("{")]
+    assert len(rows) == 2 * 2 * 4
+    for r in rows:
+        assert r["alive"] == [] and r["hooks"] == 0, r
+
+
 def test_offload_is_bitwise_the_run_without_it_and_stays_within_its_device_budget(world_of_one) -> None:
     from zerogpu.offload import OffloadConfig
     from zerogpu.trainer import ZeroTrainer

@@ -211,6 +211,12 @@ class ZeroTrainer:
         self._steps += 1
         return float(obs.local_loss)
 
+    def close(self) -> None:
+        """Detach from the model: every hook the engine registered on it is removed (the parameters
+        stay views of the engine's buffers). Dropping the trainer does the same when the engine is
+        collected; ``close`` does it now."""
+        self.engine.remove_hooks()
+
     # ---- the verify protocol: full values, shards, resident bytes ----------------------------------
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:

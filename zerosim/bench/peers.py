@@ -52,6 +52,10 @@ from ..errors import EXIT_RUN_FAILED, ConfigError, require_non_negative_int, req
 DEFAULT_MODELS = ("gpt", "gpt-50m")
 DEFAULT_STEPS = 3
 DEFAULT_WARMUP = 1
+DEFAULT_ROUNDS = 2
+DEFAULT_MIN_TIME_S = 1.0
+#: the most timed steps one adapter runs in one round, however short its step (``--min-time``)
+MAX_TIMED_STEPS = 500
 DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_OUT = Path("reports")
 JSON_NAME = "bench_peers.json"
@@ -122,6 +126,58 @@ def is_peer(adapter: str) -> bool:
     return adapter in ADAPTERS and not adapter.startswith(OURS_PREFIX)
 
 
+# ---- rounds ------------------------------------------------------------------------------------------------
+
+
+def sequence(adapters: Sequence[str], rounds: int) -> list[tuple[int, str]]:
+    """``(round, adapter)`` in the order they run: the list forwards in even rounds, backwards in odd
+    ones (A B C, C B A, A B C, ...). Load that drifts during a run then falls on every adapter alike
+    on average, instead of on whichever ran last."""
+    out: list[tuple[int, str]] = []
+    for r in range(rounds):
+        out += [(r, a) for a in (adapters if r % 2 == 0 else list(reversed(adapters)))]
+    return out
+
+
+def timed_steps(steps: int, min_time_s: float, first: Sequence[float]) -> int:
+    """How many steps one rank wants timed in a round: at least ``steps``, and enough that they add up
+    to about ``min_time_s`` at the median of the ``first`` ``steps`` samples, at most
+    :data:`MAX_TIMED_STEPS`. The ranks run the largest of their wishes: a millisecond step then gets
+    hundreds of samples and a second-long one the ``steps`` asked for."""
+    if not first or min_time_s <= 0:
+        return steps
+    median = statistics.median(first)
+    wanted = math.ceil(min_time_s / median) if median > 0 else MAX_TIMED_STEPS
+    return max(steps, min(MAX_TIMED_STEPS, wanted))
+
+
+def merge_rounds(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, adapter) from its rows of every round: samples (and each rank's) joined in
+    round order, ``steps_per_round`` kept; an adapter that failed in any round is its error row."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["adapter"]), []).append(row)
+    merged: list[dict[str, Any]] = []
+    for group in groups.values():
+        failed = [r for r in group if r.get("status") != "ok"]
+        if failed:
+            merged.append(failed[0])
+            continue
+        group.sort(key=lambda r: r.get("round", 0))
+        row = dict(group[-1])
+        row["samples"] = [x for r in group for x in r["samples"]]
+        row["warmup_samples"] = [x for r in group for x in r.get("warmup_samples", [])]
+        ranks = len(group[0].get("rank_samples") or [])
+        row["rank_samples"] = [[x for r in group for x in r["rank_samples"][k]] for k in range(ranks)]
+        row["steps_per_round"] = [len(r["samples"]) for r in group]
+        row["init_s"] = max(r.get("init_s", 0.0) for r in group)
+        row["rounds"] = len(group)
+        row.pop("round", None)
+        row.pop("position", None)
+        merged.append(row)
+    return merged
+
+
 # ---- options ----------------------------------------------------------------------------------------------
 
 
@@ -135,14 +191,16 @@ def parse_int(field: str, text: Any) -> int:
         raise ConfigError(field, text, "must be an integer") from None
 
 
-def parse_seconds(field: str, text: Any) -> float:
-    """``text`` as a positive, finite number of seconds; ConfigError naming ``field`` otherwise."""
+def parse_seconds(field: str, text: Any, *, allow_zero: bool = False) -> float:
+    """``text`` as a finite number of seconds, positive (or 0 or more with ``allow_zero``);
+    ConfigError naming ``field`` otherwise."""
     try:
         value = float(str(text).strip())
     except ValueError:
         raise ConfigError(field, text, "must be a number of seconds") from None
-    if not 0 < value < math.inf:
-        raise ConfigError(field, text, "must be a positive, finite number of seconds")
+    if not (0 <= value if allow_zero else 0 < value) or not value < math.inf:
+        least = "0 or more" if allow_zero else "positive"
+        raise ConfigError(field, text, f"must be a finite number of seconds, {least}")
     return value
 
 
@@ -193,10 +251,17 @@ def select_adapters(text: str | Sequence[str] | None) -> list[str]:
     return names
 
 
-def validate_run(*, steps: Any, warmup: Any, dtype: Any, device: Any, optimizer: Any, timeout_s: Any) -> None:
+def validate_run(*, steps: Any, warmup: Any, dtype: Any, device: Any, optimizer: Any, timeout_s: Any,
+                 rounds: Any = 1, min_time_s: Any = 0.0) -> None:
     """ConfigError for a bad option the launcher and every rank check alike (deterministic)."""
     require_positive_int("steps", steps)
+    if steps > MAX_TIMED_STEPS:
+        raise ConfigError("steps", steps, f"at most {MAX_TIMED_STEPS} timed steps per adapter and round")
     require_non_negative_int("warmup", warmup)
+    require_positive_int("rounds", rounds)
+    if isinstance(min_time_s, bool) or not isinstance(min_time_s, (int, float)) \
+            or not 0 <= min_time_s < math.inf:
+        raise ConfigError("min_time", min_time_s, "must be a finite number of seconds, 0 or more")
     if dtype not in DTYPES:
         raise ConfigError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
     if device not in DEVICES:
@@ -266,7 +331,8 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def summarize(rows: Iterable[dict[str, Any]], models: Sequence[str]) -> list[dict[str, Any]]:
-    """Every row with its median / min / max and both ratios, ordered by model, stage, table order.
+    """Every (model, adapter) with its rounds merged (:func:`merge_rounds`), its median / min / max
+    and both ratios, ordered by model, stage, table order.
 
     ``ratio_to_stage_peer``: median over the smallest median of a peer of the same stage (None when no
     peer of that stage was measured); ``ratio_to_fastest``: over the smallest median of the model.
@@ -275,7 +341,7 @@ def summarize(rows: Iterable[dict[str, Any]], models: Sequence[str]) -> list[dic
 
     table_order = {name: i for i, name in enumerate([*ADAPTERS, *VARIANTS])}
     out: list[dict[str, Any]] = []
-    for row in rows:
+    for row in merge_rounds(rows):
         row = {k: v for k, v in row.items() if k != "kind"}
         row["peer"] = is_peer(row["adapter"])
         samples = row.get("samples") or []
@@ -319,8 +385,11 @@ def build_report(rows: Iterable[dict[str, Any]], *, models: Sequence[str], adapt
         "optimizer": optim_config(settings["optimizer"]),
         "steps": settings["steps"],
         "warmup": settings["warmup"],
+        "rounds": settings.get("rounds", 1),
+        "min_time_s": settings.get("min_time_s", 0.0),
         "timeout_s": settings["timeout_s"],
-        "timing": "per step: the slowest rank's trainer.step() after a barrier; per adapter: the median",
+        "timing": "per step: the slowest rank's trainer.step() after a barrier; per adapter: the median "
+                  "of its steps of every round (rounds alternate the adapters' order)",
         "models": {m: model_info(m) for m in models},
         "adapters": list(adapters),
         "stages": {a: stage_of(a)[0] for a in adapters},
@@ -328,6 +397,20 @@ def build_report(rows: Iterable[dict[str, Any]], *, models: Sequence[str], adapt
         "failed": [{"model": r["model"], "adapter": r["adapter"], "error": r.get("error")}
                    for r in results if r.get("status") != "ok"],
     }
+
+
+def _timing_words(report: dict[str, Any]) -> str:
+    """How the medians were taken, in words (the ``steps`` column counts each adapter's samples)."""
+    rounds = report.get("rounds", 1)
+    words = f"median over {rounds} round(s) in alternating order" if rounds > 1 else "median of one round"
+    words += (f"; per round a fresh trainer, {report['warmup']} warm-up step(s), "
+              f"then at least {report['steps']}")
+    min_time = report.get("min_time_s") or 0
+    if min_time:
+        words += f" timed step(s) and about {min_time:g} s of them (at most {MAX_TIMED_STEPS})"
+    else:
+        words += " timed step(s)"
+    return words
 
 
 def _seconds(value: Any) -> str:
@@ -354,13 +437,15 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
             note = f"vs {r['stage_peer']}"
         rows.append([
             r["model"], r["adapter"], "-" if stage is None else str(stage),
+            str(len(r.get("samples") or [])) if r.get("status") == "ok" else "-",
             _seconds(r.get("median_s")), _seconds(r.get("min_s")), _seconds(r.get("max_s")),
             _ratio(r.get("ratio_to_stage_peer")), _ratio(r.get("ratio_to_fastest")), note,
         ])
     return rows
 
 
-COLUMNS = ("model", "adapter", "stage", "median s", "min s", "max s", "/ stage peer", "/ fastest", "note")
+COLUMNS = ("model", "adapter", "stage", "steps", "median s", "min s", "max s", "/ stage peer", "/ fastest",
+           "note")
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -371,8 +456,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"One optimizer step ({report['optimizer']['name']}, gradient clip {MAX_GRAD_NORM}) of {models}, "
         f"{report['dtype']}, {report['world']} ranks on {report['device']} ({report['backend']}); "
-        f"median of {report['steps']} timed step(s) after {report['warmup']} warm-up step(s), each the "
-        f"slowest rank's `trainer.step()` after a barrier. torch {machine.get('torch')}, deepspeed "
+        f"{_timing_words(report)}, each step the slowest rank's `trainer.step()` after a barrier. "
+        f"torch {machine.get('torch')}, deepspeed "
         f"{machine.get('deepspeed')}, Python {machine.get('python')}, {machine.get('cpus')} CPUs"
         + (f", {machine['gpu']}" if machine.get("gpu") else "") + f"; {report['created']}.",
         "",
@@ -397,7 +482,7 @@ def print_report(report: dict[str, Any]) -> None:
     from ..text_tables import print_table
 
     title = (f"one {report['optimizer']['name']} step, {report['dtype']}, world {report['world']} "
-             f"({report['backend']}), median of {report['steps']} after {report['warmup']} warm-up")
+             f"({report['backend']}); {_timing_words(report)}")
     table = Table(title=title)
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("model", "adapter", "note") else "right")
@@ -438,6 +523,12 @@ def register(sub: Any) -> None:
                    help=f"timed steps per adapter (default {DEFAULT_STEPS})")
     p.add_argument("--warmup", default=str(DEFAULT_WARMUP),
                    help=f"untimed steps first (default {DEFAULT_WARMUP})")
+    p.add_argument("--rounds", default=str(DEFAULT_ROUNDS),
+                   help="times every adapter is built and timed, the order reversed each round "
+                   f"(default {DEFAULT_ROUNDS})")
+    p.add_argument("--min-time", default=str(DEFAULT_MIN_TIME_S),
+                   help="per adapter and round, time more steps until they add up to about this many "
+                   f"seconds (at most {MAX_TIMED_STEPS}; 0: exactly --steps; default {DEFAULT_MIN_TIME_S:g})")
     p.add_argument("--dtype", default="float32", help="float32 (default) or float64")
     p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
     p.add_argument("--optimizer", default="adamw", help="adamw (default) or sgd (momentum 0.9)")
@@ -457,6 +548,8 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {
         "steps": parse_int("steps", args.steps),
         "warmup": parse_int("warmup", args.warmup),
+        "rounds": parse_int("rounds", args.rounds),
+        "min_time_s": parse_seconds("min_time", args.min_time, allow_zero=True),
         "dtype": args.dtype,
         "device": args.device,
         "optimizer": args.optimizer,
@@ -479,12 +572,17 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
-def rank_argv(settings: dict[str, Any], model: str, adapters: Sequence[str], results: Path) -> list[str]:
-    """What follows torchrun's options: the rank program for ``model`` x ``adapters``."""
-    return [
+def rank_argv(settings: dict[str, Any], model: str, results: Path, start: int = 0,
+              skip: Sequence[str] = ()) -> list[str]:
+    """What follows torchrun's options: the rank program for ``model`` x every adapter and round, from
+    position ``start`` of :func:`sequence` on, the adapters in ``skip`` left out."""
+    argv = [
         "-m", "zerosim.bench.peers_rank",
         "--models", model,
-        "--adapters", ",".join(adapters),
+        "--adapters", ",".join(settings["adapters"]),
+        "--rounds", str(settings["rounds"]),
+        "--min-time", repr(settings["min_time_s"]),
+        "--from-position", str(start),
         "--steps", str(settings["steps"]),
         "--warmup", str(settings["warmup"]),
         "--dtype", settings["dtype"],
@@ -493,6 +591,9 @@ def rank_argv(settings: dict[str, Any], model: str, adapters: Sequence[str], res
         "--timeout", repr(settings["timeout_s"]),
         "--results", str(results),
     ]
+    if skip:
+        argv += ["--skip", ",".join(skip)]
+    return argv
 
 
 def read_results(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -528,31 +629,39 @@ def launch_error(result: Any, limit_s: float) -> str:
 def measure_model(
     settings: dict[str, Any], model: str, tmp: Path
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Every adapter on ``model``: launches until each has a result or an error (one launch if none fails)."""
+    """Every adapter on ``model`` in every round: launches until each (round, adapter) has a result or
+    its adapter an error (one launch if none fails). A failed adapter is left out of later rounds."""
     from zerogpu.launch import run_torchrun
 
-    remaining = list(settings["adapters"])
+    order = sequence(settings["adapters"], settings["rounds"])
+    start = 0
+    skip: list[str] = []
     rows: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
     path_env = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
     attempt = 0
-    while remaining:
+    while True:
+        remaining = [i for i in range(start, len(order)) if order[i][1] not in skip]
+        if not remaining:
+            break
         attempt += 1
         results = tmp / f"{model}-{attempt}.jsonl"
-        calls = len(remaining) * (settings["steps"] + settings["warmup"] + 1)
-        limit_s = 300.0 + settings["timeout_s"] * calls
-        print(f"{model}: torchrun --nproc-per-node {settings['world']}, {len(remaining)} adapter(s): "
-              f"{', '.join(remaining)}", file=sys.stderr, flush=True)
-        result = run_torchrun(settings["world"], rank_argv(settings, model, remaining, results), limit_s,
+        calls = len(remaining) * (settings["steps"] + settings["warmup"] + 2)
+        limit_s = 300.0 + settings["timeout_s"] * calls + settings["min_time_s"] * len(remaining)
+        names = sorted({order[i][1] for i in remaining}, key=settings["adapters"].index)
+        print(f"{model}: torchrun --nproc-per-node {settings['world']}, {len(remaining)} adapter run(s) of "
+              f"{', '.join(names)}", file=sys.stderr, flush=True)
+        result = run_torchrun(settings["world"], rank_argv(settings, model, results, start, skip), limit_s,
                               env={"PYTHONPATH": path_env}, capture=True)
         got_meta, done = read_results(results)
         meta = meta or got_meta
         rows.extend(done)
-        finished = {r["adapter"] for r in done}
-        rest = [a for a in remaining if a not in finished]
+        finished = {r.get("position") for r in done}
+        rest = [i for i in remaining if i not in finished]
         if not rest:
             break
-        failed, remaining = rest[0], rest[1:]
+        failed = order[rest[0]][1]
+        start, skip = rest[0] + 1, [*skip, failed]
         error = launch_error(result, limit_s)
         stage, source = stage_of(failed)
         rows.append({"kind": "result", "model": model, "adapter": failed, "status": "error", "stage": stage,

@@ -11,11 +11,14 @@ writes ``bench_peers.json`` and ``bench_peers.md`` under ``--out`` and prints th
 Add ``--device cuda`` on GPU nodes (NCCL, ``cuda:<LOCAL_RANK>``). There, an adapter that fails ends
 the whole job (exit 3, ``rank R failed: ...``) instead of being recorded and skipped.
 
-For each model the seeded weights are built once per rank; for each adapter a fresh copy goes to
-``make_trainer(model, optim)``. Each of ``--warmup`` + ``--steps`` steps: a barrier, then
+For each model the seeded weights are built once per rank. The adapters run ``--rounds`` times, the
+list forwards then backwards (:func:`zerosim.bench.peers.sequence`); each time a fresh copy of the
+weights goes to ``make_trainer(model, optim)``. Each step: a barrier, then
 ``trainer.step(inputs, targets)`` timed alone on this rank's micro-batch of that step (the same
-batches for every adapter; on CUDA between two device synchronisations). After the adapter, rank 0
-gathers every rank's times; a step's time is the slowest rank's. A watchdog ends the rank (exit 3,
+batches for every adapter; on CUDA between two device synchronisations). ``--warmup`` steps are
+discarded, then ``--steps`` are timed, then more until they add up to about ``--min-time`` seconds
+(the ranks agree on the count: :func:`zerosim.bench.peers.timed_steps`). After each run of an adapter
+rank 0 gathers every rank's times; a step's time is the slowest rank's. A watchdog ends the rank (exit 3,
 one line) when a trainer's construction or a step outlives ``--timeout``; collectives are bounded by
 the same timeout (the process group's). Exit status: 0 done, 2 bad input, 3 a rank failed.
 """
@@ -99,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adapters", default=None, help="comma-separated (default: every installed adapter)")
     p.add_argument("--steps", type=int, default=peers.DEFAULT_STEPS)
     p.add_argument("--warmup", type=int, default=peers.DEFAULT_WARMUP)
+    p.add_argument("--rounds", type=int, default=peers.DEFAULT_ROUNDS)
+    p.add_argument("--min-time", type=float, default=peers.DEFAULT_MIN_TIME_S)
+    # not --start: torchrun would take it for an abbreviation of its own --start-method
+    p.add_argument("--from-position", type=int, default=0,
+                   help="skip the runs before this position of the (round, adapter) order")
+    p.add_argument("--skip", default="", help="comma-separated adapters left out (they failed before)")
     p.add_argument("--dtype", default="float32", choices=peers.DTYPES)
     p.add_argument("--device", default="cpu", choices=peers.DEVICES)
     p.add_argument("--optimizer", default="adamw", choices=peers.OPTIMIZERS)
@@ -120,7 +129,10 @@ def main(argv: list[str]) -> NoReturn:
             raise ConfigError("launcher", "no WORLD_SIZE", "run under torchrun (torchrun --nproc-per-node N "
                               "-m zerosim.bench.peers_rank ...), or use zerosim bench peers")
         peers.validate_run(steps=args.steps, warmup=args.warmup, dtype=args.dtype, device=args.device,
-                           optimizer=args.optimizer, timeout_s=args.timeout)
+                           optimizer=args.optimizer, timeout_s=args.timeout, rounds=args.rounds,
+                           min_time_s=args.min_time)
+        if args.from_position < 0:
+            raise ConfigError("from_position", args.from_position, "must be 0 or more")
         args.models = peers.select_models(args.models)
         args.adapters = peers.select_adapters(args.adapters)
     except ZeroSimError as e:
@@ -149,12 +161,17 @@ def _body(args: argparse.Namespace) -> int:
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
 
+    skip = {name for name in args.skip.split(",") if name}
+    order = peers.sequence(args.adapters, args.rounds)
     for model_name in args.models:
         base = _build_base(model_name, args)
-        for adapter in args.adapters:
+        for position, (round_index, adapter) in enumerate(order):
+            if position < args.from_position or adapter in skip:
+                continue
             row = _measure(comm, watchdog, base, model_name, adapter, device, args, sync)
             if comm.rank == 0:
                 assert row is not None
+                row.update(round=round_index, position=position)
                 rows.append(row)
                 _emit(args, row)
         del base
@@ -162,7 +179,7 @@ def _body(args: argparse.Namespace) -> int:
     if comm.rank == 0 and args.results is None:
         settings = {"device": args.device, "world": comm.world_size, "dtype": args.dtype,
                     "optimizer": args.optimizer, "steps": args.steps, "warmup": args.warmup,
-                    "timeout_s": args.timeout}
+                    "rounds": args.rounds, "min_time_s": args.min_time, "timeout_s": args.timeout}
         report = peers.build_report(rows, models=args.models, adapters=args.adapters, meta=meta,
                                     settings=settings)
         report["wall_s"] = round(time.monotonic() - started, 1)
@@ -183,6 +200,7 @@ def _measure(comm: Any, watchdog: CallWatchdog, base: Any, model_name: str, adap
              args: argparse.Namespace, sync: Any) -> dict[str, Any] | None:
     """One adapter on one model; rank 0 returns its result row (None elsewhere). Raises on any failure."""
     from zerosim.verify.model import micro_batch
+    from zerosim.verify.protocol import close_trainer
     from zerosim.verify.targets import resolve_factory
 
     factory = resolve_factory(adapter)
@@ -197,7 +215,8 @@ def _measure(comm: Any, watchdog: CallWatchdog, base: Any, model_name: str, adap
     samples: list[float] = []
     warmup: list[float] = []
     loss = math.nan
-    for i in range(args.warmup + args.steps):
+    total, i = args.warmup + args.steps, 0
+    while i < total:
         inputs, targets = (t.to(device) for t in micro_batch(comm.rank, i + 1, args.seed, model_name))
         sync()
         comm.barrier()
@@ -207,10 +226,15 @@ def _measure(comm: Any, watchdog: CallWatchdog, base: Any, model_name: str, adap
             sync()
             dt = time.perf_counter() - t0
         (warmup if i < args.warmup else samples).append(dt)
+        i += 1
+        if i == args.warmup + args.steps:
+            total = args.warmup + _agreed_steps(comm, args, samples)
     mine = {"samples": samples, "warmup": warmup, "init_s": init_s,
             "loss": float(loss) if math.isfinite(float(loss)) else None,
             "declared": declared if isinstance(declared, str) else None}
     gathered = comm.gather_object(mine, root=0)
+    with watchdog.limit(f"{adapter} on {model_name}: close"):
+        close_trainer(trainer)
     del trainer, model
     gc.collect()
     if comm.rank != 0:
@@ -225,12 +249,23 @@ def _measure(comm: Any, watchdog: CallWatchdog, base: Any, model_name: str, adap
         "stage": stage,
         "stage_source": source,
         "declared_strategy": mine["declared"],
-        "samples": [max(g["samples"][k] for g in gathered) for k in range(args.steps)],
+        "samples": [max(g["samples"][k] for g in gathered) for k in range(len(samples))],
         "warmup_samples": [max(g["warmup"][k] for g in gathered) for k in range(args.warmup)],
         "rank_samples": [g["samples"] for g in gathered],
         "init_s": max(g["init_s"] for g in gathered),
         "loss_last": [g["loss"] for g in gathered],
     }
+
+
+def _agreed_steps(comm: Any, args: argparse.Namespace, samples: list[float]) -> int:
+    """The number of timed steps every rank runs: the largest any rank wants (outside the timing)."""
+    import torch
+
+    wanted = peers.timed_steps(args.steps, args.min_time, samples)
+    if args.min_time <= 0:
+        return wanted
+    agreed = comm.all_reduce(torch.tensor([float(wanted)], dtype=torch.float64), "max")
+    return int(agreed[0])
 
 
 def _emit(args: argparse.Namespace, record: dict[str, Any]) -> None:

@@ -13,6 +13,11 @@ Optional: ``full_optimizer_state() -> dict[str, dict[str, Tensor]]`` (torch.opti
 list[tuple[int, int]]]`` (half-open ranges of each flattened parameter whose optimizer state this
 rank owns; C-ZERO-001 is checked from them).
 
+Optional: ``close()``, called once after a trainer's last step (by verify between phases, by
+``zerosim bench peers`` between adapters): release what the trainer registered outside itself
+(hooks on the model, an engine's global state), so that the next trainer built in the same process
+starts clean and the memory of this one can be freed.
+
 Optional, for ``--resume-at``: ``save_checkpoint(directory)`` and ``load_checkpoint(directory)``, both
 collective (every rank calls them, between steps, with the same directory, on a shared filesystem).
 ``save_checkpoint`` writes everything the trainer needs to continue: parameters, optimizer state and
@@ -36,7 +41,7 @@ import numpy as np
 from .errors import TrainerError
 
 REQUIRED_METHODS = ("step", "full_parameters")
-OPTIONAL_METHODS = ("full_optimizer_state", "local_shards", "save_checkpoint", "load_checkpoint")
+OPTIONAL_METHODS = ("full_optimizer_state", "local_shards", "save_checkpoint", "load_checkpoint", "close")
 RESUME_METHODS = ("save_checkpoint", "load_checkpoint")
 STATE_NAMES = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq", "step")}
 
@@ -248,3 +253,10 @@ def finite_loss(value: Any, rank: int, step: int) -> float:
     if not math.isfinite(loss):
         raise TrainerError(f"step() on rank {rank} at step {step} returned a non-finite loss ({loss})")
     return loss
+
+
+def close_trainer(trainer: Any) -> None:
+    """Call the trainer's optional ``close()`` (see the module docstring); nothing when it has none."""
+    close = getattr(trainer, "close", None)
+    if callable(close):
+        close()

@@ -155,6 +155,7 @@ class RankSession:
                 reason = self._resume_phase(trainer, phase, resume, expected, numels)
                 if reason is not None:
                     phase_info.append(self._phase_json(phase, "skipped", reason))
+                    self._close(trainer, phase)
                     del trainer
                     continue
             probe = ResourceProbe(trainer)
@@ -187,6 +188,7 @@ class RankSession:
                         [[o.resources for o in self.observations[s]] for s in steps],
                     )
                 )
+            self._close(trainer, phase)
             del trainer, probe
             if torch.cuda.is_available() and self.device.startswith("cuda"):
                 torch.cuda.synchronize(self.device)
@@ -233,6 +235,13 @@ class RankSession:
                 print(json.dumps(report.to_json()) if self.args.json else render_text(report), flush=True)
             code = report.exit_code
         return code
+
+    def _close(self, trainer: Any, phase: Phase) -> None:
+        """The trainer's optional ``close()`` once its phase is over, on every rank."""
+        from .protocol import close_trainer
+
+        self.where = f"{phase.name} phase: close()"
+        close_trainer(trainer)
 
     # -- resuming ----------------------------------------------------------------------------------------
     def _require_resumable(self, trainer: Any) -> None:

@@ -108,6 +108,13 @@ class DeepSpeedTrainer:
         self.engine.step()
         return float(loss.detach())
 
+    def close(self) -> None:
+        """``DeepSpeedEngine.destroy()`` (ZeRO-3 removes the hooks it put on every parameter and
+        module), then what ZeRO-3 keeps at module level: :func:`release_zero3_globals`."""
+        self.engine.destroy()
+        if self.stage == 3:
+            release_zero3_globals(self.engine.module)
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_fp32_param
 
@@ -197,6 +204,46 @@ class DeepSpeedTrainer:
                     out[name_of[id(p)]].append((start - offset, stop - offset))
                 offset += p.numel()
         return out
+
+
+def release_zero3_globals(module: torch.nn.Module) -> None:
+    """Drop the two references DeepSpeed ZeRO-3 keeps to an engine after ``destroy()``: its root module
+    in the module-level list ``parameter_offload.FWD_MODULE_STACK`` (appended when the engine is
+    built, never taken out), and the engine's parameter coordinator in the class-wide
+    ``functools.lru_cache`` of ``PartitionedParameterCoordinator.__params_to_release`` (keyed by the
+    coordinator). Without this every ZeRO-3 engine, its partitions and its model stay for the life of
+    the process (measured: 0.5-0.6 GB per rank for each 50M-parameter engine). Clearing the cache
+    costs another live engine only a recomputation."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    stack = getattr(parameter_offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack[:] = [m for m in stack if m is not module]
+    coordinator_cache = _lru_cache_in(
+        vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release"))
+    if coordinator_cache is not None:
+        coordinator_cache.cache_clear()
+
+
+def _lru_cache_in(fn: Any, depth: int = 4) -> Any:
+    """The ``functools.lru_cache`` wrapper ``fn`` is or wraps (``__wrapped__`` or a closure cell, as
+    DeepSpeed's nvtx decorator holds it), or None."""
+    if fn is None or depth == 0:
+        return None
+    if hasattr(fn, "cache_clear"):
+        return fn
+    inner = [getattr(fn, "__wrapped__", None)]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    for candidate in inner:
+        found = _lru_cache_in(candidate, depth - 1) if callable(candidate) else None
+        if found is not None:
+            return found
+    return None
 
 
 def _to_universal(source: Any, target: Any) -> str | None:
