@@ -91,13 +91,17 @@ def test_per_block_hidden_states_match():
     ("adam", dict(weight_decay=0.1)),
     ("adamw", dict(betas=(0.3, 0.95))),
 ])
-def test_optimizers_are_bitwise_identical_across_namespaces(name, opts):
+@pytest.mark.parametrize("via_numpy", [False, True], ids=["torch-ops", "numpy-views"])
+def test_optimizers_are_bitwise_identical_across_namespaces(name, opts, via_numpy):
+    """torch-ops: torch's own operations (what a GPU runs); numpy-views: CPU tensors stepped by numpy
+    on views of their memory (the default on the CPU)."""
     spec = OptimizerSpec.parse(name, lr=1e-2, **opts)
     rng = np.random.default_rng(0)
     n = 2053
     p_np = rng.standard_normal(n).astype(np.float32)
     p_th = TH.from_numpy(p_np, copy=True)
     o_np, o_th = make_optimizer(spec, NP), make_optimizer(spec, TH)
+    o_th.cpu_via_numpy = via_numpy
     s_np, s_th = o_np.init_state(n), o_th.init_state(n)
     for _ in range(6):
         g = (rng.standard_normal(n) * 10.0 ** rng.uniform(-4, 0, n)).astype(np.float32)

@@ -10,11 +10,15 @@ optimizer (AdamW, global-norm clip at 1.0; ``--optimizer sgd``: SGD with momentu
 
 Ranks are started by :func:`zerogpu.launch.run_torchrun` (a wall-clock limit, no process left behind):
 one ``torchrun -m zerosim.bench.peers_rank`` launch per model that runs the adapters one after the
-other, each building its own trainer from a fresh copy of the model. gloo on the CPU at world 2 by
-default; ``--device cuda``: NCCL, one rank per GPU. Per adapter, ``--warmup`` steps are run and
-discarded, then ``--steps`` steps are timed: every rank enters a barrier, times ``trainer.step()``
-alone (on CUDA between two device synchronisations), and a step's time is the slowest rank's.
-The adapter's time is the median of those; min, max and every sample are kept.
+other, ``--rounds`` times (default 2), the list forwards in even rounds and backwards in odd ones, so
+that load drifting during the run falls on every adapter alike. Each run of an adapter builds its
+own trainer from a fresh copy of the model and calls its optional ``close()`` after the last step.
+gloo on the CPU at world 2 by default; ``--device cuda``: NCCL, one rank per GPU. Per run,
+``--warmup`` steps are run and discarded, then ``--steps`` steps are timed, then more until the
+timed steps add up to about ``--min-time`` seconds (default 1, at most :data:`MAX_TIMED_STEPS`;
+the ranks agree on the count): every rank enters a barrier, times ``trainer.step()`` alone (on CUDA
+between two device synchronisations), and a step's time is the slowest rank's. The adapter's time is
+the median over all its runs; min, max, every sample and the steps of each round are kept.
 
 Each adapter carries its ZeRO stage (0 for DDP, 1, 2, 3, or ``hybrid``): the trainer's own
 ``declared_strategy`` when it has one, else :data:`STAGES` (which must name every built-in adapter).
