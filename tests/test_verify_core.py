@@ -26,7 +26,12 @@ from zerosim.verify.checks import check_equivalence, check_identity, check_owner
 from zerosim.verify.diagnosis import bug_classes, diagnose
 from zerosim.verify.model import PRESETS, build_model, micro_batch, parameter_count
 from zerosim.verify.observation import StepObservation, StepRecord
-from zerosim.verify.protocol import validate_local_shards, validate_parameters
+from zerosim.verify.protocol import (
+    close_trainer,
+    require_trainer_object,
+    validate_local_shards,
+    validate_parameters,
+)
 from zerosim.verify.reference import Reference, choose_clip, make_optimizer
 from zerosim.verify.suite import MAX_STEPS, PHASE_CONFIGS, build_phases
 from zerosim.verify.targets import resolve_factory
@@ -801,3 +806,34 @@ def test_end_to_end_a_phase_the_trainer_does_not_support_is_skipped(tmp_path, mo
     assert "clip norm" in adamw["not_ruled_out"]
     assert report.contracts["C-ZERO-002"].status == "pass"
     assert report.contracts["C-ZERO-002"].details["state_compared"] == ["momentum_buffer"]
+
+
+def test_close_is_optional_called_when_present_and_must_be_a_method() -> None:
+    """A trainer's close() runs once its phase is over; a trainer without one is fine; a close that is
+    not callable is a protocol breach named with the rank."""
+    from zerosim.verify.errors import TrainerError
+
+    class Plain:
+        def step(self, inputs, targets):
+            return 0.0
+
+        def full_parameters(self):
+            return {}
+
+    class Closing(Plain):
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    class Broken(Plain):
+        close = 3
+
+    closing = Closing()
+    for trainer in (Plain(), closing):
+        require_trainer_object(trainer, "t:make", 0)
+        close_trainer(trainer)
+    assert closing.closed == 1
+    with pytest.raises(TrainerError, match="close on rank 2 is int, not a method"):
+        require_trainer_object(Broken(), "t:make", 2)
+

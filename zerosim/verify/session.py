@@ -34,6 +34,7 @@ from .errors import TrainerError
 from .model import build_model, micro_batch
 from .observation import StepObservation
 from .protocol import (
+    close_trainer,
     finite_loss,
     missing_resume_method,
     require_trainer_object,
@@ -238,8 +239,6 @@ class RankSession:
 
     def _close(self, trainer: Any, phase: Phase) -> None:
         """The trainer's optional ``close()`` once its phase is over, on every rank."""
-        from .protocol import close_trainer
-
         self.where = f"{phase.name} phase: close()"
         close_trainer(trainer)
 
