@@ -211,8 +211,8 @@ class ModuleEngine(ZeroEngine):
         self._pending: list[Any] = []
         self._local_bad = 0  # this rank's first non-finite gradient among those started (index + 1)
         self._bind_parameters()
-        # a module that outlives its engine keeps no hook of it
-        weakref.finalize(self, _remove_handles, self._hooks)
+        # a module that outlives its engine keeps no hook of it (at interpreter exit nothing to do)
+        weakref.finalize(self, _remove_handles, self._hooks).atexit = False
         if self.offload_manager is not None:
             self._register_offload()
 
