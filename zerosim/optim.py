@@ -221,7 +221,7 @@ class _Optimizer:
     def _numpy_views_possible(self, param: Any, grad: Any) -> bool:
         """:attr:`cpu_via_numpy` applies: torch arrays on the CPU, float32 or float64 (numpy holds both)."""
         xp = self.xp
-        return (self.cpu_via_numpy and xp.backend == "torch" and xp.device in ("cpu", None)
+        return (self.cpu_via_numpy and xp.backend == "torch"
                 and param.device.type == "cpu" and grad.device.type == "cpu"
                 and xp.dtype_name(param) in ("float32", "float64")
                 and xp.dtype_name(grad) == xp.dtype_name(param))

@@ -195,6 +195,16 @@ def parse_int(field: str, text: Any) -> int:
         raise ConfigError(field, text, "must be an integer") from None
 
 
+def _seconds_problem(value: Any, *, allow_zero: bool) -> str | None:
+    """Why ``value`` is not a usable number of seconds (positive and finite, or 0 with ``allow_zero``);
+    None when it is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "must be a number of seconds"
+    if not (0 <= value if allow_zero else 0 < value) or not value < math.inf:
+        return f"must be a finite number of seconds, {'0 or more' if allow_zero else 'positive'}"
+    return None
+
+
 def parse_seconds(field: str, text: Any, *, allow_zero: bool = False) -> float:
     """``text`` as a finite number of seconds, positive (or 0 or more with ``allow_zero``);
     ConfigError naming ``field`` otherwise."""
@@ -202,9 +212,9 @@ def parse_seconds(field: str, text: Any, *, allow_zero: bool = False) -> float:
         value = float(str(text).strip())
     except ValueError:
         raise ConfigError(field, text, "must be a number of seconds") from None
-    if not (0 <= value if allow_zero else 0 < value) or not value < math.inf:
-        least = "0 or more" if allow_zero else "positive"
-        raise ConfigError(field, text, f"must be a finite number of seconds, {least}")
+    problem = _seconds_problem(value, allow_zero=allow_zero)
+    if problem:
+        raise ConfigError(field, text, problem)
     return value
 
 
@@ -263,17 +273,16 @@ def validate_run(*, steps: Any, warmup: Any, dtype: Any, device: Any, optimizer:
         raise ConfigError("steps", steps, f"at most {MAX_TIMED_STEPS} timed steps per adapter and round")
     require_non_negative_int("warmup", warmup)
     require_positive_int("rounds", rounds)
-    if isinstance(min_time_s, bool) or not isinstance(min_time_s, (int, float)) \
-            or not 0 <= min_time_s < math.inf:
-        raise ConfigError("min_time", min_time_s, "must be a finite number of seconds, 0 or more")
     if dtype not in DTYPES:
         raise ConfigError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
     if device not in DEVICES:
         raise ConfigError("device", device, f"must be one of {', '.join(DEVICES)}")
     if optimizer not in OPTIMIZERS:
         raise ConfigError("optimizer", optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < math.inf:
-        raise ConfigError("timeout", timeout_s, "must be a positive, finite number of seconds")
+    for field, value, allow_zero in (("min_time", min_time_s, True), ("timeout", timeout_s, False)):
+        problem = _seconds_problem(value, allow_zero=allow_zero)
+        if problem:
+            raise ConfigError(field, value, problem)
 
 
 def optim_config(optimizer: str) -> dict[str, Any]:
