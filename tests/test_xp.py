@@ -113,6 +113,66 @@ def test_optimizers_are_bitwise_identical_across_namespaces(name, opts, via_nump
         assert s_th["step"] == s_np["step"]
 
 
+@pytest.mark.parametrize("name,opts", [
+    ("sgd", dict()),
+    ("sgd", dict(weight_decay=0.01)),
+    ("sgd", dict(momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("sgd", dict(momentum=0.9, dampening=0.2)),
+    ("adam", dict(weight_decay=0.1)),
+    ("adam", dict(betas=(0.6, 0.99))),
+    ("adamw", dict()),
+    ("adamw", dict(betas=(0.3, 0.95), weight_decay=0.0)),
+])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_in_place_numpy_update_is_bitwise_the_generic_one(name, opts, dtype, monkeypatch):
+    """On numpy the optimizer writes every intermediate into preallocated scratch memory
+    (``_update_into``); the generic ``_update`` (what torch and other dtypes run) must give the same
+    bits: chunk boundaries (a 1000-element chunk over 2503 elements), zeros, subnormals, huge and
+    non-finite gradients included. ``betas=(0.6, ...)`` takes lerp's other branch (weight >= 0.5)."""
+    import zerosim.optim as optim
+
+    monkeypatch.setattr(optim, "CHUNK", 1000)
+    spec = OptimizerSpec.parse(name, lr=1e-2, **opts)
+    rng = np.random.default_rng(3)
+    n = 2503
+    p0 = rng.standard_normal(n).astype(dtype)
+    results = []
+    for in_place in (True, False):
+        if not in_place:
+            monkeypatch.setattr(optim._Scratch, "for_arrays", classmethod(lambda cls, *a: None))
+        opt = make_optimizer(spec, NP)
+        p, st = p0.copy(), opt.init_state(n, dtype)
+        g_rng = np.random.default_rng(4)
+        for _ in range(5):
+            g = (g_rng.standard_normal(n) * 10.0 ** g_rng.uniform(-8, 3, n)).astype(dtype)
+            g[:4] = [0.0, np.finfo(dtype).smallest_subnormal, np.finfo(dtype).max / 4, -np.inf]
+            g[7] = np.nan
+            with np.errstate(all="ignore"):
+                opt.step(p, g, st)
+        results.append((p, *(st[k] for k in spec.state_names)))
+    for got, want in zip(*results, strict=True):
+        assert got.dtype == want.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got.view(f"u{got.itemsize}"), want.view(f"u{want.itemsize}"))
+
+
+def test_a_subclass_overriding_only_the_generic_update_runs_its_own_update():
+    """A variant (here a deliberately wrong one) that overrides ``_update`` must not be bypassed by
+    the in-place numpy form of its parent's update."""
+    from zerosim.optim import AdamW
+
+    class NoBiasCorrection(AdamW):
+        def _update(self, p, g, st, t):
+            super()._update(p, g, st, 10**6)
+
+    spec = OptimizerSpec.parse("adamw", lr=1e-2)
+    g = np.linspace(-1, 1, 64, dtype=np.float32)
+    p_ok, p_bad = np.ones(64, np.float32), np.ones(64, np.float32)
+    make_optimizer(spec, NP).step(p_ok, g, make_optimizer(spec, NP).init_state(64))
+    bad = NoBiasCorrection(spec, NP)
+    bad.step(p_bad, g, bad.init_state(64))
+    assert not np.array_equal(p_ok, p_bad)
+
+
 def test_ground_truth_on_torch_matches_numpy():
     spec = OptimizerSpec.parse("adamw", lr=1e-3, max_grad_norm=1.0)
     a = train_ground_truth(TINY, spec, "bf16", 2, 2, 3, seed=0)

@@ -56,6 +56,12 @@ def _scalar_for(dtype: str) -> Any:
     return float if dtype == "float64" else _f32
 
 
+def _fma_scalar(dtype: np.dtype) -> Any:
+    """How :meth:`zerosim.xp.ArrayNamespace.fma` rounds a scalar multiplier: to float32 for a float32
+    operand, unchanged for float64."""
+    return float if dtype == np.float64 else _f32
+
+
 def _real(field: str, value: Any) -> float:
     if isinstance(value, bool):
         raise ConfigError(field, value, "must be a number")
@@ -192,8 +198,10 @@ class _Optimizer:
     #: torch arrays on the CPU are stepped by numpy's ufuncs on zero-copy views of the same memory: the
     #: same operations in the same order, so the same bits (every operation is IEEE-rounded and the
     #: emulated fused multiply-add is identical on both), in fewer passes (numpy casts float32 to
-    #: float64 inside the ufunc) and at a fraction of torch's per-call cost: the AdamW update of 25M
-    #: elements on one core takes 0.12 s instead of 0.18 s. False: torch's own operations, as on a GPU.
+    #: float64 inside the ufunc), at a fraction of torch's per-call cost and with every intermediate in
+    #: preallocated memory (:meth:`_update_into`): the AdamW update of 25M elements on one core takes
+    #: 0.105 s instead of 0.19 s (torch.optim.AdamW itself: 0.15 s). False: torch's own operations,
+    #: as on a GPU.
     cpu_via_numpy = True
 
     def step(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
@@ -213,9 +221,15 @@ class _Optimizer:
         n = int(param.shape[0])
         chunk = n if self.xp.device not in ("cpu", None) else CHUNK
         names = self.spec.state_names
+        scratch = (_Scratch.for_arrays(param, grad, [state[k] for k in names], min(chunk, n))
+                   if self._update_into_mirrors_update() else None)
         for lo in range(0, n, max(chunk, 1)):
             hi = min(lo + chunk, n)
-            self._update(param[lo:hi], grad[lo:hi], {k: state[k][lo:hi] for k in names}, t)
+            st = {k: state[k][lo:hi] for k in names}
+            if scratch is None:
+                self._update(param[lo:hi], grad[lo:hi], st, t)
+            else:
+                self._update_into(param[lo:hi], grad[lo:hi], st, t, scratch.sized(hi - lo))
         state["step"] = t
 
     def _numpy_views_possible(self, param: Any, grad: Any) -> bool:
@@ -226,6 +240,14 @@ class _Optimizer:
                 and xp.dtype_name(param) in ("float32", "float64")
                 and xp.dtype_name(grad) == xp.dtype_name(param))
 
+    def _update_into_mirrors_update(self) -> bool:
+        """Whether :meth:`_update_into` is the in-place form of this class's :meth:`_update`: both come
+        from the same class. A subclass that overrides only ``_update`` (a variant, a deliberately
+        wrong mutant) always runs its own ``_update``."""
+        def owner(name: str) -> type | None:
+            return next((c for c in type(self).__mro__ if name in c.__dict__), None)
+        return owner("_update") is owner("_update_into")
+
     def _numpy_twin(self) -> _Optimizer:
         twin = self.__dict__.get("_twin")
         if twin is None:
@@ -234,6 +256,45 @@ class _Optimizer:
 
     def _update(self, p: Any, g: Any, st: dict[str, Any], t: int) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _update_into(self, p: Any, g: Any, st: dict[str, Any], t: int,
+                     scratch: _Scratch) -> None:  # pragma: no cover - abstract
+        """:meth:`_update` on numpy arrays with every intermediate written into ``scratch`` and the
+        state updated in place: the same ufuncs on the same operands in the same order, so the same
+        bits, without a fresh temporary per operation or a copy back into the state."""
+        raise NotImplementedError
+
+
+class _Scratch:
+    """Preallocated temporaries for :meth:`_Optimizer._update_into`, one chunk long: ``a`` and ``b`` in
+    the master's dtype, ``wide`` float64 (the emulated fused multiply-add's exact product)."""
+
+    def __init__(self, a: np.ndarray, b: np.ndarray, wide: np.ndarray):
+        self.a, self.b, self.wide = a, b, wide
+
+    @classmethod
+    def for_arrays(cls, param: Any, grad: Any, state: list[Any], n: int) -> _Scratch | None:
+        """Scratch for a step of numpy arrays that all share one dtype, float32 or float64; None
+        otherwise (torch arrays, mixed dtypes: the generic :meth:`_Optimizer._update` runs)."""
+        arrays = [param, grad, *state]
+        if not all(isinstance(x, np.ndarray) for x in arrays):
+            return None
+        dtype = param.dtype
+        if dtype not in (np.float32, np.float64) or any(x.dtype != dtype for x in arrays):
+            return None
+        return cls(np.empty(n, dtype), np.empty(n, dtype), np.empty(n, np.float64))
+
+    def sized(self, n: int) -> _Scratch:
+        return self if n == len(self.a) else _Scratch(self.a[:n], self.b[:n], self.wide[:n])
+
+    def fma(self, a: Any, b: Any, c: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``out = a * b + c`` exactly as :meth:`zerosim.xp.ArrayNamespace.fma` computes it on numpy (the
+        product in float64, the sum rounded to float64 and then to ``out``'s dtype); ``b`` a scalar
+        already rounded as that method rounds it (:func:`_fma_scalar`) or an array. ``out`` may be
+        ``a`` or ``c``: every ufunc here is elementwise."""
+        np.multiply(a, b, out=self.wide, dtype=np.float64)
+        np.add(self.wide, c, out=out, dtype=np.float64, casting="same_kind")
+        return out
 
 
 class SGD(_Optimizer):
@@ -258,6 +319,21 @@ class SGD(_Optimizer):
                 xp.assign(buf, xp.fma(g, 1.0 - s.dampening, buf))
             g = xp.fma(buf, s.momentum, g) if s.nesterov else buf
         xp.assign(p, xp.fma(g, -s.lr, p))
+
+    def _update_into(self, p: Any, g: Any, st: dict[str, Any], t: int, scratch: _Scratch) -> None:
+        s = self.spec
+        k = _fma_scalar(p.dtype)
+        if s.weight_decay != 0:
+            g = scratch.fma(p, k(s.weight_decay), g, out=scratch.a)
+        if s.momentum != 0:
+            buf = st["momentum_buffer"]
+            if t == 1:
+                buf[...] = g
+            else:
+                np.multiply(buf, _scalar_for(p.dtype.name)(s.momentum), out=buf)
+                scratch.fma(g, k(1.0 - s.dampening), buf, out=buf)
+            g = scratch.fma(buf, k(s.momentum), g, out=scratch.a) if s.nesterov else buf
+        scratch.fma(g, k(-s.lr), p, out=p)
 
 
 class Adam(_Optimizer):
@@ -291,6 +367,37 @@ class Adam(_Optimizer):
         denom = xp.sqrt(v) / r(bias_correction2**0.5)
         denom += r(s.eps)
         p += (m * r(-step_size)) / denom
+
+    def _update_into(self, p: Any, g: Any, st: dict[str, Any], t: int, scratch: _Scratch) -> None:
+        s = self.spec
+        r, k = _scalar_for(p.dtype.name), _fma_scalar(p.dtype)
+        beta1, beta2 = s.betas
+        weight_decay = s.weight_decay or 0.0
+        a, b = scratch.a, scratch.b
+        if weight_decay != 0:
+            if self.decoupled:
+                np.multiply(p, r(1.0 - s.lr * weight_decay), out=p)
+            else:
+                g = scratch.fma(p, k(weight_decay), g, out=b)
+        m, v = st["exp_avg"], st["exp_avg_sq"]
+        w = r(1.0 - beta1)  # torch's lerp, as _lerp computes it
+        np.subtract(g, m, out=a)
+        if abs(w) < 0.5:
+            scratch.fma(a, k(w), m, out=m)
+        else:
+            scratch.fma(a, k(r(w - 1.0)), g, out=m)
+        np.multiply(v, r(beta2), out=v)
+        np.multiply(g, r(1.0 - beta2), out=a)
+        scratch.fma(a, g, v, out=v)
+        bias_correction1 = 1.0 - beta1 ** float(t)
+        bias_correction2 = 1.0 - beta2 ** float(t)
+        step_size = s.lr / bias_correction1
+        np.sqrt(v, out=a)
+        np.divide(a, r(bias_correction2**0.5), out=a)
+        np.add(a, r(s.eps), out=a)
+        np.multiply(m, r(-step_size), out=b)
+        np.divide(b, a, out=b)
+        np.add(p, b, out=p)
 
 
 class AdamW(Adam):
