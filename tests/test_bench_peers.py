@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("torch")
 
 from zerosim.bench.peers import (  # noqa: E402
+    COLUMNS,
     MAX_TIMED_STEPS,
     STAGES,
     is_peer,
@@ -28,6 +29,7 @@ from zerosim.bench.peers import (  # noqa: E402
     stage_from_strategy,
     stage_of,
     summarize,
+    table_rows,
     timed_steps,
 )
 from zerosim.cli import main  # noqa: E402
@@ -89,6 +91,32 @@ def test_ratios_are_over_the_fastest_peer_of_the_stage_and_the_fastest_of_all() 
     assert by["ddp"]["ratio_to_fastest"] == 1.0 and by["zerogpu-1"]["ratio_to_fastest"] == 1.0
     assert by["fsdp2"]["ratio_to_fastest"] == pytest.approx(0.5 / 0.2)
     assert "median_s" not in by["torch-zero"] and by["torch-zero"]["ratio_to_fastest"] is None
+
+
+def test_the_ratio_is_also_taken_round_by_round_against_the_same_peer() -> None:
+    """Each round's median over the stage peer's median of the same round; a round only one of them
+    ran is left out. Here the medians of all samples put zerogpu-1 at 1.0 exactly, while round by
+    round it was faster in the quiet round and slower in the busy one: the range says level."""
+    def rounds(adapter: str, stage: Any, per_round: dict[int, list[float]]) -> list[dict[str, Any]]:
+        return [{**_row(adapter, stage, samples), "round": i} for i, samples in per_round.items()]
+
+    rows = [*rounds("torch-zero", 1, {0: [1.0, 1.0, 1.0], 1: [2.0, 2.0, 2.0]}),
+            *rounds("deepspeed-1", 1, {0: [3.0], 1: [3.0]}),
+            *rounds("zerogpu-1", 1, {0: [0.9, 0.9, 1.0], 1: [2.2, 2.0, 2.2]}),
+            *rounds("zerogpu-1-native", 1, {1: [1.0]})]  # skipped in round 0
+    by = {r["adapter"]: r for r in summarize(rows, ["m"])}
+    assert by["zerogpu-1"]["stage_peer"] == "torch-zero"
+    assert by["zerogpu-1"]["ratio_to_stage_peer"] == pytest.approx(1.5 / 1.5)
+    assert by["zerogpu-1"]["round_ratios_to_stage_peer"] == pytest.approx([0.9, 1.1])
+    assert by["zerogpu-1-native"]["round_ratios_to_stage_peer"] == pytest.approx([0.5])
+    assert by["torch-zero"]["round_ratios_to_stage_peer"] == [1.0, 1.0]
+    cells = {row[1]: row for row in table_rows({"results": list(by.values())})}
+    column = COLUMNS.index("by round")
+    assert cells["zerogpu-1"][column] == "0.90-1.10" and cells["torch-zero"][column] == "1.00"
+    assert cells["zerogpu-1-native"][column] == "0.50"
+    lonely = summarize([_row("zerogpu-2", 2, [0.1])], ["m"])[0]  # no peer of its stage
+    assert lonely["round_ratios_to_stage_peer"] == []
+    assert table_rows({"results": [lonely]})[0][column] == "-"
 
 
 # ---- rounds and the number of timed steps ----------------------------------------------------------------

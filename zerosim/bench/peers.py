@@ -24,8 +24,11 @@ Each adapter carries its ZeRO stage (0 for DDP, 1, 2, 3, or ``hybrid``): the tra
 ``declared_strategy`` when it has one, else :data:`STAGES` (which must name every built-in adapter).
 Two ratios per adapter and model: its median over the fastest *peer* of the same stage (a peer is a
 built-in adapter not named ``zerogpu-*``), and over the fastest adapter of all; the fastest peer of
-a stage is 1.0 exactly. The report records the load average before and after: other processes on
-the machine slow every adapter, not equally.
+a stage is 1.0 exactly. With more than one round, the same ratio is also taken round by round
+(the adapter's median in a round over that peer's median in the same round) and its range is
+shown: a range on both sides of 1.0 says the two are level within the machine's noise, a range
+wholly above or below says which is faster. The report records the load average before and after:
+other processes on the machine slow every adapter, not equally.
 
 An adapter that fails (raises on some rank, or a trainer call outlives ``--timeout``) ends that
 launch; its error is recorded and the remaining adapters are run in a new launch. Exit status: 0
@@ -157,7 +160,8 @@ def timed_steps(steps: int, min_time_s: float, first: Sequence[float]) -> int:
 
 def merge_rounds(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (model, adapter) from its rows of every round: samples (and each rank's) joined in
-    round order, ``steps_per_round`` kept; an adapter that failed in any round is its error row."""
+    round order, ``steps_per_round`` and ``round_indices`` kept; an adapter that failed in any round
+    is its error row."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["model"], row["adapter"]), []).append(row)
@@ -174,6 +178,7 @@ def merge_rounds(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         ranks = len(group[0].get("rank_samples") or [])
         row["rank_samples"] = [[x for r in group for x in r["rank_samples"][k]] for k in range(ranks)]
         row["steps_per_round"] = [len(r["samples"]) for r in group]
+        row["round_indices"] = [r.get("round", 0) for r in group]
         row["init_s"] = max(r.get("init_s", 0.0) for r in group)
         row["rounds"] = len(group)
         row.pop("round", None)
@@ -348,7 +353,9 @@ def summarize(rows: Iterable[dict[str, Any]], models: Sequence[str]) -> list[dic
     and both ratios, ordered by model, stage, table order.
 
     ``ratio_to_stage_peer``: median over the smallest median of a peer of the same stage (None when no
-    peer of that stage was measured); ``ratio_to_fastest``: over the smallest median of the model.
+    peer of that stage was measured); ``ratio_to_fastest``: over the smallest median of the model;
+    ``round_ratios_to_stage_peer``: the adapter's median in each round over that peer's median in the
+    same round, for the rounds both ran (empty without a peer).
     """
     from ..verify.adapters import ADAPTERS, VARIANTS
 
@@ -375,11 +382,29 @@ def summarize(rows: Iterable[dict[str, Any]], models: Sequence[str]) -> list[dic
             best = min(peers, key=lambda p: p["median_s"], default=None)
             r["stage_peer"] = best["adapter"] if best else None
             r["ratio_to_stage_peer"] = r["median_s"] / best["median_s"] if measured and best else None
+            r["round_ratios_to_stage_peer"] = _round_ratios(r, best) if measured and best else []
     model_order = {m: i for i, m in enumerate(models)}
     out.sort(key=lambda r: (model_order.get(r["model"], len(model_order)),
                             _STAGE_ORDER.get(r.get("stage"), len(_STAGE_ORDER)),
                             table_order.get(r["adapter"], len(table_order))))
     return out
+
+
+def round_medians(row: dict[str, Any]) -> dict[int, float]:
+    """``{round index: median of the row's samples in that round}`` (a merged row, :func:`merge_rounds`)."""
+    counts = row.get("steps_per_round") or [len(row.get("samples") or [])]
+    indices = row.get("round_indices") or list(range(len(counts)))
+    out, at = {}, 0
+    for index, count in zip(indices, counts, strict=True):
+        if count:
+            out[index] = statistics.median(row["samples"][at:at + count])
+        at += count
+    return out
+
+
+def _round_ratios(row: dict[str, Any], peer: dict[str, Any]) -> list[float]:
+    mine, theirs = round_medians(row), round_medians(peer)
+    return [mine[i] / theirs[i] for i in sorted(mine.keys() & theirs.keys()) if theirs[i] > 0]
 
 
 def build_report(rows: Iterable[dict[str, Any]], *, models: Sequence[str], adapters: Sequence[str],
@@ -436,6 +461,14 @@ def _ratio(value: Any) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _ratio_range(values: Sequence[float]) -> str:
+    """The per-round ratios as ``low-high`` (one value when they agree to the digit shown)."""
+    if not values:
+        return "-"
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return low if low == high else f"{low}-{high}"
+
+
 def table_rows(report: dict[str, Any]) -> list[list[str]]:
     """One row of cells per (model, adapter), as printed and written to the markdown."""
     rows = []
@@ -452,13 +485,14 @@ def table_rows(report: dict[str, Any]) -> list[list[str]]:
             r["model"], r["adapter"], "-" if stage is None else str(stage),
             str(len(r.get("samples") or [])) if r.get("status") == "ok" else "-",
             _seconds(r.get("median_s")), _seconds(r.get("min_s")), _seconds(r.get("max_s")),
-            _ratio(r.get("ratio_to_stage_peer")), _ratio(r.get("ratio_to_fastest")), note,
+            _ratio(r.get("ratio_to_stage_peer")), _ratio_range(r.get("round_ratios_to_stage_peer") or []),
+            _ratio(r.get("ratio_to_fastest")), note,
         ])
     return rows
 
 
-COLUMNS = ("model", "adapter", "stage", "steps", "median s", "min s", "max s", "/ stage peer", "/ fastest",
-           "note")
+COLUMNS = ("model", "adapter", "stage", "steps", "median s", "min s", "max s", "/ stage peer", "by round",
+           "/ fastest", "note")
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -475,7 +509,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         + (f", {machine['gpu']}" if machine.get("gpu") else "") + f"; {report['created']}.",
         "",
         "`/ stage peer`: median over the fastest peer (a built-in adapter not named `zerogpu-*`) of the "
-        "same ZeRO stage; `/ fastest`: over the fastest adapter of the model.",
+        "same ZeRO stage; `by round`: the range of that ratio taken within each round (both sides of 1 "
+        "means level within the machine's noise); `/ fastest`: over the fastest adapter of the model.",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),
