@@ -56,12 +56,6 @@ def _scalar_for(dtype: str) -> Any:
     return float if dtype == "float64" else _f32
 
 
-def _fma_scalar(dtype: np.dtype) -> Any:
-    """How :meth:`zerosim.xp.ArrayNamespace.fma` rounds a scalar multiplier: to float32 for a float32
-    operand, unchanged for float64."""
-    return float if dtype == np.float64 else _f32
-
-
 def _real(field: str, value: Any) -> float:
     if isinstance(value, bool):
         raise ConfigError(field, value, "must be a number")
@@ -289,9 +283,9 @@ class _Scratch:
 
     def fma(self, a: Any, b: Any, c: np.ndarray, out: np.ndarray) -> np.ndarray:
         """``out = a * b + c`` exactly as :meth:`zerosim.xp.ArrayNamespace.fma` computes it on numpy (the
-        product in float64, the sum rounded to float64 and then to ``out``'s dtype); ``b`` a scalar
-        already rounded as that method rounds it (:func:`_fma_scalar`) or an array. ``out`` may be
-        ``a`` or ``c``: every ufunc here is elementwise."""
+        product in float64, the sum rounded to float64 and then to ``out``'s dtype); ``b`` an array or
+        a scalar already rounded as that method rounds it (:func:`_scalar_for` of ``out``'s dtype).
+        ``out`` may be ``a`` or ``c``: every ufunc here is elementwise."""
         np.multiply(a, b, out=self.wide, dtype=np.float64)
         np.add(self.wide, c, out=out, dtype=np.float64, casting="same_kind")
         return out
@@ -322,18 +316,18 @@ class SGD(_Optimizer):
 
     def _update_into(self, p: Any, g: Any, st: dict[str, Any], t: int, scratch: _Scratch) -> None:
         s = self.spec
-        k = _fma_scalar(p.dtype)
+        r = _scalar_for(p.dtype.name)
         if s.weight_decay != 0:
-            g = scratch.fma(p, k(s.weight_decay), g, out=scratch.a)
+            g = scratch.fma(p, r(s.weight_decay), g, out=scratch.a)
         if s.momentum != 0:
             buf = st["momentum_buffer"]
             if t == 1:
                 buf[...] = g
             else:
-                np.multiply(buf, _scalar_for(p.dtype.name)(s.momentum), out=buf)
-                scratch.fma(g, k(1.0 - s.dampening), buf, out=buf)
-            g = scratch.fma(buf, k(s.momentum), g, out=scratch.a) if s.nesterov else buf
-        scratch.fma(g, k(-s.lr), p, out=p)
+                np.multiply(buf, r(s.momentum), out=buf)
+                scratch.fma(g, r(1.0 - s.dampening), buf, out=buf)
+            g = scratch.fma(buf, r(s.momentum), g, out=scratch.a) if s.nesterov else buf
+        scratch.fma(g, r(-s.lr), p, out=p)
 
 
 class Adam(_Optimizer):
@@ -370,7 +364,7 @@ class Adam(_Optimizer):
 
     def _update_into(self, p: Any, g: Any, st: dict[str, Any], t: int, scratch: _Scratch) -> None:
         s = self.spec
-        r, k = _scalar_for(p.dtype.name), _fma_scalar(p.dtype)
+        r = _scalar_for(p.dtype.name)
         beta1, beta2 = s.betas
         weight_decay = s.weight_decay or 0.0
         a, b = scratch.a, scratch.b
@@ -378,14 +372,14 @@ class Adam(_Optimizer):
             if self.decoupled:
                 np.multiply(p, r(1.0 - s.lr * weight_decay), out=p)
             else:
-                g = scratch.fma(p, k(weight_decay), g, out=b)
+                g = scratch.fma(p, r(weight_decay), g, out=b)
         m, v = st["exp_avg"], st["exp_avg_sq"]
         w = r(1.0 - beta1)  # torch's lerp, as _lerp computes it
         np.subtract(g, m, out=a)
         if abs(w) < 0.5:
-            scratch.fma(a, k(w), m, out=m)
+            scratch.fma(a, w, m, out=m)
         else:
-            scratch.fma(a, k(r(w - 1.0)), g, out=m)
+            scratch.fma(a, r(w - 1.0), g, out=m)
         np.multiply(v, r(beta2), out=v)
         np.multiply(g, r(1.0 - beta2), out=a)
         scratch.fma(a, g, v, out=v)
