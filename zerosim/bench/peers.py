@@ -392,12 +392,9 @@ def summarize(rows: Iterable[dict[str, Any]], models: Sequence[str]) -> list[dic
 
 def round_medians(row: dict[str, Any]) -> dict[int, float]:
     """``{round index: median of the row's samples in that round}`` (a merged row, :func:`merge_rounds`)."""
-    counts = row.get("steps_per_round") or [len(row.get("samples") or [])]
-    indices = row.get("round_indices") or list(range(len(counts)))
     out, at = {}, 0
-    for index, count in zip(indices, counts, strict=True):
-        if count:
-            out[index] = statistics.median(row["samples"][at:at + count])
+    for index, count in zip(row["round_indices"], row["steps_per_round"], strict=True):
+        out[index] = statistics.median(row["samples"][at:at + count])
         at += count
     return out
 
