@@ -24,3 +24,57 @@ def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+class _Progress:
+    """A line every ``every_s`` seconds on the controlling process: tests done of all collected,
+    failures so far, elapsed time and an estimate of what is left. pytest's dots say how far along
+    the run is; this line says it in words a person can act on."""
+
+    def __init__(self, config: pytest.Config, every_s: float = 20.0) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._config = config
+        self._every_s = every_s
+        self._start = self._clock()
+        self._last = self._start
+        self._total = 0
+        self._done = 0
+        self._failed = 0
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self._total = len(session.items)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: object, ids: list[str]) -> None:
+        self._total = max(self._total, len(ids))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            self._done += 1
+        if report.failed:
+            self._failed += 1
+        now = self._clock()
+        if now - self._last < self._every_s or not self._total:
+            return
+        self._last = now
+        elapsed = now - self._start
+        estimate = ""
+        if self._done:
+            left = elapsed / self._done * max(self._total - self._done, 0)
+            estimate = f", about {left / 60:.1f} min left"
+        reporter = self._config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(
+                f"-- {self._done} of {self._total} tests done, {self._failed} failed, "
+                f"{elapsed / 60:.1f} min so far{estimate}"
+            )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the progress line on the process that prints (not on xdist's workers)."""
+    if not hasattr(config, "workerinput") and config.getoption("verbose") < 1:
+        config.pluginmanager.register(_Progress(config), "zerosim-progress")

@@ -73,27 +73,15 @@ def layer_of(module: str, table: dict[str, int] = LAYERS) -> int | None:
     return None
 
 
-def _type_checking_only(tree: ast.Module) -> set[int]:
-    """ids of the import nodes inside ``if TYPE_CHECKING:`` blocks (annotations only, never run)."""
-    out: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            out.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    return out
-
-
-def imports_of(module: str, path: Path, known: set[str], runtime_only: bool = False) -> set[str]:
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
     """The modules of the packages that ``module`` imports anywhere in its source, resolved to modules
     (``from zerosim.report import figures`` is ``zerosim.report.figures`` when that is a module).
-    ``runtime_only`` leaves out imports under ``if TYPE_CHECKING:``."""
+    Imports under ``if TYPE_CHECKING:`` count: annotations tie modules together too."""
     is_package = path.name == "__init__.py"
     here = module.split(".") if is_package else module.split(".")[:-1]
     found: set[str] = set()
     tree = ast.parse(path.read_text(), str(path))
-    skip = _type_checking_only(tree) if runtime_only else set()
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -167,14 +155,15 @@ def test_a_module_missing_from_the_table_has_no_layer():
 
 
 def import_cycles() -> list[list[str]]:
-    """Cycles in the graph of imports that run (a package and its own submodules excepted: a
-    package's ``__init__`` re-exporting its modules is not a cycle of concepts)."""
+    """Cycles in the graph of imports, those under ``if TYPE_CHECKING:`` included (a package and its
+    own submodules excepted: a package's ``__init__`` re-exporting its modules is not a cycle of
+    concepts)."""
     files = module_files()
     known = set(files)
     graph = {
         m: {
             t
-            for t in imports_of(m, p, known, runtime_only=True)
+            for t in imports_of(m, p, known)
             if t in known and not t.startswith(m + ".") and not m.startswith(t + ".")
         }
         for m, p in files.items()
@@ -201,3 +190,50 @@ def import_cycles() -> list[list[str]]:
 def test_no_import_cycles():
     cycles = import_cycles()
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_a_type_only_cycle_is_a_cycle(tmp_path, monkeypatch):
+    """An import under ``if TYPE_CHECKING:`` still ties two modules together: the check sees it."""
+    pkg = tmp_path / "zerosim"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+    (tmp_path / "zerogpu").mkdir()
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert import_cycles() == [["zerosim.a", "zerosim.b", "zerosim.a"]]
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+PICTURE_BEGIN = "<!-- layer table: generated from LAYERS in tests/test_layers.py -->"
+PICTURE_END = "<!-- end of layer table -->"
+
+
+def layer_picture(table: dict[str, int] = LAYERS) -> str:
+    """The table of layers as docs/architecture.md shows it: one row per layer, every entry named."""
+    rows = ["| layer | modules (`pkg.*`: the package and every module under it) |", "|---|---|"]
+    for index in range(len(LAYER_NAMES) - 1, -1, -1):
+        names = sorted(k for k, v in table.items() if v == index)
+        rows.append(f"| {index} {LAYER_NAMES[index]} | " + " ".join(f"`{n}`" for n in names) + " |")
+    return "\n".join(rows)
+
+
+def test_the_architecture_page_shows_the_layer_table():
+    """docs/architecture.md carries the table generated from LAYERS, so the page cannot drift from it.
+    After changing LAYERS: ``python tests/test_layers.py`` rewrites the page's table."""
+    text = ARCHITECTURE.read_text()
+    assert PICTURE_BEGIN in text and PICTURE_END in text, f"{ARCHITECTURE} lost its layer table markers"
+    shown = text.split(PICTURE_BEGIN, 1)[1].split(PICTURE_END, 1)[0].strip()
+    assert shown == layer_picture(), ("docs/architecture.md's layer table differs from LAYERS; run "
+                                      "`python tests/test_layers.py` to regenerate it")
+
+
+def _write_picture() -> None:
+    text = ARCHITECTURE.read_text()
+    head, rest = text.split(PICTURE_BEGIN, 1)
+    tail = rest.split(PICTURE_END, 1)[1]
+    ARCHITECTURE.write_text(f"{head}{PICTURE_BEGIN}\n{layer_picture()}\n{PICTURE_END}{tail}")
+
+
+if __name__ == "__main__":
+    _write_picture()
