@@ -186,6 +186,8 @@ def damage_file(d: Path, outside: Path, mutation: tuple) -> None:
     p = d / name
     if op.startswith("flip"):
         raw = bytearray(p.read_bytes())
+        if at >= len(raw):  # an earlier mutation truncated the file
+            return
         raw[at] ^= 1 << bit
         p.write_bytes(bytes(raw))
         return

@@ -184,6 +184,7 @@ def test_an_oversized_index_is_refused_before_it_is_parsed(ck):
         (b'{"version": 1' + b"0" * 5000 + b"}", "not valid JSON"),
         (b'{"format": 1, "format": 2}', "appears twice"),
     ],
+    ids=["non-utf8", "200k-deep", "nan", "5000-digit-int", "duplicate-key"],
 )
 def test_an_unparsable_index_is_one_line_and_exit_2(ck, content, needle):
     (ck / INDEX_NAME).write_bytes(content)
@@ -289,7 +290,7 @@ def test_a_killed_reshard_leaves_temporaries_that_the_next_command_names_and_kee
     rc, _, err = cli(
         "checkpoint", "reshard", str(saved), str(out), "--world-size", "1", "--strategy", "zero1"
     )
-    assert rc == EXIT_OK and "interrupted write" in err and all(n in err for n in left)
+    assert rc == EXIT_OK and "interrupted or replaced write" in err and all(n in err for n in left)
     assert set(left) <= set(os.listdir(out))  # nothing this command did not create was deleted
     rc, _, err = cli("checkpoint", "inspect", str(out))
     assert rc == EXIT_OK and all(n in err for n in left)

@@ -65,8 +65,8 @@ def reshard(
     every block as it is read). A write that fails for any reason (a bad source block, a full or
     read-only destination, Ctrl-C) removes every file this call created, and the directory ``out``
     if this call created it, before the error propagates; a destination problem (``OSError``) is a
-    ConfigError naming ``out``. Files already in ``out`` are never removed; the result lists the
-    leftovers of earlier interrupted writes (``leftovers``)."""
+    ConfigError naming ``out``. Files already in ``out`` are never removed; the result lists those
+    no index names (``leftovers``: an interrupted write's, or a replaced checkpoint's shard files)."""
     src = checkpoint_directory(path)
     if "\x00" in str(out):
         raise ConfigError("out", str(out), "a path cannot hold a NUL byte")
@@ -86,7 +86,6 @@ def reshard(
     created: list[Path] = []
     try:
         dst.mkdir(parents=True, exist_ok=True)
-        before = leftover_files(dst, None)
         new, stats = _write_resharded(src, dst, index, strat, part, n, block, chunk_elems, created)
     except BaseException as e:
         _remove_created(created, dst if made_dir else None)
@@ -96,7 +95,7 @@ def reshard(
                 "out", str(dst), f"cannot write {where}: {e.strerror or e}; nothing was kept"
             ) from None
         raise
-    return ReshardResult(new, stats, before)
+    return ReshardResult(new, stats, leftover_files(dst, new))
 
 
 def _write_resharded(

@@ -36,8 +36,8 @@ def _note_leftovers(directory: str, names: list[str]) -> None:
             f" and {len(names) - 8} more" if len(names) > 8 else ""
         )
         print(
-            f"note: {printable(directory)} holds {len(names)} file(s) an interrupted write left behind "
-            f"({shown}); no index names them and zerosim does not delete them",
+            f"note: {printable(directory)} holds {len(names)} file(s) no index names, left by an "
+            f"interrupted or replaced write ({shown}); zerosim does not delete them",
             file=sys.stderr,
         )
 
