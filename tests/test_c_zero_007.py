@@ -175,7 +175,7 @@ def test_a_resharder_that_drops_the_last_ranks_remainder_fails_naming_the_range(
     assert rem, "the case needs a remainder"
     real = reshard_mod.write_shard_file
 
-    def dropping(directory, name, rank, ranges, states, dtype, chunks, block, meta):
+    def dropping(directory, name, rank, ranges, states, dtype, chunks, block, meta, **kw):
         def chunks_without_tail(state, a, b):
             pos = a
             for arr in chunks(state, a, b):
@@ -186,7 +186,16 @@ def test_a_resharder_that_drops_the_last_ranks_remainder_fails_naming_the_range(
 
         last = rank == m - 1
         return real(
-            directory, name, rank, ranges, states, dtype, chunks_without_tail if last else chunks, block, meta
+            directory,
+            name,
+            rank,
+            ranges,
+            states,
+            dtype,
+            chunks_without_tail if last else chunks,
+            block,
+            meta,
+            **kw,
         )
 
     monkeypatch.setattr(reshard_mod, "write_shard_file", dropping)

@@ -15,6 +15,7 @@ from typing import Any
 
 EXIT_OK = 0                #: every contract holds
 EXIT_CONTRACT_FAILED = 1   #: a contract failed (the run itself completed)
+EXIT_CHECKPOINT_CORRUPT = 1  #: checkpoint inspect: the index is valid, a file it names is not
 EXIT_BAD_INPUT = 2         #: a ZeroSimError before anything ran: one line naming the field and value
 EXIT_RUN_FAILED = 3        #: the run failed: a rank raised, a collective timed out, a non-finite gradient,
 #: or the run diverged (the unsharded reference itself went non-finite)

@@ -39,6 +39,7 @@ from .format import (
     plan_entries,
     read_index,
     shard_file_name,
+    shard_metadata,
     write_shard_file,
 )
 
@@ -147,7 +148,7 @@ def save_engine_state(
                 if hi > lo:
                     yield arr[pos + lo - g0 : pos + hi - g0]
 
-        meta = {"format": "zerosim-sharded-checkpoint", "save_id": save_id, "rank": str(engine.rank)}
+        meta = shard_metadata(save_id, engine.rank)
         rec = write_shard_file(d, name, engine.rank, mine, states, dtype, chunks, block_bytes, meta)
         row[:3] = (1.0, rec.data_start, rec.nbytes)
         row[3 : 3 + DIGEST_WORDS] = _digest_words(rec.sha256)

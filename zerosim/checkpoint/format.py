@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ import numpy as np
 from ..dtypes import itemsize
 from ..errors import ConfigError
 from ..layout import ParamLayout, TensorSpec
+from .files import checkpoint_directory, member_problem, open_member, parse_json_strict, read_bounded
 
 FORMAT_NAME = "zerosim-sharded-checkpoint"
 FORMAT_VERSION = 1
@@ -47,7 +49,8 @@ DEFAULT_BLOCK_BYTES = 1 << 20  #: checksum block of a shard file's data section
 STREAM_BYTES = 64 << 20  #: the most bytes one read or write of a stream holds at once
 RECENT_BYTES = 4 << 20  #: a span this small is kept for the next read of the same file
 RECENT_FILES = 16  #: ... for at most this many files at once
-SHARD_FILE = re.compile(r"^\d{8}-[0-9a-f]{12}-rank\d{5}\.safetensors$")
+SHARD_FILE = re.compile(r"^\d{8,19}-[0-9a-f]{12}-rank\d{5,}\.safetensors$")
+INDEX_BASE_BYTES = 64 << 20  #: the part of the index size limit not tied to stored bytes (index_size_limit)
 TEMP_PREFIX = ".tmp-"
 
 #: safetensors dtype codes of the state dtypes a checkpoint stores
@@ -164,6 +167,16 @@ class CheckpointIndex:
         }
 
 
+MAX_COUNT = 1 << 62  #: the largest element count, byte offset or step an index may hold (fits int64)
+STATE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
+SAVE_ID = re.compile(r"^\d{8,19}-[0-9a-f]{12}$")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_KNOWN_KEYS = frozenset(
+    "format version save_id layout strategy partitioner world_size shard_group_size writers precision "
+    "state_dtype optimizer step states block_bytes files".split()
+)
+
+
 def _need(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
     if key not in data:
         raise ConfigError(f"{where}.{key}", None, "missing from the checkpoint index")
@@ -173,95 +186,191 @@ def _need(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: 
     return v
 
 
+def _count(v: Any, field: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
+    """``v`` as an int in ``[lo, hi]`` (bools and floats refused)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(field, v, "must be an integer in the checkpoint index")
+    if not lo <= v <= hi:
+        raise ConfigError(field, v, f"must lie in [{lo}, {hi}]")
+    return v
+
+
+def _need_count(data: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = MAX_COUNT) -> int:
+    _need(data, key, int, where)
+    return _count(data[key], f"{where}.{key}", lo, hi)
+
+
+def _parse_layout(lay: dict[str, Any], where: str) -> ParamLayout:
+    raw = _need(lay, "tensors", list, where)
+    tensors, offset = [], 0
+    for i, t in enumerate(raw):
+        tw = f"{where}.tensors[{i}]"
+        if not isinstance(t, dict):
+            raise ConfigError(tw, t, "is not an object")
+        name = _need(t, "name", str, tw)
+        shape = _need(t, "shape", list, tw)
+        dims = tuple(_count(d, f"{tw}.shape", 0, MAX_COUNT) for d in shape)
+        numel = 1
+        for d in dims:
+            numel = min(numel * d, MAX_COUNT + 1)
+        spec = TensorSpec(name, dims, _need(t, "dtype", str, tw), _need(t, "block", str, tw))
+        if _need_count(t, "offset", tw) != offset:
+            raise ConfigError(
+                f"{tw}.offset", t["offset"], f"offsets do not follow the tensor sizes ({offset})"
+            )
+        offset += numel
+        if offset > MAX_COUNT:
+            raise ConfigError(f"{tw}.shape", list(dims), f"the layout would exceed {MAX_COUNT} elements")
+        tensors.append(spec)
+    aliases = lay.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise ConfigError(f"{where}.aliases", aliases, "must map alias names to tensor names")
+    name = lay.get("name", "custom")
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}.name", name, "must be a string")
+    return ParamLayout(tuple(tensors), dict(aliases), name)
+
+
+def _parse_states(data: dict[str, Any], where: str) -> tuple[str, ...]:
+    states = tuple(_need(data, "states", list, where))
+    for s in states:
+        if not isinstance(s, str) or not STATE_NAME.match(s):
+            raise ConfigError(
+                f"{where}.states", s, "a state name is a short identifier (master, exp_avg, ...)"
+            )
+    if len(set(states)) != len(states) or not states:
+        raise ConfigError(f"{where}.states", list(states), "must name each state once, at least one")
+    return states
+
+
+def _parse_ranges(raw: Any, fw: str, total: int) -> tuple[tuple[int, int], ...]:
+    if not isinstance(raw, list):
+        raise ConfigError(f"{fw}.ranges", raw, "has the wrong type in the checkpoint index")
+    out: list[tuple[int, int]] = []
+    for r in raw:
+        if not isinstance(r, list) or len(r) != 2:
+            raise ConfigError(f"{fw}.ranges", r, "a range is [start, end]")
+        a, b = (_count(x, f"{fw}.ranges", 0, total) for x in r)
+        if b <= a or (out and a < out[-1][1]):
+            raise ConfigError(f"{fw}.ranges", r, "ranges are non-empty, ascending and disjoint")
+        out.append((a, b))
+    return tuple(out)
+
+
+def _parse_file(f: Any, fw: str, idx_fields: dict[str, Any]) -> FileRecord:
+    """One file record, checked against the geometry the writer gives it: the entries are every state
+    of every range in order with packed offsets, the header is the one the writer emits for them, the
+    size is header plus data, one digest per block."""
+    if not isinstance(f, dict):
+        raise ConfigError(fw, f, "is not an object")
+    states, total, dtype = idx_fields["states"], idx_fields["total"], idx_fields["state_dtype"]
+    save_id, world, block = idx_fields["save_id"], idx_fields["world_size"], idx_fields["block_bytes"]
+    rank = _need_count(f, "rank", fw, 0, world - 1)
+    name = _need(f, "name", str, fw)
+    if name != shard_file_name(save_id, rank):
+        raise ConfigError(
+            f"{fw}.name",
+            name,
+            f"rank {rank}'s file of save {save_id} is named {shard_file_name(save_id, rank)!r}",
+        )
+    ranges = _parse_ranges(f.get("ranges"), fw, total)
+    isz = itemsize(dtype)
+    entries = plan_entries(states, ranges, isz)
+    raw_entries = _need(f, "entries", list, fw)
+    typed = all(
+        isinstance(row, list)
+        and len(row) == 4
+        and type(row[0]) is str
+        and all(type(x) is int for x in row[1:])
+        for row in raw_entries
+    )
+    if not typed or raw_entries != [[e.state, e.start, e.end, e.offset] for e in entries]:
+        raise ConfigError(
+            f"{fw}.entries",
+            None,
+            "must list every state of every range in order, packed from offset 0 in elements of "
+            f"the state_dtype {dtype} ({isz} bytes), as the writer lays them out",
+        )
+    data_len = sum(e.numel for e in entries) * isz
+    head = len(header_bytes(entries, dtype, shard_metadata(save_id, rank)))
+    data_start = _need_count(f, "data_start", fw)
+    if data_start != head:
+        raise ConfigError(f"{fw}.data_start", data_start, f"the header of these entries takes {head} bytes")
+    nbytes = _need_count(f, "bytes", fw)
+    if nbytes != head + data_len:
+        raise ConfigError(f"{fw}.bytes", nbytes, f"header and data of these entries take {head + data_len}")
+    whole = _need(f, "sha256", str, fw)
+    if not SHA256_HEX.match(whole):
+        raise ConfigError(f"{fw}.sha256", whole, "must be 64 lowercase hex digits")
+    blocks = tuple(_need(f, "block_sha256", list, fw))
+    if len(blocks) != -(-data_len // block) or not all(
+        isinstance(h, str) and SHA256_HEX.match(h) for h in blocks
+    ):
+        raise ConfigError(
+            f"{fw}.block_sha256",
+            f"{len(blocks)} digests",
+            f"needs {-(-data_len // block)} sha256 digests (64 hex digits each)",
+        )
+    return FileRecord(name, rank, ranges, entries, data_start, nbytes, whole, blocks)
+
+
 def index_from_json(data: Any, where: str = INDEX_NAME) -> CheckpointIndex:
-    """Parse and validate an index; every problem is a ConfigError naming the field."""
+    """Parse and validate an index; every problem is a ConfigError naming the field.
+
+    This is the index half of the one validator that inspect, load and reshard share (the file half
+    is :meth:`CheckpointReader.open_file`): every number is an int in ``[0, 2**62]``, every file
+    record has exactly the geometry the writer gives it (:func:`_parse_file`), ranks and names are
+    unique, and every state's ranges cover ``[0, total)`` exactly once."""
     if not isinstance(data, dict):
         raise ConfigError(where, type(data).__name__, "is not a JSON object")
     if data.get("format") != FORMAT_NAME:
         raise ConfigError(f"{where}.format", data.get("format"), f"not a {FORMAT_NAME} index")
-    if data.get("version") != FORMAT_VERSION:
+    if type(data.get("version")) is not int or data.get("version") != FORMAT_VERSION:
         raise ConfigError(
             f"{where}.version", data.get("version"), f"this zerosim reads version {FORMAT_VERSION}"
         )
-    lay = _need(data, "layout", dict, where)
-    try:
-        tensors = tuple(
-            TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["block"])
-            for t in _need(lay, "tensors", list, f"{where}.layout")
-        )
-        layout = ParamLayout(tensors, dict(lay.get("aliases", {})), str(lay.get("name", "custom")))
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"{where}.layout.tensors", None, f"malformed tensor entry ({e})") from None
-    offsets = [t.get("offset") for t in lay["tensors"]]
-    if offsets != list(layout.offsets):
-        raise ConfigError(f"{where}.layout.tensors", offsets, "offsets do not follow the tensor sizes")
-    states = tuple(_need(data, "states", list, where))
+    layout = _parse_layout(_need(data, "layout", dict, where), f"{where}.layout")
+    states = _parse_states(data, where)
     state_dtype = _need(data, "state_dtype", str, where)
     if state_dtype not in SAFETENSORS_DTYPES:
         raise ConfigError(f"{where}.state_dtype", state_dtype, f"known: {', '.join(SAFETENSORS_DTYPES)}")
-    block = _need(data, "block_bytes", int, where)
-    if block <= 0:
-        raise ConfigError(f"{where}.block_bytes", block, "must be positive")
-    files = []
-    for i, f in enumerate(_need(data, "files", list, where)):
-        fw = f"{where}.files[{i}]"
-        if not isinstance(f, dict):
-            raise ConfigError(fw, f, "is not an object")
-        name = _need(f, "name", str, fw)
-        if "/" in name or "\\" in name or name.startswith("."):
-            raise ConfigError(f"{fw}.name", name, "must be a plain file name inside the checkpoint directory")
-        try:
-            entries = tuple(
-                Entry(str(s), int(a), int(b), int(o)) for s, a, b, o in _need(f, "entries", list, fw)
-            )
-            ranges = tuple((int(a), int(b)) for a, b in _need(f, "ranges", list, fw))
-        except (TypeError, ValueError):
-            raise ConfigError(f"{fw}.entries", None, "malformed entry list") from None
-        files.append(
-            FileRecord(
-                name,
-                _need(f, "rank", int, fw),
-                ranges,
-                entries,
-                _need(f, "data_start", int, fw),
-                _need(f, "bytes", int, fw),
-                _need(f, "sha256", str, fw),
-                tuple(_need(f, "block_sha256", list, fw)),
-            )
-        )
-    known = {
-        "format",
-        "version",
-        "save_id",
-        "layout",
-        "strategy",
-        "partitioner",
-        "world_size",
-        "shard_group_size",
-        "writers",
-        "precision",
-        "state_dtype",
-        "optimizer",
-        "step",
-        "states",
-        "block_bytes",
-        "files",
+    if layout.total_numel * itemsize(state_dtype) * len(states) > MAX_COUNT:
+        raise ConfigError(f"{where}.layout", layout.total_numel, "more bytes than any file system holds")
+    block = _need_count(data, "block_bytes", where, 1, 1 << 40)
+    world = _need_count(data, "world_size", where, 1, 1 << 31)
+    group = _need_count(data, "shard_group_size", where, 1, world)
+    save_id = _need(data, "save_id", str, where)
+    if not SAVE_ID.match(save_id):
+        raise ConfigError(f"{where}.save_id", save_id, "is '<step, 8+ digits>-<12 hex digits>'")
+    fields = {
+        "states": states,
+        "total": layout.total_numel,
+        "state_dtype": state_dtype,
+        "save_id": save_id,
+        "world_size": world,
+        "block_bytes": block,
     }
+    files = [
+        _parse_file(f, f"{where}.files[{i}]", fields) for i, f in enumerate(_need(data, "files", list, where))
+    ]
+    ranks = [f.rank for f in files]
+    if len(set(ranks)) != len(ranks):
+        raise ConfigError(f"{where}.files", ranks, "two files of the same rank")
     idx = CheckpointIndex(
         layout,
         _need(data, "strategy", str, where),
         _need(data, "partitioner", str, where),
-        _need(data, "world_size", int, where),
-        _need(data, "shard_group_size", int, where),
+        world,
+        group,
         _need(data, "precision", str, where),
         state_dtype,
         _need(data, "optimizer", dict, where),
-        _need(data, "step", int, where),
+        _need_count(data, "step", where),
         states,
         block,
-        _need(data, "save_id", str, where),
+        save_id,
         tuple(files),
-        {k: v for k, v in data.items() if k not in known},
+        {k: v for k, v in data.items() if k not in _KNOWN_KEYS},
     )
     _check_coverage(idx, where)
     return idx
@@ -279,31 +388,69 @@ def _check_coverage(idx: CheckpointIndex, where: str) -> None:
             pos = b
         if pos != idx.total_numel:
             raise ConfigError(f"{where}.files", state, f"elements [{pos}, {idx.total_numel}) are in no file")
-    for f in idx.files:
-        unknown = {e.state for e in f.entries} - set(idx.states)
-        if unknown:
-            raise ConfigError(f"{where}.files", f.name, f"entries of unknown states {sorted(unknown)}")
+
+
+def index_size_limit(directory: Path) -> int:
+    """The most bytes ``index.json`` in ``directory`` may hold, derived from what it can describe.
+
+    An index describes the layout, a few fixed fields, and the shard files beside it. The layout is
+    about 100 bytes plus the name per tensor: ``INDEX_BASE_BYTES`` (64 MiB) holds half a million
+    tensors with 30-character names, beyond any model's parameter list. Everything else describes
+    stored bytes: per file a fixed record of under 1 KiB, per (state, range) one entry of under 100
+    bytes standing for at least one element (2 or more bytes) of the file, per ``block_bytes`` of data
+    one digest of 70 bytes of JSON. With ranges of a few elements or blocks of a few dozen bytes
+    that is at most 2 bytes of index per stored byte; so the limit is ``INDEX_BASE_BYTES`` plus 1 KiB
+    per shard file plus twice the bytes of the regular shard files in the directory (measured with
+    ``lstat``: links are not followed). A checkpoint whose index exceeds that is refused before its
+    index is parsed."""
+    shard_bytes, shard_files = 0, 0
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                if SHARD_FILE.match(entry.name) and entry.is_file(follow_symlinks=False):
+                    shard_bytes += entry.stat(follow_symlinks=False).st_size
+                    shard_files += 1
+    except OSError as e:
+        raise ConfigError("checkpoint", str(directory), f"cannot be listed: {e.strerror or e}") from None
+    return INDEX_BASE_BYTES + 1024 * shard_files + 2 * shard_bytes
 
 
 def read_index(directory: str | Path) -> CheckpointIndex:
-    """The index of the checkpoint in ``directory`` (ConfigError naming the path when it is not one)."""
-    d = Path(directory)
-    if not d.is_dir():
-        raise ConfigError("checkpoint", str(d), "is not a directory")
+    """The index of the checkpoint in ``directory`` (ConfigError naming the path when it is not one).
+
+    ``index.json`` must be a regular file inside the directory (no link, FIFO or device), at most
+    :func:`index_size_limit` bytes, read in bounded chunks, and strict JSON (UTF-8, no NaN, bounded
+    integers and nesting, no duplicate keys)."""
+    d = checkpoint_directory(directory)
     p = d / INDEX_NAME
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if member_problem(d, INDEX_NAME) == "is named by the index but does not exist":
         raise ConfigError(
             "checkpoint", str(d), f"has no {INDEX_NAME}: not a checkpoint (or no save finished)"
-        ) from None
-    except OSError as e:
-        raise ConfigError("checkpoint", str(p), f"cannot be read: {e}") from None
+        )
+    fh, size = open_member(d, INDEX_NAME, "checkpoint")
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError("checkpoint", str(p), f"is not valid JSON: {e}") from None
-    return index_from_json(data, str(p))
+        with fh:
+            raw = read_bounded(fh, size, index_size_limit(d), str(p))
+    except OSError as e:
+        raise ConfigError("checkpoint", str(p), f"cannot be read: {e.strerror or e}") from None
+    return index_from_json(parse_json_strict(raw, str(p)), str(p))
+
+
+def shard_metadata(save_id: str, rank: int) -> dict[str, str]:
+    """The ``__metadata__`` of rank ``rank``'s shard file of save ``save_id`` (part of its header)."""
+    return {"format": FORMAT_NAME, "save_id": save_id, "rank": str(rank)}
+
+
+def leftover_files(directory: Path, index: CheckpointIndex | None) -> list[str]:
+    """Names in ``directory`` an interrupted write left: temporaries (``.tmp-*``) and shard files the
+    index does not name. Nothing is deleted: a later command only reports them."""
+    keep = {f.name for f in index.files} if index is not None else set()
+    try:
+        with os.scandir(directory) as it:
+            names = [e.name for e in it]
+    except OSError:
+        return []
+    return sorted(n for n in names if n.startswith(TEMP_PREFIX) or (SHARD_FILE.match(n) and n not in keep))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -379,11 +526,26 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def temp_name(name: str) -> str:
+    """The temporary name ``name`` is written under: ``.tmp-<pid>-<random>-<name>`` (never an existing
+    file's name: it is created exclusively)."""
+    return f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{name}"
+
+
+def _create_exclusive(path: Path, created: list[Path] | None) -> Any:
+    """Open ``path`` for writing, failing if anything (a file, a link) already has that name; record it
+    in ``created`` (the files this write made, for the clean-up of a failed write)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    if created is not None:
+        created.append(path)
+    return os.fdopen(fd, "wb")
+
+
+def atomic_write_bytes(path: Path, data: bytes, created: list[Path] | None = None) -> None:
     """Write ``data`` to a temporary name beside ``path``, fsync it, rename it over ``path``, fsync the
     directory: a reader sees the old file or the new one, never a partial one."""
-    tmp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{path.name}")
-    with open(tmp, "wb") as fh:
+    tmp = path.with_name(temp_name(path.name))
+    with _create_exclusive(tmp, created) as fh:
         fh.write(data)
         fh.flush()
         os.fsync(fh.fileno())
@@ -401,19 +563,21 @@ def write_shard_file(
     chunks: Any,
     block_bytes: int,
     metadata: dict[str, str],
+    created: list[Path] | None = None,
 ) -> FileRecord:
     """Stream one shard file to ``directory/name`` atomically and return its index record.
 
     ``chunks(state, start, end)`` yields numpy arrays of ``dtype`` whose concatenation is the state's
-    global elements ``[start, end)``; nothing larger than one yielded array is held here."""
+    global elements ``[start, end)``; nothing larger than one yielded array is held here. The paths
+    this call creates (its temporary, then the file) are appended to ``created``."""
     isz = itemsize(dtype)
     entries = plan_entries(states, ranges, isz)
     head = header_bytes(entries, dtype, metadata)
     hasher = _BlockHasher(block_bytes)
     hasher.header(head)
-    tmp = directory / f"{TEMP_PREFIX}{os.getpid()}-{name}"
+    tmp = directory / temp_name(name)
     size = len(head)
-    with open(tmp, "wb") as fh:
+    with _create_exclusive(tmp, created) as fh:
         fh.write(head)
         for e in entries:
             got = 0
@@ -429,13 +593,22 @@ def write_shard_file(
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, directory / name)
+    if created is not None:
+        created.append(directory / name)
     whole, blocks = hasher.finish()
     return FileRecord(name, rank, tuple(ranges), entries, len(head), size, whole, blocks)
 
 
-def commit_index(directory: Path, index: CheckpointIndex) -> None:
-    """Write the index last (atomically), then remove shard files and temporaries no index names."""
-    atomic_write_bytes(directory / INDEX_NAME, (json.dumps(index.to_json(), indent=1) + "\n").encode())
+def commit_index(
+    directory: Path, index: CheckpointIndex, *, prune: bool = True, created: list[Path] | None = None
+) -> None:
+    """Write the index last (atomically); with ``prune`` (an engine save into its own directory) then
+    remove shard files and temporaries no index names."""
+    atomic_write_bytes(
+        directory / INDEX_NAME, (json.dumps(index.to_json(), indent=1) + "\n").encode(), created
+    )
+    if not prune:
+        return
     keep = {f.name for f in index.files}
     for p in directory.iterdir():
         stale_shard = SHARD_FILE.match(p.name) and p.name not in keep
@@ -488,21 +661,62 @@ class CheckpointReader:
         self._by_state = {s: sorted(v, key=lambda t: t[0]) for s, v in by_state.items()}
 
     def check_files_present(self) -> None:
-        """Every file the index names exists with the recorded size (no file is opened)."""
+        """Every file the index names is a regular file inside the directory with the recorded size
+        (judged by ``lstat``: no file is opened, no link followed)."""
         for f in self.index.files:
             p = self.directory / f.name
-            try:
-                size = p.stat().st_size
-            except FileNotFoundError:
-                raise ConfigError(
-                    "checkpoint file", str(p), "is named by the index but does not exist"
-                ) from None
+            why = member_problem(self.directory, f.name)
+            if why is None:
+                size = os.lstat(p).st_size
+                if size != f.nbytes:
+                    why = f"has {size} bytes, the index records {f.nbytes} (truncated or replaced)"
+            if why is not None:
+                raise ConfigError("checkpoint file", str(p), why)
+
+    def open_file(self, f: FileRecord) -> Any:
+        """The file half of the one validator (the index half is :func:`index_from_json`): open ``f``
+        as a regular file inside the directory (:func:`open_member`), check its size and compare its
+        safetensors header byte for byte with the header the writer emits for the index's entries.
+        Data blocks are checked against their digests as they are read (:meth:`_read_blocks`)."""
+        p = self.directory / f.name
+        fh, size = open_member(self.directory, f.name)
+        try:
             if size != f.nbytes:
                 raise ConfigError(
                     "checkpoint file",
                     str(p),
                     f"has {size} bytes, the index records {f.nbytes} (truncated or replaced)",
                 )
+            want = header_bytes(f.entries, self.index.state_dtype, shard_metadata(self.index.save_id, f.rank))
+            got = fh.read(len(want))
+            if got != want:
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                    min(len(got), len(want)),
+                )
+                raise ConfigError(
+                    "checkpoint file",
+                    str(p),
+                    f"its safetensors header differs from the index's entries at byte {at}: corrupted",
+                )
+        except OSError as e:
+            fh.close()
+            raise ConfigError("checkpoint file", str(p), f"cannot be read: {e.strerror or e}") from None
+        except BaseException:
+            fh.close()
+            raise
+        return fh
+
+    def verify_file(self, f: FileRecord) -> str | None:
+        """None when ``f`` passes :meth:`open_file` and every data block matches its digest (read through
+        the same path a load reads by); else what is wrong with it."""
+        try:
+            for e in f.entries:
+                for _ in self.iter_chunks(e.state, e.start, e.end):
+                    pass
+        except ConfigError as err:
+            return err.reason
+        return None
 
     def files_for(self, state: str, ranges: Iterable[tuple[int, int]]) -> set[str]:
         """The files holding any element of ``ranges`` of ``state``."""
@@ -516,7 +730,7 @@ class CheckpointReader:
     def _handle(self, f: FileRecord) -> Any:
         h = self._handles.get(f.name)
         if h is None:
-            h = open(self.directory / f.name, "rb")  # noqa: SIM115 - kept open until close()
+            h = self.open_file(f)  # kept open until close()
             self._handles[f.name] = h
             self.stats.files_opened.append(f.name)
         return h
@@ -568,8 +782,13 @@ class CheckpointReader:
         """Data-section bytes ``[lo, hi)`` (blocks ``b0 .. b1-1``) of ``f``, every block's sha256 checked."""
         blk = self.index.block_bytes
         h = self._handle(f)
-        h.seek(f.data_start + lo)
-        raw = h.read(hi - lo)
+        try:
+            h.seek(f.data_start + lo)
+            raw = h.read(hi - lo)
+        except OSError as e:
+            raise ConfigError(
+                "checkpoint file", str(self.directory / f.name), f"cannot be read: {e.strerror or e}"
+            ) from None
         self.stats.reads += 1
         self.stats.bytes_read += len(raw)
         if len(raw) != hi - lo:
@@ -613,18 +832,16 @@ class CheckpointReader:
         self.close()
 
 
-def verify_file(directory: Path, f: FileRecord) -> str | None:
-    """None if the file exists with the recorded size and whole-file sha256; else what is wrong."""
-    p = directory / f.name
-    if not p.is_file():
-        return "is named by the index but does not exist"
-    size = p.stat().st_size
-    if size != f.nbytes:
-        return f"has {size} bytes, the index records {f.nbytes} (truncated or replaced)"
-    h = hashlib.sha256()
-    with open(p, "rb") as fh:
-        while chunk := fh.read(STREAM_BYTES):
-            h.update(chunk)
-    if h.hexdigest() != f.sha256:
-        return f"sha256 {h.hexdigest()[:16]}... differs from the index's {f.sha256[:16]}...: corrupted"
-    return None
+def read_full_state(directory: str | Path) -> tuple[CheckpointIndex, dict[str, np.ndarray]]:
+    """Every state of the checkpoint in ``directory``, whole: what a load at world size 1 reads, through
+    the same validation (:func:`read_index`, :meth:`CheckpointReader.check_files_present`, every file
+    opened by :meth:`CheckpointReader.open_file`, every block checked as it is read)."""
+    index = read_index(directory)
+    with CheckpointReader(directory, index) as reader:
+        reader.check_files_present()
+        out = {}
+        for state in index.states:
+            arr = np.empty(index.total_numel, reader.dtype)
+            reader.read_into(state, 0, arr)
+            out[state] = arr
+    return index, out

@@ -23,16 +23,17 @@ import numpy as np
 from ..errors import ConfigError, require_positive_int
 from ..partition import get_partitioner
 from ..strategy import ShardingStrategy
+from .files import checkpoint_directory
 from .format import (
     DEFAULT_BLOCK_BYTES,
-    FORMAT_NAME,
     CheckpointIndex,
     CheckpointReader,
     ReadStats,
     commit_index,
+    leftover_files,
     read_index,
     shard_file_name,
-    verify_file,
+    shard_metadata,
     write_shard_file,
 )
 from .ownership import writer_ranges
@@ -40,8 +41,11 @@ from .ownership import writer_ranges
 
 @dataclass
 class ReshardResult:
+    """The new index, what was read, and the leftovers of earlier interrupted writes found in ``out``."""
+
     index: CheckpointIndex
     stats: ReadStats = field(default_factory=ReadStats)
+    leftovers: list[str] = field(default_factory=list)
 
 
 def reshard(
@@ -55,8 +59,17 @@ def reshard(
     chunk_elems: int | None = None,
 ) -> ReshardResult:
     """Write the checkpoint at ``path`` as saved at ``world_size`` ranks under ``strategy`` and
-    ``partitioner`` (default: the checkpoint's own) to ``out``. ``chunk_elems`` bounds each stream."""
-    src = Path(path)
+    ``partitioner`` (default: the checkpoint's own) to ``out``. ``chunk_elems`` bounds each stream.
+
+    The source is validated as a load validates it (the index, then every file as it is opened and
+    every block as it is read). A write that fails for any reason (a bad source block, a full or
+    read-only destination, Ctrl-C) removes every file this call created, and the directory ``out``
+    if this call created it, before the error propagates; a destination problem (``OSError``) is a
+    ConfigError naming ``out``. Files already in ``out`` are never removed; the result lists those
+    no index names (``leftovers``: an interrupted write's, or a replaced checkpoint's shard files)."""
+    src = checkpoint_directory(path)
+    if "\x00" in str(out):
+        raise ConfigError("out", str(out), "a path cannot hold a NUL byte")
     dst = Path(out)
     index = read_index(src)
     n = require_positive_int("world_size", world_size)
@@ -66,10 +79,38 @@ def reshard(
     get_partitioner(part)  # unknown: ConfigError
     if dst.exists() and src.resolve() == dst.resolve():
         raise ConfigError("out", str(dst), "is the checkpoint being read; write the resharded one elsewhere")
-    if dst.exists() and not dst.is_dir():
+    if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
         raise ConfigError("out", str(dst), "exists and is not a directory")
     block = block_bytes or index.block_bytes
-    dst.mkdir(parents=True, exist_ok=True)
+    made_dir = not dst.exists()
+    created: list[Path] = []
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+        new, stats = _write_resharded(src, dst, index, strat, part, n, block, chunk_elems, created)
+    except BaseException as e:
+        _remove_created(created, dst if made_dir else None)
+        if isinstance(e, OSError):
+            where = e.filename if isinstance(e.filename, str) else str(dst)
+            raise ConfigError(
+                "out", str(dst), f"cannot write {where}: {e.strerror or e}; nothing was kept"
+            ) from None
+        raise
+    return ReshardResult(new, stats, leftover_files(dst, new))
+
+
+def _write_resharded(
+    src: Path,
+    dst: Path,
+    index: CheckpointIndex,
+    strat: ShardingStrategy,
+    part: str,
+    n: int,
+    block: int,
+    chunk_elems: int | None,
+    created: list[Path],
+) -> tuple[CheckpointIndex, ReadStats]:
+    """Stream every new rank's file into ``dst`` and write the index last (``created`` collects the
+    paths made, in order)."""
     save_id = f"{index.step:08d}-{secrets.randbits(48):012x}"  # never a name the files in ``out`` use
     files = []
     with CheckpointReader(src, index) as reader:
@@ -79,7 +120,6 @@ def reshard(
             yield from reader.iter_chunks(state, a, b, chunk_elems)
 
         for rank, ranges in writer_ranges(index.layout, strat, part, n):
-            meta = {"format": FORMAT_NAME, "save_id": save_id, "rank": str(rank)}
             files.append(
                 write_shard_file(
                     dst,
@@ -90,7 +130,8 @@ def reshard(
                     index.state_dtype,
                     chunks,
                     block,
-                    meta,
+                    shard_metadata(save_id, rank),
+                    created=created,
                 )
             )
         stats = reader.stats
@@ -104,8 +145,24 @@ def reshard(
         save_id=save_id,
         files=tuple(files),
     )
-    commit_index(dst, new)
-    return ReshardResult(new, stats)
+    commit_index(dst, new, prune=False, created=created)
+    created.clear()  # the index is in place: from here on the files are the checkpoint
+    return new, stats
+
+
+def _remove_created(created: list[Path], made_dir: Path | None) -> None:
+    """Remove the files this write created (newest first) and the directory if it made it."""
+    for p in reversed(created):
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:
+            pass
+    created.clear()
+    if made_dir is not None:
+        try:
+            made_dir.rmdir()  # only when empty: nothing of anyone else's is touched
+        except OSError:
+            pass
 
 
 @dataclass
@@ -114,6 +171,7 @@ class Inspection:
 
     index: CheckpointIndex
     problems: dict[str, str]  # file name -> what is wrong
+    leftovers: list[str] = field(default_factory=list)  # names an interrupted write left in the directory
 
     @property
     def ok(self) -> bool:
@@ -139,6 +197,7 @@ class Inspection:
                 {"name": t.name, "shape": list(t.shape), "numel": t.numel} for t in ix.layout.tensors
             ],
             "bytes_per_state": ix.total_numel * isz,
+            "leftovers": list(self.leftovers),
             "files": [
                 {
                     "name": f.name,
@@ -156,15 +215,19 @@ class Inspection:
 
 
 def inspect_checkpoint(path: str | Path) -> Inspection:
-    """Read the index at ``path`` and verify every file it names (ConfigError if there is no index)."""
-    d = Path(path)
+    """Read the index at ``path`` (ConfigError if there is none or it is invalid) and verify every file
+    it names exactly as a load does: :meth:`CheckpointReader.open_file` (a regular file inside the
+    directory, its size, its header) and every data block against its digest, read through the same
+    reader. A file a load would refuse is a problem here, and only such a file."""
+    d = checkpoint_directory(path)
     index = read_index(d)
     problems = {}
-    for f in index.files:
-        why = verify_file(d, f)
-        if why is not None:
-            problems[f.name] = why
-    return Inspection(index, problems)
+    with CheckpointReader(d, index) as reader:
+        for f in index.files:
+            why = reader.verify_file(f)
+            if why is not None:
+                problems[f.name] = why
+    return Inspection(index, problems, leftover_files(d, index))
 
 
 __all__ = ["DEFAULT_BLOCK_BYTES", "Inspection", "ReshardResult", "inspect_checkpoint", "reshard"]

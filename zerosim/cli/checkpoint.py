@@ -1,10 +1,18 @@
 """``zerosim checkpoint``: inspect a sharded checkpoint, or reshard it offline for another world.
 
 * ``zerosim checkpoint inspect PATH``: what it holds (world size, strategy, partitioner, dtype,
-  optimizer and step, sizes per tensor, files) with every file's sha256 verified: exit 0; a file
-  missing, truncated or corrupted: exit 1 naming it; no checkpoint at PATH: one line, exit 2.
-* ``zerosim checkpoint reshard PATH --world-size M --strategy S [--partitioner P] OUT``: the
-  checkpoint as ranks at world size M under S would have saved it, streamed (bounded memory).
+  optimizer and step, sizes per tensor, files), every file validated as a load validates it. Exit
+  0 (``EXIT_OK``): a load would accept every file; 1 (``EXIT_CHECKPOINT_CORRUPT``): the index is
+  valid but a file it names is missing, not a regular file, of the wrong size or header, or fails a
+  block checksum (each named); 2 (``EXIT_BAD_INPUT``): PATH holds no readable, valid index.
+* ``zerosim checkpoint reshard PATH OUT --world-size M --strategy S [--partitioner P]``: the
+  checkpoint as ranks at world size M under S would have saved it, streamed (bounded memory). Exit
+  0: OUT holds the new checkpoint; 2: bad options, a source a load would refuse, or a destination
+  that cannot be written (full, read-only): one line, and nothing this run wrote is left in OUT.
+
+Both print a note on stderr when the directory holds leftovers of an interrupted write (``.tmp-*``
+temporaries, shard files no index names); neither deletes them. Everything printed that comes from a
+file goes through :func:`printable`.
 """
 
 from __future__ import annotations
@@ -17,8 +25,21 @@ from typing import Any
 
 from ..checkpoint.resharding import inspect_checkpoint, reshard
 from ..cost.units import format_bytes
-from ..errors import EXIT_CONTRACT_FAILED, EXIT_OK
+from ..errors import EXIT_CHECKPOINT_CORRUPT, EXIT_OK
 from ._args import pipe_safe
+from ._text import printable
+
+
+def _note_leftovers(directory: str, names: list[str]) -> None:
+    if names:
+        shown = ", ".join(printable(n) for n in names[:8]) + (
+            f" and {len(names) - 8} more" if len(names) > 8 else ""
+        )
+        print(
+            f"note: {printable(directory)} holds {len(names)} file(s) no index names, left by an "
+            f"interrupted or replaced write ({shown}); zerosim does not delete them",
+            file=sys.stderr,
+        )
 
 
 def register(sub: Any) -> None:
@@ -65,30 +86,33 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.json:
         json.dump(data, sys.stdout, indent=2)
         print()
-        return EXIT_OK if ins.ok else EXIT_CONTRACT_FAILED
+        _note_leftovers(args.path, ins.leftovers)
+        return EXIT_OK if ins.ok else EXIT_CHECKPOINT_CORRUPT
     ix = ins.index
+    p = printable
     print(
-        f"checkpoint {args.path}: step {ix.step}, saved at world size {ix.world_size} under {ix.strategy} "
-        f"(partitioner {ix.partitioner}, shard group {ix.shard_group_size})"
+        f"checkpoint {p(args.path)}: step {ix.step}, saved at world size {ix.world_size} under "
+        f"{p(ix.strategy)} (partitioner {p(ix.partitioner)}, shard group {ix.shard_group_size})"
     )
     print(
-        f"  {ix.total_numel:,} parameters, precision {ix.precision}, state dtype {ix.state_dtype}, "
-        f"optimizer {ix.optimizer.get('name')}: states {', '.join(ix.states)} "
+        f"  {ix.total_numel:,} parameters, precision {p(ix.precision)}, state dtype {ix.state_dtype}, "
+        f"optimizer {p(ix.optimizer.get('name'))}: states {', '.join(ix.states)} "
         f"({format_bytes(data['bytes_per_state'])} each)"
     )
     print(f"  {len(ix.layout.tensors)} tensors:")
     for t in ix.layout.tensors:
-        print(f"    {t.name:<40} {str(list(t.shape)):<20} {t.numel:>14,}")
+        print(f"    {p(t.name):<40} {str(list(t.shape)):<20} {t.numel:>14,}")
     print(f"  {len(ix.files)} files:")
     for f in data["files"]:
-        status = "sha256 ok" if f["verified"] else f"FAILED: {f['problem']}"
+        status = "sha256 ok" if f["verified"] else f"FAILED: {p(f['problem'])}"
         print(
-            f"    {f['name']}  rank {f['rank']}  {format_bytes(f['bytes'])}  {f['elements']:,} elements "
+            f"    {p(f['name'])}  rank {f['rank']}  {format_bytes(f['bytes'])}  {f['elements']:,} elements "
             f"in {f['ranges']} range(s)  {status}"
         )
     for name, why in ins.problems.items():
-        print(f"error: checkpoint file {name} {why}", file=sys.stderr)
-    return EXIT_OK if ins.ok else EXIT_CONTRACT_FAILED
+        print(f"error: checkpoint file {p(name)} {p(why)}", file=sys.stderr)
+    _note_leftovers(args.path, ins.leftovers)
+    return EXIT_OK if ins.ok else EXIT_CHECKPOINT_CORRUPT
 
 
 @pipe_safe
@@ -97,6 +121,7 @@ def run_reshard(args: argparse.Namespace) -> int:
     res = reshard(args.path, args.world_size, args.strategy, args.partitioner, args.out)
     dt = time.perf_counter() - t0
     ix = res.index
+    _note_leftovers(args.out, res.leftovers)
     if args.json:
         json.dump(
             {
@@ -114,7 +139,8 @@ def run_reshard(args: argparse.Namespace) -> int:
         print()
         return EXIT_OK
     print(
-        f"wrote {args.out}: world size {ix.world_size}, {ix.strategy}, partitioner {ix.partitioner}, "
+        f"wrote {printable(args.out)}: world size {ix.world_size}, {ix.strategy}, "
+        f"partitioner {printable(ix.partitioner)}, "
         f"{len(ix.files)} files, step {ix.step} ({res.stats.bytes_read:,} bytes read in {dt:.2f}s)"
     )
     return EXIT_OK
