@@ -15,7 +15,7 @@ import sys
 from ..errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, ZeroSimError
 
 COMMAND_MODULES = ("plan", "check", "simulate", "mutants", "memory", "comm", "report", "bench", "verify",
-                   "checkpoint")
+                   "checkpoint", "gpu_check")
 
 
 def build_parser() -> argparse.ArgumentParser:
