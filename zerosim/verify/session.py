@@ -378,17 +378,29 @@ class RankSession:
 
     # -- failure -----------------------------------------------------------------------------------------
     def record_failure(self, error: BaseException) -> None:
-        """Write ``failure-rank<R>.json`` naming the rank to blame (see the module docstring)."""
+        """Write ``failure-rank<R>.json`` naming the rank to blame (see the module docstring).
+
+        The record says what this rank saw (``saw``: the error in one line) and where each rank last
+        was (``last_in``), so the launcher's line can name what happened (:mod:`zerosim.verify.blame`)."""
         out = self.args.out
         if not out:
             return
-        if isinstance(error, (CollectiveError, RuntimeError)) and _looks_like_peer_problem(error):
-            culprit, detail = self.arrivals.laggard()
-            kind = "hang" if "timed out" in str(error).lower() or "timeout" in str(error).lower() else "peer"
+        last_in: dict[str, str] = {}
+        if _process_group_gone():
+            culprit, kind = self.rank, "raised"
+            message = (f"the trainer destroyed the process group (torch.distributed is no longer "
+                       f"initialized) before the run ended; the next collective, during {self.where}, "
+                       f"failed with {_one_line(error)}")
+        elif isinstance(error, (CollectiveError, RuntimeError)) and _looks_like_peer_problem(error):
+            hang = _is_timeout(error)
+            culprit, detail = self.arrivals.laggard(failure="timed out in" if hang else "lost")
+            kind = "hang" if hang else "peer"
             if culprit is None:
                 culprit, detail = self.rank, ""
+            last_in = self.arrivals.last_places()
+            what = "hung or failed" if hang else "dropped its connection"
             message = (
-                f"hung or failed while rank {self.rank} waited ({detail}); rank {self.rank} saw: "
+                f"{what} while rank {self.rank} waited ({detail}); rank {self.rank} saw: "
                 f"{_one_line(error)}"
             )
         else:
@@ -403,6 +415,8 @@ class RankSession:
             "reporter": self.rank,
             "kind": kind,
             "message": message,
+            "saw": f"{_peer_symptom(error)} during {self.where}",
+            "last_in": last_in,
             "time": time.time(),
         }
         try:
@@ -435,6 +449,29 @@ def _looks_like_peer_problem(error: BaseException) -> bool:
     return isinstance(error, CollectiveError) or any(
         s in text for s in ("timed out", "timeout", "connection closed", "connection reset", "peer")
     )
+
+
+def _is_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
+def _peer_symptom(error: BaseException) -> str:
+    """What a failed collective says happened, in the words a user searches for."""
+    text = str(error).lower()
+    for symptom in ("connection reset by peer", "connection closed by peer", "broken pipe"):
+        if symptom in text:
+            return symptom
+    if _is_timeout(error):
+        return "a collective timed out"
+    return _one_line(error)
+
+
+def _process_group_gone() -> bool:
+    """torch.distributed's default process group no longer exists (a trainer destroyed it)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and not dist.is_initialized()
 
 
 def _one_line(error: BaseException) -> str:
