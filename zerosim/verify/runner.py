@@ -5,6 +5,9 @@ then starts ``torchrun --standalone --nproc-per-node N -m zerosim.verify TARGET 
 (:func:`zerogpu.launch.run_torchrun`: a wall-clock timeout, never a process left behind) with the
 current directory on every rank's ``PYTHONPATH``. Rank 0 writes ``report.json`` (or ``error.json``)
 into the run directory; each failing rank writes ``failure-rank<R>.json`` naming the rank to blame.
+Each rank's own output goes to ``rank<R>.log`` in ``--out``'s ``logs/`` (a temporary folder without
+``--out``, kept when a rank failed), never through the launcher (:mod:`zerosim.rank_logs`); the
+failure line (:mod:`zerosim.verify.blame`) names the folder.
 
 Each rank: ``init_process_group`` (gloo on the CPU, NCCL with ``--device cuda``; every collective
 bounded by ``--timeout``), then for each phase of the suite (:mod:`zerosim.verify.suite`): the same

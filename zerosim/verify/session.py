@@ -22,13 +22,12 @@ import json
 import pickle
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from zerosim.errors import CollectiveError, ConfigError
+from zerosim.errors import ConfigError
 
 from .errors import TrainerError
 from .model import build_model, micro_batch
@@ -378,47 +377,14 @@ class RankSession:
 
     # -- failure -----------------------------------------------------------------------------------------
     def record_failure(self, error: BaseException) -> None:
-        """Write ``failure-rank<R>.json`` naming the rank to blame (see the module docstring).
+        """Write ``failure-rank<R>.json`` naming the rank to blame and what this rank saw
+        (:func:`zerosim.verify.blame.failure_record`; see the module docstring)."""
+        from .blame import failure_record
 
-        The record says what this rank saw (``saw``: the error in one line) and where each rank last
-        was (``last_in``), so the launcher's line can name what happened (:mod:`zerosim.verify.blame`)."""
         out = self.args.out
         if not out:
             return
-        last_in: dict[str, str] = {}
-        if _process_group_gone():
-            culprit, kind = self.rank, "raised"
-            message = (f"the trainer destroyed the process group (torch.distributed is no longer "
-                       f"initialized) before the run ended; the next collective, during {self.where}, "
-                       f"failed with {_one_line(error)}")
-        elif isinstance(error, (CollectiveError, RuntimeError)) and _looks_like_peer_problem(error):
-            hang = _is_timeout(error)
-            culprit, detail = self.arrivals.laggard(failure="timed out in" if hang else "lost")
-            kind = "hang" if hang else "peer"
-            if culprit is None:
-                culprit, detail = self.rank, ""
-            last_in = self.arrivals.last_places()
-            what = "hung or failed" if hang else "dropped its connection"
-            message = (
-                f"{what} while rank {self.rank} waited ({detail}); rank {self.rank} saw: "
-                f"{_one_line(error)}"
-            )
-        else:
-            culprit, kind = self.rank, "raised"
-            message = f"{_one_line(error)} (during {self.where})"
-            frames = traceback.extract_tb(error.__traceback__)
-            if frames:
-                last = frames[-1]
-                message += f" at {Path(last.filename).name}:{last.lineno}"
-        record = {
-            "rank": culprit,
-            "reporter": self.rank,
-            "kind": kind,
-            "message": message,
-            "saw": f"{_peer_symptom(error)} during {self.where}",
-            "last_in": last_in,
-            "time": time.time(),
-        }
+        record = failure_record(error, self.rank, self.where, self.arrivals)
         try:
             Path(out).mkdir(parents=True, exist_ok=True)
             (Path(out) / f"failure-rank{self.rank}.json").write_text(json.dumps(record))
@@ -442,40 +408,3 @@ def _as_arrays(values: Any, method: str, rank: int) -> Any:
                 f"{method} on rank {rank}: {name!r} cannot be read as an array ({type(v).__name__}: {e})"
             ) from None
     return out
-
-
-def _looks_like_peer_problem(error: BaseException) -> bool:
-    text = str(error).lower()
-    return isinstance(error, CollectiveError) or any(
-        s in text for s in ("timed out", "timeout", "connection closed", "connection reset", "peer")
-    )
-
-
-def _is_timeout(error: BaseException) -> bool:
-    text = str(error).lower()
-    return "timed out" in text or "timeout" in text
-
-
-def _peer_symptom(error: BaseException) -> str:
-    """What a failed collective says happened, in the words a user searches for."""
-    text = str(error).lower()
-    for symptom in ("connection reset by peer", "connection closed by peer", "broken pipe"):
-        if symptom in text:
-            return symptom
-    if _is_timeout(error):
-        return "a collective timed out"
-    return _one_line(error)
-
-
-def _process_group_gone() -> bool:
-    """torch.distributed's default process group no longer exists (a trainer destroyed it)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and not dist.is_initialized()
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    if len(text) > 400:
-        text = text[:400] + "..."
-    return f"{type(error).__name__}: {text}"
