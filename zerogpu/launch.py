@@ -3,8 +3,9 @@
 Used by ``zerosim simulate --backend torch``, the GPU report and the tests.
 
 ``torchrun --standalone`` (``python -m torch.distributed.run``, the interpreter that runs us) on a
-free local port, in its own session (process group). Every launch has a wall-clock timeout: on
-expiry the whole group (agent and ranks) gets SIGTERM, then SIGKILL, so no rank outlives the launch
+free local port, in its own session (process group). Every launch has a wall-clock timeout; at its
+end, on expiry or on a stop signal, the agent, the ranks (each in a session of its own) and whatever
+they started get SIGTERM, then SIGKILL, so nothing outlives the launch
 (:func:`zerosim.launching.run_process_group`, shared with the mpiexec launcher).
 
 Exit status: torchrun reports any failed worker as 1, whatever the worker's own status. Each rank
@@ -40,6 +41,7 @@ from zerosim.launching import (
     run_process_group,
     run_streamed,
 )
+from zerosim.rank_logs import RANK_LOG_DIR_ENV
 
 from .rank import STATUS_DIR_ENV
 
@@ -98,15 +100,22 @@ def _read_status(folder: str) -> dict[int, int]:
 
 
 def run_torchrun(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str, str] | None = None,
-                 capture: bool = True) -> TorchrunResult:
+                 capture: bool = True, rank_log_dir: str | Path | None = None) -> TorchrunResult:
     """Run ``torchrun --standalone --nproc-per-node n *argv`` with a wall-clock timeout; never leaves
-    processes behind. ``argv`` is what follows torchrun's options (``["-m", "zerogpu", "simulate", ...]``).
-    ``env`` is merged over ``os.environ`` (``OMP_NUM_THREADS`` defaults to 1: ranks share the cores)."""
+    processes behind, whatever the ranks start. ``argv`` is what follows torchrun's options
+    (``["-m", "zerogpu", "simulate", ...]``). ``env`` is merged over ``os.environ`` (``OMP_NUM_THREADS``
+    defaults to 1: ranks share the cores). ``rank_log_dir``: the folder (created) where a rank program
+    that calls :func:`zerosim.rank_logs.send_output_to_rank_log` (``zerosim.verify`` does) writes its
+    output, ``rank<R>.log``, instead of torchrun's stdout and stderr."""
     require_positive_int("world_size", n)
     require_launch_timeout(timeout_s)
     command = torchrun_command(n, argv)
+    logs: dict[str, str] = {}
+    if rank_log_dir is not None:
+        Path(rank_log_dir).mkdir(parents=True, exist_ok=True)
+        logs[RANK_LOG_DIR_ENV] = str(rank_log_dir)
     with tempfile.TemporaryDirectory(prefix="zerogpu-status-") as status_dir:
-        full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), STATUS_DIR_ENV: status_dir}
+        full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), **logs, STATUS_DIR_ENV: status_dir}
         run = run_process_group(command, timeout_s, full_env, capture=capture, kill_grace_s=_KILL_GRACE_S)
         written = _read_status(status_dir)
     code = EXIT_LAUNCH_TIMEOUT if run.returncode is None else ranks_status(run.returncode, written, n)
@@ -160,6 +169,15 @@ def launch_simulate(args: argparse.Namespace) -> int:
 # ---- torchrun's report of a rank that died ------------------------------------------------------------
 
 _FAILURE_RE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def torchrun_failures(log: str) -> dict[int, int]:
+    """rank -> exit code of every worker torchrun's failure summary in ``log`` lists (negative: the
+    signal that killed it); empty when there is no summary. A worker that exited 0 is never listed."""
+    out: dict[int, int] = {}
+    for r, c in _FAILURE_RE.findall(log):
+        out.setdefault(int(r), int(c))
+    return out
 
 
 def diagnose_torchrun_death(log: str, said_why: bool = False) -> str | None:

@@ -1,9 +1,13 @@
 """Running a launcher (``mpiexec``, ``torchrun``) as a process group with a wall-clock timeout.
 
 Shared by :mod:`zerosim.mpi.launch` and :mod:`zerogpu.launch` (distributed runs never hang): the
-launcher runs in its own session (process group); when the launch outlives its timeout, or this
-process is interrupted, the whole group (launcher, proxies / agent, ranks) gets SIGTERM, then
-SIGKILL, so no rank outlives the launch. Pure standard library: no MPI, no torch.
+launcher runs in its own session (process group) with an owner token in its environment
+(:mod:`zerosim.owned_processes`). When the launcher ends, when the launch outlives its timeout, and
+when this process is interrupted (Ctrl-C, or SIGTERM / SIGHUP through :mod:`zerosim.stop_signals`),
+the whole group and every process holding the token (ranks in sessions of their own, children they
+started) get SIGTERM, then SIGKILL (:func:`end_launch`), so nothing outlives the launch. The launch
+writes into files, never pipes: a process that keeps its output open cannot keep a launch waiting.
+Pure standard library: no MPI, no torch.
 
 What the user sees of a launch started for them (``zerosim simulate --backend mpi|torch``,
 :func:`run_streamed` and :func:`finish_launch`): the ranks' standard output, streamed as it comes
@@ -18,6 +22,7 @@ this process's standard output is closed by its reader (``| head -1``), the laun
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -27,12 +32,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from .errors import EXIT_BAD_INPUT, EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError
+from .owned_processes import end_owned, new_owner_token, parent_death_preexec, with_owner_token
 
 DEFAULT_LAUNCH_TIMEOUT_S = 900.0
 LAUNCH_TIMEOUT_ENV = "ZEROSIM_LAUNCH_TIMEOUT_S"
@@ -72,6 +78,32 @@ def kill_process_group(proc: subprocess.Popen, grace_s: float) -> None:
             pass
 
 
+def start_owned(command: Sequence[str], env: dict[str, str], token: str, **popen: Any) -> subprocess.Popen:
+    """Start ``command`` in its own session, its environment carrying the owner ``token`` and, on
+    Linux, SIGTERM due to it should this process die (:mod:`zerosim.owned_processes`)."""
+    return subprocess.Popen(list(command), env=with_owner_token(env, token), start_new_session=True,
+                            preexec_fn=parent_death_preexec(), **popen)
+
+
+def end_launch(proc: subprocess.Popen, token: str, grace_s: float) -> None:
+    """End a launch and everything it started: the launcher's process group and every process holding
+    ``token`` (ranks in sessions of their own, their children) get SIGTERM, then SIGKILL after
+    ``grace_s``; returns once none is left and the launcher is reaped."""
+
+    def group(sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+    if proc.poll() is None:
+        group(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            group(signal.SIGKILL)
+    end_owned(token, grace_s, also=group)
+    proc.wait()
+
+
 @dataclass
 class GroupRun:
     """What one process-group launch did. ``stdout`` / ``stderr`` are None when they went to the terminal;
@@ -84,26 +116,36 @@ class GroupRun:
     elapsed_s: float
 
 
+def _read_back(f: IO[bytes] | None) -> str | None:
+    if f is None:
+        return None
+    f.seek(0)
+    return f.read().decode("utf-8", "replace")
+
+
 def run_process_group(command: Sequence[str], timeout_s: float, env: dict[str, str], *, capture: bool = True,
                       kill_grace_s: float = 3.0) -> GroupRun:
-    """Run ``command`` (with exactly ``env``) in its own session with a wall-clock timeout; never
-    leaves processes behind: on timeout or on any exception here (KeyboardInterrupt) the group is killed."""
-    pipe = subprocess.PIPE if capture else None
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        list(command), stdout=pipe, stderr=pipe, text=True, env=env, start_new_session=True
-    )
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        kill_process_group(proc, kill_grace_s)
-        out, err = proc.communicate()
-    except BaseException:  # KeyboardInterrupt: take the ranks down with us
-        kill_process_group(proc, kill_grace_s)
-        raise
-    return GroupRun(None if timed_out else proc.returncode, out, err, timed_out, time.monotonic() - start)
+    """Run ``command`` (with exactly ``env`` plus its owner token) in its own session with a wall-clock
+    timeout; never leaves processes behind: when the launcher ends, when the timeout expires and on
+    any exception here (KeyboardInterrupt, :class:`zerosim.stop_signals.StopSignal`) everything it
+    started is ended (:func:`end_launch`). Captured output goes to unnamed temporary files, never
+    pipes, so a process that outlives its launcher cannot keep this call waiting."""
+    token = new_owner_token()
+    with contextlib.ExitStack() as files:
+        out_f = files.enter_context(tempfile.TemporaryFile()) if capture else None
+        err_f = files.enter_context(tempfile.TemporaryFile()) if capture else None
+        start = time.monotonic()
+        proc = start_owned(command, env, token, stdout=out_f, stderr=err_f)
+        timed_out = False
+        try:
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+        finally:  # a normal end, the timeout, or KeyboardInterrupt: take everything it started down
+            end_launch(proc, token, kill_grace_s)
+        return GroupRun(None if timed_out else proc.returncode, _read_back(out_f), _read_back(err_f),
+                        timed_out, time.monotonic() - start)
 
 
 # ---- a launch whose output the user reads: stdout streamed, stderr sorted, noise to a log -----------
@@ -146,14 +188,38 @@ def _write_out(data: bytes) -> None:
         out.flush()
 
 
-def _pump_stdout(stream: IO[bytes], log: _Log, broken: threading.Event,
+def _lines_of(fd: int, done: threading.Event, max_line: int = 1 << 20) -> Iterator[bytes]:
+    """The lines written to the file behind ``fd``, as they are written, until ``done`` is set (every
+    writer has ended) and the file is read to its end. A line longer than ``max_line`` comes in pieces."""
+    offset, pending = 0, b""
+    while True:
+        finished = done.is_set()  # taken before the read: data written before ``done`` is never missed
+        chunk = os.pread(fd, 1 << 16, offset)
+        if chunk:
+            offset += len(chunk)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                yield line + b"\n"
+            while len(pending) > max_line:
+                yield pending[:max_line]
+                pending = pending[max_line:]
+            continue
+        if finished:
+            if pending:
+                yield pending
+            return
+        done.wait(0.05)
+
+
+def _pump_stdout(lines: Iterable[bytes], log: _Log, broken: threading.Event,
                  is_noise: Callable[[str], bool] | None) -> None:
     """Forward the launch's stdout line by line; from the first noise line on (a launcher's banner,
     which it prints last) everything goes to the log. Blank lines are held until the next line, so a
     banner's leading blank line goes with it."""
     held: list[bytes] = []
     diverted = False
-    for raw in iter(stream.readline, b""):
+    for raw in lines:
         if broken.is_set() or diverted:
             log.write(raw)
             continue
@@ -180,91 +246,94 @@ def _pump_stdout(stream: IO[bytes], log: _Log, broken: threading.Event,
             broken.set()
 
 
-def _pump_stderr(stream: IO[bytes], log: _Log, messages: list[str]) -> None:
-    """Every line to the log; the ranks' zerosim lines also to ``messages`` (each once)."""
-    for raw in iter(stream.readline, b""):
-        log.write(raw)
-        line = raw.decode("utf-8", "replace").rstrip("\r\n")
-        if MESSAGE_RE.match(line) and line not in messages:
-            messages.append(line)
+def _messages_in(path: Path) -> list[str]:
+    """The ranks' zerosim lines in the log (each once, in order), read line by line."""
+    messages: list[str] = []
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if MESSAGE_RE.match(line) and line not in messages:
+                    messages.append(line)
+    except OSError:
+        pass
+    return messages
 
 
 class _Log:
-    """The launch's log file, written by both output readers."""
+    """The launch's log file: the launcher's stderr goes straight into it, and the stdout reader
+    appends what it diverts (the file is opened for appending, so neither overwrites the other)."""
 
     def __init__(self, name: str):
         fd, path = tempfile.mkstemp(prefix=f"zerosim-{name}-", suffix=".log")
+        os.close(fd)
         self.path = Path(path)
-        self._file = os.fdopen(fd, "wb")
+        self.file = open(path, "ab", buffering=0)  # noqa: SIM115 - closed by close()
         self._lock = threading.Lock()
 
     def write(self, data: bytes) -> None:
         with self._lock:
-            if not self._file.closed:
-                self._file.write(data)
+            if not self.file.closed:
+                self.file.write(data)
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            self.file.close()
 
 
 def run_streamed(command: Sequence[str], timeout_s: float, env: dict[str, str], *, log_name: str,
                  kill_grace_s: float = 3.0, is_noise: Callable[[str], bool] | None = None) -> StreamedRun:
     """Run ``command`` like :func:`run_process_group`, its stdout streamed to ours (lines ``is_noise``
-    flags, and all after them, to the log instead) and its stderr sorted (see the module docstring).
+    flags, and all after them, to the log instead) and its stderr to the log (see the module docstring).
 
-    Stops the group when the timeout expires, when this process is interrupted, and when our stdout
-    is closed by its reader (``broken_pipe``). The log is ``zerosim-<log_name>-*.log`` in the temporary
-    folder; the caller removes it (:func:`finish_launch` does) or names it.
+    Stops the launch when the timeout expires, when this process is interrupted, and when our stdout
+    is closed by its reader (``broken_pipe``); whatever way it ends, everything it started is ended
+    before this returns (:func:`end_launch`). The launch writes into files, never pipes: its stdout
+    into an unnamed temporary file that a reader thread forwards as it grows, its stderr into the log,
+    ``zerosim-<log_name>-*.log`` in the temporary folder; the caller removes the log
+    (:func:`finish_launch` does) or names it.
     """
     log = _Log(log_name)
+    token = new_owner_token()
     start = time.monotonic()
     broken = threading.Event()
-    messages: list[str] = []
+    done = threading.Event()
+    out_f = tempfile.TemporaryFile()
     try:
-        proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                start_new_session=True)
+        proc = start_owned(command, env, token, stdout=out_f, stderr=log.file)
     except BaseException:
+        out_f.close()
         log.close()
         raise
-    assert proc.stdout is not None and proc.stderr is not None
-    readers = [
-        threading.Thread(target=_pump_stdout, args=(proc.stdout, log, broken, is_noise), daemon=True),
-        threading.Thread(target=_pump_stderr, args=(proc.stderr, log, messages), daemon=True),
-    ]
-    for t in readers:
-        t.start()
+    lines = _lines_of(out_f.fileno(), done)
+    reader = threading.Thread(target=_pump_stdout, args=(lines, log, broken, is_noise), daemon=True)
+    reader.start()
     timed_out = False
+    interrupted = True
     try:
         deadline = start + timeout_s
-        while proc.poll() is None:
-            if broken.is_set():
-                kill_process_group(proc, kill_grace_s)
-                break
+        while proc.poll() is None and not broken.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = True
-                kill_process_group(proc, kill_grace_s)
                 break
             try:
                 proc.wait(timeout=min(0.1, remaining))
             except subprocess.TimeoutExpired:
                 pass
-        for t in readers:  # a rank that outlived its launcher would hold the pipes open: not for long
-            t.join(max(0.1, min(_JOIN_S, deadline - time.monotonic())))
-        if any(t.is_alive() for t in readers):
-            kill_process_group(proc, kill_grace_s)
-            for t in readers:
-                t.join(_JOIN_S)
-    except BaseException:  # KeyboardInterrupt: take the ranks down with us
-        kill_process_group(proc, kill_grace_s)
+        interrupted = False
+    finally:  # a normal end, the timeout, a closed stdout or KeyboardInterrupt: nothing outlives it
+        end_launch(proc, token, kill_grace_s)
+        done.set()
+        reader.join(_JOIN_S)
+        if not reader.is_alive():
+            out_f.close()
         log.close()
-        log.path.unlink(missing_ok=True)
-        raise
-    log.close()
+        if interrupted:
+            log.path.unlink(missing_ok=True)
     stopped = timed_out or broken.is_set()
     return StreamedRun(None if stopped else proc.returncode, timed_out, broken.is_set(), log.path,
-                       time.monotonic() - start, messages)
+                       time.monotonic() - start, _messages_in(log.path))
 
 
 def signal_description(number: int) -> str:

@@ -2,20 +2,26 @@
 
 Each subcommand lives in its own module ``zerosim.cli.<name>`` exposing
 ``register(subparsers) -> None``; the registered parser's ``func(args) -> int`` runs it.
-A ZeroSimError anywhere becomes ``error: <message>`` on stderr and exit status 2.
+A ZeroSimError anywhere becomes ``error: <message>`` on stderr and exit status 2. SIGINT, SIGTERM and
+SIGHUP end the command and every process it started (:mod:`zerosim.stop_signals`,
+:mod:`zerosim.owned_processes`) with one line and exit status 130, 143 or 129.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
 
 from ..errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, ZeroSimError
+from ..owned_processes import OWNER_ENV, end_owned, new_owner_token, with_owner_token
+from ..stop_signals import StopSignal, stop_signals_handled
 
 COMMAND_MODULES = ("plan", "check", "simulate", "mutants", "memory", "comm", "report", "bench", "verify",
                    "checkpoint", "gpu_check")
+_STOP_GRACE_S = 3.0  # how long a process this command started has to go after SIGTERM, before SIGKILL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,19 +41,31 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_BAD_INPUT
+    token = new_owner_token()
+    held = os.environ.get(OWNER_ENV)
+    os.environ.update(with_owner_token(os.environ, token))  # every process this command starts carries it
     try:
-        return int(args.func(args) or 0)
+        with stop_signals_handled():
+            try:
+                return int(args.func(args) or 0)
+            except KeyboardInterrupt as e:  # Ctrl-C, or StopSignal (SIGTERM, SIGHUP, SIGINT)
+                end_owned(token, _STOP_GRACE_S)  # whatever no launch has ended yet (a plain subprocess)
+                with contextlib.suppress(OSError):  # a hung-up terminal may take stderr with it
+                    print(e.line if isinstance(e, StopSignal) else "interrupted", file=sys.stderr, flush=True)
+                return e.exit_status if isinstance(e, StopSignal) else EXIT_INTERRUPTED
     except ZeroSimError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # the reader of stdout went away (``| head -1``): stop quietly, as shell tools do, and keep
         # the interpreter's final flush from raising again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    finally:
+        if held is None:
+            os.environ.pop(OWNER_ENV, None)
+        else:
+            os.environ[OWNER_ENV] = held
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -323,12 +323,11 @@ def torch_unavailable_reason() -> str | None:
 
 def run_under_torch(cfgs: Sequence[RunConfig], world_size: int, timeout_s: float = 240.0) -> TorchRun:
     """Run every config (torch arrays) in one ``torchrun --nproc-per-node world_size`` launch (gloo on CPU),
-    via :mod:`zerosim.report.torch_worker`. The whole launch has a wall-clock timeout: on expiry its
-    process group is killed (SIGTERM, then SIGKILL) and the error says so."""
-    import signal
-    import subprocess
+    via :mod:`zerosim.report.torch_worker`. The whole launch has a wall-clock timeout: on expiry
+    everything it started is ended (:func:`zerosim.launching.run_process_group`) and the error says so."""
     import sys
-    import time
+
+    from ..launching import run_process_group
 
     reason = torch_unavailable_reason()
     if reason:
@@ -357,24 +356,13 @@ def run_under_torch(cfgs: Sequence[RunConfig], world_size: int, timeout_s: float
             out,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                start_new_session=True)
-        try:
-            _, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(timeout=3)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
+        run = run_process_group(cmd, timeout_s, env, capture=True)
+        if run.timed_out:
             return TorchRun(None, f"torchrun did not finish within {timeout_s:g}s; killed it and its ranks",
-                            time.perf_counter() - t0)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0 or not os.path.exists(out):
-            tail = [ln for ln in (err or "").strip().splitlines() if "Warning" not in ln][-3:]
-            return TorchRun(None, f"torchrun exit {proc.returncode}: " + " | ".join(tail), wall)
+                            run.elapsed_s)
+        wall = run.elapsed_s
+        if run.returncode != 0 or not os.path.exists(out):
+            tail = [ln for ln in (run.stderr or "").strip().splitlines() if "Warning" not in ln][-3:]
+            return TorchRun(None, f"torchrun exit {run.returncode}: " + " | ".join(tail), wall)
         with open(out, "rb") as f:
             return TorchRun(pickle.load(f), None, wall)

@@ -84,13 +84,18 @@ class ArrivalCounter:
         except Exception:  # noqa: BLE001 - the store is gone: nobody is left to read it
             pass
 
-    def laggard(self, grace_s: float = 3.0) -> tuple[int | None, str]:
+    def last_places(self) -> dict[str, str]:
+        """rank (as text) -> the trainer call each rank last published (``never started`` if none)."""
+        return {str(r): str(self._entry(r).get("where", "unknown")) for r in range(self.world)}
+
+    def laggard(self, grace_s: float = 3.0, failure: str = "timed out in") -> tuple[int | None, str]:
         """(the rank to blame for a collective that timed out or failed, a description), or (None, why not).
 
         Every rank that sees the error says so in the store; after ``grace_s`` the ranks that have not
         are the ones still stuck elsewhere (in a sleep, a loop, a collective nobody else entered), and
         the first of them is blamed. If every rank saw the error, the rank whose count of collectives
-        differs from the others' (a skipped or an extra collective) is blamed."""
+        differs from the others' (a skipped or an extra collective) is blamed. ``failure`` says what
+        happened to the collective: ``timed out in`` (a hang), ``lost`` (a peer's connection closed)."""
         if self.store is None:
             return None, "no store to read the other ranks' progress from"
         try:
@@ -107,9 +112,14 @@ class ArrivalCounter:
         if silent and len(silent) < self.world:
             r = silent[0]
             others = ", ".join(map(str, silent[1:]))
+            if failure == "lost":
+                return r, (
+                    f"rank {r}{' (and ' + others + ')' if others else ''} closed its connection to the "
+                    f"other ranks; it was last in {entries[r]['where']}"
+                )
             return r, (
                 f"rank {r}{' (and ' + others + ')' if others else ''} never reached the collective the "
-                f"other ranks timed out in; it was last in {entries[r]['where']}"
+                f"other ranks {failure}; it was last in {entries[r]['where']}"
             )
         counts = [e["calls"] for e in entries.values()]
         usual = max(set(counts), key=counts.count)

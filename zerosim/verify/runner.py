@@ -5,6 +5,9 @@ then starts ``torchrun --standalone --nproc-per-node N -m zerosim.verify TARGET 
 (:func:`zerogpu.launch.run_torchrun`: a wall-clock timeout, never a process left behind) with the
 current directory on every rank's ``PYTHONPATH``. Rank 0 writes ``report.json`` (or ``error.json``)
 into the run directory; each failing rank writes ``failure-rank<R>.json`` naming the rank to blame.
+Each rank's own output goes to ``rank<R>.log`` in ``--out``'s ``logs/`` (a temporary folder without
+``--out``, kept when a rank failed), never through the launcher (:mod:`zerosim.rank_logs`); the
+failure line (:mod:`zerosim.verify.blame`) names the folder.
 
 Each rank: ``init_process_group`` (gloo on the CPU, NCCL with ``--device cuda``; every collective
 bounded by ``--timeout``), then for each phase of the suite (:mod:`zerosim.verify.suite`): the same
@@ -36,7 +39,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zerosim.errors import ConfigError, ZeroSimError, require_output_dir, require_positive_int
+from zerosim.rank_logs import send_output_to_rank_log
 
+from .blame import rank_verdict
 from .errors import RankFailure, TrainerError
 from .outcome import VerifyReport
 from .resume import SNAPSHOT_FILE
@@ -48,6 +53,7 @@ DEVICES = ("cpu", "cuda")
 REPORT_FILE = "report.json"
 ERROR_FILE = "error.json"
 FAILURE_PREFIX = "failure-rank"
+LOG_FOLDER = "logs"  # under --out: each rank's own output, rank<R>.log (resume: save/ and load/)
 
 
 # ---- validation shared by the launcher and the ranks ---------------------------------------------------
@@ -145,7 +151,7 @@ def verify(
     trainer, call ``load_checkpoint`` and train the phase's remaining steps; C-ZERO-007 is checked
     besides the others (:mod:`zerosim.verify.resume`).
     """
-    from zerogpu.launch import run_torchrun, torch_unavailable_reason
+    from zerogpu.launch import torch_unavailable_reason
 
     from .targets import resolve_factory
 
@@ -172,6 +178,28 @@ def verify(
     resolve_factory(target)
     collective_s = float(timeout_s or DEFAULT_TIMEOUT_S)
     names = optimizers if isinstance(optimizers, str) else ",".join(optimizers)
+    own_logs = None if out else tempfile.mkdtemp(prefix="zerosim-verify-logs-")
+    log_dir = Path(out) / LOG_FOLDER if out else Path(str(own_logs))
+    try:
+        report = _launch(target, world, steps, dtype, device, model, names, collective_s, out, log_dir,
+                         resume_at, resume_world)
+    except RankFailure:
+        raise  # its message names the rank logs: they stay
+    except BaseException:
+        if own_logs:
+            shutil.rmtree(own_logs, ignore_errors=True)
+        raise
+    if own_logs:
+        shutil.rmtree(own_logs, ignore_errors=True)
+    return report
+
+
+def _launch(target: str, world: int, steps: int | None, dtype: str, device: str, model: str, names: str,
+            collective_s: float, out: str | None, log_dir: Path, resume_at: int | None,
+            resume_world: int | None) -> VerifyReport:
+    """The launch (two with ``resume_at``) of :func:`verify`, its options already validated."""
+    from zerogpu.launch import run_torchrun
+
     with tempfile.TemporaryDirectory(prefix="zerosim-verify-") as tmp:
         run_dir = Path(out) if out else Path(tmp)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -199,34 +227,38 @@ def verify(
             argv += ["--steps", str(steps)]
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
         launch_s = 4 * collective_s + 300.0
+        env = {"PYTHONPATH": path}
         if resume_at is None:
-            result = run_torchrun(world, argv, launch_s, env={"PYTHONPATH": path}, capture=True)
-            return _collect(result, run_dir, world, launch_s)
+            result = run_torchrun(world, argv, launch_s, env=env, capture=True, rank_log_dir=log_dir)
+            return _collect(result, run_dir, world, launch_s, log_dir)
         assert resume_world is not None
         resume_dir = run_dir / "resume"
         shutil.rmtree(resume_dir, ignore_errors=True)
         resume_dir.mkdir(parents=True)
         common = ["--resume-at", str(resume_at), "--resume-dir", str(resume_dir)]
-        env = {"PYTHONPATH": path}
         save_argv = argv + common + ["--resume-stage", "save"]
-        first = run_torchrun(world, save_argv, launch_s, env=env, capture=True)
+        save_logs, load_logs = log_dir / "save", log_dir / "load"
+        first = run_torchrun(world, save_argv, launch_s, env=env, capture=True, rank_log_dir=save_logs)
         if first.returncode != 0 or not (resume_dir / SNAPSHOT_FILE).exists():
-            _collect(first, run_dir, world, launch_s)  # raises the first launch's error
-            raise RankFailure(-1, f"the first launch ended with status {first.returncode} without saving")
+            _collect(first, run_dir, world, launch_s, save_logs)  # raises the first launch's error
+            raise RankFailure(-1, f"the first launch ended with status {first.returncode} without saving "
+                                  f"(rank output: {save_logs})")
         second = run_torchrun(
             resume_world,
             argv + common + ["--resume-stage", "load"],
             launch_s,
             env=env,
             capture=True,
+            rank_log_dir=load_logs,
         )
-        report = _collect(second, run_dir, resume_world, launch_s)
+        report = _collect(second, run_dir, resume_world, launch_s, load_logs)
         report.extra["wall_s"] = round(first.elapsed_s + second.elapsed_s, 2)
         return report
 
 
-def _collect(result: Any, run_dir: Path, world: int, launch_s: float) -> VerifyReport:
-    """The report of a finished launch, or the error it ended with."""
+def _collect(result: Any, run_dir: Path, world: int, launch_s: float, log_dir: Path) -> VerifyReport:
+    """The report of a finished launch, or the error it ended with (a RankFailure names the rank's log
+    and, when no rank said why, ends with the last lines of it)."""
     code = result.returncode
     if code in (0, 1) and (run_dir / REPORT_FILE).exists():
         report = VerifyReport.from_json(json.loads((run_dir / REPORT_FILE).read_text()))
@@ -237,32 +269,18 @@ def _collect(result: Any, run_dir: Path, world: int, launch_s: float) -> VerifyR
         if err.get("kind") == "config" and "field" in err:
             raise ConfigError(err["field"], err["value"], err["reason"])
         raise TrainerError(err["message"])
-    failure = _blamed_failure(run_dir)
-    if failure is not None:
-        raise RankFailure(failure["rank"], failure["message"])
-    stderr = (result.stderr or "").strip().splitlines()
-    for line in stderr:
-        if line.startswith("rank ") and " failed: " in line:
-            rank = line.split()[1]
-            raise RankFailure(int(rank) if rank.isdigit() else -1, line.split(" failed: ", 1)[1])
-    if result.timed_out:
-        raise RankFailure(-1, f"the run did not finish within {launch_s:g}s; killed every rank")
-    tail = " | ".join(stderr[-3:]) if stderr else "no output"
-    raise RankFailure(-1, f"the ranks ended with status {code} without a report ({tail})")
+    verdict = rank_verdict(result, world, log_dir, _failure_records(run_dir), launch_s)
+    raise RankFailure(verdict.rank, verdict.message)
 
 
-def _blamed_failure(run_dir: Path) -> dict[str, Any] | None:
-    """The most telling failure record: a rank that raised itself beats ranks that saw a peer fail or hang."""
+def _failure_records(run_dir: Path) -> list[dict[str, Any]]:
     records = []
     for p in sorted(run_dir.glob(FAILURE_PREFIX + "*.json")):
         try:
             records.append(json.loads(p.read_text()))
         except (OSError, ValueError):
             continue
-    if not records:
-        return None
-    order = {"raised": 0, "hang": 1, "peer": 2}
-    return min(records, key=lambda r: (order.get(r.get("kind"), 3), r.get("time", 0.0)))
+    return records
 
 
 # ---- every rank -------------------------------------------------------------------------------------------
@@ -306,8 +324,9 @@ def build_rank_parser() -> argparse.ArgumentParser:
 
 
 def rank_main(argv: list[str]) -> NoReturn:
-    from zerogpu.rank import fail_on_bad_input, parse_once, run_rank
+    from zerogpu.rank import env_rank, fail_on_bad_input, parse_once, run_rank
 
+    send_output_to_rank_log(env_rank())
     args = parse_once(build_rank_parser(), argv)
     try:
         world = int(os.environ.get("WORLD_SIZE", "0")) or None

@@ -22,13 +22,12 @@ import json
 import pickle
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from zerosim.errors import CollectiveError, ConfigError
+from zerosim.errors import ConfigError
 
 from .errors import TrainerError
 from .model import build_model, micro_batch
@@ -378,33 +377,14 @@ class RankSession:
 
     # -- failure -----------------------------------------------------------------------------------------
     def record_failure(self, error: BaseException) -> None:
-        """Write ``failure-rank<R>.json`` naming the rank to blame (see the module docstring)."""
+        """Write ``failure-rank<R>.json`` naming the rank to blame and what this rank saw
+        (:func:`zerosim.verify.blame.failure_record`; see the module docstring)."""
+        from .blame import failure_record
+
         out = self.args.out
         if not out:
             return
-        if isinstance(error, (CollectiveError, RuntimeError)) and _looks_like_peer_problem(error):
-            culprit, detail = self.arrivals.laggard()
-            kind = "hang" if "timed out" in str(error).lower() or "timeout" in str(error).lower() else "peer"
-            if culprit is None:
-                culprit, detail = self.rank, ""
-            message = (
-                f"hung or failed while rank {self.rank} waited ({detail}); rank {self.rank} saw: "
-                f"{_one_line(error)}"
-            )
-        else:
-            culprit, kind = self.rank, "raised"
-            message = f"{_one_line(error)} (during {self.where})"
-            frames = traceback.extract_tb(error.__traceback__)
-            if frames:
-                last = frames[-1]
-                message += f" at {Path(last.filename).name}:{last.lineno}"
-        record = {
-            "rank": culprit,
-            "reporter": self.rank,
-            "kind": kind,
-            "message": message,
-            "time": time.time(),
-        }
+        record = failure_record(error, self.rank, self.where, self.arrivals)
         try:
             Path(out).mkdir(parents=True, exist_ok=True)
             (Path(out) / f"failure-rank{self.rank}.json").write_text(json.dumps(record))
@@ -428,17 +408,3 @@ def _as_arrays(values: Any, method: str, rank: int) -> Any:
                 f"{method} on rank {rank}: {name!r} cannot be read as an array ({type(v).__name__}: {e})"
             ) from None
     return out
-
-
-def _looks_like_peer_problem(error: BaseException) -> bool:
-    text = str(error).lower()
-    return isinstance(error, CollectiveError) or any(
-        s in text for s in ("timed out", "timeout", "connection closed", "connection reset", "peer")
-    )
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    if len(text) > 400:
-        text = text[:400] + "..."
-    return f"{type(error).__name__}: {text}"
