@@ -59,7 +59,8 @@ def test_a_broken_link_is_reported_with_its_page(tmp_path):
     global ROOT
     saved, ROOT = ROOT, tmp_path
     try:
-        assert broken_links(page) == ["a.md: c.md: no such file", "a.md: b.md#no-such: no heading with that anchor"]
+        assert broken_links(page) == ["a.md: c.md: no such file",
+                                      "a.md: b.md#no-such: no heading with that anchor"]
     finally:
         ROOT = saved
 
