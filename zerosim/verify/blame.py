@@ -1,7 +1,8 @@
 """What the one failure line of a ``zerosim verify`` launch says: which rank, and what happened to it.
 
 On a failing rank, :func:`failure_record` writes what that rank knows; after the launch,
-:func:`rank_verdict` weighs it with what the launcher knows. What is known after a launch that left no report, from the most to the least telling:
+:func:`rank_verdict` weighs it with what the launcher knows. What is known after a launch that left
+no report, from the most to the least telling:
 
 * the failure records the ranks wrote (``failure-rank<R>.json``, :meth:`RankSession.record_failure`):
   a rank that raised names itself and the trainer call it raised in (a trainer that destroyed the
