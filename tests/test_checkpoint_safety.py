@@ -297,3 +297,15 @@ def test_a_killed_reshard_leaves_temporaries_that_the_next_command_names_and_kee
     _, states = read_full_state(out)
     _, want = read_full_state(saved)
     assert all(np.array_equal(states[s], want[s]) for s in want)
+
+
+def test_a_reshard_over_an_older_checkpoint_keeps_its_files_and_names_them(saved, tmp_path):
+    out = tmp_path / "out"
+    reshard(saved, 2, "zero1", None, out)
+    old = {f.name for f in read_index(out).files}
+    rc, _, err = cli(
+        "checkpoint", "reshard", str(saved), str(out), "--world-size", "3", "--strategy", "zero3"
+    )
+    assert rc == EXIT_OK and all(n in err for n in old)  # replaced, not deleted: named on stderr
+    assert old <= set(os.listdir(out)) and not old & {f.name for f in read_index(out).files}
+    assert inspect_checkpoint(out).ok and sorted(inspect_checkpoint(out).leftovers) == sorted(old)
