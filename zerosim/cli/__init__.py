@@ -2,17 +2,18 @@
 
 Each subcommand lives in its own module ``zerosim.cli.<name>`` exposing
 ``register(subparsers) -> None``; the registered parser's ``func(args) -> int`` runs it.
-A ZeroSimError anywhere becomes ``error: <message>`` on stderr and exit status 2.
+A ZeroSimError or an OSError anywhere becomes ``error: <message>`` on stderr and exit status 2 (:func:`main`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from ..errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, ZeroSimError
+from ..outputs import describe_os_error
+from ._stdout import GuardedStdout, StdoutError, silence_stdout
 
 COMMAND_MODULES = ("plan", "check", "simulate", "mutants", "memory", "comm", "report", "bench", "verify",
                    "checkpoint")
@@ -30,13 +31,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Whatever it raises on purpose (a ZeroSimError) or meets in the operating system
+    (an OSError: a full disk, a read-only folder, a file where a folder belongs, stdout on /dev/full)
+    ends as one line on stderr and exit status 2; a reader that closes stdout early (``| head``)
+    ends it quietly with 141; Ctrl-C with 130."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_BAD_INPUT
+    real_stdout = sys.stdout
+    guarded = GuardedStdout(real_stdout)
+    sys.stdout = guarded
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a full or closed stdout fails here, inside the handlers, not at exit
+        return code
     except ZeroSimError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -44,10 +54,24 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
-        # the reader of stdout went away (``| head -1``): stop quietly, as shell tools do, and keep
-        # the interpreter's final flush from raising again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()  # the reader of stdout went away (``| head -1``): stop quietly, as shell tools do
         return EXIT_BROKEN_PIPE
+    except StdoutError as e:
+        silence_stdout()
+        print(f"error: cannot write to standard output: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except SystemExit:
+        if guarded.broken_pipe:  # a library (rich) saw the closed pipe and exited by itself
+            silence_stdout()
+            return EXIT_BROKEN_PIPE
+        raise
+    finally:
+        sys.stdout = real_stdout
+        if guarded.broken_pipe:  # whoever caught it, the unwritten rest must not be flushed at exit
+            silence_stdout()
 
 
 if __name__ == "__main__":  # pragma: no cover
