@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,16 +12,24 @@ import pytest
 
 pytest.importorskip("torch")
 
+from tests.test_outputs import ROOT, clone_like, tracked_hashes  # noqa: E402
 
-def _bench(*args: str) -> subprocess.CompletedProcess:
+
+def _bench(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zerosim", "bench", "offload", *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=cwd,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def test_offload_bench_reports_the_budget_held_and_bitwise_equal_training(tmp_path: Path) -> None:
-    out = tmp_path / "bench_offload.json"
-    run = _bench("--steps", "2", "--warmup", "0", "--out", str(out))
+    """Run as the docs show it, in a clone: the report goes to a fresh folder, no tracked file changes."""
+    clone = clone_like(tmp_path)
+    before = tracked_hashes(clone)
+    run = _bench("--steps", "2", "--warmup", "0", cwd=clone)
     assert run.returncode == 0, run.stderr
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=clone, capture_output=True, text=True)
+    assert status.stdout == "" and {k: v for k, v in tracked_hashes(clone).items() if k in before} == before
+    (out,) = clone.glob("reports/bench-offload-*/bench_offload.json")
     report = json.loads(out.read_text())
     assert report["bitwise_equal"] is True
     assert 0 < report["device_peak_bytes"] <= report["device_budget_bytes"]

@@ -13,16 +13,17 @@ and the traffic counters.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+from zerosim import datafile
 from zerosim.engine.spmd import RunConfig, simulate_observations
 from zerosim.mpi import BITWISE_MAX_GROUP, CROSS_BACKEND_ATOL, CROSS_BACKEND_RTOL
 from zerosim.mpi.launch import mpi_unavailable_reason, run_mpiexec
+from zerosim.observe import STORED_TYPES
 
 REASON = mpi_unavailable_reason()
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(REASON is not None, reason=f"MPI unavailable: {REASON}")]
@@ -51,7 +52,7 @@ def test_every_strategy_is_compared_at_2_and_4_ranks() -> None:
 
 
 def run_mpi(tmp_path: Path, world: int, strategy: str, extra: tuple[str, ...]) -> list[Any]:
-    saved = tmp_path / "observations.pkl"
+    saved = tmp_path / "observations.safetensors"
     argv = ["-m", "zerosim.mpi", "simulate", "--model", "tiny", "--strategy", strategy, "--steps", "2",
             "--micro-batches", "2", "--seed", "7", "--observe", "full", "--timeout", "60", "--json",
             "--save-observations", str(saved), *extra]
@@ -59,8 +60,7 @@ def run_mpi(tmp_path: Path, world: int, strategy: str, extra: tuple[str, ...]) -
     assert result.returncode == 0, (
         f"the MPI run's own contracts failed (exit {result.returncode}):\n{result.stderr}"
     )
-    with open(saved, "rb") as f:
-        return pickle.load(f)
+    return datafile.load(saved, types=STORED_TYPES)
 
 
 def sim_config(world: int, strategy: str, extra: tuple[str, ...]) -> RunConfig:

@@ -7,7 +7,6 @@ under a ResourceProbe. Expected values are derived here from the parameter count
 
 from __future__ import annotations
 
-import pickle
 from fractions import Fraction
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from zerogpu.launch import run_torchrun, torch_unavailable_reason  # noqa: E402
+from zerosim import datafile  # noqa: E402
 from zerosim.layout import ParamLayout, TensorSpec  # noqa: E402
 from zerosim.verify.model import build_model  # noqa: E402
 from zerosim.verify.resources import (  # noqa: E402
@@ -143,11 +143,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> dict:
     reason = torch_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    out = tmp_path_factory.mktemp("resources") / "observations.pkl"
+    out = tmp_path_factory.mktemp("resources") / "observations.safetensors"
     result = run_torchrun(WORLD, [str(PROGRAM), str(out), ",".join(ADAPTERS)], 600.0)
     assert result.returncode == 0, (result.stderr or "")[-3000:]
-    with open(out, "rb") as f:
-        return pickle.load(f)
+    return datafile.load(out)
 
 
 def _outcomes(live: dict, name: str, optim: str, declared: str | None = None) -> dict:
@@ -210,11 +209,10 @@ def live_deepspeed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     reason = torch_unavailable_reason() or missing_requirement("deepspeed-1")
     if reason:
         pytest.skip(reason)
-    out = tmp_path_factory.mktemp("resources-ds") / "observations.pkl"
+    out = tmp_path_factory.mktemp("resources-ds") / "observations.safetensors"
     result = run_torchrun(WORLD, [str(PROGRAM), str(out), "deepspeed-1,deepspeed-2,deepspeed-3"], 600.0)
     assert result.returncode == 0, (result.stderr or "")[-3000:]
-    with open(out, "rb") as f:
-        return pickle.load(f)
+    return datafile.load(out)
 
 
 def _psi() -> int:

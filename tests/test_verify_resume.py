@@ -7,6 +7,9 @@ command line and expect exit 2 with one line naming the field.
 
 from __future__ import annotations
 
+import pickle
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -16,16 +19,43 @@ from tests.test_verify_bad_input import error_line, run_verify  # noqa: E402
 from zerosim.verify.checks import _Listing  # noqa: E402
 from zerosim.verify.observation import StepObservation  # noqa: E402
 from zerosim.verify.reference import Reference  # noqa: E402
-from zerosim.verify.resume import check_round_trip  # noqa: E402
+from zerosim.verify.resume import SNAPSHOT_FILE, check_round_trip, read_first_run  # noqa: E402
 
 TIMEOUT_S = 120.0
 
 
-def _resume(target: str, world: int, resume_world: int, *, optimizer: str, steps: int, at: int):
+def _resume(target: str, world: int, resume_world: int, *, optimizer: str, steps: int, at: int,
+            out: Path | None = None):
     from zerosim.verify import verify
 
     return verify(target, world=world, steps=steps, optimizers=(optimizer,), timeout_s=TIMEOUT_S,
-                  resume_at=at, resume_world=resume_world)
+                  resume_at=at, resume_world=resume_world, out=None if out is None else str(out))
+
+
+class _RunsCode:
+    """Unpickling this writes ``marker``: what a replaced inter-launch pickle could have done."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "a pickle from the run folder ran"))
+
+
+def _users_out_folder(tmp_path: Path) -> tuple[Path, dict[Path, bytes]]:
+    """An --out folder already holding a user's files at every path a resumed run used to touch,
+    among them a pickle under the name the first launch's snapshot once had."""
+    out = tmp_path / "D"
+    (out / "resume" / "mydata").mkdir(parents=True)
+    files = {
+        out / "resume" / "mydata" / "notes.txt": b"my notes",
+        out / "failure-rank-notes.txt": b"my failure notes",
+        out / "resume" / "first-run.pkl": pickle.dumps(_RunsCode(tmp_path / "ran")),
+        out / "resume" / SNAPSHOT_FILE: pickle.dumps(_RunsCode(tmp_path / "ran")),
+    }
+    for path, data in files.items():
+        path.write_bytes(data)
+    return out, files
 
 
 # ---- pure parts ------------------------------------------------------------------------------------
@@ -60,9 +90,15 @@ def test_round_trip_names_a_lost_state_and_a_changed_element() -> None:
 
 
 @pytest.mark.torchdist
-def test_zerogpu_zero3_resumes_from_3_to_2_ranks() -> None:
-    report = _resume("zerogpu-3", 3, 2, optimizer="adamw", steps=4, at=2)
+def test_zerogpu_zero3_resumes_from_3_to_2_ranks_leaving_the_users_files_alone(tmp_path: Path) -> None:
+    out, users = _users_out_folder(tmp_path)
+    report = _resume("zerogpu-3", 3, 2, optimizer="adamw", steps=4, at=2, out=out)
     assert report.verdict == "pass", {k: v.reason for k, v in report.contracts.items()}
+    assert {p: p.read_bytes() for p in users} == users  # every file of the user's is there, unchanged
+    assert not (tmp_path / "ran").exists()  # and nothing in --out was unpickled
+    written = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {
+        p.relative_to(out).as_posix() for p in users}
+    assert written == {"report.json"}, written  # the run's own data lived in a private folder
     c7 = report.contracts["C-ZERO-007"]
     assert c7.status == "pass"
     assert c7.details["round_trip_violations"] == 0 and c7.details["continued_steps"] == 2
@@ -94,6 +130,64 @@ def test_a_load_that_drops_the_optimizer_state_fails_c_zero_007_naming_the_tenso
     assert {v["rank"] for v in c7.violations if v["clause"] == "round_trip"} == {0, 1, 2}
     # the continued steps leave the reference too (C-ZERO-002 fails from the first step after loading)
     assert min(v["step"] for v in report.contracts["C-ZERO-002"].violations) == 2
+
+
+# ---- what passes between the two launches -----------------------------------------------------------
+
+
+def test_the_first_launchs_snapshot_round_trips_as_plain_data(tmp_path: Path) -> None:
+    from zerosim import datafile
+    from zerosim.verify.suite import build_phases
+
+    phases = build_phases(("adamw",), 4)
+    phases[0].extra["clip_first_binds_at_phase_step"] = 2
+    obs = StepObservation("adamw", 1, 0, 0.5, {"w": np.arange(3.0)},
+                          {"w": {"exp_avg": np.ones(3), "step": np.array(1.0, np.float32)}},
+                          {"w": [(0, 3)]}, {"sent": 12})
+    snapshot = {"world": 3, "phases": phases, "phase_info": [{"name": "adamw", "status": "ran"}],
+                "observations": {1: [obs]}}
+    datafile.save(tmp_path / SNAPSHOT_FILE, snapshot)
+    back = read_first_run(tmp_path / SNAPSHOT_FILE)
+    assert back["world"] == 3 and back["phases"] == phases and back["phase_info"] == snapshot["phase_info"]
+    got = back["observations"][1][0]
+    assert got.state["w"]["step"].shape == () and got.state["w"]["step"].dtype == np.float32
+    assert got.params["w"].tobytes() == obs.params["w"].tobytes() and got.shards == {"w": [(0, 3)]}
+
+
+def test_a_pickle_in_place_of_the_snapshot_is_refused_without_running(tmp_path: Path) -> None:
+    from zerosim.datafile import DataFileError
+
+    (tmp_path / SNAPSHOT_FILE).write_bytes(pickle.dumps({"world": _RunsCode(tmp_path / "ran")}))
+    with pytest.raises(DataFileError, match=SNAPSHOT_FILE):
+        read_first_run(tmp_path / SNAPSHOT_FILE)
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_snapshot_of_another_shape_is_refused(tmp_path: Path) -> None:
+    from zerosim import datafile
+    from zerosim.datafile import DataFileError
+
+    wrong = {"world": "3", "phases": [], "phase_info": [], "observations": {}}
+    datafile.save(tmp_path / SNAPSHOT_FILE, wrong)
+    with pytest.raises(DataFileError, match="not what the first launch of a resumed run saves"):
+        read_first_run(tmp_path / SNAPSHOT_FILE)
+
+
+def test_publishing_copies_the_runs_files_and_deletes_nothing(tmp_path: Path) -> None:
+    from zerosim.verify.runner import publish_files
+
+    run_dir, out = tmp_path / "run", tmp_path / "D"
+    run_dir.mkdir()
+    out.mkdir()
+    (run_dir / "report.json").write_text("{}")
+    (run_dir / "failure-rank1.json").write_text('{"rank": 1}')
+    (out / "failure-rank-notes.txt").write_text("mine")
+    (out / "report.json").write_text("an older report")
+    assert [p.name for p in publish_files(run_dir, out)] == ["failure-rank1.json", "report.json"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["failure-rank-notes.txt", "failure-rank1.json", "report.json"]
+    assert (out / "report.json").read_text() == "{}"
+    assert (out / "failure-rank-notes.txt").read_text() == "mine"
 
 
 # ---- bad input -------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 
 from zerosim.errors import ConfigError, ZeroSimError
 from zerosim.observe import RankObservation
+from zerosim.outputs import write_text
 
 
 def default_strategies(world_size: int) -> list[str]:
@@ -203,7 +204,7 @@ def main(argv: list[str]) -> NoReturn:
             }
             if args.out is not None:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(doc, indent=2, default=str))
+                write_text(args.out, json.dumps(doc, indent=2, default=str))
             if args.json:
                 json.dump(doc, sys.stdout, indent=2, default=str)
                 print()

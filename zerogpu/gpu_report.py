@@ -26,6 +26,7 @@ from typing import Any
 
 from zerosim.engine.config import XP_NAMES
 from zerosim.errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError, require_positive_int
+from zerosim.outputs import write_text
 from zerosim.precision import PRECISION_NAMES
 from zerosim.presets import simulator_presets
 
@@ -174,8 +175,8 @@ def main(argv: list[str]) -> int:
             return result.returncode or 3
         doc = json.loads(raw.read_text())
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "equivalence.json").write_text(json.dumps(doc, indent=2))
-    (args.out / "equivalence.md").write_text(markdown(doc))
+    write_text(args.out / "equivalence.json", json.dumps(doc, indent=2))
+    write_text(args.out / "equivalence.md", markdown(doc))
     print(markdown(doc))
     print(f"wrote {args.out / 'equivalence.json'} and {args.out / 'equivalence.md'}", file=sys.stderr)
     return 0 if doc["passed"] else 1

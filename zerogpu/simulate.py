@@ -21,10 +21,10 @@ auto|native|broadcast`` (how those two collectives travel: :mod:`zerogpu.comm`) 
 from __future__ import annotations
 
 import argparse
-import pickle
 from pathlib import Path
 from typing import Any, NoReturn
 
+from zerosim import datafile
 from zerosim.engine.config import XP_NAMES
 from zerosim.errors import ConfigError, ZeroSimError
 
@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(world_size=None, backend=None)  # world size: the number of ranks torchrun started
     add_torch_arguments(p)
     p.add_argument("--save-observations", type=Path, default=None, metavar="PATH",
-                   help="rank 0 pickles every rank's RankObservation list to PATH (for comparing backends)")
+                   help="rank 0 stores every rank's RankObservation list in PATH (zerosim.datafile; "
+                   "for comparing backends)")
     return p
 
 
@@ -111,8 +112,7 @@ def main(argv: list[str]) -> NoReturn:
         if comm.rank == 0:
             assert observations is not None
             if args.save_observations is not None:
-                with open(args.save_observations, "wb") as f:
-                    pickle.dump(observations, f)
+                datafile.save(args.save_observations, observations)
             code = render(evaluate(run, observations), args.json)
         return agree_on_exit(comm, code)
 

@@ -34,6 +34,7 @@ from typing import Any
 from .engine.fault_catalog import FAULTS, Fault, Touched
 from .engine.run_result import CONTRACTS
 from .errors import ConfigError
+from .outputs import output_dir, save_figure, write_text
 
 BACKENDS = ("sim", "mpi", "torch")
 PLAN_STAGE = "plan"  # the step column of a contract that failed on the plan, before training
@@ -313,23 +314,19 @@ def render_heatmap(matrix: dict[str, Any], path: Path) -> None:
     bar.ax.set_yticklabels(["plan", *map(str, range(0, math.ceil(vmax) + 1))])
     bar.set_label("step of first detection")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
-def write_report(matrix: dict[str, Any], out_dir: str | Path = "reports") -> dict[str, Path]:
-    """``mutants.json``, ``.md`` and ``.png`` under ``out_dir`` (``mutants-<backend>.*`` when not sim)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+def write_report(matrix: dict[str, Any], out_dir: str | Path | None) -> dict[str, Path]:
+    """``mutants.json``, ``.md`` and ``.png`` under ``out_dir`` (``mutants-<backend>.*`` when not sim), each
+    written next to its target and renamed over it (:mod:`zerosim.outputs`): never a half-written report."""
+    out = output_dir(out_dir, "mutants")
     stem = "mutants" if matrix["backend"] == "sim" else f"mutants-{matrix['backend']}"
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": out / f"{stem}.png"}
-    for kind, path in paths.items():  # write next to the target, then rename: never a half-written report
-        tmp = path.with_name(f".tmp-{path.name}")
-        if kind == "json":
-            tmp.write_text(json.dumps(matrix, indent=1) + "\n")
-        elif kind == "md":
-            tmp.write_text(render_markdown(matrix))
-        else:
-            render_heatmap(matrix, tmp)
-        tmp.replace(path)
+    write_text(paths["json"], json.dumps(matrix, indent=1) + "\n")
+    write_text(paths["md"], render_markdown(matrix))
+    render_heatmap(matrix, paths["png"])
     return paths

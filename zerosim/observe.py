@@ -225,3 +225,7 @@ def digest(array: np.ndarray) -> str:
     h.update(f"{array.dtype.name}{array.shape}".encode())
     h.update(np.ascontiguousarray(array).view(np.uint8).tobytes())
     return h.hexdigest()
+
+
+#: the dataclasses a stored run's observations are made of (:func:`zerosim.datafile.load`'s ``types``)
+STORED_TYPES = (RankObservation, StepObservation, ShardValues, Holding, TrafficItem, StepMemory)

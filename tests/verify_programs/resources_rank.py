@@ -1,5 +1,6 @@
 """Rank program for tests/test_verify_resources.py: each built-in adapter (and a deliberately wrong one)
-steps the built-in GPT twice under a ResourceProbe; rank 0 pickles every rank's observations.
+steps the built-in GPT twice under a ResourceProbe; rank 0 stores every rank's observations
+(zerosim.datafile).
 
 Run under torchrun: ``resources_rank.py OUT_FILE ADAPTER[,ADAPTER...]``.
 """
@@ -7,12 +8,12 @@ Run under torchrun: ``resources_rank.py OUT_FILE ADAPTER[,ADAPTER...]``.
 from __future__ import annotations
 
 import datetime
-import pickle
 import sys
 
 import torch
 import torch.distributed as dist
 
+from zerosim import datafile
 from zerosim.verify.adapters.ddp import DDPTrainer
 from zerosim.verify.adapters.fsdp2 import make_grad_op_trainer, make_hybrid_trainer
 from zerosim.verify.adapters.fsdp2 import make_trainer as make_fsdp2
@@ -69,8 +70,7 @@ def main() -> None:
             results[(name, optim_name)] = {"optim": optim, "ranks": gathered}
             del trainer
     if rank == 0:
-        with open(out, "wb") as f:
-            pickle.dump(results, f)
+        datafile.save(out, results)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -10,7 +10,7 @@ sorts the ranks' intervals: O(world size log world size). This benchmark
 3. shows the flag checker cannot run at ``--total``: the bytes it needs vs this machine's memory,
    and, where the kernel is sure to refuse (no overcommit for a request above RAM + swap), the
    ``MemoryError`` that ``numpy.zeros(total, bool)`` actually raises (nothing is ever touched);
-4. writes everything to ``reports/bench_check.json``.
+4. writes everything to ``bench_check.json`` in a new ``reports/bench-check-<timestamp>/`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ import numpy as np
 from ..checks.partition import check_partition_plan
 from ..errors import ConfigError, require_positive_int
 from ..layout import ParamLayout
+from ..outputs import output_file, write_text
 from ..partition import get_partitioner
 from ..partition.base import ShardPlan
 
-DEFAULT_OUT = "reports/bench_check.json"
+DEFAULT_OUT = "a new reports/bench-check-<timestamp>/bench_check.json"
 
 
 def register(sub: Any) -> None:
@@ -44,7 +45,7 @@ def register(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=50, help="timed repetitions of the big check (default 50)")
     p.add_argument("--flag-sizes", default="10**5,10**6,10**7,10**8",
                    help="totals at which both checkers run side by side (default 10**5..10**8)")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report path (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=None, help=f"JSON report path (default {DEFAULT_OUT})")
     p.set_defaults(func=run)
 
 
@@ -194,8 +195,7 @@ def run(args: argparse.Namespace) -> int:
                     "platform": platform.platform()},
         "interval_check": ours, "side_by_side": side, "flag_check_at_total": flag_big,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = output_file(args.out, "bench-check", "bench_check.json")
+    write_text(out, json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return 0 if verdict.passed else 1

@@ -18,7 +18,8 @@ to it (order alternating), and ``ratio`` is the median over the pairs of raw tim
 so load from other processes hits both sides of a pair alike. GB/s is the algorithm bandwidth:
 the full buffer (all-reduce input, reduce-scatter input, all-gather output) over the median time.
 Rank 0 of each launch writes its rows; this process prints the table and writes
-``reports/bench_mpi.json``. Target: ``ours`` at least 0.9x ``raw`` at every size from 64 KiB up;
+``bench_mpi.json`` in a new ``reports/bench-mpi-<timestamp>/`` (or ``--out``). Target: ``ours`` at
+least 0.9x ``raw`` at every size from 64 KiB up;
 shortfalls are flagged with ``!``.
 """
 
@@ -36,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
+from ..outputs import output_file, write_text
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 VARIANTS = ("raw", "ours", "ours_new", "ours_raise", "raw_again")
 TARGET_RATIO = 0.9
 TARGET_FROM_BYTES = 64 * 1024
-DEFAULT_OUT = Path("reports") / "bench_mpi.json"
+DEFAULT_OUT = "a new reports/bench-mpi-<timestamp>/bench_mpi.json"
 
 
 def register(sub: Any) -> None:
@@ -61,7 +63,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--launch-timeout", type=float, default=900.0, help="wall-clock limit per mpiexec launch (s)"
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
+    p.add_argument("--out", type=Path, default=None, help=f"JSON report (default {DEFAULT_OUT})")
     p.set_defaults(func=run)
 
 
@@ -135,12 +137,12 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
         "below_target": [{k: r[k] for k in ("collective", "ranks", "bytes", "ratio")} for r in below],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    out = output_file(args.out, "bench-mpi", "bench_mpi.json")
+    write_text(out, json.dumps(report, indent=1) + "\n")
     print_table(rows)
     verdict = "met" if not below else f"MISSED at {len(below)} point(s) (flagged with !)"
     print(f"target: ours >= {TARGET_RATIO}x raw at every size >= {TARGET_FROM_BYTES // 1024} KiB: {verdict}")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

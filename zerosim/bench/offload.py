@@ -15,7 +15,8 @@ benchmark reports:
 It runs on one rank in this process (a one-rank gloo group) unless torch.distributed is already
 initialised, as under ``torchrun ... -m zerosim bench offload`` (then every rank runs it and rank 0
 writes). ``--device cuda`` puts the model on the GPU; the host tier is then pinned and copies go
-over a side stream. JSON: ``reports/bench_offload.json``.
+over a side stream. JSON: ``bench_offload.json`` in a new
+``reports/bench-offload-<timestamp>/`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
+from ..outputs import output_file, write_text
 
-DEFAULT_OUT = "reports/bench_offload.json"
+DEFAULT_OUT = "a new reports/bench-offload-<timestamp>/bench_offload.json"
 DEVICES = ("cpu", "cuda")
 
 
@@ -45,7 +47,7 @@ def register(sub: Any) -> None:
                    help="device budget = the shards of this many largest units (default 2)")
     p.add_argument("--prefetch", type=int, default=1, help="offload prefetch depth (default 1)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=None, help=f"JSON report (default {DEFAULT_OUT})")
     p.set_defaults(func=run)
 
 
@@ -78,9 +80,8 @@ def run(args: argparse.Namespace) -> int:
             if own_group:
                 dist.destroy_process_group()
     if report["rank"] == 0:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        out = output_file(args.out, "bench-offload", "bench_offload.json")
+        write_text(out, json.dumps(report, indent=2) + "\n")
         _print(report, out)
     held = report["device_peak_bytes"] <= report["device_budget_bytes"]
     return 0 if report["bitwise_equal"] and held else 1

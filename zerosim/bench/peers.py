@@ -33,7 +33,8 @@ other processes on the machine slow every adapter, not equally.
 An adapter that fails (raises on some rank, or a trainer call outlives ``--timeout``) ends that
 launch; its error is recorded and the remaining adapters are run in a new launch. Exit status: 0
 every adapter measured, 3 some adapter failed (the report names it), 2 bad input.
-Writes ``<out>/bench_peers.json`` and ``<out>/bench_peers.md`` (default ``reports/``).
+Writes ``<out>/bench_peers.json`` and ``<out>/bench_peers.md`` (default: a new
+``reports/bench-peers-<timestamp>/``).
 
 Under an external launcher (across nodes) run the rank program itself: ``torchrun --nnodes N ...
 -m zerosim.bench.peers_rank --models ... --adapters ... --out DIR`` (see :mod:`zerosim.bench.peers_rank`).
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EXIT_RUN_FAILED, ConfigError, require_non_negative_int, require_positive_int
+from ..outputs import output_dir, write_text
 
 DEFAULT_MODELS = ("gpt", "gpt-50m")
 DEFAULT_STEPS = 3
@@ -64,7 +66,7 @@ DEFAULT_MIN_TIME_S = 1.0
 #: the most timed steps one adapter runs in one round, however short its step (``--min-time``)
 MAX_TIMED_STEPS = 500
 DEFAULT_TIMEOUT_S = 120.0
-DEFAULT_OUT = Path("reports")
+DEFAULT_OUT = "a new reports/bench-peers-<timestamp>/"
 JSON_NAME = "bench_peers.json"
 MD_NAME = "bench_peers.md"
 DTYPES = ("float32", "float64")
@@ -536,11 +538,12 @@ def print_report(report: dict[str, Any]) -> None:
     print_table(table, Console(width=140))
 
 
-def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = out_dir / JSON_NAME, out_dir / MD_NAME
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    md_path.write_text(render_markdown(report))
+def write_report(report: dict[str, Any], out_dir: Path | None) -> tuple[Path, Path]:
+    """``bench_peers.json`` and ``.md`` in ``out_dir`` (None: a new run folder), each renamed into place."""
+    out = output_dir(out_dir, "bench-peers")
+    json_path, md_path = out / JSON_NAME, out / MD_NAME
+    write_text(json_path, json.dumps(report, indent=1) + "\n")
+    write_text(md_path, render_markdown(report))
     return json_path, md_path
 
 
@@ -580,14 +583,13 @@ def register(sub: Any) -> None:
     p.add_argument("--timeout", default=str(DEFAULT_TIMEOUT_S),
                    help="seconds a trainer construction, step or collective may take "
                    f"(default {DEFAULT_TIMEOUT_S:g})")
-    p.add_argument("--out", default=str(DEFAULT_OUT),
+    p.add_argument("--out", default=None,
                    help=f"directory for {JSON_NAME} and {MD_NAME} (default {DEFAULT_OUT})")
     p.set_defaults(func=run)
 
 
 def options(args: argparse.Namespace) -> dict[str, Any]:
     """The validated settings of a run from the command line (ConfigError for the first bad one)."""
-    from ..errors import require_output_dir
     from ..verify.runner import require_startable
 
     settings: dict[str, Any] = {
@@ -612,8 +614,7 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     if reason:
         raise ConfigError("backend", "torch", reason)
     require_startable(settings["world"], settings["device"])
-    require_output_dir(args.out)
-    settings["out"] = Path(args.out)
+    settings["out"] = output_dir(args.out, "bench-peers")
     return settings
 
 

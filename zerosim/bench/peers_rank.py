@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", choices=peers.OPTIMIZERS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=peers.DEFAULT_TIMEOUT_S)
-    p.add_argument("--out", default=str(peers.DEFAULT_OUT), help="directory for the report (rank 0)")
+    p.add_argument("--out", default=None,
+                   help=f"directory for the report (rank 0; default {peers.DEFAULT_OUT})")
     p.add_argument("--results", default=None,
                    help="rank 0 appends one JSON line per adapter here and writes no report "
                    "(how zerosim bench peers runs it)")
@@ -184,7 +185,7 @@ def _body(args: argparse.Namespace) -> int:
                                     settings=settings)
         report["wall_s"] = round(time.monotonic() - started, 1)
         report["load_average"] = {"before": load_before, "after": peers.load_average()}
-        json_path, md_path = peers.write_report(report, Path(args.out))
+        json_path, md_path = peers.write_report(report, None if args.out is None else Path(args.out))
         peers.print_report(report)
         print(f"wrote {json_path} and {md_path}", flush=True)
     return agree_on_exit(comm, 0)

@@ -14,8 +14,8 @@ For each series the growth exponent ``b`` of ``time ~ ranks^b`` (and of peak mem
 least squares on log-log and printed. ``--source DIR`` runs the points against the zerosim package
 in ``DIR`` (an older checkout, for a before / after comparison); ``--before FILE`` adds an earlier
 report's series to the table and the plot. A point the code refuses (exit status 2, a bounded-work
-limit) is recorded as refused with its one-line message. Writes ``reports/bench_scale.json`` and a
-log-log PNG ``reports/bench_scale.png``.
+limit) is recorded as refused with its one-line message. Writes ``bench_scale.json`` and a
+log-log PNG ``bench_scale.png`` beside it, in a new ``reports/bench-scale-<timestamp>/`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
+from ..outputs import output_file, save_figure, write_text
 
-DEFAULT_OUT = "reports/bench_scale.json"
+DEFAULT_OUT = "a new reports/bench-scale-<timestamp>/bench_scale.json"
 DEFAULT_SIM_WORLD_SIZES = "8,32,128,512,1024"
 DEFAULT_PLAN_EXPONENTS = "10,12,14,16,18,20"
 SERIES = ("simulate", "plan", "check")
@@ -97,7 +98,7 @@ def register(sub: Any) -> None:
                                                  "with --source)")
     p.add_argument("--before", default=None, metavar="FILE",
                    help="an earlier bench_scale JSON whose series are shown beside this run's")
-    p.add_argument("--out", default=DEFAULT_OUT,
+    p.add_argument("--out", default=None,
                    help=f"JSON report (default {DEFAULT_OUT}); the PNG beside it")
     p.set_defaults(func=run)
 
@@ -254,9 +255,8 @@ def run(args: argparse.Namespace) -> int:
     if before is not None:
         report["before"] = {"label": before.get("label", "before"), "series": before.get("series", {}),
                             "exponents": before.get("exponents", {})}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = output_file(args.out, "bench-scale", "bench_scale.json")
+    write_text(out, json.dumps(report, indent=2) + "\n")
     png = out.with_suffix(".png")
     _plot(report, png)
     print(f"wrote {out} and {png}")
@@ -291,5 +291,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     axes[0].set_title("time: simulate (tiny, 3 steps), plan, C-ZERO-001 check")
     axes[1].set_title("peak memory of each point's process")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)

@@ -16,7 +16,7 @@ For each world size N (default 8 and 32) on the ``sim-10m`` preset:
    and against one full float32 copy of the model per rank. A simulator that kept a hidden full copy
    per rank would exceed the sum by about N model copies.
 
-Writes ``reports/bench_sim.json``.
+Writes ``bench_sim.json`` in a new ``reports/bench-sim-<timestamp>/`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from ..errors import ConfigError
 from ..flat import flatten, unflatten
 from ..model import BlockModel, init_params, synthetic_batch
 from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
+from ..outputs import output_file, write_text
 from ..xp import numpy_namespace
 
-DEFAULT_OUT = "reports/bench_sim.json"
+DEFAULT_OUT = "a new reports/bench-sim-<timestamp>/bench_sim.json"
 
 
 def target_ratio(world_size: int) -> float:
@@ -61,7 +62,7 @@ def register(sub: Any) -> None:
         "--repeats", type=int, default=3, help="timed steps of each side after a warm-up (default 3)"
     )
     p.add_argument("--schedule", default="serial", choices=SCHEDULES)
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"JSON report (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=None, help=f"JSON report (default {DEFAULT_OUT})")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
     p.set_defaults(func=run)
 
@@ -216,9 +217,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "results": results,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    out = write_text(output_file(args.out, "bench-sim", "bench_sim.json"), json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

@@ -2,9 +2,10 @@
 
 Each subcommand lives in its own module ``zerosim.cli.<name>`` exposing
 ``register(subparsers) -> None``; the registered parser's ``func(args) -> int`` runs it.
-A ZeroSimError anywhere becomes ``error: <message>`` on stderr and exit status 2. SIGINT, SIGTERM and
-SIGHUP end the command and every process it started (:mod:`zerosim.stop_signals`,
-:mod:`zerosim.owned_processes`) with one line and exit status 130, 143 or 129.
+A ZeroSimError or an OSError anywhere becomes ``error: <message>`` on stderr and exit status 2
+(:func:`main`). SIGINT, SIGTERM and SIGHUP end the command and every process it started
+(:mod:`zerosim.stop_signals`, :mod:`zerosim.owned_processes`) with one line and exit status 130, 143
+or 129.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import os
 import sys
 
 from ..errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, ZeroSimError
+from ..outputs import describe_os_error
 from ..owned_processes import OWNER_ENV, end_owned, new_owner_token, with_owner_token
 from ..stop_signals import StopSignal, stop_signals_handled
+from ._stdout import GuardedStdout, StdoutError, silence_stdout
 
 COMMAND_MODULES = ("plan", "check", "simulate", "mutants", "memory", "comm", "report", "bench", "verify",
                    "checkpoint", "gpu_check")
@@ -36,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Whatever it raises on purpose (a ZeroSimError) or meets in the operating system
+    (an OSError: a full disk, a read-only folder, a file where a folder belongs, stdout on /dev/full)
+    ends as one line on stderr and exit status 2; a reader that closes stdout early (``| head``)
+    ends it quietly with 141; SIGINT, SIGTERM and SIGHUP end it and every process it started with
+    130, 143 and 129."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -44,10 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     token = new_owner_token()
     held = os.environ.get(OWNER_ENV)
     os.environ.update(with_owner_token(os.environ, token))  # every process this command starts carries it
+    real_stdout = sys.stdout
+    guarded = GuardedStdout(real_stdout)
+    sys.stdout = guarded
     try:
         with stop_signals_handled():
             try:
-                return int(args.func(args) or 0)
+                code = int(args.func(args) or 0)
+                sys.stdout.flush()  # a full or closed stdout fails here, inside the handlers, not at exit
+                return code
             except KeyboardInterrupt as e:  # Ctrl-C, or StopSignal (SIGTERM, SIGHUP, SIGINT)
                 end_owned(token, _STOP_GRACE_S)  # whatever no launch has ended yet (a plain subprocess)
                 with contextlib.suppress(OSError):  # a hung-up terminal may take stderr with it
@@ -57,11 +70,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except BrokenPipeError:
-        # the reader of stdout went away (``| head -1``): stop quietly, as shell tools do, and keep
-        # the interpreter's final flush from raising again
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_stdout()  # the reader of stdout went away (``| head -1``): stop quietly, as shell tools do
         return EXIT_BROKEN_PIPE
+    except StdoutError as e:
+        silence_stdout()
+        print(f"error: cannot write to standard output: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as e:
+        print(f"error: {describe_os_error(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except SystemExit:
+        if guarded.broken_pipe:  # a library (rich) saw the closed pipe and exited by itself
+            silence_stdout()
+            return EXIT_BROKEN_PIPE
+        raise
     finally:
+        sys.stdout = real_stdout
+        if guarded.broken_pipe:  # whoever caught it, the unwritten rest must not be flushed at exit
+            silence_stdout()
         if held is None:
             os.environ.pop(OWNER_ENV, None)
         else:

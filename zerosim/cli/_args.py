@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import EXIT_BROKEN_PIPE, ConfigError
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Pow: operator.pow}
 
@@ -62,7 +62,8 @@ def parse_int_list(text: str, field: str) -> list[int]:
 
 
 def pipe_safe(func: Callable[..., int]) -> Callable[..., int]:
-    """Let ``zerosim plan ... | head`` end quietly: a closed stdout is not an error worth a traceback."""
+    """Let ``zerosim plan ... | head`` end quietly with 141 (128 + SIGPIPE), the status every command
+    ends with when its reader goes away: a closed stdout is not an error worth a traceback."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> int:
@@ -71,6 +72,7 @@ def pipe_safe(func: Callable[..., int]) -> Callable[..., int]:
         except BrokenPipeError:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())  # Python's documented recipe for SIGPIPE
-            return 1
+            os.close(devnull)
+            return EXIT_BROKEN_PIPE
 
     return wrapper

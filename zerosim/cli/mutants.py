@@ -2,8 +2,9 @@
 
 Each mutant (``zerosim simulate --fault NAME``) runs in a configuration where it acts, on the
 simulator by default (``--backend mpi|torch``: one launch per mutant). Prints mutant x contract with
-the step each contract first failed at, writes ``reports/mutants.{json,md,png}``. Exit status: 0
-every mutant killed, 1 one survived (the contracts missed a bug), 2 bad input.
+the step each contract first failed at, writes ``mutants.{json,md,png}`` into a new
+``reports/mutants-<timestamp>/`` (or ``--out DIR``). Exit status: 0 every mutant killed, 1 one
+survived (the contracts missed a bug), 2 bad input or an output that cannot be written.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from ..errors import require_output_dir
+from ..outputs import output_dir
 from .memory import one_line_errors
 
 
@@ -29,8 +30,8 @@ def register(sub: Any) -> None:
                         "zerosim verify, e.g. tests.verify_trainers.broken (about 15 s each)")
     p.add_argument("--json", action="store_true",
                    help='print {"mutants": [{"name", "killed", "first_contract", "first_step", ...}]}')
-    p.add_argument("--out", default="reports", metavar="DIR",
-                   help="where mutants.json/.md/.png go (default reports/)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where mutants.json/.md/.png go (default: a new reports/mutants-<timestamp>/)")
     p.add_argument("--no-report", action="store_true", help="print only; write nothing")
     p.set_defaults(func=run)
 
@@ -40,12 +41,13 @@ def run(args: argparse.Namespace) -> int:
 
     faults = mutants.select(args.only)
     trainers = mutants.trainer_mutants(args.trainers) if args.trainers else []
-    if not args.no_report:
-        require_output_dir("out", args.out)
+    out = None
+    if not args.no_report:  # the folder is made (or refused) before anything runs
+        out = output_dir(args.out, "mutants")
     progress = None if args.json or not sys.stderr.isatty() else _progress
     matrix = mutants.run_matrix(faults, args.backend, progress=progress, trainers=trainers)
     if not args.no_report:
-        paths = mutants.write_report(matrix, args.out)
+        paths = mutants.write_report(matrix, out)
     if args.json:
         json.dump(matrix, sys.stdout, indent=1)
         print()

@@ -9,7 +9,8 @@ collective timed out (``rank R failed: ...`` printed once, then ``MPI_Abort``).
 
 MPI-only options: ``--timeout-mode abort|raise`` (how a collective timeout is detected, see
 :mod:`zerosim.comm.mpi`; default ``$ZEROSIM_MPI_TIMEOUT_MODE`` or ``abort``) and
-``--save-observations PATH`` (rank 0 pickles the observations of every rank). The collective
+``--save-observations PATH`` (rank 0 stores the observations of every rank, :mod:`zerosim.datafile`).
+The collective
 timeout itself is the run's ``timeout_s`` (``--timeout`` of ``zerosim simulate``). ``--world-size``
 defaults to the number of ranks mpiexec started; a different value is an error.
 
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
 
+from .. import datafile
 from ..errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError
 from ..rank_messages import parse_args_on_rank, record_pid
 from .rank import run_rank
@@ -50,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="abort: blocking collectives + watchdog that aborts the job (fast, default); "
                           "raise: polled nonblocking collectives that raise CollectiveTimeout")
     mpi.add_argument("--save-observations", type=Path, default=None, metavar="PATH",
-                     help="rank 0 pickles every rank's RankObservation list to PATH (for comparing backends)")
+                     help="rank 0 stores every rank's RankObservation list in PATH (zerosim.datafile; "
+                     "for comparing backends)")
     return parser
 
 
@@ -117,8 +119,7 @@ def simulate(argv: list[str]) -> NoReturn:
         if rank == 0:
             assert observations is not None  # gather's root holds every rank's
             if args.save_observations is not None:
-                with open(args.save_observations, "wb") as f:
-                    pickle.dump(observations, f)
+                datafile.save(args.save_observations, observations)
             code = render(evaluate(run, observations), getattr(args, "json", False))
         return int(world.bcast(code, root=0))
 

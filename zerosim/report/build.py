@@ -34,6 +34,7 @@ from ..engine.run_result import evaluate
 from ..engine.spmd import simulate_observations
 from ..layout import ParamLayout
 from ..model import SimModelConfig
+from ..outputs import write_text
 from ..strategy import Topology
 from . import figures
 from .config import ReportConfig
@@ -747,12 +748,12 @@ def build_report(
             )
         bar.step("writing JSON and index.md")
         for f in figs:
-            (out / f.json).write_text(json.dumps(f.data, indent=1, default=_json_default) + "\n")
+            write_text(out / f.json, json.dumps(f.data, indent=1, default=_json_default) + "\n")
         tables = {"contracts": _contracts_table(runs, mpi, torch_runs),
                   "model_vs_measured": _table_model_vs_measured(cfg, runs), "padding_demo": padding_demo,
                   "deepspeed": ds, "mpi": _mpi_table(mpi), "torch": _mpi_table(torch_runs)}
         for name, table in tables.items():
-            (out / f"{name}.json").write_text(json.dumps(table, indent=1, default=_json_default) + "\n")
+            write_text(out / f"{name}.json", json.dumps(table, indent=1, default=_json_default) + "\n")
         timings["total_s"] = time.perf_counter() - t_all
         meta = {
             "config": cfg.to_json(),
@@ -762,7 +763,7 @@ def build_report(
             "figures": [f.png for f in figs],
             "tables": [f"{n}.json" for n in tables],
         }
-        (out / "report.json").write_text(json.dumps(meta, indent=1) + "\n")
+        write_text(out / "report.json", json.dumps(meta, indent=1) + "\n")
         write_index(out / "index.md", cfg, figs, tables, timings, notes)
         bar.step("done")
     return ReportResult(out, figs, tables, timings, notes)

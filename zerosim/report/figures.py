@@ -19,6 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from ..cost.units import UNITS, to_unit  # noqa: E402
+from ..outputs import save_figure  # noqa: E402
 
 CATEGORY_COLORS = {
     "params": "#4C72B0",
@@ -48,9 +49,10 @@ def short_name(strategy: str) -> str:
 
 def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    try:
+        return save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
 def _unit_label(unit: str) -> str:

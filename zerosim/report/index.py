@@ -6,6 +6,7 @@ import datetime as _dt
 from pathlib import Path
 from typing import Any
 
+from ..outputs import write_text
 from .config import ReportConfig
 
 
@@ -104,7 +105,7 @@ def write_index(
         "shard."
     )
     add("")
-    path.write_text("\n".join(lines))
+    write_text(path, "\n".join(lines))
 
 
 def _contracts(add: Any, rows: list[dict[str, Any]]) -> None:

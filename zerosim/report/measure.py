@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -20,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from .. import datafile
 from ..cost.comm_model import comm_for_run
 from ..cost.memory_model import MemoryEstimate, memory_per_rank
 from ..cost.memory_settings import ENGINE_PRECISION, MemorySettings
 from ..engine.config import ResolvedRun, RunConfig
 from ..errors import ConfigError
-from ..observe import RankObservation
+from ..observe import STORED_TYPES, RankObservation
 from ..strategy import Topology
 
 MODEL_STATE = ("params", "grads", "optimizer_states")
@@ -267,8 +267,9 @@ class MpiRun:
 
 
 def run_under_mpi(cfg: RunConfig, timeout_s: float = 120.0) -> MpiRun:
-    """Run ``cfg`` under ``mpiexec -n world_size`` (:mod:`zerosim.report.mpi_worker`); rank 0 pickles
-    every rank's observations into a temporary file this process reads. Never hangs (launch timeout)."""
+    """Run ``cfg`` under ``mpiexec -n world_size`` (:mod:`zerosim.report.mpi_worker`); rank 0 stores
+    every rank's observations in a temporary file this process reads as plain data. Never hangs
+    (launch timeout)."""
     import time
 
     from ..mpi.launch import mpi_unavailable_reason, run_mpiexec
@@ -278,7 +279,7 @@ def run_under_mpi(cfg: RunConfig, timeout_s: float = 120.0) -> MpiRun:
         return MpiRun(None, reason, 0.0)
     spec = {k: v for k, v in asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))}
     with tempfile.TemporaryDirectory(prefix="zerosim-mpi-") as tmp:
-        out = os.path.join(tmp, "observations.pkl")
+        out = os.path.join(tmp, "observations.safetensors")
         t0 = time.perf_counter()
         res = run_mpiexec(
             cfg.world_size,
@@ -291,8 +292,7 @@ def run_under_mpi(cfg: RunConfig, timeout_s: float = 120.0) -> MpiRun:
             tail = (getattr(res, "stderr", "") or "").strip().splitlines()[-3:]
             return MpiRun(None, f"mpiexec exit {res.returncode}{' (timed out)' if res.timed_out else ''}: "
                           + " | ".join(tail), wall)
-        with open(out, "rb") as f:
-            return MpiRun(pickle.load(f), None, wall)
+        return MpiRun(datafile.load(out, types=STORED_TYPES), None, wall)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -342,7 +342,7 @@ def run_under_torch(cfgs: Sequence[RunConfig], world_size: int, timeout_s: float
         spec["xp"] = "torch"
         specs.append(spec)
     with tempfile.TemporaryDirectory(prefix="zerosim-torch-") as tmp:
-        out = os.path.join(tmp, "observations.pkl")
+        out = os.path.join(tmp, "observations.safetensors")
         cmd = [
             sys.executable,
             "-m",
@@ -364,5 +364,4 @@ def run_under_torch(cfgs: Sequence[RunConfig], world_size: int, timeout_s: float
         if run.returncode != 0 or not os.path.exists(out):
             tail = [ln for ln in (run.stderr or "").strip().splitlines() if "Warning" not in ln][-3:]
             return TorchRun(None, f"torchrun exit {run.returncode}: " + " | ".join(tail), wall)
-        with open(out, "rb") as f:
-            return TorchRun(pickle.load(f), None, wall)
+        return TorchRun(datafile.load(out, types=STORED_TYPES), None, wall)

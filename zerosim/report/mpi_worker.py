@@ -1,15 +1,15 @@
-"""``mpiexec -n N python -m zerosim.report.mpi_worker CONFIG_JSON OUT.pkl``: the report's MPI measurement.
+"""``mpiexec -n N python -m zerosim.report.mpi_worker CONFIG_JSON OUT``: the report's MPI measurement.
 
 Every rank runs the engine's SPMD program (:func:`zerosim.engine.spmd.rank_program`) on an
 :class:`~zerosim.comm.mpi.MpiCommunicator`; rank 0 gathers the observations (once per run, not the
-data path) and pickles them to ``OUT.pkl`` for :func:`zerosim.report.measure.run_under_mpi`. A failing
-rank aborts the whole job (:func:`zerosim.mpi.rank.run_rank`).
+data path) and stores them in ``OUT`` (:mod:`zerosim.datafile`) for
+:func:`zerosim.report.measure.run_under_mpi`. A failing rank aborts the whole job
+(:func:`zerosim.mpi.rank.run_rank`).
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import sys
 
 
@@ -30,8 +30,9 @@ def main(argv: list[str]) -> None:
         observation = rank_program(comm, cfg)
         observations = world.gather(observation, root=0)
         if world.Get_rank() == 0:
-            with open(out_path, "wb") as f:
-                pickle.dump(observations, f)
+            from .. import datafile
+
+            datafile.save(out_path, observations)
         world.Barrier()
         return 0
 

@@ -1,17 +1,16 @@
-"""``torchrun --standalone --nproc-per-node N -m zerosim.report.torch_worker CONFIGS_JSON OUT.pkl``.
+"""``torchrun --standalone --nproc-per-node N -m zerosim.report.torch_worker CONFIGS_JSON OUT``.
 
 The report's torch.distributed measurement: every rank runs the engine's SPMD program
 (:func:`zerosim.engine.spmd.rank_program`, torch arrays) on a gloo
 :class:`zerogpu.comm.TorchCommunicator`, once per configuration in ``CONFIGS_JSON`` (a JSON list of
-RunConfig fields); rank 0 collects every rank's observations and pickles ``[[obs per rank] per
-config]`` to ``OUT.pkl`` for :func:`zerosim.report.measure.run_under_torch`. A failing rank ends the
-whole job (:func:`zerogpu.rank.run_rank`).
+RunConfig fields); rank 0 collects every rank's observations and stores ``[[obs per rank] per
+config]`` in ``OUT`` (:mod:`zerosim.datafile`) for :func:`zerosim.report.measure.run_under_torch`.
+A failing rank ends the whole job (:func:`zerogpu.rank.run_rank`).
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 import sys
 
 
@@ -37,8 +36,9 @@ def main(argv: list[str]) -> None:
             dist.all_gather_object(gathered, observation)
             collected.append(gathered)
         if comm.rank == 0:
-            with open(out_path, "wb") as f:
-                pickle.dump(collected, f)
+            from .. import datafile
+
+            datafile.save(out_path, collected)
         dist.barrier()
         return 0
 

@@ -10,10 +10,12 @@ diagnosis (:mod:`zerosim.verify.diagnosis`) run on the result.
 
 from __future__ import annotations
 
-import pickle
+import inspect
 from typing import Any
 
 import torch
+
+from zerosim import datafile
 
 from .checks import check_equivalence, check_identity, check_ownership, float32_masters
 from .model import require_model
@@ -133,17 +135,25 @@ def evaluate(
     return report
 
 
+#: the dataclasses a saved run is made of (:func:`zerosim.datafile.load` rebuilds these and no other)
+SAVED_TYPES = (Phase, StepObservation, ContractOutcome)
+
+
 def save_observations(path: str, run: dict[str, Any]) -> None:
-    """Pickle what :func:`evaluate` needs besides the model (rebuilt from its name and seed)."""
-    with open(path, "wb") as f:
-        pickle.dump(run, f)
+    """Store what :func:`evaluate` needs besides the model (rebuilt from its name and seed) in ``path``
+    as plain data (:mod:`zerosim.datafile`)."""
+    datafile.save(path, run)
 
 
 def evaluate_saved(path: str) -> VerifyReport:
-    """Re-evaluate a run saved with ``--save-observations`` (trusted files only: this unpickles)."""
+    """Re-evaluate a run saved with ``--save-observations``. The file is read as plain data (no code
+    runs, whoever wrote it); DataFileError when it is not a saved run."""
     from .model import build_model
 
-    with open(path, "rb") as f:
-        run = pickle.load(f)  # noqa: S301 - a file this program wrote
+    run = datafile.load(path, types=SAVED_TYPES)
+    accepted = set(inspect.signature(evaluate).parameters) - {"base", "resume"}
+    needed = {"model_name", "dtype", "seed", "phases", "observations"}
+    if not isinstance(run, dict) or not needed <= set(run) <= accepted:
+        raise datafile.DataFileError(f"{path}: not a run saved by --save-observations")
     base = build_model(run["model_name"], run["dtype"], run["seed"])
     return evaluate(base=base, **run)

@@ -3,7 +3,8 @@
 Every installed built-in adapter (:func:`zerosim.verify.adapters.installed_adapters`) runs through
 :func:`zerosim.verify.verify` once per optimizer phase ("sgd", "adamw") and world size (2, 4), each
 cell its own launch with the phase's default length, so a cell's maximum error over its tolerance
-belongs to that optimizer alone. Written under ``reports/``: ``verify-matrix.json`` (every cell:
+belongs to that optimizer alone. Written into ``--out DIR`` or a new
+``reports/verify-matrix-<timestamp>/``: ``verify-matrix.json`` (every cell:
 verdict, each contract's status, max error, tolerance, first failing step and contract, wall time),
 ``verify-matrix.md`` (the same as tables) and ``verify-matrix.png`` (a heat map of
 log10(max error / tolerance), each cell labelled with its verdict and first failing step).
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosim.errors import ConfigError, ZeroSimError
+from zerosim.outputs import save_figure, write_text
 
 from .adapters import ADAPTERS, installed_adapters
 from .outcome import VerifyReport
@@ -378,19 +380,21 @@ def render_heatmap(matrix: dict[str, Any], path: Path) -> None:
     ax.set_title(f"zerosim verify --all: max error / tolerance (log10), {matrix['dtype']}")
     fig.colorbar(image, ax=ax, label="C-ZERO-002: log10(max error / tolerance); >= 0 fails")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
-def write_matrix(matrix: dict[str, Any], out_dir: str | Path = "reports") -> dict[str, Path]:
+def write_matrix(matrix: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
     """``verify-matrix.json``, ``.md`` and ``.png`` under ``out_dir``; a matrix of the resume column
-    alone goes to ``verify-resume-matrix.json`` and ``.md``."""
+    alone goes to ``verify-resume-matrix.json`` and ``.md``. Each file is written next to its
+    target and renamed over it (:mod:`zerosim.outputs`)."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     stem = "verify-matrix" if matrix["cells"] else "verify-resume-matrix"
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
-    paths["json"].write_text(json.dumps(matrix, indent=1) + "\n")
-    paths["md"].write_text(render_markdown(matrix))
+    write_text(paths["json"], json.dumps(matrix, indent=1) + "\n")
+    write_text(paths["md"], render_markdown(matrix))
     if matrix["cells"]:
         paths["png"] = out / "verify-matrix.png"
         render_heatmap(matrix, paths["png"])
@@ -409,7 +413,7 @@ def run_all(
     worlds: Sequence[int] = WORLDS,
     dtype: str = "float64",
     device: str = "cpu",
-    out_dir: str | Path = "reports",
+    out_dir: str | Path,
     adapters: Sequence[str] | None = None,
     timeout_s: float | None = None,
     echo: Any = print,
@@ -444,11 +448,12 @@ def run_all(
 
 
 def run_cli(args: Any, timeout_s: float | None) -> int:
-    """The ``--all`` branch of ``zerosim verify``: ``--out`` (default ``reports``), ``--dtype``,
+    """The ``--all`` branch of ``zerosim verify``: ``--out`` (default a new
+    ``reports/verify-matrix-<timestamp>/``), ``--dtype``,
     ``--device`` and ``--timeout`` apply to every cell; the worlds are 2 and 4, the resume pairs
     2 -> 3 and 4 -> 2, the steps and model the defaults. ``--resume-matrix``: the resume column
     alone. Every option is checked, and the output directory made, before the first cell."""
-    from zerosim.errors import require_output_dir
+    from zerosim.outputs import output_dir
 
     from .runner import validate_options
 
@@ -466,8 +471,8 @@ def run_cli(args: Any, timeout_s: float | None) -> int:
     dtype, device = getattr(args, "dtype", "float64"), getattr(args, "device", "cpu")
     validate_options(world=2, steps=None, dtype=dtype, device=device, model="gpt",
                      optimizers="sgd,adamw", timeout_s=timeout_s)
-    out_dir = getattr(args, "out", None) or "reports"
-    require_output_dir(out_dir)
+    name = "verify-resume-matrix" if resume_only else "verify-matrix"
+    out_dir = output_dir(getattr(args, "out", None), name)
     if resume_only:
         return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s, optimizers=(),
                        worlds=())

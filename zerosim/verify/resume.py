@@ -16,17 +16,46 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from zerosim import datafile
 
 from .checks import _Listing, check_equivalence, first_run, violation
 from .observation import StepObservation, StepRecord
 from .outcome import ContractOutcome
 from .protocol import STATE_NAMES
+from .suite import Phase
 
 CONTRACT = "C-ZERO-007"
-SNAPSHOT_FILE = "first-run.pkl"  # what the first world's rank 0 leaves for the resumed run's rank 0
+#: what the first world's rank 0 leaves for the resumed run's rank 0 (:mod:`zerosim.datafile`: plain data
+#: that cannot execute code when read), in the run's private resume folder
+SNAPSHOT_FILE = "first-run.safetensors"
+
+
+def read_first_run(path: Path) -> dict[str, Any]:
+    """What the first launch saved (``world``, ``phases``, ``phase_info``, ``observations``), read as plain
+    data (:func:`zerosim.datafile.load`: no code runs); DataFileError naming the file if it is not that."""
+    first = datafile.load(path, types=(Phase, StepObservation))
+    shape_ok = (
+        isinstance(first, dict)
+        and isinstance(first.get("world"), int)
+        and isinstance(first.get("phases"), list)
+        and all(isinstance(p, Phase) for p in first["phases"])
+        and isinstance(first.get("phase_info"), list)
+        and all(isinstance(p, dict) for p in first["phase_info"])
+        and isinstance(first.get("observations"), dict)
+        and all(
+            isinstance(step, int) and isinstance(seen, list)
+            and all(isinstance(o, StepObservation) for o in seen)
+            for step, seen in first["observations"].items()
+        )
+    )
+    if not shape_ok:
+        raise datafile.DataFileError(f"{path}: not what the first launch of a resumed run saves")
+    return first
 
 
 @dataclass

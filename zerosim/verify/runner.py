@@ -29,6 +29,7 @@ runs; rank 0 prints the report (``--json``: one object) and writes it under ``--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zerosim.errors import ConfigError, ZeroSimError, require_output_dir, require_positive_int
+from zerosim.outputs import copy_file, write_text
 from zerosim.rank_logs import send_output_to_rank_log
 
 from .blame import rank_verdict
@@ -178,6 +180,8 @@ def verify(
     resolve_factory(target)
     collective_s = float(timeout_s or DEFAULT_TIMEOUT_S)
     names = optimizers if isinstance(optimizers, str) else ",".join(optimizers)
+    # each rank's own output goes to a log file: under --out (kept), or in a folder of this run that is
+    # kept only when a rank failure names it
     own_logs = None if out else tempfile.mkdtemp(prefix="zerosim-verify-logs-")
     log_dir = Path(out) / LOG_FOLDER if out else Path(str(own_logs))
     try:
@@ -197,14 +201,14 @@ def verify(
 def _launch(target: str, world: int, steps: int | None, dtype: str, device: str, model: str, names: str,
             collective_s: float, out: str | None, log_dir: Path, resume_at: int | None,
             resume_world: int | None) -> VerifyReport:
-    """The launch (two with ``resume_at``) of :func:`verify`, its options already validated."""
-    from zerogpu.launch import run_torchrun
+    """The launch (two with ``resume_at``) of :func:`verify`, its options already validated.
 
-    with tempfile.TemporaryDirectory(prefix="zerosim-verify-") as tmp:
-        run_dir = Path(out) if out else Path(tmp)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for stale in [run_dir / REPORT_FILE, run_dir / ERROR_FILE, *run_dir.glob(FAILURE_PREFIX + "*")]:
-            stale.unlink(missing_ok=True)
+    The ranks write into a private folder of this run (mkdtemp: mode 0700), never into --out: what
+    they leave there (report, error, failure records) is copied into --out when the run ends, and
+    nothing already in --out is read, replaced by anything but these names, or deleted."""
+    with tempfile.TemporaryDirectory(prefix="zerosim-verify-") as private:
+        run_dir = Path(private) / "run"
+        run_dir.mkdir()
         argv = [
             "-m",
             "zerosim.verify",
@@ -226,34 +230,74 @@ def _launch(target: str, world: int, steps: int | None, dtype: str, device: str,
         if steps is not None:
             argv += ["--steps", str(steps)]
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-        launch_s = 4 * collective_s + 300.0
-        env = {"PYTHONPATH": path}
-        if resume_at is None:
-            result = run_torchrun(world, argv, launch_s, env=env, capture=True, rank_log_dir=log_dir)
-            return _collect(result, run_dir, world, launch_s, log_dir)
-        assert resume_world is not None
-        resume_dir = run_dir / "resume"
-        shutil.rmtree(resume_dir, ignore_errors=True)
-        resume_dir.mkdir(parents=True)
-        common = ["--resume-at", str(resume_at), "--resume-dir", str(resume_dir)]
-        save_argv = argv + common + ["--resume-stage", "save"]
-        save_logs, load_logs = log_dir / "save", log_dir / "load"
-        first = run_torchrun(world, save_argv, launch_s, env=env, capture=True, rank_log_dir=save_logs)
+        launch = _Launch(argv, {"PYTHONPATH": path}, 4 * collective_s + 300.0, run_dir, log_dir)
+        try:
+            if resume_at is None:
+                report = launch.once(world)
+            else:
+                assert resume_world is not None
+                report = launch.resumed(world, resume_world, resume_at, Path(private) / "resume")
+        except BaseException:
+            if out:
+                with contextlib.suppress(OSError, ZeroSimError):  # the run's own error is the one to report
+                    publish_files(run_dir, Path(out))
+            raise
+        if out:
+            publish_files(run_dir, Path(out))
+        return report
+
+
+class _Launch:
+    """The torchrun launches of one ``verify`` call, every rank writing into ``run_dir`` and its own
+    output into ``log_dir``."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], launch_s: float, run_dir: Path, log_dir: Path):
+        self.argv, self.env, self.launch_s, self.run_dir, self.log_dir = argv, env, launch_s, run_dir, log_dir
+
+    def once(self, world: int) -> VerifyReport:
+        from zerogpu.launch import run_torchrun
+
+        result = run_torchrun(world, self.argv, self.launch_s, env=self.env, capture=True,
+                              rank_log_dir=self.log_dir)
+        return _collect(result, self.run_dir, world, self.launch_s, self.log_dir)
+
+    def resumed(self, world: int, resume_world: int, at: int, resume_dir: Path) -> VerifyReport:
+        """``world`` ranks train and save into ``resume_dir`` (inside this run's private folder), then
+        ``resume_world`` fresh ranks load from it, continue and report."""
+        from zerogpu.launch import run_torchrun
+
+        resume_dir.mkdir(mode=0o700)
+        common = ["--resume-at", str(at), "--resume-dir", str(resume_dir)]
+        save_logs, load_logs = self.log_dir / "save", self.log_dir / "load"
+        first = run_torchrun(
+            world, self.argv + common + ["--resume-stage", "save"], self.launch_s, env=self.env, capture=True,
+            rank_log_dir=save_logs,
+        )
         if first.returncode != 0 or not (resume_dir / SNAPSHOT_FILE).exists():
-            _collect(first, run_dir, world, launch_s, save_logs)  # raises the first launch's error
+            _collect(first, self.run_dir, world, self.launch_s, save_logs)  # raises the first launch's error
             raise RankFailure(-1, f"the first launch ended with status {first.returncode} without saving "
                                   f"(rank output: {save_logs})")
         second = run_torchrun(
             resume_world,
-            argv + common + ["--resume-stage", "load"],
-            launch_s,
-            env=env,
+            self.argv + common + ["--resume-stage", "load"],
+            self.launch_s,
+            env=self.env,
             capture=True,
             rank_log_dir=load_logs,
         )
-        report = _collect(second, run_dir, resume_world, launch_s, load_logs)
+        report = _collect(second, self.run_dir, resume_world, self.launch_s, load_logs)
         report.extra["wall_s"] = round(first.elapsed_s + second.elapsed_s, 2)
         return report
+
+
+def publish_files(run_dir: Path, out: Path) -> list[Path]:
+    """Copy every file the ranks left in ``run_dir`` into ``out`` under the same name, each renamed
+    into place; the other files in ``out`` are left alone. The paths written."""
+    written = []
+    for src in sorted(run_dir.iterdir()):
+        if src.is_file() and not src.is_symlink():
+            written.append(copy_file(src, out / src.name))
+    return written
 
 
 def _collect(result: Any, run_dir: Path, world: int, launch_s: float, log_dir: Path) -> VerifyReport:
@@ -391,10 +435,11 @@ def _write_error(out: str | None, error: ZeroSimError) -> None:
     if not out or int(os.environ.get("RANK", "0")) != 0:
         return
     kind = "trainer" if isinstance(error, TrainerError) else "config"
-    Path(out).mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"kind": kind, "message": str(error), "time": time.time()}
     if isinstance(error, ConfigError):
         plain = isinstance(error.value, (str, int, float, bool, type(None)))
         value = error.value if plain else repr(error.value)
         record.update(field=error.field, value=value, reason=error.reason)
-    (Path(out) / ERROR_FILE).write_text(json.dumps(record))
+    with contextlib.suppress(OSError, ZeroSimError):  # the one line on stderr says it all the same
+        Path(out).mkdir(parents=True, exist_ok=True)
+        write_text(Path(out) / ERROR_FILE, json.dumps(record))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from zerosim import datafile
 from zerosim.errors import ConfigError
+from zerosim.outputs import OutputError, write_text
 
 from .errors import TrainerError
 from .model import build_model, micro_batch
@@ -42,7 +43,7 @@ from .protocol import (
     validate_optimizer_state,
     validate_parameters,
 )
-from .resume import SNAPSHOT_FILE, ResumeRun
+from .resume import SNAPSHOT_FILE, ResumeRun, read_first_run
 from .suite import Phase, build_phases
 
 NOT_RULED_OUT = {
@@ -230,7 +231,7 @@ class RankSession:
             report.extra["training_s"] = round(started - self.started, 2)
             if self.args.out:
                 Path(self.args.out).mkdir(parents=True, exist_ok=True)
-                (Path(self.args.out) / "report.json").write_text(json.dumps(report.to_json(), indent=1))
+                write_text(Path(self.args.out) / "report.json", json.dumps(report.to_json(), indent=1))
             if not self.args.quiet:
                 print(json.dumps(report.to_json()) if self.args.json else render_text(report), flush=True)
             code = report.exit_code
@@ -261,18 +262,15 @@ class RankSession:
             "phase_info": phase_info,
             "observations": self.observations,
         }
-        path = Path(self.args.resume_dir) / SNAPSHOT_FILE
-        with open(path.with_suffix(".tmp"), "wb") as f:
-            pickle.dump(snapshot, f)
-        path.with_suffix(".tmp").replace(path)
+        datafile.save(Path(self.args.resume_dir) / SNAPSHOT_FILE, snapshot)
 
     def _load_first_run(self) -> tuple[ResumeRun, dict[str, dict[str, Any]]]:
-        """Rank 0 reads what the first world left (a file this program wrote in its own run directory)
-        and sends every rank the phases; rank 0 keeps the observations."""
+        """Rank 0 reads what the first world left (plain data in the run's private folder: a file
+        replaced there can hold wrong values but cannot run code) and sends every rank the phases;
+        rank 0 keeps the observations."""
         first = None
         if self.rank == 0:
-            with open(Path(self.args.resume_dir) / SNAPSHOT_FILE, "rb") as f:
-                first = pickle.load(f)  # noqa: S301 - written by the first launch of this run
+            first = read_first_run(Path(self.args.resume_dir) / SNAPSHOT_FILE)
         plan = self.comm.broadcast_object(
             None if first is None else (first["world"], first["phases"], first["phase_info"]), root=0
         )
@@ -387,8 +385,8 @@ class RankSession:
         record = failure_record(error, self.rank, self.where, self.arrivals)
         try:
             Path(out).mkdir(parents=True, exist_ok=True)
-            (Path(out) / f"failure-rank{self.rank}.json").write_text(json.dumps(record))
-        except OSError:
+            write_text(Path(out) / f"failure-rank{self.rank}.json", json.dumps(record))
+        except (OSError, OutputError):
             print(f"rank {self.rank}: could not write the failure record to {out}", file=sys.stderr)
 
 
