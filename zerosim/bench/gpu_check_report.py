@@ -23,11 +23,12 @@ def write_markdown(path: Path, doc: dict[str, Any]) -> None:
     if doc["perturbed"]:
         lines.append(f"- **A value of step `{doc['perturbed']}` was perturbed on purpose** "
                      "(the check's self-test): these results are not a device's.")
-    lines += ["", "| step | what | status | wall s | limit s | result |", "|---|---|---|---|---|---|"]
+    lines += ["", "| step | what | status | wall s | limit s | host CPU s | result |",
+              "|---|---|---|---|---|---|---|"]
     for s in doc["steps"]:
         status = s["status"] if s["status"] in ("pass", "skipped") else f"**{s['status'].upper()}**"
         lines.append(f"| {s['name']} | {s['title']} | {status} | {s['wall_s']:.1f} | {s['limit_s']:.0f} | "
-                     f"{s['reason'].replace('|', '/')} |")
+                     f"{s['cpu_s']:.1f} | {s['reason'].replace('|', '/')} |")
     for s in doc["steps"]:
         if not s["figures"]:
             continue

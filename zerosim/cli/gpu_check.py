@@ -25,7 +25,8 @@ def register(sub: Any) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="a new or empty folder (default reports/gpu-check-<UTC time>/)")
     p.add_argument("--cpu", action="store_true",
-                   help="the same steps on the CPU at small sizes (no CUDA needed; what CI runs)")
+                   help="the same steps on the CPU at small sizes, limits doubled (no CUDA needed; "
+                   "what CI runs)")
     p.add_argument("--only", default=None, metavar="STEPS",
                    help=f"comma-separated steps to run (default all: {','.join(STEP_NAMES)})")
     p.set_defaults(func=run)
