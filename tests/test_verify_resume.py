@@ -98,7 +98,9 @@ def test_zerogpu_zero3_resumes_from_3_to_2_ranks_leaving_the_users_files_alone(t
     assert not (tmp_path / "ran").exists()  # and nothing in --out was unpickled
     written = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()} - {
         p.relative_to(out).as_posix() for p in users}
-    assert written == {"report.json"}, written  # the run's own data lived in a private folder
+    # the run's own data lived in a private folder: --out gets the report and each rank's own output
+    logs = {f"logs/save/rank{r}.log" for r in range(3)} | {f"logs/load/rank{r}.log" for r in range(2)}
+    assert written == {"report.json"} | logs, written
     c7 = report.contracts["C-ZERO-007"]
     assert c7.status == "pass"
     assert c7.details["round_trip_violations"] == 0 and c7.details["continued_steps"] == 2
