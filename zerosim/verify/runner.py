@@ -338,8 +338,8 @@ def build_rank_parser() -> argparse.ArgumentParser:
         "--save-observations",
         default=None,
         metavar="PATH",
-        help="rank 0 pickles the phases and every rank's observations to PATH (re-evaluate offline "
-        "with zerosim.verify.evaluate.evaluate_saved)",
+        help="rank 0 stores the phases and every rank's observations in PATH, a safetensors file of "
+        "plain data (re-evaluate offline with zerosim.verify.evaluate.evaluate_saved)",
     )
     return p
 
