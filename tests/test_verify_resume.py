@@ -190,7 +190,7 @@ def test_a_saved_run_to_re_evaluate_is_read_as_plain_data_only(tmp_path: Path) -
 
 
 def test_publishing_copies_the_runs_files_and_deletes_nothing(tmp_path: Path) -> None:
-    from zerosim.verify.runner import publish_files
+    from zerosim.outputs import publish_files
 
     run_dir, out = tmp_path / "run", tmp_path / "D"
     run_dir.mkdir()

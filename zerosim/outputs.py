@@ -148,6 +148,16 @@ def copy_file(src: str | Path, dst: str | Path) -> Path:
         return _replace_with(dst, lambda out: shutil.copyfileobj(f, out), "wb")
 
 
+def publish_files(folder: str | Path, out: str | Path) -> list[Path]:
+    """Copy every regular file directly in ``folder`` into ``out`` under the same name, each renamed
+    into place (:func:`copy_file`); nothing else in ``out`` is read, moved or deleted. The paths written."""
+    written = []
+    for src in sorted(Path(folder).iterdir()):
+        if src.is_file() and not src.is_symlink():
+            written.append(copy_file(src, Path(out) / src.name))
+    return written
+
+
 def save_figure(fig: Any, path: str | Path, **kwargs: Any) -> Path:
     """``fig.savefig`` into ``path`` in one rename (the format is taken from ``path``'s suffix)."""
     fmt = Path(path).suffix.lstrip(".") or "png"

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zerosim.errors import ConfigError, ZeroSimError, require_output_dir, require_positive_int
-from zerosim.outputs import copy_file, write_text
+from zerosim.outputs import publish_files, write_text
 
 from .errors import RankFailure, TrainerError
 from .outcome import VerifyReport
@@ -179,24 +179,8 @@ def verify(
     with tempfile.TemporaryDirectory(prefix="zerosim-verify-") as private:
         run_dir = Path(private) / "run"
         run_dir.mkdir()
-        argv = [
-            "-m",
-            "zerosim.verify",
-            target,
-            "--dtype",
-            dtype,
-            "--device",
-            device,
-            "--model",
-            model,
-            "--optimizers",
-            names,
-            "--timeout",
-            repr(collective_s),
-            "--out",
-            str(run_dir),
-            "--quiet",
-        ]
+        argv = ["-m", "zerosim.verify", target, "--dtype", dtype, "--device", device, "--model", model,
+                "--optimizers", names, "--timeout", repr(collective_s), "--out", str(run_dir), "--quiet"]
         if steps is not None:
             argv += ["--steps", str(steps)]
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
@@ -252,16 +236,6 @@ class _Launch:
         report = _collect(second, self.run_dir, resume_world, self.launch_s)
         report.extra["wall_s"] = round(first.elapsed_s + second.elapsed_s, 2)
         return report
-
-
-def publish_files(run_dir: Path, out: Path) -> list[Path]:
-    """Copy every file the ranks left in ``run_dir`` into ``out`` under the same name, each renamed
-    into place; the other files in ``out`` are left alone. The paths written."""
-    written = []
-    for src in sorted(run_dir.iterdir()):
-        if src.is_file() and not src.is_symlink():
-            written.append(copy_file(src, out / src.name))
-    return written
 
 
 def _collect(result: Any, run_dir: Path, world: int, launch_s: float) -> VerifyReport:
