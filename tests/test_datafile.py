@@ -13,6 +13,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -64,6 +65,8 @@ def test_a_tree_of_arrays_dataclasses_and_numbers_comes_back_bitwise(tmp_path: P
         "$odd key": {"nested": []},
         "empty": np.zeros((0, 4), np.float16),
         "big_endian": np.arange(3, dtype=">f8"),
+        "bf16": np.array([1.5, -2.0, 3e38], dtype=ml_dtypes.bfloat16),
+        "fp8": np.array([0.5, -448.0], dtype=ml_dtypes.float8_e4m3fn),
     }
     path = tmp_path / "run.safetensors"
     datafile.save(path, value)

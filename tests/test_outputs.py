@@ -105,8 +105,10 @@ def test_a_file_where_a_folder_belongs_is_named(tmp_path: Path, capsys) -> None:
     code = main(["mutants", "--only", "stale-params", "--out", str(blocker / "sub")])
     assert code == EXIT_BAD_INPUT
     line = _one_line(capsys.readouterr().err)
-    assert line == f"error: cannot write {blocker / 'sub'}: Not a directory", line
+    assert line == f"error: cannot write {blocker}: exists and is not a directory", line
     assert blocker.read_text() == "a user's file"
+    with pytest.raises(OutputError, match=f"cannot write {blocker}: exists and is not a directory"):
+        outputs.output_file(blocker / "deeper" / "bench_sim.json", "bench-sim", "bench_sim.json")
 
 
 @pytest.mark.parametrize(

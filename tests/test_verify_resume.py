@@ -175,8 +175,24 @@ def test_a_snapshot_of_another_shape_is_refused(tmp_path: Path) -> None:
         read_first_run(tmp_path / SNAPSHOT_FILE)
 
 
+def test_a_saved_run_to_re_evaluate_is_read_as_plain_data_only(tmp_path: Path) -> None:
+    from zerosim import datafile
+    from zerosim.datafile import DataFileError
+    from zerosim.verify.evaluate import evaluate_saved
+
+    saved = tmp_path / "observations.safetensors"
+    saved.write_bytes(pickle.dumps({"model_name": _RunsCode(tmp_path / "ran")}))
+    with pytest.raises(DataFileError, match="observations.safetensors"):
+        evaluate_saved(str(saved))
+    assert not (tmp_path / "ran").exists()
+    run = {"model_name": "gpt", "dtype": "float64", "seed": 0, "phases": [], "observations": {}}
+    datafile.save(saved, {**run, "command": "rm -rf ~"})  # a key evaluate() does not take
+    with pytest.raises(DataFileError, match="not a run saved by --save-observations"):
+        evaluate_saved(str(saved))
+
+
 def test_publishing_copies_the_runs_files_and_deletes_nothing(tmp_path: Path) -> None:
-    from zerosim.verify.runner import publish_files
+    from zerosim.outputs import publish_files
 
     run_dir, out = tmp_path / "run", tmp_path / "D"
     run_dir.mkdir()

@@ -25,16 +25,22 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .errors import ZeroSimError
 
-#: safetensors dtype names <-> numpy dtypes (little-endian)
-DTYPES: dict[str, str] = {
-    "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
-    "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
+#: safetensors dtype names <-> numpy dtypes (little-endian; bfloat16 and float8 as ml_dtypes defines them)
+DTYPES: dict[str, np.dtype] = {
+    **{k: np.dtype(v) for k, v in {
+        "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+        "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
+    }.items()},
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
-_NAME_OF = {np.dtype(v): k for k, v in DTYPES.items()}
+_NAME_OF = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 256 << 20  # the tree of a 1,000-step verify run is a few MB; a bigger header is not ours
 
 
@@ -193,7 +199,7 @@ def _read_arrays(path: Path, blob: bytearray) -> tuple[dict[str, Any], list[np.n
     for i in range(len(header) - 1):
         entry = header.get(f"a{i}")
         try:
-            dtype = np.dtype(DTYPES[entry["dtype"]])
+            dtype = DTYPES[entry["dtype"]]
             shape = tuple(int(n) for n in entry["shape"])
             start, stop = (int(n) for n in entry["data_offsets"])
         except (KeyError, TypeError, ValueError):

@@ -62,17 +62,25 @@ def fresh_run_dir(name: str, root: str | Path = DEFAULT_ROOT, now: _dt.datetime 
     raise OutputError(root / f"{name}-{stamp}", "999 folders of that name exist already")
 
 
+def _make_folder(path: Path) -> None:
+    """``mkdir -p path``; OutputError naming the first part of it that is a file, or the OS error."""
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise OutputError(part, "exists and is not a directory")
+            break
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(path, e) from None
+
+
 def output_dir(out: str | Path | None, name: str) -> Path:
     """``out`` (created if missing; OutputError if it is not a writable folder), or a fresh run folder."""
     if out is None:
         return fresh_run_dir(name)
     path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise OutputError(path, "exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(path, e) from None
+    _make_folder(path)
     if not os.access(path, os.W_OK | os.X_OK):
         raise OutputError(path, "the directory is not writable")
     return path
@@ -87,10 +95,7 @@ def output_file(out: str | Path | None, name: str, file_name: str) -> Path:
     path = Path(out)
     if path.is_dir():
         raise OutputError(path, "is a directory; give a file name for the report")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(path.parent, e) from None
+    _make_folder(path.parent)
     return path
 
 
@@ -141,6 +146,16 @@ def copy_file(src: str | Path, dst: str | Path) -> Path:
     """Replace ``dst`` with a copy of ``src`` in one rename; OutputError (nothing left behind) on failure."""
     with open(src, "rb") as f:
         return _replace_with(dst, lambda out: shutil.copyfileobj(f, out), "wb")
+
+
+def publish_files(folder: str | Path, out: str | Path) -> list[Path]:
+    """Copy every regular file directly in ``folder`` into ``out`` under the same name, each renamed
+    into place (:func:`copy_file`); nothing else in ``out`` is read, moved or deleted. The paths written."""
+    written = []
+    for src in sorted(Path(folder).iterdir()):
+        if src.is_file() and not src.is_symlink():
+            written.append(copy_file(src, Path(out) / src.name))
+    return written
 
 
 def save_figure(fig: Any, path: str | Path, **kwargs: Any) -> Path:

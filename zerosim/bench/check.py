@@ -130,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(
                 "flag_sizes", n, f"must be in [1, {available // 4}] (a quarter of available memory)"
             )
+    out = output_file(args.out, "bench-check", "bench_check.json")  # refused before anything runs
 
     # 1. our check on the big plan
     t0 = time.perf_counter()
@@ -195,7 +196,6 @@ def run(args: argparse.Namespace) -> int:
                     "platform": platform.platform()},
         "interval_check": ours, "side_by_side": side, "flag_check_at_total": flag_big,
     }
-    out = output_file(args.out, "bench-check", "bench_check.json")
     write_text(out, json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")
     return 0 if verdict.passed else 1

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     require_positive_int("repeats", args.repeats)
     if not args.target_ms > 0:
         raise ConfigError("target_ms", args.target_ms, "must be positive")
+    out = output_file(args.out, "bench-mpi", "bench_mpi.json")  # refused before anything runs
     rows: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="zerosim-bench-mpi-") as tmp:
@@ -137,7 +138,6 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
         "below_target": [{k: r[k] for k in ("collective", "ranks", "bytes", "ratio")} for r in below],
     }
-    out = output_file(args.out, "bench-mpi", "bench_mpi.json")
     write_text(out, json.dumps(report, indent=1) + "\n")
     print_table(rows)
     verdict = "met" if not below else f"MISSED at {len(below)} point(s) (flagged with !)"

@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device", "cuda", "no CUDA device is visible here")
     own_group = not dist.is_initialized()
+    out = None
+    if own_group or dist.get_rank() == 0:  # refused before anything runs
+        out = output_file(args.out, "bench-offload", "bench_offload.json")
     with tempfile.TemporaryDirectory(prefix="zerosim-offload-") as tmp:
         if own_group:
             dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=0, world_size=1)
@@ -80,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             if own_group:
                 dist.destroy_process_group()
     if report["rank"] == 0:
-        out = output_file(args.out, "bench-offload", "bench_offload.json")
+        assert out is not None
         write_text(out, json.dumps(report, indent=2) + "\n")
         _print(report, out)
     held = report["device_peak_bytes"] <= report["device_budget_bytes"]

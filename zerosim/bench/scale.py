@@ -213,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
             before = json.loads(Path(args.before).read_text())
         except (OSError, ValueError) as e:
             raise ConfigError("before", args.before, f"must be a bench_scale JSON report ({e})") from None
+    out = output_file(args.out, "bench-scale", "bench_scale.json")  # refused before anything runs
 
     py = sys.executable
     results: dict[str, list[dict[str, Any]]] = {}
@@ -255,7 +256,6 @@ def run(args: argparse.Namespace) -> int:
     if before is not None:
         report["before"] = {"label": before.get("label", "before"), "series": before.get("series", {}),
                             "exponents": before.get("exponents", {})}
-    out = output_file(args.out, "bench-scale", "bench_scale.json")
     write_text(out, json.dumps(report, indent=2) + "\n")
     png = out.with_suffix(".png")
     _plot(report, png)

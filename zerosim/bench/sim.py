@@ -197,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("repeats", args.repeats, "must be >= 1")
     RunConfig(model=args.model, world_size=sizes[0], strategy=args.strategy, partitioner=args.partitioner,
               optimizer=args.optimizer).validate()
+    out = output_file(args.out, "bench-sim", "bench_sim.json")  # refused before anything runs
     results = []
     for n in sizes:
         if not args.json:
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         },
         "results": results,
     }
-    out = write_text(output_file(args.out, "bench-sim", "bench_sim.json"), json.dumps(report, indent=2))
+    write_text(out, json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zerosim.errors import ConfigError, ZeroSimError, require_output_dir, require_positive_int
-from zerosim.outputs import copy_file, write_text
+from zerosim.outputs import publish_files, write_text
 from zerosim.rank_logs import send_output_to_rank_log
 
 from .blame import rank_verdict
@@ -209,24 +209,8 @@ def _launch(target: str, world: int, steps: int | None, dtype: str, device: str,
     with tempfile.TemporaryDirectory(prefix="zerosim-verify-") as private:
         run_dir = Path(private) / "run"
         run_dir.mkdir()
-        argv = [
-            "-m",
-            "zerosim.verify",
-            target,
-            "--dtype",
-            dtype,
-            "--device",
-            device,
-            "--model",
-            model,
-            "--optimizers",
-            names,
-            "--timeout",
-            repr(collective_s),
-            "--out",
-            str(run_dir),
-            "--quiet",
-        ]
+        argv = ["-m", "zerosim.verify", target, "--dtype", dtype, "--device", device, "--model", model,
+                "--optimizers", names, "--timeout", repr(collective_s), "--out", str(run_dir), "--quiet"]
         if steps is not None:
             argv += ["--steps", str(steps)]
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
@@ -290,16 +274,6 @@ class _Launch:
         return report
 
 
-def publish_files(run_dir: Path, out: Path) -> list[Path]:
-    """Copy every file the ranks left in ``run_dir`` into ``out`` under the same name, each renamed
-    into place; the other files in ``out`` are left alone. The paths written."""
-    written = []
-    for src in sorted(run_dir.iterdir()):
-        if src.is_file() and not src.is_symlink():
-            written.append(copy_file(src, out / src.name))
-    return written
-
-
 def _collect(result: Any, run_dir: Path, world: int, launch_s: float, log_dir: Path) -> VerifyReport:
     """The report of a finished launch, or the error it ended with (a RankFailure names the rank's log
     and, when no rank said why, ends with the last lines of it)."""
@@ -361,8 +335,8 @@ def build_rank_parser() -> argparse.ArgumentParser:
         "--save-observations",
         default=None,
         metavar="PATH",
-        help="rank 0 pickles the phases and every rank's observations to PATH (re-evaluate offline "
-        "with zerosim.verify.evaluate.evaluate_saved)",
+        help="rank 0 stores the phases and every rank's observations in PATH, a safetensors file of "
+        "plain data (re-evaluate offline with zerosim.verify.evaluate.evaluate_saved)",
     )
     return p
 
