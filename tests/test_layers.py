@@ -169,14 +169,15 @@ def test_a_module_missing_from_the_table_has_no_layer():
 
 
 def import_cycles() -> list[list[str]]:
-    """Cycles in the graph of imports that run (a package and its own submodules excepted: a
-    package's ``__init__`` re-exporting its modules is not a cycle of concepts)."""
+    """Cycles in the graph of imports, those under ``if TYPE_CHECKING:`` included (a type-only circle
+    is still two concepts that know each other); a package and its own submodules are excepted: a
+    package's ``__init__`` re-exporting its modules is not a cycle of concepts."""
     files = module_files()
     known = set(files)
     graph = {
         m: {
             t
-            for t in imports_of(m, p, known, runtime_only=True)
+            for t in imports_of(m, p, known)
             if t in known and not t.startswith(m + ".") and not m.startswith(t + ".")
         }
         for m, p in files.items()
@@ -203,3 +204,59 @@ def import_cycles() -> list[list[str]]:
 def test_no_import_cycles():
     cycles = import_cycles()
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_a_type_only_import_cycle_is_reported(tmp_path, monkeypatch):
+    """The check fails on a deliberately added circle that exists for annotations only."""
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            dest = tmp_path / path.relative_to(ROOT)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(path.read_text())
+    watchdog = tmp_path / "zerosim" / "comm" / "mpi_watchdog.py"
+    watchdog.write_text(watchdog.read_text() + "\n\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                        "    from .mpi import MpiCommunicator\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert ["zerosim.comm.mpi", "zerosim.comm.mpi_watchdog", "zerosim.comm.mpi"] in import_cycles()
+
+
+#: where command-line parsing lives: every argparse parser of the packages is declared under it
+CLI_PACKAGE = "zerosim.cli"
+
+
+def argparse_importers() -> list[str]:
+    """One line per module outside :data:`CLI_PACKAGE` whose source imports ``argparse`` (anywhere in
+    the module, inside functions too)."""
+    problems = []
+    for module, path in module_files().items():
+        if module == CLI_PACKAGE or module.startswith(CLI_PACKAGE + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n == "argparse" or n.startswith("argparse.") for n in names):
+                problems.append(f"{module} ({path.relative_to(ROOT)}:{node.lineno}) imports argparse; "
+                                f"command-line parsing belongs in {CLI_PACKAGE}")
+    return problems
+
+
+def test_argparse_is_imported_only_by_the_cli():
+    problems = argparse_importers()
+    assert not problems, "\n".join(problems)
+
+
+def test_an_argparse_import_outside_the_cli_is_named(tmp_path, monkeypatch):
+    """The check fails on a deliberately misplaced parser, naming the module and the line."""
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            dest = tmp_path / path.relative_to(ROOT)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(path.read_text())
+    rank = tmp_path / "zerosim" / "mpi" / "rank.py"
+    lines = rank.read_text().count("\n")
+    rank.write_text(rank.read_text() + "\n\ndef _parser():\n    from argparse import ArgumentParser\n"
+                    "    return ArgumentParser()\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert argparse_importers() == [
+        f"zerosim.mpi.rank (zerosim/mpi/rank.py:{lines + 4}) imports argparse; command-line parsing "
+        "belongs in zerosim.cli"]

@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
         simulate(argv[1:])
     if argv[:1] == ["bench-worker"]:
         from ..bench.mpi import worker_main
+        from ..cli.rank_commands import bench_worker_parser
 
-        run_rank(lambda: worker_main(argv[1:]))
+        run_rank(lambda: worker_main(bench_worker_parser().parse_args(argv[1:])))
     print(USAGE, file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
 
