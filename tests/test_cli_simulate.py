@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from zerosim.cli import main
-from zerosim.engine.run_args import add_run_arguments, config_from_args
+from zerosim.cli.run_options import add_run_arguments, config_from_args
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess:

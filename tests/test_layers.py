@@ -48,6 +48,8 @@ LAYERS: dict[str, int] = {
     # 4: interface
     "zerosim": 4, "zerosim.__main__": 4, "zerosim.cli.*": 4, "zerosim.report.*": 4, "zerosim.bench.*": 4,
     "zerosim.verify.*": 4, "zerosim.testing.*": 4, "zerosim.mutants": 4,
+    # the backends' command lines: they parse options with zerosim.cli, then call the rank entry point
+    "zerosim.mpi.__main__": 4, "zerogpu.__main__": 4, "zerogpu.gpu_report": 4,
 }
 
 
@@ -156,9 +158,9 @@ def test_a_module_missing_from_the_table_has_no_layer():
 
 
 def import_cycles() -> list[list[str]]:
-    """Cycles in the graph of imports, those under ``if TYPE_CHECKING:`` included (a package and its
-    own submodules excepted: a package's ``__init__`` re-exporting its modules is not a cycle of
-    concepts)."""
+    """Cycles in the graph of imports, those under ``if TYPE_CHECKING:`` included (a type-only circle
+    is still two concepts that know each other); a package and its own submodules are excepted: a
+    package's ``__init__`` re-exporting its modules is not a cycle of concepts."""
     files = module_files()
     known = set(files)
     graph = {
@@ -193,16 +195,60 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_a_type_only_cycle_is_a_cycle(tmp_path, monkeypatch):
-    """An import under ``if TYPE_CHECKING:`` still ties two modules together: the check sees it."""
-    pkg = tmp_path / "zerosim"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from . import b\n")
-    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
-    (tmp_path / "zerogpu").mkdir()
+def test_a_type_only_import_cycle_is_reported(tmp_path, monkeypatch):
+    """The check fails on a deliberately added circle that exists for annotations only."""
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            dest = tmp_path / path.relative_to(ROOT)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(path.read_text())
+    watchdog = tmp_path / "zerosim" / "comm" / "mpi_watchdog.py"
+    watchdog.write_text(watchdog.read_text() + "\n\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                        "    from .mpi import MpiCommunicator\n")
     monkeypatch.setitem(globals(), "ROOT", tmp_path)
-    assert import_cycles() == [["zerosim.a", "zerosim.b", "zerosim.a"]]
+    assert ["zerosim.comm.mpi", "zerosim.comm.mpi_watchdog", "zerosim.comm.mpi"] in import_cycles()
+
+
+#: where command-line parsing lives: every argparse parser of the packages is declared under it
+CLI_PACKAGE = "zerosim.cli"
+
+
+def argparse_importers() -> list[str]:
+    """One line per module outside :data:`CLI_PACKAGE` whose source imports ``argparse`` (anywhere in
+    the module, inside functions too)."""
+    problems = []
+    for module, path in module_files().items():
+        if module == CLI_PACKAGE or module.startswith(CLI_PACKAGE + "."):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n == "argparse" or n.startswith("argparse.") for n in names):
+                problems.append(f"{module} ({path.relative_to(ROOT)}:{node.lineno}) imports argparse; "
+                                f"command-line parsing belongs in {CLI_PACKAGE}")
+    return problems
+
+
+def test_argparse_is_imported_only_by_the_cli():
+    problems = argparse_importers()
+    assert not problems, "\n".join(problems)
+
+
+def test_an_argparse_import_outside_the_cli_is_named(tmp_path, monkeypatch):
+    """The check fails on a deliberately misplaced parser, naming the module and the line."""
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            dest = tmp_path / path.relative_to(ROOT)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(path.read_text())
+    rank = tmp_path / "zerosim" / "mpi" / "rank.py"
+    lines = rank.read_text().count("\n")
+    rank.write_text(rank.read_text() + "\n\ndef _parser():\n    from argparse import ArgumentParser\n"
+                    "    return ArgumentParser()\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert argparse_importers() == [
+        f"zerosim.mpi.rank (zerosim/mpi/rank.py:{lines + 4}) imports argparse; command-line parsing "
+        "belongs in zerosim.cli"]
 
 
 ARCHITECTURE = ROOT / "docs" / "architecture.md"

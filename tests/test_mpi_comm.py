@@ -8,14 +8,13 @@ must get right (each collective, dtype, traffic, timeouts) are in tests/test_com
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import pytest
 
 from zerosim.errors import ConfigError
-from zerosim.mpi.launch import find_mpiexec, forward_argv, mpi_unavailable_reason, run_mpiexec
+from zerosim.mpi.launch import find_mpiexec, mpi_unavailable_reason, run_mpiexec
 
 PROGRAMS = Path(__file__).parent / "mpi_programs"
 REASON = mpi_unavailable_reason()
@@ -31,29 +30,6 @@ def test_out_buffers_and_both_traffic_counters(ranks: int, mode: str) -> None:
     lines = set(result.stdout.splitlines())
     for check in ("OK out=", "OK plain counter", "OK traffic"):
         assert check in lines, f"{check!r} missing from {sorted(lines)}"
-
-
-def test_forward_argv_round_trips_every_kind_of_option() -> None:
-    def add(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default="tiny")
-        p.add_argument("--world-size", type=int, default=4)
-        p.add_argument("--steps", type=int, default=3)
-        p.add_argument("--json", action="store_true")
-        p.add_argument("--no-clip", dest="clip", action="store_false")
-        p.add_argument("--ranks", type=int, nargs="+", default=[2])
-        p.add_argument("--tag", action="append")
-        p.add_argument("--flag", action=argparse.BooleanOptionalAction, default=True)
-        p.add_argument("--backend", default="sim")
-
-    p = argparse.ArgumentParser()
-    add(p)
-    argv = ["--model", "sim-10m", "--steps", "5", "--json", "--no-clip", "--ranks", "2", "4", "--tag", "a",
-            "--tag", "b", "--no-flag", "--backend", "mpi"]
-    args = p.parse_args(argv)
-    forwarded = forward_argv(args, add, drop=("backend",))
-    assert "--backend" not in forwarded and "--world-size" not in forwarded  # dropped / at its default
-    again = p.parse_args(forwarded)
-    assert vars(again) == {**vars(args), "backend": "sim"}
 
 
 def test_find_mpiexec_honours_the_override_and_names_a_bad_one(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -189,15 +189,16 @@ def test_cli_simulate_passes_the_variant_through(capsys):
     assert [c["collective"] for c in data["comm_model"]["collectives"]] == ["reduce_scatter", "all_gather"]
 
 
-def test_mpi_forwards_the_variant():
-    """``--backend mpi`` rebuilds the rank command line from the shared run options."""
+def test_mpi_ships_the_variant():
+    """``--backend mpi`` ships the run as one value: the variant survives the run file's round trip."""
     from zerosim.cli import build_parser
-    from zerosim.engine.run_args import add_run_arguments
-    from zerosim.mpi.launch import forward_argv
+    from zerosim.cli.simulate import rank_run
+    from zerosim.engine.run_file import RankRun
 
-    args = build_parser().parse_args(["simulate", "--strategy", "zero1", "--zero1-reduce", "reduce_scatter"])
-    argv = forward_argv(args, add_run_arguments)
-    assert argv[argv.index("--zero1-reduce") + 1] == "reduce_scatter"
+    args = build_parser().parse_args(["simulate", "--backend", "mpi", "--strategy", "zero1",
+                                      "--zero1-reduce", "reduce_scatter"])
+    shipped = RankRun.from_json(json.loads(json.dumps(rank_run(args).to_json())))
+    assert shipped.run.zero1_grad_reduce == "reduce_scatter" and shipped.backend == "mpi"
 
 
 def test_the_same_order_reference_follows_the_variants_norm_order():

@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-import argparse
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,7 +16,9 @@ pytest.importorskip("torch")
 from zerogpu.agreement import bitwise_expected, compare_with_simulator  # noqa: E402
 from zerogpu.equivalence import default_strategies, parse_strategies  # noqa: E402
 from zerogpu.launch import ranks_status  # noqa: E402
-from zerogpu.simulate import build_parser, resolve_setup  # noqa: E402
+from zerogpu.simulate import resolve_setup as resolve_job  # noqa: E402
+from zerosim.cli.run_options import torch_rank_run, torch_simulate_parser  # noqa: E402
+from zerosim.engine.run_file import RankRun  # noqa: E402
 from zerosim.engine.spmd import RunConfig, simulate_observations  # noqa: E402
 from zerosim.errors import EXIT_RUN_FAILED, ConfigError  # noqa: E402
 
@@ -87,35 +90,41 @@ def test_default_strategies_cover_every_kind_at_each_world_size() -> None:
 
 def test_the_option_choices_are_the_communicators() -> None:
     import zerogpu.comm as comm
-    import zerogpu.simulate as simulate
+    from zerosim.engine.run_file import BACKEND_OPTIONS
 
-    assert (simulate.DIST_BACKENDS, simulate.REDUCE_SCATTER_MODES, simulate.ALL_GATHER_MODES) == (
+    torch = BACKEND_OPTIONS["torch"]
+    assert (torch["dist_backend"], torch["reduce_scatter"], torch["all_gather"]) == (
         comm.DIST_BACKENDS,
         comm.REDUCE_SCATTER_MODES,
         comm.ALL_GATHER_MODES,
     )
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(list(argv))
+def _job(*argv: str) -> RankRun:
+    """The run the torchrun rank options describe, as every rank loads it."""
+    return torch_rank_run(torch_simulate_parser().parse_args(list(argv)))
+
+
+def resolve_setup(make_job: Callable[[], RankRun]) -> tuple[Any, str, str]:
+    return resolve_job(make_job())
 
 
 def test_bad_input_names_the_field_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ConfigError, match="launcher"):
-        resolve_setup(_args())
+        resolve_setup(lambda: _job())
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(ConfigError, match=r"world_size=2: torchrun started 3 rank\(s\)"):
-        resolve_setup(_args("--world-size", "2"))
+        resolve_setup(lambda: _job("--world-size", "2"))
     with pytest.raises(ConfigError, match=r"strategy='hybrid_shard:2'.*does not divide world_size=3"):
-        resolve_setup(_args("--strategy", "hybrid_shard:2"))
+        resolve_setup(lambda: _job("--strategy", "hybrid_shard:2"))
     with pytest.raises(ConfigError, match="backend='mpi'"):
-        resolve_setup(_args("--backend", "mpi"))
+        resolve_setup(lambda: _job("--backend", "mpi"))
     with pytest.raises(ConfigError, match="dist_backend='nccl'"):
-        resolve_setup(_args("--device", "cpu", "--dist-backend", "nccl"))
-    cfg, device, backend = resolve_setup(_args("--device", "cpu", "--strategy", "zero3", "--xp", "numpy"))
+        resolve_setup(lambda: _job("--device", "cpu", "--dist-backend", "nccl"))
+    cfg, device, backend = resolve_job(_job("--device", "cpu", "--strategy", "zero3", "--xp", "numpy"))
     assert (cfg.world_size, cfg.xp, device, backend) == (3, "numpy", "cpu", "gloo")
 
 

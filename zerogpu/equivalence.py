@@ -15,14 +15,14 @@ contract held and every run agreed with the simulator, 1 otherwise, 2 bad input,
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, NoReturn
 
+from zerosim.engine.run_file import RankRun
 from zerosim.errors import ConfigError, ZeroSimError
 from zerosim.observe import RankObservation
 from zerosim.outputs import write_text
@@ -32,27 +32,6 @@ def default_strategies(world_size: int) -> list[str]:
     """Every strategy kind at this world size (hybrid groups of 2 where that leaves >= 2 replicas)."""
     k = 2 if world_size >= 4 and world_size % 2 == 0 else world_size
     return ["no_shard", "zero1", "zero2", "zero3", f"hybrid_shard:{k}", f"hybrid_shard_zero2:{k}"]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from zerosim.engine.run_args import add_run_arguments
-
-    from .simulate import add_torch_arguments
-
-    p = argparse.ArgumentParser(
-        prog="torchrun --nproc-per-node N -m zerogpu equivalence",
-        description="Every strategy under torchrun: contract verdicts, error vs ground "
-        "truth, agreement with the in-process simulator.",
-    )
-    add_run_arguments(p)
-    p.set_defaults(world_size=None, backend=None, steps=2, micro_batches=2, observe="full")
-    p.add_argument("--strategies", default="all", metavar="LIST",
-                   help="comma-separated strategies, or 'all' (default)")
-    add_torch_arguments(p)
-    p.add_argument(
-        "--out", type=Path, default=None, metavar="FILE", help="rank 0 writes the JSON document here"
-    )
-    return p
 
 
 def parse_strategies(text: str, world_size: int) -> list[str]:
@@ -149,30 +128,29 @@ def render_table(doc: dict[str, Any]) -> None:
             console.print(f"[red]{r['strategy']} vs simulator[/] {p}", highlight=False, soft_wrap=True)
 
 
-def main(argv: list[str]) -> NoReturn:
-    from zerosim.engine.run_args import config_from_args
-
-    from .rank import fail_on_bad_input, parse_once, run_rank
+def equivalence_rank(args: Any, load: Callable[[], RankRun]) -> NoReturn:
+    """Run one rank of ``equivalence``: ``load()`` gives the base run and the torch settings, ``args``
+    the command's own options (``strategies``, ``out``, ``json``, ``model``; parsed by
+    :func:`zerosim.cli.gpu.equivalence_parser`). Bad input: rank 0 prints it, every rank exits 2."""
+    from .rank import fail_on_bad_input, run_rank
     from .simulate import resolve_setup
 
-    args = parse_once(build_parser(), argv)
     try:
-        base, device, backend = resolve_setup(args)
-        strategies = parse_strategies(args.strategies, args.world_size)
-        runs = []
-        for s in strategies:
-            args.strategy = s
-            runs.append(config_from_args(args).replace(xp=args.xp, observe="full").validate())
+        job = load()
+        base, device, backend = resolve_setup(job)
+        strategies = parse_strategies(args.strategies, base.world_size)
+        runs = [base.replace(strategy=s, observe="full").validate() for s in strategies]
     except ZeroSimError as e:
         fail_on_bad_input(e)
+    xp = base.xp
 
     def body() -> int:
         from .comm import init_distributed
         from .program import agree_on_exit, exact_float32_math, gather_observations, rank_program_on_device
 
         exact_float32_math(device)
-        comm = init_distributed(backend, device, base.timeout_s, reduce_scatter=args.reduce_scatter,
-                                all_gather=args.all_gather)
+        comm = init_distributed(backend, device, base.timeout_s, reduce_scatter=job.option("reduce_scatter"),
+                                all_gather=job.option("all_gather"))
         collected = []
         for (
             run
@@ -184,12 +162,12 @@ def main(argv: list[str]) -> NoReturn:
         code = None
         if comm.rank == 0:
             entries = [
-                evaluate_entry(strategy, run, _on_root(observations), args.xp, wall)
+                evaluate_entry(strategy, run, _on_root(observations), xp, wall)
                 for strategy, run, (observations, wall) in zip(strategies, runs, collected, strict=True)
             ]
             doc = {
                 "world_size": comm.world_size,
-                "xp": args.xp,
+                "xp": xp,
                 "environment": environment(comm.device, backend),
                 "config": {
                     "model": args.model,

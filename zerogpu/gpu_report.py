@@ -17,48 +17,17 @@ agreed with the simulator, 1 otherwise, 2 bad input / no CUDA, 3 a rank failed, 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from zerosim.engine.config import XP_NAMES
 from zerosim.errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError, require_positive_int
 from zerosim.outputs import write_text
-from zerosim.precision import PRECISION_NAMES
-from zerosim.presets import simulator_presets
-
-DEFAULT_OUT = Path("reports/gpu")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m zerogpu report",
-        description="GPU equivalence report: every strategy under torchrun on NCCL, "
-        "contract verdicts and error vs ground truth, as JSON + markdown.",
-    )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    p.add_argument("--world-size", type=int, default=None, metavar="N",
-                   help="ranks, one GPU each (default: the number of visible GPUs; 2 with --cpu)")
-    p.add_argument("--cpu", action="store_true", help="no CUDA needed: gloo on the CPU (the same report)")
-    p.add_argument("--strategies", default="all", metavar="LIST", help="comma-separated, or 'all' (default)")
-    p.add_argument("--model", default="tiny", metavar="PRESET",
-                   help=f"block-model preset (default tiny): {', '.join(simulator_presets())}")
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--precision", default="fp32", choices=PRECISION_NAMES)
-    p.add_argument("--xp", default="torch", choices=XP_NAMES,
-                   help="the engine's arrays: torch on the device (default) or host numpy")
-    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds (default 120)")
-    p.add_argument(
-        "--launch-timeout", type=float, default=1800.0, help="the whole torchrun launch (default 1800)"
-    )
-    return p
-
-
-def resolve_world(args: argparse.Namespace) -> tuple[int, str]:
+def resolve_world(args: Any) -> tuple[int, str]:
     """(world size, device) or ConfigError (no CUDA without --cpu, more ranks than GPUs)."""
     import torch
 
@@ -130,9 +99,11 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    from zerosim.cli.gpu import report_parser
+
     from .launch import run_torchrun
 
-    args = build_parser().parse_args(argv)
+    args = report_parser().parse_args(argv)
     try:
         n, device = resolve_world(args)
     except ZeroSimError as e:

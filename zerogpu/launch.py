@@ -14,7 +14,8 @@ writes its status to ``$ZEROGPU_STATUS_DIR/rank<R>`` (:func:`zerogpu.rank.record
 word, e.g. killed by a signal), else the highest status a rank wrote (1 a contract failed, 2 bad
 input), 124 when the launch outlived its timeout.
 
-``zerosim simulate --backend torch`` (:func:`launch_simulate`) streams rank 0's output and ends with
+``zerosim simulate --backend torch`` (:func:`launch_simulate`) writes the run to one file the ranks
+load (:mod:`zerosim.engine.run_file`), streams rank 0's output and ends with
 the ranks' own one-line verdict on a failure; torchrun's noise (its warnings, the ``ChildFailedError``
 summary) goes to a log named in that line (:func:`zerosim.launching.run_streamed`). A rank killed by
 a signal is named from torchrun's summary: ``rank 1 failed: killed by signal 9 (SIGKILL)``, exit 3.
@@ -22,7 +23,6 @@ a signal is named from torchrun's summary: ``rank 1 failed: killed by signal 9 (
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from zerosim.engine.run_file import RUN_FILE_NAME, RankRun, write_rank_run
 from zerosim.errors import EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError, require_positive_int
 from zerosim.launching import (
     death_line,
@@ -136,28 +137,27 @@ def torch_unavailable_reason() -> str | None:
 
 # ---- zerosim simulate --backend torch ------------------------------------------------------------
 
-def launch_simulate(args: argparse.Namespace) -> int:
-    """``zerosim simulate --backend torch --world-size N``: the simulation under
-    ``torchrun --nproc-per-node N``.
+def launch_simulate(job: RankRun) -> int:
+    """``zerosim simulate --backend torch --world-size N``: run ``job`` under ``torchrun --nproc-per-node N``.
 
-    The ranks print the verdict table / JSON themselves (rank 0); returns the ranks' status: 0 all
-    contracts hold, 1 a contract failed, 2 bad input, 3 a rank failed or a collective timed out, 124
-    the launch outlived ``$ZEROSIM_LAUNCH_TIMEOUT_S`` (default 900 s). Runs on the CPU with gloo
-    (``--device auto`` on the ranks picks CUDA/NCCL where there is a GPU).
+    The run travels as one file: ``run.json`` in a private temporary folder this launch creates (and
+    removes), which every rank loads (``-m zerogpu simulate --config <file>``). The ranks print the
+    verdict table / JSON themselves (rank 0); returns the ranks' status: 0 all contracts hold, 1 a
+    contract failed, 2 bad input, 3 a rank failed or a collective timed out, 124 the launch outlived
+    ``$ZEROSIM_LAUNCH_TIMEOUT_S`` (default 900 s). Runs on the CPU with gloo (the run file's device
+    ``auto`` picks CUDA/NCCL on the ranks where there is a GPU).
     """
-    from zerosim.engine.run_args import add_run_arguments
-    from zerosim.mpi.launch import forward_argv
-
     reason = torch_unavailable_reason()
     if reason:
         raise ConfigError("backend", "torch", reason)
-    n = require_positive_int("world_size", getattr(args, "world_size", None))
+    n = require_positive_int("world_size", job.run.world_size)
     timeout_s = launch_timeout_from_env()
-    argv = ["-m", "zerogpu", "simulate", *forward_argv(args, add_run_arguments, drop=("backend",))]
     env = {"OMP_NUM_THREADS": "1", **os.environ}
     if sys.stdout.isatty():  # the ranks write into a pipe to this process: keep the terminal's width
         env.setdefault("COLUMNS", str(shutil.get_terminal_size().columns))
     with tempfile.TemporaryDirectory(prefix="zerogpu-status-") as status_dir:
+        run_file = write_rank_run(job, Path(status_dir) / RUN_FILE_NAME)
+        argv = ["-m", "zerogpu", "simulate", "--config", str(run_file)]
         run = run_streamed(torchrun_command(n, argv), timeout_s, {**env, STATUS_DIR_ENV: status_dir},
                            log_name="torchrun", kill_grace_s=_KILL_GRACE_S)
         written = _read_status(status_dir)

@@ -17,7 +17,6 @@ a JSON object; exit status 0 when every check passed on every rank, 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import traceback
@@ -32,18 +31,6 @@ from zerosim.comm.base import TrafficCounter
 from zerosim.errors import CollectiveError, ConfigError, ZeroSimError
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="torchrun --nproc-per-node N -m zerogpu selftest-comm",
-        description="Check every TorchCommunicator collective against numpy on these ranks.",
-    )
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:N")
-    p.add_argument("--dist-backend", default="auto", choices=("auto", "gloo", "nccl"))
-    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds (default 60)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON")
-    return p
 
 
 def rank_input(rank: int, n: int, dtype: Any, salt: int = 0) -> np.ndarray:
@@ -362,10 +349,11 @@ def run_checks(comm: Any) -> dict[str, str | None]:
     return checks.results
 
 
-def main(argv: list[str]) -> None:
-    from .rank import fail_on_bad_input, parse_once, run_rank
+def selftest_rank(args: Any) -> None:
+    """One rank of ``selftest-comm``; ``args`` are its parsed options (``device``, ``dist_backend``,
+    ``timeout``, ``json``: :func:`zerosim.cli.gpu.selftest_parser`)."""
+    from .rank import fail_on_bad_input, run_rank
 
-    args = parse_once(build_parser(), argv)
     try:
         from .comm import resolve_backend, resolve_device
 

@@ -1,98 +1,57 @@
-"""``torchrun --nproc-per-node N -m zerogpu simulate [options]``: the reference engine, one process per rank.
+"""The torch.distributed backend's one rank entry point for ``simulate``: load the run, check it, run it.
 
-Every rank parses the options of ``zerosim simulate`` (:func:`zerosim.cli.simulate.add_run_arguments`)
-plus the torch ones below, runs the engine's SPMD program on a :class:`zerogpu.comm.TorchCommunicator`
-(NCCL on ``cuda:<LOCAL_RANK>``, gloo on the CPU) and sends its observations to rank 0, which checks
-C-ZERO-002..005 and prints the same verdict table / JSON as the in-process simulator. Exit status,
-the same on every rank: 0 every contract holds, 1 a contract failed, 2 bad input (printed once, by
-rank 0, before any process group exists), 3 a rank failed or a collective timed out (``rank R
-failed: ...`` printed once; torchrun then stops the other ranks). torchrun's own exit status is 1
-for any non-zero worker; ``zerosim simulate --backend torch`` (:mod:`zerogpu.launch`) recovers ours.
+``torchrun --nproc-per-node N -m zerogpu simulate --config FILE`` (the run file
+:mod:`zerosim.engine.run_file` describes; ``zerosim simulate --backend torch`` writes one and starts
+that) or ``... simulate [options]`` (the options of ``zerosim simulate`` plus the torch ones,
+:func:`zerosim.cli.run_options.torch_simulate_parser`). Every rank loads the same
+:class:`~zerosim.engine.run_file.RankRun`, runs the engine's SPMD program on a
+:class:`zerogpu.comm.TorchCommunicator` (NCCL on ``cuda:<LOCAL_RANK>``, gloo on the CPU) and sends its
+observations to rank 0, which checks C-ZERO-002..005 and prints the same verdict table / JSON as the
+in-process simulator. Exit status, the same on every rank: 0 every contract holds, 1 a contract
+failed, 2 bad input (printed once, by rank 0, before any process group exists), 3 a rank failed or a
+collective timed out (``rank R failed: ...`` printed once; torchrun then stops the other ranks).
+torchrun's own exit status is 1 for any non-zero worker; ``zerosim simulate --backend torch``
+(:mod:`zerogpu.launch`) recovers ours.
 
-Torch options: ``--device auto|cpu|cuda[:N]``, ``--dist-backend auto|gloo|nccl``, ``--xp torch|numpy``
-(the engine's arrays: torch tensors on the device, default; or host numpy with only the collectives
-on the device), ``--reduce-scatter auto|native|reduce|all_reduce``, ``--all-gather
-auto|native|broadcast`` (how those two collectives travel: :mod:`zerogpu.comm`) and
-``--save-observations PATH``.
-``--world-size`` defaults to the number of ranks torchrun started; ``--timeout`` is the
+Torch settings (the run file's ``options``, or the options ``--device auto|cpu|cuda[:N]``,
+``--dist-backend auto|gloo|nccl``, ``--reduce-scatter auto|native|reduce|all_reduce``, ``--all-gather
+auto|native|broadcast``: how those two collectives travel, :mod:`zerogpu.comm`); the run's ``xp`` is
+the engine's arrays (torch tensors on the device, or host numpy with only the collectives on the
+device). The world size is the number of ranks torchrun started; the run's ``timeout_s`` is the
 ``init_process_group`` timeout and every collective's.
 """
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from zerosim import datafile
-from zerosim.engine.config import XP_NAMES
-from zerosim.errors import ConfigError, ZeroSimError
-
-# zerogpu.comm's choices, repeated so that parsing (and refusing bad input) does not import torch
-DIST_BACKENDS = ("auto", "gloo", "nccl")
-REDUCE_SCATTER_MODES = ("auto", "native", "reduce", "all_reduce")
-ALL_GATHER_MODES = ("auto", "native", "broadcast")
+from zerosim.engine.run_file import RankRun
+from zerosim.errors import ZeroSimError
 
 
-def add_torch_arguments(p: argparse.ArgumentParser) -> None:
-    """The torch-only options (shared by ``simulate`` and ``equivalence``)."""
-    g = p.add_argument_group("torch.distributed")
-    g.add_argument(
-        "--device",
-        default="auto",
-        help="auto (cuda:<LOCAL_RANK> if CUDA is available, else cpu), cpu, cuda, cuda:N",
-    )
-    g.add_argument("--dist-backend", default="auto", choices=DIST_BACKENDS,
-                   help="auto: nccl for CUDA, gloo for the CPU")
-    g.add_argument("--xp", default="torch", choices=XP_NAMES,
-                   help="the engine's arrays: torch tensors on the device (default) or host numpy")
-    g.add_argument("--reduce-scatter", default="auto", choices=REDUCE_SCATTER_MODES,
-                   help="auto: one reduce per chunk on gloo, the backend's own on NCCL (all-reduce + slice "
-                        "where it has none)")
-    g.add_argument("--all-gather", default="auto", choices=ALL_GATHER_MODES,
-                   help="auto: one broadcast per chunk on gloo, the backend's own on NCCL")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from zerosim.engine.run_args import add_run_arguments
-
-    p = argparse.ArgumentParser(
-        prog="torchrun --nproc-per-node N -m zerogpu simulate",
-        description="Run the reference engine under torchrun; rank 0 prints the verdicts.",
-    )
-    add_run_arguments(p)
-    p.set_defaults(world_size=None, backend=None)  # world size: the number of ranks torchrun started
-    add_torch_arguments(p)
-    p.add_argument("--save-observations", type=Path, default=None, metavar="PATH",
-                   help="rank 0 stores every rank's RankObservation list in PATH (zerosim.datafile; "
-                   "for comparing backends)")
-    return p
-
-
-def resolve_setup(args: argparse.Namespace) -> tuple[Any, str, str]:
-    """(validated RunConfig, device, dist backend) from the options; ConfigError on bad input.
+def resolve_setup(job: RankRun) -> tuple[Any, str, str]:
+    """(validated RunConfig, device, dist backend) of ``job``; ConfigError on bad input.
     Deterministic, so every rank reaches the same verdict without talking to the others."""
-    from zerosim.engine.run_args import config_from_args
-
     from .program import require_launcher
 
-    if args.backend not in (None, "torch"):
-        raise ConfigError("backend", args.backend, "under torchrun the backend is torch; drop --backend")
-    args.world_size = require_launcher(args.world_size)
+    require_launcher(job.run.world_size)
     from .comm import resolve_backend, resolve_device  # imports torch: only once we know we are a rank
 
-    cfg = config_from_args(args).replace(xp=args.xp)
-    cfg.validate()
-    device = resolve_device(args.device)
-    return cfg, device, resolve_backend(args.dist_backend, device)
+    job.run.validate()
+    device = resolve_device(job.option("device") or "auto")
+    return job.run, device, resolve_backend(job.option("dist_backend") or "auto", device)
 
 
-def main(argv: list[str]) -> NoReturn:
-    from .rank import fail_on_bad_input, parse_once, run_rank
+def simulate_rank(load: Callable[[], RankRun]) -> NoReturn:
+    """Run one rank of ``simulate``; ``load()`` returns the run (a ConfigError on bad input: rank 0
+    prints it, every rank exits 2)."""
+    from .rank import fail_on_bad_input, run_rank
 
-    args = parse_once(build_parser(), argv)
     try:
-        cfg, device, backend = resolve_setup(args)
+        job = load()
+        cfg, device, backend = resolve_setup(job)
     except ZeroSimError as e:
         fail_on_bad_input(e)
 
@@ -104,16 +63,16 @@ def main(argv: list[str]) -> NoReturn:
         from .program import agree_on_exit, exact_float32_math, gather_observations, rank_program_on_device
 
         exact_float32_math(device)
-        comm = init_distributed(backend, device, cfg.timeout_s, reduce_scatter=args.reduce_scatter,
-                                all_gather=args.all_gather)
+        comm = init_distributed(backend, device, cfg.timeout_s, reduce_scatter=job.option("reduce_scatter"),
+                                all_gather=job.option("all_gather"))
         run = cfg.resolve()
         observations = gather_observations(comm, rank_program_on_device(comm, run))
         code = None
         if comm.rank == 0:
             assert observations is not None
-            if args.save_observations is not None:
-                datafile.save(args.save_observations, observations)
-            code = render(evaluate(run, observations), args.json)
+            if job.save_observations is not None:
+                datafile.save(job.save_observations, observations)
+            code = render(evaluate(run, observations), job.json_output)
         return agree_on_exit(comm, code)
 
     run_rank(body)

@@ -15,7 +15,6 @@ sorts the ranks' intervals: O(world size log world size). This benchmark
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -34,19 +33,6 @@ from ..partition import get_partitioner
 from ..partition.base import ShardPlan
 
 DEFAULT_OUT = "a new reports/bench-check-<timestamp>/bench_check.json"
-
-
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "check", help="C-ZERO-001 interval check at 10^12 x 1024 vs a flag-per-parameter checker"
-    )
-    p.add_argument("--total", default="10**12", help="parameters in the big plan (default 10**12)")
-    p.add_argument("--world-size", type=int, default=1024, help="ranks in the big plan (default 1024)")
-    p.add_argument("--repeats", type=int, default=50, help="timed repetitions of the big check (default 50)")
-    p.add_argument("--flag-sizes", default="10**5,10**6,10**7,10**8",
-                   help="totals at which both checkers run side by side (default 10**5..10**8)")
-    p.add_argument("--out", default=None, help=f"JSON report path (default {DEFAULT_OUT})")
-    p.set_defaults(func=run)
 
 
 def flag_check(plan: ShardPlan) -> bool:
@@ -113,7 +99,7 @@ def try_flag_allocation(total: int, mem: dict[str, int]) -> dict[str, Any]:
     return {"attempted": True, "error": None, "note": f"{nbytes} bytes granted lazily and released untouched"}
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Any) -> int:
     from ..cli._args import parse_int_expr, parse_int_list
     from ..cost.units import format_bytes
 

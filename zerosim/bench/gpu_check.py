@@ -24,7 +24,6 @@ last line); 124 a step outlived its limit (and none failed); 2 bad input or no C
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -184,8 +183,9 @@ def _report_read(ctx: Context, run: GroupRun) -> tuple[str, str, dict[str, float
 # ---- 3. ZeroTrainer on the device against the CPU -------------------------------------------------
 def _trainer_command(ctx: Context, limit_s: float) -> list[str]:
     s = ctx.size("trainer")
-    cmd = _python("-m", "zerosim.bench.trainer_devices", "--device", ctx.device, "--model", s["model"],
-                  "--steps", str(s["steps"]), "--out", str(ctx.steps_dir / "trainer.json"))
+    cmd = _python("-m", "zerosim.cli.gpu_check_steps", "trainer_devices", "--device", ctx.device,
+                  "--model", s["model"], "--steps", str(s["steps"]),
+                  "--out", str(ctx.steps_dir / "trainer.json"))
     return cmd + (["--perturb"] if ctx.perturb == "trainer" else [])
 
 
@@ -242,7 +242,7 @@ def _offload_read(ctx: Context, run: GroupRun) -> tuple[str, str, dict[str, floa
 # ---- 5. the AdamW kernel against the copy bandwidth -----------------------------------------------
 def _kernel_command(ctx: Context, limit_s: float) -> list[str]:
     s = ctx.size("kernel")
-    cmd = _python("-m", "zerosim.bench.optimizer_bandwidth", "--device", ctx.device,
+    cmd = _python("-m", "zerosim.cli.gpu_check_steps", "optimizer_bandwidth", "--device", ctx.device,
                   "--elements", str(s["elements"]), "--repeats", str(s["repeats"]),
                   "--out", str(ctx.steps_dir / "kernel.json"))
     return cmd + (["--perturb"] if ctx.perturb == "kernel" else [])
@@ -334,7 +334,7 @@ def parse_only(text: str | None) -> tuple[str, ...]:
     return names
 
 
-def prepare(args: argparse.Namespace) -> tuple[Context, tuple[str, ...]]:
+def prepare(args: Any) -> tuple[Context, tuple[str, ...]]:
     """Every check on the input before anything is written (ConfigError: exit 2, nothing created)."""
     only = parse_only(args.only)
     out = Path(args.out) if args.out is not None else default_out()
@@ -352,7 +352,7 @@ def prepare(args: argparse.Namespace) -> tuple[Context, tuple[str, ...]]:
     return Context(out, "cpu" if args.cpu else "cuda", perturb, find_repo()), only
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Any) -> int:
     """The command: every selected step, then the folder's JSON, markdown and figure; the exit status."""
     from .gpu_check_report import write_figure, write_markdown
     from .gpu_session import describe_device

@@ -25,7 +25,6 @@ shortfalls are flagged with ``!``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -46,27 +45,6 @@ TARGET_FROM_BYTES = 64 * 1024
 DEFAULT_OUT = "a new reports/bench-mpi-<timestamp>/bench_mpi.json"
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser("mpi", help="MPI communicator vs raw mpi4py collectives (launches mpiexec)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to launch (default: 2 4)"
-    )
-    p.add_argument("--min-bytes", type=int, default=1024, help="smallest buffer (default 1 KiB)")
-    p.add_argument("--max-bytes", type=int, default=64 * 1024 * 1024, help="largest buffer (default 64 MiB)")
-    p.add_argument(
-        "--repeats", type=int, default=7, help="measurements per variant (median taken; default 7)"
-    )
-    p.add_argument(
-        "--target-ms", type=float, default=20.0, help="time filled by one measurement (default 20 ms)"
-    )
-    p.add_argument(
-        "--launch-timeout", type=float, default=900.0, help="wall-clock limit per mpiexec launch (s)"
-    )
-    p.add_argument("--out", type=Path, default=None, help=f"JSON report (default {DEFAULT_OUT})")
-    p.set_defaults(func=run)
-
-
 def buffer_sizes(min_bytes: int, max_bytes: int) -> list[int]:
     """Powers of 4 times ``min_bytes`` up to ``max_bytes`` (both included when ``max`` is on the grid)."""
     require_positive_int("min_bytes", min_bytes)
@@ -82,7 +60,7 @@ def buffer_sizes(min_bytes: int, max_bytes: int) -> list[int]:
     return sizes
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Any) -> int:
     from ..mpi.launch import run_mpiexec
 
     sizes = buffer_sizes(args.min_bytes, args.max_bytes)
@@ -187,14 +165,9 @@ def _paired(pairs: list[tuple[float, float]]) -> float:
 
 # ---- inside each rank (python -m zerosim.mpi bench-worker ...) ------------------------------------
 
-def worker_main(argv: list[str]) -> int:
-    """One rank of the benchmark. Rank 0 writes ``--out``."""
-    p = argparse.ArgumentParser(prog="python -m zerosim.mpi bench-worker")
-    p.add_argument("--sizes", type=int, nargs="+", required=True)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--target-ms", type=float, default=20.0)
-    p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args(argv)
+def worker_main(args: Any) -> int:
+    """One rank of the benchmark (``args``: :func:`zerosim.cli.rank_commands.bench_worker_parser`'s
+    options). Rank 0 writes ``--out``."""
 
     import mpi4py
     import numpy as np

@@ -21,7 +21,6 @@ over a side stream. JSON: ``bench_offload.json`` in a new
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -38,20 +37,7 @@ DEFAULT_OUT = "a new reports/bench-offload-<timestamp>/bench_offload.json"
 DEVICES = ("cpu", "cuda")
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser("offload", help="ZeRO-3 with and without CPU offload: step time, device peak, budget")
-    p.add_argument("--model", default="gpt", help="a zerosim verify model preset (default gpt)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per trainer (default 6)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
-    p.add_argument("--budget-units", type=int, default=2,
-                   help="device budget = the shards of this many largest units (default 2)")
-    p.add_argument("--prefetch", type=int, default=1, help="offload prefetch depth (default 1)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--out", default=None, help=f"JSON report (default {DEFAULT_OUT})")
-    p.set_defaults(func=run)
-
-
-def _validate(args: argparse.Namespace) -> None:
+def _validate(args: Any) -> None:
     require_positive_int("steps", args.steps)
     require_non_negative_int("warmup", args.warmup)
     require_positive_int("budget_units", args.budget_units)
@@ -63,7 +49,7 @@ def _validate(args: argparse.Namespace) -> None:
     require_model(args.model)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Any) -> int:
     _validate(args)
     import torch
     import torch.distributed as dist
@@ -90,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["bitwise_equal"] and held else 1
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: Any) -> dict[str, Any]:
     """Both trainers, steps interleaved; the figures of the module docstring."""
     import torch
     import torch.distributed as dist

@@ -1,6 +1,6 @@
 """The sharded AdamW update's throughput on a device against the device's own copy bandwidth.
 
-``python -m zerosim.bench.optimizer_bandwidth --device cuda --elements N --out FILE``: one flat
+``python -m zerosim.cli.gpu_check_steps optimizer_bandwidth --device cuda --elements N --out FILE``: one flat
 float32 shard of ``N`` elements (parameter, gradient, ``exp_avg``, ``exp_avg_sq``) on the device,
 stepped by each kernel the engine can run (:data:`zerogpu.torch_kernels.OPTIMIZER_KERNELS`:
 ``reference``, zerosim's exact optimizer and ZeroTrainer's default; ``torch``; ``fused``), and a
@@ -25,11 +25,9 @@ Exit 0 when every kernel is correct and the goal is met where it applies, 1 othe
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,17 +40,6 @@ BYTES_PER_ELEMENT = 28  #: AdamW reads param, grad, exp_avg, exp_avg_sq and writ
 CHECK_ELEMENTS = 1 << 16  #: the shard the correctness check compares with the host
 SPEC = {"name": "adamw", "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 DEFAULT_KERNEL = "reference"  #: ZeroTrainer's optimizer_kernel default
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zerosim.bench.optimizer_bandwidth",
-                                description="AdamW update throughput against the device's copy bandwidth.")
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--elements", type=int, default=1 << 26, help="shard length (default 2^26)")
-    p.add_argument("--repeats", type=int, default=10, help="timed calls per kernel (default 10)")
-    p.add_argument("--perturb", action="store_true", help="move one device result past its bound")
-    p.add_argument("--out", type=Path, required=True, help="the JSON document to write")
-    return p
 
 
 def _arrays(n: int, device: Any, seed: int) -> dict[str, Any]:
@@ -208,8 +195,8 @@ def _fused_on_cpu() -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(args: Any) -> int:
+    """The step, its options parsed by :func:`zerosim.cli.gpu_check_steps.optimizer_bandwidth_parser`."""
     try:
         require_positive_int("elements", args.elements)
         require_positive_int("repeats", args.repeats)
@@ -229,6 +216,3 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
     return 0 if doc["passed"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

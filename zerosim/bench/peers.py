@@ -42,7 +42,6 @@ Under an external launcher (across nodes) run the rank program itself: ``torchru
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -550,45 +549,7 @@ def write_report(report: dict[str, Any], out_dir: Path | None) -> tuple[Path, Pa
 # ---- the command ------------------------------------------------------------------------------------------
 
 
-def register(sub: Any) -> None:
-    from ..cli.memory import one_line_errors
-
-    p = sub.add_parser(
-        "peers",
-        help="one optimizer step under every installed adapter (ddp, torch-zero, fsdp2*, deepspeed-*, "
-        "zerogpu-*), ratios per ZeRO stage (launches torchrun)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    one_line_errors(p)
-    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
-                   help=f"verify model presets (default {','.join(DEFAULT_MODELS)})")
-    p.add_argument("--adapters", default=None,
-                   help="comma-separated built-in adapters or MODULE:FACTORY (default: every installed one)")
-    p.add_argument("--world", default=None,
-                   help="ranks (default 2 on the CPU, one per GPU with --device cuda)")
-    p.add_argument("--steps", default=str(DEFAULT_STEPS),
-                   help=f"timed steps per adapter (default {DEFAULT_STEPS})")
-    p.add_argument("--warmup", default=str(DEFAULT_WARMUP),
-                   help=f"untimed steps first (default {DEFAULT_WARMUP})")
-    p.add_argument("--rounds", default=str(DEFAULT_ROUNDS),
-                   help="times every adapter is built and timed, the order reversed each round "
-                   f"(default {DEFAULT_ROUNDS})")
-    p.add_argument("--min-time", default=str(DEFAULT_MIN_TIME_S),
-                   help="per adapter and round, time more steps until they add up to about this many "
-                   f"seconds (at most {MAX_TIMED_STEPS}; 0: exactly --steps; default {DEFAULT_MIN_TIME_S:g})")
-    p.add_argument("--dtype", default="float32", help="float32 (default) or float64")
-    p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
-    p.add_argument("--optimizer", default="adamw", help="adamw (default) or sgd (momentum 0.9)")
-    p.add_argument("--timeout", default=str(DEFAULT_TIMEOUT_S),
-                   help="seconds a trainer construction, step or collective may take "
-                   f"(default {DEFAULT_TIMEOUT_S:g})")
-    p.add_argument("--out", default=None,
-                   help=f"directory for {JSON_NAME} and {MD_NAME} (default {DEFAULT_OUT})")
-    p.set_defaults(func=run)
-
-
-def options(args: argparse.Namespace) -> dict[str, Any]:
+def options(args: Any) -> dict[str, Any]:
     """The validated settings of a run from the command line (ConfigError for the first bad one)."""
     from ..verify.runner import require_startable
 
@@ -723,7 +684,7 @@ def load_average() -> list[float] | None:
         return None
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Any) -> int:
     settings = options(args)
     started = time.monotonic()
     load_before = load_average()

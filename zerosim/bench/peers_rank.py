@@ -25,7 +25,6 @@ the same timeout (the process group's). Exit status: 0 done, 2 bad input, 3 a ra
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import json
@@ -93,38 +92,11 @@ class CallWatchdog:
         os._exit(EXIT_RUN_FAILED)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="torchrun --nproc-per-node N -m zerosim.bench.peers_rank",
-        description="Time one optimizer step under each adapter (one process per rank; rank 0 reports).",
-    )
-    p.add_argument("--models", default=",".join(peers.DEFAULT_MODELS))
-    p.add_argument("--adapters", default=None, help="comma-separated (default: every installed adapter)")
-    p.add_argument("--steps", type=int, default=peers.DEFAULT_STEPS)
-    p.add_argument("--warmup", type=int, default=peers.DEFAULT_WARMUP)
-    p.add_argument("--rounds", type=int, default=peers.DEFAULT_ROUNDS)
-    p.add_argument("--min-time", type=float, default=peers.DEFAULT_MIN_TIME_S)
-    # not --start: torchrun would take it for an abbreviation of its own --start-method
-    p.add_argument("--from-position", type=int, default=0,
-                   help="skip the runs before this position of the (round, adapter) order")
-    p.add_argument("--skip", default="", help="comma-separated adapters left out (they failed before)")
-    p.add_argument("--dtype", default="float32", choices=peers.DTYPES)
-    p.add_argument("--device", default="cpu", choices=peers.DEVICES)
-    p.add_argument("--optimizer", default="adamw", choices=peers.OPTIMIZERS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=peers.DEFAULT_TIMEOUT_S)
-    p.add_argument("--out", default=None,
-                   help=f"directory for the report (rank 0; default {peers.DEFAULT_OUT})")
-    p.add_argument("--results", default=None,
-                   help="rank 0 appends one JSON line per adapter here and writes no report "
-                   "(how zerosim bench peers runs it)")
-    return p
+def main(args: Any) -> NoReturn:
+    """One rank of the benchmark: ``args`` are its options
+    (:func:`zerosim.cli.rank_commands.peers_rank_parser`); bad input: one line, every rank exits 2."""
+    from zerogpu.rank import fail_on_bad_input, run_rank
 
-
-def main(argv: list[str]) -> NoReturn:
-    from zerogpu.rank import fail_on_bad_input, parse_once, run_rank
-
-    args = parse_once(build_parser(), argv)
     try:
         if not os.environ.get("WORLD_SIZE"):
             raise ConfigError("launcher", "no WORLD_SIZE", "run under torchrun (torchrun --nproc-per-node N "
@@ -141,7 +113,7 @@ def main(argv: list[str]) -> NoReturn:
     run_rank(lambda: _body(args))
 
 
-def _body(args: argparse.Namespace) -> int:
+def _body(args: Any) -> int:
     import torch
 
     from zerogpu.comm import init_distributed
@@ -191,14 +163,14 @@ def _body(args: argparse.Namespace) -> int:
     return agree_on_exit(comm, 0)
 
 
-def _build_base(model_name: str, args: argparse.Namespace) -> Any:
+def _build_base(model_name: str, args: Any) -> Any:
     from zerosim.verify.model import build_model
 
     return build_model(model_name, args.dtype, args.seed)
 
 
 def _measure(comm: Any, watchdog: CallWatchdog, base: Any, model_name: str, adapter: str, device: str,
-             args: argparse.Namespace, sync: Any) -> dict[str, Any] | None:
+             args: Any, sync: Any) -> dict[str, Any] | None:
     """One adapter on one model; rank 0 returns its result row (None elsewhere). Raises on any failure."""
     from zerosim.verify.model import micro_batch
     from zerosim.verify.protocol import close_trainer
@@ -258,7 +230,7 @@ def _measure(comm: Any, watchdog: CallWatchdog, base: Any, model_name: str, adap
     }
 
 
-def _agreed_steps(comm: Any, args: argparse.Namespace, samples: list[float]) -> int:
+def _agreed_steps(comm: Any, args: Any, samples: list[float]) -> int:
     """The number of timed steps every rank runs: the largest any rank wants (outside the timing)."""
     import torch
 
@@ -269,7 +241,7 @@ def _agreed_steps(comm: Any, args: argparse.Namespace, samples: list[float]) -> 
     return int(agreed[0])
 
 
-def _emit(args: argparse.Namespace, record: dict[str, Any]) -> None:
+def _emit(args: Any, record: dict[str, Any]) -> None:
     """Rank 0: one JSON line appended to ``--results`` (the launcher reads it even if the job dies later)."""
     if args.results is None:
         return
@@ -278,4 +250,7 @@ def _emit(args: argparse.Namespace, record: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from zerogpu.rank import parse_once
+    from zerosim.cli.rank_commands import peers_rank_parser
+
+    main(parse_once(peers_rank_parser(), sys.argv[1:]))

@@ -20,7 +20,6 @@ log-log PNG ``bench_scale.png`` beside it, in a new ``reports/bench-scale-<times
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -78,29 +77,6 @@ for _ in range(5):
 print(json.dumps({"seconds": statistics.median(times), "build_s": build_s, "check_min_s": min(times),
                   "passed": verdict.passed}))
 """
-
-
-def register(sub: Any) -> None:
-    p = sub.add_parser("scale", help="time and peak memory of simulate, plan and C-ZERO-001 vs ranks; "
-                                     "fitted growth exponents")
-    p.add_argument("--sim-world-sizes", default=DEFAULT_SIM_WORLD_SIZES,
-                   help=f"ranks of the simulate series (default {DEFAULT_SIM_WORLD_SIZES})")
-    p.add_argument("--plan-exponents", default=DEFAULT_PLAN_EXPONENTS,
-                   help="k of the plan and check series' 2^k ranks, with 10^(12 + 0.3 (k - 10)) parameters "
-                        f"(default {DEFAULT_PLAN_EXPONENTS}: 10^12 x 2^10 .. 10^15 x 2^20)")
-    p.add_argument("--series", default=",".join(SERIES), help=f"which series (default {','.join(SERIES)})")
-    p.add_argument("--timeout", type=int, default=600,
-                   help="seconds per point before it is stopped (default 600)")
-    p.add_argument("--source", default=None, metavar="DIR",
-                   help="run the points against the zerosim package in DIR (e.g. a worktree of an older "
-                        "commit)")
-    p.add_argument("--label", default=None, help="name of this run in the report (default: after, or before "
-                                                 "with --source)")
-    p.add_argument("--before", default=None, metavar="FILE",
-                   help="an earlier bench_scale JSON whose series are shown beside this run's")
-    p.add_argument("--out", default=None,
-                   help=f"JSON report (default {DEFAULT_OUT}); the PNG beside it")
-    p.set_defaults(func=run)
 
 
 def total_for(exponent: int) -> int:
@@ -184,7 +160,7 @@ def _exponents(points: list[dict[str, Any]]) -> dict[str, float | None]:
             "peak_rss": fit_exponent([p["world_size"] for p in ok], [p["peak_rss_bytes"] for p in ok])}
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Any) -> int:
     from ..cli._args import parse_int_list
 
     series = [s.strip() for s in str(args.series).split(",") if s.strip()]

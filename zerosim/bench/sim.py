@@ -21,7 +21,6 @@ Writes ``bench_sim.json`` in a new ``reports/bench-sim-<timestamp>/`` (or ``--ou
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -31,7 +30,6 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from ..comm.sim import SCHEDULES
 from ..engine.config import ResolvedRun, RunConfig
 from ..errors import ConfigError
 from ..flat import flatten, unflatten
@@ -47,24 +45,6 @@ def target_ratio(world_size: int) -> float:
     """The simulated step's target, as a multiple of the unsharded numpy step: 1.1 up to 8 ranks, 1.3
     beyond (more ranks: more collectives and more, smaller shards per unit of arithmetic)."""
     return 1.1 if world_size <= 8 else 1.3
-
-
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "sim", help="simulated ZeRO-3 step vs one unsharded numpy step; peak memory vs per-rank state"
-    )
-    p.add_argument("--model", default="sim-10m", help="model preset (default sim-10m, ~13M parameters)")
-    p.add_argument("--world-sizes", default="8,32", help="comma-separated rank counts (default 8,32)")
-    p.add_argument("--strategy", default="full_shard", help="strategy (default full_shard = ZeRO-3)")
-    p.add_argument("--partitioner", default="fsdp", help="partitioner (default fsdp)")
-    p.add_argument("--optimizer", default="adamw")
-    p.add_argument(
-        "--repeats", type=int, default=3, help="timed steps of each side after a warm-up (default 3)"
-    )
-    p.add_argument("--schedule", default="serial", choices=SCHEDULES)
-    p.add_argument("--out", default=None, help=f"JSON report (default {DEFAULT_OUT})")
-    p.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
-    p.set_defaults(func=run)
 
 
 def baseline_step(
@@ -106,7 +86,7 @@ def sim_step_times(run: ResolvedRun) -> tuple[list[float], list[Any]]:
     return times, obs
 
 
-def measure(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
+def measure(world_size: int, args: Any) -> dict[str, Any]:
     """``--repeats`` rounds, each: one simulated run of 2 steps (warm-up + timed), then 2 unsharded
     steps (warm-up + timed). Alternating whole rounds exposes both sides to the same machine load."""
     reps = args.repeats
@@ -186,7 +166,7 @@ def measure(world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Any) -> int:
     try:
         sizes = [int(x) for x in str(args.world_sizes).split(",") if x.strip()]
     except ValueError:

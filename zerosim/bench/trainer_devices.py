@@ -1,6 +1,6 @@
 """ZeroTrainer on a device against the same training on the CPU, every strategy at world 1.
 
-``python -m zerosim.bench.trainer_devices --device cuda --out FILE``: for each strategy, two
+``python -m zerosim.cli.gpu_check_steps trainer_devices --device cuda --out FILE``: for each strategy, two
 :class:`zerogpu.trainer.ZeroTrainer` s train the same float32 verify model (``zerosim.verify.model``)
 on the same batches with AdamW, one on the CPU (the host run) and one on ``--device`` (the device
 run). After every step the full parameters and optimizer state of the two runs are compared:
@@ -25,7 +25,6 @@ Writes one JSON document (``--out``); exit 0 when every strategy passed, 1 other
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -43,19 +42,7 @@ OPTIM = {"name": "adamw", "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weigh
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zerosim.bench.trainer_devices",
-                                description="ZeroTrainer on a device against the same run on the CPU.")
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--model", default="gpt", help="a zerosim verify model preset (default gpt)")
-    p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (default 3)")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated (default: all)")
-    p.add_argument("--perturb", action="store_true", help="move one device parameter past its bound")
-    p.add_argument("--out", type=Path, required=True, help="the JSON document to write")
-    return p
-
-
-def _validate(args: argparse.Namespace) -> list[str]:
+def _validate(args: Any) -> list[str]:
     from ..verify.model import require_model
 
     require_positive_int("steps", args.steps)
@@ -193,8 +180,8 @@ def compare(device_name: str, model: str, steps: int, strategies: list[str], per
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(args: Any) -> int:
+    """The step, its options parsed by :func:`zerosim.cli.gpu_check_steps.trainer_devices_parser`."""
     try:
         strategies = _validate(args)
 
@@ -212,6 +199,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {line}", file=sys.stderr)
     return 0 if doc["passed"] else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

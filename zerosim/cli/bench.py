@@ -1,20 +1,170 @@
 """``zerosim bench <what>``: benchmarks that print ratios measured side by side and write JSON into a new
 reports/bench-<what>-<timestamp>/ folder (or ``--out``).
 
-Each benchmark lives in ``zerosim.bench.<what>`` and exposes ``register(subparsers)``.
+Every benchmark's options are declared here (``register_<what>``); the work is
+``zerosim.bench.<what>.run(args)``, a function of the parsed values.
 """
 
 from __future__ import annotations
 
-import importlib
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ..bench import check as bench_check
+from ..bench import mpi as bench_mpi
+from ..bench import offload as bench_offload
+from ..bench import peers as bench_peers
+from ..bench import scale as bench_scale
+from ..bench import sim as bench_sim
+from ..comm.sim import SCHEDULES
 
 BENCH_MODULES = ("sim", "mpi", "check", "peers", "scale", "offload")
 
 
-def register(sub) -> None:
+def register(sub: Any) -> None:
     p = sub.add_parser("bench",
                        help="benchmarks (ratios measured side by side, JSON into a new reports/ folder)")
     inner = p.add_subparsers(dest="bench", metavar="BENCH")
     for name in BENCH_MODULES:
-        importlib.import_module(f"zerosim.bench.{name}").register(inner)
+        globals()[f"register_{name}"](inner)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def register_sim(sub: Any) -> None:
+    """``zerosim bench sim``: its options; the work is :func:`zerosim.bench.sim.run`."""
+    p = sub.add_parser(
+        "sim", help="simulated ZeRO-3 step vs one unsharded numpy step; peak memory vs per-rank state"
+    )
+    p.add_argument("--model", default="sim-10m", help="model preset (default sim-10m, ~13M parameters)")
+    p.add_argument("--world-sizes", default="8,32", help="comma-separated rank counts (default 8,32)")
+    p.add_argument("--strategy", default="full_shard", help="strategy (default full_shard = ZeRO-3)")
+    p.add_argument("--partitioner", default="fsdp", help="partitioner (default fsdp)")
+    p.add_argument("--optimizer", default="adamw")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed steps of each side after a warm-up (default 3)"
+    )
+    p.add_argument("--schedule", default="serial", choices=SCHEDULES)
+    p.add_argument("--out", default=None,
+                   help=f"JSON report (default {bench_sim.DEFAULT_OUT})")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of a table")
+    p.set_defaults(func=bench_sim.run)
+
+
+def register_mpi(sub: Any) -> None:
+    """``zerosim bench mpi``: its options; the work is :func:`zerosim.bench.mpi.run`."""
+    p = sub.add_parser("mpi", help="MPI communicator vs raw mpi4py collectives (launches mpiexec)",
+                       description=bench_mpi.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to launch (default: 2 4)"
+    )
+    p.add_argument("--min-bytes", type=int, default=1024, help="smallest buffer (default 1 KiB)")
+    p.add_argument("--max-bytes", type=int, default=64 * 1024 * 1024, help="largest buffer (default 64 MiB)")
+    p.add_argument(
+        "--repeats", type=int, default=7, help="measurements per variant (median taken; default 7)"
+    )
+    p.add_argument(
+        "--target-ms", type=float, default=20.0, help="time filled by one measurement (default 20 ms)"
+    )
+    p.add_argument(
+        "--launch-timeout", type=float, default=900.0, help="wall-clock limit per mpiexec launch (s)"
+    )
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"JSON report (default {bench_mpi.DEFAULT_OUT})")
+    p.set_defaults(func=bench_mpi.run)
+
+
+def register_check(sub: Any) -> None:
+    """``zerosim bench check``: its options; the work is :func:`zerosim.bench.check.run`."""
+    p = sub.add_parser(
+        "check", help="C-ZERO-001 interval check at 10^12 x 1024 vs a flag-per-parameter checker"
+    )
+    p.add_argument("--total", default="10**12", help="parameters in the big plan (default 10**12)")
+    p.add_argument("--world-size", type=int, default=1024, help="ranks in the big plan (default 1024)")
+    p.add_argument("--repeats", type=int, default=50, help="timed repetitions of the big check (default 50)")
+    p.add_argument("--flag-sizes", default="10**5,10**6,10**7,10**8",
+                   help="totals at which both checkers run side by side (default 10**5..10**8)")
+    p.add_argument("--out", default=None,
+                   help=f"JSON report path (default {bench_check.DEFAULT_OUT})")
+    p.set_defaults(func=bench_check.run)
+
+
+def register_peers(sub: Any) -> None:
+    """``zerosim bench peers``: its options; the work is :func:`zerosim.bench.peers.run`."""
+    from ..cli.memory import one_line_errors
+
+    p = sub.add_parser(
+        "peers",
+        help="one optimizer step under every installed adapter (ddp, torch-zero, fsdp2*, deepspeed-*, "
+        "zerogpu-*), ratios per ZeRO stage (launches torchrun)",
+        description=bench_peers.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    one_line_errors(p)
+    p.add_argument("--models", default=",".join(bench_peers.DEFAULT_MODELS),
+                   help=f"verify model presets (default {','.join(bench_peers.DEFAULT_MODELS)})")
+    p.add_argument("--adapters", default=None,
+                   help="comma-separated built-in adapters or MODULE:FACTORY (default: every installed one)")
+    p.add_argument("--world", default=None,
+                   help="ranks (default 2 on the CPU, one per GPU with --device cuda)")
+    p.add_argument("--steps", default=str(bench_peers.DEFAULT_STEPS),
+                   help=f"timed steps per adapter (default {bench_peers.DEFAULT_STEPS})")
+    p.add_argument("--warmup", default=str(bench_peers.DEFAULT_WARMUP),
+                   help=f"untimed steps first (default {bench_peers.DEFAULT_WARMUP})")
+    p.add_argument("--rounds", default=str(bench_peers.DEFAULT_ROUNDS),
+                   help="times every adapter is built and timed, the order reversed each round "
+                   f"(default {bench_peers.DEFAULT_ROUNDS})")
+    p.add_argument("--min-time", default=str(bench_peers.DEFAULT_MIN_TIME_S),
+                   help="per adapter and round, time more steps until they add up to about this many "
+                   f"seconds (at most {bench_peers.MAX_TIMED_STEPS}; 0: exactly --steps; "
+                   f"default {bench_peers.DEFAULT_MIN_TIME_S:g})")
+    p.add_argument("--dtype", default="float32", help="float32 (default) or float64")
+    p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
+    p.add_argument("--optimizer", default="adamw", help="adamw (default) or sgd (momentum 0.9)")
+    p.add_argument("--timeout", default=str(bench_peers.DEFAULT_TIMEOUT_S),
+                   help="seconds a trainer construction, step or collective may take "
+                   f"(default {bench_peers.DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--out", default=None,
+                   help=f"directory for {bench_peers.JSON_NAME} and {bench_peers.MD_NAME} "
+                   f"(default {bench_peers.DEFAULT_OUT})")
+    p.set_defaults(func=bench_peers.run)
+
+
+def register_scale(sub: Any) -> None:
+    """``zerosim bench scale``: its options; the work is :func:`zerosim.bench.scale.run`."""
+    p = sub.add_parser("scale", help="time and peak memory of simulate, plan and C-ZERO-001 vs ranks; "
+                                     "fitted growth exponents")
+    p.add_argument("--sim-world-sizes", default=bench_scale.DEFAULT_SIM_WORLD_SIZES,
+                   help=f"ranks of the simulate series (default {bench_scale.DEFAULT_SIM_WORLD_SIZES})")
+    p.add_argument("--plan-exponents", default=bench_scale.DEFAULT_PLAN_EXPONENTS,
+                   help="k of the plan and check series' 2^k ranks, with 10^(12 + 0.3 (k - 10)) parameters "
+                        f"(default {bench_scale.DEFAULT_PLAN_EXPONENTS}: 10^12 x 2^10 .. 10^15 x 2^20)")
+    p.add_argument("--series", default=",".join(bench_scale.SERIES),
+                   help=f"which series (default {','.join(bench_scale.SERIES)})")
+    p.add_argument("--timeout", type=int, default=600,
+                   help="seconds per point before it is stopped (default 600)")
+    p.add_argument("--source", default=None, metavar="DIR",
+                   help="run the points against the zerosim package in DIR (e.g. a worktree of an older "
+                        "commit)")
+    p.add_argument("--label", default=None, help="name of this run in the report (default: after, or before "
+                                                 "with --source)")
+    p.add_argument("--before", default=None, metavar="FILE",
+                   help="an earlier bench_scale JSON whose series are shown beside this run's")
+    p.add_argument("--out", default=None,
+                   help=f"JSON report (default {bench_scale.DEFAULT_OUT}); the PNG beside it")
+    p.set_defaults(func=bench_scale.run)
+
+
+def register_offload(sub: Any) -> None:
+    """``zerosim bench offload``: its options; the work is :func:`zerosim.bench.offload.run`."""
+    p = sub.add_parser("offload", help="ZeRO-3 with and without CPU offload: step time, device peak, budget")
+    p.add_argument("--model", default="gpt", help="a zerosim verify model preset (default gpt)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per trainer (default 6)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--budget-units", type=int, default=2,
+                   help="device budget = the shards of this many largest units (default 2)")
+    p.add_argument("--prefetch", type=int, default=1, help="offload prefetch depth (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--out", default=None,
+                   help=f"JSON report (default {bench_offload.DEFAULT_OUT})")
+    p.set_defaults(func=bench_offload.run)

@@ -8,9 +8,12 @@ failed (a non-finite gradient, a rank error, a collective timeout) or diverged (
 reference itself went non-finite: no contract can be judged after that step). A plan that breaks
 C-ZERO-001 is never trained (exit 1).
 
-The run options (:mod:`zerosim.engine.run_args`) and the printed result (:mod:`zerosim.engine.run_output`)
+The run options (:mod:`zerosim.cli.run_options`) and the printed result (:mod:`zerosim.engine.run_output`)
 are shared with ``mpiexec -n N python -m zerosim.mpi simulate`` (``--backend mpi`` launches that) and
-``torchrun --nproc-per-node N -m zerogpu simulate`` (``--backend torch`` launches that).
+``torchrun --nproc-per-node N -m zerogpu simulate`` (``--backend torch`` launches that). The options
+are parsed here once: a launched run travels to its ranks as one run file
+(:mod:`zerosim.engine.run_file`), and ``--write-config FILE`` writes that file for ranks a user starts
+(across nodes: ``mpiexec -f hosts ... simulate --config FILE``, ``torchrun --nnodes ... --config FILE``).
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ import importlib
 import sys
 from typing import Any
 
-from ..engine.run_args import add_run_arguments, config_from_args
+from ..engine.run_file import RankRun, write_rank_run
 from ..engine.run_output import render
 from ..errors import EXIT_RUN_FAILED, CollectiveError, ConfigError, NonFiniteGradientError
+from .run_options import add_run_arguments, config_from_args
 
 
 def register(sub: Any) -> None:
@@ -34,6 +38,10 @@ def register(sub: Any) -> None:
         "against ground truth, the plan and the ring communication model.",
     )
     add_run_arguments(p)
+    p.add_argument("--write-config", default=None, metavar="FILE",
+                   help="with --backend mpi|torch: validate the run, write it to FILE (JSON) and exit, "
+                        "for ranks started by hand (python -m zerosim.mpi simulate --config FILE, "
+                        "torchrun ... -m zerogpu simulate --config FILE)")
     p.set_defaults(func=run)
 
 
@@ -50,17 +58,23 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise ConfigError("backend", backend, f"the {backend} backend is not available here ({e}); "
                               f"pip install 'zerosim[{extra}]'") from None
-        resolved = config_from_args(args).validate()  # bad input fails here, before the launcher starts
+        job = rank_run(args)
+        resolved = job.run.validate()  # bad input fails here, before the launcher starts
+        if args.write_config is not None:
+            return _write_config(job, args.write_config)
         from ..engine.run_result import plan_refused_result, plan_verdict
 
         plan = plan_verdict(resolved)
         if not plan.passed:  # a plan with gaps or overlaps is never launched
             return render(plan_refused_result(resolved, plan), args.json)
-        return int(launcher.launch_simulate(args))
+        return int(launcher.launch_simulate(job))
+    if getattr(args, "write_config", None) is not None:
+        raise ConfigError("write_config", args.write_config,
+                          "a run file is for ranks started apart from this process: add --backend mpi|torch")
     from ..engine.spmd import run_simulated
 
     cfg = config_from_args(args)
-    run_ = cfg.validate()
+    run_: Any = cfg.validate()  # a ResolvedRun: run_simulated takes it as it is
     try:
         if args.json or not sys.stderr.isatty():
             result = run_simulated(run_)
@@ -70,6 +84,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
     return render(result, args.json)
+
+
+def rank_run(args: argparse.Namespace) -> RankRun:
+    """The value a launched run ships to its ranks: the run the options describe, how rank 0 reports it,
+    the backend's default settings (the torch ranks compute with torch arrays, as ``zerogpu simulate``)."""
+    cfg = config_from_args(args)
+    if args.backend == "torch":
+        cfg = cfg.replace(xp="torch")
+    return RankRun(cfg, args.backend, bool(args.json))
+
+
+def _write_config(job: RankRun, path: str) -> int:
+    """``--write-config FILE``: the run file for ranks a user starts; the command to start them."""
+    try:
+        write_rank_run(job, path)
+    except OSError as e:
+        raise ConfigError("write_config", path, e.strerror or "cannot be written") from None
+    start = (f"mpiexec -n {job.run.world_size} {sys.executable} -m zerosim.mpi" if job.backend == "mpi"
+             else f"torchrun --nproc-per-node {job.run.world_size} -m zerogpu")
+    print(f"wrote {path}; start the ranks with: {start} simulate --config {path}")
+    return 0
 
 
 def _run_with_progress(run_: Any) -> Any:

@@ -135,7 +135,10 @@ def under_launcher() -> bool:
 
 def _run_as_rank(args: Any) -> None:
     """``torchrun ... zerosim verify TARGET``: this process is one rank (no second launch)."""
+    from zerogpu.rank import parse_once
+
     from ..verify.runner import rank_main
+    from .rank_commands import verify_rank_parser
 
     world = _int("world", args.world)
     if args.resume_at is not None or args.resume_world is not None:
@@ -166,7 +169,7 @@ def _run_as_rank(args: Any) -> None:
             argv += [flag, str(value)]
     if args.json:
         argv.append("--json")
-    rank_main(argv)
+    rank_main(parse_once(verify_rank_parser(), argv))
 
 
 def _verify(args: Any) -> Any:

@@ -18,14 +18,31 @@ import atexit
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import EXIT_RUN_FAILED, CollectiveTimeout
 from .fault_plan import FaultPlan, collective_plan
 from .mpi_wire import MPI
 
-if TYPE_CHECKING:
-    from .mpi import MpiCommunicator
+
+class WatchedCommunicator(Protocol):
+    """What the watchdog reads of a communicator (:class:`zerosim.comm.mpi.MpiCommunicator` is one):
+    its group, the collective it is in and how many it entered, whether it blocks, its timeout.
+    A protocol, so this module does not import the communicator that imports it."""
+
+    @property
+    def group_name(self) -> str: ...
+    @property
+    def global_ranks(self) -> tuple[int, ...]: ...
+    @property
+    def timeout_s(self) -> float: ...
+    @property
+    def _collective(self) -> str: ...
+    @property
+    def _calls(self) -> int: ...
+    @property
+    def _blocking(self) -> bool: ...
+
 
 _TAG_QUERY = 7001
 _TAG_REPLY = 7002
@@ -63,8 +80,8 @@ class Watchdog:
         self.diag = world.Dup()  # private channel: never matches the engine's messages
         self.world_rank = world.Get_rank()
         self.world_size = world.Get_size()
-        self.groups: dict[str, MpiCommunicator] = {}  # group name -> this rank's communicator
-        self.current: MpiCommunicator | None = None  # the communicator inside a collective, if any
+        self.groups: dict[str, WatchedCommunicator] = {}  # group name -> this rank's communicator
+        self.current: WatchedCommunicator | None = None  # the communicator inside a collective, if any
         self.calls = 0  # collectives entered by this process (counted only while a fault is planned)
         self.failed = False  # this rank raised: answers to peers say so
         self.poll_s = poll_s
@@ -155,7 +172,7 @@ class Watchdog:
         return sorted(arrived), notes
 
     def timeout_error(
-        self, comm: MpiCommunicator, seq: int, collective: str
+        self, comm: WatchedCommunicator, seq: int, collective: str
     ) -> tuple[CollectiveTimeout, bool]:
         """Survey the group of a timed-out call; (the error naming who never arrived, this rank reports it).
         """

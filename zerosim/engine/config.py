@@ -1,6 +1,8 @@
 """RunConfig: one simulated training run, validated completely before anything runs.
 
-``RunConfig`` is plain data (picklable, JSON-able) so every backend can ship it to its ranks;
+``RunConfig`` is a frozen value that travels: :meth:`RunConfig.to_json` / :meth:`RunConfig.from_json`
+turn it into plain JSON and back (what a launcher writes for its ranks, :mod:`zerosim.engine.run_file`),
+and loading checks every field's type and value (one-line ConfigError naming the field).
 ``RunConfig.resolve()`` turns it into a :class:`ResolvedRun` (model config, layout, strategy,
 topology, optimizer spec, precision, the unit plan every rank shards by). Every bad input raises
 :class:`~zerosim.errors.ConfigError` naming the field and the value, before any rank starts.
@@ -9,11 +11,10 @@ topology, optimizer spec, precision, the unit plan every rank shards by). Every 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import cached_property
 from typing import Any
 
-from ..comm.fault_plan import FAULT_ENV, GRADIENT_KINDS, FaultPlan
 from ..comm.sim import SCHEDULES
 from ..cost.comm_model import ZERO1_GRAD_REDUCE
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
@@ -29,6 +30,9 @@ from ..precision import Precision
 from ..presets import PRESETS, require_simulator_preset, simulator_presets
 from ..strategy import ShardingStrategy, StrategyKind, Topology
 from .fault_catalog import FAULTS, refusal
+from .injection import NanInjection, resolve_injection
+
+__all__ = ["NanInjection", "ResolvedRun", "RunConfig"]
 
 OBSERVE_LEVELS = ("full", "digest", "none", "auto")
 XP_NAMES = ("numpy", "torch")
@@ -46,19 +50,6 @@ MAX_SIM_RANK_MICRO_STEPS = 600_000
 
 
 @dataclass(frozen=True)
-class NanInjection:
-    """Test hook: put ``value`` (``"nan"``, ``"inf"`` or ``"-inf"``) into ``tensor``'s gradient on ``rank``
-    at ``step`` / ``micro`` (element 0). Also set by ``ZEROSIM_FAULT=nan|inf|-inf:rank=R:step=S[:micro=M]
-    [:tensor=NAME]`` (:mod:`zerosim.comm.fault_plan`) when ``RunConfig.inject_nan`` is None."""
-
-    rank: int
-    step: int
-    tensor: str
-    micro: int = 0
-    value: str = "nan"
-
-
-@dataclass
 class RunConfig:
     """One run of the reference engine. Strings are parsed by :meth:`resolve` (``strategy="hybrid_shard:2"``).
     """
@@ -108,6 +99,8 @@ class RunConfig:
         return replace(self, **changes)
 
     def to_json(self) -> dict[str, Any]:
+        """The config as JSON-native values (objects become their dicts or names); :meth:`from_json`
+        reads it back."""
         d = asdict(self)
         for k in ("model", "strategy", "optimizer"):
             v = getattr(self, k)
@@ -120,6 +113,60 @@ class RunConfig:
         if isinstance(self.inject_nan, NanInjection):
             d["inject_nan"] = asdict(self.inject_nan)
         return d
+
+    @classmethod
+    def from_json(cls, data: Any) -> RunConfig:
+        """The config ``data`` (a dict as :meth:`to_json` writes it) describes, validated: an unknown
+        field, a value of the wrong JSON type or an invalid run raises a ConfigError naming the field.
+        A model or optimizer given as a dict becomes a SimModelConfig / OptimizerSpec."""
+        if not isinstance(data, dict):
+            raise ConfigError("run config", type(data).__name__, "expected a JSON object of RunConfig fields")
+        known = {f.name: f for f in fields(cls)}
+        for key, value in data.items():
+            if key not in known:
+                raise ConfigError(f"run config field {key!r}", value, f"unknown; known: {', '.join(known)}")
+            allowed = _JSON_TYPES[key]
+            if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+                names = " or ".join(_JSON_NAMES[t] for t in allowed)
+                raise ConfigError(key, value, f"expected {names}")
+        values = dict(data)
+        if isinstance(values.get("model"), dict):
+            values["model"] = _from_dict(SimModelConfig, "model", values["model"])
+        if isinstance(values.get("optimizer"), dict):
+            spec = dict(values["optimizer"])
+            if isinstance(spec.get("betas"), list):
+                spec["betas"] = tuple(spec["betas"])
+            values["optimizer"] = _from_dict(OptimizerSpec, "optimizer", spec)
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+
+_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true/false", dict: "an object",
+               type(None): "null"}
+_INT, _OPT_INT, _NUM, _OPT_NUM = (int,), (int, type(None)), (int, float), (int, float, type(None))
+#: RunConfig field -> the JSON types its value may have (checked before the run is resolved)
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "model": (str, dict), "world_size": _INT, "strategy": (str,), "partitioner": (str,),
+    "optimizer": (str, dict), "precision": (str,), "steps": _INT, "micro_batches": _INT, "seed": _INT,
+    "ranks_per_node": _OPT_INT, "lr": _OPT_NUM, "max_grad_norm": _OPT_NUM, "batch_size": _OPT_INT,
+    "seq_len": _OPT_INT, "offload": (bool,), "prefetch": _INT, "timeout_s": _NUM, "schedule": (str,),
+    "observe": (str,), "inject_nan": (dict, type(None)), "fault": (str, type(None)), "load": (str,),
+    "reshard_at": _OPT_INT, "xp": (str,), "zero1_grad_reduce": (str,), "extra": (dict,),
+}
+
+
+def _from_dict(kind: Any, field_name: str, values: dict[str, Any]) -> Any:
+    """``kind(**values)`` for a model / optimizer given as a JSON object; unknown keys: ConfigError."""
+    known = {f.name for f in fields(kind)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{field_name}.{unknown[0]}", values[unknown[0]],
+                          f"unknown; known: {', '.join(sorted(known))}")
+    try:
+        return kind(**values)
+    except TypeError as e:
+        raise ConfigError(field_name, values, str(e)) from None
 
 
 class ResolvedRun:
@@ -189,7 +236,7 @@ class ResolvedRun:
                 True,
                 f"CPU offload is implemented for FULL_SHARD / HYBRID_SHARD, not {self.strategy.name}",
             )
-        self.inject_nan = _injection(cfg.inject_nan, self)
+        self.inject_nan = resolve_injection(cfg.inject_nan, self)
         if cfg.load not in LOAD_MODES:
             raise ConfigError("load", cfg.load, f"known: {', '.join(LOAD_MODES)}")
         if cfg.reshard_at is not None:
@@ -344,46 +391,3 @@ def _optimizer_spec(cfg: RunConfig) -> OptimizerSpec:
         if key in cfg.extra:
             overrides[key] = cfg.extra[key]
     return OptimizerSpec.parse(name, **overrides)
-
-
-def _injection(raw: Any, run: ResolvedRun) -> NanInjection | None:
-    """``inject_nan`` validated; when None, the gradient fault of ``$ZEROSIM_FAULT`` (nan, inf, -inf), if any.
-    A malformed ``$ZEROSIM_FAULT`` of any kind is a ConfigError here, before any rank starts."""
-    field = "inject_nan"
-    plan = FaultPlan.from_env()
-    if plan is not None and plan.kind in GRADIENT_KINDS:
-        if raw is not None:
-            raise ConfigError(FAULT_ENV, plan.text, "inject_nan is set too; use one of them")
-        field = FAULT_ENV
-        raw = NanInjection(plan.rank, plan.step, plan.tensor or run.layout.tensors[0].name, plan.micro,
-                           plan.kind)
-    if raw is None:
-        return None
-    if isinstance(raw, dict):
-        unknown = set(raw) - {"rank", "step", "tensor", "micro", "value"}
-        if unknown:
-            raise ConfigError(
-                "inject_nan", raw,
-                f"unknown keys {sorted(unknown)}; expected rank, step, tensor, micro, value",
-            )
-        try:
-            raw = NanInjection(
-                int(raw["rank"]), int(raw.get("step", 0)), str(raw["tensor"]), int(raw.get("micro", 0)),
-                str(raw.get("value", "nan")),
-            )
-        except (KeyError, TypeError, ValueError):
-            raise ConfigError(
-                "inject_nan", raw, "expected {'rank': int, 'step': int, 'tensor': name}"
-            ) from None
-    if not isinstance(raw, NanInjection):
-        raise ConfigError("inject_nan", raw, "expected a dict or a NanInjection")
-    if raw.value not in GRADIENT_KINDS:
-        raise ConfigError(f"{field}.value", raw.value, f"known: {', '.join(GRADIENT_KINDS)}")
-    if not 0 <= raw.rank < run.world_size:
-        raise ConfigError(f"{field}.rank", raw.rank, f"must be in [0, {run.world_size})")
-    if not 0 <= raw.step < run.steps:
-        raise ConfigError(f"{field}.step", raw.step, f"must be in [0, {run.steps})")
-    if not 0 <= raw.micro < run.micro_batches:
-        raise ConfigError(f"{field}.micro", raw.micro, f"must be in [0, {run.micro_batches})")
-    run.layout.tensor_range(raw.tensor)  # ConfigError for an unknown tensor
-    return raw

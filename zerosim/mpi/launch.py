@@ -10,7 +10,8 @@ Every launch has a wall-clock timeout. ``mpiexec`` runs in its own session (proc
 timeout the whole group gets SIGTERM, then SIGKILL, so no rank outlives the launch
 (:func:`zerosim.launching.run_process_group`, shared with the torchrun launcher).
 
-``zerosim simulate --backend mpi`` (:func:`launch_simulate`) streams rank 0's output and ends with
+``zerosim simulate --backend mpi`` (:func:`launch_simulate`) writes the run to one file the ranks
+load (:mod:`zerosim.engine.run_file`), streams rank 0's output and ends with
 the ranks' own one-line verdict on a failure; MPICH's noise (``Abort(3) on node ...``, the
 "BAD TERMINATION" banner it prints on stdout when a rank dies) goes to a log named in that line. A
 rank killed by a signal is named from the banner's process id and the ids the ranks recorded
@@ -19,7 +20,6 @@ rank killed by a signal is named from the banner's process id and the ids the ra
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import re
@@ -27,10 +27,11 @@ import shlex
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.run_file import RUN_FILE_NAME, RankRun, write_rank_run
 from ..errors import EXIT_BAD_INPUT, EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError, require_positive_int
 from ..launching import (
     death_line,
@@ -115,58 +116,22 @@ def run_mpiexec(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str,
 
 # ---- zerosim simulate --backend mpi ---------------------------------------------------------------
 
-def forward_argv(args: argparse.Namespace, add_arguments: Callable[[argparse.ArgumentParser], None],
-                 drop: Sequence[str] = ("backend",)) -> list[str]:
-    """Rebuild the command-line options that produce ``args`` (the options ``add_arguments`` defines).
+def launch_simulate(job: RankRun) -> int:
+    """``zerosim simulate --backend mpi --world-size N``: run ``job`` under ``mpiexec -n N``.
 
-    Options at their default are left out; ``drop`` names destinations not to forward. The rank
-    entry point parses the result with the same ``add_arguments``, so both sides agree by construction.
+    The run travels as one file: ``run.json`` in a private temporary folder this launch creates (and
+    removes), which every rank loads (``python -m zerosim.mpi simulate --config <file>``). The ranks
+    print the verdict table / JSON themselves (rank 0); returns mpiexec's exit status: 0 all
+    contracts hold, 1 a contract failed, 2 bad input, 3 a rank failed or a collective timed out,
+    124 the launch outlived ``$ZEROSIM_LAUNCH_TIMEOUT_S``.
     """
-    parser = argparse.ArgumentParser(add_help=False)
-    add_arguments(parser)
-    out: list[str] = []
-    for action in parser._actions:  # argparse exposes no public iterator over its actions
-        if not action.option_strings or action.dest in drop or not hasattr(args, action.dest):
-            continue
-        value = getattr(args, action.dest)
-        if value == action.default:
-            continue
-        flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
-        if isinstance(action, argparse._StoreConstAction):  # store_true / store_false / store_const
-            if value == action.const:
-                out.append(flag)
-            continue
-        if isinstance(action, argparse.BooleanOptionalAction):
-            out.append(flag if value else flag.replace("--", "--no-", 1))
-            continue
-        if isinstance(action, argparse._AppendAction):
-            for item in value or []:
-                out.extend([flag, *(str(v) for v in item)] if isinstance(item, list) else [flag, str(item)])
-            continue
-        if value is None:
-            continue
-        if isinstance(value, (list, tuple)):
-            out.extend([flag, *(str(v) for v in value)])
-        else:
-            out.extend([flag, str(value)])
-    return out
-
-
-def launch_simulate(args: argparse.Namespace) -> int:
-    """``zerosim simulate --backend mpi --world-size N``: run the simulation under ``mpiexec -n N``.
-
-    The ranks print the verdict table / JSON themselves (rank 0); returns mpiexec's exit status: 0
-    all contracts hold, 1 a contract failed, 2 bad input, 3 a rank failed or a collective timed out,
-    124 the launch outlived ``--launch-timeout``.
-    """
-    from ..engine.run_args import add_run_arguments
-
-    n = require_positive_int("world_size", getattr(args, "world_size", None))
-    timeout_s = require_launch_timeout(getattr(args, "launch_timeout", None) or launch_timeout_from_env())
+    n = require_positive_int("world_size", job.run.world_size)
+    timeout_s = require_launch_timeout(launch_timeout_from_env())
     require_mpi4py()
-    argv = ["-m", "zerosim.mpi", "simulate", *forward_argv(args, add_run_arguments, drop=("backend",))]
-    command = [*find_mpiexec(), "-n", str(n), sys.executable, *argv]
     with tempfile.TemporaryDirectory(prefix="zerosim-mpi-ranks-") as rank_dir:
+        run_file = write_rank_run(job, Path(rank_dir) / RUN_FILE_NAME)
+        command = [*find_mpiexec(), "-n", str(n), sys.executable, "-m", "zerosim.mpi", "simulate",
+                   "--config", str(run_file)]
         run = run_streamed(command, timeout_s, {**os.environ, RANK_DIR_ENV: rank_dir}, log_name="mpiexec",
                            kill_grace_s=_KILL_GRACE_S, is_noise=is_mpich_banner)
         pids = read_pids(rank_dir)

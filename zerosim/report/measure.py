@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
@@ -277,7 +277,7 @@ def run_under_mpi(cfg: RunConfig, timeout_s: float = 120.0) -> MpiRun:
     reason = mpi_unavailable_reason()
     if reason:
         return MpiRun(None, reason, 0.0)
-    spec = {k: v for k, v in asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))}
+    spec = cfg.to_json()  # the whole run, one argument; the ranks load it with RunConfig.from_json
     with tempfile.TemporaryDirectory(prefix="zerosim-mpi-") as tmp:
         out = os.path.join(tmp, "observations.safetensors")
         t0 = time.perf_counter()
@@ -338,9 +338,7 @@ def run_under_torch(cfgs: Sequence[RunConfig], world_size: int, timeout_s: float
             raise ConfigError(
                 "world_size", cfg.world_size, f"every config of one launch needs {world_size} ranks"
             )
-        spec = {k: v for k, v in asdict(cfg).items() if isinstance(v, (str, int, float, bool, type(None)))}
-        spec["xp"] = "torch"
-        specs.append(spec)
+        specs.append(cfg.replace(xp="torch").to_json())
     with tempfile.TemporaryDirectory(prefix="zerosim-torch-") as tmp:
         out = os.path.join(tmp, "observations.safetensors")
         cmd = [

@@ -1,5 +1,7 @@
 """``mpiexec -n N python -m zerosim.report.mpi_worker CONFIG_JSON OUT``: the report's MPI measurement.
 
+``CONFIG_JSON`` is one argument: ``RunConfig.to_json()``, loaded (and validated) by ``RunConfig.from_json``.
+
 Every rank runs the engine's SPMD program (:func:`zerosim.engine.spmd.rank_program`) on an
 :class:`~zerosim.comm.mpi.MpiCommunicator`; rank 0 gathers the observations (once per run, not the
 data path) and stores them in ``OUT`` (:mod:`zerosim.datafile`) for
@@ -25,7 +27,7 @@ def main(argv: list[str]) -> None:
     world = MPI.COMM_WORLD
 
     def body() -> int:
-        cfg = RunConfig(**spec)
+        cfg = RunConfig.from_json(spec)
         comm = MpiCommunicator(world, timeout_s=cfg.timeout_s)
         observation = rank_program(comm, cfg)
         observations = world.gather(observation, root=0)

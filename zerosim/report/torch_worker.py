@@ -3,9 +3,10 @@
 The report's torch.distributed measurement: every rank runs the engine's SPMD program
 (:func:`zerosim.engine.spmd.rank_program`, torch arrays) on a gloo
 :class:`zerogpu.comm.TorchCommunicator`, once per configuration in ``CONFIGS_JSON`` (a JSON list of
-RunConfig fields); rank 0 collects every rank's observations and stores ``[[obs per rank] per
-config]`` in ``OUT`` (:mod:`zerosim.datafile`) for :func:`zerosim.report.measure.run_under_torch`.
-A failing rank ends the whole job (:func:`zerogpu.rank.run_rank`).
+``RunConfig.to_json()`` values, each loaded by ``RunConfig.from_json``); rank 0 collects every
+rank's observations and stores ``[[obs per rank] per config]`` in ``OUT`` (:mod:`zerosim.datafile`)
+for :func:`zerosim.report.measure.run_under_torch`. A failing rank ends the whole job
+(:func:`zerogpu.rank.run_rank`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> None:
         comm = init_distributed("gloo", "cpu", timeout_s=timeout)
         collected = []
         for spec in specs:
-            observation = rank_program(comm, RunConfig(**spec))
+            observation = rank_program(comm, RunConfig.from_json(spec))
             gathered: list = [None] * comm.world_size
             dist.all_gather_object(gathered, observation)
             collected.append(gathered)

@@ -28,7 +28,6 @@ runs; rank 0 prints the report (``--json``: one object) and writes it under ``--
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -41,7 +40,6 @@ from typing import Any, NoReturn
 
 from zerosim.errors import ConfigError, ZeroSimError, require_output_dir, require_positive_int
 from zerosim.outputs import publish_files, write_text
-from zerosim.rank_logs import send_output_to_rank_log
 
 from .blame import rank_verdict
 from .errors import RankFailure, TrainerError
@@ -304,48 +302,11 @@ def _failure_records(run_dir: Path) -> list[dict[str, Any]]:
 # ---- every rank -------------------------------------------------------------------------------------------
 
 
-def build_rank_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="torchrun --nproc-per-node N -m zerosim.verify",
-        description="Verify a sharded trainer against the unsharded reference (one "
-        "process per rank; rank 0 reports).",
-    )
-    p.add_argument("target", help="a built-in adapter name or MODULE:FACTORY")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--dtype", default="float64", choices=DTYPES)
-    p.add_argument("--device", default="cpu", choices=DEVICES)
-    p.add_argument("--model", default="gpt")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
-    p.add_argument("--out", default=None, help="directory for report.json (rank 0)")
-    p.add_argument("--json", action="store_true", help="rank 0 prints the report as one JSON object")
-    p.add_argument("--quiet", action="store_true", help="print nothing (the launcher reads report.json)")
-    p.add_argument(
-        "--resume-at", type=int, default=None, help="interrupt each phase after this many of its steps"
-    )
-    p.add_argument("--resume-dir", default=None, help="where the checkpoints and the first run's state go")
-    p.add_argument(
-        "--resume-stage",
-        default=None,
-        choices=("save", "load"),
-        help="save: train up to the resume and save; load: load, continue and evaluate",
-    )
-    p.add_argument(
-        "--save-observations",
-        default=None,
-        metavar="PATH",
-        help="rank 0 stores the phases and every rank's observations in PATH, a safetensors file of "
-        "plain data (re-evaluate offline with zerosim.verify.evaluate.evaluate_saved)",
-    )
-    return p
+def rank_main(args: Any) -> NoReturn:
+    """One rank of ``zerosim verify``: ``args`` are the rank's options
+    (:func:`zerosim.cli.rank_commands.verify_rank_parser`); bad input: one line, every rank exits 2."""
+    from zerogpu.rank import fail_on_bad_input, run_rank
 
-
-def rank_main(argv: list[str]) -> NoReturn:
-    from zerogpu.rank import env_rank, fail_on_bad_input, parse_once, run_rank
-
-    send_output_to_rank_log(env_rank())
-    args = parse_once(build_rank_parser(), argv)
     try:
         world = int(os.environ.get("WORLD_SIZE", "0")) or None
         if world is None:
@@ -376,7 +337,7 @@ def rank_main(argv: list[str]) -> NoReturn:
     run_rank(lambda: _rank_body(args))
 
 
-def _rank_body(args: argparse.Namespace) -> int:
+def _rank_body(args: Any) -> int:
     import torch
 
     from zerogpu.comm import init_distributed

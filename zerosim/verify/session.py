@@ -17,7 +17,6 @@ remaining steps, and rank 0 evaluates the whole run (:mod:`zerosim.verify.resume
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -56,7 +55,7 @@ NOT_RULED_OUT = {
 class RankSession:
     """The per-rank program (see the module docstring). Rank 0 keeps every observation and evaluates."""
 
-    def __init__(self, comm: Any, args: argparse.Namespace, device: str):
+    def __init__(self, comm: Any, args: Any, device: str):
         from .arrival import ArrivalCounter
         from .targets import resolve_factory
 

@@ -248,13 +248,13 @@ def _lru_cache_in(fn: Any, depth: int = 4) -> Any:
 
 def _to_universal(source: Any, target: Any) -> str | None:
     """Convert a DeepSpeed checkpoint folder to a universal one; None, or the one-line reason it failed."""
-    import argparse
     import contextlib
     import io
+    from types import SimpleNamespace
 
     from deepspeed.checkpoint import ds_to_universal
 
-    args = argparse.Namespace(
+    args = SimpleNamespace(  # the converter reads its options as attributes
         input_folder=str(source),
         output_folder=str(target),
         num_extract_workers=1,

@@ -3,27 +3,35 @@
 ``zerosim simulate`` (in process), ``mpiexec -n N python -m zerosim.mpi simulate`` and
 ``torchrun --nproc-per-node N -m zerogpu simulate`` accept the same run options;
 :func:`add_run_arguments` declares them and :func:`config_from_args` turns them into the
-:class:`~zerosim.engine.config.RunConfig` every rank validates (bad input: a ConfigError naming the field).
+:class:`~zerosim.engine.config.RunConfig` (bad input: a ConfigError naming the field). The rank
+commands' own options (``--timeout-mode``; ``--device``, ``--dist-backend``, ...) and the
+:class:`~zerosim.engine.run_file.RankRun` they describe are here too (:func:`mpi_simulate_parser`,
+:func:`torch_simulate_parser`): a rank started with options parses them here, once; a rank started
+with ``--config FILE`` parses nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any
 
 from ..comm.sim import SCHEDULES
+from ..engine.config import XP_NAMES, RunConfig
+from ..engine.fault_catalog import FAULTS
+from ..engine.run_file import BACKEND_OPTIONS, RankRun
 from ..errors import ConfigError
 from ..precision import PRECISION_NAMES
 from ..presets import simulator_presets
-from .config import RunConfig
-from .fault_catalog import FAULTS
 
 STRATEGY_HELP = ("no_shard|ddp|zero1|zero2|zero3|full_shard|shard_grad_op|hybrid_shard[:K]|"
                  "hybrid_shard_zero2[:K] (default full_shard)")
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    """Options shared by ``zerosim simulate`` and ``python -m zerosim.mpi simulate``."""
+    """Options shared by ``zerosim simulate``, ``python -m zerosim.mpi simulate`` and
+    ``python -m zerogpu simulate``."""
     g = p.add_argument_group("run")
     g.add_argument(
         "--model", default="tiny", metavar="PRESET",
@@ -108,7 +116,7 @@ def _parse_injection(text: str | None) -> dict[str, Any] | None:
         raise ConfigError("inject_nan", text, "RANK and STEP must be integers") from None
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
+def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The RunConfig the options describe (validate() it before running)."""
     return RunConfig(
         model=args.model,
@@ -136,3 +144,109 @@ def config_from_args(args: argparse.Namespace) -> Any:
         reshard_at=getattr(args, "reshard_at", None),
         zero1_grad_reduce=getattr(args, "zero1_reduce", "all_reduce"),
     )
+
+
+# ---- the rank commands' options -----------------------------------------------------------------------
+
+def mpi_simulate_parser() -> argparse.ArgumentParser:
+    """``mpiexec -n N python -m zerosim.mpi simulate [options]``: the run options plus MPI's."""
+    parser = argparse.ArgumentParser(
+        prog="mpiexec -n N python -m zerosim.mpi simulate",
+        description="Run the reference engine under MPI; rank 0 prints the verdicts. "
+        "(--config FILE instead of options: the run file zerosim simulate --write-config wrote.)",
+    )
+    add_run_arguments(parser)
+    parser.set_defaults(world_size=None)  # default: the number of ranks mpiexec started
+    mpi = parser.add_argument_group("MPI")
+    mpi.add_argument("--timeout-mode", choices=BACKEND_OPTIONS["mpi"]["timeout_mode"],
+                     default=os.environ.get("ZEROSIM_MPI_TIMEOUT_MODE", "abort"),
+                     help="abort: blocking collectives + watchdog that aborts the job (fast, default); "
+                          "raise: polled nonblocking collectives that raise CollectiveTimeout")
+    mpi.add_argument("--save-observations", type=Path, default=None, metavar="PATH",
+                     help="rank 0 pickles every rank's RankObservation list to PATH (for comparing backends)")
+    return parser
+
+
+def mpi_rank_run(args: argparse.Namespace, world_size: int) -> RankRun:
+    """The run the MPI rank options describe; ``--world-size`` defaults to the ranks mpiexec started."""
+    if args.world_size is None:
+        args.world_size = world_size
+    return RankRun(config_from_args(args), "mpi", bool(args.json), _path(args.save_observations),
+                   {"timeout_mode": args.timeout_mode})
+
+
+def add_torch_arguments(p: argparse.ArgumentParser) -> None:
+    """The torch-only options (shared by ``simulate`` and ``equivalence``)."""
+    choices = BACKEND_OPTIONS["torch"]
+    g = p.add_argument_group("torch.distributed")
+    g.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda:<LOCAL_RANK> if CUDA is available, else cpu), cpu, cuda, cuda:N",
+    )
+    g.add_argument("--dist-backend", default="auto", choices=choices["dist_backend"],
+                   help="auto: nccl for CUDA, gloo for the CPU")
+    g.add_argument("--xp", default="torch", choices=XP_NAMES,
+                   help="the engine's arrays: torch tensors on the device (default) or host numpy")
+    g.add_argument("--reduce-scatter", default="auto", choices=choices["reduce_scatter"],
+                   help="auto: one reduce per chunk on gloo, the backend's own on NCCL (all-reduce + slice "
+                        "where it has none)")
+    g.add_argument("--all-gather", default="auto", choices=choices["all_gather"],
+                   help="auto: one broadcast per chunk on gloo, the backend's own on NCCL")
+
+
+def torch_options(args: argparse.Namespace) -> dict[str, str]:
+    """The torch rank settings the options name (:data:`zerosim.engine.run_file.BACKEND_OPTIONS`)."""
+    return {"device": args.device, "dist_backend": args.dist_backend, "reduce_scatter": args.reduce_scatter,
+            "all_gather": args.all_gather}
+
+
+def torch_simulate_parser() -> argparse.ArgumentParser:
+    """``torchrun --nproc-per-node N -m zerogpu simulate [options]``: the run options plus torch's."""
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m zerogpu simulate",
+        description="Run the reference engine under torchrun; rank 0 prints the verdicts. "
+        "(--config FILE instead of options: the run file zerosim simulate --write-config wrote.)",
+    )
+    add_run_arguments(p)
+    p.set_defaults(world_size=None, backend=None)  # world size: the number of ranks torchrun started
+    add_torch_arguments(p)
+    p.add_argument("--save-observations", type=Path, default=None, metavar="PATH",
+                   help="rank 0 pickles every rank's RankObservation list to PATH (for comparing backends)")
+    return p
+
+
+def torch_rank_run(args: argparse.Namespace) -> RankRun:
+    """The run the torchrun rank options describe; ``--world-size`` defaults to the ranks torchrun started
+    (outside torchrun, or a different value: ConfigError)."""
+    from zerogpu.program import require_launcher
+
+    if args.backend not in (None, "torch"):
+        raise ConfigError("backend", args.backend, "under torchrun the backend is torch; drop --backend")
+    args.world_size = require_launcher(args.world_size)
+    cfg = config_from_args(args).replace(xp=args.xp)
+    return RankRun(cfg, "torch", bool(args.json), _path(getattr(args, "save_observations", None)),
+                   torch_options(args))
+
+
+def _path(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def equivalence_parser() -> argparse.ArgumentParser:
+    """``torchrun --nproc-per-node N -m zerogpu equivalence [options]``: the run and torch options, plus
+    the strategies to run and where rank 0 writes the JSON document."""
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m zerogpu equivalence",
+        description="Every strategy under torchrun: contract verdicts, error vs ground "
+        "truth, agreement with the in-process simulator.",
+    )
+    add_run_arguments(p)
+    p.set_defaults(world_size=None, backend=None, steps=2, micro_batches=2, observe="full")
+    p.add_argument("--strategies", default="all", metavar="LIST",
+                   help="comma-separated strategies, or 'all' (default)")
+    add_torch_arguments(p)
+    p.add_argument(
+        "--out", type=Path, default=None, metavar="FILE", help="rank 0 writes the JSON document here"
+    )
+    return p
