@@ -66,6 +66,7 @@ from ..intervals import merge_adjacent
 from ..model import BlockModel, init_params, synthetic_batch
 from ..observe import Holding, RankObservation, ShardValues, StepObservation, TrafficItem, digest
 from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
+from ..unit_state import UnitState
 from ..xp import ArrayNamespace
 from .config import ResolvedRun
 from .memory_tracker import MemoryTracker
@@ -128,6 +129,9 @@ class ZeroEngine:
             self.rank, comm.world_size, self.group_index, self.local, {}, getattr(comm, "backend", "?")
         )
         self._gathered: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
+        # ZeRO-3: every unit starts as its shard; otherwise every rank holds the full parameters
+        initial = UnitState.SHARDED if self.sharded_params else UnitState.GATHERED
+        self.unit_states: dict[str, UnitState] = {u.name: initial for u in self.units.units}
         self._make_groups()
         self._init_state()
         self.runs_ahead = self._can_run_ahead()
@@ -347,6 +351,14 @@ class ZeroEngine:
         item = self._gathered.pop(block, None)
         if item is not None:
             self.tracker.free(f"gathered:{block}")
+            self.unit_states[block] = self._state_after_release(block)
+
+    def _state_after_release(self, block: str) -> UnitState:
+        """A freed unit is back to its shard, unless run-ahead already started its next all-gather."""
+        index = self.unit_by_block[block].index
+        if any(key[1] == index for key in self._started_gathers):
+            return UnitState.IN_FLIGHT
+        return UnitState.SHARDED
 
     def write_gathered_params(self, gathered: Any, unit: FlatUnit) -> None:
         """ZeRO-1/2: copy the all-gathered updated chunks into the replicated parameters."""
@@ -496,6 +508,7 @@ class ZeroEngine:
                 nbytes = self.xp.nbytes(packed) + (0 if unit.is_identity else self.xp.nbytes(flat))
                 self.tracker.alloc(f"gathered:{ahead}", "gathered", nbytes)
                 self._gathered[ahead] = (packed, flat, views)
+                self.unit_states[ahead] = UnitState.GATHERED
         return self.use_gathered(block, self._gathered[block][2], step)
 
     # =============================================================================================
@@ -669,6 +682,7 @@ class ZeroEngine:
                 unit = self.unit_by_block[block]
                 self._started_gathers[(phase, unit.index)] = self.shard_comm.all_gather_start(  # type: ignore[attr-defined]
                     self.param_chunk(unit))
+                self.unit_states[block] = UnitState.IN_FLIGHT
 
     def _start_reduce_scatter(self, unit: FlatUnit, grads: dict[str, Any], packed: Any) -> None:
         """Start the block's finite vote (:meth:`check_finite`'s all-reduce) and its reduce-scatter;
@@ -686,6 +700,9 @@ class ZeroEngine:
         chunks are accumulated, so no rank's state ever holds a non-finite gradient. A gather the
         schedule did not take is dropped (its rendezvous completed when every rank started it)."""
         self._started_gathers.clear()
+        for name in self.unit_states:
+            if self.unit_states[name] is UnitState.IN_FLIGHT:
+                self.unit_states[name] = UnitState.SHARDED
         started, self._started_reductions = self._started_reductions, []
         for _, vote, _ in started:
             self._raise_if_flagged(step, vote.wait(), BEFORE_REDUCTION)
