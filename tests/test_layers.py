@@ -34,7 +34,7 @@ LAYERS: dict[str, int] = {
     "zerosim.presets": 0, "zerosim.layout": 0, "zerosim.strategy": 0, "zerosim.partition.*": 0,
     "zerosim.plan": 0, "zerosim.flat": 0, "zerosim.flat_buffers": 0, "zerosim.model": 0,
     "zerosim.optim": 0, "zerosim.precision": 0, "zerosim.observe": 0, "zerosim.verdict": 0,
-    "zerosim.dotted": 0, "zerosim.text_tables": 0,
+    "zerosim.dotted": 0, "zerosim.text_tables": 0, "zerosim.unit_state": 0,
     # 1: contracts, pure checks, cost models
     "zerosim.contracts": 1, "zerosim.checks.*": 1, "zerosim.check_impl": 1, "zerosim.cost.*": 1,
     "zerosim.checks.rounding": 1,
