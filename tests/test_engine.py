@@ -159,7 +159,8 @@ def test_a_nan_is_caught_before_any_rank_accumulates_it_so_no_rank_ever_holds_it
 
 ENGINE_MODULES = ("zerosim.engine.zero", "zerosim.flat_buffers", "zerosim.engine.memory_tracker",
                   "zerosim.engine.faults", "zerosim.engine.fault_catalog", "zerosim.engine.config",
-                  "zerosim.engine.spmd", "zerosim.engine.run_result", "zerosim.engine.run_args")
+                  "zerosim.engine.spmd", "zerosim.engine.run_result", "zerosim.engine.run_args",
+                  "zerosim.engine.wire", "zerosim.engine.engine_run")
 
 
 @pytest.mark.parametrize("module", ENGINE_MODULES)

@@ -52,6 +52,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zerosim.comm.base import Communicator
+from zerosim.engine import wire
 from zerosim.engine.zero import ZeroEngine
 from zerosim.errors import ConfigError
 from zerosim.flat_buffers import FlatUnit, UnitPlan
@@ -175,7 +176,8 @@ class ModuleFlat:
 
 
 class ModuleEngine(ZeroEngine):
-    """One rank's engine over a torch module (see the module docstring); ``train_step`` is one step."""
+    """One rank's engine over a torch module (see the module docstring): :meth:`set_batch`, then the
+    engine's ``step`` runs one optimizer step over it."""
 
     #: a trainer steps inside its user's loop: no barrier before the step (no peer trainer has one;
     #: on gloo it cost a quarter of a small model's step), each rank times its step from its own start
@@ -188,7 +190,7 @@ class ModuleEngine(ZeroEngine):
         self.loss_fn = loss_fn
         self.offload_manager = offload
         self.optimizer_kernel = run.optimizer_kernel
-        super().__init__(comm, run, xp)  # type: ignore[arg-type]
+        super().__init__(comm, run, xp)
         self._batch: tuple[Any, Any] = (None, None)
         self._step_index = 0
         self._micro_index = 0
@@ -311,7 +313,7 @@ class ModuleEngine(ZeroEngine):
         packed = self._gathered[unit_name][0]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-            self._unpack_into(buf, packed, self.unit_by_block[unit_name])
+            wire.unpack_into(self.xp, buf, packed, self.unit_by_block[unit_name])
         self._release_packed(unit_name)
         self.unit_states[unit_name] = UnitState.GATHERED
         self.tracker.alloc(f"unit:{unit_name}", "gathered", buf.numel() * buf.element_size())
@@ -492,7 +494,7 @@ class ModuleEngine(ZeroEngine):
     def gather_unit(self, unit: FlatUnit, comm: Communicator) -> tuple[Any, Any]:
         """All-gather the unit's chunks (the engine's full-parameter view uses it)."""
         packed = self._gather_packed(unit, self._order, comm)
-        return packed, self._unpack(unit, packed, self.precision.param_dtype)
+        return packed, wire.unpack(self.xp, unit, packed, self.precision.param_dtype)
 
     def refresh_params(self) -> None:
         gather_into = getattr(self.shard_comm, "all_gather_into", None)

@@ -70,7 +70,8 @@ from ..observe import Holding, RankObservation, ShardValues, StepObservation, Tr
 from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
 from ..unit_state import UnitState
 from ..xp import ArrayNamespace
-from .config import ResolvedRun
+from . import wire
+from .engine_run import EngineRun
 from .faults import EngineFault, Hook
 from .memory_tracker import MemoryTracker
 
@@ -95,7 +96,7 @@ class ZeroEngine:
     #: from one common start (the step times simulate, mpiexec and torchrun runs report)
     align_step_start = True
 
-    def __init__(self, comm: Communicator, run: ResolvedRun, xp: ArrayNamespace,
+    def __init__(self, comm: Communicator, run: EngineRun, xp: ArrayNamespace,
                  fault: EngineFault | None = None):
         if comm.world_size != run.world_size:
             raise ConfigError(
@@ -438,50 +439,14 @@ class ZeroEngine:
     # packing (unit space <-> packed rank-major space)
     # =============================================================================================
     def _pack_grads(self, unit: FlatUnit, grads: dict[str, Any]) -> Any:
-        """The unit's gradients, upcast to the master dtype, in packed order with zero padding (a new array):
-        one copy per (rank, tensor) piece, padding zeroed, nothing else written twice."""
-        xp = self.xp
-        packed = xp.empty(unit.packed_numel, self.state_dtype)
-        pad = self.pad_value()
-        flat = [xp.reshape(grads[name], (-1,)) for name in unit.tensor_names]
-        if xp.backend == "numpy" and unit.short_pieces:
-            # padding everywhere, then one fancy-indexed copy of the owned elements, instead of a
-            # copy per (rank, tensor) piece and per padding run
-            unit_pos, packed_pos = unit.pack_indices(xp)
-            xp.assign(packed, pad)
-            packed[packed_pos] = xp.concat(flat)[unit_pos]
-            return packed
-        for start, length in unit.padding_runs:
-            xp.assign(packed[start:start + length], pad)
-        for t, t_start, p_start, length in unit.tensor_pieces:
-            xp.assign(packed[p_start:p_start + length], flat[t][t_start:t_start + length])
-        return packed
+        """The unit's gradients in packed order, master dtype, padded with :meth:`pad_value`."""
+        return wire.pack_grads(self.xp, unit, grads, self.state_dtype, self.pad_value())
 
     def _unpack(self, unit: FlatUnit, packed: Any, dtype: str) -> Any:
-        """Unit-space view (identity packing) or copy of an all-gathered packed buffer."""
-        xp = self.xp
-        if unit.is_identity:
-            return packed[:unit.numel]
-        flat = xp.empty(unit.numel, dtype)
-        self._unpack_into(flat, packed, unit)
-        return flat
+        return wire.unpack(self.xp, unit, packed, dtype)
 
     def _unpack_into(self, dst: Any, packed: Any, unit: FlatUnit) -> None:
-        xp = self.xp
-        if unit.is_identity:
-            xp.assign(dst, packed[:unit.numel])
-            return
-        if xp.backend == "numpy" and unit.short_pieces:
-            # one fancy-indexed copy instead of a copy per (rank, segment)
-            unit_pos, packed_pos = unit.pack_indices(xp)
-            dst[unit_pos] = packed[packed_pos]
-            return
-        for segs in unit.segments:
-            for s in segs:
-                xp.assign(
-                    dst[s.unit_start : s.unit_start + s.length],
-                    packed[s.packed_start : s.packed_start + s.length],
-                )
+        wire.unpack_into(self.xp, dst, packed, unit)
 
     def _own_chunk(self, full: Any) -> Any:
         """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array."""
@@ -509,13 +474,7 @@ class ZeroEngine:
         return cached[1]
 
     def _tensor_views(self, unit: FlatUnit, flat: Any) -> dict[str, Any]:
-        xp = self.xp
-        return {
-            name: xp.reshape(flat[off : off + _numel(shape)], shape)
-            for name, off, shape in zip(
-                unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True
-            )
-        }
+        return wire.tensor_views(self.xp, unit, flat)
 
     # =============================================================================================
     # parameters of a block
@@ -1008,13 +967,6 @@ def tensor_digests(layout: Any, flat: Any) -> dict[str, str]:
     return {
         t.name: digest(flat[g0 : g0 + t.numel]) for t, g0 in zip(layout.tensors, layout.offsets, strict=True)
     }
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _tensor_index(layout: Any, name: str) -> int:
