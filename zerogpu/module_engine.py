@@ -38,6 +38,10 @@ Collectives are issued in autograd order, which is the same on every rank when e
 same graph. A parameter that receives no gradient in a step is reduced as zeros after backward (in
 unit order on every rank); a graph that differs between ranks (data-dependent control flow that
 skips a unit on some ranks) desynchronises the collectives and ends in the communicator's timeout.
+
+Why one module of this length: it is one driver of the engine, and the parameter binding, the
+autograd hooks, the overlapped reductions and the offload path all read and update the same per-step
+state (which units are gathered, which gradients arrived, which reductions are in flight).
 """
 
 from __future__ import annotations
