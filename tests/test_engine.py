@@ -160,7 +160,7 @@ def test_a_nan_is_caught_before_any_rank_accumulates_it_so_no_rank_ever_holds_it
 ENGINE_MODULES = ("zerosim.engine.zero", "zerosim.flat_buffers", "zerosim.engine.memory_tracker",
                   "zerosim.engine.faults", "zerosim.engine.fault_catalog", "zerosim.engine.config",
                   "zerosim.engine.spmd", "zerosim.engine.run_result", "zerosim.engine.run_file",
-                  "zerosim.engine.injection")
+                  "zerosim.engine.injection", "zerosim.engine.wire", "zerosim.engine.engine_run")
 
 
 @pytest.mark.parametrize("module", ENGINE_MODULES)
@@ -302,3 +302,44 @@ def _current_rank() -> int:
 
     return int(threading.current_thread().name.removeprefix("sim-rank-"))
 
+
+
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_each_unit_is_gathered_only_while_it_computes_and_sharded_between_steps(run_ahead, monkeypatch):
+    """ZeRO-3: the unit a block computes with is GATHERED; with run-ahead the units whose gathers were
+    started and not taken are IN_FLIGHT; after the step every unit is back to SHARDED. ZeRO-2 holds the
+    full parameters: every unit GATHERED throughout."""
+    from zerosim.comm.sim import run_spmd
+    from zerosim.engine.zero import ZeroEngine
+    from zerosim.unit_state import UnitState
+    from zerosim.xp import numpy_namespace
+
+    if not run_ahead:
+        monkeypatch.setattr(ZeroEngine, "_can_run_ahead", lambda self: False)
+
+    def program(run):
+        def rank(comm):
+            engine = ZeroEngine(comm, run, numpy_namespace())
+            seen = []
+            forward = engine.model.forward
+
+            def recording(block, *args, **kwargs):
+                unit = engine.unit_by_block.get(block, engine.units.units[0])  # ZeRO-2: one unit, the model
+                states = sorted(s.value for s in engine.unit_states.values())
+                seen.append((engine.unit_states[unit.name], states))
+                return forward(block, *args, **kwargs)
+
+            engine.model.forward = recording
+            engine.step(0)
+            return engine.runs_ahead, seen, set(engine.unit_states.values())
+        return rank
+
+    run = RunConfig(strategy="zero3", world_size=2, steps=1, prefetch=0).resolve()
+    for ahead, seen, after in run_spmd(2, program(run), timeout_s=30):
+        assert ahead is run_ahead
+        assert seen and all(state is UnitState.GATHERED for state, _ in seen)
+        assert any("in_flight" in states for _, states in seen) is run_ahead
+        assert after == {UnitState.SHARDED}
+    run = RunConfig(strategy="zero2", world_size=2, steps=1).resolve()
+    for _, seen, after in run_spmd(2, program(run), timeout_s=30):
+        assert {state for state, _ in seen} == after == {UnitState.GATHERED}

@@ -23,7 +23,7 @@ from zerosim.checkpoint import broadcast as bc
 from zerosim.checks.state_dict import check_broadcast_shard
 from zerosim.comm.sim import run_spmd
 from zerosim.engine.config import RunConfig
-from zerosim.engine.faults import LoadBroadcastMissesGroup
+from zerosim.engine.fault_catalog import FAULTS
 from zerosim.engine.zero import ZeroEngine
 from zerosim.errors import ConfigError
 from zerosim.layout import ParamLayout
@@ -159,7 +159,8 @@ def test_keeping_the_neighbours_pieces_fails_naming_rank_tensor_and_range() -> N
 def test_a_broadcast_that_misses_a_replica_group_fails_naming_the_other_group() -> None:
     run = _run("hybrid_shard:2", 4)
     state = random_state_dict(run.layout)
-    v = check_load(run, state, load_on_ranks(run, state, engine_cls=LoadBroadcastMissesGroup))
+    fault = FAULTS["load-broadcast-misses-group"].corrupts
+    v = check_load(run, state, load_on_ranks(run, state, fault=fault))
     assert not v.passed
     assert {r for x in v.violations for r in x.ranks} == {2, 3}
     assert all(x.tensor and x.interval for x in v.violations if x.clause == "shard")

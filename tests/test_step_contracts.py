@@ -226,20 +226,37 @@ def test_an_extra_all_gather_fails_communication_with_expected_and_measured_byte
     assert "collective=all_gather" in str(v) and "group_kind=world" in str(v)
 
 
-def test_every_catalogued_fault_names_one_engine_variant_and_back():
-    """The catalogue (plain data the run config validates against) and the engine subclasses agree:
-    each entry names an existing variant, and no variant is left out of the catalogue."""
-    from zerosim.engine.faults import VARIANTS, engine_class
-    from zerosim.engine.zero import ZeroEngine
+def test_every_catalogued_fault_is_one_value_the_engine_consults():
+    """The catalogue is data: each engine and state-dict fault carries one EngineFault (a hook point and
+    a corruption that hook knows), every hook point is used by some fault, and a partitioner fault
+    hands the engine nothing (it breaks the plan instead)."""
+    from zerosim.engine.fault_catalog import engine_fault
+    from zerosim.engine.faults import CORRUPTIONS, EngineFault, Hook
 
     engines = {name: f for name, f in FAULTS.items() if f.where != "partitioner"}
-    named = {f.implementation for f in engines.values()}
-    assert named == set(VARIANTS), (sorted(named - set(VARIANTS)), sorted(set(VARIANTS) - named))
     for name, fault in engines.items():
-        cls = engine_class(name)
-        assert issubclass(cls, ZeroEngine) and cls is not ZeroEngine and cls.__name__ == fault.implementation
-    assert engine_class(None) is ZeroEngine
-    assert all(engine_class(n) is ZeroEngine for n, f in FAULTS.items() if f.where == "partitioner")
+        assert isinstance(fault.corrupts, EngineFault), name
+        assert fault.corrupts.corruption in CORRUPTIONS[fault.corrupts.hook], name
+    used = {(f.corrupts.hook, f.corrupts.corruption) for f in engines.values() if f.corrupts is not None}
+    assert used == {(h, c) for h, cs in CORRUPTIONS.items() for c in cs}
+    assert {h for h, _ in used} == set(Hook)
+    assert all(f.corrupts is None for f in FAULTS.values() if f.where == "partitioner")
+    run = RunConfig(fault="stale-params", **FAULTS["stale-params"].example).resolve()
+    assert engine_fault(run) == FAULTS["stale-params"].corrupts
+    assert engine_fault(RunConfig(strategy="zero3", world_size=4).resolve()) is None
+    with pytest.raises(ValueError, match="knows the corruptions"):  # a corruption the hook does not know
+        EngineFault(Hook.PADDING, "sum")
+
+
+def test_a_fault_acts_only_on_its_rank_and_step():
+    from zerosim.engine.faults import EngineFault, Hook
+
+    drift = EngineFault(Hook.OPTIMIZER_STEP, "count-twice", rank=1, step=0)
+    assert drift.acts(Hook.OPTIMIZER_STEP, 1, 4, 0)
+    assert not drift.acts(Hook.OPTIMIZER_STEP, 0, 4, 0)   # another rank
+    assert not drift.acts(Hook.OPTIMIZER_STEP, 1, 4, 1)   # a later step
+    assert not drift.acts(Hook.PADDING, 1, 4, 0)          # another hook
+    assert drift.acts(Hook.OPTIMIZER_STEP, 0, 1, 0)       # a world of one rank: its only rank
 
 
 def test_every_fault_fails_exactly_the_contracts_it_claims():

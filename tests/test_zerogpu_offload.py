@@ -606,3 +606,26 @@ def test_cuda_prefetch_on_a_side_stream_returns_exact_bits_within_the_budget() -
     assert perf["hits"] + perf["misses"] == perf["fetches"] == 17
     assert perf["bytes_device_to_host"] == numel * F32 and perf["asynchronous_copies"] is True
     assert perf["seconds_copying"] > 0 and 0.0 <= perf["overlap_fraction"] <= 1.0
+
+
+def test_each_unit_goes_offloaded_in_flight_in_use_sharded_and_back() -> None:
+    """One state per unit: a prefetch puts it in flight, a fetch in use, a release back to its resident
+    shard, an eviction or an update of its host values back to the host tier only."""
+    from zerosim.unit_state import UnitState
+
+    mgr = manager(32, {"a": 4, "b": 4, "c": 4}, depth=1)  # room for two units
+    assert {mgr.state_of(n) for n in "abc"} == {UnitState.OFFLOADED}
+    mgr.fetch("a", ["b"])
+    assert (mgr.state_of("a"), mgr.state_of("b"), mgr.state_of("c")) == \
+        (UnitState.IN_USE, UnitState.IN_FLIGHT, UnitState.OFFLOADED)
+    mgr.release("a")
+    mgr.release("b")  # never fetched: releasing it leaves it in flight
+    assert (mgr.state_of("a"), mgr.state_of("b")) == (UnitState.SHARDED, UnitState.IN_FLIGHT)
+    mgr.fetch("b")
+    assert mgr.state_of("b") is UnitState.IN_USE
+    mgr.fetch("c")  # evicts a, the least recently used unit not in use
+    assert (mgr.state_of("a"), mgr.state_of("c")) == (UnitState.OFFLOADED, UnitState.IN_USE)
+    mgr.update_host("b", mgr.host_copy("b").clone())
+    assert mgr.state_of("b") is UnitState.OFFLOADED
+    status = mgr.prefetch_status()
+    assert status["in_use"] == ["c"] and status["in_flight"] == []

@@ -38,6 +38,10 @@ Collectives are issued in autograd order, which is the same on every rank when e
 same graph. A parameter that receives no gradient in a step is reduced as zeros after backward (in
 unit order on every rank); a graph that differs between ranks (data-dependent control flow that
 skips a unit on some ranks) desynchronises the collectives and ends in the communicator's timeout.
+
+Why one module of this length: it is one driver of the engine, and the parameter binding, the
+autograd hooks, the overlapped reductions and the offload path all read and update the same per-step
+state (which units are gathered, which gradients arrived, which reductions are in flight).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zerosim.comm.base import Communicator
+from zerosim.engine import wire
 from zerosim.engine.zero import ZeroEngine
 from zerosim.errors import ConfigError
 from zerosim.flat_buffers import FlatUnit, UnitPlan
@@ -59,6 +64,7 @@ from zerosim.layout import ParamLayout
 from zerosim.optim import OptimizerSpec
 from zerosim.precision import Precision
 from zerosim.strategy import ShardingStrategy
+from zerosim.unit_state import UnitState
 from zerosim.xp import ArrayNamespace
 
 from .module_units import ModuleUnits
@@ -174,7 +180,8 @@ class ModuleFlat:
 
 
 class ModuleEngine(ZeroEngine):
-    """One rank's engine over a torch module (see the module docstring); ``train_step`` is one step."""
+    """One rank's engine over a torch module (see the module docstring): :meth:`set_batch`, then the
+    engine's ``step`` runs one optimizer step over it."""
 
     #: a trainer steps inside its user's loop: no barrier before the step (no peer trainer has one;
     #: on gloo it cost a quarter of a small model's step), each rank times its step from its own start
@@ -187,7 +194,7 @@ class ModuleEngine(ZeroEngine):
         self.loss_fn = loss_fn
         self.offload_manager = offload
         self.optimizer_kernel = run.optimizer_kernel
-        super().__init__(comm, run, xp)  # type: ignore[arg-type]
+        super().__init__(comm, run, xp)
         self._batch: tuple[Any, Any] = (None, None)
         self._step_index = 0
         self._micro_index = 0
@@ -254,6 +261,7 @@ class ModuleEngine(ZeroEngine):
                 off = self.units.shard_offsets[unit.index]
                 buf = self.param_shard[off:off + unit.numel]
                 self._resident_units.add(unit.name)
+                self.unit_states[unit.name] = UnitState.GATHERED  # whole in the shard, always
             else:
                 buf = torch.empty(unit.numel, dtype=dtype, device=self.xp.device)
             pieces = zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True)
@@ -295,31 +303,41 @@ class ModuleEngine(ZeroEngine):
     def _materialize(self, unit_name: str, order: list[str]) -> None:
         """Gather ``unit_name`` (and ``prefetch`` units ahead along ``order``, kept packed until their
         turn) and unpack it straight into its buffer, unless it is there already."""
-        buf = self._buffers[unit_name]
-        if buf.untyped_storage().nbytes():
+        if self.unit_states[unit_name] is UnitState.GATHERED:
             return
+        buf = self._buffers[unit_name]
         position = order.index(unit_name)
         for ahead in order[position:position + 1 + self.run.prefetch]:
             if ahead not in self._gathered:
                 packed = self._gather_packed(self.unit_by_block[ahead], order)
                 self.tracker.alloc(f"gathered:{ahead}", "gathered", self.xp.nbytes(packed))
                 self._gathered[ahead] = (packed, None, {})
+                if self.unit_states[ahead] is UnitState.SHARDED:  # gathered ahead, packed until its turn
+                    self.unit_states[ahead] = UnitState.IN_FLIGHT
         packed = self._gathered[unit_name][0]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-            self._unpack_into(buf, packed, self.unit_by_block[unit_name])
-        self.release(unit_name)
+            wire.unpack_into(self.xp, buf, packed, self.unit_by_block[unit_name])
+        self._release_packed(unit_name)
+        self.unit_states[unit_name] = UnitState.GATHERED
         self.tracker.alloc(f"unit:{unit_name}", "gathered", buf.numel() * buf.element_size())
 
     def _free(self, unit_name: str) -> None:
-        buf = self._buffers[unit_name]
-        if unit_name not in self._resident_units and buf.untyped_storage().nbytes():
-            buf.untyped_storage().resize_(0)
+        if unit_name not in self._resident_units and self.unit_states[unit_name] is UnitState.GATHERED:
+            self._buffers[unit_name].untyped_storage().resize_(0)
+            self.unit_states[unit_name] = UnitState.SHARDED
             self.tracker.free(f"unit:{unit_name}")
+
+    def _release_packed(self, unit_name: str) -> None:
+        """Free the packed all-gather of ``unit_name`` (unpacked into its buffer, or never needed)."""
+        if self._gathered.pop(unit_name, None) is not None:
+            self.tracker.free(f"gathered:{unit_name}")
+            if self.unit_states[unit_name] is UnitState.IN_FLIGHT:
+                self.unit_states[unit_name] = UnitState.SHARDED
 
     def _drop_prefetched(self) -> None:
         for name in list(self._gathered):
-            self.release(name)
+            self._release_packed(name)
 
     # ---- hooks (registered as :class:`EngineHook`) -------------------------------------------------
     def _on_pre_forward(self, unit_name: str, module: Any, args: Any) -> None:
@@ -480,7 +498,7 @@ class ModuleEngine(ZeroEngine):
     def gather_unit(self, unit: FlatUnit, comm: Communicator) -> tuple[Any, Any]:
         """All-gather the unit's chunks (the engine's full-parameter view uses it)."""
         packed = self._gather_packed(unit, self._order, comm)
-        return packed, self._unpack(unit, packed, self.precision.param_dtype)
+        return packed, wire.unpack(self.xp, unit, packed, self.precision.param_dtype)
 
     def refresh_params(self) -> None:
         gather_into = getattr(self.shard_comm, "all_gather_into", None)

@@ -81,6 +81,7 @@ from typing import Any
 import torch
 
 from zerosim.errors import ConfigError, require_non_negative_int, require_positive_int
+from zerosim.unit_state import UnitState
 
 DEVICE_BUDGET_FIELD = "offload.device_budget_bytes"
 HOST_BUDGET_FIELD = "offload.host_budget_bytes"
@@ -130,16 +131,25 @@ class OffloadConfig:
 class _Unit:
     """One registered unit: its host copy and, while resident, its device copy."""
 
-    __slots__ = ("name", "host", "nbytes", "device_copy", "in_flight", "in_use", "ready")
+    __slots__ = ("name", "host", "nbytes", "device_copy", "state", "ready")
 
     def __init__(self, name: str, host: torch.Tensor):
         self.name = name
         self.host = host
         self.nbytes = host.numel() * host.element_size()
         self.device_copy: torch.Tensor | None = None
-        self.in_flight = False   # copied by a prefetch, not fetched yet
-        self.in_use = False      # fetched and not released
+        #: OFFLOADED (no device copy), IN_FLIGHT (copied by a prefetch, not fetched yet), IN_USE
+        #: (fetched and not released) or SHARDED (resident and evictable)
+        self.state = UnitState.OFFLOADED
         self.ready: Any = None   # CUDA: event recorded after the last copy that read ``host``
+
+    @property
+    def in_use(self) -> bool:
+        return self.state is UnitState.IN_USE
+
+    @property
+    def in_flight(self) -> bool:
+        return self.state is UnitState.IN_FLIGHT
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -260,6 +270,10 @@ class OffloadManager:
         """Registered unit names, in registration order."""
         return list(self._units)
 
+    def state_of(self, name: str) -> UnitState:
+        """The unit's state in the tiers: OFFLOADED, IN_FLIGHT, SHARDED (resident, evictable) or IN_USE."""
+        return self._unit(name).state
+
     def unit_nbytes(self, name: str) -> int:
         """Bytes of the unit's shard (the same in both tiers)."""
         return self._unit(name).nbytes
@@ -364,12 +378,11 @@ class OffloadManager:
             self._stats["misses"] += 1
         elif unit.in_flight:
             self._wait_for(unit)
-            unit.in_flight = False
             self._stats["prefetch_hits"] += 1
         else:
             self._stats["resident_hits"] += 1
         self._stats["fetches"] += 1
-        unit.in_use = True
+        unit.state = UnitState.IN_USE
         self._lru.move_to_end(unit.name)
         out = unit.device_copy
         assert out is not None
@@ -389,13 +402,15 @@ class OffloadManager:
                 continue
             self._evict(plan)
             self._copy_in(nxt, wait=not self.config.async_prefetch)
-            nxt.in_flight = self.config.async_prefetch
+            nxt.state = UnitState.IN_FLIGHT if self.config.async_prefetch else UnitState.SHARDED
             self._stats["prefetches_issued"] += 1
         return out
 
     def release(self, name: str) -> None:
         """The unit is no longer in use: evictable, but resident (a later fetch hits) until evicted."""
-        self._unit(name).in_use = False
+        unit = self._unit(name)
+        if unit.in_use:
+            unit.state = UnitState.SHARDED
 
     def update_host(self, name: str, values: torch.Tensor) -> None:
         """The host copy becomes ``values`` (copied in, same numel and dtype); any device copy is dropped.
@@ -459,8 +474,7 @@ class OffloadManager:
         if unit.in_flight:
             self._stats["prefetches_wasted"] += 1
         unit.device_copy = None
-        unit.in_flight = False
-        unit.in_use = False
+        unit.state = UnitState.OFFLOADED
         self._device_bytes -= unit.nbytes
         del self._lru[unit.name]
 
@@ -486,6 +500,7 @@ class OffloadManager:
             self._seconds_copying += elapsed
             self._seconds_waited += elapsed  # synchronous on the calling thread
         unit.device_copy = copy
+        unit.state = UnitState.SHARDED
         self._device_bytes += unit.nbytes
         self._device_peak = max(self._device_peak, self._device_bytes)
         self._lru[unit.name] = None
@@ -584,8 +599,7 @@ class OffloadManager:
                 unit.ready.synchronize()
             unit.ready = None
             unit.device_copy = None
-            unit.in_flight = False
-            unit.in_use = False
+            unit.state = UnitState.OFFLOADED
         self._lru.clear()
         self._host_peak = self._host_bytes()
         self._reset_device_and_stats()

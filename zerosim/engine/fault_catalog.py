@@ -4,19 +4,20 @@ A contract that cannot fail is a defect, so each bug class real sharding code sh
 here, switched on only by naming it (``RunConfig(fault=...)``, ``zerosim simulate --fault NAME``,
 ``zerosim mutants``). Three places can be broken, one mechanism for all of them:
 
-* ``engine``: a :class:`~zerosim.engine.zero.ZeroEngine` subclass in :mod:`zerosim.engine.faults`
-  that overrides one hook (reduction, norm, gather, optimizer, offload copy);
+* ``engine``: an :class:`~zerosim.engine.faults.EngineFault` value (hook point, corruption, rank,
+  step) the engine consults at one hook (reduction, norm, gather, optimizer, offload copy);
 * ``partitioner``: the run's partition rule passed through one of
   :data:`zerosim.partition.mutations.MUTATIONS` (boundary bugs; C-ZERO-001 stops the run before
   training);
-* ``state-dict``: an engine subclass that breaks the rank-0 load broadcast (``load="broadcast"``) or
-  the full-state-dict round trip (``reshard_at``).
+* ``state-dict``: an engine fault value that breaks the rank-0 load broadcast (``load="broadcast"``)
+  or the full-state-dict round trip (``reshard_at``).
 
 Each entry also says when it can act (:attr:`Fault.cannot_act` returns the reason a configuration
 gives it nothing to break, so ``--fault padding-leak`` on a plan without padding is refused instead
 of passing silently), a configuration where it does act (:attr:`Fault.example`), and which ranks and
 elements it touches (:attr:`Fault.touches`), which the diagnostics of the first failing contract
-must name. Plain data plus small functions of the resolved run: nothing here imports the engine.
+must name. Plain data plus small functions of the resolved run: nothing here imports the engine;
+:func:`engine_fault` is the value a run's engine is handed.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..strategy import StrategyKind
+from .faults import EngineFault, Hook
 
 FAULTY_RANK = 1  # the rank that misbehaves in single-rank faults (rank 0 when the world has one rank)
 
@@ -44,13 +46,14 @@ class Touched:
 class Fault:
     name: str
     where: str  # "engine" | "partitioner" | "state-dict"
-    implementation: str  # engine subclass in zerosim.engine.faults, or a partition mutation's name
+    implementation: str  # a partitioner fault's mutation name ("" for the others)
     description: str
     catches: tuple[str, ...]  # the contracts it fails (a test keeps this exact)
     cannot_act: Callable[[Any], str | None]  # resolved run -> why the fault has nothing to break there
     example: dict[str, Any]  # RunConfig fields of a configuration where it acts
     touches: Callable[[Any], Touched] = field(default=lambda run: Touched())
     bug_class: str = ""  # the bug class in docs/references.md it reproduces, when it has a number
+    corrupts: EngineFault | None = None  # engine and state-dict faults: what the engine is handed
 
     def example_flags(self) -> str:
         """The example configuration as ``zerosim simulate`` options."""
@@ -221,55 +224,69 @@ FAULTS: dict[str, Fault] = {
     f.name: f
     for f in (
         # ---- reductions and norms -----------------------------------------------------------------
-        Fault("sum-instead-of-avg", "engine", "SumInsteadOfAvg",
+        Fault("sum-instead-of-avg", "engine", "",
               "gradients summed across ranks, not averaged", ("C-ZERO-002",),
-              _needs_ranks, _ZERO3, bug_class="1"),
-        Fault("wrong-group-divisor", "engine", "WrongGroupDivisor",
+              _needs_ranks, _ZERO3, bug_class="1",
+              corrupts=EngineFault(Hook.GRAD_REDUCE_OP, "sum")),
+        Fault("wrong-group-divisor", "engine", "",
               "hybrid gradients averaged over the shard group only: the replicate group sums them, so the "
               "divisor is the shard group size, not the world", ("C-ZERO-002",),
-              _needs_replicas, _HYBRID, bug_class="1"),
-        Fault("no-accum-average", "engine", "NoAccumulationAverage",
+              _needs_replicas, _HYBRID, bug_class="1",
+              corrupts=EngineFault(Hook.REPLICATE_REDUCE, "sum")),
+        Fault("no-accum-average", "engine", "",
               "micro-batch accumulation not divided by M", ("C-ZERO-002",),
-              _micro, {**_ZERO3, "micro_batches": 2}, bug_class="2"),
-        Fault("local-norm-clip", "engine", "LocalNormClip",
+              _micro, {**_ZERO3, "micro_batches": 2}, bug_class="2",
+              corrupts=EngineFault(Hook.ACCUMULATION_AVERAGE, "skip")),
+        Fault("local-norm-clip", "engine", "",
               "clip with the rank-local norm of the shard", ("C-ZERO-002",),
               _all(_sharded_grads, _needs_shard_group, _needs_clip),
-              {**_ZERO3, "max_grad_norm": 0.05}, bug_class="3"),
-        Fault("norm-over-replicas", "engine", "NormOverReplicas",
+              {**_ZERO3, "max_grad_norm": 0.05}, bug_class="3",
+              corrupts=EngineFault(Hook.GLOBAL_NORM, "rank-local")),
+        Fault("norm-over-replicas", "engine", "",
               "hybrid grad norm summed over the whole world, counting every replica again", ("C-ZERO-002",),
-              _all(_needs_replicas, _needs_clip), {**_HYBRID, "max_grad_norm": 0.05}, bug_class="4"),
-        Fault("skip-replicate-allreduce", "engine", "SkipReplicateAllReduce",
+              _all(_needs_replicas, _needs_clip), {**_HYBRID, "max_grad_norm": 0.05}, bug_class="4",
+              corrupts=EngineFault(Hook.GLOBAL_NORM, "world")),
+        Fault("skip-replicate-allreduce", "engine", "",
               "hybrid without the replicate-group all-reduce", ("C-ZERO-002", "C-ZERO-003", "C-ZERO-005"),
-              _needs_replicas, _HYBRID, bug_class="5"),
+              _needs_replicas, _HYBRID, bug_class="5",
+              corrupts=EngineFault(Hook.REPLICATE_REDUCE, "skip")),
         # ---- gathers and the working copy ----------------------------------------------------------
-        Fault("stale-params", "engine", "StaleParams",
+        Fault("stale-params", "engine", "",
               "rank 1 computes with parameters from before an update", ("C-ZERO-002", "C-ZERO-003"),
-              _gathers, _ZERO3, _rank_touch, bug_class="7"),
-        Fault("partial-all-gather", "engine", "PartialAllGather",
+              _gathers, _ZERO3, _rank_touch, bug_class="7",
+              corrupts=EngineFault(Hook.GATHERED_PARAMS, "stale", rank=FAULTY_RANK)),
+        Fault("partial-all-gather", "engine", "",
               "the post-step all-gather writes back every rank's chunk but the last one's: that range "
               "stays stale on every rank", ("C-ZERO-002", "C-ZERO-003"),
               _all(_zero12, _needs_shard_group), {"strategy": "zero2", "world_size": 4},
-              _last_rank_shard, bug_class="7"),
-        Fault("offload-copy-back-skipped", "engine", "OffloadCopyBackSkipped",
+              _last_rank_shard, bug_class="7",
+              corrupts=EngineFault(Hook.GATHERED_PARAMS, "drop-last-chunk")),
+        Fault("offload-copy-back-skipped", "engine", "",
               "ZeRO-3 CPU offload: rank 1 steps its host master but never copies the update back to its "
               "device shard", ("C-ZERO-002", "C-ZERO-003"),
               _all(_offload, _needs_shard_group), {**_ZERO3, "offload": True}, _faulty_rank_shard_everywhere,
-              bug_class="12"),
-        Fault("keep-gathered", "engine", "KeepGathered", "ZeRO-3 never frees gathered blocks",
-              ("C-ZERO-004",), _more_units_than_window, _ZERO3),
-        Fault("hidden-full-copy", "engine", "HiddenFullCopy", "rank 0 keeps a full fp32 copy",
+              bug_class="12",
+              corrupts=EngineFault(Hook.PARAM_REFRESH, "skip-copy-back", rank=FAULTY_RANK)),
+        Fault("keep-gathered", "engine", "", "ZeRO-3 never frees gathered blocks",
+              ("C-ZERO-004",), _more_units_than_window, _ZERO3,
+              corrupts=EngineFault(Hook.RELEASE, "keep")),
+        Fault("hidden-full-copy", "engine", "", "rank 0 keeps a full fp32 copy",
               ("C-ZERO-004",), _sharded_optim, {"strategy": "zero2", "world_size": 4},
-              lambda run: Touched((0,))),
-        Fault("extra-all-gather", "engine", "ExtraAllGather", "one all-gather too many per step",
-              ("C-ZERO-005",), _all(_sharded_optim, _needs_shard_group), _ZERO3),
+              lambda run: Touched((0,)),
+              corrupts=EngineFault(Hook.HOLDINGS, "hidden-full-copy", rank=0)),
+        Fault("extra-all-gather", "engine", "", "one all-gather too many per step",
+              ("C-ZERO-005",), _all(_sharded_optim, _needs_shard_group), _ZERO3,
+              corrupts=EngineFault(Hook.STEP_COLLECTIVES, "extra-all-gather")),
         # ---- optimizer state -------------------------------------------------------------------------
-        Fault("padding-leak", "engine", "PaddingLeak",
+        Fault("padding-leak", "engine", "",
               "gradient padding filled with ones, so it leaks into the state", ("C-ZERO-002",),
-              _all(_sharded_grads, _has_padding), {"strategy": "zero3", "world_size": 5}, bug_class="8"),
-        Fault("step-counter-drift", "engine", "StepCounterDrift",
+              _all(_sharded_grads, _has_padding), {"strategy": "zero3", "world_size": 5}, bug_class="8",
+              corrupts=EngineFault(Hook.PADDING, "ones")),
+        Fault("step-counter-drift", "engine", "",
               "rank 1's optimizer step counter advances twice on the first step (per-shard counters "
               "drift apart; Adam's bias correction of its shard is wrong from then on)", ("C-ZERO-002",),
-              _needs_shard_group, _ZERO3, _rank_touch, bug_class="11"),
+              _needs_shard_group, _ZERO3, _rank_touch, bug_class="11",
+              corrupts=EngineFault(Hook.OPTIMIZER_STEP, "count-twice", rank=FAULTY_RANK, step=0)),
         # ---- partition boundaries (C-ZERO-001 stops the run before training) -------------------------
         Fault("shard-off-by-one", "partitioner", "off_by_one",
               "every shard but the last ends one element early: an element between neighbours has no "
@@ -289,16 +306,18 @@ FAULTS: dict[str, Fault] = {
               ("C-ZERO-001",), _partition_changes("trailing_unowned"), _ZERO3,
               _partition_touch("trailing_unowned"), bug_class="9"),
         # ---- state-dict path -----------------------------------------------------------------------
-        Fault("load-broadcast-misses-group", "state-dict", "LoadBroadcastMissesGroup",
+        Fault("load-broadcast-misses-group", "state-dict", "",
               "rank-0 load: the weights are broadcast inside rank 0's shard group only; the other "
               "replica groups keep uninitialised (zero) weights", ("C-ZERO-002", "C-ZERO-003"),
               _all(_broadcast_load, _needs_replicas), {**_HYBRID, "load": "broadcast"}, _other_groups,
-              bug_class="6"),
-        Fault("reshard-wrong-order", "state-dict", "ReshardWrongOrder",
+              bug_class="6",
+              corrupts=EngineFault(Hook.LOAD_BROADCAST, "shard-group")),
+        Fault("reshard-wrong-order", "state-dict", "",
               "full-state-dict round trip that assembles the gathered shards in reverse rank order, so "
               "every rank reloads another rank's shard", ("C-ZERO-002",),
               _all(_reshard, _sharded_optim, _needs_shard_group), {**_ZERO3, "reshard_at": 0},
-              bug_class="10"),
+              bug_class="10",
+              corrupts=EngineFault(Hook.STATE_ASSEMBLY, "reversed")),
     )
 }
 
@@ -310,3 +329,9 @@ def refusal(fault: Fault, run: Any) -> str | None:
         return None
     return (f"cannot act here ({reason}), so the run would pass without testing anything; it acts in "
             f"e.g. `zerosim simulate --fault {fault.name} {fault.example_flags()}`")
+
+
+def engine_fault(run: Any) -> EngineFault | None:
+    """The fault value a run's engine is handed: its catalogued fault's corruption (None for no fault
+    and for a partitioner fault, which breaks the plan the reference engine then trains on)."""
+    return None if run.fault is None else FAULTS[run.fault].corrupts

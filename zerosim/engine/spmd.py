@@ -18,7 +18,7 @@ from ..comm.sim import run_spmd
 from ..observe import RankObservation
 from ..xp import numpy_namespace, torch_namespace
 from .config import ResolvedRun, RunConfig
-from .faults import engine_class
+from .fault_catalog import engine_fault
 from .run_result import (
     ProgressFn,
     ReferenceJob,
@@ -28,6 +28,7 @@ from .run_result import (
     plan_verdict,
     resolve_run,
 )
+from .zero import ZeroEngine
 
 __all__ = ["rank_program", "run_simulated", "simulate_observations"]
 
@@ -41,7 +42,7 @@ def rank_program(comm: Communicator, cfg: RunConfig | ResolvedRun,
     """
     run = resolve_run(cfg)
     xp = numpy_namespace() if run.cfg.xp == "numpy" else torch_namespace(device)
-    engine = engine_class(run.fault)(comm, run, xp)
+    engine = ZeroEngine(comm, run, xp, fault=engine_fault(run))
     for s in range(run.steps):
         engine.step(s)
         if on_step is not None:

@@ -44,12 +44,14 @@ the same; only the waiting moves, so a simulated rank runs its whole micro-batch
 activations are still in cache instead of every rank advancing block by block. The memory tracker
 accounts a gathered block when the rank takes it, as before.
 
-Subclasses in :mod:`zerosim.engine.faults` override single hooks (``grad_reduce_op``,
-``global_sumsq``, ...) to make the deliberately broken variants the contract tests need.
+Deliberately broken variants are values, not subclasses: an
+:class:`~zerosim.engine.faults.EngineFault` handed to the engine (``fault=``) names one hook point
+(``grad_reduce_op``, ``global_sumsq``, ...), the rank and step, and the corruption; each hook
+consults it and otherwise does what the reference engine does.
 
 Why one module of this length: it is the algorithm, read top to bottom (set-up, forward with
-gathers, backward with reductions, the optimizer step, observations); the hooks the broken variants
-override only make sense next to the code they replace.
+gathers, backward with reductions, the optimizer step, observations); the corruptions a fault
+applies only make sense next to the code they replace.
 """
 
 from __future__ import annotations
@@ -66,8 +68,11 @@ from ..intervals import merge_adjacent
 from ..model import BlockModel, init_params, synthetic_batch
 from ..observe import Holding, RankObservation, ShardValues, StepObservation, TrafficItem, digest
 from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
+from ..unit_state import UnitState
 from ..xp import ArrayNamespace
-from .config import ResolvedRun
+from . import wire
+from .engine_run import EngineRun
+from .faults import EngineFault, Hook
 from .memory_tracker import MemoryTracker
 
 BEFORE_REDUCTION = "detected before the gradient reduction; no rank stepped with it"
@@ -91,7 +96,8 @@ class ZeroEngine:
     #: from one common start (the step times simulate, mpiexec and torchrun runs report)
     align_step_start = True
 
-    def __init__(self, comm: Communicator, run: ResolvedRun, xp: ArrayNamespace):
+    def __init__(self, comm: Communicator, run: EngineRun, xp: ArrayNamespace,
+                 fault: EngineFault | None = None):
         if comm.world_size != run.world_size:
             raise ConfigError(
                 "world_size",
@@ -100,6 +106,8 @@ class ZeroEngine:
             )
         self.comm = comm
         self.run = run
+        self.fault = fault  # the deliberate corruption this engine applies at its hooks (None: none)
+        self._step = 0  # the optimizer step under way (what a fault's ``step`` is compared with)
         self._micro_grads: dict[str, Any] = {}  # this micro-batch's gradients, until they are reduced
         self.xp = xp
         self.rank = comm.rank
@@ -128,6 +136,9 @@ class ZeroEngine:
             self.rank, comm.world_size, self.group_index, self.local, {}, getattr(comm, "backend", "?")
         )
         self._gathered: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
+        # ZeRO-3: every unit starts as its shard; otherwise every rank holds the full parameters
+        initial = UnitState.SHARDED if self.sharded_params else UnitState.GATHERED
+        self.unit_states: dict[str, UnitState] = {u.name: initial for u in self.units.units}
         self._make_groups()
         self._init_state()
         self.runs_ahead = self._can_run_ahead()
@@ -310,6 +321,9 @@ class ZeroEngine:
         for name in self.run.spec.state_names:
             tr.alloc(f"optim.{name}", "optimizer", xp.nbytes(self.opt_state[name]), loc)
         tr.alloc("grads", "grads", xp.nbytes(self.grad_acc), loc if self.sharded_grads else "device")
+        if self.corruption(Hook.HOLDINGS) == "hidden-full-copy":  # a full float32 copy beside the shard
+            self._hidden = xp.zeros(self.total, "float32")
+            tr.alloc("hidden", "optimizer", xp.nbytes(self._hidden))
 
     @property
     def optimizer_location(self) -> str:
@@ -317,109 +331,122 @@ class ZeroEngine:
         return "host" if self.offload else "device"
 
     # =============================================================================================
-    # hooks (overridden by the deliberately broken variants in faults.py)
+    # hooks (each consults the engine's fault, :mod:`zerosim.engine.faults`)
     # =============================================================================================
+    def corruption(self, hook: Hook) -> str | None:
+        """How the engine's fault corrupts ``hook`` on this rank at this step; None: not at all."""
+        fault = self.fault
+        if fault is None or not fault.acts(hook, self.rank, self.comm.world_size, self._step):
+            return None
+        return fault.corruption
+
     def grad_reduce_op(self) -> str:
         """The reduction of gradients across ranks: the mean (bug class 1: ``sum`` or a wrong divisor)."""
-        return "avg"
+        return "sum" if self.corruption(Hook.GRAD_REDUCE_OP) else "avg"
 
     def pad_value(self) -> float:
         """What packed gradient padding is filled with: zero (bug class 8: padding leaking into values)."""
-        return 0.0
+        return 1.0 if self.corruption(Hook.PADDING) else 0.0
 
     def global_sumsq(self, local: float) -> float:
-        """Sum of squares over every gradient element: one scalar all-reduce over the shard group."""
+        """Sum of squares over every gradient element: one scalar all-reduce over the shard group (bug
+        class 3 keeps the rank-local sum; bug class 4 sums over the world, counting every replica)."""
+        how = self.corruption(Hook.GLOBAL_NORM)
+        if how == "rank-local":
+            return local
         x = self.xp.asarray([local], dtype=self.xp.dtype("float64"), device=self.xp.device)
-        return self.xp.to_float(self.shard_control.all_reduce(x, "sum")[0])
+        group = self.control if how == "world" else self.shard_control
+        return self.xp.to_float(group.all_reduce(x, "sum")[0])
 
     def replicate_reduce(self, acc: Any) -> Any:
-        """Hybrid: average the accumulated gradient shard over the replicate group (bug class 5 skips it)."""
+        """Hybrid: average the accumulated gradient shard over the replicate group (bug class 5 skips it;
+        bug class 1's hybrid form sums it, leaving the divisor the shard group size)."""
+        how = self.corruption(Hook.REPLICATE_REDUCE)
+        if how == "skip":
+            return acc
         assert self.replicate_comm is not None
-        return self.replicate_comm.all_reduce(acc, self.grad_reduce_op())
+        return self.replicate_comm.all_reduce(acc, "sum" if how == "sum" else self.grad_reduce_op())
 
     def use_gathered(self, block: str, views: dict[str, Any], step: int) -> dict[str, Any]:
-        """The parameters the block computes with: the freshly gathered ones (bug class 7 keeps stale ones).
-        """
-        return views
+        """The parameters the block computes with: the freshly gathered ones (bug class 7 keeps those the
+        rank gathered first)."""
+        if self.corruption(Hook.GATHERED_PARAMS) != "stale":
+            return views
+        stale = self.__dict__.setdefault("_stale", {})
+        if block not in stale:
+            stale[block] = {k: self.xp.copy(v) for k, v in views.items()}
+        return stale[block]
 
     def release(self, block: str) -> None:
-        """Free a gathered block (ZeRO-3 frees after forward and after backward)."""
+        """Free a gathered block (ZeRO-3 frees after forward and after backward; a fault keeps it)."""
         item = self._gathered.pop(block, None)
         if item is not None:
-            self.tracker.free(f"gathered:{block}")
+            if self.corruption(Hook.RELEASE) == "keep":
+                leaked = self.__dict__.setdefault("_leaked", [])
+                leaked.append(item)
+                nbytes = self.tracker.live_keys("gathered")[f"gathered:{block}"][2]
+                self.tracker.free(f"gathered:{block}")
+                self.tracker.alloc(f"leaked:{block}:{len(leaked)}", "gathered", nbytes)
+            else:
+                self.tracker.free(f"gathered:{block}")
+            self.unit_states[block] = self._state_after_release(block)
+
+    def _state_after_release(self, block: str) -> UnitState:
+        """A freed unit is back to its shard, unless run-ahead already started its next all-gather."""
+        index = self.unit_by_block[block].index
+        if any(key[1] == index for key in self._started_gathers):
+            return UnitState.IN_FLIGHT
+        return UnitState.SHARDED
 
     def write_gathered_params(self, gathered: Any, unit: FlatUnit) -> None:
-        """ZeRO-1/2: copy the all-gathered updated chunks into the replicated parameters."""
+        """ZeRO-1/2: copy the all-gathered updated chunks into the replicated parameters (bug class 7:
+        a stale rank ignores them, or every chunk but the last rank's is written back)."""
+        how = self.corruption(Hook.GATHERED_PARAMS)
+        if how == "stale":
+            return
+        if how == "drop-last-chunk":
+            for segs in unit.segments[:-1]:
+                for s in segs:
+                    self.xp.assign(self.params_full[s.unit_start:s.unit_start + s.length],
+                                   gathered[s.packed_start:s.packed_start + s.length])
+            return
         self._unpack_into(self.params_full, gathered, unit)
 
     def extra_step_collectives(self, step: int) -> None:
-        """Nothing: the schedule has no other collectives (a fault adds one)."""
+        """Nothing: the schedule has no other collectives (a fault adds an all-gather of the shards)."""
+        if self.corruption(Hook.STEP_COLLECTIVES) == "extra-all-gather":
+            assert self.shard_comm is not None
+            self.shard_comm.all_gather(self.master)
 
     def finish_accumulation(self, acc: Any) -> None:
         """Divide the accumulated gradient by the number of micro-batches (bug class 2 forgets)."""
-        if self.run.micro_batches > 1:
+        if self.run.micro_batches > 1 and not self.corruption(Hook.ACCUMULATION_AVERAGE):
             acc /= self.run.micro_batches
 
-    def extra_holdings(self) -> dict[str, Holding]:
-        return {}
-
     def load_comm(self) -> Communicator:
-        """The group the rank-0 load broadcasts over: the whole world (a fault misses a replica group)."""
+        """The group the rank-0 load broadcasts over: the whole world (a fault uses the shard group, so
+        every other replica group broadcasts from its own first rank, which loaded nothing)."""
+        if self.corruption(Hook.LOAD_BROADCAST) == "shard-group" and self.shard_comm is not None:
+            return self.shard_comm
         return self.comm
 
     def gathered_chunk_index(self, local_rank: int) -> int:
         """Where shard-group rank ``local_rank``'s shard sits in an all-gathered buffer: at its own rank
-        (a full-state-dict assembly in another order reloads another rank's shard)."""
-        return local_rank
+        (a full-state-dict assembly in reverse order reloads another rank's shard)."""
+        return self.k - 1 - local_rank if self.corruption(Hook.STATE_ASSEMBLY) else local_rank
 
     # =============================================================================================
     # packing (unit space <-> packed rank-major space)
     # =============================================================================================
     def _pack_grads(self, unit: FlatUnit, grads: dict[str, Any]) -> Any:
-        """The unit's gradients, upcast to the master dtype, in packed order with zero padding (a new array):
-        one copy per (rank, tensor) piece, padding zeroed, nothing else written twice."""
-        xp = self.xp
-        packed = xp.empty(unit.packed_numel, self.state_dtype)
-        pad = self.pad_value()
-        flat = [xp.reshape(grads[name], (-1,)) for name in unit.tensor_names]
-        if xp.backend == "numpy" and unit.short_pieces:
-            # padding everywhere, then one fancy-indexed copy of the owned elements, instead of a
-            # copy per (rank, tensor) piece and per padding run
-            unit_pos, packed_pos = unit.pack_indices(xp)
-            xp.assign(packed, pad)
-            packed[packed_pos] = xp.concat(flat)[unit_pos]
-            return packed
-        for start, length in unit.padding_runs:
-            xp.assign(packed[start:start + length], pad)
-        for t, t_start, p_start, length in unit.tensor_pieces:
-            xp.assign(packed[p_start:p_start + length], flat[t][t_start:t_start + length])
-        return packed
+        """The unit's gradients in packed order, master dtype, padded with :meth:`pad_value`."""
+        return wire.pack_grads(self.xp, unit, grads, self.state_dtype, self.pad_value())
 
     def _unpack(self, unit: FlatUnit, packed: Any, dtype: str) -> Any:
-        """Unit-space view (identity packing) or copy of an all-gathered packed buffer."""
-        xp = self.xp
-        if unit.is_identity:
-            return packed[:unit.numel]
-        flat = xp.empty(unit.numel, dtype)
-        self._unpack_into(flat, packed, unit)
-        return flat
+        return wire.unpack(self.xp, unit, packed, dtype)
 
     def _unpack_into(self, dst: Any, packed: Any, unit: FlatUnit) -> None:
-        xp = self.xp
-        if unit.is_identity:
-            xp.assign(dst, packed[:unit.numel])
-            return
-        if xp.backend == "numpy" and unit.short_pieces:
-            # one fancy-indexed copy instead of a copy per (rank, segment)
-            unit_pos, packed_pos = unit.pack_indices(xp)
-            dst[unit_pos] = packed[packed_pos]
-            return
-        for segs in unit.segments:
-            for s in segs:
-                xp.assign(
-                    dst[s.unit_start : s.unit_start + s.length],
-                    packed[s.packed_start : s.packed_start + s.length],
-                )
+        wire.unpack_into(self.xp, dst, packed, unit)
 
     def _own_chunk(self, full: Any) -> Any:
         """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array."""
@@ -447,13 +474,7 @@ class ZeroEngine:
         return cached[1]
 
     def _tensor_views(self, unit: FlatUnit, flat: Any) -> dict[str, Any]:
-        xp = self.xp
-        return {
-            name: xp.reshape(flat[off : off + _numel(shape)], shape)
-            for name, off, shape in zip(
-                unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True
-            )
-        }
+        return wire.tensor_views(self.xp, unit, flat)
 
     # =============================================================================================
     # parameters of a block
@@ -496,6 +517,7 @@ class ZeroEngine:
                 nbytes = self.xp.nbytes(packed) + (0 if unit.is_identity else self.xp.nbytes(flat))
                 self.tracker.alloc(f"gathered:{ahead}", "gathered", nbytes)
                 self._gathered[ahead] = (packed, flat, views)
+                self.unit_states[ahead] = UnitState.GATHERED
         return self.use_gathered(block, self._gathered[block][2], step)
 
     # =============================================================================================
@@ -669,6 +691,7 @@ class ZeroEngine:
                 unit = self.unit_by_block[block]
                 self._started_gathers[(phase, unit.index)] = self.shard_comm.all_gather_start(  # type: ignore[attr-defined]
                     self.param_chunk(unit))
+                self.unit_states[block] = UnitState.IN_FLIGHT
 
     def _start_reduce_scatter(self, unit: FlatUnit, grads: dict[str, Any], packed: Any) -> None:
         """Start the block's finite vote (:meth:`check_finite`'s all-reduce) and its reduce-scatter;
@@ -686,6 +709,9 @@ class ZeroEngine:
         chunks are accumulated, so no rank's state ever holds a non-finite gradient. A gather the
         schedule did not take is dropped (its rendezvous completed when every rank started it)."""
         self._started_gathers.clear()
+        for name in self.unit_states:
+            if self.unit_states[name] is UnitState.IN_FLIGHT:
+                self.unit_states[name] = UnitState.SHARDED
         started, self._started_reductions = self._started_reductions, []
         for _, vote, _ in started:
             self._raise_if_flagged(step, vote.wait(), BEFORE_REDUCTION)
@@ -743,6 +769,7 @@ class ZeroEngine:
             self.control.barrier()  # every rank starts the step together (control group: no data traffic)
         t0 = time.perf_counter()
         tr.begin_step(step)
+        self._step = step
         self._micro_grads = {}
         self._accumulated_names: dict[str, Any] = {}
         losses = [self.micro_batch(step, m) for m in range(self.run.micro_batches)]
@@ -826,11 +853,18 @@ class ZeroEngine:
         return full
 
     def optimizer_step(self, grad: Any) -> None:
+        """The optimizer step on the master shard (C-ZERO-002); bug class 11 advances the counter twice."""
         self.opt.step(self.master, grad, self.opt_state)
+        if self.corruption(Hook.OPTIMIZER_STEP) == "count-twice":
+            self.opt_state["step"] += 1
 
     def refresh_params(self) -> None:
-        """After the step: the working copy the next forward uses."""
+        """After the step: the working copy the next forward uses (bug class 12: the offloaded update is
+        accounted for as copied back, but never reaches the device shard)."""
         xp = self.xp
+        if self.corruption(Hook.PARAM_REFRESH) == "skip-copy-back":
+            self._moved["host_to_device"] += xp.nbytes(self.param_shard)
+            return
         if self.sharded_params:
             if self.mixed or self.offload:
                 work = self.precision.to_params(self.master, xp)
@@ -875,7 +909,10 @@ class ZeroEngine:
         out["optimizer"] = Holding("optimizer", own if self.sharded_optim else full, stored,
                                    sum(xp.nbytes(a) for a in arrays), self.state_dtype,
                                    self.optimizer_location)
-        out.update(self.extra_holdings())
+        if self.corruption(Hook.HOLDINGS) == "hidden-full-copy":
+            o = out["optimizer"]
+            out["optimizer"] = Holding("optimizer", ((0, self.total),), o.stored_numel + self.total,
+                                       o.nbytes + xp.nbytes(self._hidden), o.dtype, o.location)
         return out
 
     def observe(self, obs: StepObservation) -> None:
@@ -930,13 +967,6 @@ def tensor_digests(layout: Any, flat: Any) -> dict[str, str]:
     return {
         t.name: digest(flat[g0 : g0 + t.numel]) for t, g0 in zip(layout.tensors, layout.offsets, strict=True)
     }
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _tensor_index(layout: Any, name: str) -> int:

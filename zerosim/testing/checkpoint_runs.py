@@ -21,13 +21,13 @@ from ..checkpoint.engine_state import (
 from ..checks.checkpoint import StateSnapshot
 from ..comm.sim import run_spmd
 from ..engine.config import ResolvedRun, RunConfig
-from ..engine.faults import engine_class
+from ..engine.fault_catalog import engine_fault
 from ..engine.zero import ZeroEngine
 from ..xp import numpy_namespace
 
 
 def _engine(comm: Any, run: ResolvedRun) -> ZeroEngine:
-    return engine_class(run.fault)(comm, run, numpy_namespace())
+    return ZeroEngine(comm, run, numpy_namespace(), fault=engine_fault(run))
 
 
 def _resolve(cfg: RunConfig | ResolvedRun) -> ResolvedRun:

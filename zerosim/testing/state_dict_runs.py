@@ -17,7 +17,8 @@ from ..checkpoint.broadcast import BroadcastLoadResult, broadcast_and_shard_stat
 from ..checks.state_dict import check_broadcast_shard
 from ..comm.sim import run_spmd
 from ..engine.config import ResolvedRun, RunConfig
-from ..engine.faults import engine_class
+from ..engine.fault_catalog import engine_fault
+from ..engine.faults import EngineFault
 from ..engine.zero import ZeroEngine
 from ..layout import ParamLayout
 from ..observe import ShardValues
@@ -70,16 +71,18 @@ def load_on_ranks(
     *,
     strict: bool = True,
     bucket_bytes: int = 0,
-    engine_cls: type[ZeroEngine] | None = None,
+    engine_cls: type[ZeroEngine] = ZeroEngine,
+    fault: EngineFault | None = None,
     other_source: Any = None,
 ) -> list[RankLoad]:
     """Fresh engines for ``cfg``; rank 0 loads ``state`` (a mapping or a file path), every other rank
-    passes ``other_source``; per rank what it holds afterwards."""
+    passes ``other_source``; per rank what it holds afterwards. The engines are handed ``fault``, or
+    the run's catalogued fault when none is given."""
     run = cfg if isinstance(cfg, ResolvedRun) else cfg.resolve()
-    cls = engine_cls or engine_class(run.fault)
+    fault = fault if fault is not None else engine_fault(run)
 
     def program(comm: Any) -> RankLoad:
-        engine = cls(comm, run, numpy_namespace())
+        engine = engine_cls(comm, run, numpy_namespace(), fault=fault)
         source = state if comm.rank == 0 else other_source
         result = broadcast_and_shard_state_dict(engine, source, strict=strict, bucket_bytes=bucket_bytes)
         shard = ShardValues(tuple(engine.owned_pieces), engine.xp.to_numpy(engine.master, copy=True))

@@ -1,0 +1,73 @@
+"""What the engine reads of a run, as a protocol: the one type both drivers hand the engine.
+
+:class:`~zerosim.engine.zero.ZeroEngine` needs a run's layout, unit plan, strategy, precision,
+optimizer, schedule (steps, micro-batches, prefetch), what to observe and three run options. The
+simulator's :class:`~zerosim.engine.config.ResolvedRun` provides them from a validated
+``RunConfig``; a torch module's :class:`zerogpu.module_engine.ModuleRun` provides the same fields
+for a user's model. Both satisfy :class:`EngineRun` structurally (mypy checks each), so neither is
+passed as the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ..flat_buffers import UnitPlan
+from ..layout import ParamLayout
+from ..optim import OptimizerSpec
+from ..precision import Precision
+from ..strategy import ShardingStrategy
+
+
+class RunOptions(Protocol):
+    """The run options the engine reads: CPU offload, how initial weights arrive, a reshard step."""
+
+    @property
+    def offload(self) -> Any: ...
+    @property
+    def load(self) -> str: ...
+    @property
+    def reshard_at(self) -> int | None: ...
+
+
+class EngineRun(Protocol):
+    """Everything :class:`~zerosim.engine.zero.ZeroEngine` reads of its run (read-only)."""
+
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def k(self) -> int: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def layout(self) -> ParamLayout: ...
+    @property
+    def unit_plan(self) -> UnitPlan: ...
+    @property
+    def strategy(self) -> ShardingStrategy: ...
+    @property
+    def precision(self) -> Precision: ...
+    @property
+    def spec(self) -> OptimizerSpec: ...
+    @property
+    def zero1_reduce_scatter(self) -> bool: ...
+    @property
+    def steps(self) -> int: ...
+    @property
+    def micro_batches(self) -> int: ...
+    @property
+    def prefetch(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def model_cfg(self) -> Any: ...
+    @property
+    def inject_nan(self) -> Any: ...
+    @property
+    def observe_values(self) -> bool: ...
+    @property
+    def observe_full(self) -> bool: ...
+    @property
+    def observe_gathered(self) -> bool: ...
+    @property
+    def cfg(self) -> RunOptions: ...
