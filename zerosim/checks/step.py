@@ -41,8 +41,9 @@ from ..dtypes import itemsize
 from ..intervals import first_difference
 from ..layout import ParamLayout
 from ..observe import RankObservation, ShardValues, digest
-from ..verdict import Verdict, Violation
+from ..verdict import Verdict
 from ..xp import numpy_namespace
+from .collect import ViolationCollector
 
 MAX_PER_CLAUSE = 8
 
@@ -87,28 +88,17 @@ def equivalence_tolerance(precision: str) -> Tolerance:
 # ---------------------------------------------------------------------------------------------------
 
 
-class _Clauses:
-    """Collects violations, at most MAX_PER_CLAUSE per clause; counts the rest."""
+def _clauses(contract: str, context: dict[str, Any] | None = None) -> ViolationCollector:
+    """The collector of a step contract: at most MAX_PER_CLAUSE violations kept per clause."""
+    return ViolationCollector(contract, context, per_clause=MAX_PER_CLAUSE)
 
-    def __init__(self, contract: str, context: dict[str, Any] | None = None):
-        self.verdict = Verdict(contract)
-        self.context = context or {}
-        self.counts: dict[str, int] = {}
 
-    def add(self, clause: str, message: str, context: dict[str, Any] | None = None, **kw: Any) -> None:
-        self.counts[clause] = self.counts.get(clause, 0) + 1
-        if self.counts[clause] <= MAX_PER_CLAUSE:
-            ctx = {**self.context, **(context or {})}
-            self.verdict.violations.append(
-                Violation(self.verdict.contract, clause, message, context=ctx, **kw)
-            )
-
-    def done(self, **details: Any) -> Verdict:
-        hidden = {c: n - MAX_PER_CLAUSE for c, n in self.counts.items() if n > MAX_PER_CLAUSE}
-        if hidden:
-            details["violations_not_listed"] = hidden
-        self.verdict.details.update(details)
-        return self.verdict
+def _done(col: ViolationCollector, **details: Any) -> Verdict:
+    """The collected verdict; the findings not kept are counted per clause in ``violations_not_listed``."""
+    hidden = col.not_listed_by_clause()
+    if hidden:
+        details["violations_not_listed"] = hidden
+    return col.verdict(**details)
 
 
 def tensor_at(layout: ParamLayout | None, index: int) -> tuple[str | None, int]:
@@ -205,7 +195,7 @@ def check_equivalence(
     """
     tol = tolerance or EQUIVALENCE_TOLERANCE["fp32"]
     mode = "bitwise" if bitwise else "allclose"
-    col = _Clauses(contract, {"reference": getattr(reference, "name", "?"), "mode": mode})
+    col = _clauses(contract, {"reference": getattr(reference, "name", "?"), "mode": mode})
     diverged_at = getattr(reference, "diverged_at", None)
     checked = 0
     max_abs: dict[str, float] = {}
@@ -339,7 +329,7 @@ def check_equivalence(
         extra["diverged"] = (f"the reference went non-finite (loss or state) at step {diverged_at}: "
                              f"compared steps before it only")
     tolerance_json = None if bitwise or derived else tol.to_json()
-    v = col.done(mode=mode, tolerance=tolerance_json, max_abs_error=max_abs, max_rel_error=max_rel, **extra)
+    v = _done(col, mode=mode, tolerance=tolerance_json, max_abs_error=max_abs, max_rel_error=max_rel, **extra)
     v.diverged_at = diverged_at
     v.checked = checked
     return v
@@ -383,7 +373,7 @@ def check_post_gather_identity(observations: Sequence[RankObservation], *, layou
                                contract: str = "C-ZERO-003") -> Verdict:
     """After each step, every rank's gathered working parameters are bitwise identical, and equal the
     working-dtype cast of the float32 master assembled from its shard group's shards."""
-    col = _Clauses(contract)
+    col = _clauses(contract)
     checked = 0
     steps = sorted({s.step for o in observations for s in o.steps})
     by_rank = {o.rank: o for o in observations}
@@ -472,9 +462,9 @@ def check_post_gather_identity(observations: Sequence[RankObservation], *, layou
                     )
     observed = any(s.gathered is not None or s.gathered_digest for o in observations for s in o.steps)
     if not observed:
-        v = col.done(skipped="no gathered weights were observed (observe='none')")
+        v = _done(col, skipped="no gathered weights were observed (observe='none')")
     else:
-        v = col.done(steps=len(steps), ranks=len(observations))
+        v = _done(col, steps=len(steps), ranks=len(observations))
     v.checked = checked
     return v
 
@@ -499,7 +489,7 @@ def check_ownership(observations: Sequence[RankObservation], expect: OwnershipEx
                     layout: ParamLayout | None = None, contract: str = "C-ZERO-004") -> Verdict:
     """What each rank holds matches the plan; memory accounting agrees; transients freed; ZeRO-3 peak bound.
     """
-    col = _Clauses(contract)
+    col = _clauses(contract)
     checked = 0
     plan = expect.plan
     for obs in observations:
@@ -587,7 +577,7 @@ def check_ownership(observations: Sequence[RankObservation], expect: OwnershipEx
                         expected=bound,
                         got=mem.peak_live_params,
                     )
-    v = col.done(
+    v = _done(col,
         peaks={o.rank: [s.memory.peak_live_params for s in o.steps if s.memory] for o in observations}
     )
     v.checked = checked
@@ -602,7 +592,7 @@ def check_ownership(observations: Sequence[RankObservation], expect: OwnershipEx
 def check_communication(observations: Sequence[RankObservation], estimate: Any, *,
                         contract: str = "C-ZERO-005") -> Verdict:
     """Each rank's measured data traffic per step equals the ring model, per group kind and collective."""
-    col = _Clauses(contract, {"strategy": estimate.strategy})
+    col = _clauses(contract, {"strategy": estimate.strategy})
     expected = estimate.expected()
     checked = 0
     for obs in observations:
@@ -625,7 +615,7 @@ def check_communication(observations: Sequence[RankObservation], estimate: Any, 
                         context={"group_kind": key[0], "collective": key[1]},
                     )
     measured_total = [float(s.bytes_sent()) for o in observations[:1] for s in o.steps]
-    v = col.done(
+    v = _done(col,
         model_bytes_sent_per_rank=float(estimate.bytes_sent),
         measured_bytes_sent_rank0=measured_total,
         paper_elements_per_rank=float(estimate.paper_elements()),
