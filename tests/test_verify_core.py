@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from zerosim.checks.tolerance import ErrorModel, adam_direction_bound, gamma, reduction_length
 from zerosim.errors import ConfigError
 from zerosim.verify import ContractOutcome, Diagnosis, RankFailure, TrainerError, VerifyReport, verify
 from zerosim.verify.checks import check_equivalence, check_identity, check_ownership, float32_masters
@@ -35,7 +36,6 @@ from zerosim.verify.protocol import (
 from zerosim.verify.reference import Reference, choose_clip, make_optimizer
 from zerosim.verify.suite import MAX_STEPS, PHASE_CONFIGS, build_phases
 from zerosim.verify.targets import resolve_factory
-from zerosim.verify.tolerance import ErrorModel, adam_direction_bound, gamma, reduction_length
 
 REPO = Path(__file__).resolve().parents[1]
 SGD = dict(PHASE_CONFIGS["sgd"])

@@ -44,44 +44,9 @@ from ..observe import RankObservation, ShardValues, digest
 from ..verdict import Verdict
 from ..xp import numpy_namespace
 from .collect import ViolationCollector
+from .tolerance import EQUIVALENCE_TOLERANCE, Tolerance
 
 MAX_PER_CLAUSE = 8
-
-# ---------------------------------------------------------------------------------------------------
-# tolerances (the contract spec files document the same numbers and why; a test keeps them in sync)
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """The normwise fallback for a reference without per-element bounds: elementwise
-    ``|got - expected| <= atol_scale * max|expected|`` per state array (the array's own scale:
-    parameters are O(1), Adam's second moment O(g^2)); grad norm and clip factor within ``norm_rtol``
-    relative. A reference that carries bounds (the engine's ground truth) is judged by them instead.
-    Values and their justification: contracts/C-ZERO-002.toml."""
-
-    atol_scale: float
-    norm_rtol: float
-
-    def to_json(self) -> dict[str, float]:
-        return {"atol_scale": self.atol_scale, "norm_rtol": self.norm_rtol}
-
-
-# The normwise fallback, for a reference that carries no per-element bounds (the engine's ground truth
-# carries them: zerosim.checks.rounding). fp32 2e-5 is the worst-case float32 reordering bound (n u,
-# n ~ 300 terms); the 16-bit ones are 2.5-4x one 16-bit ulp doubled by Adam's g^2 (bf16 2 * 2^-8,
-# fp16 2 * 2^-11). It cannot cover Adam's amplification of a near-zero gradient element's rounding
-# (an O(lr) parameter difference): contracts/C-ZERO-002.toml, docs/contracts-and-tolerances.md.
-EQUIVALENCE_TOLERANCE = {
-    "fp32": Tolerance(atol_scale=2e-5, norm_rtol=1e-6),
-    "bf16": Tolerance(atol_scale=2e-2, norm_rtol=2e-3),
-    "fp16": Tolerance(atol_scale=4e-3, norm_rtol=2.5e-4),
-}
-
-
-def equivalence_tolerance(precision: str) -> Tolerance:
-    return EQUIVALENCE_TOLERANCE.get(precision, EQUIVALENCE_TOLERANCE["fp32"])
-
 
 # ---------------------------------------------------------------------------------------------------
 # helpers

@@ -22,8 +22,8 @@ from ..checks.step import (
     check_equivalence,
     check_ownership,
     check_post_gather_identity,
-    equivalence_tolerance,
 )
+from ..checks.tolerance import equivalence_tolerance
 from ..cost.comm_model import CommEstimate, comm_for_run
 from ..errors import ConfigError
 from ..observe import RankObservation

@@ -7,7 +7,7 @@
   such group has k members, and one rank of each group covers every element exactly once. The
   layout is inferred from the ranges alone.
 * C-ZERO-002 (:func:`check_equivalence`): every rank's full parameters, and its optimizer state where
-  exposed, within the per-element bound of :mod:`zerosim.verify.tolerance` of the unsharded
+  exposed, within the per-element bound of :mod:`zerosim.checks.tolerance` of the unsharded
   reference at every step; Adam's ``step`` counter exactly equal.
 * C-ZERO-003 (:func:`check_identity`): every rank's full parameters bitwise equal after every step
   (the odd rank out is named: ranks are compared with the bit pattern most of them hold).

@@ -1,7 +1,7 @@
 """Rank 0's evaluation of a ``zerosim verify`` run: reference, bounds, checks, diagnosis -> VerifyReport.
 
 For every phase that ran, the reference (:mod:`zerosim.verify.reference`) replays the phase from the
-same initial model on the global batches, the error model (:mod:`zerosim.verify.tolerance`) derives
+same initial model on the global batches, the error model (:mod:`zerosim.checks.tolerance`) derives
 each step's per-element bound in the trainer's arithmetic dtype (float32 when the run is float32,
 or when the trainer keeps float32 master weights of a float64 model: every parameter exactly
 float32-representable after every step), and the checks (:mod:`zerosim.verify.checks`) and the
@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from zerosim.checks.tolerance import ErrorModel
+
 from .checks import check_equivalence, check_identity, check_ownership, float32_masters
 from .model import require_model
 from .observation import StepObservation, StepRecord
@@ -22,7 +24,6 @@ from .outcome import ContractOutcome, VerifyReport
 from .reference import Reference
 from .resume import ResumeRun, check_resume
 from .suite import Phase
-from .tolerance import ErrorModel
 
 
 def build_records(

@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from zerosim.checks.tolerance import StepBounds
+
 from .reference import ReferenceStep
-from .tolerance import StepBounds
 
 
 @dataclass
