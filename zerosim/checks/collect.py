@@ -13,6 +13,9 @@ from typing import Any
 
 from ..verdict import Verdict, Violation
 
+#: violations a live trainer's verdict lists in all (``zerosim verify``); the rest are counted in its details
+MAX_LISTED = 64
+
 
 class ViolationCollector:
     """Collects one contract's violations, with ``context`` attached to each (a call's own context is
@@ -82,3 +85,11 @@ class ViolationCollector:
     def verdict(self, checked: int = 0, **details: Any) -> Verdict:
         """The Verdict of what was collected, with ``details``."""
         return Verdict(self.contract, list(self.violations), checked=checked, details=details)
+
+    def listed_verdict(self, checked: int = 0, **details: Any) -> Verdict:
+        """The Verdict with its listing counted in ``details``: ``violations_not_listed`` (findings not
+        kept, where any) and ``violation_count`` (every finding)."""
+        if self.not_listed:
+            details["violations_not_listed"] = self.not_listed
+        details["violation_count"] = self.count
+        return self.verdict(checked, **details)

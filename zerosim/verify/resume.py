@@ -15,13 +15,17 @@ Two parts, both over every phase that resumed:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from .checks import _Listing, check_equivalence, first_run, violation
-from .observation import StepObservation, StepRecord
+from zerosim.checks.collect import MAX_LISTED, ViolationCollector
+from zerosim.checks.equivalence import check_step_equivalence
+from zerosim.checks.mismatch import first_run
+from zerosim.observe import TrainerObservation
+
+from .observation import StepRecord
 from .outcome import ContractOutcome
 from .protocol import STATE_NAMES
 
@@ -38,8 +42,8 @@ class ResumeRun:
     at: int
     world_before: int
     world_after: int
-    before_save: dict[str, StepObservation] = field(default_factory=dict)
-    after_load: dict[str, list[StepObservation]] = field(default_factory=dict)
+    before_save: dict[str, TrainerObservation] = field(default_factory=dict)
+    after_load: dict[str, list[TrainerObservation]] = field(default_factory=dict)
 
     def last_step_before(self, first_step: int) -> int:
         """The global number of the last step trained before the resume, in a phase starting there."""
@@ -61,17 +65,17 @@ def _bytes_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _compare_bitwise(
-    out: _Listing, phase: str, step: int, rank: int, label: str, saved: Any, loaded: Any, **extra: Any
+    out: ViolationCollector, phase: str, step: int, rank: int, label: str, saved: Any, loaded: Any,
+    **extra: Any,
 ) -> None:
     s = np.asarray(saved)
     g = np.asarray(loaded)
     if s.shape != g.shape or s.dtype != g.dtype:
         out.add(
-            violation(
-                CONTRACT, phase, step, rank, label, 0, int(s.size), None, None, None, 0.0,
-                f"after load_checkpoint: shape {tuple(g.shape)} {g.dtype}, saved {tuple(s.shape)} {s.dtype}",
-                clause="round_trip", **extra,
-            )
+            "round_trip",
+            f"after load_checkpoint: shape {tuple(g.shape)} {g.dtype}, saved {tuple(s.shape)} {s.dtype}",
+            {**extra},
+            phase=phase, step=step, ranks=(rank,), tensor=label, interval=(0, int(s.size)), tolerance=0.0,
         )
         return
     differ = _bytes_differ(s, g)
@@ -82,17 +86,17 @@ def _compare_bitwise(
     gf = g.astype(np.float64).reshape(-1)
     err = float(np.max(np.abs(sf - gf)))
     out.add(
-        violation(
-            CONTRACT, phase, step, rank, label, start, stop, sf[start], gf[start], err, 0.0,
-            f"after load_checkpoint {int(differ.sum())} of {s.size} elements differ bitwise from the "
-            "saved trainer's",
-            clause="round_trip", **extra,
-        )
+        "round_trip",
+        f"after load_checkpoint {int(differ.sum())} of {s.size} elements differ bitwise from the "
+        "saved trainer's",
+        {**extra},
+        phase=phase, step=step, ranks=(rank,), tensor=label, interval=(start, stop), expected=sf[start],
+        got=gf[start], error=err, tolerance=0.0,
     )
 
 
-def check_round_trip(out: _Listing, phase: str, step: int, saved: StepObservation,
-                     loaded: Sequence[StepObservation]) -> None:
+def check_round_trip(out: ViolationCollector, phase: str, step: int, saved: TrainerObservation,
+                     loaded: Sequence[TrainerObservation]) -> None:
     """Every loaded rank's parameters and optimizer state bitwise equal to the saved trainer's."""
     names = STATE_NAMES.get(phase, ())
     for obs in loaded:
@@ -106,13 +110,11 @@ def check_round_trip(out: _Listing, phase: str, step: int, saved: StepObservatio
                 got = None if got_entry is None else got_entry.get(key)
                 if got is None:
                     out.add(
-                        violation(
-                            CONTRACT, phase, step, obs.rank, f"{name}[{key}]", 0, int(np.asarray(arr).size),
-                            None,
-                            None, None, 0.0,
-                            f"optimizer state {key!r} was saved but is missing after load_checkpoint",
-                            clause="round_trip", state=key,
-                        )
+                        "round_trip",
+                        f"optimizer state {key!r} was saved but is missing after load_checkpoint",
+                        {"state": key},
+                        phase=phase, step=step, ranks=(obs.rank,), tensor=f"{name}[{key}]",
+                        interval=(0, int(np.asarray(arr).size)), tolerance=0.0,
                     )
                     continue
                 _compare_bitwise(out, phase, step, obs.rank, f"{name}[{key}]", arr, got, state=key)
@@ -123,7 +125,7 @@ def check_resume(records: Sequence[StepRecord], resume: ResumeRun,
     """C-ZERO-007 over the phases that resumed (see the module docstring)."""
     if not resume.after_load:
         return ContractOutcome("skipped", "no phase resumed from a checkpoint")
-    out = _Listing(CONTRACT)
+    out = ViolationCollector(CONTRACT, total=MAX_LISTED)
     for phase, loaded in resume.after_load.items():
         saved = resume.before_save[phase]
         check_round_trip(out, phase, resume.last_step_before(first_steps[phase]), saved, loaded)
@@ -132,9 +134,9 @@ def check_resume(records: Sequence[StepRecord], resume: ResumeRun,
         r for r in records
         if r.phase in resume.after_load and r.step > resume.last_step_before(first_steps[r.phase])
     ]
-    eq = check_equivalence(continued)
+    eq = check_step_equivalence(continued)
     for v in eq.violations:
-        out.add({**v, "contract": CONTRACT, "clause": "continuation"})
+        out.add_violation(replace(v, contract=CONTRACT, clause="continuation"))
     hidden = int(eq.details.get("violations_not_listed", 0))
     out.count += hidden
     kept = ("max_error", "tolerance", "error_over_tolerance", "worst", "max_abs_error", "state_compared")
@@ -144,4 +146,4 @@ def check_resume(records: Sequence[StepRecord], resume: ResumeRun,
         round_trip_violations=round_trip_failures,
         continued_steps=len(continued),
     )
-    return out.outcome(**details)
+    return ContractOutcome.from_verdict(out.listed_verdict(**details))
