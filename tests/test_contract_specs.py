@@ -43,9 +43,10 @@ def test_every_spec_is_valid_and_its_checks_resolve_to_callables(path):
 def test_c_zero_001_spec_names_its_clauses_and_checks():
     spec = get_contract("C-ZERO-001")
     from zerosim.checks.partition import CLAUSES, check_partition_plan, check_state_plan
+    from zerosim.checks.partition_ranges import check_partition_ranges
 
     assert spec.resolve_check() is check_partition_plan
-    assert spec.resolve_checks() == [check_partition_plan, check_state_plan]
+    assert spec.resolve_checks() == [check_partition_plan, check_state_plan, check_partition_ranges]
     assert set(spec.clauses) == set(CLAUSES)
     assert spec.tolerance["kind"] == "exact"
     for clause in CLAUSES:

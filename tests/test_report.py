@@ -161,7 +161,7 @@ def test_report_cli_small_run_and_bad_input(tmp_path, capsys):
 
 
 def test_the_equivalence_figure_shows_every_world_size_it_quotes_against_the_verdicts_tolerance(small_report):
-    from zerosim.checks.step import equivalence_tolerance
+    from zerosim.checks.tolerance import equivalence_tolerance
 
     result, out = small_report
     eq = json.loads((out / "equivalence_error.json").read_text())

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from zerosim.checks import step as checks
+from zerosim.checks import tolerance
 from zerosim.contracts import load_contracts
 from zerosim.engine.config import RunConfig
 from zerosim.engine.fault_catalog import FAULTS
@@ -51,7 +51,7 @@ def test_specs_resolve_and_tolerances_match_the_code():
     for cid in STEP_CONTRACTS:
         assert callable(specs[cid].resolve_check())
     tol = specs["C-ZERO-002"].tolerance
-    for precision, t in checks.EQUIVALENCE_TOLERANCE.items():
+    for precision, t in tolerance.EQUIVALENCE_TOLERANCE.items():
         assert tol[precision] == {"atol_scale": t.atol_scale, "norm_rtol": t.norm_rtol}
     assert set(specs["C-ZERO-004"].clauses) == {
         "intervals",

@@ -9,6 +9,7 @@ table and ``installed_adapters()`` say why.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,35 @@ def test_deepspeed_adapter_without_deepspeed_is_a_clear_install_hint(monkeypatch
     monkeypatch.setattr(builtins, "__import__", no_deepspeed)
     with pytest.raises(ConfigError, match="DeepSpeed is not installed: DS_BUILD_OPS=0 pip install"):
         deepspeed_zero._deepspeed()
+
+
+def test_deepspeed_adapter_builds_no_extension_so_a_stale_build_lock_cannot_stall_it(tmp_path: Path) -> None:
+    """A killed just-in-time build leaves ``<TORCH_EXTENSIONS_DIR>/deepspeed_shm_comm/lock`` behind, and
+    DeepSpeed's next build of that op waits on it forever. The adapter's DeepSpeed builds no such op."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("deepspeed")
+    from zerosim.verify.adapters.deepspeed_zero import SHM_COMM_OP
+
+    (tmp_path / SHM_COMM_OP).mkdir()
+    (tmp_path / SHM_COMM_OP / "lock").touch()
+    probe = (
+        "from zerosim.verify.adapters.deepspeed_zero import _deepspeed\n"
+        "_deepspeed()\n"
+        "from deepspeed.comm.torch import build_shm_op\n"
+        "print('shm op:', build_shm_op())\n"
+    )
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"DeepSpeed waited on the stale build lock {tmp_path / SHM_COMM_OP / 'lock'} for 120s")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "shm op: None" in done.stdout, done.stdout[-2000:]
+    assert not (tmp_path / SHM_COMM_OP / "build.ninja").exists()
 
 
 def test_hybrid_mesh_shape_keeps_a_replica_dimension_when_it_can() -> None:

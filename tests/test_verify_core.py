@@ -20,9 +20,12 @@ import numpy as np
 import pytest
 import torch
 
+from zerosim.checks.equivalence import check_step_equivalence, float32_masters
+from zerosim.checks.identity import check_replica_identity
+from zerosim.checks.partition_ranges import check_partition_ranges
+from zerosim.checks.tolerance import ErrorModel, adam_direction_bound, gamma, reduction_length
 from zerosim.errors import ConfigError
 from zerosim.verify import ContractOutcome, Diagnosis, RankFailure, TrainerError, VerifyReport, verify
-from zerosim.verify.checks import check_equivalence, check_identity, check_ownership, float32_masters
 from zerosim.verify.diagnosis import bug_classes, diagnose
 from zerosim.verify.model import PRESETS, build_model, micro_batch, parameter_count
 from zerosim.verify.observation import StepObservation, StepRecord
@@ -35,11 +38,15 @@ from zerosim.verify.protocol import (
 from zerosim.verify.reference import Reference, choose_clip, make_optimizer
 from zerosim.verify.suite import MAX_STEPS, PHASE_CONFIGS, build_phases
 from zerosim.verify.targets import resolve_factory
-from zerosim.verify.tolerance import ErrorModel, adam_direction_bound, gamma, reduction_length
 
 REPO = Path(__file__).resolve().parents[1]
 SGD = dict(PHASE_CONFIGS["sgd"])
 ADAMW = {**PHASE_CONFIGS["adamw"], "max_grad_norm": 2.0}
+
+
+def judged(check, *args):
+    """A check of zerosim.checks on the records, rendered as verify's report renders it."""
+    return ContractOutcome.from_verdict(check(*args))
 
 
 # ---- helpers: a correct in-process data-parallel trainer, and records from it -----------------------------
@@ -201,7 +208,7 @@ def test_adam_direction_bound_holds_for_any_gradient_sequence():
 def test_a_correct_sharded_computation_stays_within_the_derived_bound(optim, dtype):
     world, steps = 4, 4
     traj = data_parallel_steps(optim, world, steps, dtype)
-    outcome = check_equivalence(records_for(optim, world, steps, [traj] * world, dtype))
+    outcome = judged(check_step_equivalence, records_for(optim, world, steps, [traj] * world, dtype))
     assert outcome.status == "pass", outcome.reason
     assert outcome.details["max_error"] <= outcome.details["tolerance"]
 
@@ -210,7 +217,7 @@ def test_a_correct_sharded_computation_stays_within_the_derived_bound(optim, dty
 def test_weight_decay_twice_exceeds_the_float64_bound(optim):
     world, steps = 2, 2
     traj = data_parallel_steps(optim, world, steps, bug="double-decay")
-    outcome = check_equivalence(records_for(optim, world, steps, [traj] * world))
+    outcome = judged(check_step_equivalence, records_for(optim, world, steps, [traj] * world))
     assert outcome.status == "fail"
     first = outcome.first_violation
     assert first["step"] == 1 and first["contract"] == "C-ZERO-002"
@@ -225,7 +232,7 @@ def test_equivalence_names_rank_tensor_and_range(sgd_correct):
     bad = copy.deepcopy(traj)
     bad[1]["blocks.0.fc.bias"][10:13] += 1e-6  # step 2, rank 2
     trajectories = [traj, traj, bad]
-    outcome = check_equivalence(records_for(SGD, world, 3, trajectories))
+    outcome = judged(check_step_equivalence, records_for(SGD, world, 3, trajectories))
     assert outcome.status == "fail"
     v = outcome.first_violation
     assert (v["step"], v["rank"], v["tensor"], v["start"], v["stop"]) == (2, 2, "blocks.0.fc.bias", 10, 13)
@@ -238,12 +245,36 @@ def test_identity_names_the_odd_rank_out(sgd_correct):
     bad = copy.deepcopy(traj)
     flat = bad[0]["wpe.weight"].reshape(-1)
     flat[100] = np.nextafter(flat[100], np.inf)  # one ulp, step 1, rank 1
-    outcome = check_identity(records_for(SGD, world, 3, [traj, bad, traj]))
+    outcome = judged(check_replica_identity, records_for(SGD, world, 3, [traj, bad, traj]))
     assert outcome.status == "fail"
     v = outcome.first_violation
     assert (v["step"], v["rank"], v["tensor"], v["start"], v["stop"]) == (1, 1, "wpe.weight", 100, 101)
     assert "rank(s) 0,2" in v["message"]
-    assert check_identity(records_for(SGD, world, 3, [traj] * world)).status == "pass"
+    assert judged(check_replica_identity, records_for(SGD, world, 3, [traj] * world)).status == "pass"
+
+
+def test_live_trainer_verdicts_use_the_contracts_own_clauses(sgd_correct):
+    """The checks of zerosim.checks judge a live trainer's records into Violations whose clauses are
+    those the contract's spec names; a bug (one rank's bias off by 1e-6) is named in the Violation."""
+    from zerosim.contracts import get_contract
+
+    world, traj = sgd_correct
+    bad = copy.deepcopy(traj)
+    bad[1]["blocks.0.fc.bias"][10:13] += 1e-6  # step 2, rank 2
+    records = records_for(SGD, world, 3, [traj, traj, bad])
+    for check, cid in ((check_step_equivalence, "C-ZERO-002"), (check_replica_identity, "C-ZERO-003")):
+        verdict = check(records)
+        assert not verdict.passed and verdict.contract == cid
+        assert {v.clause for v in verdict.violations} <= set(get_contract(cid).clauses)
+        v = verdict.violations[0]
+        where = (v.phase, v.step, v.ranks, v.tensor, v.interval)
+        assert where == ("sgd", 2, (2,), "blocks.0.fc.bias", (10, 13))
+        assert v.error is not None and v.tolerance is not None and v.error > v.tolerance
+    gap = flat_shards(4, cut=lambda r, lo, hi: (lo, hi - 3 if r == 3 else hi))
+    ranges = check_partition_ranges(records_for(SGD, 4, 1, [data_parallel_steps(SGD, 4, 1)] * 4, shards=gap),
+                                    numels())
+    assert {v.clause for v in ranges.violations} <= set(get_contract("C-ZERO-001").clauses)
+    assert any(v.clause == "coverage" and v.tensor == "head.weight" for v in ranges.violations)
 
 
 def test_step_counter_must_match_exactly():
@@ -254,9 +285,9 @@ def test_step_counter_must_match_exactly():
         obs.state = {
             n: {k: np.array(v, copy=True) for k, v in st.items()} for n, st in recs[0].ref.state.items()
         }
-    assert check_equivalence(recs).status == "pass"
+    assert judged(check_step_equivalence, recs).status == "pass"
     recs[0].ranks[1].state["ln_f.bias"]["step"] = np.array(2.0)
-    v = check_equivalence(recs).first_violation
+    v = judged(check_step_equivalence, recs).first_violation
     assert (v["rank"], v["tensor"], v.get("state")) == (1, "ln_f.bias", "step")
 
 
@@ -301,7 +332,7 @@ def test_float32_masters_of_a_float64_model_stay_within_the_float32_bound():
                 rs, em.step(rs), [StepObservation("adamw", k + 1, r, 0.0, traj[k]) for r in range(world)]
             )
         )
-    outcome = check_equivalence(records)
+    outcome = judged(check_step_equivalence, records)
     assert outcome.status == "pass", outcome.reason
 
 
@@ -310,7 +341,7 @@ def test_float32_masters_of_a_float64_model_stay_within_the_float32_bound():
 
 def _ownership(shards, world=4):
     traj = data_parallel_steps(SGD, world, 1)
-    return check_ownership(records_for(SGD, world, 1, [traj] * world, shards=shards), numels())
+    return judged(check_partition_ranges, records_for(SGD, world, 1, [traj] * world, shards=shards), numels())
 
 
 def test_ownership_passes_for_flat_zero1_and_hybrid():
@@ -360,9 +391,10 @@ def test_ownership_skipped_without_local_shards():
 
 
 def _diagnose(records, shards_numels=None):
-    contracts = {"C-ZERO-002": check_equivalence(records), "C-ZERO-003": check_identity(records)}
+    contracts = {"C-ZERO-002": judged(check_step_equivalence, records),
+                 "C-ZERO-003": judged(check_replica_identity, records)}
     if shards_numels is not None:
-        contracts["C-ZERO-001"] = check_ownership(records, shards_numels)
+        contracts["C-ZERO-001"] = judged(check_partition_ranges, records, shards_numels)
     return diagnose(records, contracts)
 
 

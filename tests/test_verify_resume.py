@@ -16,8 +16,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.test_verify_bad_input import error_line, run_verify  # noqa: E402
-from zerosim.verify.checks import _Listing  # noqa: E402
+from zerosim.checks.collect import ViolationCollector  # noqa: E402
 from zerosim.verify.observation import StepObservation  # noqa: E402
+from zerosim.verify.outcome import violation_json  # noqa: E402
 from zerosim.verify.reference import Reference  # noqa: E402
 from zerosim.verify.resume import SNAPSHOT_FILE, check_round_trip, read_first_run  # noqa: E402
 
@@ -78,11 +79,12 @@ def test_round_trip_names_a_lost_state_and_a_changed_element() -> None:
         StepObservation("adamw", 2, 0, 0.0, dict(params), {"w": {**state["w"], "step": np.array(0.0)}}),
         StepObservation("adamw", 2, 1, 0.0, changed, {"w": {"exp_avg": state["w"]["exp_avg"]}}),
     ]
-    out = _Listing("C-ZERO-007")
+    out = ViolationCollector("C-ZERO-007")
     check_round_trip(out, "adamw", 2, saved, loaded)
-    found = {(v["rank"], v["tensor"], v["start"], v["stop"]) for v in out.violations}
+    listed = [violation_json(v) for v in out.violations]
+    found = {(v["rank"], v["tensor"], v["start"], v["stop"]) for v in listed}
     assert found == {(0, "w[step]", 0, 1), (1, "w", 4, 5), (1, "w[exp_avg_sq]", 0, 6), (1, "w[step]", 0, 1)}
-    missing = next(v for v in out.violations if v["tensor"] == "w[exp_avg_sq]")
+    missing = next(v for v in listed if v["tensor"] == "w[exp_avg_sq]")
     assert missing["state"] == "exp_avg_sq" and "missing after load_checkpoint" in missing["message"]
 
 

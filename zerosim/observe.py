@@ -12,6 +12,12 @@ Per rank and per step:
 * what the rank holds (``Holding``: intervals, stored elements, bytes), measured from its live arrays;
 * the traffic it recorded during the step (data and control separately);
 * its memory peaks (``StepMemory``) and the step's wall-clock interval.
+
+A live trainer (``zerosim verify``) shows less of its inside and more of its outside: per rank and
+per step a :class:`TrainerObservation` holds its full parameters, its optimizer state where exposed,
+the element ranges it owns, the traffic it recorded and its resident bytes, and the gradient norm it
+logged. A :class:`TrainerStep` puts every rank's observation of one step beside the unsharded
+reference's values and C-ZERO-002's per-element bound for them; the checks read nothing else.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -217,6 +223,68 @@ class RankObservation:
         if with_steps:
             out["steps"] = [s.to_json() for s in self.steps]
         return out
+
+
+@dataclass
+class TrainerObservation:
+    """One rank of a live trainer after one step, as ``zerosim verify`` observes it.
+
+    ``params``: its ``full_parameters()`` by tensor name; ``state``: its ``full_optimizer_state()``
+    (tensor name -> state name -> array) where exposed; ``shards``: the flat element ranges
+    ``[start, stop)`` per tensor it owns (``local_shards()``) where exposed; ``resources``: the step's
+    counted traffic (``"traffic"``) and resident bytes (``"memory"``) where observed;
+    ``grad_norm``: the global gradient norm the trainer logged for the step, where it logs one.
+    """
+
+    phase: str
+    step: int  # global, 1-based
+    rank: int
+    loss: float
+    params: dict[str, np.ndarray]
+    state: dict[str, dict[str, np.ndarray]] | None = None
+    shards: dict[str, list[tuple[int, int]]] | None = None
+    resources: dict[str, Any] | None = None
+    grad_norm: float | None = None
+
+    @property
+    def traffic(self) -> Any:
+        """The step's traffic records (None: not observed)."""
+        return (self.resources or {}).get("traffic")
+
+    @property
+    def resident_bytes(self) -> dict[str, int] | None:
+        """Resident bytes per kind of state at the end of the step (None: not observed)."""
+        return (self.resources or {}).get("memory")
+
+
+class TensorValues(Protocol):
+    """Full values by tensor name: ``params`` and ``state`` (tensor name -> state name -> array)."""
+
+    @property
+    def params(self) -> dict[str, np.ndarray]: ...
+
+    @property
+    def state(self) -> dict[str, dict[str, np.ndarray]]: ...
+
+
+class TrainerStep(Protocol):
+    """One step of a live trainer as the checks read it: every rank's observation (rank order), the
+    unsharded reference's values (``ref``) and the per-element bound C-ZERO-002 allows (``bounds``)."""
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def phase(self) -> str: ...
+
+    @property
+    def ranks(self) -> list[TrainerObservation]: ...
+
+    @property
+    def ref(self) -> TensorValues: ...
+
+    @property
+    def bounds(self) -> TensorValues: ...
 
 
 def digest(array: np.ndarray) -> str:

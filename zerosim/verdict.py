@@ -23,9 +23,16 @@ class Violation:
     expected: Any = None
     got: Any = None
     context: dict[str, Any] = field(default_factory=dict)
+    #: the optimizer phase of a live trainer's run ("sgd" | "adamw"); None for the engine's runs
+    phase: str | None = None
+    #: the measured error and the bound it exceeded, where the clause has a tolerance
+    error: float | None = None
+    tolerance: float | None = None
 
     def __str__(self) -> str:
         parts = [self.contract, self.clause]
+        if self.phase is not None:
+            parts.append(f"phase={self.phase}")
         if self.context:
             parts += [f"{k}={v}" for k, v in self.context.items()]
         if self.step is not None:
@@ -38,16 +45,22 @@ class Violation:
             parts.append(f"range=[{self.interval[0]}, {self.interval[1]})")
         if self.expected is not None or self.got is not None:
             parts.append(f"expected={self.expected!r} got={self.got!r}")
+        if self.error is not None or self.tolerance is not None:
+            parts.append(f"error={self.error!r} tolerance={self.tolerance!r}")
         return " ".join(parts) + f": {self.message}"
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "contract": self.contract, "clause": self.clause, "message": self.message, "step": self.step,
             "ranks": list(self.ranks), "tensor": self.tensor,
             "interval": list(self.interval) if self.interval else None,
             "expected": _jsonable(self.expected), "got": _jsonable(self.got),
             "context": {k: _jsonable(v) for k, v in self.context.items()},
         }
+        for key in ("phase", "error", "tolerance"):  # only where the check set them
+            if getattr(self, key) is not None:
+                out[key] = _jsonable(getattr(self, key))
+        return out
 
 
 #: a verdict's outcome: no violation, a violation, or no violation up to the step where the reference

@@ -9,7 +9,7 @@ run). After every step the full parameters and optimizer state of the two runs a
   runs), so both runs execute the same kernels in the same order and must agree bit for bit;
 * **bounded** otherwise: a GPU's matrix products add in another order than the CPU's (and TF32 is
   switched off, so both round to float32), so the runs may differ by rounding only. The bound is
-  C-ZERO-002's per-element rounding model (:mod:`zerosim.verify.tolerance`, derived in
+  C-ZERO-002's per-element rounding model (:mod:`zerosim.checks.tolerance`, derived in
   :mod:`zerosim.checks.rounding` from the unit roundoff 2^-24 and the reduction length of the
   model's gradient), propagated along verify's float64 torch.optim reference of the same training.
   Each run must lie within that bound ``b`` of the reference, so by the triangle inequality the two
@@ -118,9 +118,9 @@ def compare(device_name: str, model: str, steps: int, strategies: list[str], per
 
     from zerogpu.trainer import ZeroTrainer
 
+    from ..checks.tolerance import ErrorModel
     from ..verify.model import build_model, micro_batch, require_model
     from ..verify.reference import Reference
-    from ..verify.tolerance import ErrorModel
 
     device = torch.device(device_name)
     if bitwise is None:
@@ -174,7 +174,7 @@ def compare(device_name: str, model: str, steps: int, strategies: list[str], per
         })
     return {
         "step": "trainer", "device": str(device), "model": model, "steps": steps, "optimizer": OPTIM,
-        "bound": "C-ZERO-002 rounding model (zerosim.verify.tolerance), float32, world 1; host vs device "
+        "bound": "C-ZERO-002 rounding model (zerosim.checks.tolerance), float32, world 1; host vs device "
                  "within twice it", "perturbed": perturb, "runs": runs,
         "passed": all(r["passed"] for r in runs),
     }

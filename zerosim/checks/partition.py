@@ -29,37 +29,10 @@ import numpy as np
 from ..intervals import clip, first_difference, outside, sweep, sweep_arrays
 from ..partition.base import RankShard, ShardPlan, ShardTable
 from ..verdict import Verdict, Violation
+from .collect import ViolationCollector
 
 CONTRACT = "C-ZERO-001"
 CLAUSES = ("well_formed", "coverage", "disjoint", "balance", "padding", "replicas")
-
-
-class _Collector:
-    """Collects violations, keeping at most ``limit`` per clause and counting the rest."""
-
-    def __init__(self, context: dict[str, Any], limit: int):
-        self.context = context
-        self.limit = limit
-        self.violations: list[Violation] = []
-        self.per_clause: dict[str, int] = {}
-
-    def add(self, clause: str, message: str, **kw: Any) -> None:
-        n = self.per_clause.get(clause, 0)
-        self.per_clause[clause] = n + 1
-        if n < self.limit:
-            self.violations.append(Violation(CONTRACT, clause, message, context=dict(self.context), **kw))
-
-    def add_first(self, clause: str, count: int, make: Any) -> None:
-        """Count ``count`` findings of ``clause``; build (``make(i)`` -> message, kwargs) only those kept."""
-        n = self.per_clause.get(clause, 0)
-        for i in range(max(0, min(count, self.limit - n))):
-            message, kw = make(i)
-            self.violations.append(Violation(CONTRACT, clause, message, context=dict(self.context), **kw))
-        self.per_clause[clause] = n + count
-
-    @property
-    def suppressed(self) -> int:
-        return sum(max(0, n - self.limit) for n in self.per_clause.values())
 
 
 def _is_int(x: Any) -> bool:
@@ -76,7 +49,7 @@ def check_partition_plan(
     """
     ws, total = plan.world_size, plan.total
     ctx = {"world_size": ws, "total": total} if context is None else dict(context)
-    out = _Collector(ctx, limit)
+    out = ViolationCollector(CONTRACT, ctx, per_clause=limit)
     verdict = Verdict(CONTRACT, checked=len(plan.shards))
     table = plan.table
     if table is not None and _table_is_well_formed(table, total):
@@ -169,7 +142,7 @@ def _table_is_well_formed(table: ShardTable, total: Any) -> bool:
             and bool(np.all(table.ends <= total)) and bool(np.all(table.padding >= 0)))
 
 
-def _check_table(plan: ShardPlan, table: ShardTable, verdict: Verdict, out: _Collector,
+def _check_table(plan: ShardPlan, table: ShardTable, verdict: Verdict, out: ViolationCollector,
                  limit: int) -> Verdict:
     """C-ZERO-001 on a plan held as arrays: the same clauses, findings and details as the
     per-interval path, with every rank's every interval checked by array arithmetic."""
@@ -220,26 +193,26 @@ def _check_table(plan: ShardPlan, table: ShardTable, verdict: Verdict, out: _Col
     return _finish(verdict, out, plan)
 
 
-def _report_coverage(out: _Collector, cov: Any) -> None:
+def _report_coverage(out: ViolationCollector, cov: Any) -> None:
     for s, e, left, right in cov.gaps:
         ranks = tuple(r for r in (left, right) if r is not None)
         side = f"after rank {left}" if left is not None else "at the start"
         side += f", before rank {right}" if right is not None else ", up to the end"
         out.add("coverage", f"{e - s} elements owned by no rank ({side})", ranks=ranks, interval=(s, e))
-    out.per_clause["coverage"] = cov.gap_count
+    out.set_count("coverage", cov.gap_count)
     for s, e, a, b in cov.overlaps:
         who = f"ranks {a} and {b}" if a != b else f"rank {a} (listed twice)"
         out.add("disjoint", f"{e - s} elements owned by {who}", ranks=(a, b), interval=(s, e))
     if cov.overlap_count:
-        out.per_clause["disjoint"] = cov.overlap_count
+        out.set_count("disjoint", cov.overlap_count)
 
 
-def _finish(verdict: Verdict, out: _Collector, plan: ShardPlan) -> Verdict:
+def _finish(verdict: Verdict, out: ViolationCollector, plan: ShardPlan) -> Verdict:
     verdict.violations.extend(out.violations)
     verdict.details.update(partitioner=plan.partitioner, world_size=plan.world_size, total=plan.total,
                            balance_bound=plan.balance_bound,
-                           violations_by_clause={k: v for k, v in out.per_clause.items() if v},
-                           suppressed=out.suppressed)
+                           violations_by_clause={k: v for k, v in out.per_clause_count.items() if v},
+                           suppressed=out.not_listed)
     return verdict
 
 

@@ -15,15 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks.equivalence import check_step_equivalence
+from ..checks.identity import check_replica_identity
 from ..checks.partition import check_partition_plan
-from ..checks.step import (
-    OwnershipExpectation,
-    check_communication,
-    check_equivalence,
-    check_ownership,
-    check_post_gather_identity,
-    equivalence_tolerance,
-)
+from ..checks.step import OwnershipExpectation, check_communication, check_holdings
+from ..checks.tolerance import equivalence_tolerance
 from ..cost.comm_model import CommEstimate, comm_for_run
 from ..errors import ConfigError
 from ..observe import RankObservation
@@ -242,7 +238,7 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
     references_used: dict[str, Any] = {"independent": independent}
     if full:
         tol = equivalence_tolerance(run.precision.name)
-        v2 = check_equivalence(obs, independent, layout=layout, tolerance=tol)
+        v2 = check_step_equivalence(obs, independent, layout=layout, tolerance=tol)
         v2.details = {"ground_truth": dict(v2.details)}
         if bitwise:
             if "ordered" not in done:
@@ -250,7 +246,7 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
                 done["ordered"] = ordered_reference(run)
                 timings["ordered_reference_s"] = time.perf_counter() - t
             ordered = references_used["ordered"] = done["ordered"]
-            vb = check_equivalence(obs, ordered, layout=layout, bitwise=True)
+            vb = check_step_equivalence(obs, ordered, layout=layout, bitwise=True)
             v2.extend(vb)
             v2.details["ordered_reference"] = dict(vb.details)
         v2.details["bitwise_required"] = bitwise
@@ -259,9 +255,9 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
                                             "run with observe='full' to compare shard values"})
     verdicts["C-ZERO-002"] = v2
     phase("C-ZERO-003", 1)
-    verdicts["C-ZERO-003"] = check_post_gather_identity(obs, layout=layout)
+    verdicts["C-ZERO-003"] = check_replica_identity(obs, layout=layout)
     phase("C-ZERO-004", 2)
-    verdicts["C-ZERO-004"] = check_ownership(obs, ownership_expectation(run), layout=layout)
+    verdicts["C-ZERO-004"] = check_holdings(obs, ownership_expectation(run), layout=layout)
     phase("C-ZERO-005", 3)
     estimate = comm_for_run(run)
     verdicts["C-ZERO-005"] = check_communication(obs, estimate)

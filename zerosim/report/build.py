@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checks.step import equivalence_tolerance
+from ..checks.tolerance import equivalence_tolerance
 from ..cost.comm_model import comm_per_step
 from ..cost.deepspeed_compare import compare_with_deepspeed
 from ..cost.memory_model import all_strategies, memory_per_rank

@@ -31,13 +31,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .observation import StepObservation, StepRecord
+from zerosim.observe import TrainerObservation
+
+from .observation import StepRecord
 from .outcome import ContractOutcome, Diagnosis
 
 FACTOR_AGREEMENT = 0.9  # share of the large-gradient elements that must show the same factor (within 1%)
 
 
-def _failing(rec: StepRecord, obs: StepObservation) -> dict[str, np.ndarray]:
+def _failing(rec: StepRecord, obs: TrainerObservation) -> dict[str, np.ndarray]:
     """Per tensor, the mask of elements of ``obs`` beyond the bound at ``rec``."""
     out = {}
     for name, exp in rec.ref.params.items():
@@ -48,7 +50,7 @@ def _failing(rec: StepRecord, obs: StepObservation) -> dict[str, np.ndarray]:
     return out
 
 
-def _state_failing(rec: StepRecord, obs: StepObservation) -> bool:
+def _state_failing(rec: StepRecord, obs: TrainerObservation) -> bool:
     for name, entry in (obs.state or {}).items():
         ref = rec.ref.state.get(name, {})
         for key, got in entry.items():
@@ -68,7 +70,7 @@ def _record_fails(rec: StepRecord) -> bool:
     return any(_failing(rec, o) or _state_failing(rec, o) for o in rec.ranks)
 
 
-def _majority(rec: StepRecord) -> StepObservation:
+def _majority(rec: StepRecord) -> TrainerObservation:
     """The observation most ranks hold bitwise (ties: the lowest rank)."""
     keys = [b"".join(np.ascontiguousarray(o.params[n]).tobytes() for n in rec.ref.params) for o in rec.ranks]
     counts = {k: keys.count(k) for k in keys}
@@ -405,7 +407,7 @@ def _disagree(records: Sequence[StepRecord], contracts: dict[str, ContractOutcom
     ]
 
 
-def _close(obs: StepObservation, rec: StepRecord) -> bool:
+def _close(obs: TrainerObservation, rec: StepRecord) -> bool:
     return not _failing(rec, obs)
 
 

@@ -1,11 +1,14 @@
 """Rank 0's evaluation of a ``zerosim verify`` run: reference, bounds, checks, diagnosis -> VerifyReport.
 
 For every phase that ran, the reference (:mod:`zerosim.verify.reference`) replays the phase from the
-same initial model on the global batches, the error model (:mod:`zerosim.verify.tolerance`) derives
+same initial model on the global batches, the error model (:mod:`zerosim.checks.tolerance`) derives
 each step's per-element bound in the trainer's arithmetic dtype (float32 when the run is float32,
 or when the trainer keeps float32 master weights of a float64 model: every parameter exactly
-float32-representable after every step), and the checks (:mod:`zerosim.verify.checks`) and the
-diagnosis (:mod:`zerosim.verify.diagnosis`) run on the result.
+float32-representable after every step), and the contracts' checks (:mod:`zerosim.checks`:
+C-ZERO-001 :func:`~zerosim.checks.partition_ranges.check_partition_ranges`, C-ZERO-002
+:func:`~zerosim.checks.equivalence.check_step_equivalence`, C-ZERO-003
+:func:`~zerosim.checks.identity.check_replica_identity`) and the diagnosis
+(:mod:`zerosim.verify.diagnosis`) run on the result.
 """
 
 from __future__ import annotations
@@ -16,21 +19,24 @@ from typing import Any
 import torch
 
 from zerosim import datafile
+from zerosim.checks.equivalence import check_step_equivalence, float32_masters
+from zerosim.checks.identity import check_replica_identity
+from zerosim.checks.partition_ranges import check_partition_ranges
+from zerosim.checks.tolerance import ErrorModel
+from zerosim.observe import TrainerObservation
 
-from .checks import check_equivalence, check_identity, check_ownership, float32_masters
 from .model import require_model
-from .observation import StepObservation, StepRecord
+from .observation import StepRecord
 from .outcome import ContractOutcome, VerifyReport
 from .reference import Reference
 from .resume import ResumeRun, check_resume
 from .suite import Phase
-from .tolerance import ErrorModel
 
 
 def build_records(
     phases: list[Phase],
     phase_info: list[dict[str, Any]],
-    observations: dict[int, list[StepObservation]],
+    observations: dict[int, list[TrainerObservation]],
     base: torch.nn.Module,
     *,
     world: int,
@@ -87,7 +93,7 @@ def evaluate(
     seed: int,
     phases: list[Phase],
     phase_info: list[dict[str, Any]],
-    observations: dict[int, list[StepObservation]],
+    observations: dict[int, list[TrainerObservation]],
     base: torch.nn.Module,
     numels: dict[str, int],
     resources: dict[str, ContractOutcome] | None = None,
@@ -108,9 +114,9 @@ def evaluate(
     )
     contracts: dict[str, ContractOutcome] = {}
     if records:
-        contracts["C-ZERO-001"] = check_ownership(records, numels)
-        contracts["C-ZERO-002"] = check_equivalence(records)
-        contracts["C-ZERO-003"] = check_identity(records)
+        contracts["C-ZERO-001"] = ContractOutcome.from_verdict(check_partition_ranges(records, numels))
+        contracts["C-ZERO-002"] = ContractOutcome.from_verdict(check_step_equivalence(records))
+        contracts["C-ZERO-003"] = ContractOutcome.from_verdict(check_replica_identity(records))
     else:
         why = "every phase was skipped: " + "; ".join(p.get("reason", "") for p in phase_info)
         for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003"):
@@ -136,7 +142,7 @@ def evaluate(
 
 
 #: the dataclasses a saved run is made of (:func:`zerosim.datafile.load` rebuilds these and no other)
-SAVED_TYPES = (Phase, StepObservation, ContractOutcome)
+SAVED_TYPES = (Phase, TrainerObservation, ContractOutcome)
 
 
 def save_observations(path: str, run: dict[str, Any]) -> None:

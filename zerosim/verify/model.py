@@ -42,7 +42,7 @@ class GPTConfig:
 
     @property
     def widest(self) -> int:
-        """The longest dot product in one layer (for :mod:`zerosim.verify.tolerance`'s rounding model)."""
+        """The longest dot product in one layer (for :mod:`zerosim.checks.tolerance`'s rounding model)."""
         return max(self.d_model, self.d_mlp, self.vocab, self.block)
 
 

@@ -1,32 +1,23 @@
 """What ``zerosim verify`` observes: each rank's values after each step, with the reference's beside them.
 
-Plain data (numpy arrays), so the checks (:mod:`zerosim.verify.checks`) and the diagnosis
-(:mod:`zerosim.verify.diagnosis`) are pure functions, testable on synthetic observations.
+A rank's observation is :class:`zerosim.observe.TrainerObservation` (named ``StepObservation`` here
+too); a :class:`StepRecord` puts a step's observations beside the reference and the derived bound
+(it is a :class:`zerosim.observe.TrainerStep`). Plain data (numpy arrays), so the checks
+(:mod:`zerosim.checks`) and the diagnosis (:mod:`zerosim.verify.diagnosis`) are pure functions,
+testable on synthetic observations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
+from zerosim.checks.tolerance import StepBounds
+from zerosim.observe import TrainerObservation
 
 from .reference import ReferenceStep
-from .tolerance import StepBounds
 
-
-@dataclass
-class StepObservation:
-    """One rank after one step: its loss, ``full_parameters()``, and what the optional methods returned."""
-
-    phase: str
-    step: int  # global, 1-based
-    rank: int
-    loss: float
-    params: dict[str, np.ndarray]
-    state: dict[str, dict[str, np.ndarray]] | None = None
-    shards: dict[str, list[tuple[int, int]]] | None = None
-    resources: dict[str, Any] | None = None  # traffic and resident bytes (zerosim.verify.resources)
+#: one rank after one step (the name runs saved with ``--save-observations`` refer to)
+StepObservation = TrainerObservation
 
 
 @dataclass

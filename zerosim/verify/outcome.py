@@ -1,16 +1,21 @@
 """What ``zerosim verify`` returns: a :class:`VerifyReport` of :class:`ContractOutcome` per contract and a
 ranked list of :class:`Diagnosis` (likely bug classes with their evidence). Pure data, JSON both ways.
 
-A violation is a plain dict: ``contract``, ``phase`` ("sgd" | "adamw"), ``step`` (1-based, global over
-the phases), ``rank``, ``tensor`` (its name in ``model.named_parameters()``), ``start`` / ``stop`` (a
-half-open element range of the flattened tensor), ``expected``, ``got``, ``error``, ``tolerance``,
-``message``.
+The contracts are judged by :mod:`zerosim.checks` (one check per contract, returning a
+:class:`~zerosim.verdict.Verdict` of :class:`~zerosim.verdict.Violation`); a :class:`ContractOutcome` is
+its rendering in the report (:meth:`ContractOutcome.from_verdict`). A rendered violation
+(:func:`violation_json`) is a plain dict: ``contract``, ``phase`` ("sgd" | "adamw"), ``step`` (1-based,
+global over the phases), ``rank``, ``tensor`` (its name in ``model.named_parameters()``), ``start`` /
+``stop`` (a half-open element range of the flattened tensor), ``expected``, ``got``, ``error``,
+``tolerance``, ``message``, ``clause``, and what the check adds (``ranks``, ``state``, ...).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from zerosim.verdict import Verdict, Violation
 
 CONTRACT_IDS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
 BUG_CLASSES = ("gradient-scale", "clip-norm", "unowned-elements", "overlapping-shards", "rank-local",
@@ -36,11 +41,65 @@ class ContractOutcome:
         return cls(data["status"], data.get("reason", ""), list(data.get("violations", [])),
                    dict(data.get("details", {})))
 
+    @classmethod
+    def from_verdict(cls, verdict: Verdict) -> ContractOutcome:
+        """The report's rendering of a check's verdict: "skipped" (with the reason in
+        ``details["skipped"]``) when it observed nothing, else "fail" with the first violation (by step,
+        then rank) as the reason, or "pass"."""
+        details = dict(verdict.details)
+        if not verdict.violations and "skipped" in details:
+            return cls("skipped", str(details["skipped"]))
+        listed = [violation_json(v) for v in verdict.violations]
+        if not listed:
+            return cls("pass", "", [], details)
+        first = min(listed, key=lambda v: (v["step"], v["rank"] if v["rank"] is not None else -1))
+        return cls("fail", where(first), listed, details)
+
     @property
     def first_violation(self) -> dict[str, Any] | None:
         if not self.violations:
             return None
         return min(self.violations, key=lambda v: (v.get("step") or 0, v.get("rank") or 0))
+
+
+def violation_json(v: Violation) -> dict[str, Any]:
+    """One violation as the report lists it: where (phase, step, rank, tensor, the half-open element
+    range), expected, got, error, tolerance, one line saying what broke, the clause and the check's
+    own context (``ranks``, ``state``, ...)."""
+    start, stop = v.interval if v.interval is not None else (None, None)
+    return {
+        "contract": v.contract,
+        "phase": v.phase,
+        "step": v.step,
+        "rank": v.ranks[0] if v.ranks else None,
+        "tensor": v.tensor,
+        "start": start,
+        "stop": stop,
+        "expected": _num(v.expected),
+        "got": _num(v.got),
+        "error": _num(v.error),
+        "tolerance": _num(v.tolerance),
+        "message": v.message,
+        "clause": v.clause,
+        **v.context,
+    }
+
+
+def where(v: dict[str, Any]) -> str:
+    """'first at step 3 (sgd), rank 1, h.0.w[4:9]: ...' for a rendered violation."""
+    rank = f", rank {v['rank']}" if v.get("rank") is not None else ""
+    return (
+        f"first at step {v['step']} ({v['phase']}){rank}, {v['tensor']}[{v['start']}:{v['stop']}]: "
+        f"{v['message']}"
+    )
+
+
+def _num(x: Any) -> Any:
+    if x is None or isinstance(x, (str, bool, int)):
+        return x
+    if isinstance(x, (list, tuple)):
+        return [_num(v) for v in x]
+    return float(x)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ concatenates them in rank order and takes one ``torch.optim.SGD`` / ``torch.opti
 clips. With equal local batches this is the protocol's "mean over ranks of the local mean losses".
 
 Besides the state after each step it records what the error model needs
-(:mod:`zerosim.verify.tolerance`): the averaged gradient, the per-element sum of the ranks' absolute
+(:mod:`zerosim.checks.tolerance`): the averaged gradient, the per-element sum of the ranks' absolute
 local gradients (the terms a sharded trainer adds up), the global norm and the clip factor.
 """
 

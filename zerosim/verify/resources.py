@@ -42,8 +42,9 @@ from zerosim.cost.shard_sizes import shard_sizes
 from zerosim.errors import ConfigError
 from zerosim.layout import ParamLayout
 from zerosim.strategy import ShardingStrategy, Topology
+from zerosim.verdict import Violation
 
-from .checks import violation
+from .outcome import violation_json
 from .traffic import TRAFFIC_CLASSES, TrafficCounter, local_tensor
 
 MEMORY_KINDS = ("params", "grads", "optimizer")
@@ -173,9 +174,12 @@ def _rank_violation(
     got: Any,
     message: str,
 ) -> dict[str, Any]:
-    """A per-rank byte count outside its plan: no element range, zero tolerance."""
+    """A per-rank byte count outside its plan (C-ZERO-004 clause ``bytes``, C-ZERO-005 ``ring_model``),
+    rendered for the report: no element range, zero tolerance."""
     error = None if expected is None else got - expected
-    return violation(contract, phase, step, rank, kind, None, None, expected, got, error, 0, message)
+    clause = "bytes" if contract == "C-ZERO-004" else "ring_model"
+    return violation_json(Violation(contract, clause, message, step=step, ranks=(rank,), tensor=kind,
+                                    expected=expected, got=got, phase=phase, error=error, tolerance=0))
 
 
 def check_memory(

@@ -15,16 +15,19 @@ Two parts, both over every phase that resumed:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from zerosim import datafile
+from zerosim.checks.collect import MAX_LISTED, ViolationCollector
+from zerosim.checks.equivalence import check_step_equivalence
+from zerosim.checks.mismatch import first_run
+from zerosim.observe import TrainerObservation
 
-from .checks import _Listing, check_equivalence, first_run, violation
-from .observation import StepObservation, StepRecord
+from .observation import StepRecord
 from .outcome import ContractOutcome
 from .protocol import STATE_NAMES
 from .suite import Phase
@@ -38,7 +41,7 @@ SNAPSHOT_FILE = "first-run.safetensors"
 def read_first_run(path: Path) -> dict[str, Any]:
     """What the first launch saved (``world``, ``phases``, ``phase_info``, ``observations``), read as plain
     data (:func:`zerosim.datafile.load`: no code runs); DataFileError naming the file if it is not that."""
-    first = datafile.load(path, types=(Phase, StepObservation))
+    first = datafile.load(path, types=(Phase, TrainerObservation))
     shape_ok = (
         isinstance(first, dict)
         and isinstance(first.get("world"), int)
@@ -49,7 +52,7 @@ def read_first_run(path: Path) -> dict[str, Any]:
         and isinstance(first.get("observations"), dict)
         and all(
             isinstance(step, int) and isinstance(seen, list)
-            and all(isinstance(o, StepObservation) for o in seen)
+            and all(isinstance(o, TrainerObservation) for o in seen)
             for step, seen in first["observations"].items()
         )
     )
@@ -67,8 +70,8 @@ class ResumeRun:
     at: int
     world_before: int
     world_after: int
-    before_save: dict[str, StepObservation] = field(default_factory=dict)
-    after_load: dict[str, list[StepObservation]] = field(default_factory=dict)
+    before_save: dict[str, TrainerObservation] = field(default_factory=dict)
+    after_load: dict[str, list[TrainerObservation]] = field(default_factory=dict)
 
     def last_step_before(self, first_step: int) -> int:
         """The global number of the last step trained before the resume, in a phase starting there."""
@@ -90,17 +93,17 @@ def _bytes_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _compare_bitwise(
-    out: _Listing, phase: str, step: int, rank: int, label: str, saved: Any, loaded: Any, **extra: Any
+    out: ViolationCollector, phase: str, step: int, rank: int, label: str, saved: Any, loaded: Any,
+    **extra: Any,
 ) -> None:
     s = np.asarray(saved)
     g = np.asarray(loaded)
     if s.shape != g.shape or s.dtype != g.dtype:
         out.add(
-            violation(
-                CONTRACT, phase, step, rank, label, 0, int(s.size), None, None, None, 0.0,
-                f"after load_checkpoint: shape {tuple(g.shape)} {g.dtype}, saved {tuple(s.shape)} {s.dtype}",
-                clause="round_trip", **extra,
-            )
+            "round_trip",
+            f"after load_checkpoint: shape {tuple(g.shape)} {g.dtype}, saved {tuple(s.shape)} {s.dtype}",
+            {**extra},
+            phase=phase, step=step, ranks=(rank,), tensor=label, interval=(0, int(s.size)), tolerance=0.0,
         )
         return
     differ = _bytes_differ(s, g)
@@ -111,17 +114,17 @@ def _compare_bitwise(
     gf = g.astype(np.float64).reshape(-1)
     err = float(np.max(np.abs(sf - gf)))
     out.add(
-        violation(
-            CONTRACT, phase, step, rank, label, start, stop, sf[start], gf[start], err, 0.0,
-            f"after load_checkpoint {int(differ.sum())} of {s.size} elements differ bitwise from the "
-            "saved trainer's",
-            clause="round_trip", **extra,
-        )
+        "round_trip",
+        f"after load_checkpoint {int(differ.sum())} of {s.size} elements differ bitwise from the "
+        "saved trainer's",
+        {**extra},
+        phase=phase, step=step, ranks=(rank,), tensor=label, interval=(start, stop), expected=sf[start],
+        got=gf[start], error=err, tolerance=0.0,
     )
 
 
-def check_round_trip(out: _Listing, phase: str, step: int, saved: StepObservation,
-                     loaded: Sequence[StepObservation]) -> None:
+def check_round_trip(out: ViolationCollector, phase: str, step: int, saved: TrainerObservation,
+                     loaded: Sequence[TrainerObservation]) -> None:
     """Every loaded rank's parameters and optimizer state bitwise equal to the saved trainer's."""
     names = STATE_NAMES.get(phase, ())
     for obs in loaded:
@@ -135,13 +138,11 @@ def check_round_trip(out: _Listing, phase: str, step: int, saved: StepObservatio
                 got = None if got_entry is None else got_entry.get(key)
                 if got is None:
                     out.add(
-                        violation(
-                            CONTRACT, phase, step, obs.rank, f"{name}[{key}]", 0, int(np.asarray(arr).size),
-                            None,
-                            None, None, 0.0,
-                            f"optimizer state {key!r} was saved but is missing after load_checkpoint",
-                            clause="round_trip", state=key,
-                        )
+                        "round_trip",
+                        f"optimizer state {key!r} was saved but is missing after load_checkpoint",
+                        {"state": key},
+                        phase=phase, step=step, ranks=(obs.rank,), tensor=f"{name}[{key}]",
+                        interval=(0, int(np.asarray(arr).size)), tolerance=0.0,
                     )
                     continue
                 _compare_bitwise(out, phase, step, obs.rank, f"{name}[{key}]", arr, got, state=key)
@@ -152,7 +153,7 @@ def check_resume(records: Sequence[StepRecord], resume: ResumeRun,
     """C-ZERO-007 over the phases that resumed (see the module docstring)."""
     if not resume.after_load:
         return ContractOutcome("skipped", "no phase resumed from a checkpoint")
-    out = _Listing(CONTRACT)
+    out = ViolationCollector(CONTRACT, total=MAX_LISTED)
     for phase, loaded in resume.after_load.items():
         saved = resume.before_save[phase]
         check_round_trip(out, phase, resume.last_step_before(first_steps[phase]), saved, loaded)
@@ -161,9 +162,9 @@ def check_resume(records: Sequence[StepRecord], resume: ResumeRun,
         r for r in records
         if r.phase in resume.after_load and r.step > resume.last_step_before(first_steps[r.phase])
     ]
-    eq = check_equivalence(continued)
+    eq = check_step_equivalence(continued)
     for v in eq.violations:
-        out.add({**v, "contract": CONTRACT, "clause": "continuation"})
+        out.add_violation(replace(v, contract=CONTRACT, clause="continuation"))
     hidden = int(eq.details.get("violations_not_listed", 0))
     out.count += hidden
     kept = ("max_error", "tolerance", "error_over_tolerance", "worst", "max_abs_error", "state_compared")
@@ -173,4 +174,4 @@ def check_resume(records: Sequence[StepRecord], resume: ResumeRun,
         round_trip_violations=round_trip_failures,
         continued_steps=len(continued),
     )
-    return out.outcome(**details)
+    return ContractOutcome.from_verdict(out.listed_verdict(**details))

@@ -27,11 +27,11 @@ import numpy as np
 
 from zerosim import datafile
 from zerosim.errors import ConfigError
+from zerosim.observe import TrainerObservation
 from zerosim.outputs import OutputError, write_text
 
 from .errors import TrainerError
 from .model import build_model, micro_batch
-from .observation import StepObservation
 from .protocol import (
     close_trainer,
     finite_loss,
@@ -68,7 +68,7 @@ class RankSession:
         self.arrivals = ArrivalCounter(comm)
         self.where = "start"
         self.factory = self.agree(self._local(resolve_factory, args.target))
-        self.observations: dict[int, list[StepObservation]] = {}
+        self.observations: dict[int, list[TrainerObservation]] = {}
         self.started = time.monotonic()
 
     # -- agreement ---------------------------------------------------------------------------------------
@@ -329,7 +329,7 @@ class RankSession:
         loss: Any,
         expected: dict[str, Any],
         numels: dict[str, int],
-    ) -> StepObservation:
+    ) -> TrainerObservation:
         loss_value = finite_loss(loss, self.rank, step)
         self.where = f"step {step} ({phase.name}): full_parameters()"
         self.arrivals.mark(self.where)
@@ -356,7 +356,7 @@ class RankSession:
             self.where = f"step {step} ({phase.name}): local_shards()"
             shards = validate_local_shards(trainer.local_shards(), numels, self.rank)
         self.where = f"step {step} ({phase.name}): sending observations to rank 0"
-        return StepObservation(phase.name, step, self.rank, loss_value, params, state, shards)
+        return TrainerObservation(phase.name, step, self.rank, loss_value, params, state, shards)
 
     def _phase_json(self, phase: Phase, status: str, reason: str) -> dict[str, Any]:
         info = {

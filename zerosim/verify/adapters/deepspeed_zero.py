@@ -13,6 +13,12 @@ On the wire it reduces gradients in float32 and gathers parameters in the model'
 (``wire_bytes``). It reports no ``resident_bytes``: DeepSpeed's gradients and masters live in its
 optimizer's private flat partitions, not in the module's tensors, so C-ZERO-004 is skipped for it,
 with that reason.
+
+No C++ extension is built: DeepSpeed's CPU shared-memory allreduce op (``deepspeed_shm_comm``), which
+``deepspeed.initialize`` would otherwise compile on first use, is marked unusable before it runs
+(:func:`_deepspeed`). That op serves only ``inference_all_reduce`` (tensor-parallel inference), never
+ZeRO's collectives; its just-in-time build needs a compiler, takes about a minute, and waits without
+any timeout on the ``lock`` file in the torch extensions directory that a killed build leaves behind.
 """
 
 from __future__ import annotations
@@ -29,13 +35,20 @@ from ._torch_optim import build_optimizer
 INSTALL = "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"
 _TAG = "resume"  # the checkpoint tag verify's resume uses
 _STATE_NAMES = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
+SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory allreduce op, left unbuilt
 
 
 def _deepspeed() -> Any:
+    """The ``deepspeed`` module, with its shared-memory allreduce op marked unusable so that
+    ``deepspeed.initialize`` compiles nothing (see the module's docstring); a ConfigError naming the
+    install command when DeepSpeed is absent."""
     try:
         import deepspeed
     except ImportError:
         raise ConfigError("target", "deepspeed", f"DeepSpeed is not installed: {INSTALL}") from None
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible[SHM_COMM_OP] = False
     return deepspeed
 
 
