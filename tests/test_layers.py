@@ -116,6 +116,15 @@ def upward_imports(table: dict[str, int] = LAYERS) -> list[str]:
     return problems
 
 
+def copy_packages(root: Path) -> None:
+    """A copy of the packages' sources under ``root``, for a check to run on a deliberately broken tree."""
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            dest = root / path.relative_to(ROOT)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_text(path.read_text())
+
+
 def test_every_module_has_a_layer():
     unplaced = [m for m in module_files() if layer_of(m) is None]
     assert not unplaced, (f"modules with no layer: {unplaced}; add each (or its package) to LAYERS in "
@@ -136,11 +145,7 @@ def test_no_module_imports_from_a_layer_above_it():
 def test_an_upward_import_is_reported_with_both_layers(tmp_path, monkeypatch):
     """The check itself fails on a deliberately wrong import: a value module importing the CLI."""
     fake_root = tmp_path
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            dest = fake_root / path.relative_to(ROOT)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(path.read_text())
+    copy_packages(fake_root)
     layout = fake_root / "zerosim" / "layout.py"
     layout.write_text(
         layout.read_text() + "\n\ndef _wrong():\n    from .cli.simulate import run\n    return run\n"
@@ -198,11 +203,7 @@ def test_no_import_cycles():
 
 def test_a_type_only_import_cycle_is_reported(tmp_path, monkeypatch):
     """The check fails on a deliberately added circle that exists for annotations only."""
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            dest = tmp_path / path.relative_to(ROOT)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(path.read_text())
+    copy_packages(tmp_path)
     watchdog = tmp_path / "zerosim" / "comm" / "mpi_watchdog.py"
     watchdog.write_text(watchdog.read_text() + "\n\nfrom typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
                         "    from .mpi import MpiCommunicator\n")
@@ -237,11 +238,7 @@ def test_argparse_is_imported_only_by_the_cli():
 
 def test_an_argparse_import_outside_the_cli_is_named(tmp_path, monkeypatch):
     """The check fails on a deliberately misplaced parser, naming the module and the line."""
-    for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
-            dest = tmp_path / path.relative_to(ROOT)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            dest.write_text(path.read_text())
+    copy_packages(tmp_path)
     rank = tmp_path / "zerosim" / "mpi" / "rank.py"
     lines = rank.read_text().count("\n")
     rank.write_text(rank.read_text() + "\n\ndef _parser():\n    from argparse import ArgumentParser\n"
@@ -281,6 +278,38 @@ def _write_picture() -> None:
     head, rest = text.split(PICTURE_BEGIN, 1)
     tail = rest.split(PICTURE_END, 1)[1]
     ARCHITECTURE.write_text(f"{head}{PICTURE_BEGIN}\n{layer_picture()}\n{PICTURE_END}{tail}")
+
+
+#: a module longer than this says at its top why it is one module (``Why one module of this length:``)
+MODULE_LINES = 400
+WHY_ONE_MODULE = "Why one module of this length:"
+
+
+def long_modules_without_a_reason() -> list[str]:
+    """One line per module over :data:`MODULE_LINES` lines whose docstring does not say why."""
+    problems = []
+    for module, path in module_files().items():
+        source = path.read_text()
+        lines = source.count("\n")
+        doc = ast.get_docstring(ast.parse(source, str(path))) or ""
+        if lines > MODULE_LINES and WHY_ONE_MODULE not in " ".join(doc.split()):
+            problems.append(f"{module} ({lines} lines) does not say at its top why it is one module "
+                            f"({WHY_ONE_MODULE!r}); split it by concern or say why not")
+    return problems
+
+
+def test_every_long_module_says_why_it_is_one():
+    problems = long_modules_without_a_reason()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_long_module_without_a_reason_is_named(tmp_path, monkeypatch):
+    """The check fails on a deliberately grown module that gives no reason."""
+    copy_packages(tmp_path)
+    grown = tmp_path / "zerosim" / "layout.py"
+    grown.write_text(grown.read_text() + "\n" * (MODULE_LINES + 1))
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert [p.split(" (")[0] for p in long_modules_without_a_reason()] == ["zerosim.layout"]
 
 
 if __name__ == "__main__":

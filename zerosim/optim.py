@@ -27,6 +27,9 @@ Clipping (torch.nn.utils.clip_grad_norm_): the global 2-norm over *all* gradient
 ``max_grad_norm`` set, every gradient is multiplied by ``min(1, max_norm / (norm + 1e-6))``. Sharded,
 each rank sums squares over the elements it owns and one scalar all-reduce (over the shard group
 only) gives the global sum: :func:`global_norm_from_sumsq` and :func:`clip_coefficient` finish it.
+
+Why one module of this length: each optimizer's generic update and its in-place numpy update must
+stay operation for operation the same (they give the same bits), so they sit side by side.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ and log). ``--cpu`` runs the same steps on the CPU at sizes that take seconds (w
 
 Exit status: 0 every step passed or was skipped for a stated reason; 1 a step failed (named on the
 last line); 124 a step outlived its limit (and none failed); 2 bad input or no CUDA without ``--cpu``.
+
+Why one module of this length: the five steps, their limits and sizes and the folder they fill are
+one prepared command; the steps' own work lives in the modules each step starts.
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ Writes ``<out>/bench_peers.json`` and ``<out>/bench_peers.md`` (default: a new
 
 Under an external launcher (across nodes) run the rank program itself: ``torchrun --nnodes N ...
 -m zerosim.bench.peers_rank --models ... --adapters ... --out DIR`` (see :mod:`zerosim.bench.peers_rank`).
+
+Why one module of this length: the adapter selection, the round order, the timing rules and the
+report that states them are one method; split, the report could describe a method the runner no
+longer uses.
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ before its index is renamed leaves the previous checkpoint loadable.
 This module writes and reads the files; the index's types, the file geometry and the index's
 validation live in :mod:`zerosim.checkpoint.index` (re-exported here), the safe opening of files in
 :mod:`zerosim.checkpoint.files`.
+
+Why one module of this length: writing a shard file, committing the index and reading a file back
+are the two halves of one format; the index's own types and validation live in
+:mod:`zerosim.checkpoint.index`.
 """
 
 from __future__ import annotations

@@ -3,6 +3,10 @@ gives every shard file, and the index half of the one validator inspect, load an
 
 The geometry (:func:`plan_entries`, :func:`header_bytes`) lives here, beside the parser, because the
 parser checks every file record against exactly what the writer would produce for it.
+
+Why one module of this length: the index's types, the geometry the writer gives each file and the
+checks of both are one validator, shared by inspect, load and reshard; a rule stated twice could
+drift.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ and ``.md``).
 
 A cell whose run ends with an error (a rank failed, the peer rejected the configuration) is kept
 as ``"error"`` with its one-line message: a peer that fails is a finding, never dropped.
+
+Why one module of this length: the cells, their order, the resume column and the three renderings
+(markdown, JSON, heat map) describe one table; each rendering reads the same cell values.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ first ``--resume-at`` steps, every rank calls ``save_checkpoint``, and rank 0 le
 the observations so far in the resume directory. ``load``: rank 0 reads them back, each phase builds
 a fresh trainer, calls ``load_checkpoint``, reports its state right after loading, trains the
 remaining steps, and rank 0 evaluates the whole run (:mod:`zerosim.verify.resume`).
+
+Why one module of this length: a rank's life in a run (trainer per phase, steps, observations,
+failure records) is one sequence whose early exits must agree with each other.
 """
 
 from __future__ import annotations
