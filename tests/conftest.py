@@ -28,8 +28,9 @@ def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 class _Progress:
     """A line every ``every_s`` seconds on the controlling process: tests done of all collected,
-    failures so far, elapsed time and an estimate of what is left. pytest's dots say how far along
-    the run is; this line says it in words a person can act on."""
+    failures so far and the time so far. pytest's dots say how far along the run is; this line says
+    it in words. No estimate of the time left: the launches that take longest come last, so a linear
+    one would promise minutes that turn into a quarter of an hour."""
 
     def __init__(self, config: pytest.Config, every_s: float = 20.0) -> None:
         import time
@@ -61,16 +62,12 @@ class _Progress:
             return
         self._last = now
         elapsed = now - self._start
-        estimate = ""
-        if self._done:
-            left = elapsed / self._done * max(self._total - self._done, 0)
-            estimate = f", about {left / 60:.1f} min left"
         reporter = self._config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter.ensure_newline()
             reporter.write_line(
                 f"-- {self._done} of {self._total} tests done, {self._failed} failed, "
-                f"{elapsed / 60:.1f} min so far{estimate}"
+                f"{elapsed / 60:.1f} min so far"
             )
 
 
