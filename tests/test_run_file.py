@@ -7,6 +7,7 @@ one line (exit 2 on the rank side, before any rank computes anything).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +158,74 @@ def test_mpi_ranks_run_the_written_file_and_refuse_a_tampered_one(tmp_path: Path
     lines = [line for line in (bad.stderr or "").splitlines() if line.strip()]
     assert lines == ["error: invalid strategy='hybrid_shard:3': the shard group size 3 does not divide "
                      "world_size=2"], bad.stderr
+
+
+# ---- zerosim verify's run value ------------------------------------------------------------------------
+
+
+def test_a_verify_run_survives_the_file_round_trip(tmp_path: Path) -> None:
+    from zerosim.verify.run_value import VerifyRun, read_verify_run, write_verify_run
+
+    run = VerifyRun("fsdp2", world=3, steps=6, dtype="float32", model="gpt-tied", optimizers="adamw",
+                    seed=5, timeout_s=30.0, out=str(tmp_path), quiet=True, resume_at=1,
+                    resume_dir=str(tmp_path / "r"), resume_stage="save")
+    assert read_verify_run(write_verify_run(run, tmp_path / "run.json")) == run
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("dtype", "float16", "invalid dtype='float16': must be one of float64, float32"),
+        ("steps", "4", "invalid steps='4': expected an integer"),
+        ("quiet", 1, "invalid quiet=1: expected true/false"),
+        ("resume_stage", "both", "invalid resume_stage='both': must be one of save, load"),
+        ("timeout_s", -1, "invalid timeout_s=-1.0: must be a positive number of seconds"),
+        ("colour", "red", "invalid run file field 'colour'='red': unknown; known: format, target"),
+        ("format", "zerosim-verify-run/0", "invalid format='zerosim-verify-run/0': expected"),
+    ],
+)
+def test_a_tampered_verify_run_names_the_field_and_value(tmp_path: Path, field: str, value: object,
+                                                         says: str) -> None:
+    from zerosim.verify.run_value import VerifyRun, read_verify_run, write_verify_run
+
+    path = write_verify_run(VerifyRun("ddp", world=2), tmp_path / "run.json")
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as caught:
+        read_verify_run(path)
+    assert str(caught.value).startswith(says), str(caught.value)
+
+
+def test_a_verify_run_file_that_is_not_one_is_refused(tmp_path: Path) -> None:
+    from zerosim.json_value import MAX_RUN_FILE_BYTES
+    from zerosim.verify.run_value import read_verify_run
+
+    huge = tmp_path / "huge.json"
+    huge.write_bytes(b" " * (MAX_RUN_FILE_BYTES + 1))
+    for path, says in ((tmp_path / "absent.json", "No such file"), (huge, "larger than"),
+                       (tmp_path / "list.json", "expected a JSON object")):
+        if path.name == "list.json":
+            path.write_text("[1, 2]")
+        with pytest.raises(ConfigError, match=says):
+            read_verify_run(path)
+
+
+def test_a_verify_rank_given_a_tampered_file_says_one_line_and_exits_2(tmp_path: Path) -> None:
+    """The verify rank entry point reads its run file before it touches torch.distributed; an option
+    beside ``--run-file`` is refused too (the file holds every option)."""
+    pytest.importorskip("torch")
+    from zerosim.verify.run_value import VerifyRun, write_verify_run
+
+    path = write_verify_run(VerifyRun("ddp", world=1), tmp_path / "run.json")
+    data = json.loads(path.read_text())
+    data["optimizers"] = "lion"
+    path.write_text(json.dumps(data))
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    for argv, says in ((["--run-file", str(path)], "error: invalid optimizers="),
+                       (["--run-file", str(path), "--steps", "3"], "error: invalid run_file=")):
+        p = subprocess.run([sys.executable, "-m", "zerosim.verify", *argv], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, **env})
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(says), p.stderr

@@ -1,6 +1,10 @@
 """The options of the rank-side commands a launcher starts: ``zerosim verify``'s ranks, the peers
 benchmark's ranks and the MPI benchmark's worker.
 
+``zerosim verify``'s own launches give their ranks one argument, ``--run-file FILE`` (a
+:class:`~zerosim.verify.run_value.VerifyRun`); ranks a user starts give TARGET and options, turned into
+the same value here (:func:`verify_rank_run`).
+
 The work is in :func:`zerosim.verify.runner.rank_main`, :func:`zerosim.bench.peers_rank.main` and
 :func:`zerosim.bench.mpi.worker_main`, functions of the parsed values; every command-line parser of
 the project lives in :mod:`zerosim.cli`.
@@ -10,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from ..bench import peers
-from ..verify.runner import DEFAULT_TIMEOUT_S, DEVICES, DTYPES, OPTIMIZERS
+from ..errors import ConfigError, ZeroSimError
+from ..verify.run_value import DEFAULT_TIMEOUT_S, DEVICES, DTYPES, VerifyRun, read_verify_run
+from ..verify.suite import OPTIMIZERS
 
 
 def verify_rank_parser() -> argparse.ArgumentParser:
@@ -22,7 +29,10 @@ def verify_rank_parser() -> argparse.ArgumentParser:
         description="Verify a sharded trainer against the unsharded reference (one "
         "process per rank; rank 0 reports).",
     )
-    p.add_argument("target", help="a built-in adapter name or MODULE:FACTORY")
+    p.add_argument("target", nargs="?", default=None, help="a built-in adapter name or MODULE:FACTORY")
+    p.add_argument("--run-file", default=None, metavar="FILE",
+                   help="the whole run as one JSON value (what zerosim verify writes for its ranks); "
+                   "no other option with it")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--dtype", default="float64", choices=DTYPES)
     p.add_argument("--device", default="cpu", choices=DEVICES)
@@ -47,10 +57,39 @@ def verify_rank_parser() -> argparse.ArgumentParser:
         "--save-observations",
         default=None,
         metavar="PATH",
-        help="rank 0 pickles the phases and every rank's observations to PATH (re-evaluate offline "
-        "with zerosim.verify.evaluate.evaluate_saved)",
+        help="rank 0 writes the phases and every rank's observations to PATH as plain data (re-evaluate "
+        "offline with zerosim.verify.evaluate.evaluate_saved)",
     )
     return p
+
+
+def verify_rank_run(argv: list[str]) -> VerifyRun:
+    """The :class:`VerifyRun` of one verify rank: loaded from ``--run-file FILE``, or built from TARGET and
+    options. Usage errors and a bad run file: one line from rank 0, every rank exits 2."""
+    from zerogpu.rank import fail_on_bad_input, parse_once
+
+    args = parse_once(verify_rank_parser(), argv)
+    try:
+        if args.run_file is not None:
+            if len(argv) != 2 and not (len(argv) == 1 and argv[0].startswith("--run-file=")):
+                raise ConfigError("run_file", args.run_file, "give --run-file FILE alone: the file holds "
+                                  "every option")
+            return read_verify_run(args.run_file)
+        if args.target is None:
+            raise ConfigError("target", None, "give TARGET (a built-in adapter name or MODULE:FACTORY)")
+        return verify_run_from_args(args)
+    except ZeroSimError as e:
+        fail_on_bad_input(e)
+
+
+def verify_run_from_args(args: Any, world: int | None = None) -> VerifyRun:
+    """The value a rank's parsed options (:func:`verify_rank_parser`) describe."""
+    return VerifyRun(
+        args.target, world=world, steps=args.steps, dtype=args.dtype, device=args.device, model=args.model,
+        optimizers=args.optimizers, seed=args.seed, timeout_s=args.timeout, out=args.out,
+        json_output=bool(args.json), quiet=bool(args.quiet), resume_at=args.resume_at,
+        resume_dir=args.resume_dir, resume_stage=args.resume_stage, save_observations=args.save_observations,
+    )
 
 
 def peers_rank_parser() -> argparse.ArgumentParser:

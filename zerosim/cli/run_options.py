@@ -163,7 +163,8 @@ def mpi_simulate_parser() -> argparse.ArgumentParser:
                      help="abort: blocking collectives + watchdog that aborts the job (fast, default); "
                           "raise: polled nonblocking collectives that raise CollectiveTimeout")
     mpi.add_argument("--save-observations", type=Path, default=None, metavar="PATH",
-                     help="rank 0 pickles every rank's RankObservation list to PATH (for comparing backends)")
+                     help="rank 0 writes every rank's observations to PATH as plain data "
+                          "(to compare backends)")
     return parser
 
 
@@ -212,7 +213,7 @@ def torch_simulate_parser() -> argparse.ArgumentParser:
     p.set_defaults(world_size=None, backend=None)  # world size: the number of ranks torchrun started
     add_torch_arguments(p)
     p.add_argument("--save-observations", type=Path, default=None, metavar="PATH",
-                   help="rank 0 pickles every rank's RankObservation list to PATH (for comparing backends)")
+                   help="rank 0 writes every rank's observations to PATH as plain data (to compare backends)")
     return p
 
 

@@ -135,10 +135,8 @@ def under_launcher() -> bool:
 
 def _run_as_rank(args: Any) -> None:
     """``torchrun ... zerosim verify TARGET``: this process is one rank (no second launch)."""
-    from zerogpu.rank import parse_once
-
+    from ..verify.run_value import DEFAULT_TIMEOUT_S, VerifyRun
     from ..verify.runner import rank_main
-    from .rank_commands import verify_rank_parser
 
     world = _int("world", args.world)
     if args.resume_at is not None or args.resume_world is not None:
@@ -147,29 +145,12 @@ def _run_as_rank(args: Any) -> None:
             args.resume_at,
             "resuming needs two launches; run zerosim verify --resume-at K without torchrun",
         )
-    if world is not None and world != int(os.environ["WORLD_SIZE"]):
-        raise ConfigError(
-            "world",
-            world,
-            f"the launcher started {os.environ['WORLD_SIZE']} rank(s); drop --world or start that many",
-        )
-    argv = [
-        args.target,
-        "--dtype",
-        args.dtype,
-        "--device",
-        args.device,
-        "--model",
-        args.model,
-        "--optimizers",
-        args.optimizers,
-    ]
-    for flag, value in (("--steps", args.steps), ("--timeout", args.timeout), ("--out", args.out)):
-        if value is not None:
-            argv += [flag, str(value)]
-    if args.json:
-        argv.append("--json")
-    rank_main(parse_once(verify_rank_parser(), argv))
+    timeout = _seconds(args.timeout)
+    run = VerifyRun(args.target, world=world, steps=_int("steps", args.steps), dtype=args.dtype,
+                    device=args.device, model=args.model, optimizers=args.optimizers,
+                    timeout_s=timeout if timeout is not None else DEFAULT_TIMEOUT_S, out=args.out,
+                    json_output=bool(args.json))
+    rank_main(run)
 
 
 def _verify(args: Any) -> Any:

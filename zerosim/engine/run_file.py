@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..json_value import read_json_file, require_known_fields
 from .config import RunConfig
 
 RUN_FILE_FORMAT = "zerosim-run/1"
 RUN_FILE_NAME = "run.json"
-#: A run file is a few hundred bytes; anything far larger is not one (and is not read whole).
-MAX_RUN_FILE_BYTES = 1 << 20
 #: backend -> its rank settings and each one's allowed values (None: any string, checked by the rank)
 BACKEND_OPTIONS: dict[str, dict[str, tuple[str, ...] | None]] = {
     "mpi": {"timeout_mode": ("abort", "raise")},
@@ -44,8 +43,8 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
 @dataclass(frozen=True)
 class RankRun:
     """What every rank of a launched ``simulate`` needs: the run, how rank 0 reports it (``json_output``:
-    JSON instead of tables; ``save_observations``: a path rank 0 pickles the observations to) and the
-    backend's settings (``options``, see :data:`BACKEND_OPTIONS`)."""
+    JSON instead of tables; ``save_observations``: a path rank 0 writes the observations to, as plain
+    data) and the backend's settings (``options``, see :data:`BACKEND_OPTIONS`)."""
 
     run: RunConfig
     backend: str
@@ -65,12 +64,8 @@ class RankRun:
     @classmethod
     def from_json(cls, data: Any) -> RankRun:
         """The value ``data`` describes, every field checked (ConfigError naming the field)."""
-        if not isinstance(data, dict):
-            raise ConfigError("run file", type(data).__name__, "expected a JSON object")
-        known = ("format", "backend", "run", "json_output", "save_observations", "options")
-        for key in data:
-            if key not in known:
-                raise ConfigError(f"run file field {key!r}", data[key], f"unknown; known: {', '.join(known)}")
+        data = require_known_fields(
+            data, ("format", "backend", "run", "json_output", "save_observations", "options"))
         if data.get("format") != RUN_FILE_FORMAT:
             raise ConfigError("format", data.get("format"), f"expected {RUN_FILE_FORMAT!r}")
         backend = data.get("backend")
@@ -108,18 +103,7 @@ def write_rank_run(job: RankRun, path: str | os.PathLike[str]) -> Path:
 
 def read_rank_run(path: str | os.PathLike[str], backend: str) -> RankRun:
     """The :class:`RankRun` in ``path`` for ``backend``'s ranks; ConfigError naming the field if bad."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_RUN_FILE_BYTES + 1)
-    except OSError as e:
-        raise ConfigError("run file", str(path), e.strerror or "cannot be read") from None
-    if len(raw) > MAX_RUN_FILE_BYTES:
-        raise ConfigError("run file", str(path), f"larger than {MAX_RUN_FILE_BYTES} bytes: not a run file")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError("run file", str(path), f"not JSON ({e})") from None
-    job = RankRun.from_json(data)
+    job = RankRun.from_json(read_json_file(path))
     if job.backend != backend:
         raise ConfigError("backend", job.backend, f"this run file is for the {job.backend} backend, "
                           f"these ranks run {backend}")

@@ -38,89 +38,34 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zerosim.errors import ConfigError, ZeroSimError, require_output_dir, require_positive_int
+from zerosim.errors import ConfigError, ZeroSimError, require_output_dir
 from zerosim.outputs import publish_files, write_text
 
 from .blame import rank_verdict
 from .errors import RankFailure, TrainerError
 from .outcome import VerifyReport
 from .resume import SNAPSHOT_FILE
-from .suite import OPTIMIZERS, build_phases
+from .run_value import (
+    DEFAULT_TIMEOUT_S,
+    DEVICES,
+    DTYPES,
+    VerifyRun,
+    read_verify_run,
+    require_startable,
+    validate_options,
+    validate_resume,
+    write_verify_run,
+)
+from .suite import OPTIMIZERS
 
-DEFAULT_TIMEOUT_S = 120.0  # a collective (or a trainer call between two of them) that takes longer: a hang
-DTYPES = ("float64", "float32")
-DEVICES = ("cpu", "cuda")
+__all__ = ["DEFAULT_TIMEOUT_S", "DEVICES", "DTYPES", "OPTIMIZERS", "VerifyRun", "launch_verify", "rank_main",
+           "read_verify_run", "require_startable", "validate_options", "validate_resume", "verify"]
+
 REPORT_FILE = "report.json"
 ERROR_FILE = "error.json"
 FAILURE_PREFIX = "failure-rank"
+RUN_FILE = "run.json"  # the VerifyRun every rank of a launch loads (in the private folder)
 LOG_FOLDER = "logs"  # under --out: each rank's own output, rank<R>.log (resume: save/ and load/)
-
-
-# ---- validation shared by the launcher and the ranks ---------------------------------------------------
-
-
-def validate_options(
-    *, world: Any, steps: Any, dtype: Any, device: Any, model: Any, optimizers: Any, timeout_s: Any
-) -> None:
-    """ConfigError (one line naming the field and value) for any bad option; deterministic."""
-    from .model import require_model
-
-    require_positive_int("world", world)
-    if dtype not in DTYPES:
-        raise ConfigError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
-    if device not in DEVICES:
-        raise ConfigError("device", device, f"must be one of {', '.join(DEVICES)}")
-    require_model(model)
-    build_phases(optimizers, steps)
-    if timeout_s is not None and (
-        isinstance(timeout_s, bool)
-        or not isinstance(timeout_s, (int, float))
-        or not 0 < timeout_s < float("inf")
-    ):
-        raise ConfigError("timeout_s", timeout_s, "must be a positive number of seconds")
-
-
-def validate_resume(at: Any, world: Any, optimizers: Any, steps: Any, device: str) -> None:
-    """ConfigError (one line naming the field and value) unless every phase can be interrupted after
-    its ``at``-th step (1 <= at < the shortest phase) and ``world`` ranks (when given) can start."""
-    require_positive_int("resume_at", at)
-    phases = build_phases(optimizers, steps)
-    shortest = min(phases, key=lambda p: p.steps)
-    if at >= shortest.steps:
-        raise ConfigError(
-            "resume_at",
-            at,
-            f"must be below {shortest.steps}: every phase resumes after its K-th step and the "
-            f"{shortest.name} phase has {shortest.steps} steps (--steps gives more)",
-        )
-    if world is not None:
-        require_positive_int("resume_world", world)
-        require_startable(world, device)
-
-
-def require_startable(world: int, device: str) -> None:
-    """ConfigError unless this machine can start ``world`` ranks on ``device``."""
-    if device == "cpu":
-        limit = 4 * (os.cpu_count() or 1)
-        if world > limit:
-            raise ConfigError(
-                "world",
-                world,
-                f"this machine can start at most {limit} CPU ranks (4 x {os.cpu_count()} cores)",
-            )
-        return
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus == 0:
-        raise ConfigError("device", device, "CUDA is not available here; use --device cpu")
-    if world > gpus:
-        raise ConfigError(
-            "world",
-            world,
-            f"--device cuda runs one rank per GPU (NCCL) and this machine has "
-            f"{gpus}; use --world {gpus} or less, or --device cpu",
-        )
 
 
 # ---- the launcher ----------------------------------------------------------------------------------------
@@ -146,45 +91,47 @@ def verify(
     RankFailure (a rank raised or hung; exit 3). ``timeout_s`` bounds every collective and every
     trainer call (default 120 s); ``out``: a directory that receives ``report.json``.
 
-    ``resume_at=K``: each phase stops after its K-th step; every rank calls ``save_checkpoint``; those
+    With ``resume_at`` (checks C-ZERO-007 too): ``world`` ranks train each phase up to its
+    ``resume_at``-th step, call ``save_checkpoint`` into a temporary directory of this run, and the
     ranks end; ``resume_world`` ranks (default ``world``) start in a second launch, build a fresh
     trainer, call ``load_checkpoint`` and train the phase's remaining steps; C-ZERO-007 is checked
     besides the others (:mod:`zerosim.verify.resume`).
     """
+    validate_options(world=world, steps=steps, dtype=dtype, device=device, model=model,
+                     optimizers=optimizers, timeout_s=timeout_s)
+    names = optimizers if isinstance(optimizers, str) else ",".join(optimizers)
+    run = VerifyRun(target, world=world, steps=steps, dtype=dtype, device=device, model=model,
+                    optimizers=names, timeout_s=float(timeout_s or DEFAULT_TIMEOUT_S))
+    return launch_verify(run, out=out, resume_at=resume_at, resume_world=resume_world)
+
+
+def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | None = None,
+                  resume_world: int | None = None) -> VerifyReport:
+    """:func:`verify` for a run already built as one value: validate it, start its ranks, collect."""
     from zerogpu.launch import torch_unavailable_reason
 
     from .targets import resolve_factory
 
-    validate_options(
-        world=world,
-        steps=steps,
-        dtype=dtype,
-        device=device,
-        model=model,
-        optimizers=optimizers,
-        timeout_s=timeout_s,
-    )
+    run.validate()
+    world = run.world if run.world is not None else 4
     if resume_world is not None and resume_at is None:
         raise ConfigError("resume_world", resume_world, "needs --resume-at K (the phase step to resume at)")
     if resume_at is not None:
         resume_world = world if resume_world is None else resume_world
-        validate_resume(resume_at, resume_world, optimizers, steps, device)
+        validate_resume(resume_at, resume_world, run.optimizers, run.steps, run.device)
     reason = torch_unavailable_reason()
     if reason:
         raise ConfigError("backend", "torch", reason)
-    require_startable(world, device)
+    require_startable(world, run.device)
     if out:
         require_output_dir(out)
-    resolve_factory(target)
-    collective_s = float(timeout_s or DEFAULT_TIMEOUT_S)
-    names = optimizers if isinstance(optimizers, str) else ",".join(optimizers)
+    resolve_factory(run.target)
     # each rank's own output goes to a log file: under --out (kept), or in a folder of this run that is
     # kept only when a rank failure names it
     own_logs = None if out else tempfile.mkdtemp(prefix="zerosim-verify-logs-")
     log_dir = Path(out) / LOG_FOLDER if out else Path(str(own_logs))
     try:
-        report = _launch(target, world, steps, dtype, device, model, names, collective_s, out, log_dir,
-                         resume_at, resume_world)
+        report = _launch(run.replace(world=world), out, log_dir, resume_at, resume_world)
     except RankFailure:
         raise  # its message names the rank logs: they stay
     except BaseException:
@@ -196,10 +143,9 @@ def verify(
     return report
 
 
-def _launch(target: str, world: int, steps: int | None, dtype: str, device: str, model: str, names: str,
-            collective_s: float, out: str | None, log_dir: Path, resume_at: int | None,
+def _launch(run: VerifyRun, out: str | None, log_dir: Path, resume_at: int | None,
             resume_world: int | None) -> VerifyReport:
-    """The launch (two with ``resume_at``) of :func:`verify`, its options already validated.
+    """The launch (two with ``resume_at``) of :func:`launch_verify`, the run already validated.
 
     The ranks write into a private folder of this run (mkdtemp: mode 0700), never into --out: what
     they leave there (report, error, failure records) is copied into --out when the run ends, and
@@ -207,18 +153,15 @@ def _launch(target: str, world: int, steps: int | None, dtype: str, device: str,
     with tempfile.TemporaryDirectory(prefix="zerosim-verify-") as private:
         run_dir = Path(private) / "run"
         run_dir.mkdir()
-        argv = ["-m", "zerosim.verify", target, "--dtype", dtype, "--device", device, "--model", model,
-                "--optimizers", names, "--timeout", repr(collective_s), "--out", str(run_dir), "--quiet"]
-        if steps is not None:
-            argv += ["--steps", str(steps)]
+        ranks_run = run.replace(out=str(run_dir), quiet=True, json_output=False)
         path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH", "")) if p)
-        launch = _Launch(argv, {"PYTHONPATH": path}, 4 * collective_s + 300.0, run_dir, log_dir)
+        launch = _Launch(ranks_run, Path(private), {"PYTHONPATH": path}, 4 * run.timeout_s + 300.0, log_dir)
         try:
             if resume_at is None:
-                report = launch.once(world)
+                report = launch.once()
             else:
                 assert resume_world is not None
-                report = launch.resumed(world, resume_world, resume_at, Path(private) / "resume")
+                report = launch.resumed(resume_world, resume_at, Path(private) / "resume")
         except BaseException:
             if out:
                 with contextlib.suppress(OSError, ZeroSimError):  # the run's own error is the one to report
@@ -230,43 +173,40 @@ def _launch(target: str, world: int, steps: int | None, dtype: str, device: str,
 
 
 class _Launch:
-    """The torchrun launches of one ``verify`` call, every rank writing into ``run_dir`` and its own
-    output into ``log_dir``."""
+    """The launches of one ``verify`` call: each ships its :class:`VerifyRun` to the ranks as one file
+    in the run's private folder; every rank writes into ``run.out`` and its own output into ``log_dir``."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], launch_s: float, run_dir: Path, log_dir: Path):
-        self.argv, self.env, self.launch_s, self.run_dir, self.log_dir = argv, env, launch_s, run_dir, log_dir
+    def __init__(self, run: VerifyRun, private: Path, env: dict[str, str], launch_s: float, log_dir: Path):
+        assert run.out is not None and run.world is not None
+        self.run, self.private, self.env, self.launch_s, self.log_dir = run, private, env, launch_s, log_dir
+        self.run_dir = Path(run.out)
 
-    def once(self, world: int) -> VerifyReport:
+    def _start(self, run: VerifyRun, name: str, log_dir: Path) -> Any:
         from zerogpu.launch import run_torchrun
 
-        result = run_torchrun(world, self.argv, self.launch_s, env=self.env, capture=True,
-                              rank_log_dir=self.log_dir)
-        return _collect(result, self.run_dir, world, self.launch_s, self.log_dir)
+        assert run.world is not None
+        run_file = write_verify_run(run, self.private / name)
+        return run_torchrun(run.world, ["-m", "zerosim.verify", "--run-file", str(run_file)], self.launch_s,
+                            env=self.env, capture=True, rank_log_dir=log_dir)
 
-    def resumed(self, world: int, resume_world: int, at: int, resume_dir: Path) -> VerifyReport:
-        """``world`` ranks train and save into ``resume_dir`` (inside this run's private folder), then
+    def once(self) -> VerifyReport:
+        result = self._start(self.run, RUN_FILE, self.log_dir)
+        return _collect(result, self.run_dir, self.run.world or 0, self.launch_s, self.log_dir)
+
+    def resumed(self, resume_world: int, at: int, resume_dir: Path) -> VerifyReport:
+        """``run.world`` ranks train and save into ``resume_dir`` (inside this run's private folder), then
         ``resume_world`` fresh ranks load from it, continue and report."""
-        from zerogpu.launch import run_torchrun
-
         resume_dir.mkdir(mode=0o700)
-        common = ["--resume-at", str(at), "--resume-dir", str(resume_dir)]
+        resumed = self.run.replace(resume_at=at, resume_dir=str(resume_dir))
         save_logs, load_logs = self.log_dir / "save", self.log_dir / "load"
-        first = run_torchrun(
-            world, self.argv + common + ["--resume-stage", "save"], self.launch_s, env=self.env, capture=True,
-            rank_log_dir=save_logs,
-        )
+        world = self.run.world or 0
+        first = self._start(resumed.replace(resume_stage="save"), "run-save.json", save_logs)
         if first.returncode != 0 or not (resume_dir / SNAPSHOT_FILE).exists():
             _collect(first, self.run_dir, world, self.launch_s, save_logs)  # raises the first launch's error
             raise RankFailure(-1, f"the first launch ended with status {first.returncode} without saving "
                                   f"(rank output: {save_logs})")
-        second = run_torchrun(
-            resume_world,
-            self.argv + common + ["--resume-stage", "load"],
-            self.launch_s,
-            env=self.env,
-            capture=True,
-            rank_log_dir=load_logs,
-        )
+        second = self._start(resumed.replace(resume_stage="load", world=resume_world), "run-load.json",
+                             load_logs)
         report = _collect(second, self.run_dir, resume_world, self.launch_s, load_logs)
         report.extra["wall_s"] = round(first.elapsed_s + second.elapsed_s, 2)
         return report
@@ -302,9 +242,10 @@ def _failure_records(run_dir: Path) -> list[dict[str, Any]]:
 # ---- every rank -------------------------------------------------------------------------------------------
 
 
-def rank_main(args: Any) -> NoReturn:
-    """One rank of ``zerosim verify``: ``args`` are the rank's options
-    (:func:`zerosim.cli.rank_commands.verify_rank_parser`); bad input: one line, every rank exits 2."""
+def rank_main(run: VerifyRun) -> NoReturn:
+    """One rank of ``zerosim verify`` running ``run`` (loaded from the launcher's run file, or built
+    from this rank's own command line under an external launcher); bad input: one line, every rank
+    exits 2."""
     from zerogpu.rank import fail_on_bad_input, run_rank
 
     try:
@@ -316,28 +257,17 @@ def rank_main(args: Any) -> NoReturn:
                 "run under torchrun (torchrun --nproc-per-node N "
                 "-m zerosim.verify TARGET), or use zerosim verify",
             )
-        validate_options(
-            world=world,
-            steps=args.steps,
-            dtype=args.dtype,
-            device=args.device,
-            model=args.model,
-            optimizers=args.optimizers,
-            timeout_s=args.timeout,
-        )
-        if args.resume_stage is not None or args.resume_at is not None:
-            if args.resume_stage is None or args.resume_dir is None:
-                raise ConfigError(
-                    "resume_at", args.resume_at, "use zerosim verify --resume-at K (it starts both launches)"
-                )
-            validate_resume(args.resume_at, None, args.optimizers, args.steps, args.device)
+        if run.world is not None and run.world != world:
+            raise ConfigError("world", run.world, f"the launcher started {world} rank(s); drop --world or "
+                                                  "start that many")
+        run.validate()
     except ZeroSimError as e:
-        _write_error(args.out, e)
+        _write_error(run.out, e)
         fail_on_bad_input(e)
-    run_rank(lambda: _rank_body(args))
+    run_rank(lambda: _rank_body(run))
 
 
-def _rank_body(args: Any) -> int:
+def _rank_body(run: VerifyRun) -> int:
     import torch
 
     from zerogpu.comm import init_distributed
@@ -346,17 +276,17 @@ def _rank_body(args: Any) -> int:
     from .session import RankSession
 
     torch.set_num_threads(1)
-    device = "cpu" if args.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    device = "cpu" if run.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     exact_float32_math(device)
-    comm = init_distributed("gloo" if device == "cpu" else "nccl", device, args.timeout)
+    comm = init_distributed("gloo" if device == "cpu" else "nccl", device, run.timeout_s)
     session = None
     try:
-        session = RankSession(comm, args, device)
+        session = RankSession(comm, run, device)
         code = session.run()
     except TrainerError as e:  # every rank raised the same agreed error (see RankSession.agree)
         if comm.rank == 0:
-            _write_error(args.out, e)
-            if not args.quiet:
+            _write_error(run.out, e)
+            if not run.quiet:
                 print(f"error: {e}", file=sys.stderr, flush=True)
         code = 2
     except BaseException as e:

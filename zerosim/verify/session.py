@@ -46,6 +46,7 @@ from .protocol import (
     validate_parameters,
 )
 from .resume import SNAPSHOT_FILE, ResumeRun, read_first_run
+from .run_value import VerifyRun
 from .suite import Phase, build_phases
 
 NOT_RULED_OUT = {
@@ -58,19 +59,19 @@ NOT_RULED_OUT = {
 class RankSession:
     """The per-rank program (see the module docstring). Rank 0 keeps every observation and evaluates."""
 
-    def __init__(self, comm: Any, args: Any, device: str):
+    def __init__(self, comm: Any, settings: VerifyRun, device: str):
         from .arrival import ArrivalCounter
         from .targets import resolve_factory
 
         self.comm = comm
-        self.args = args
+        self.settings = settings
         self.device = device
         self.rank = comm.rank
         self.world = comm.world_size
-        self.phases = build_phases(args.optimizers, args.steps)
+        self.phases = build_phases(settings.optimizers, settings.steps)
         self.arrivals = ArrivalCounter(comm)
         self.where = "start"
-        self.factory = self.agree(self._local(resolve_factory, args.target))
+        self.factory = self.agree(self._local(resolve_factory, settings.target))
         self.observations: dict[int, list[TrainerObservation]] = {}
         self.started = time.monotonic()
 
@@ -104,16 +105,16 @@ class RankSession:
         from .reference import choose_clip
         from .resources import PhaseResources, ResourceProbe, resource_outcomes
 
-        spec = self.args.target
-        base = build_model(self.args.model, self.args.dtype, self.args.seed)
+        spec = self.settings.target
+        base = build_model(self.settings.model, self.settings.dtype, self.settings.seed)
         expected = {
             n: (tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in base.named_parameters()
         }
         numels = {n: int(p.numel()) for n, p in base.named_parameters()}
         phase_info: list[dict[str, Any]] = []
         phase_resources: list[Any] = []
-        stage = getattr(self.args, "resume_stage", None)
-        resume_at = getattr(self.args, "resume_at", None)
+        stage = getattr(self.settings, "resume_stage", None)
+        resume_at = getattr(self.settings, "resume_at", None)
         first_info: dict[str, dict[str, Any]] = {}
         resume: ResumeRun | None = None
         if stage == "load":
@@ -131,15 +132,15 @@ class RankSession:
                         self.world,
                         phase.first_step,
                         phase.steps,
-                        model_name=self.args.model,
-                        seed=self.args.seed,
+                        model_name=self.settings.model,
+                        seed=self.settings.seed,
                     )
                 threshold, binds_at, offset = self.comm.broadcast_object(clip, root=0)
                 phase.optim["max_grad_norm"] = threshold
                 phase.data_offset = offset
                 phase.extra["clip_first_binds_at_phase_step"] = binds_at
                 phase.extra["data_offset"] = offset
-            model = build_model(self.args.model, self.args.dtype, self.args.seed).to(self.device)
+            model = build_model(self.settings.model, self.settings.dtype, self.settings.seed).to(self.device)
             self.where = f"make_trainer for the {phase.name} phase"
             trainer, skipped = self.agree(self._local(self._make, model, phase))
             skipped = self.first_of_any(skipped)  # a phase one rank cannot run is skipped on every rank
@@ -165,7 +166,8 @@ class RankSession:
             for step in steps:
                 inputs, targets = (
                     t.to(self.device)
-                    for t in micro_batch(self.rank, step + phase.data_offset, self.args.seed, self.args.model)
+                    for t in micro_batch(self.rank, step + phase.data_offset, self.settings.seed,
+                                         self.settings.model)
                 )
                 self.where = f"step {step} ({phase.name}): step()"
                 self.arrivals.mark(self.where)
@@ -179,7 +181,7 @@ class RankSession:
             if stage == "save":
                 self.where = f"{phase.name} phase: save_checkpoint()"
                 self.arrivals.mark(self.where)
-                trainer.save_checkpoint(str(Path(self.args.resume_dir) / phase.name))
+                trainer.save_checkpoint(str(self._resume_dir() / phase.name))
             phase_info.append(self._phase_json(phase, "ran", ""))
             if self.rank == 0 and stage != "save":
                 phase_resources.append(
@@ -212,30 +214,31 @@ class RankSession:
                 if phase_resources
                 else None
             )
-            run = dict(
+            run: dict[str, Any] = dict(
                 target=spec,
                 world=resume.world_before if resume is not None else self.world,
-                dtype=self.args.dtype,
-                device=self.args.device,
-                model_name=self.args.model,
-                seed=self.args.seed,
+                dtype=self.settings.dtype,
+                device=self.settings.device,
+                model_name=self.settings.model,
+                seed=self.settings.seed,
                 phases=self.phases,
                 phase_info=phase_info,
                 observations=self.observations,
                 numels=numels,
                 resources=resources,
             )
-            if self.args.save_observations:
-                save_observations(self.args.save_observations, run)
+            if self.settings.save_observations:
+                save_observations(self.settings.save_observations, run)
             started = time.monotonic()
             report = evaluate(base=base, resume=resume, **run)
             report.extra["evaluation_s"] = round(time.monotonic() - started, 2)
             report.extra["training_s"] = round(started - self.started, 2)
-            if self.args.out:
-                Path(self.args.out).mkdir(parents=True, exist_ok=True)
-                write_text(Path(self.args.out) / "report.json", json.dumps(report.to_json(), indent=1))
-            if not self.args.quiet:
-                print(json.dumps(report.to_json()) if self.args.json else render_text(report), flush=True)
+            if self.settings.out:
+                Path(self.settings.out).mkdir(parents=True, exist_ok=True)
+                write_text(Path(self.settings.out) / "report.json", json.dumps(report.to_json(), indent=1))
+            if not self.settings.quiet:
+                text = json.dumps(report.to_json()) if self.settings.json_output else render_text(report)
+                print(text, flush=True)
             code = report.exit_code
         return code
 
@@ -251,7 +254,7 @@ class RankSession:
         error = None
         if missing is not None:
             error = (
-                f"{self.args.target}: the trainer has no {missing}() method; --resume-at needs "
+                f"{self.settings.target}: the trainer has no {missing}() method; --resume-at needs "
                 "save_checkpoint(directory) and load_checkpoint(directory)"
             )
         self.agree((None, error))
@@ -264,7 +267,13 @@ class RankSession:
             "phase_info": phase_info,
             "observations": self.observations,
         }
-        datafile.save(Path(self.args.resume_dir) / SNAPSHOT_FILE, snapshot)
+        datafile.save(self._resume_dir() / SNAPSHOT_FILE, snapshot)
+
+    def _resume_dir(self) -> Path:
+        """The folder the first launch of a resumed run saves into (the run value always names it)."""
+        if self.settings.resume_dir is None:
+            raise ConfigError("resume_dir", None, "a resumed run needs the folder of its first launch")
+        return Path(self.settings.resume_dir)
 
     def _load_first_run(self) -> tuple[ResumeRun, dict[str, dict[str, Any]]]:
         """Rank 0 reads what the first world left (plain data in the run's private folder: a file
@@ -272,14 +281,14 @@ class RankSession:
         rank 0 keeps the observations."""
         first = None
         if self.rank == 0:
-            first = read_first_run(Path(self.args.resume_dir) / SNAPSHOT_FILE)
+            first = read_first_run(self._resume_dir() / SNAPSHOT_FILE)
         plan = self.comm.broadcast_object(
             None if first is None else (first["world"], first["phases"], first["phase_info"]), root=0
         )
         world_before, self.phases, info = plan
         if first is not None:
             self.observations = dict(first["observations"])
-        resume = ResumeRun(int(self.args.resume_at), int(world_before), self.world)
+        resume = ResumeRun(int(self.settings.resume_at or 0), int(world_before), self.world)
         return resume, {p["name"]: p for p in info}
 
     def _resume_phase(
@@ -292,7 +301,7 @@ class RankSession:
         self.arrivals.mark(self.where)
         reason = None
         try:
-            trainer.load_checkpoint(str(Path(self.args.resume_dir) / phase.name))
+            trainer.load_checkpoint(str(self._resume_dir() / phase.name))
         except NotImplementedError as e:
             reason = f"load_checkpoint raised NotImplementedError ({e or 'no reason given'})"
         reason = self.first_of_any(reason)
@@ -306,7 +315,7 @@ class RankSession:
         return None
 
     def _make(self, model: Any, phase: Phase) -> tuple[Any, str | None]:
-        name = self.args.target
+        name = self.settings.target
         try:
             trainer = self.factory(model, dict(phase.optim))
         except NotImplementedError as e:
@@ -381,7 +390,7 @@ class RankSession:
         (:func:`zerosim.verify.blame.failure_record`; see the module docstring)."""
         from .blame import failure_record
 
-        out = self.args.out
+        out = self.settings.out
         if not out:
             return
         record = failure_record(error, self.rank, self.where, self.arrivals)
