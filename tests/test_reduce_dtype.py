@@ -105,3 +105,34 @@ def test_a_trainer_that_reduces_in_float32_under_float64_fails_c_zero_005() -> N
     assert {(v["rank"], v["step"]) for v in wrong} == {(0, 1), (1, 1), (0, 2), (1, 2)}
     assert {(v["tensor"], v["expected"], v["got"]) for v in wrong} == {("all_reduce", "float64", "float32")}
     assert c5.reason.startswith("rank 0 reduced gradients in float32 in step 1")
+
+
+def test_the_engines_counters_record_each_collectives_dtype() -> None:
+    import numpy as np
+
+    from zerosim.comm.base import TrafficCounter
+    from zerosim.comm.mpi_traffic import DeferredTrafficCounter
+
+    plain = TrafficCounter()
+    plain.record("world", "all_reduce", 16, 2, dtype="float32")
+    plain.record("world", "all_reduce", 16, 2, dtype="bfloat16")
+    plain.record("world", "barrier", 0, 2)
+    deferred = DeferredTrafficCounter()
+    deferred.tally("world", "all_reduce", 2)[(16, np.dtype(np.float32))] += 1  # the MPI hot path
+    deferred.record("world", "all_reduce", 16, 2, dtype="bfloat16")
+    deferred.record("world", "barrier", 0, 2)
+    assert plain.records == deferred.records  # the ring model's numbers, dtypes aside
+    for counter in (plain, deferred):
+        assert counter.records[("world", "all_reduce")].dtypes == {"float32": 1, "bfloat16": 1}
+        assert counter.records[("world", "barrier")].dtypes == {}
+
+
+def test_a_simulated_step_reports_the_dtype_of_its_gradient_reductions() -> None:
+    from zerosim.engine.config import RunConfig
+    from zerosim.engine.spmd import simulate_observations
+
+    obs = simulate_observations(RunConfig(strategy="full_shard", world_size=2, steps=1))
+    items = {(t.group, t.collective): t for t in obs[0].steps[0].traffic}
+    reduce = items[("world", "reduce_scatter")]
+    # the engine reduces float32 gradients: every reduce-scatter call moved float32
+    assert reduce.dtypes == {"float32": reduce.calls} and reduce.to_json()["dtypes"] == reduce.dtypes
