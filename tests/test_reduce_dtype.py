@@ -136,3 +136,27 @@ def test_a_simulated_step_reports_the_dtype_of_its_gradient_reductions() -> None
     reduce = items[("world", "reduce_scatter")]
     # the engine reduces float32 gradients: every reduce-scatter call moved float32
     assert reduce.dtypes == {"float32": reduce.calls} and reduce.to_json()["dtypes"] == reduce.dtypes
+
+
+def test_the_engines_check_judges_the_reduce_dtype_with_the_same_function() -> None:
+    import dataclasses
+
+    from zerosim.checks.step import check_communication
+    from zerosim.cost.comm_model import comm_for_run
+    from zerosim.engine.config import RunConfig
+    from zerosim.engine.spmd import simulate_observations
+
+    cfg = RunConfig(strategy="full_shard", world_size=2, steps=2)
+    obs = simulate_observations(cfg)
+    estimate = comm_for_run(cfg.resolve())
+    assert check_communication(obs, estimate, reduce_dtype="float32").passed
+    # rank 1's second step: its reduce-scatters claim to have moved bfloat16 (a deliberately wrong record)
+    step = obs[1].steps[1]
+    wrong = [dataclasses.replace(t, dtypes={"bfloat16": t.calls}) if t.collective == "reduce_scatter" else t
+             for t in step.traffic]
+    obs[1].steps[1] = dataclasses.replace(step, traffic=wrong)
+    verdict = check_communication(obs, estimate, reduce_dtype="float32")
+    (v,) = verdict.violations  # the bytes still match the ring model: only the dtype is wrong
+    assert (v.clause, v.step, v.ranks, v.expected, v.got) == ("reduce_dtype", step.step, (1,), "float32",
+                                                              "bfloat16")
+    assert "rank 1 reduced gradients in bfloat16" in v.message

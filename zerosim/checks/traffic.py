@@ -174,21 +174,25 @@ def check_reduce_dtype(
     *,
     phase: str | None = None,
     first_step: int = 1,
+    ranks: Sequence[int] | None = None,
 ) -> Verdict:
     """C-ZERO-005 ``reduce_dtype``: every gradient reduction of every rank and step moves elements of
     ``expected_dtype`` (the run's dtype in full precision; a mixed-precision policy's reduce dtype).
 
     ``per_rank_traffic[r][i]``: rank ``r``'s traffic summary at the ``i``-th step of the phase (global
     step ``first_step + i``), whose ``"collectives"`` list holds one record per collective call
-    (``function``, ``kind``, ``class``, ``dtype``, ``payload_bytes``, ``group``); a summary without
-    records (None, or counted before dtypes were recorded) is not judged. Control traffic (scalars) and
+    (``function``, ``kind``, ``class``, ``dtype``, ``payload_bytes``, ``group``; ``calls`` where one
+    record stands for several calls, as the engine's per-collective tallies do); a summary without
+    records (None, or counted before dtypes were recorded) is not judged. ``ranks[r]``: the rank the
+    ``r``-th entry observed (default ``r``). Control traffic (scalars) and
     parameter exchange are not gradient reductions. Each violation names the collective (function and
     kind, in ``tensor``), step, rank, the expected and the moved dtype; one per (rank, step, collective
     function, dtype), with the number of such calls in ``calls``.
     """
     out = ViolationCollector(CONTRACT)
     checked = 0
-    for rank, steps in enumerate(per_rank_traffic):
+    for index, steps in enumerate(per_rank_traffic):
+        rank = index if ranks is None else ranks[index]
         for i, summary in enumerate(steps):
             records = (summary or {}).get("collectives")
             if records is None:
@@ -197,18 +201,19 @@ def check_reduce_dtype(
             for rec in records:
                 if rec.get("class") != "reduce":
                     continue
-                checked += 1
+                checked += int(rec.get("calls", 1))
                 if rec.get("dtype") != expected_dtype:
                     key = (str(rec.get("function")), str(rec.get("kind")), str(rec.get("dtype")))
                     wrong.setdefault(key, []).append(rec)
             for (function, kind, dtype), calls in wrong.items():
+                count = sum(int(c.get("calls", 1)) for c in calls)
                 moved = sum(int(c.get("payload_bytes", 0)) for c in calls)
+                size = f", {moved:,} bytes" if moved else ""
                 out.add(
                     "reduce_dtype",
                     f"rank {rank} reduced gradients in {dtype} in step {first_step + i} "
-                    f"({len(calls)} {function} call(s), {moved:,} bytes); the run's policy reduces in "
-                    f"{expected_dtype}",
-                    {"collective": kind, "calls": len(calls), "dtype": dtype},
+                    f"({count} {function} call(s){size}); the run's policy reduces in {expected_dtype}",
+                    {"collective": kind, "calls": count, "dtype": dtype},
                     phase=phase, step=first_step + i, ranks=(rank,), tensor=function,
                     expected=expected_dtype, got=dtype,
                 )
