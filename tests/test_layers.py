@@ -35,7 +35,7 @@ LAYERS: dict[str, int] = {
     "zerosim.plan": 0, "zerosim.flat": 0, "zerosim.flat_buffers": 0, "zerosim.model": 0,
     "zerosim.optim": 0, "zerosim.precision": 0, "zerosim.observe": 0, "zerosim.verdict": 0,
     "zerosim.dotted": 0, "zerosim.text_tables": 0, "zerosim.outputs": 0, "zerosim.datafile": 0,
-    "zerosim.unit_state": 0, "zerosim.json_value": 0,
+    "zerosim.unit_state": 0, "zerosim.json_file": 0,
     # 1: contracts, pure checks, cost models
     "zerosim.contracts": 1, "zerosim.checks.*": 1, "zerosim.check_impl": 1, "zerosim.cost.*": 1,
     "zerosim.checks.rounding": 1,

@@ -198,11 +198,11 @@ def test_a_tampered_verify_run_names_the_field_and_value(tmp_path: Path, field: 
 
 
 def test_a_verify_run_file_that_is_not_one_is_refused(tmp_path: Path) -> None:
-    from zerosim.json_value import MAX_RUN_FILE_BYTES
+    from zerosim.json_file import MAX_SETTINGS_BYTES
     from zerosim.verify.run_value import read_verify_run
 
     huge = tmp_path / "huge.json"
-    huge.write_bytes(b" " * (MAX_RUN_FILE_BYTES + 1))
+    huge.write_bytes(b" " * (MAX_SETTINGS_BYTES + 1))
     for path, says in ((tmp_path / "absent.json", "No such file"), (huge, "larger than"),
                        (tmp_path / "list.json", "expected a JSON object")):
         if path.name == "list.json":

@@ -1,4 +1,5 @@
-"""C-ZERO-004/005 on live trainers (zerosim.verify.resources): resident bytes and counted traffic.
+"""C-ZERO-004/005 on live trainers: resident bytes and counted traffic measured by zerosim.verify.resources,
+judged by zerosim.checks.resident_memory and zerosim.checks.traffic.
 
 The live part launches one torchrun job at world 2 (tests/verify_programs/resources_rank.py): every
 built-in torch adapter and one deliberately wrong trainer step the built-in GPT twice per optimizer
@@ -16,16 +17,20 @@ torch = pytest.importorskip("torch")
 
 from zerogpu.launch import run_torchrun, torch_unavailable_reason  # noqa: E402
 from zerosim import datafile  # noqa: E402
+from zerosim.checks.resident_memory import (  # noqa: E402
+    check_resident_memory,
+    planned_bytes,
+    strategy_from_declared,
+)
+from zerosim.checks.traffic import check_traffic_within_model  # noqa: E402
 from zerosim.layout import ParamLayout, TensorSpec  # noqa: E402
 from zerosim.verify.model import build_model  # noqa: E402
 from zerosim.verify.resources import (  # noqa: E402
     PhaseResources,
-    check_memory,
-    check_traffic,
-    planned_bytes,
+    memory_result,
     resource_outcomes,
     storage_bytes,
-    strategy_from_declared,
+    traffic_result,
 )
 
 PROGRAM = Path(__file__).parent / "verify_programs" / "resources_rank.py"
@@ -42,6 +47,16 @@ def test_storage_bytes_counts_each_storage_once_and_skips_step_counters() -> Non
     views = [flat[:4], flat[4:]]
     other = torch.zeros(3, dtype=torch.float32)
     assert storage_bytes([*views, flat, other, torch.tensor(5.0), None]) == 10 * 8 + 3 * 4
+
+
+def check_memory(*args, **kwargs) -> dict:
+    """C-ZERO-004's check as the report renders it."""
+    return memory_result(check_resident_memory(*args, **kwargs))
+
+
+def check_traffic(*args, **kwargs) -> dict:
+    """C-ZERO-005's ring-model check as the report renders it."""
+    return traffic_result(check_traffic_within_model(*args, **kwargs), kwargs.get("unobserved"))
 
 
 def _layout() -> ParamLayout:

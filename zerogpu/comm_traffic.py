@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from zerosim.comm.base import TrafficCounter
+from zerosim.comm.base import TrafficCounter, dtype_name
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -29,18 +29,21 @@ class GroupTraffic:
         self.fallbacks = fallbacks  # collective -> calls done by a fallback (shared with split groups)
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        self.counter.record(self.group_name, "all_reduce", nbytes(t), self.world_size)
+        self.counter.record(self.group_name, "all_reduce", nbytes(t), self.world_size, dtype=dtype_name(t))
 
     def reduce_scatter(self, t: torch.Tensor) -> None:
         """``t``: the full input buffer."""
-        self.counter.record(self.group_name, "reduce_scatter", nbytes(t), self.world_size)
+        self.counter.record(self.group_name, "reduce_scatter", nbytes(t), self.world_size,
+                            dtype=dtype_name(t))
 
     def all_gather(self, t: torch.Tensor) -> None:
         """``t``: this rank's chunk (the gathered buffer is ``world_size`` of them)."""
-        self.counter.record(self.group_name, "all_gather", nbytes(t) * self.world_size, self.world_size)
+        self.counter.record(self.group_name, "all_gather", nbytes(t) * self.world_size, self.world_size,
+                            dtype=dtype_name(t))
 
     def broadcast(self, t: torch.Tensor, is_root: bool) -> None:
-        self.counter.record(self.group_name, "broadcast", nbytes(t), self.world_size, is_root=is_root)
+        self.counter.record(self.group_name, "broadcast", nbytes(t), self.world_size, is_root=is_root,
+                            dtype=dtype_name(t))
 
     def barrier(self) -> None:
         self.counter.record(self.group_name, "barrier", 0, self.world_size)

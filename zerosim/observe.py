@@ -101,6 +101,8 @@ class TrafficItem:
     bytes_sent: Fraction
     bytes_received: Fraction
     payload_bytes: int
+    #: element dtype of the buffers moved -> calls (empty where the counter did not record dtypes)
+    dtypes: dict[str, int] = field(default_factory=dict, compare=False)
 
     @property
     def group_kind(self) -> str:
@@ -118,7 +120,7 @@ class TrafficItem:
     def to_json(self) -> dict[str, Any]:
         return {"group": self.group, "collective": self.collective, "calls": self.calls,
                 "bytes_sent": float(self.bytes_sent), "bytes_received": float(self.bytes_received),
-                "payload_bytes": self.payload_bytes}
+                "payload_bytes": self.payload_bytes, "dtypes": dict(self.dtypes)}
 
 
 @dataclass

@@ -192,6 +192,22 @@ class HybridReplicasDrift(HybridZero1):
         return flat_grad / self.group_size
 
 
+class ReducesInFloat32(Zero1Trainer):
+    """The gradient is all-reduced in float32 whatever the model's dtype, then cast back: half the bytes
+    on the wire, and every reduction rounded to float32 while the weights stay float64.
+
+    A reduction in another dtype than the one the run's policy names (DeepSpeed PR #5170 all-reduced the
+    bf16 gradients instead of the fp32 buffer; a mixed-precision policy's ``reduce_dtype`` ignored). It
+    declares its strategy, so verify counts its traffic and sees the dtype of every collective."""
+
+    declared_strategy = "zero1"
+
+    def mean_gradient(self, flat_grad: torch.Tensor) -> torch.Tensor:
+        reduced = flat_grad.to(torch.float32)
+        dist.all_reduce(reduced)
+        return (reduced / self.world).to(flat_grad.dtype)
+
+
 def summed_gradient(model: torch.nn.Module, optim: dict) -> Zero1Trainer:
     return SummedGradient(model, optim)
 
@@ -259,6 +275,10 @@ class OptimizerStateDroppedOnLoad(ZeroTrainer):
         self.engine.opt_state["step"] = 0
         self._steps = 0
         return result
+
+
+def reduces_in_float32(model: torch.nn.Module, optim: dict) -> Zero1Trainer:
+    return ReducesInFloat32(model, optim)
 
 
 def optimizer_state_dropped_on_load(model: torch.nn.Module, optim: dict) -> ZeroTrainer:

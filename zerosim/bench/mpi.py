@@ -32,10 +32,12 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
+from ..json_file import check_fields, read_settings, write_settings
 from ..outputs import output_file, write_text
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
@@ -43,6 +45,47 @@ VARIANTS = ("raw", "ours", "ours_new", "ours_raise", "raw_again")
 TARGET_RATIO = 0.9
 TARGET_FROM_BYTES = 64 * 1024
 DEFAULT_OUT = "a new reports/bench-mpi-<timestamp>/bench_mpi.json"
+MPI_BENCH_RUN_FORMAT = "zerosim-bench-mpi-run/1"
+
+
+@dataclass(frozen=True)
+class MpiBenchRun:
+    """What every rank of one ``bench mpi`` launch needs, as one value: the buffer sizes, the repeats, the
+    time each measurement fills and the file rank 0 writes its rows to. The command writes it to a file
+    in its private temporary folder and starts ``python -m zerosim.mpi bench-worker --config FILE``."""
+
+    sizes: tuple[int, ...]
+    repeats: int
+    target_ms: float
+    out: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": MPI_BENCH_RUN_FORMAT, "sizes": list(self.sizes), "repeats": self.repeats,
+                "target_ms": self.target_ms, "out": self.out}
+
+    @classmethod
+    def from_json(cls, data: Any) -> MpiBenchRun:
+        """The value ``data`` describes, every field checked (ConfigError naming the first bad one)."""
+        fields = check_fields(data, ("format", "sizes", "repeats", "target_ms", "out"), MPI_BENCH_RUN_FORMAT,
+                              "bench mpi run file")
+        sizes = fields.get("sizes")
+        if not isinstance(sizes, list) or not sizes:
+            raise ConfigError("sizes", sizes, "expected a non-empty list of byte counts")
+        for size in sizes:
+            require_positive_int("sizes", size)
+        repeats = require_positive_int("repeats", fields.get("repeats"))
+        target = fields.get("target_ms")
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < float("inf"):
+            raise ConfigError("target_ms", target, "must be a positive number of milliseconds")
+        out = fields.get("out")
+        if not isinstance(out, str) or not out:
+            raise ConfigError("out", out, "expected a file path")
+        return cls(tuple(sizes), repeats, float(target), out)
+
+
+def read_mpi_bench_run(path: str) -> MpiBenchRun:
+    """The :class:`MpiBenchRun` in ``path``; ConfigError naming the file or the field if it is not one."""
+    return MpiBenchRun.from_json(read_settings(path, "bench mpi run file"))
 
 
 def buffer_sizes(min_bytes: int, max_bytes: int) -> list[int]:
@@ -75,19 +118,11 @@ def run(args: Any) -> int:
     with tempfile.TemporaryDirectory(prefix="zerosim-bench-mpi-") as tmp:
         for n in args.ranks:
             part = Path(tmp) / f"ranks{n}.json"
-            argv = [
-                "-m",
-                "zerosim.mpi",
-                "bench-worker",
-                "--sizes",
-                *map(str, sizes),
-                "--repeats",
-                str(args.repeats),
-                "--target-ms",
-                str(args.target_ms),
-                "--out",
-                str(part),
-            ]
+            run_file = write_settings(
+                MpiBenchRun(tuple(sizes), args.repeats, float(args.target_ms), str(part)).to_json(),
+                Path(tmp) / f"ranks{n}.run.json",
+            )
+            argv = ["-m", "zerosim.mpi", "bench-worker", "--config", str(run_file)]
             print(
                 f"launching mpiexec -n {n} ({len(sizes)} sizes x {len(COLLECTIVES)} collectives)...",
                 file=sys.stderr,
@@ -165,9 +200,8 @@ def _paired(pairs: list[tuple[float, float]]) -> float:
 
 # ---- inside each rank (python -m zerosim.mpi bench-worker ...) ------------------------------------
 
-def worker_main(args: Any) -> int:
-    """One rank of the benchmark (``args``: :func:`zerosim.cli.rank_commands.bench_worker_parser`'s
-    options). Rank 0 writes ``--out``."""
+def worker_main(args: MpiBenchRun) -> int:
+    """One rank of the benchmark, its settings one value (:class:`MpiBenchRun`). Rank 0 writes ``out``."""
 
     import mpi4py
     import numpy as np
@@ -261,5 +295,5 @@ def worker_main(args: Any) -> int:
             "numpy": np.__version__,
             "thread_level": MPI.Query_thread(),
         }
-        args.out.write_text(json.dumps({"rows": rows, "meta": meta}))
+        Path(args.out).write_text(json.dumps({"rows": rows, "meta": meta}))
     return 0

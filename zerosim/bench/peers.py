@@ -9,7 +9,8 @@ optimizer (AdamW, global-norm clip at 1.0; ``--optimizer sgd``: SGD with momentu
 ``zerosim verify`` takes), timed beside the peers.
 
 Ranks are started by :func:`zerogpu.launch.run_torchrun` (a wall-clock limit, no process left behind):
-one ``torchrun -m zerosim.bench.peers_rank`` launch per model that runs the adapters one after the
+one ``torchrun -m zerosim.bench.peers_rank --config FILE`` launch per model (the launch's settings as
+one value, :class:`zerosim.bench.peers_run.PeersRun`, in FILE) that runs the adapters one after the
 other, ``--rounds`` times (default 2), the list forwards in even rounds and backwards in odd ones, so
 that load drifting during the run falls on every adapter alike. Each run of an adapter builds its
 own trainer from a fresh copy of the model and calls its optional ``close()`` after the last step.
@@ -58,23 +59,32 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import EXIT_RUN_FAILED, ConfigError, require_non_negative_int, require_positive_int
+from ..errors import EXIT_RUN_FAILED, ConfigError, require_positive_int
 from ..outputs import output_dir, write_text
+from .peers_run import (  # noqa: F401 (the command's settings and their checks, used as peers.X)
+    DEFAULT_MIN_TIME_S,
+    DEFAULT_MODELS,
+    DEFAULT_ROUNDS,
+    DEFAULT_STEPS,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WARMUP,
+    DEVICES,
+    DTYPES,
+    MAX_TIMED_STEPS,
+    OPTIMIZERS,
+    PeersRun,
+    parse_int,
+    parse_seconds,
+    select_adapters,
+    select_models,
+    split_names,
+    validate_run,
+    write_peers_run,
+)
 
-DEFAULT_MODELS = ("gpt", "gpt-50m")
-DEFAULT_STEPS = 3
-DEFAULT_WARMUP = 1
-DEFAULT_ROUNDS = 2
-DEFAULT_MIN_TIME_S = 1.0
-#: the most timed steps one adapter runs in one round, however short its step (``--min-time``)
-MAX_TIMED_STEPS = 500
-DEFAULT_TIMEOUT_S = 120.0
 DEFAULT_OUT = "a new reports/bench-peers-<timestamp>/"
 JSON_NAME = "bench_peers.json"
 MD_NAME = "bench_peers.md"
-DTYPES = ("float32", "float64")
-DEVICES = ("cpu", "cuda")
-OPTIMIZERS = ("adamw", "sgd")
 MAX_GRAD_NORM = 1.0
 OURS_PREFIX = "zerogpu-"  # built-in adapters whose name starts so are ours; the other built-ins are peers
 
@@ -193,106 +203,6 @@ def merge_rounds(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---- options ----------------------------------------------------------------------------------------------
-
-
-def parse_int(field: str, text: Any) -> int:
-    """``text`` as an integer; ConfigError naming ``field`` otherwise."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    try:
-        return int(str(text).strip())
-    except ValueError:
-        raise ConfigError(field, text, "must be an integer") from None
-
-
-def _seconds_problem(value: Any, *, allow_zero: bool) -> str | None:
-    """Why ``value`` is not a usable number of seconds (positive and finite, or 0 with ``allow_zero``);
-    None when it is."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "must be a number of seconds"
-    if not (0 <= value if allow_zero else 0 < value) or not value < math.inf:
-        return f"must be a finite number of seconds, {'0 or more' if allow_zero else 'positive'}"
-    return None
-
-
-def parse_seconds(field: str, text: Any, *, allow_zero: bool = False) -> float:
-    """``text`` as a finite number of seconds, positive (or 0 or more with ``allow_zero``);
-    ConfigError naming ``field`` otherwise."""
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        raise ConfigError(field, text, "must be a number of seconds") from None
-    problem = _seconds_problem(value, allow_zero=allow_zero)
-    if problem:
-        raise ConfigError(field, text, problem)
-    return value
-
-
-def split_names(field: str, text: str | Sequence[str]) -> list[str]:
-    """A comma-separated list (or a sequence) as names; ConfigError when empty or repeated."""
-    names = [n.strip() for n in text.split(",")] if isinstance(text, str) else [str(n).strip() for n in text]
-    if not names or any(not n for n in names):
-        raise ConfigError(field, text if isinstance(text, str) else ",".join(names),
-                          "give a comma-separated list of names")
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ConfigError(field, ",".join(names), f"{', '.join(repeated)} given twice")
-    return names
-
-
-def select_models(text: str | Sequence[str]) -> list[str]:
-    from ..verify.model import require_model
-
-    names = split_names("models", text)
-    for name in names:
-        require_model(name)
-    return names
-
-
-def select_adapters(text: str | Sequence[str] | None) -> list[str]:
-    """The adapters to run: ``text`` validated (built-in names and named variants against the tables,
-    ``MODULE:FACTORY`` by importing it), or every installed built-in adapter in table order followed by
-    the ``-native`` variants of the installed zerogpu adapters."""
-    from ..verify.adapters import ADAPTERS, VARIANTS, installed_adapters, missing_requirement
-    from ..verify.targets import resolve_factory
-
-    if text is None:
-        names = installed_adapters()
-        if not names:
-            raise ConfigError("adapters", "", "no built-in adapter can run here (is torch installed?)")
-        return names + [v for v in VARIANTS if v.removesuffix("-native") in names]
-    names = split_names("adapters", text)
-    for name in names:
-        if name in ADAPTERS:
-            reason = missing_requirement(name)
-            if reason:
-                raise ConfigError("adapters", name, reason)
-        elif name in VARIANTS or ":" in name:
-            resolve_factory(name)
-        else:
-            raise ConfigError("adapters", name, f"not a built-in adapter ({', '.join(ADAPTERS)}), "
-                              f"not a variant ({', '.join(VARIANTS)}) and not MODULE:FACTORY")
-    return names
-
-
-def validate_run(*, steps: Any, warmup: Any, dtype: Any, device: Any, optimizer: Any, timeout_s: Any,
-                 rounds: Any = 1, min_time_s: Any = 0.0) -> None:
-    """ConfigError for a bad option the launcher and every rank check alike (deterministic)."""
-    require_positive_int("steps", steps)
-    if steps > MAX_TIMED_STEPS:
-        raise ConfigError("steps", steps, f"at most {MAX_TIMED_STEPS} timed steps per adapter and round")
-    require_non_negative_int("warmup", warmup)
-    require_positive_int("rounds", rounds)
-    if dtype not in DTYPES:
-        raise ConfigError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
-    if device not in DEVICES:
-        raise ConfigError("device", device, f"must be one of {', '.join(DEVICES)}")
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError("optimizer", optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
-    for field, value, allow_zero in (("min_time", min_time_s, True), ("timeout", timeout_s, False)):
-        problem = _seconds_problem(value, allow_zero=allow_zero)
-        if problem:
-            raise ConfigError(field, value, problem)
 
 
 def optim_config(optimizer: str) -> dict[str, Any]:
@@ -583,28 +493,25 @@ def options(args: Any) -> dict[str, Any]:
     return settings
 
 
-def rank_argv(settings: dict[str, Any], model: str, results: Path, start: int = 0,
-              skip: Sequence[str] = ()) -> list[str]:
-    """What follows torchrun's options: the rank program for ``model`` x every adapter and round, from
-    position ``start`` of :func:`sequence` on, the adapters in ``skip`` left out."""
-    argv = [
-        "-m", "zerosim.bench.peers_rank",
-        "--models", model,
-        "--adapters", ",".join(settings["adapters"]),
-        "--rounds", str(settings["rounds"]),
-        "--min-time", repr(settings["min_time_s"]),
-        "--from-position", str(start),
-        "--steps", str(settings["steps"]),
-        "--warmup", str(settings["warmup"]),
-        "--dtype", settings["dtype"],
-        "--device", settings["device"],
-        "--optimizer", settings["optimizer"],
-        "--timeout", repr(settings["timeout_s"]),
-        "--results", str(results),
-    ]
-    if skip:
-        argv += ["--skip", ",".join(skip)]
-    return argv
+def rank_run(settings: dict[str, Any], model: str, results: Path, start: int = 0,
+             skip: Sequence[str] = ()) -> PeersRun:
+    """What one launch's ranks run, as one value: ``model`` x every adapter and round, from position
+    ``start`` of :func:`sequence` on, the adapters in ``skip`` left out, rank 0 appending to ``results``."""
+    return PeersRun(
+        models=(model,),
+        adapters=tuple(settings["adapters"]),
+        steps=settings["steps"],
+        warmup=settings["warmup"],
+        rounds=settings["rounds"],
+        min_time_s=settings["min_time_s"],
+        dtype=settings["dtype"],
+        device=settings["device"],
+        optimizer=settings["optimizer"],
+        timeout_s=settings["timeout_s"],
+        from_position=start,
+        skip=tuple(skip),
+        results=str(results),
+    )
 
 
 def read_results(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -662,8 +569,10 @@ def measure_model(
         names = sorted({order[i][1] for i in remaining}, key=settings["adapters"].index)
         print(f"{model}: torchrun --nproc-per-node {settings['world']}, {len(remaining)} adapter run(s) of "
               f"{', '.join(names)}", file=sys.stderr, flush=True)
-        result = run_torchrun(settings["world"], rank_argv(settings, model, results, start, skip), limit_s,
-                              env={"PYTHONPATH": path_env}, capture=True)
+        run_file = write_peers_run(rank_run(settings, model, results, start, skip),
+                                   tmp / f"{model}-{attempt}.run.json")
+        argv = ["-m", "zerosim.bench.peers_rank", "--config", str(run_file)]
+        result = run_torchrun(settings["world"], argv, limit_s, env={"PYTHONPATH": path_env}, capture=True)
         got_meta, done = read_results(results)
         meta = meta or got_meta
         rows.extend(done)

@@ -1,9 +1,11 @@
 """One rank of ``zerosim bench peers``: every adapter on every model, steps timed, rank 0 collects.
 
 ``zerosim bench peers`` starts this program itself (``torchrun --standalone -m zerosim.bench.peers_rank
-... --results FILE``: rank 0 appends one JSON line per measured adapter to FILE and the launcher
-builds the report). Under an external launcher the same program runs the whole benchmark and rank 0
-writes ``bench_peers.json`` and ``bench_peers.md`` under ``--out`` and prints the table::
+--config FILE``: FILE holds the launch's settings as one value, :class:`zerosim.bench.peers_run.PeersRun`,
+loaded and checked on every rank; rank 0 appends one JSON line per measured adapter to the value's
+``results`` file and the launcher builds the report). Under an external launcher the same program
+runs the whole benchmark from its options and rank 0 writes ``bench_peers.json`` and
+``bench_peers.md`` under ``--out`` and prints the table::
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m zerosim.bench.peers_rank --models gpt,gpt-50m --adapters ddp,fsdp2,zerogpu-3 --out reports
@@ -33,7 +35,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
@@ -41,6 +43,7 @@ from typing import Any, NoReturn
 from zerosim.errors import EXIT_RUN_FAILED, ConfigError, ZeroSimError
 
 from . import peers
+from .peers_run import PeersRun, read_peers_run
 
 
 class CallTimeout(ZeroSimError):
@@ -92,28 +95,24 @@ class CallWatchdog:
         os._exit(EXIT_RUN_FAILED)
 
 
-def main(args: Any) -> NoReturn:
-    """One rank of the benchmark: ``args`` are its options
-    (:func:`zerosim.cli.rank_commands.peers_rank_parser`); bad input: one line, every rank exits 2."""
+def main(load: Callable[[], PeersRun]) -> NoReturn:
+    """One rank of the benchmark: ``load()`` gives its settings
+    (:func:`zerosim.bench.peers_run.read_peers_run` for ``--config FILE``,
+    :func:`zerosim.cli.rank_commands.peers_rank_run` for options); bad input: one line, every rank
+    exits 2."""
     from zerogpu.rank import fail_on_bad_input, run_rank
 
     try:
         if not os.environ.get("WORLD_SIZE"):
             raise ConfigError("launcher", "no WORLD_SIZE", "run under torchrun (torchrun --nproc-per-node N "
                               "-m zerosim.bench.peers_rank ...), or use zerosim bench peers")
-        peers.validate_run(steps=args.steps, warmup=args.warmup, dtype=args.dtype, device=args.device,
-                           optimizer=args.optimizer, timeout_s=args.timeout, rounds=args.rounds,
-                           min_time_s=args.min_time)
-        if args.from_position < 0:
-            raise ConfigError("from_position", args.from_position, "must be 0 or more")
-        args.models = peers.select_models(args.models)
-        args.adapters = peers.select_adapters(args.adapters)
+        run = load()
     except ZeroSimError as e:
         fail_on_bad_input(e)
-    run_rank(lambda: _body(args))
+    run_rank(lambda: _body(run))
 
 
-def _body(args: Any) -> int:
+def _body(args: PeersRun) -> int:
     import torch
 
     from zerogpu.comm import init_distributed
@@ -122,8 +121,8 @@ def _body(args: Any) -> int:
     started = time.monotonic()
     load_before = peers.load_average()
     device = "cpu" if args.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    comm = init_distributed("gloo" if device == "cpu" else "nccl", device, args.timeout)
-    watchdog = CallWatchdog(args.timeout)
+    comm = init_distributed("gloo" if device == "cpu" else "nccl", device, args.timeout_s)
+    watchdog = CallWatchdog(args.timeout_s)
     meta = {"kind": "meta", "machine": peers.environment(args.device), "world": comm.world_size,
             "backend": "gloo" if device == "cpu" else "nccl"}
     if comm.rank == 0:
@@ -134,8 +133,8 @@ def _body(args: Any) -> int:
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
 
-    skip = {name for name in args.skip.split(",") if name}
-    order = peers.sequence(args.adapters, args.rounds)
+    skip = set(args.skip)
+    order = peers.sequence(list(args.adapters), args.rounds)
     for model_name in args.models:
         base = _build_base(model_name, args)
         for position, (round_index, adapter) in enumerate(order):
@@ -150,11 +149,8 @@ def _body(args: Any) -> int:
         del base
         gc.collect()
     if comm.rank == 0 and args.results is None:
-        settings = {"device": args.device, "world": comm.world_size, "dtype": args.dtype,
-                    "optimizer": args.optimizer, "steps": args.steps, "warmup": args.warmup,
-                    "rounds": args.rounds, "min_time_s": args.min_time, "timeout_s": args.timeout}
-        report = peers.build_report(rows, models=args.models, adapters=args.adapters, meta=meta,
-                                    settings=settings)
+        report = peers.build_report(rows, models=list(args.models), adapters=list(args.adapters), meta=meta,
+                                    settings=args.settings(comm.world_size))
         report["wall_s"] = round(time.monotonic() - started, 1)
         report["load_average"] = {"before": load_before, "after": peers.load_average()}
         json_path, md_path = peers.write_report(report, None if args.out is None else Path(args.out))
@@ -163,14 +159,14 @@ def _body(args: Any) -> int:
     return agree_on_exit(comm, 0)
 
 
-def _build_base(model_name: str, args: Any) -> Any:
+def _build_base(model_name: str, args: PeersRun) -> Any:
     from zerosim.verify.model import build_model
 
     return build_model(model_name, args.dtype, args.seed)
 
 
 def _measure(comm: Any, watchdog: CallWatchdog, base: Any, model_name: str, adapter: str, device: str,
-             args: Any, sync: Any) -> dict[str, Any] | None:
+             args: PeersRun, sync: Any) -> dict[str, Any] | None:
     """One adapter on one model; rank 0 returns its result row (None elsewhere). Raises on any failure."""
     from zerosim.verify.model import micro_batch
     from zerosim.verify.protocol import close_trainer
@@ -230,19 +226,19 @@ def _measure(comm: Any, watchdog: CallWatchdog, base: Any, model_name: str, adap
     }
 
 
-def _agreed_steps(comm: Any, args: Any, samples: list[float]) -> int:
+def _agreed_steps(comm: Any, args: PeersRun, samples: list[float]) -> int:
     """The number of timed steps every rank runs: the largest any rank wants (outside the timing)."""
     import torch
 
-    wanted = peers.timed_steps(args.steps, args.min_time, samples)
-    if args.min_time <= 0:
+    wanted = peers.timed_steps(args.steps, args.min_time_s, samples)
+    if args.min_time_s <= 0:
         return wanted
     agreed = comm.all_reduce(torch.tensor([float(wanted)], dtype=torch.float64), "max")
     return int(agreed[0])
 
 
-def _emit(args: Any, record: dict[str, Any]) -> None:
-    """Rank 0: one JSON line appended to ``--results`` (the launcher reads it even if the job dies later)."""
+def _emit(args: PeersRun, record: dict[str, Any]) -> None:
+    """Rank 0: one JSON line appended to ``results`` (the launcher reads it even if the job dies later)."""
     if args.results is None:
         return
     with open(args.results, "a") as f:
@@ -250,7 +246,14 @@ def _emit(args: Any, record: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    from zerogpu.rank import parse_once
-    from zerosim.cli.rank_commands import peers_rank_parser
+    from zerosim.engine.run_file import config_path_argument
 
-    main(parse_once(peers_rank_parser(), sys.argv[1:]))
+    path = config_path_argument(sys.argv[1:])
+    if path is not None:
+        run_file: str = path
+        main(lambda: read_peers_run(run_file))
+    from zerogpu.rank import parse_once
+    from zerosim.cli.rank_commands import peers_rank_parser, peers_rank_run
+
+    options = parse_once(peers_rank_parser(), sys.argv[1:])
+    main(lambda: peers_rank_run(options))

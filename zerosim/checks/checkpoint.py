@@ -1,4 +1,13 @@
-"""C-ZERO-007 checkpoints: a pure function from two full-state snapshots to a verdict.
+"""C-ZERO-007 checkpoints: pure functions from full-state observations to a verdict.
+
+Two observations of the same contract, judged by the same bitwise comparison
+(:func:`zerosim.checks.mismatch.bitwise_diff`: -0.0 vs 0.0 and NaN payloads differ):
+
+* the engine's runs (:func:`check_checkpoint_equivalence`): two :class:`StateSnapshot` of flat arrays;
+* a live trainer under ``zerosim verify --resume-at`` (:func:`check_resumed_trainer`): the saved
+  trainer's and every loaded rank's :class:`~zerosim.observe.TrainerObservation` (parameters and
+  optimizer state by tensor name) for the round trip, and the steps after the resume, judged by
+  C-ZERO-002's check, for the continuation.
 
 A :class:`StateSnapshot` is what a run holds at one point, gathered to full flat arrays (padding
 dropped): the step counter, the master and every optimizer state, and the working parameters. The
@@ -12,22 +21,28 @@ Clauses:
 * ``round_trip``: save at N, load at M, gather: every state array and the working parameters equal
   the saved ones bit for bit;
 * ``resume``: a run resumed from a checkpoint and trained on equals the reference run bit for bit;
-* ``step_counter``: the optimizer step counter is restored exactly.
+* ``step_counter``: the optimizer step counter is restored exactly;
+* ``continuation`` (a live trainer): every step after the resume is within C-ZERO-002's per-element
+  bound of the uninterrupted reference.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from ..layout import ParamLayout
+from ..observe import TrainerObservation, TrainerStep
 from ..verdict import Verdict, Violation
+from .collect import MAX_LISTED, ViolationCollector
+from .equivalence import check_step_equivalence
+from .mismatch import bitwise_diff, first_run
 
 CONTRACT = "C-ZERO-007"
-CLAUSES = ("round_trip", "resume", "step_counter")
+CLAUSES = ("round_trip", "resume", "step_counter", "continuation")
 MAX_VIOLATIONS = 8
 
 
@@ -42,17 +57,13 @@ class StateSnapshot:
     label: str = ""
 
 
-def _bits(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view(np.dtype(f"u{a.dtype.itemsize}")) if a.dtype.itemsize in (1, 2, 4, 8) else a
-
-
 def _differences(
     layout: ParamLayout, expected: np.ndarray, got: np.ndarray
 ) -> list[tuple[str, int, int, int, int]]:
     """``(tensor, first global index, end of the last differing index, differing elements, first index)``
     per tensor with any differing bit, in flat order."""
-    diff = np.flatnonzero(_bits(expected) != _bits(got))
+    diff = np.flatnonzero(bitwise_diff(np.ascontiguousarray(got).reshape(-1),
+                                       np.ascontiguousarray(expected).reshape(-1)))
     if diff.size == 0:
         return []
     out = []
@@ -73,8 +84,8 @@ def check_checkpoint_equivalence(
 ) -> Verdict:
     """C-ZERO-007: ``got`` equals ``expected`` bit for bit (every state array, the working parameters
     when both carry them) and the step counters match. ``clause`` is ``round_trip`` or ``resume``."""
-    if clause not in CLAUSES:
-        raise ValueError(f"unknown clause {clause!r}; known: {', '.join(CLAUSES)}")
+    if clause not in ("round_trip", "resume"):
+        raise ValueError(f"unknown clause {clause!r}; known: round_trip, resume")
     v = Verdict(CONTRACT)
     ctx = dict(context or {})
 
@@ -116,3 +127,97 @@ def check_checkpoint_equivalence(
             )
     v.details["compared"] = [name for name, _, _ in arrays]
     return v
+
+
+# ---- a live trainer resumed under ``zerosim verify --resume-at`` ----------------------------------------
+
+
+def _compare_bitwise(
+    out: ViolationCollector, phase: str, step: int, rank: int, label: str, saved: Any, loaded: Any,
+    **extra: Any,
+) -> None:
+    s = np.asarray(saved)
+    g = np.asarray(loaded)
+    if s.shape != g.shape or s.dtype != g.dtype:
+        out.add(
+            "round_trip",
+            f"after load_checkpoint: shape {tuple(g.shape)} {g.dtype}, saved {tuple(s.shape)} {s.dtype}",
+            {**extra},
+            phase=phase, step=step, ranks=(rank,), tensor=label, interval=(0, int(s.size)), tolerance=0.0,
+        )
+        return
+    sf = np.ascontiguousarray(s).reshape(-1)
+    gf = np.ascontiguousarray(g).reshape(-1)
+    differ = bitwise_diff(gf, sf)
+    if not differ.any():
+        return
+    start, stop = first_run(differ)
+    s64 = sf.astype(np.float64)
+    g64 = gf.astype(np.float64)
+    err = float(np.max(np.abs(s64 - g64)))
+    out.add(
+        "round_trip",
+        f"after load_checkpoint {int(differ.sum())} of {s.size} elements differ bitwise from the "
+        "saved trainer's",
+        {**extra},
+        phase=phase, step=step, ranks=(rank,), tensor=label, interval=(start, stop), expected=s64[start],
+        got=g64[start], error=err, tolerance=0.0,
+    )
+
+
+def check_round_trip(out: ViolationCollector, phase: str, step: int, saved: TrainerObservation,
+                     loaded: Sequence[TrainerObservation], state_names: Sequence[str]) -> None:
+    """C-ZERO-007 ``round_trip`` on a live trainer: every loaded rank's parameters and optimizer state
+    (the entries named in ``state_names``) bitwise equal to the saved trainer's; a saved state entry the
+    loaded rank lacks is named."""
+    for obs in loaded:
+        for name, arr in saved.params.items():
+            _compare_bitwise(out, phase, step, obs.rank, name, arr, obs.params[name])
+        for name, entry in (saved.state or {}).items():
+            got_entry = (obs.state or {}).get(name)
+            for key, arr in entry.items():
+                if key not in state_names:
+                    continue
+                got = None if got_entry is None else got_entry.get(key)
+                if got is None:
+                    out.add(
+                        "round_trip",
+                        f"optimizer state {key!r} was saved but is missing after load_checkpoint",
+                        {"state": key},
+                        phase=phase, step=step, ranks=(obs.rank,), tensor=f"{name}[{key}]",
+                        interval=(0, int(np.asarray(arr).size)), tolerance=0.0,
+                    )
+                    continue
+                _compare_bitwise(out, phase, step, obs.rank, f"{name}[{key}]", arr, got, state=key)
+
+
+def check_resumed_trainer(
+    records: Sequence[TrainerStep],
+    saved: Mapping[str, TrainerObservation],
+    loaded: Mapping[str, Sequence[TrainerObservation]],
+    resumed_after: Mapping[str, int],
+    state_names: Mapping[str, Sequence[str]],
+    **details: Any,
+) -> Verdict:
+    """C-ZERO-007 on a live trainer resumed from its own checkpoint, over every phase that resumed.
+
+    ``saved[phase]``: the saved trainer's observation right before saving; ``loaded[phase]``: every new
+    rank's right after loading; ``resumed_after[phase]``: the global number of the last step trained
+    before the resume; ``state_names[phase]``: the optimizer state entries compared. ``round_trip``:
+    bitwise (:func:`check_round_trip`); ``continuation``: every step of ``records`` after the resume
+    judged by C-ZERO-002's check, re-labelled. Details: C-ZERO-002's error figures, the round-trip
+    violation count, the continued steps, and ``details``.
+    """
+    out = ViolationCollector(CONTRACT, total=MAX_LISTED)
+    for phase, ranks in loaded.items():
+        check_round_trip(out, phase, resumed_after[phase], saved[phase], ranks, state_names.get(phase, ()))
+    round_trip_failures = out.count
+    continued = [r for r in records if r.phase in loaded and r.step > resumed_after[r.phase]]
+    eq = check_step_equivalence(continued)
+    for v in eq.violations:
+        out.add_violation(replace(v, contract=CONTRACT, clause="continuation"))
+    out.count += int(eq.details.get("violations_not_listed", 0))
+    kept = ("max_error", "tolerance", "error_over_tolerance", "worst", "max_abs_error", "state_compared")
+    summary = {k: eq.details[k] for k in kept if k in eq.details}
+    summary.update(details, round_trip_violations=round_trip_failures, continued_steps=len(continued))
+    return out.listed_verdict(**summary)

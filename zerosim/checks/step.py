@@ -10,7 +10,9 @@ and traffic counters), the plan and the communication estimate. No backend, no l
   the memory tracker agrees; transient buffers are freed at the end of the step; under ZeRO-3 the
   peak of live parameter bytes stays within the shard plus ``(1 + prefetch)`` gathered units.
 * C-ZERO-005 communication (:func:`check_communication`): each rank's data traffic per step, per
-  group kind and collective (calls, bytes sent, bytes received), equals the ring model exactly.
+  group kind and collective (calls, bytes sent, bytes received), equals the ring model exactly; and,
+  given the policy's reduce dtype, every gradient reduction moved that dtype (clause ``reduce_dtype``,
+  judged by :func:`zerosim.checks.traffic.check_reduce_dtype`, the function ``zerosim verify`` uses).
 
 Diagnostics name contract, clause, step, rank, tensor, flat element range, expected vs got.
 """
@@ -25,9 +27,10 @@ from typing import Any
 from ..dtypes import itemsize
 from ..intervals import first_difference
 from ..layout import ParamLayout
-from ..observe import RankObservation
+from ..observe import RankObservation, StepObservation
 from ..verdict import Verdict
 from .mismatch import step_clauses, step_verdict, tensor_at
+from .traffic import REDUCE_COLLECTIVES, check_reduce_dtype
 
 # ---------------------------------------------------------------------------------------------------
 # C-ZERO-004 holdings
@@ -149,14 +152,35 @@ def check_holdings(observations: Sequence[RankObservation], expect: OwnershipExp
 # ---------------------------------------------------------------------------------------------------
 
 
+def reduction_records(so: StepObservation) -> list[dict[str, Any]]:
+    """The gradient reductions of one engine step as :func:`~zerosim.checks.traffic.check_reduce_dtype`
+    reads them: one record per (group, collective, dtype) of the data channel, with its call count."""
+    out = []
+    for t in so.data_traffic():
+        if t.collective not in REDUCE_COLLECTIVES:
+            continue
+        for dtype, calls in sorted(t.dtypes.items()):
+            out.append({"function": t.collective, "kind": t.collective, "class": "reduce", "dtype": dtype,
+                        "calls": calls, "payload_bytes": t.payload_bytes if len(t.dtypes) == 1 else 0,
+                        "group": t.group})
+    return out
+
+
 def check_communication(observations: Sequence[RankObservation], estimate: Any, *,
-                        contract: str = "C-ZERO-005") -> Verdict:
-    """Each rank's measured data traffic per step equals the ring model, per group kind and collective."""
+                        contract: str = "C-ZERO-005", reduce_dtype: str | None = None) -> Verdict:
+    """Each rank's measured data traffic per step equals the ring model, per group kind and collective;
+    with ``reduce_dtype``, every gradient reduction moved that dtype."""
     col = step_clauses(contract, {"strategy": estimate.strategy})
     expected = estimate.expected()
     checked = 0
     for obs in observations:
         for so in obs.steps:
+            if reduce_dtype is not None:
+                dtypes = check_reduce_dtype([[{"collectives": reduction_records(so)}]], reduce_dtype,
+                                            first_step=so.step, ranks=[obs.rank])
+                checked += dtypes.checked
+                for wrong in dtypes.violations:
+                    col.add_violation(wrong)
             got = so.traffic_by_collective()
             keys = sorted(set(expected) | set(got))
             checked += max(1, len(keys))  # no traffic expected and none measured is a check too

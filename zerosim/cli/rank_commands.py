@@ -1,22 +1,23 @@
-"""The options of the rank-side commands a launcher starts: ``zerosim verify``'s ranks, the peers
-benchmark's ranks and the MPI benchmark's worker.
+"""The options of the rank-side commands a launcher starts: ``zerosim verify``'s ranks and the peers
+benchmark's ranks.
 
 ``zerosim verify``'s own launches give their ranks one argument, ``--run-file FILE`` (a
 :class:`~zerosim.verify.run_value.VerifyRun`); ranks a user starts give TARGET and options, turned into
-the same value here (:func:`verify_rank_run`).
+the same value here (:func:`verify_rank_run`). The launchers of ``zerosim bench`` ship their ranks one
+value in a file (``--config FILE``) too; the peers options here serve ranks a user starts under an
+external launcher.
 
-The work is in :func:`zerosim.verify.runner.rank_main`, :func:`zerosim.bench.peers_rank.main` and
-:func:`zerosim.bench.mpi.worker_main`, functions of the parsed values; every command-line parser of
-the project lives in :mod:`zerosim.cli`.
+The work is in :func:`zerosim.verify.runner.rank_main` and :func:`zerosim.bench.peers_rank.main`,
+functions of the parsed values; every command-line parser of the project lives in :mod:`zerosim.cli`.
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from ..bench import peers
+from ..bench.peers_run import PeersRun
 from ..errors import ConfigError, ZeroSimError
 from ..verify.run_value import DEFAULT_TIMEOUT_S, DEVICES, DTYPES, VerifyRun, read_verify_run
 from ..verify.suite import OPTIMIZERS
@@ -121,11 +122,25 @@ def peers_rank_parser() -> argparse.ArgumentParser:
     return p
 
 
-def bench_worker_parser() -> argparse.ArgumentParser:
-    """``python -m zerosim.mpi bench-worker``: one rank of ``zerosim bench mpi`` (not for direct use)."""
-    p = argparse.ArgumentParser(prog="python -m zerosim.mpi bench-worker")
-    p.add_argument("--sizes", type=int, nargs="+", required=True)
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--target-ms", type=float, default=20.0)
-    p.add_argument("--out", type=Path, required=True)
-    return p
+def peers_rank_run(args: argparse.Namespace) -> PeersRun:
+    """The :class:`~zerosim.bench.peers_run.PeersRun` the options of :func:`peers_rank_parser` describe
+    (ConfigError naming the first bad one)."""
+    run = PeersRun(
+        models=tuple(peers.select_models(args.models)),
+        adapters=tuple(peers.select_adapters(args.adapters)),
+        steps=args.steps,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        min_time_s=args.min_time,
+        dtype=args.dtype,
+        device=args.device,
+        optimizer=args.optimizer,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        from_position=args.from_position,
+        skip=tuple(name for name in args.skip.split(",") if name),
+        out=args.out,
+        results=args.results,
+    )
+    run.validate()
+    return run

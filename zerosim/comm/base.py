@@ -46,12 +46,24 @@ def ring_bytes(collective: str, nbytes: int, n: int, is_root: bool = False) -> t
     raise ValueError(f"unknown collective {collective!r}")
 
 
+def dtype_label(dtype: Any) -> str:
+    """A numpy or torch dtype as its short name (``"float32"``, ``"bfloat16"``); "" for None."""
+    return "" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def dtype_name(x: Any) -> str:
+    """The element dtype of an array or tensor as its short name; "" for none (a barrier)."""
+    return dtype_label(getattr(x, "dtype", None))
+
+
 @dataclass
 class TrafficRecord:
     calls: int = 0
     bytes_sent: Fraction = Fraction(0)
     bytes_received: Fraction = Fraction(0)
     payload_bytes: int = 0  # sum of S over calls (the full buffer size)
+    #: element dtype of the buffers moved -> calls; what the ring model counts ignores it (not compared)
+    dtypes: dict[str, int] = field(default_factory=dict, compare=False)
 
 
 @dataclass
@@ -60,13 +72,17 @@ class TrafficCounter:
 
     records: dict[tuple[str, str], TrafficRecord] = field(default_factory=dict)
 
-    def record(self, group: str, collective: str, nbytes: int, n: int, is_root: bool = False) -> None:
+    def record(self, group: str, collective: str, nbytes: int, n: int, is_root: bool = False,
+               dtype: str = "") -> None:
+        """One call of ``collective`` on ``group`` (``n`` ranks) moving an ``nbytes`` buffer of ``dtype``."""
         sent, recv = ring_bytes(collective, nbytes, n, is_root)
         r = self.records.setdefault((group, collective), TrafficRecord())
         r.calls += 1
         r.bytes_sent += sent
         r.bytes_received += recv
         r.payload_bytes += nbytes
+        if dtype:
+            r.dtypes[dtype] = r.dtypes.get(dtype, 0) + 1
 
     def reset(self) -> None:
         self.records.clear()
@@ -98,6 +114,8 @@ class TrafficCounter:
             mine.bytes_sent += r.bytes_sent
             mine.bytes_received += r.bytes_received
             mine.payload_bytes += r.payload_bytes
+            for dtype, calls in r.dtypes.items():
+                mine.dtypes[dtype] = mine.dtypes.get(dtype, 0) + calls
 
     def to_json(self) -> list[dict[str, Any]]:
         return [

@@ -53,7 +53,7 @@ from typing import Any, overload
 import numpy as np
 
 from ..errors import CollectiveError, ConfigError
-from .base import DEFAULT_TIMEOUT_S, TrafficCounter
+from .base import DEFAULT_TIMEOUT_S, TrafficCounter, dtype_label
 from .mpi_traffic import DeferredTrafficCounter
 from .mpi_watchdog import process_fault_plan, process_watchdog
 from .mpi_wire import (
@@ -104,8 +104,8 @@ class MpiCommunicator:
             _global_ranks = tuple(int(r) for r in ranks)
         self.global_ranks = _global_ranks
         self.traffic = traffic if traffic is not None else DeferredTrafficCounter()
-        # nbytes -> calls tallies of this group in the shared counter (None: a plain counter, record())
-        self._tallies: dict[tuple[str, bool], defaultdict[int, int]] | None = None
+        # (nbytes, dtype) -> calls tallies of this group in the shared counter (None: a plain counter)
+        self._tallies: dict[tuple[str, bool], defaultdict[tuple[int, Any], int]] | None = None
         if isinstance(self.traffic, DeferredTrafficCounter):
             self._tallies = {(c, root): self.traffic.tally(group_name, c, self.world_size, root)
                              for c in ("all_reduce", "reduce_scatter", "all_gather", "barrier", "broadcast")
@@ -129,13 +129,14 @@ class MpiCommunicator:
         return self._comm
 
     # -- bookkeeping shared by every collective ------------------------------------------------------
-    def _begin(self, collective: str, nbytes: int, is_root: bool = False) -> None:
+    def _begin(self, collective: str, nbytes: int, is_root: bool = False, dtype: Any = None) -> None:
         """Entering a collective: traffic, the fault hook (tests), the call count, the watchdog's ``current``.
         """
         if self._tallies is None:
-            self.traffic.record(self.group_name, collective, nbytes, self.world_size, is_root)
+            self.traffic.record(self.group_name, collective, nbytes, self.world_size, is_root,
+                                dtype=dtype_label(dtype))
         else:
-            self._tallies[(collective, is_root)][nbytes] += 1
+            self._tallies[(collective, is_root)][(nbytes, dtype)] += 1
         if self._fault is not None:
             self._fault_hook(collective)
         self._collective = collective
@@ -208,9 +209,10 @@ class MpiCommunicator:
         send = (x if plan.native else x.astype(np.float32), plan.mpi_type)
         tally = self._tally_all_reduce
         if tally is None:
-            self.traffic.record(self.group_name, "all_reduce", x.nbytes, self.world_size)
+            self.traffic.record(self.group_name, "all_reduce", x.nbytes, self.world_size,
+                                dtype=dtype_label(x.dtype))
         else:
-            tally[x.nbytes] += 1
+            tally[(x.nbytes, x.dtype)] += 1
         if self._fault is not None:
             self._fault_hook("all_reduce")
         self._collective = "all_reduce"
@@ -257,9 +259,9 @@ class MpiCommunicator:
         send = (x if plan.native else x.astype(np.float32), plan.mpi_type)
         tally = self._tally_reduce_scatter
         if tally is None:
-            self.traffic.record(self.group_name, "reduce_scatter", x.nbytes, n)
+            self.traffic.record(self.group_name, "reduce_scatter", x.nbytes, n, dtype=dtype_label(x.dtype))
         else:
-            tally[x.nbytes] += 1
+            tally[(x.nbytes, x.dtype)] += 1
         if self._fault is not None:
             self._fault_hook("reduce_scatter")
         self._collective = "reduce_scatter"
@@ -300,9 +302,10 @@ class MpiCommunicator:
         wire = wire[1] if wire is not None and wire[0] is dtype else wire_type(dtype)
         tally = self._tally_all_gather
         if tally is None:
-            self.traffic.record(self.group_name, "all_gather", result.nbytes, self.world_size)
+            self.traffic.record(self.group_name, "all_gather", result.nbytes, self.world_size,
+                                dtype=dtype_label(x.dtype))
         else:
-            tally[result.nbytes] += 1
+            tally[(result.nbytes, x.dtype)] += 1
         if self._fault is not None:
             self._fault_hook("all_gather")
         self._collective = "all_gather"
@@ -331,7 +334,7 @@ class MpiCommunicator:
         if self.rank == root and result is not x:
             result[...] = x
         buf = (result, wire_type(x.dtype))
-        self._begin("broadcast", x.nbytes, self.rank == root)
+        self._begin("broadcast", x.nbytes, self.rank == root, x.dtype)
         try:
             if self._blocking:
                 self._comm.Bcast(buf, root)

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from ..errors import CollectiveError, CollectiveTimeout, ConfigError, ZeroSimError, require_positive_int
-from .base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter
+from .base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter, dtype_name
 from .fault_plan import FAULT_ENV, FaultCounter, FaultPlan, collective_plan
 
 SCHEDULES = ("serial", "parallel")
@@ -677,14 +677,14 @@ class SimCommunicator:
     # -- collectives --------------------------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum") -> Any:
         self._check_op(op, x)
-        self.traffic.record(self.group_name, "all_reduce", _nbytes(x), self.world_size)
+        self.traffic.record(self.group_name, "all_reduce", _nbytes(x), self.world_size, dtype=dtype_name(x))
         return self._run("all_reduce", x, op)
 
     def all_reduce_start(self, x: Any, op: str = "sum") -> PendingCollective:
         """:meth:`all_reduce` without waiting, reducing ``x`` in place as torch's ``all_reduce_start``
         does: ``wait()`` writes the result into ``x`` and returns it."""
         self._check_op(op, x)
-        self.traffic.record(self.group_name, "all_reduce", _nbytes(x), self.world_size)
+        self.traffic.record(self.group_name, "all_reduce", _nbytes(x), self.world_size, dtype=dtype_name(x))
         return self._run("all_reduce", x, op, wait=False, into=x)
 
     def reduce_scatter(self, x: Any, op: str = "sum", *, donate: bool = False) -> Any:
@@ -703,7 +703,8 @@ class SimCommunicator:
         if x.shape[0] % self.world_size:
             raise CollectiveError(f"reduce_scatter on group {self.group_name}: length {x.shape[0]} on rank "
                                   f"{self.global_rank} is not divisible by the group size {self.world_size}")
-        self.traffic.record(self.group_name, "reduce_scatter", _nbytes(x), self.world_size)
+        self.traffic.record(self.group_name, "reduce_scatter", _nbytes(x), self.world_size,
+                            dtype=dtype_name(x))
         return self._run("reduce_scatter", x, op, donated=donate, wait=wait)
 
     def all_gather(self, x: Any) -> Any:
@@ -715,7 +716,8 @@ class SimCommunicator:
 
     def _all_gather(self, x: Any, *, wait: bool) -> Any:
         self._check_1d("all_gather", x)
-        self.traffic.record(self.group_name, "all_gather", _nbytes(x) * self.world_size, self.world_size)
+        self.traffic.record(self.group_name, "all_gather", _nbytes(x) * self.world_size, self.world_size,
+                            dtype=dtype_name(x))
         return self._run("all_gather", x, wait=wait)
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
@@ -724,7 +726,8 @@ class SimCommunicator:
                 "root", root, f"must be a rank of group {self.group_name} (size {self.world_size})"
             )
         self.traffic.record(
-            self.group_name, "broadcast", _nbytes(x), self.world_size, is_root=self.rank == root
+            self.group_name, "broadcast", _nbytes(x), self.world_size, is_root=self.rank == root,
+            dtype=dtype_name(x),
         )
         return self._run("broadcast", x, root=root)
 

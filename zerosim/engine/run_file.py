@@ -12,7 +12,6 @@ the value (one line, exit 2 on every rank).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..json_value import read_json_file, require_known_fields
+from ..json_file import check_fields, read_settings, write_settings
 from .config import RunConfig
 
 RUN_FILE_FORMAT = "zerosim-run/1"
@@ -64,10 +63,8 @@ class RankRun:
     @classmethod
     def from_json(cls, data: Any) -> RankRun:
         """The value ``data`` describes, every field checked (ConfigError naming the field)."""
-        data = require_known_fields(
-            data, ("format", "backend", "run", "json_output", "save_observations", "options"))
-        if data.get("format") != RUN_FILE_FORMAT:
-            raise ConfigError("format", data.get("format"), f"expected {RUN_FILE_FORMAT!r}")
+        data = check_fields(data, ("format", "backend", "run", "json_output", "save_observations", "options"),
+                            RUN_FILE_FORMAT, "run file")
         backend = data.get("backend")
         if backend not in BACKEND_OPTIONS:
             raise ConfigError("backend", backend, f"known: {', '.join(BACKEND_OPTIONS)}")
@@ -96,14 +93,12 @@ class RankRun:
 
 def write_rank_run(job: RankRun, path: str | os.PathLike[str]) -> Path:
     """Write ``job`` to ``path`` (JSON); returns the path."""
-    out = Path(path)
-    out.write_text(json.dumps(job.to_json(), indent=1, sort_keys=True) + "\n")
-    return out
+    return write_settings(job.to_json(), path)
 
 
 def read_rank_run(path: str | os.PathLike[str], backend: str) -> RankRun:
     """The :class:`RankRun` in ``path`` for ``backend``'s ranks; ConfigError naming the field if bad."""
-    job = RankRun.from_json(read_json_file(path))
+    job = RankRun.from_json(read_settings(path))
     if job.backend != backend:
         raise ConfigError("backend", job.backend, f"this run file is for the {job.backend} backend, "
                           f"these ranks run {backend}")

@@ -260,7 +260,7 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
     verdicts["C-ZERO-004"] = check_holdings(obs, ownership_expectation(run), layout=layout)
     phase("C-ZERO-005", 3)
     estimate = comm_for_run(run)
-    verdicts["C-ZERO-005"] = check_communication(obs, estimate)
+    verdicts["C-ZERO-005"] = check_communication(obs, estimate, reduce_dtype=run.precision.master_dtype)
     phase("done", 4)
     return RunResult(
         run.describe(), verdicts, step_metrics(obs, independent), estimate, obs, timings, references_used

@@ -976,14 +976,17 @@ def _tensor_index(layout: Any, name: str) -> int:
     raise ConfigError("tensor", name, "no such tensor in the layout")
 
 
-def _snapshot(counter: Any) -> dict[tuple[str, str], tuple[int, Any, Any, int]]:
-    return {k: (r.calls, r.bytes_sent, r.bytes_received, r.payload_bytes) for k, r in counter.records.items()}
+def _snapshot(counter: Any) -> dict[tuple[str, str], tuple[int, Any, Any, int, dict[str, int]]]:
+    return {k: (r.calls, r.bytes_sent, r.bytes_received, r.payload_bytes, dict(r.dtypes))
+            for k, r in counter.records.items()}
 
 
 def _delta(before: dict, after: dict) -> list[TrafficItem]:
     out = []
-    for key, (calls, sent, recv, payload) in sorted(after.items()):
-        b = before.get(key, (0, 0, 0, 0))
+    for key, (calls, sent, recv, payload, dtypes) in sorted(after.items()):
+        b = before.get(key, (0, 0, 0, 0, {}))
         if calls - b[0]:
-            out.append(TrafficItem(key[0], key[1], calls - b[0], sent - b[1], recv - b[2], payload - b[3]))
+            moved = {d: n - b[4].get(d, 0) for d, n in dtypes.items() if n - b[4].get(d, 0)}
+            out.append(TrafficItem(key[0], key[1], calls - b[0], sent - b[1], recv - b[2], payload - b[3],
+                                   moved))
     return out

@@ -16,7 +16,8 @@ The collective
 timeout itself is the run's ``timeout_s`` (``--timeout`` of ``zerosim simulate``). ``--world-size``
 defaults to the number of ranks mpiexec started; a different value is an error.
 
-``python -m zerosim.mpi bench-worker ...`` is the inside of ``zerosim bench mpi`` (not for direct use).
+``python -m zerosim.mpi bench-worker --config FILE`` is the inside of ``zerosim bench mpi`` (not for
+direct use): FILE holds the launch's settings as one value (:class:`zerosim.bench.mpi.MpiBenchRun`).
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import sys
 from typing import NoReturn
 
 from ..engine.run_file import config_path_argument, read_rank_run
-from ..errors import EXIT_BAD_INPUT
+from ..errors import EXIT_BAD_INPUT, ZeroSimError
 from ..rank_messages import parse_args_on_rank
 from .rank import run_rank
 from .simulate import simulate_rank
 
 USAGE = ("usage: mpiexec -n N python -m zerosim.mpi simulate --config FILE\n"
-         "       mpiexec -n N python -m zerosim.mpi simulate [zerosim simulate options]")
+         "       mpiexec -n N python -m zerosim.mpi simulate [zerosim simulate options]\n"
+         "       mpiexec -n N python -m zerosim.mpi bench-worker --config FILE")
 
 
 def simulate(argv: list[str]) -> NoReturn:
@@ -54,11 +56,19 @@ def main(argv: list[str] | None = None) -> NoReturn:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["simulate"]:
         simulate(argv[1:])
-    if argv[:1] == ["bench-worker"]:
-        from ..bench.mpi import worker_main
-        from ..cli.rank_commands import bench_worker_parser
+    path = config_path_argument(argv[1:])
+    if argv[:1] == ["bench-worker"] and path is not None:
+        from ..bench.mpi import read_mpi_bench_run, worker_main
 
-        run_rank(lambda: worker_main(bench_worker_parser().parse_args(argv[1:])))
+        try:
+            run = read_mpi_bench_run(path)
+        except ZeroSimError as e:  # the same file on every rank: each exits 2, rank 0 says why
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_rank() == 0:
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_BAD_INPUT)
+        run_rank(lambda: worker_main(run))
     print(USAGE, file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
 

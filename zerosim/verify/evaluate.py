@@ -8,7 +8,10 @@ float32-representable after every step), and the contracts' checks (:mod:`zerosi
 C-ZERO-001 :func:`~zerosim.checks.partition_ranges.check_partition_ranges`, C-ZERO-002
 :func:`~zerosim.checks.equivalence.check_step_equivalence`, C-ZERO-003
 :func:`~zerosim.checks.identity.check_replica_identity`) and the diagnosis
-(:mod:`zerosim.verify.diagnosis`) run on the result.
+(:mod:`zerosim.verify.diagnosis`) run on the result. C-ZERO-004 and C-ZERO-005's ``ring_model`` come
+judged from the ranks (:func:`zerosim.verify.resources.resource_outcomes`); C-ZERO-005's
+``reduce_dtype`` (:func:`~zerosim.checks.traffic.check_reduce_dtype`) is judged here, where each phase's
+arithmetic dtype is known: every gradient reduction must move that dtype.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ from zerosim.checks.equivalence import check_step_equivalence, float32_masters
 from zerosim.checks.identity import check_replica_identity
 from zerosim.checks.partition_ranges import check_partition_ranges
 from zerosim.checks.tolerance import ErrorModel
+from zerosim.checks.traffic import check_reduce_dtype
 from zerosim.observe import TrainerObservation
+from zerosim.verdict import Verdict
 
 from .model import require_model
 from .observation import StepRecord
-from .outcome import ContractOutcome, VerifyReport
+from .outcome import ContractOutcome, VerifyReport, violation_json
 from .reference import Reference
-from .resume import ResumeRun, check_resume
+from .resume import ResumeRun, resume_outcome
 from .suite import Phase
 
 
@@ -83,6 +88,41 @@ def build_records(
     return records
 
 
+def reduce_dtype_verdicts(
+    phases: list[Phase],
+    phase_info: list[dict[str, Any]],
+    observations: dict[int, list[TrainerObservation]],
+    expected_dtypes: dict[str, str] | None = None,
+) -> list[Verdict]:
+    """C-ZERO-005 ``reduce_dtype`` per phase that ran with counted traffic: every gradient reduction moves
+    the dtype the phase's policy names (``expected_dtypes[phase]``; by default the arithmetic dtype
+    :func:`build_records` noted in ``phase_info``: the run's dtype, or float32 for float32 masters)."""
+    info = {p["name"]: p for p in phase_info}
+    verdicts = []
+    for phase in phases:
+        noted = info.get(phase.name, {})
+        expected = (expected_dtypes or {}).get(phase.name) or noted.get("arithmetic")
+        if noted.get("status") != "ran" or expected is None:
+            continue
+        for step in phase.step_numbers:  # one step at a time: a resumed run changes world size
+            ranks = observations.get(step, [])
+            per_rank = [[obs.traffic] for obs in sorted(ranks, key=lambda o: o.rank)]
+            verdicts.append(check_reduce_dtype(per_rank, expected, phase=phase.name, first_step=step))
+    return verdicts
+
+
+def with_reduce_dtype(traffic: ContractOutcome, verdicts: list[Verdict]) -> ContractOutcome:
+    """C-ZERO-005's outcome with the ``reduce_dtype`` clause's violations: a gradient reduction in another
+    dtype fails the contract, listed first and named in the reason; a pass leaves the outcome as it was."""
+    wrong = [violation_json(v) for verdict in verdicts for v in verdict.violations]
+    if not wrong:
+        return traffic
+    reason = f"{wrong[0]['message']} ({len(wrong)} rank/step/collective triples in another dtype)"
+    if traffic.status == "fail":
+        reason += f"; {traffic.reason}"
+    return ContractOutcome("fail", reason, [*wrong, *traffic.violations], dict(traffic.details))
+
+
 def evaluate(
     *,
     target: str,
@@ -127,8 +167,11 @@ def evaluate(
             "no phase ran with a declared strategy (declared_strategy): memory and traffic have no "
             "model to be compared with",
         )
+    contracts["C-ZERO-005"] = with_reduce_dtype(
+        contracts["C-ZERO-005"], reduce_dtype_verdicts(phases, phase_info, observations)
+    )
     if resume is not None:
-        contracts["C-ZERO-007"] = check_resume(records, resume, {p.name: p.first_step for p in phases})
+        contracts["C-ZERO-007"] = resume_outcome(records, resume, {p.name: p.first_step for p in phases})
         if not resume.after_load:
             why = "; ".join(p.get("reason", "") for p in phase_info if p.get("reason"))
             contracts["C-ZERO-007"] = ContractOutcome("skipped", f"no phase resumed: {why}")

@@ -14,14 +14,13 @@ The validation every launch shares (the launcher's and the ranks') lives here to
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from zerosim.errors import ConfigError, require_positive_int
-from zerosim.json_value import read_json_file, require_known_fields
+from zerosim.json_file import check_fields, read_settings, write_settings
 
 from .suite import OPTIMIZERS, build_phases
 
@@ -89,9 +88,7 @@ class VerifyRun:
     def from_json(cls, data: Any) -> VerifyRun:
         """The value ``data`` describes; ConfigError naming the first field that is not one."""
         names = [f.name for f in dataclasses.fields(cls)]
-        data = require_known_fields(data, ["format", *names])
-        if data.get("format") != VERIFY_RUN_FORMAT:
-            raise ConfigError("format", data.get("format"), f"expected {VERIFY_RUN_FORMAT!r}")
+        data = check_fields(data, ("format", *names), VERIFY_RUN_FORMAT, "run file")
         if "target" not in data:
             raise ConfigError("target", None, "the run file names no target")
         values = {k: v for k, v in data.items() if k != "format"}
@@ -115,14 +112,12 @@ class VerifyRun:
 
 def write_verify_run(run: VerifyRun, path: str | os.PathLike[str]) -> Path:
     """Write ``run`` to ``path`` as JSON; returns the path."""
-    out = Path(path)
-    out.write_text(json.dumps(run.to_json(), indent=1, sort_keys=True) + "\n")
-    return out
+    return write_settings(run.to_json(), path)
 
 
 def read_verify_run(path: str | os.PathLike[str]) -> VerifyRun:
     """The validated :class:`VerifyRun` in ``path``; ConfigError naming the field if it is not one."""
-    return VerifyRun.from_json(read_json_file(path))
+    return VerifyRun.from_json(read_settings(path))
 
 
 # ---- validation shared by the launcher and the ranks ---------------------------------------------------

@@ -2,10 +2,11 @@
 
 :class:`TrafficCounter` replaces the data collectives of ``torch.distributed`` (and of
 ``distributed_c10d``, where libraries call them) for the duration of a ``with`` block and records,
-per rank, every call's group, kind and buffer size. Bytes are attributed to the ring algorithm
-exactly as :func:`zerosim.comm.base.ring_bytes` does for the reference engine. Calls are split
-into gradient reduction (all-reduce, reduce-scatter, reduce to one owner), parameter exchange
-(all-gather, broadcast) and control (scalars: a gradient norm, a loss, an overflow flag).
+per rank, every call's group, kind, buffer size and the element dtype of the tensor it moved.
+Bytes are attributed to the ring algorithm exactly as :func:`zerosim.comm.base.ring_bytes` does for
+the reference engine. Calls are split into gradient reduction (all-reduce, reduce-scatter, reduce to
+one owner), parameter exchange (all-gather, broadcast) and control (scalars: a gradient norm, a loss,
+an overflow flag) by :func:`zerosim.checks.traffic.traffic_class`.
 Collectives issued through torch's functional collectives (DTensor's ``full_tensor`` and norm
 reductions) bypass the wrapped Python functions; none of the peers moves model data that way inside
 a step.
@@ -18,19 +19,14 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from zerosim.checks.traffic import TRAFFIC_CLASSES, traffic_class
 from zerosim.comm.base import ring_bytes
-
-TRAFFIC_CLASSES = ("reduce", "gather")
 
 
 def local_tensor(tensor: Any) -> Any:
     """The rank-local tensor behind a DTensor (its shard), the tensor itself otherwise."""
     local = getattr(tensor, "_local_tensor", None)
     return local if local is not None else tensor
-
-
-REDUCE_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce")
-GATHER_COLLECTIVES = ("all_gather", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -66,9 +62,15 @@ def _nbytes(t: Any) -> int:
     return int(t.numel()) * int(t.element_size())
 
 
+def dtype_name(t: Any) -> str:
+    """The element dtype of a tensor as its short name (``"float32"``, ``"bfloat16"``)."""
+    return str(local_tensor(t).dtype).replace("torch.", "")
+
+
 @dataclass(frozen=True)
 class CollectiveCall:
-    """One data collective as a rank saw it: kind, the group's global ranks, buffer size, root or not."""
+    """One data collective as a rank saw it: kind, the group's global ranks, buffer size, root or not,
+    and the element dtype of the tensor it moved (the first tensor's where a call moves a list)."""
 
     function: str
     kind: str
@@ -76,13 +78,17 @@ class CollectiveCall:
     payload_bytes: int
     payload_numel: int
     is_root: bool
+    dtype: str = ""
 
     @property
     def traffic_class(self) -> str:
         """``reduce`` (gradient reduction), ``gather`` (parameter exchange) or ``control`` (scalars)."""
-        if self.payload_numel <= 1:
-            return "control"
-        return "reduce" if self.kind in REDUCE_COLLECTIVES else "gather"
+        return traffic_class(self.kind, self.payload_numel)
+
+    def record(self) -> dict[str, Any]:
+        """The call as plain data (C-ZERO-005's ``reduce_dtype`` clause reads these)."""
+        return {"function": self.function, "kind": self.kind, "class": self.traffic_class,
+                "dtype": self.dtype, "payload_bytes": self.payload_bytes, "group": list(self.group_ranks)}
 
     def ring(self) -> tuple[Fraction, Fraction]:
         if self.kind == "reduce":
@@ -144,7 +150,8 @@ class TrafficCounter:
         return counted
 
     def summary(self) -> dict[str, Any]:
-        """Bytes sent and received per traffic class, and calls per function (this rank)."""
+        """Bytes sent and received per traffic class, calls per function, and every call as a record
+        (``collectives``: :meth:`CollectiveCall.record`) on this rank."""
         out: dict[str, Any] = {
             c: {"sent": Fraction(0), "received": Fraction(0)} for c in (*TRAFFIC_CLASSES, "control")
         }
@@ -155,6 +162,7 @@ class TrafficCounter:
             out[call.traffic_class]["received"] += received
             functions[call.function] = functions.get(call.function, 0) + 1
         out["functions"] = functions
+        out["collectives"] = [call.record() for call in self.calls]
         return out
 
 
@@ -188,6 +196,8 @@ def _describe(name: str, spec: _Wrapped, args: tuple[Any, ...], kwargs: dict[str
         tensors = list(second or ()) * len(ranks)
     else:  # input_times_n: all_gather(tensor_list, tensor)
         tensors = [second] * len(ranks)
+    present = [t for t in tensors if t is not None]
+    dtype = dtype_name(present[0]) if present else ""
     nbytes = sum(_nbytes(t) for t in tensors)
     numel = sum(int(local_tensor(t).numel()) for t in tensors)
     is_root = False
@@ -196,4 +206,4 @@ def _describe(name: str, spec: _Wrapped, args: tuple[Any, ...], kwargs: dict[str
         group_src = kwargs.get("group_src")
         me = dist.get_rank()
         is_root = (src == me) if src is not None else (group_src is not None and ranks[group_src] == me)
-    return CollectiveCall(name, spec.kind, ranks, nbytes, numel, is_root)
+    return CollectiveCall(name, spec.kind, ranks, nbytes, numel, is_root, dtype)
