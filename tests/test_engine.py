@@ -134,14 +134,14 @@ def test_non_finite_gradient_on_one_rank_is_reported_not_averaged(strategy, prec
 def test_a_nan_is_caught_before_any_rank_accumulates_it_so_no_rank_ever_holds_it(strategy):
     """Every rank stops at the same point with the same error, and no NaN reached any rank's state."""
     from zerosim.comm.sim import run_spmd
-    from zerosim.engine.zero import ZeroEngine
+    from zerosim.engine.block_schedule import block_engine
     from zerosim.xp import numpy_namespace
 
     run = RunConfig(strategy=strategy, world_size=4, steps=2, micro_batches=2,
                     inject_nan={"rank": 2, "step": 1, "tensor": "lm_head.weight", "micro": 1}).resolve()
 
     def program(comm):
-        engine = ZeroEngine(comm, run, numpy_namespace())
+        engine = block_engine(comm, run, numpy_namespace())
         try:
             for s in range(run.steps):
                 engine.step(s)
@@ -220,15 +220,13 @@ def test_packing_by_one_gather_and_by_slice_copies_gives_the_same_bits(world):
     """Units whose (rank, segment) pieces are short are packed and unpacked with one fancy-indexed copy,
     the others with a slice copy per piece: both ways give the same packed buffer and the same unit."""
     import dataclasses
-    from types import SimpleNamespace
 
-    from zerosim.engine.zero import ZeroEngine
+    from zerosim.engine import wire
     from zerosim.xp import numpy_namespace
 
     layout = ParamLayout.from_config("tiny")
     plan = build_unit_plan(layout, ShardingStrategy.parse("zero3"), "fsdp", world)
     xp = numpy_namespace()
-    engine = SimpleNamespace(xp=xp, state_dtype="float32", pad_value=lambda: 0.0)
     rng = np.random.default_rng(0)
     kinds = set()
     for unit in plan.units:
@@ -239,9 +237,9 @@ def test_packing_by_one_gather_and_by_slice_copies_gives_the_same_bits(world):
         for short in (True, False):
             variant = dataclasses.replace(unit)
             variant.__dict__["short_pieces"] = short  # the cached choice, forced each way
-            p = ZeroEngine._pack_grads(engine, variant, grads)
+            p = wire.pack_grads(xp, variant, grads, "float32", 0.0)
             back = np.full(unit.numel, np.nan, np.float32)
-            ZeroEngine._unpack_into(engine, back, p, variant)
+            wire.unpack_into(xp, back, p, variant)
             packed.append(p)
             unpacked.append(back)
         np.testing.assert_array_equal(packed[0], packed[1])
@@ -269,11 +267,11 @@ def _fingerprint(observations):
 def test_run_ahead_changes_no_bit_no_byte_of_traffic_and_no_accounted_peak(strategy, monkeypatch):
     """ZeRO-3 on the simulator starts its gathers and reduce-scatters ahead; the same run waiting for
     each collective in turn (what mpiexec and torchrun do) observes exactly the same."""
-    from zerosim.engine.zero import ZeroEngine
+    from zerosim.engine.block_schedule import BlockSchedule
 
     cfg = RunConfig(strategy=strategy, world_size=4, steps=2, micro_batches=2, prefetch=1, max_grad_norm=0.5)
     ahead = simulate_observations(cfg)
-    monkeypatch.setattr(ZeroEngine, "_can_run_ahead", lambda self: False)
+    monkeypatch.setattr(BlockSchedule, "_can_run_ahead", lambda self: False)
     in_turn = simulate_observations(cfg)
     assert _fingerprint(ahead) == _fingerprint(in_turn)
 
@@ -310,18 +308,20 @@ def test_each_unit_is_gathered_only_while_it_computes_and_sharded_between_steps(
     started and not taken are IN_FLIGHT; after the step every unit is back to SHARDED. ZeRO-2 holds the
     full parameters: every unit GATHERED throughout."""
     from zerosim.comm.sim import run_spmd
-    from zerosim.engine.zero import ZeroEngine
+    from zerosim.engine.block_schedule import BlockSchedule, block_engine
     from zerosim.unit_state import UnitState
     from zerosim.xp import numpy_namespace
 
     if not run_ahead:
-        monkeypatch.setattr(ZeroEngine, "_can_run_ahead", lambda self: False)
+        monkeypatch.setattr(BlockSchedule, "_can_run_ahead", lambda self: False)
 
     def program(run):
         def rank(comm):
-            engine = ZeroEngine(comm, run, numpy_namespace())
+            engine = block_engine(comm, run, numpy_namespace())
+            schedule = engine.schedule
+            assert isinstance(schedule, BlockSchedule)
             seen = []
-            forward = engine.model.forward
+            forward = schedule.model.forward
 
             def recording(block, *args, **kwargs):
                 unit = engine.unit_by_block.get(block, engine.units.units[0])  # ZeRO-2: one unit, the model
@@ -329,9 +329,9 @@ def test_each_unit_is_gathered_only_while_it_computes_and_sharded_between_steps(
                 seen.append((engine.unit_states[unit.name], states))
                 return forward(block, *args, **kwargs)
 
-            engine.model.forward = recording
+            schedule.model.forward = recording
             engine.step(0)
-            return engine.runs_ahead, seen, set(engine.unit_states.values())
+            return schedule.runs_ahead, seen, set(engine.unit_states.values())
         return rank
 
     run = RunConfig(strategy="zero3", world_size=2, steps=1, prefetch=0).resolve()
