@@ -343,3 +343,48 @@ def test_each_unit_is_gathered_only_while_it_computes_and_sharded_between_steps(
     run = RunConfig(strategy="zero2", world_size=2, steps=1).resolve()
     for _, seen, after in run_spmd(2, program(run), timeout_s=30):
         assert {state for state, _ in seen} == after == {UnitState.GATHERED}
+
+
+# ---- the engine's seams: finite vote, composition --------------------------------------------------
+
+def test_the_finite_vote_names_the_lowest_offending_rank_and_tensor():
+    """Every set of offending (rank, tensor) keys decodes to its lowest key; no offender decodes to None."""
+    import itertools
+
+    from zerosim.engine import finite_vote
+    from zerosim.xp import numpy_namespace
+
+    xp, world, tensors = numpy_namespace(), 3, 4
+    assert finite_vote.offender(float(finite_vote.vote(xp, 0, 1, world, tensors)[0]), world, tensors) is None
+    keys = [(r, t) for r in range(world) for t in range(tensors)]
+    for chosen in itertools.chain(itertools.combinations(keys, 1), itertools.combinations(keys, 2)):
+        first = {r: min(t for q, t in chosen if q == r) for r, _ in chosen}  # each rank's first bad tensor
+        votes = [float(finite_vote.vote(xp, first.get(r, -1) + 1, r, world, tensors)[0])
+                 for r in range(world)]
+        assert finite_vote.offender(max(votes), world, tensors) == min(chosen), chosen
+
+
+def engine_subclasses(source: str) -> list[str]:
+    """Classes in ``source`` that derive from ZeroEngine (the engine is composed with a schedule)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases}
+            if "ZeroEngine" in bases:
+                found.append(node.name)
+    return found
+
+
+def test_no_driver_or_mutant_subclasses_the_engine_and_every_fault_is_data():
+    from pathlib import Path
+
+    from zerosim.engine.fault_catalog import FAULTS, Fault
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = {str(p.relative_to(root)): engine_subclasses(p.read_text())
+                 for package in ("zerosim", "zerogpu") for p in (root / package).rglob("*.py")}
+    assert not {k: v for k, v in offenders.items() if v}
+    assert engine_subclasses("class Broken(zero.ZeroEngine):\n    pass\n") == ["Broken"]  # the scan sees one
+    assert FAULTS and all(isinstance(f, Fault) for f in FAULTS.values())

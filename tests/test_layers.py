@@ -42,6 +42,7 @@ LAYERS: dict[str, int] = {
     # 2: comm and engine
     "zerosim.comm.*": 2, "zerosim.engine.*": 2, "zerosim.groundtruth": 2, "zerosim.checkpoint.*": 2,
     "zerosim.engine.schedule": 2, "zerosim.engine.block_schedule": 2, "zerosim.engine.wire": 2,
+    "zerosim.engine.rank_groups": 2, "zerosim.engine.finite_vote": 2,
     # 3: backends
     "zerosim.comm.mpi": 3, "zerosim.comm.mpi_wire": 3, "zerosim.comm.mpi_traffic": 3,
     "zerosim.comm.mpi_watchdog": 3, "zerosim.mpi.*": 3, "zerosim.launching": 3, "zerosim.rank_messages": 3,

@@ -68,10 +68,11 @@ from ..observe import Holding, RankObservation, ShardValues, StepObservation, Tr
 from ..optim import make_optimizer
 from ..unit_state import UnitState
 from ..xp import ArrayNamespace
-from . import wire
+from . import finite_vote, wire
 from .engine_run import EngineRun
 from .faults import EngineFault, Hook
 from .memory_tracker import MemoryTracker
+from .rank_groups import make_groups
 from .schedule import Schedule
 
 BEFORE_REDUCTION = "detected before the gradient reduction; no rank stepped with it"
@@ -127,44 +128,13 @@ class ZeroEngine:
         # ZeRO-3: every unit starts as its shard; otherwise every rank holds the full parameters
         initial = UnitState.SHARDED if self.sharded_params else UnitState.GATHERED
         self.unit_states: dict[str, UnitState] = {u.name: initial for u in self.units.units}
-        self._make_groups()
+        groups = make_groups(comm, self.k, self.replicas, self.sharded_optim, self.sharded_params)
+        self.shard_comm, self.replicate_comm = groups.shard, groups.replicate
+        self.control, self.shard_control = groups.control, groups.shard_control
+        self.observe_comm = groups.observe
+        self.obs.groups.update(groups.members(comm))
         self._init_state()
         schedule.attach(self)
-
-    # =============================================================================================
-    # groups
-    # =============================================================================================
-    def _make_groups(self) -> None:
-        """Sub-communicators: shard group (gathers, reduce-scatters), replicate group, control, observe.
-
-        Every rank calls the same splits in the same order (they are collectives)."""
-        c, n, k, g, j = self.comm, self.comm.world_size, self.k, self.group_index, self.local
-        self.shard_comm: Communicator | None = None
-        if k == n:
-            self.shard_comm = c
-        elif self.sharded_optim:
-            self.shard_comm = c.split(g, name=f"shard[{g}]")
-        self.replicate_comm: Communicator | None = None
-        if self.replicas > 1:
-            self.replicate_comm = c if k == 1 else c.split(j, name=f"replicate[{j}]")
-        self.control = c.split(0, name="world.control")
-        if k == n:
-            self.shard_control = self.control
-        else:
-            self.shard_control = c.split(g, name=f"shard[{g}].control")
-        self.observe_comm = None
-        if self.sharded_params:
-            self.observe_comm = c.split(g, name="world.observe" if k == n else f"shard[{g}].observe")
-        for comm in (
-            c,
-            self.shard_comm,
-            self.replicate_comm,
-            self.control,
-            self.shard_control,
-            self.observe_comm,
-        ):
-            if comm is not None:
-                self.obs.groups[comm.group_name] = tuple(comm.global_ranks)
 
     # =============================================================================================
     # state
@@ -424,58 +394,30 @@ class ZeroEngine:
     # =============================================================================================
     # gradients
     # =============================================================================================
-    def _inject(self, step: int, micro: int, grads: dict[str, Any]) -> dict[str, Any]:
-        inj = self.run.inject_nan
-        if (
-            inj is None
-            or (inj.rank, inj.step, inj.micro) != (self.rank, step, micro)
-            or inj.tensor not in grads
-        ):
-            return grads
-        xp = self.xp
-        g = xp.copy(grads[inj.tensor])
-        xp.assign(xp.reshape(g, (-1,))[0:1], float(inj.value))  # "nan", "inf" or "-inf"
-        return {**grads, inj.tensor: g}
-
     def check_finite(self, step: int, named: dict[str, Any], flat: Any | None = None) -> None:
         """Before a reduction: all ranks agree whether any rank holds a non-finite gradient."""
         self.agree_finite(step, self.first_nonfinite(named, flat), BEFORE_REDUCTION)
 
     def first_nonfinite(self, named: dict[str, Any], flat: Any | None = None) -> int:
-        """This rank's first non-finite gradient among ``named``, as its layout index + 1 (0: none);
-        ``flat``, when given, holds the same elements and is checked first in one pass."""
-        xp = self.xp
-        if flat is not None and xp.isfinite_all(flat):
-            return 0
-        for name, g in named.items():
-            if not xp.isfinite_all(g):
-                return _tensor_index(self.layout, name) + 1
-        return 0
+        """This rank's first non-finite gradient among ``named`` (layout index + 1; 0: none)."""
+        return finite_vote.first_nonfinite(self.xp, self.layout, named, flat)
 
     def agree_finite(self, step: int, bad: int, when: str) -> None:
         """All ranks agree whether any rank found a non-finite gradient (``bad``: layout index + 1, or
-        0) with one scalar all-reduce: the lowest offending (rank, tensor) wins the max of
-        ``span - key`` (exact in float64). Raises :class:`NonFiniteGradientError` naming it."""
+        0) with one scalar all-reduce (:mod:`zerosim.engine.finite_vote`). Raises
+        :class:`NonFiniteGradientError` naming the lowest offending (rank, tensor)."""
         self.raise_if_flagged(step, self.control.all_reduce(self.finite_flag(bad), "max"), when)
 
-    def _vote_span(self) -> int:
-        """One more than the number of (rank, tensor) keys a finite vote can name."""
-        return self.comm.world_size * len(self.layout.tensors) + 1
-
     def finite_flag(self, bad: int) -> Any:
-        """This rank's vote for :meth:`agree_finite`: ``span - key`` (0: all finite) in a float64 array."""
-        xp = self.xp
-        flag = xp.zeros(1, "float64")
-        if bad:
-            xp.assign(flag, float(self._vote_span() - (self.rank * len(self.layout.tensors) + bad - 1)))
-        return flag
+        """This rank's vote for :meth:`agree_finite`."""
+        return finite_vote.vote(self.xp, bad, self.rank, self.comm.world_size, len(self.layout.tensors))
 
     def raise_if_flagged(self, step: int, agreed: Any, when: str) -> None:
         """Raise :class:`NonFiniteGradientError` naming the (rank, tensor) the all-reduced vote encodes."""
-        worst = self.xp.to_float(agreed[0])
-        if worst > 0:
-            r, t = divmod(int(self._vote_span() - worst), len(self.layout.tensors))
-            raise NonFiniteGradientError(r, self.layout.tensors[t].name, step, when)
+        world, tensors = self.comm.world_size, len(self.layout.tensors)
+        named = finite_vote.offender(self.xp.to_float(agreed[0]), world, tensors)
+        if named is not None:
+            raise NonFiniteGradientError(named[0], self.layout.tensors[named[1]].name, step, when)
 
     def on_block_grads(self, step: int, micro: int, block: str, grads: dict[str, Any],
                        defer: Any = None) -> None:
@@ -484,7 +426,7 @@ class ZeroEngine:
         a ZeRO-3 unit's packed gradient instead of the finite vote and reduce-scatter here (a schedule
         that starts them and waits later)."""
         xp = self.xp
-        grads = self._inject(step, micro, grads)
+        grads = finite_vote.inject(xp, self.run.inject_nan, self.rank, step, micro, grads)
         if self.sharded_params:
             unit = self.unit_by_block[block]
             packed = self._pack_grads(unit, grads)
@@ -782,13 +724,6 @@ def tensor_digests(layout: Any, flat: Any) -> dict[str, str]:
     return {
         t.name: digest(flat[g0 : g0 + t.numel]) for t, g0 in zip(layout.tensors, layout.offsets, strict=True)
     }
-
-
-def _tensor_index(layout: Any, name: str) -> int:
-    for i, t in enumerate(layout.tensors):
-        if t.name == name:
-            return i
-    raise ConfigError("tensor", name, "no such tensor in the layout")
 
 
 def _snapshot(counter: Any) -> dict[tuple[str, str], tuple[int, Any, Any, int]]:
