@@ -52,7 +52,8 @@ from zerosim.strategy import ShardingStrategy
 from zerosim.xp import torch_namespace
 
 from .comm import TorchCommunicator
-from .module_engine import LossFn, ModuleRun, module_engine
+from .module_engine import LossFn, module_engine
+from .module_run import ModuleRun
 from .module_units import UnitSpec, describe_module
 from .torch_kernels import OPTIMIZER_KERNELS
 
