@@ -134,14 +134,14 @@ def test_non_finite_gradient_on_one_rank_is_reported_not_averaged(strategy, prec
 def test_a_nan_is_caught_before_any_rank_accumulates_it_so_no_rank_ever_holds_it(strategy):
     """Every rank stops at the same point with the same error, and no NaN reached any rank's state."""
     from zerosim.comm.sim import run_spmd
-    from zerosim.engine.zero import ZeroEngine
+    from zerosim.engine.block_schedule import block_engine
     from zerosim.xp import numpy_namespace
 
     run = RunConfig(strategy=strategy, world_size=4, steps=2, micro_batches=2,
                     inject_nan={"rank": 2, "step": 1, "tensor": "lm_head.weight", "micro": 1}).resolve()
 
     def program(comm):
-        engine = ZeroEngine(comm, run, numpy_namespace())
+        engine = block_engine(comm, run, numpy_namespace())
         try:
             for s in range(run.steps):
                 engine.step(s)
@@ -220,15 +220,13 @@ def test_packing_by_one_gather_and_by_slice_copies_gives_the_same_bits(world):
     """Units whose (rank, segment) pieces are short are packed and unpacked with one fancy-indexed copy,
     the others with a slice copy per piece: both ways give the same packed buffer and the same unit."""
     import dataclasses
-    from types import SimpleNamespace
 
-    from zerosim.engine.zero import ZeroEngine
+    from zerosim.engine import wire
     from zerosim.xp import numpy_namespace
 
     layout = ParamLayout.from_config("tiny")
     plan = build_unit_plan(layout, ShardingStrategy.parse("zero3"), "fsdp", world)
     xp = numpy_namespace()
-    engine = SimpleNamespace(xp=xp, state_dtype="float32", pad_value=lambda: 0.0)
     rng = np.random.default_rng(0)
     kinds = set()
     for unit in plan.units:
@@ -239,9 +237,9 @@ def test_packing_by_one_gather_and_by_slice_copies_gives_the_same_bits(world):
         for short in (True, False):
             variant = dataclasses.replace(unit)
             variant.__dict__["short_pieces"] = short  # the cached choice, forced each way
-            p = ZeroEngine._pack_grads(engine, variant, grads)
+            p = wire.pack_grads(xp, variant, grads, "float32", 0.0)
             back = np.full(unit.numel, np.nan, np.float32)
-            ZeroEngine._unpack_into(engine, back, p, variant)
+            wire.unpack_into(xp, back, p, variant)
             packed.append(p)
             unpacked.append(back)
         np.testing.assert_array_equal(packed[0], packed[1])
@@ -269,11 +267,11 @@ def _fingerprint(observations):
 def test_run_ahead_changes_no_bit_no_byte_of_traffic_and_no_accounted_peak(strategy, monkeypatch):
     """ZeRO-3 on the simulator starts its gathers and reduce-scatters ahead; the same run waiting for
     each collective in turn (what mpiexec and torchrun do) observes exactly the same."""
-    from zerosim.engine.zero import ZeroEngine
+    from zerosim.engine.block_schedule import BlockSchedule
 
     cfg = RunConfig(strategy=strategy, world_size=4, steps=2, micro_batches=2, prefetch=1, max_grad_norm=0.5)
     ahead = simulate_observations(cfg)
-    monkeypatch.setattr(ZeroEngine, "_can_run_ahead", lambda self: False)
+    monkeypatch.setattr(BlockSchedule, "_can_run_ahead", lambda self: False)
     in_turn = simulate_observations(cfg)
     assert _fingerprint(ahead) == _fingerprint(in_turn)
 
@@ -310,18 +308,20 @@ def test_each_unit_is_gathered_only_while_it_computes_and_sharded_between_steps(
     started and not taken are IN_FLIGHT; after the step every unit is back to SHARDED. ZeRO-2 holds the
     full parameters: every unit GATHERED throughout."""
     from zerosim.comm.sim import run_spmd
-    from zerosim.engine.zero import ZeroEngine
+    from zerosim.engine.block_schedule import BlockSchedule, block_engine
     from zerosim.unit_state import UnitState
     from zerosim.xp import numpy_namespace
 
     if not run_ahead:
-        monkeypatch.setattr(ZeroEngine, "_can_run_ahead", lambda self: False)
+        monkeypatch.setattr(BlockSchedule, "_can_run_ahead", lambda self: False)
 
     def program(run):
         def rank(comm):
-            engine = ZeroEngine(comm, run, numpy_namespace())
+            engine = block_engine(comm, run, numpy_namespace())
+            schedule = engine.schedule
+            assert isinstance(schedule, BlockSchedule)
             seen = []
-            forward = engine.model.forward
+            forward = schedule.model.forward
 
             def recording(block, *args, **kwargs):
                 unit = engine.unit_by_block.get(block, engine.units.units[0])  # ZeRO-2: one unit, the model
@@ -329,9 +329,9 @@ def test_each_unit_is_gathered_only_while_it_computes_and_sharded_between_steps(
                 seen.append((engine.unit_states[unit.name], states))
                 return forward(block, *args, **kwargs)
 
-            engine.model.forward = recording
+            schedule.model.forward = recording
             engine.step(0)
-            return engine.runs_ahead, seen, set(engine.unit_states.values())
+            return schedule.runs_ahead, seen, set(engine.unit_states.values())
         return rank
 
     run = RunConfig(strategy="zero3", world_size=2, steps=1, prefetch=0).resolve()
@@ -343,3 +343,48 @@ def test_each_unit_is_gathered_only_while_it_computes_and_sharded_between_steps(
     run = RunConfig(strategy="zero2", world_size=2, steps=1).resolve()
     for _, seen, after in run_spmd(2, program(run), timeout_s=30):
         assert {state for state, _ in seen} == after == {UnitState.GATHERED}
+
+
+# ---- the engine's seams: finite vote, composition --------------------------------------------------
+
+def test_the_finite_vote_names_the_lowest_offending_rank_and_tensor():
+    """Every set of offending (rank, tensor) keys decodes to its lowest key; no offender decodes to None."""
+    import itertools
+
+    from zerosim.engine import finite_vote
+    from zerosim.xp import numpy_namespace
+
+    xp, world, tensors = numpy_namespace(), 3, 4
+    assert finite_vote.offender(float(finite_vote.vote(xp, 0, 1, world, tensors)[0]), world, tensors) is None
+    keys = [(r, t) for r in range(world) for t in range(tensors)]
+    for chosen in itertools.chain(itertools.combinations(keys, 1), itertools.combinations(keys, 2)):
+        first = {r: min(t for q, t in chosen if q == r) for r, _ in chosen}  # each rank's first bad tensor
+        votes = [float(finite_vote.vote(xp, first.get(r, -1) + 1, r, world, tensors)[0])
+                 for r in range(world)]
+        assert finite_vote.offender(max(votes), world, tensors) == min(chosen), chosen
+
+
+def engine_subclasses(source: str) -> list[str]:
+    """Classes in ``source`` that derive from ZeroEngine (the engine is composed with a schedule)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases}
+            if "ZeroEngine" in bases:
+                found.append(node.name)
+    return found
+
+
+def test_no_driver_or_mutant_subclasses_the_engine_and_every_fault_is_data():
+    from pathlib import Path
+
+    from zerosim.engine.fault_catalog import FAULTS, Fault
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = {str(p.relative_to(root)): engine_subclasses(p.read_text())
+                 for package in ("zerosim", "zerogpu") for p in (root / package).rglob("*.py")}
+    assert not {k: v for k, v in offenders.items() if v}
+    assert engine_subclasses("class Broken(zero.ZeroEngine):\n    pass\n") == ["Broken"]  # the scan sees one
+    assert FAULTS and all(isinstance(f, Fault) for f in FAULTS.values())

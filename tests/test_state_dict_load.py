@@ -22,6 +22,7 @@ import pytest
 from zerosim.checkpoint import broadcast as bc
 from zerosim.checks.state_dict import check_broadcast_shard
 from zerosim.comm.sim import run_spmd
+from zerosim.engine.block_schedule import BlockSchedule
 from zerosim.engine.config import RunConfig
 from zerosim.engine.fault_catalog import FAULTS
 from zerosim.engine.zero import ZeroEngine
@@ -114,7 +115,7 @@ def _recording(sizes: list[int]) -> type[ZeroEngine]:
 
 def _initial_state(run, cls: type[ZeroEngine]) -> list[tuple[np.ndarray, np.ndarray]]:
     def program(comm: Any) -> tuple[np.ndarray, np.ndarray]:
-        e = cls(comm, run, numpy_namespace())
+        e = cls(comm, run, numpy_namespace(), BlockSchedule())
         return e.master.copy(), e.full_params_view()
 
     return run_spmd(run.world_size, program)
@@ -184,7 +185,7 @@ def _errors(run, state, strict: bool = True) -> list[Any]:
     """Per rank: the error text it raised (or its result) and whether its master is unchanged."""
 
     def program(comm: Any) -> tuple[str, bool, Any]:
-        e = ZeroEngine(comm, run, numpy_namespace())
+        e = ZeroEngine(comm, run, numpy_namespace(), BlockSchedule())
         before = e.master.copy()
         try:
             result = bc.broadcast_and_shard_state_dict(e, state if comm.rank == 0 else None, strict=strict)

@@ -100,7 +100,7 @@ def test_zero3_frees_every_unit_between_steps(world_of_one) -> None:
     model = _gpt().to(torch.bfloat16)
     trainer = ZeroTrainer(model, {"name": "adamw", "lr": 1e-3}, "zero3")
     trainer.step(*_batches(1)[0])
-    assert trainer.engine.unit_resident_bytes() == 0
+    assert trainer.schedule.unit_resident_bytes() == 0
     assert sorted(trainer.described.order) == sorted(["root", "blocks.0", "blocks.1"])
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
 
@@ -108,18 +108,18 @@ def test_zero3_frees_every_unit_between_steps(world_of_one) -> None:
 def test_a_shard_group_of_one_keeps_its_units_as_views_of_the_shard(world_of_one, monkeypatch) -> None:
     """One rank holds every unit whole: the parameters are the master shard's own memory, stepped in
     place, so nothing is gathered, copied or freed, and the steps equal the gathered path's bit for bit."""
-    from zerogpu.module_engine import ModuleEngine
+    from zerogpu.module_engine import ModuleSchedule
     from zerogpu.trainer import ZeroTrainer
 
     resident_model, gathered_model = _gpt(), _gpt()
     resident = ZeroTrainer(resident_model, {"name": "adamw", "lr": 1e-2}, "zero3")
-    monkeypatch.setattr(ModuleEngine, "_resident", lambda self, unit: False)
+    monkeypatch.setattr(ModuleSchedule, "_resident", lambda self, unit: False)
     gathered = ZeroTrainer(gathered_model, {"name": "adamw", "lr": 1e-2}, "zero3")
     for x, y in _batches(3):
         assert resident.step(x, y) == gathered.step(x, y)
     a, b = resident.full_parameters(), gathered.full_parameters()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert resident.engine.unit_resident_bytes() == 0 == gathered.engine.unit_resident_bytes()
+    assert resident.schedule.unit_resident_bytes() == 0 == gathered.schedule.unit_resident_bytes()
     base = resident.engine.param_shard.untyped_storage().data_ptr()
     assert all(p.untyped_storage().data_ptr() == base for p in resident_model.parameters())
     assert all(p.untyped_storage().nbytes() == 0 for p in gathered_model.parameters())

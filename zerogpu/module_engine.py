@@ -1,7 +1,11 @@
 """The ZeRO engine driving a torch ``nn.Module``: autograd computes, the engine shards, reduces and steps.
 
-:class:`ModuleEngine` is :class:`zerosim.engine.zero.ZeroEngine` (the code the simulator, MPI and
-torchrun backends run) with the simulator's hand-differentiated model replaced by a real module:
+:class:`ModuleSchedule` is the autograd-hook schedule of :class:`zerosim.engine.zero.ZeroEngine` (the
+engine the simulator, MPI and torchrun backends run with the block model's schedule): it drives the
+engine through a real module instead of the simulator's hand-differentiated model. The engine owns
+the sharded state and the step; this schedule owns the module's binding to it and the per-step
+state of its hooks, and calls the engine's public methods and the wire steps of
+:mod:`zerosim.engine.wire`:
 
 * **Parameters.** NO_SHARD / ZeRO-1 / ZeRO-2: every parameter's ``.data`` is a view into the
   engine's flat replicated parameters, so the engine's in-place refresh after the step is what the
@@ -12,10 +16,10 @@ torchrun backends run) with the simulator's hand-differentiated model replaced b
   world 1) holds every unit whole in its shard: the parameters are views into the shard itself,
   always resident, and nothing is gathered, copied or freed for them (an all-gather over one rank
   would only copy the shard).
-* **ZeRO-3 schedule.** A forward pre-hook gathers the unit (the engine's ``block_params``: the
-  all-gather of every rank's chunk, with ``prefetch`` units gathered ahead) and copies it into the
-  unit's buffer; the forward hook frees the buffer and hooks the unit's outputs, so the first
-  gradient reaching them gathers the unit again before its backward runs. When autograd has
+* **ZeRO-3 schedule.** A forward pre-hook gathers the unit (the all-gather of every rank's chunk,
+  with ``prefetch`` units gathered ahead) and unpacks it into the unit's buffer; the forward hook
+  frees the buffer and hooks the unit's outputs, so the first gradient reaching them gathers the
+  unit again before its backward runs. When autograd has
   accumulated the gradient of every parameter of a unit, its gradients are reduce-scattered (the
   engine's ``on_block_grads``) and the buffer is freed. The root unit follows the same rules, so
   every unit is gathered twice per step, the ZeRO-3 schedule the communication model counts.
@@ -48,7 +52,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,14 +62,11 @@ from zerosim.comm.base import Communicator
 from zerosim.engine import wire
 from zerosim.engine.zero import ZeroEngine
 from zerosim.errors import ConfigError
-from zerosim.flat_buffers import FlatUnit, UnitPlan
-from zerosim.layout import ParamLayout
-from zerosim.optim import OptimizerSpec
-from zerosim.precision import Precision
-from zerosim.strategy import ShardingStrategy
+from zerosim.flat_buffers import FlatUnit
 from zerosim.unit_state import UnitState
 from zerosim.xp import ArrayNamespace
 
+from .module_run import ModuleFlat, ModuleRun
 from .module_units import ModuleUnits
 
 #: NO_SHARD / ZeRO-1 overlap: blocks whose gradients complete are queued until this many elements
@@ -88,7 +88,7 @@ class EngineHook:
 
     __slots__ = ("_engine", "_method", "_bound")
 
-    def __init__(self, engine: ModuleEngine, method: str, *bound: Any):
+    def __init__(self, engine: ModuleSchedule, method: str, *bound: Any):
         self._engine = weakref.ref(engine)
         self._method = method
         self._bound = bound
@@ -107,108 +107,52 @@ def _remove_handles(handles: list[Any]) -> None:
     handles.clear()
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    """The run options :class:`ZeroEngine` reads from ``run.cfg`` that a module run fixes."""
+def module_engine(comm: Communicator, run: ModuleRun, xp: ArrayNamespace, described: ModuleUnits,
+                  loss_fn: LossFn, offload: Any = None) -> tuple[ZeroEngine, ModuleSchedule]:
+    """One rank's engine over a torch module and the schedule that drives it (the engine holds the
+    schedule; the schedule holds the engine weakly, so dropping the engine frees both at once)."""
+    from .torch_kernels import make_step_optimizer
 
-    offload: bool = False
-    load: str = "seed"
-    reshard_at: int | None = None
-
-
-@dataclass
-class ModuleRun:
-    """What :class:`ZeroEngine` needs of a run, for a torch module instead of a simulator preset."""
-
-    layout: ParamLayout
-    unit_plan: UnitPlan
-    strategy: ShardingStrategy
-    world_size: int
-    precision: Precision
-    spec: OptimizerSpec
-    partitioner: str
-    prefetch: int = 1
-    optimizer_kernel: str = "reference"  # see zerogpu.torch_kernels.OPTIMIZER_KERNELS
-    zero1_reduce_scatter: bool = False
-    steps: int = 1
-    micro_batches: int = 1
-    seed: int = 0
-    inject_nan: Any = None
-    fault: Any = None
-    model_cfg: Any = None
-    observe_values: bool = False
-    observe_full: bool = False
-    observe_gathered: bool = False
-    cfg: EngineOptions = field(default_factory=EngineOptions)
-
-    @property
-    def k(self) -> int:
-        return self.strategy.shard_group_size(self.world_size)
-
-    @property
-    def replicas(self) -> int:
-        return self.world_size // self.k
+    schedule = ModuleSchedule(described, loss_fn, offload)
+    # the module's current parameters, read lazily: a slice copies only the tensors it covers, so a
+    # ZeRO-3 rank, which only slices out its own pieces, never holds a second full copy while it starts
+    layout = run.layout
+    initial = ModuleFlat([described.parameters[t.name] for t in layout.tensors], layout.offsets,
+                         layout.total_numel, xp.dtype(run.precision.master_dtype))
+    engine = ZeroEngine(comm, run, xp, schedule,
+                        optimizer=make_step_optimizer(run.spec, xp, run.optimizer_kernel), initial=initial)
+    return engine, schedule
 
 
-class ModuleFlat:
-    """A module's parameters seen as one flat host array (read-only): ``flat[a:b]`` copies just the
-    elements ``[a, b)`` out of the tensors they lie in; ``numpy.asarray(flat)`` builds the whole."""
-
-    def __init__(self, tensors: list[torch.Tensor], offsets: tuple[int, ...], total: int, dtype: torch.dtype):
-        self.tensors, self.offsets, self.total, self.dtype = tensors, offsets, total, dtype
-        self.shape = (total,)
-
-    def __len__(self) -> int:
-        return self.total
-
-    def __getitem__(self, index: slice) -> np.ndarray:
-        start, stop, step = index.indices(self.total)
-        if step != 1:
-            raise IndexError("ModuleFlat supports contiguous slices only")
-        parts = []
-        for t, off in zip(self.tensors, self.offsets, strict=True):
-            lo, hi = max(start, off), min(stop, off + t.numel())
-            if lo < hi:
-                parts.append(t.detach().reshape(-1)[lo - off:hi - off].to(device="cpu", dtype=self.dtype))
-        if not parts:
-            return torch.zeros(0, dtype=self.dtype).numpy()
-        return torch.cat(parts).numpy()
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        full = self[0:self.total]
-        return full if dtype is None else full.astype(dtype)
-
-
-class ModuleEngine(ZeroEngine):
-    """One rank's engine over a torch module (see the module docstring): :meth:`set_batch`, then the
-    engine's ``step`` runs one optimizer step over it."""
+class ModuleSchedule:
+    """The autograd-hook schedule of one rank's :class:`ZeroEngine` over a torch module (see the module
+    docstring), built with its engine by :func:`module_engine`. :meth:`set_batch`, then the engine's
+    ``step`` runs one optimizer step over it."""
 
     #: a trainer steps inside its user's loop: no barrier before the step (no peer trainer has one;
     #: on gloo it cost a quarter of a small model's step), each rank times its step from its own start
     align_step_start = False
+    #: a trainer runs for as long as the user trains, and nothing reads older steps (verify judges)
+    keeps_history = False
+    #: ZeRO-1/2: every rank's updated chunk is received straight into the parameters it covers
+    receives_into_params = True
 
-    def __init__(self, comm: Communicator, run: ModuleRun, xp: ArrayNamespace, described: ModuleUnits,
-                 loss_fn: LossFn, offload: Any = None):
+    def __init__(self, described: ModuleUnits, loss_fn: LossFn, offload: Any = None):
         self.described = described
         self.module = described.unit_modules["root"]
         self.loss_fn = loss_fn
         self.offload_manager = offload
-        self.optimizer_kernel = run.optimizer_kernel
-        super().__init__(comm, run, xp)
         self._batch: tuple[Any, Any] = (None, None)
         self._step_index = 0
         self._micro_index = 0
         self._buffers: dict[str, torch.Tensor] = {}
         self._resident_units: set[str] = set()  # units whose buffer is a view of the shard (k == 1)
+        self._gathered: dict[str, Any] = {}  # unit -> its packed all-gather, until unpacked or dropped
         self._grads: dict[str, dict[str, torch.Tensor]] = {}
         self._reduced: set[str] = set()
         self._order: list[str] = []
         self._backward_order: list[str] = []
         self._hooks: list[Any] = []
-        # NO_SHARD / ZeRO-1: the full-gradient all-reduce is started block by block from backward
-        self._overlap = self._overlap_possible()
-        # hybrid: each unit's replica all-reduce is started right after its reduce-scatter
-        self._overlap_replicas = self._replica_overlap_possible()
         self._started_units: set[str] = set()
         self._arrived: dict[str, dict[str, torch.Tensor]] = {}  # block -> its gradients completed so far
         self._block_sizes: dict[str, int] = {}
@@ -217,53 +161,54 @@ class ModuleEngine(ZeroEngine):
         self._bucket_numel = 0
         self._pending: list[Any] = []
         self._local_bad = 0  # this rank's first non-finite gradient among those started (index + 1)
+        self._engine: Callable[[], ZeroEngine | None] = lambda: None
+
+    @property
+    def engine(self) -> ZeroEngine:
+        """The engine this schedule drives (held weakly: the engine holds the schedule)."""
+        engine = self._engine()
+        if engine is None:
+            raise RuntimeError("the engine this schedule drove is gone")
+        return engine
+
+    def attach(self, engine: ZeroEngine) -> None:
+        """Bind the module's parameters to the engine's buffers and register the hooks."""
+        self._engine = weakref.ref(engine)
+        # NO_SHARD / ZeRO-1: the full-gradient all-reduce is started block by block from backward
+        self._overlap = self._overlap_possible()
+        # hybrid: each unit's replica all-reduce is started right after its reduce-scatter
+        self._overlap_replicas = self._replica_overlap_possible()
         self._bind_parameters()
         # a module that outlives its engine keeps no hook of it (at interpreter exit nothing to do)
         weakref.finalize(self, _remove_handles, self._hooks).atexit = False
         if self.offload_manager is not None:
             self._register_offload()
 
-    # ---- the engine's model hooks ------------------------------------------------------------
-    def build_model(self) -> Any:
-        return None  # the computation is the module's
-
-    def build_optimizer(self) -> Any:
-        """The reference optimizer, or torch.optim's own kernels (``optimizer_kernel``)."""
-        from .torch_kernels import make_step_optimizer
-
-        return make_step_optimizer(self.run.spec, self.xp, self.optimizer_kernel)
-
-    def initial_flat(self) -> Any:
-        """The module's current parameters as a flat array in layout order, in the master dtype. Built
-        lazily: a slice copies only the tensors it covers, so a ZeRO-3 rank, which only slices out its
-        own pieces, never holds a second full copy of the model while it starts."""
-        return ModuleFlat([self.described.parameters[t.name] for t in self.layout.tensors],
-                          self.layout.offsets, self.total, self.xp.dtype(self.state_dtype))
-
     # ---- parameters as views into the engine's buffers ---------------------------------------
     def _bind_parameters(self) -> None:
+        e = self.engine
         params = self.described.parameters
-        if not self.sharded_params:
-            for t in self.layout.tensors:
-                g0, g1 = self.layout.tensor_range(t.name)
-                params[t.name].data = self.params_full[g0:g1].view(t.shape)
+        if not e.sharded_params:
+            for t in e.layout.tensors:
+                g0, g1 = e.layout.tensor_range(t.name)
+                params[t.name].data = e.params_full[g0:g1].view(t.shape)
             if self._overlap:
-                for block in self.layout.blocks:
+                for block in e.layout.blocks:
                     self._block_sizes[block.name] = len(block.tensor_indices)
                     for i in block.tensor_indices:
-                        name = self.layout.tensors[i].name
+                        name = e.layout.tensors[i].name
                         self._hooks.append(params[name].register_post_accumulate_grad_hook(
                             EngineHook(self, "_on_overlap_grad", block.name, name)))
             return
-        dtype = self.xp.dtype(self.precision.param_dtype)
-        for unit in self.units.units:
+        dtype = e.xp.dtype(e.precision.param_dtype)
+        for unit in e.units.units:
             if self._resident(unit):
-                off = self.units.shard_offsets[unit.index]
-                buf = self.param_shard[off:off + unit.numel]
+                off = e.units.shard_offsets[unit.index]
+                buf = e.param_shard[off:off + unit.numel]
                 self._resident_units.add(unit.name)
-                self.unit_states[unit.name] = UnitState.GATHERED  # whole in the shard, always
+                e.unit_states[unit.name] = UnitState.GATHERED  # whole in the shard, always
             else:
-                buf = torch.empty(unit.numel, dtype=dtype, device=self.xp.device)
+                buf = torch.empty(unit.numel, dtype=dtype, device=e.xp.device)
             pieces = zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True)
             for name, off, shape in pieces:
                 n = int(np.prod(shape, dtype=np.int64))
@@ -282,7 +227,7 @@ class ModuleEngine(ZeroEngine):
         if root != ["root"]:
             root, rest = [], self._order
         self._backward_order = [*root, *reversed(rest)]  # the root's output (the loss) is reached first
-        for unit in self.units.units:
+        for unit in e.units.units:
             for name in unit.tensor_names:
                 self._hooks.append(params[name].register_post_accumulate_grad_hook(
                     EngineHook(self, "_on_unit_grad", unit.name, name)))
@@ -291,8 +236,9 @@ class ModuleEngine(ZeroEngine):
         """Whether ``unit`` lives in this rank's shard whole, in unit order: a shard group of one rank,
         an identity packing, and working parameters that are the master shard itself (no offload, no
         mixed precision: the optimizer updates them in place, so the views always see the step)."""
-        return (self.k == 1 and unit.is_identity and self.offload_manager is None
-                and self.param_shard is self.master)
+        e = self.engine
+        return (e.k == 1 and unit.is_identity and self.offload_manager is None
+                and e.param_shard is e.master)
 
     def unit_resident_bytes(self) -> int:
         """Bytes of the ZeRO-3 unit buffers allocated right now (zero between uses; a unit resident
@@ -303,37 +249,40 @@ class ModuleEngine(ZeroEngine):
     def _materialize(self, unit_name: str, order: list[str]) -> None:
         """Gather ``unit_name`` (and ``prefetch`` units ahead along ``order``, kept packed until their
         turn) and unpack it straight into its buffer, unless it is there already."""
-        if self.unit_states[unit_name] is UnitState.GATHERED:
+        e = self.engine
+        if e.unit_states[unit_name] is UnitState.GATHERED:
             return
         buf = self._buffers[unit_name]
         position = order.index(unit_name)
-        for ahead in order[position:position + 1 + self.run.prefetch]:
+        for ahead in order[position:position + 1 + e.run.prefetch]:
             if ahead not in self._gathered:
-                packed = self._gather_packed(self.unit_by_block[ahead], order)
-                self.tracker.alloc(f"gathered:{ahead}", "gathered", self.xp.nbytes(packed))
-                self._gathered[ahead] = (packed, None, {})
-                if self.unit_states[ahead] is UnitState.SHARDED:  # gathered ahead, packed until its turn
-                    self.unit_states[ahead] = UnitState.IN_FLIGHT
-        packed = self._gathered[unit_name][0]
+                packed = self._gather_packed(e.unit_by_block[ahead], order)
+                e.tracker.alloc(f"gathered:{ahead}", "gathered", e.xp.nbytes(packed))
+                self._gathered[ahead] = packed
+                if e.unit_states[ahead] is UnitState.SHARDED:  # gathered ahead, packed until its turn
+                    e.unit_states[ahead] = UnitState.IN_FLIGHT
+        packed = self._gathered[unit_name]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-            wire.unpack_into(self.xp, buf, packed, self.unit_by_block[unit_name])
+            wire.unpack_into(e.xp, buf, packed, e.unit_by_block[unit_name])
         self._release_packed(unit_name)
-        self.unit_states[unit_name] = UnitState.GATHERED
-        self.tracker.alloc(f"unit:{unit_name}", "gathered", buf.numel() * buf.element_size())
+        e.unit_states[unit_name] = UnitState.GATHERED
+        e.tracker.alloc(f"unit:{unit_name}", "gathered", buf.numel() * buf.element_size())
 
     def _free(self, unit_name: str) -> None:
-        if unit_name not in self._resident_units and self.unit_states[unit_name] is UnitState.GATHERED:
+        e = self.engine
+        if unit_name not in self._resident_units and e.unit_states[unit_name] is UnitState.GATHERED:
             self._buffers[unit_name].untyped_storage().resize_(0)
-            self.unit_states[unit_name] = UnitState.SHARDED
-            self.tracker.free(f"unit:{unit_name}")
+            e.unit_states[unit_name] = UnitState.SHARDED
+            e.tracker.free(f"unit:{unit_name}")
 
     def _release_packed(self, unit_name: str) -> None:
         """Free the packed all-gather of ``unit_name`` (unpacked into its buffer, or never needed)."""
+        e = self.engine
         if self._gathered.pop(unit_name, None) is not None:
-            self.tracker.free(f"gathered:{unit_name}")
-            if self.unit_states[unit_name] is UnitState.IN_FLIGHT:
-                self.unit_states[unit_name] = UnitState.SHARDED
+            e.tracker.free(f"gathered:{unit_name}")
+            if e.unit_states[unit_name] is UnitState.IN_FLIGHT:
+                e.unit_states[unit_name] = UnitState.SHARDED
 
     def _drop_prefetched(self) -> None:
         for name in list(self._gathered):
@@ -364,7 +313,7 @@ class ModuleEngine(ZeroEngine):
         grads = self._grads.setdefault(unit_name, {})
         grads[name] = param.grad  # type: ignore[assignment]
         param.grad = None
-        if len(grads) == len(self.unit_by_block[unit_name].tensor_names):
+        if len(grads) == len(self.engine.unit_by_block[unit_name].tensor_names):
             self._reduce_unit(unit_name)
 
     # ---- NO_SHARD / ZeRO-1: the all-reduce overlapped with backward ---------------------------------
@@ -372,97 +321,102 @@ class ModuleEngine(ZeroEngine):
         """Whether the full-gradient all-reduce can start block by block during backward: a replicated
         gradient (NO_SHARD, ZeRO-1 reducing by all-reduce), more than one rank, and a communicator that
         can start an all-reduce without waiting for it."""
-        return (not self.sharded_grads and not self.zero1_reduce_scatter and self.comm.world_size > 1
-                and callable(getattr(self.comm, "all_reduce_start", None)) and self.run.inject_nan is None)
+        e = self.engine
+        return (not e.sharded_grads and not e.zero1_reduce_scatter and e.comm.world_size > 1
+                and callable(getattr(e.comm, "all_reduce_start", None)) and e.run.inject_nan is None)
 
     def _on_overlap_grad(self, block: str, name: str, param: torch.Tensor) -> None:
         """On the last micro-batch, a gradient waits with its block's until autograd has completed
         all of them; the block is then accumulated, checked and its all-reduce started."""
-        if self._micro_index != self.run.micro_batches - 1:
+        if self._micro_index != self.engine.run.micro_batches - 1:
             return  # earlier micro-batches only accumulate, after backward
         got = self._arrived.setdefault(block, {})
         got[name] = param.grad  # type: ignore[assignment]
         param.grad = None
         if len(got) == self._block_sizes[block]:
             grads = self._arrived.pop(block)
-            self.on_block_grads(self._step_index, self._micro_index, "model", grads)
+            self.engine.on_block_grads(self._step_index, self._micro_index, "model", grads)
             self._start_reduce(list(grads))
 
     def _start_reduce(self, names: list[str], *, flush: bool = False) -> None:
         """Note this rank's first non-finite gradient among ``names`` (no collective: the ranks agree
-        once, in :meth:`reduce_full_grad`, before anyone steps) and queue them; once the queue holds
+        once, in :meth:`settle_gradients`, before anyone steps) and queue them; once the queue holds
         :data:`OVERLAP_BUCKET_MIN` elements (or on ``flush``), start the all-reduce of each contiguous
         run of it in the flat gradient. Small blocks so share one all-reduce: on a small model each
         call's latency, not its bytes, is the cost."""
-        bad = self.first_nonfinite({n: self.grad_acc[slice(*self.layout.tensor_range(n))] for n in names})
+        e = self.engine
+        layout = e.layout
+        bad = e.first_nonfinite({n: e.grad_acc[slice(*layout.tensor_range(n))] for n in names})
         if bad and (not self._local_bad or bad < self._local_bad):
             self._local_bad = bad
         self._started.update(names)
         self._bucket.extend(names)
-        self._bucket_numel += sum(g1 - g0 for g0, g1 in map(self.layout.tensor_range, names))
+        self._bucket_numel += sum(g1 - g0 for g0, g1 in map(layout.tensor_range, names))
         if not flush and self._bucket_numel < OVERLAP_BUCKET_MIN:
             return
         runs: list[list[int]] = []
-        for g0, g1 in sorted(self.layout.tensor_range(n) for n in self._bucket):
+        for g0, g1 in sorted(layout.tensor_range(n) for n in self._bucket):
             if runs and runs[-1][1] == g0:
                 runs[-1][1] = g1
             else:
                 runs.append([g0, g1])
         self._bucket, self._bucket_numel = [], 0
-        op = self.grad_reduce_op()
-        start = self.comm.all_reduce_start  # type: ignore[attr-defined]
-        self._pending.extend(start(self.grad_acc[g0:g1], op) for g0, g1 in runs)
+        op = e.grad_reduce_op()
+        start = e.comm.all_reduce_start  # type: ignore[attr-defined]
+        self._pending.extend(start(e.grad_acc[g0:g1], op) for g0, g1 in runs)
 
     def _replica_overlap_possible(self) -> bool:
-        rep = self.replicate_comm
-        return (self.hybrid and rep is not None and rep.world_size > 1 and self.offload_manager is None
-                and callable(getattr(rep, "all_reduce_start", None)) and self.run.inject_nan is None)
+        e = self.engine
+        rep = e.replicate_comm
+        return (e.hybrid and rep is not None and rep.world_size > 1 and self.offload_manager is None
+                and callable(getattr(rep, "all_reduce_start", None)) and e.run.inject_nan is None)
 
     def _start_replica_reduce(self, unit_name: str) -> None:
         """Hybrid: start averaging the unit's reduced gradient chunk over the replicate group."""
-        unit = self.unit_by_block[unit_name]
-        off = self.units.shard_offsets[unit.index]
-        start = self.replicate_comm.all_reduce_start  # type: ignore[union-attr]
-        self._pending.append(start(self.grad_acc[off:off + unit.chunk], self.grad_reduce_op()))
+        e = self.engine
+        unit = e.unit_by_block[unit_name]
+        off = e.units.shard_offsets[unit.index]
+        start = e.replicate_comm.all_reduce_start  # type: ignore[union-attr]
+        self._pending.append(start(e.grad_acc[off:off + unit.chunk], e.grad_reduce_op()))
         self._started_units.add(unit_name)
 
-    def replicate_reduce(self, acc: Any) -> Any:
-        """Overlapped: start the units backward did not reach, then wait for every replica all-reduce
-        (element for element the arithmetic of one all-reduce of the whole shard)."""
-        if not self._overlap_replicas:
-            return super().replicate_reduce(acc)
-        for unit in self.units.units:
-            if unit.name not in self._started_units:
-                self._start_replica_reduce(unit.name)
-        pending, self._pending = self._pending, []
-        for work in pending:
-            work.wait()
-        self._started_units = set()
-        return acc
+    def settle_gradients(self, step: int) -> bool:
+        """Overlapped reductions: start what backward left, then wait for every all-reduce. NO_SHARD /
+        ZeRO-1: element for element the arithmetic of one all-reduce of the whole gradient (only how
+        gloo or NCCL groups the additions inside a call may differ), after the ranks agreed it is
+        finite. Hybrid: the units backward did not reach, then every replica all-reduce (the
+        arithmetic of one all-reduce of the whole shard). False when nothing was overlapped."""
+        e = self.engine
+        if self._overlap:
+            rest = [t.name for t in e.layout.tensors if t.name not in self._started]
+            if rest or self._bucket:
+                self._start_reduce(rest, flush=True)
+            bad, self._local_bad = self._local_bad, 0
+            e.agree_finite(step, bad, "detected before the step; no rank stepped with it")
+            self._wait_pending()
+            self._started = set()
+            return True
+        if self._overlap_replicas and e.sharded_grads:
+            for unit in e.units.units:
+                if unit.name not in self._started_units:
+                    self._start_replica_reduce(unit.name)
+            self._wait_pending()
+            self._started_units = set()
+            return True
+        return False
 
-    def reduce_full_grad(self, step: int) -> Any | None:
-        """Overlapped: start what backward left (blocks autograd did not complete), then
-        wait for every all-reduce. Element for element this is the arithmetic of one all-reduce of the
-        whole gradient; only how gloo or NCCL groups the additions inside a call may differ."""
-        if not self._overlap:
-            return super().reduce_full_grad(step)
-        rest = [t.name for t in self.layout.tensors if t.name not in self._started]
-        if rest or self._bucket:
-            self._start_reduce(rest, flush=True)
-        bad, self._local_bad = self._local_bad, 0
-        self.agree_finite(step, bad, "detected before the step; no rank stepped with it")
+    def _wait_pending(self) -> None:
         pending, self._pending = self._pending, []
         for work in pending:
             work.wait()
-        self._started = set()
-        return None
 
     def _reduce_unit(self, unit_name: str) -> None:
-        unit = self.unit_by_block[unit_name]
+        e = self.engine
+        unit = e.unit_by_block[unit_name]
         got = self._grads.pop(unit_name, {})
         grads = {n: got[n] if n in got else self._zero_grad(n) for n in unit.tensor_names}
-        self.on_block_grads(self._step_index, self._micro_index, unit_name, grads)
-        if self._overlap_replicas and self._micro_index == self.run.micro_batches - 1:
+        e.on_block_grads(self._step_index, self._micro_index, unit_name, grads)
+        if self._overlap_replicas and self._micro_index == e.run.micro_batches - 1:
             self._start_replica_reduce(unit_name)
         self._reduced.add(unit_name)
         self._free(unit_name)
@@ -473,61 +427,39 @@ class ModuleEngine(ZeroEngine):
 
     # ---- offload: the units' parameter shards through the offload manager -------------------------
     def _register_offload(self) -> None:
+        e = self.engine
         manager = self.offload_manager
-        for unit in self.units.units:
-            manager.register_unit(unit.name, self.param_chunk(unit))
-        state = [self.opt_state[n] for n in self.run.spec.state_names]
-        if self.master is not self.param_shard:
-            state.append(self.master)
-        manager.register_host_state("optimizer", [*state, self.grad_acc])
+        for unit in e.units.units:
+            manager.register_unit(unit.name, e.param_chunk(unit))
+        state = [e.opt_state[n] for n in e.run.spec.state_names]
+        if e.master is not e.param_shard:
+            state.append(e.master)
+        manager.register_host_state("optimizer", [*state, e.grad_acc])
         manager.validate()
 
     def _gather_packed(self, unit: FlatUnit, order: list[str], comm: Communicator | None = None) -> Any:
         """The all-gather of every rank's chunk of ``unit`` (packed, rank-major); with offload the chunk
         comes from the manager's device tier, the units after it in ``order`` prefetched."""
-        comm = comm or self.shard_comm
+        e = self.engine
+        comm = comm or e.shard_comm
         assert comm is not None
         if self.offload_manager is None:
-            return comm.all_gather(self.param_chunk(unit))
+            return comm.all_gather(e.param_chunk(unit))
         at = order.index(unit.name) if unit.name in order else len(order)
         shard = self.offload_manager.fetch(unit.name, order[at + 1:])
         packed = comm.all_gather(shard)
         self.offload_manager.release(unit.name)
         return packed
 
-    def gather_unit(self, unit: FlatUnit, comm: Communicator) -> tuple[Any, Any]:
-        """All-gather the unit's chunks (the engine's full-parameter view uses it)."""
-        packed = self._gather_packed(unit, self._order, comm)
-        return packed, wire.unpack(self.xp, unit, packed, self.precision.param_dtype)
+    def gather_packed(self, unit: FlatUnit, comm: Communicator) -> Any:
+        """All-gather the unit's chunks over ``comm`` (the engine's full-parameter view uses it)."""
+        return self._gather_packed(unit, self._order, comm)
 
-    def refresh_params(self) -> None:
-        gather_into = getattr(self.shard_comm, "all_gather_into", None)
-        if self.sharded_optim and not self.sharded_params and callable(gather_into):
-            # ZeRO-1/2: every rank's updated chunk is received straight into the parameters it covers
-            gather_into(self.precision.to_params(self.master, self.xp), self._param_destinations())
-            return
-        super().refresh_params()
+    def params_refreshed(self) -> None:
+        """With offload, the manager's host copy of every unit's shard follows the step."""
         if self.offload_manager is not None:
-            for unit in self.units.units:
-                self.offload_manager.update_host(unit.name, self.param_chunk(unit))
-
-    def _param_destinations(self) -> list[list[tuple[int, torch.Tensor]]]:
-        """Per shard-group rank, where each piece of its chunk lives in the full parameters:
-        ``(position in the chunk, view of params_full)``, the all-gather's unpacking done by the
-        receive itself (C-ZERO-003: every rank then holds the same full parameters)."""
-        cached = self.__dict__.get("_destinations")
-        if cached is None or cached[0] is not self.params_full:
-            dests = [[(pos, self.params_full[g0:g1]) for g0, g1, pos in self.units.owned_global(j)]
-                     for j in range(self.k)]
-            cached = self.__dict__["_destinations"] = (self.params_full, dests)
-        return cached[1]
-
-    def observe(self, obs: Any) -> None:
-        """Keep only the latest step's observation and memory record: a trainer runs for as long as
-        the user trains, and nothing reads older steps (the contracts are judged by verify)."""
-        super().observe(obs)
-        del self.obs.steps[:-1]
-        del self.tracker.steps[:-1]
+            for unit in self.engine.units.units:
+                self.offload_manager.update_host(unit.name, self.engine.param_chunk(unit))
 
     # ---- one micro-batch through the module ------------------------------------------------------
     def set_batch(self, inputs: Any, targets: Any) -> None:
@@ -536,6 +468,7 @@ class ModuleEngine(ZeroEngine):
     def micro_batch(self, step: int, micro: int) -> float:
         """Forward and backward of the module on the batch given to :meth:`set_batch`; gradients to the
         engine (per unit as autograd completes them under ZeRO-3, all at once otherwise)."""
+        e = self.engine
         self._step_index, self._micro_index = step, micro
         self._grads, self._reduced = {}, set()
         if micro == 0 and (self._started or self._arrived or self._started_units):
@@ -546,13 +479,13 @@ class ModuleEngine(ZeroEngine):
             self._bucket, self._bucket_numel = [], 0
             self._local_bad = 0
         inputs, targets = self._batch
-        self.tracker.set_phase(f"forward[{micro}]")
+        e.tracker.set_phase(f"forward[{micro}]")
         loss = self.loss_fn(self.module, inputs, targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ConfigError("loss", type(loss).__name__, "the loss function must return a 1-element tensor")
-        self.tracker.set_phase(f"backward[{micro}]")
+        e.tracker.set_phase(f"backward[{micro}]")
         loss.backward()
-        if self.sharded_params:
+        if e.sharded_params:
             for unit_name in reversed(self._order):  # units autograd never completed: zeros for the rest
                 if unit_name not in self._reduced:
                     self._reduce_unit(unit_name)
@@ -562,16 +495,16 @@ class ModuleEngine(ZeroEngine):
             arrived = {name: g for block in self._arrived.values() for name, g in block.items()}
             self._arrived = {}
             grads = {}
-            for t in self.layout.tensors:
+            for t in e.layout.tensors:
                 if t.name in self._started:  # already accumulated and being reduced (overlap)
                     continue
                 p = params[t.name]
                 g = arrived.get(t.name, p.grad)
                 grads[t.name] = g if g is not None else self._zero_grad(t.name)
                 p.grad = None
-            self.on_block_grads(step, micro, "model", grads)
+            e.on_block_grads(step, micro, "model", grads)
         self._drop_prefetched()
-        self.on_micro_batch_end(step, micro)
+        e.on_micro_batch_end(step, micro)
         return float(loss.detach())
 
     def remove_hooks(self) -> None:

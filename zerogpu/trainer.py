@@ -52,7 +52,8 @@ from zerosim.strategy import ShardingStrategy
 from zerosim.xp import torch_namespace
 
 from .comm import TorchCommunicator
-from .module_engine import LossFn, ModuleEngine, ModuleRun
+from .module_engine import LossFn, module_engine
+from .module_run import ModuleRun
 from .module_units import UnitSpec, describe_module
 from .torch_kernels import OPTIMIZER_KERNELS
 
@@ -195,8 +196,9 @@ class ZeroTrainer:
                                   "must be a zerogpu.offload.OffloadConfig")
             manager = OffloadManager(offload, device)
         self.offload = manager
-        self.engine = ModuleEngine(self.comm, run, torch_namespace(device), described,
-                                   loss_fn or default_loss, manager)
+        #: the ZeRO engine (the simulator's, state and step) and its autograd-hook schedule over the model
+        self.engine, self.schedule = module_engine(self.comm, run, torch_namespace(device), described,
+                                                   loss_fn or default_loss, manager)
         self.described = described
         e = self.engine
         #: a master shard apart from the parameters (ZeRO-1/2, mixed precision): one buffer more in C-ZERO-004
@@ -206,7 +208,7 @@ class ZeroTrainer:
     # ---- training ---------------------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> float:
         """One optimizer step on this rank's batch (the gradient is the mean over ranks); the local loss."""
-        self.engine.set_batch(inputs, targets)
+        self.schedule.set_batch(inputs, targets)
         obs = self.engine.step(self._steps)
         self._steps += 1
         return float(obs.local_loss)
@@ -215,7 +217,7 @@ class ZeroTrainer:
         """Detach from the model: every hook the engine registered on it is removed (the parameters
         stay views of the engine's buffers). Dropping the trainer does the same when the engine is
         collected; ``close`` does it now."""
-        self.engine.remove_hooks()
+        self.schedule.remove_hooks()
 
     # ---- the verify protocol: full values, shards, resident bytes ----------------------------------
     @torch.no_grad()
@@ -277,7 +279,7 @@ class ZeroTrainer:
         the engine's live arrays, plus any ZeRO-3 unit buffer allocated right now (none between steps)."""
         held = self.engine.holdings()
         return {
-            "params": held["params"].nbytes + self.engine.unit_resident_bytes(),
+            "params": held["params"].nbytes + self.schedule.unit_resident_bytes(),
             "grads": held["grads"].nbytes,
             "optimizer": held["optimizer"].nbytes,
         }

@@ -45,7 +45,7 @@ def main() -> int:
                               "finite_after": bool(torch.isfinite(after).all()),
                               "ranks_agree_after": all(torch.equal(g, gathered[0]) for g in gathered)}),
                   flush=True)
-        trainer.engine.remove_hooks()
+        trainer.schedule.remove_hooks()
     dist.destroy_process_group()
     return 0
 

@@ -47,7 +47,7 @@ def main() -> int:
             "largest_buffer_bytes": result.largest_buffer_bytes, "missing": result.missing_keys,
             "unexpected": result.unexpected_keys,
         }), file=out, flush=True)
-        trainer.engine.remove_hooks()
+        trainer.schedule.remove_hooks()
     model = build_model("gpt-tied", "float32")
     trainer = ZeroTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "zero3")
     before = trainer.engine.xp.to_numpy(trainer.engine.master, copy=True)

@@ -111,7 +111,7 @@ def main() -> int:
                 print(json.dumps({"strategy": strategy, "optimizer": opt_name, "world": world,
                                   "diffs": diffs, "scale": scale,
                                   "data_all_reduces_per_step": data_all_reduces / STEPS}), flush=True)
-            trainer.engine.remove_hooks()
+            trainer.schedule.remove_hooks()
     dist.destroy_process_group()
     return 0
 

@@ -1,8 +1,8 @@
 """Rank-0 load of a full (unsharded) state dict: only rank 0 opens the file, tensors are broadcast one
 at a time (or in bounded buckets) and each rank keeps only the pieces its plan gives it.
 
-Collective over an engine's ranks (:class:`~zerosim.engine.zero.ZeroEngine` or a subclass, e.g.
-:class:`zerogpu.module_engine.ModuleEngine`):
+Collective over an engine's ranks (:class:`~zerosim.engine.zero.ZeroEngine`, whichever schedule
+drives it: the block model's or :class:`zerogpu.module_engine.ModuleSchedule`):
 
 1. Rank 0 opens the state dict (a ``.safetensors`` file, a torch ``.pt`` / ``.pth`` / ``.bin`` file
    loaded with ``weights_only=True``, or an in-memory mapping) and validates its names, shapes and

@@ -3,7 +3,7 @@
 :class:`~zerosim.engine.zero.ZeroEngine` needs a run's layout, unit plan, strategy, precision,
 optimizer, schedule (steps, micro-batches, prefetch), what to observe and three run options. The
 simulator's :class:`~zerosim.engine.config.ResolvedRun` provides them from a validated
-``RunConfig``; a torch module's :class:`zerogpu.module_engine.ModuleRun` provides the same fields
+``RunConfig``; a torch module's :class:`zerogpu.module_run.ModuleRun` provides the same fields
 for a user's model. Both satisfy :class:`EngineRun` structurally (mypy checks each), so neither is
 passed as the other.
 """

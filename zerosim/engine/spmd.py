@@ -17,6 +17,7 @@ from ..comm.base import Communicator
 from ..comm.sim import run_spmd
 from ..observe import RankObservation
 from ..xp import numpy_namespace, torch_namespace
+from .block_schedule import block_engine
 from .config import ResolvedRun, RunConfig
 from .fault_catalog import engine_fault
 from .run_result import (
@@ -28,7 +29,6 @@ from .run_result import (
     plan_verdict,
     resolve_run,
 )
-from .zero import ZeroEngine
 
 __all__ = ["rank_program", "run_simulated", "simulate_observations"]
 
@@ -42,7 +42,7 @@ def rank_program(comm: Communicator, cfg: RunConfig | ResolvedRun,
     """
     run = resolve_run(cfg)
     xp = numpy_namespace() if run.cfg.xp == "numpy" else torch_namespace(device)
-    engine = ZeroEngine(comm, run, xp, fault=engine_fault(run))
+    engine = block_engine(comm, run, xp, fault=engine_fault(run))
     for s in range(run.steps):
         engine.step(s)
         if on_step is not None:

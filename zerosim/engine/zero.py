@@ -35,23 +35,21 @@ Non-finite gradients are detected before every reduction; the ranks agree throug
 :class:`~zerosim.errors.NonFiniteGradientError` naming the first offending rank and tensor, so a
 NaN is never averaged into every rank's state.
 
-Run-ahead (ZeRO-3 on a communicator that can start collectives and shares their results: the
-simulator): each micro-batch *starts* its all-gathers (forward and backward, in schedule order)
-before computing, and starts each block's finite vote and reduce-scatter without waiting; after
-backward it takes the votes (raising for the first flagged block, as before) and only then
-accumulates the reduced chunks. The collectives, their inputs, the traffic and the arithmetic are
-the same; only the waiting moves, so a simulated rank runs its whole micro-batch while its
-activations are still in cache instead of every rank advancing block by block. The memory tracker
-accounts a gathered block when the rank takes it, as before.
+The engine holds one rank's state and the step's order; *when* each unit is gathered and each
+block's gradients are handed over is its :class:`~zerosim.engine.schedule.Schedule`'s: the block
+model's (:mod:`zerosim.engine.block_schedule`, with run-ahead on the simulator) or the autograd hooks
+over a torch module (:mod:`zerogpu.module_engine`). The collective steps themselves are the
+functions of :mod:`zerosim.engine.wire`.
 
 Deliberately broken variants are values, not subclasses: an
 :class:`~zerosim.engine.faults.EngineFault` handed to the engine (``fault=``) names one hook point
 (``grad_reduce_op``, ``global_sumsq``, ...), the rank and step, and the corruption; each hook
 consults it and otherwise does what the reference engine does.
 
-Why one module of this length: it is the algorithm, read top to bottom (set-up, forward with
-gathers, backward with reductions, the optimizer step, observations); the corruptions a fault
-applies only make sense next to the code they replace.
+Why one module of this length: it is the one place that owns a rank's sharded state (master,
+gradient shard, optimizer state, working parameters) and every path that writes it, read top to
+bottom (set-up, gradients in, reduction, norm, clip, step, refresh, observation); the corruptions a
+fault applies only make sense next to the code they replace.
 """
 
 from __future__ import annotations
@@ -65,39 +63,29 @@ from ..errors import ConfigError, NonFiniteGradientError
 from ..flat import flatten
 from ..flat_buffers import FlatUnit
 from ..intervals import merge_adjacent
-from ..model import BlockModel, init_params, synthetic_batch
+from ..model import init_params
 from ..observe import Holding, RankObservation, ShardValues, StepObservation, TrafficItem, digest
-from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
+from ..optim import make_optimizer
 from ..unit_state import UnitState
 from ..xp import ArrayNamespace
-from . import wire
+from . import finite_vote, wire
 from .engine_run import EngineRun
 from .faults import EngineFault, Hook
 from .memory_tracker import MemoryTracker
+from .rank_groups import make_groups
+from .schedule import Schedule
 
 BEFORE_REDUCTION = "detected before the gradient reduction; no rank stepped with it"
 
 
-def tree_nbytes(xp: ArrayNamespace, obj: Any) -> int:
-    """Bytes of every array inside a (nested) dict / list / tuple (activation accounting)."""
-    if isinstance(obj, dict):
-        return sum(tree_nbytes(xp, v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tree_nbytes(xp, v) for v in obj)
-    if hasattr(obj, "shape") and hasattr(obj, "dtype"):
-        return xp.nbytes(obj)
-    return 0
-
-
 class ZeroEngine:
-    """One rank's engine. ``train()`` runs every step and returns the rank's observations."""
+    """One rank's engine, driven by ``schedule``. ``train()`` runs every step and returns the rank's
+    observations. ``optimizer`` (default: the reference optimizer of the run's spec) steps the master
+    shard; ``initial`` (default: the run's seeded model) gives the full initial parameters as a flat
+    host array in layout order (sliceable, read-only)."""
 
-    #: a barrier on the control group before each step, so that every rank's step time is measured
-    #: from one common start (the step times simulate, mpiexec and torchrun runs report)
-    align_step_start = True
-
-    def __init__(self, comm: Communicator, run: EngineRun, xp: ArrayNamespace,
-                 fault: EngineFault | None = None):
+    def __init__(self, comm: Communicator, run: EngineRun, xp: ArrayNamespace, schedule: Schedule,
+                 fault: EngineFault | None = None, *, optimizer: Any = None, initial: Any = None):
         if comm.world_size != run.world_size:
             raise ConfigError(
                 "world_size",
@@ -106,6 +94,8 @@ class ZeroEngine:
             )
         self.comm = comm
         self.run = run
+        self.schedule = schedule
+        self._initial = initial
         self.fault = fault  # the deliberate corruption this engine applies at its hooks (None: none)
         self._step = 0  # the optimizer step under way (what a fault's ``step`` is compared with)
         self._micro_grads: dict[str, Any] = {}  # this micro-batch's gradients, until they are reduced
@@ -125,8 +115,8 @@ class ZeroEngine:
         self.precision = run.precision
         self.mixed = self.precision.is_mixed
         self.state_dtype = self.precision.master_dtype  # master, gradient shard, optimizer state
-        self.model = self.build_model()
-        self.opt = self.build_optimizer()
+        # what steps the master shard (C-ZERO-002's "full optimizer step" on owned elements)
+        self.opt = make_optimizer(run.spec, xp) if optimizer is None else optimizer
         self.tracker = MemoryTracker(self.rank)
         self.offload = bool(run.cfg.offload)
         self._moved = {"host_to_device": 0, "device_to_host": 0}
@@ -135,67 +125,24 @@ class ZeroEngine:
         self.obs = RankObservation(
             self.rank, comm.world_size, self.group_index, self.local, {}, getattr(comm, "backend", "?")
         )
-        self._gathered: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
         # ZeRO-3: every unit starts as its shard; otherwise every rank holds the full parameters
         initial = UnitState.SHARDED if self.sharded_params else UnitState.GATHERED
         self.unit_states: dict[str, UnitState] = {u.name: initial for u in self.units.units}
-        self._make_groups()
+        groups = make_groups(comm, self.k, self.replicas, self.sharded_optim, self.sharded_params)
+        self.shard_comm, self.replicate_comm = groups.shard, groups.replicate
+        self.control, self.shard_control = groups.control, groups.shard_control
+        self.observe_comm = groups.observe
+        self.obs.groups.update(groups.members(comm))
         self._init_state()
-        self.runs_ahead = self._can_run_ahead()
-        self._phase = "forward"
-        self._started_gathers: dict[tuple[str, int], Any] = {}  # (phase, unit index) -> pending all-gather
-        # (unit, pending finite vote, pending reduce-scatter), in backward order
-        self._started_reductions: list[tuple[FlatUnit, Any, Any]] = []
-
-    # =============================================================================================
-    # groups
-    # =============================================================================================
-    def _make_groups(self) -> None:
-        """Sub-communicators: shard group (gathers, reduce-scatters), replicate group, control, observe.
-
-        Every rank calls the same splits in the same order (they are collectives)."""
-        c, n, k, g, j = self.comm, self.comm.world_size, self.k, self.group_index, self.local
-        self.shard_comm: Communicator | None = None
-        if k == n:
-            self.shard_comm = c
-        elif self.sharded_optim:
-            self.shard_comm = c.split(g, name=f"shard[{g}]")
-        self.replicate_comm: Communicator | None = None
-        if self.replicas > 1:
-            self.replicate_comm = c if k == 1 else c.split(j, name=f"replicate[{j}]")
-        self.control = c.split(0, name="world.control")
-        if k == n:
-            self.shard_control = self.control
-        else:
-            self.shard_control = c.split(g, name=f"shard[{g}].control")
-        self.observe_comm = None
-        if self.sharded_params:
-            self.observe_comm = c.split(g, name="world.observe" if k == n else f"shard[{g}].observe")
-        for comm in (
-            c,
-            self.shard_comm,
-            self.replicate_comm,
-            self.control,
-            self.shard_control,
-            self.observe_comm,
-        ):
-            if comm is not None:
-                self.obs.groups[comm.group_name] = tuple(comm.global_ranks)
+        schedule.attach(self)
 
     # =============================================================================================
     # state
     # =============================================================================================
-    def build_model(self) -> Any:
-        """The model whose forward and backward :meth:`micro_batch` runs: the simulator's block model."""
-        return BlockModel(self.run.model_cfg, self.xp)
-
-    def build_optimizer(self) -> Any:
-        """What steps the master shard (C-ZERO-002's "full optimizer step" on owned elements): the
-        reference optimizer of the run's spec, the same arithmetic on every backend."""
-        return make_optimizer(self.run.spec, self.xp)
-
     def initial_flat(self) -> Any:
         """The full initial parameters as one flat host numpy array in layout order (read-only)."""
+        if self._initial is not None:
+            return self._initial
         cfg, seed = self.run.model_cfg, self.run.seed
 
         def make() -> Any:
@@ -377,27 +324,6 @@ class ZeroEngine:
             stale[block] = {k: self.xp.copy(v) for k, v in views.items()}
         return stale[block]
 
-    def release(self, block: str) -> None:
-        """Free a gathered block (ZeRO-3 frees after forward and after backward; a fault keeps it)."""
-        item = self._gathered.pop(block, None)
-        if item is not None:
-            if self.corruption(Hook.RELEASE) == "keep":
-                leaked = self.__dict__.setdefault("_leaked", [])
-                leaked.append(item)
-                nbytes = self.tracker.live_keys("gathered")[f"gathered:{block}"][2]
-                self.tracker.free(f"gathered:{block}")
-                self.tracker.alloc(f"leaked:{block}:{len(leaked)}", "gathered", nbytes)
-            else:
-                self.tracker.free(f"gathered:{block}")
-            self.unit_states[block] = self._state_after_release(block)
-
-    def _state_after_release(self, block: str) -> UnitState:
-        """A freed unit is back to its shard, unless run-ahead already started its next all-gather."""
-        index = self.unit_by_block[block].index
-        if any(key[1] == index for key in self._started_gathers):
-            return UnitState.IN_FLIGHT
-        return UnitState.SHARDED
-
     def write_gathered_params(self, gathered: Any, unit: FlatUnit) -> None:
         """ZeRO-1/2: copy the all-gathered updated chunks into the replicated parameters (bug class 7:
         a stale rank ignores them, or every chunk but the last rank's is written back)."""
@@ -410,7 +336,7 @@ class ZeroEngine:
                     self.xp.assign(self.params_full[s.unit_start:s.unit_start + s.length],
                                    gathered[s.packed_start:s.packed_start + s.length])
             return
-        self._unpack_into(self.params_full, gathered, unit)
+        wire.unpack_into(self.xp, self.params_full, gathered, unit)
 
     def extra_step_collectives(self, step: int) -> None:
         """Nothing: the schedule has no other collectives (a fault adds an all-gather of the shards)."""
@@ -436,48 +362,23 @@ class ZeroEngine:
         return self.k - 1 - local_rank if self.corruption(Hook.STATE_ASSEMBLY) else local_rank
 
     # =============================================================================================
-    # packing (unit space <-> packed rank-major space)
+    # the rank's chunk
     # =============================================================================================
     def _pack_grads(self, unit: FlatUnit, grads: dict[str, Any]) -> Any:
         """The unit's gradients in packed order, master dtype, padded with :meth:`pad_value`."""
         return wire.pack_grads(self.xp, unit, grads, self.state_dtype, self.pad_value())
 
-    def _unpack(self, unit: FlatUnit, packed: Any, dtype: str) -> Any:
-        return wire.unpack(self.xp, unit, packed, dtype)
-
-    def _unpack_into(self, dst: Any, packed: Any, unit: FlatUnit) -> None:
-        wire.unpack_into(self.xp, dst, packed, unit)
-
-    def _own_chunk(self, full: Any) -> Any:
+    def own_chunk(self, full: Any) -> Any:
         """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array."""
-        xp = self.xp
-        out = xp.empty(self.units.shard_numel, self.state_dtype)
-        for g0, g1, pos in self.owned_pieces:
-            xp.assign(out[pos:pos + g1 - g0], full[g0:g1])
-        for p0, p1 in self._padding_spans():
-            xp.assign(out[p0:p1], xp.zeros(p1 - p0, self.state_dtype))
-        return out
-
-    def _padding_spans(self) -> tuple[tuple[int, int], ...]:
-        """The packed positions of this rank's chunk that no owned piece covers (the padding), as
-        ``(start, stop)`` spans; computed once per plan."""
         cached = self.__dict__.get("_padding_cache")
         if cached is None or cached[0] is not self.owned_pieces:
-            spans, at = [], 0
-            for pos, length in sorted((pos, g1 - g0) for g0, g1, pos in self.owned_pieces):
-                if pos > at:
-                    spans.append((at, pos))
-                at = max(at, pos + length)
-            if at < self.units.shard_numel:
-                spans.append((at, self.units.shard_numel))
-            cached = self.__dict__["_padding_cache"] = (self.owned_pieces, tuple(spans))
-        return cached[1]
-
-    def _tensor_views(self, unit: FlatUnit, flat: Any) -> dict[str, Any]:
-        return wire.tensor_views(self.xp, unit, flat)
+            spans = wire.padding_spans(self.owned_pieces, self.units.shard_numel)
+            cached = self.__dict__["_padding_cache"] = (self.owned_pieces, spans)
+        return wire.own_chunk(self.xp, full, self.owned_pieces, cached[1], self.units.shard_numel,
+                              self.state_dtype)
 
     # =============================================================================================
-    # parameters of a block
+    # parameters of a unit
     # =============================================================================================
     def param_chunk(self, unit: FlatUnit) -> Any:
         """This rank's chunk of ``unit`` in its working-parameter shard (what an all-gather sends)."""
@@ -485,108 +386,53 @@ class ZeroEngine:
         return self.param_shard[off:off + unit.chunk]
 
     def gather_unit(self, unit: FlatUnit, comm: Communicator) -> tuple[Any, Any]:
-        """All-gather the unit's parameter chunks over ``comm``; returns (packed buffer, unit-space params).
-        Run-ahead: the all-gather this micro-batch started for the unit's current phase."""
-        key = (self._phase, unit.index)
-        started = self._started_gathers.pop(key, None) if comm is self.shard_comm else None
-        packed = comm.all_gather(self.param_chunk(unit)) if started is None else started.wait()
-        dtype = self.precision.param_dtype
-        derived = getattr(comm, "derived", None)  # the simulator unpacks a shared result once for the group
-        if callable(derived) and not unit.is_identity:
-            return packed, derived(packed, ("unpacked", unit.index, dtype),
-                                   lambda: self._unpack(unit, packed, dtype))
-        return packed, self._unpack(unit, packed, dtype)
-
-    def block_params(self, block: str, step: int, order: list[str], position: int) -> dict[str, Any]:
-        """The block's parameters for computing. ZeRO-3: gather it (and up to ``prefetch`` blocks ahead)."""
-        if not self.sharded_params:
-            unit = self.units.units[0]
-            names = self.model.tensor_names(block)
-            views = {}
-            for name in names:
-                g0, g1 = self.layout.tensor_range(name)
-                i = unit.tensor_names.index(name)
-                views[name] = self.xp.reshape(self.params_full[g0:g1], unit.tensor_shapes[i])
-            return views
-        for ahead in order[position:position + 1 + self.run.prefetch]:
-            if ahead not in self._gathered:
-                unit = self.unit_by_block[ahead]
-                assert self.shard_comm is not None
-                packed, flat = self.gather_unit(unit, self.shard_comm)
-                views = self._tensor_views(unit, flat)
-                nbytes = self.xp.nbytes(packed) + (0 if unit.is_identity else self.xp.nbytes(flat))
-                self.tracker.alloc(f"gathered:{ahead}", "gathered", nbytes)
-                self._gathered[ahead] = (packed, flat, views)
-                self.unit_states[ahead] = UnitState.GATHERED
-        return self.use_gathered(block, self._gathered[block][2], step)
+        """All-gather the unit's parameter chunks over ``comm`` (as the schedule gathers them); returns
+        (packed buffer, unit-space params)."""
+        packed = self.schedule.gather_packed(unit, comm)
+        return packed, wire.all_gather_unit(self.xp, comm, unit, packed, self.precision.param_dtype)
 
     # =============================================================================================
     # gradients
     # =============================================================================================
-    def _inject(self, step: int, micro: int, grads: dict[str, Any]) -> dict[str, Any]:
-        inj = self.run.inject_nan
-        if (
-            inj is None
-            or (inj.rank, inj.step, inj.micro) != (self.rank, step, micro)
-            or inj.tensor not in grads
-        ):
-            return grads
-        xp = self.xp
-        g = xp.copy(grads[inj.tensor])
-        xp.assign(xp.reshape(g, (-1,))[0:1], float(inj.value))  # "nan", "inf" or "-inf"
-        return {**grads, inj.tensor: g}
-
     def check_finite(self, step: int, named: dict[str, Any], flat: Any | None = None) -> None:
         """Before a reduction: all ranks agree whether any rank holds a non-finite gradient."""
         self.agree_finite(step, self.first_nonfinite(named, flat), BEFORE_REDUCTION)
 
     def first_nonfinite(self, named: dict[str, Any], flat: Any | None = None) -> int:
-        """This rank's first non-finite gradient among ``named``, as its layout index + 1 (0: none);
-        ``flat``, when given, holds the same elements and is checked first in one pass."""
-        xp = self.xp
-        if flat is not None and xp.isfinite_all(flat):
-            return 0
-        for name, g in named.items():
-            if not xp.isfinite_all(g):
-                return _tensor_index(self.layout, name) + 1
-        return 0
+        """This rank's first non-finite gradient among ``named`` (layout index + 1; 0: none)."""
+        return finite_vote.first_nonfinite(self.xp, self.layout, named, flat)
 
     def agree_finite(self, step: int, bad: int, when: str) -> None:
         """All ranks agree whether any rank found a non-finite gradient (``bad``: layout index + 1, or
-        0) with one scalar all-reduce: the lowest offending (rank, tensor) wins the max of
-        ``span - key`` (exact in float64). Raises :class:`NonFiniteGradientError` naming it."""
-        self._raise_if_flagged(step, self.control.all_reduce(self._finite_flag(bad), "max"), when)
+        0) with one scalar all-reduce (:mod:`zerosim.engine.finite_vote`). Raises
+        :class:`NonFiniteGradientError` naming the lowest offending (rank, tensor)."""
+        self.raise_if_flagged(step, self.control.all_reduce(self.finite_flag(bad), "max"), when)
 
-    def _vote_span(self) -> int:
-        """One more than the number of (rank, tensor) keys a finite vote can name."""
-        return self.comm.world_size * len(self.layout.tensors) + 1
+    def finite_flag(self, bad: int) -> Any:
+        """This rank's vote for :meth:`agree_finite`."""
+        return finite_vote.vote(self.xp, bad, self.rank, self.comm.world_size, len(self.layout.tensors))
 
-    def _finite_flag(self, bad: int) -> Any:
-        """This rank's vote for :meth:`agree_finite`: ``span - key`` (0: all finite) in a float64 array."""
-        xp = self.xp
-        flag = xp.zeros(1, "float64")
-        if bad:
-            xp.assign(flag, float(self._vote_span() - (self.rank * len(self.layout.tensors) + bad - 1)))
-        return flag
-
-    def _raise_if_flagged(self, step: int, agreed: Any, when: str) -> None:
+    def raise_if_flagged(self, step: int, agreed: Any, when: str) -> None:
         """Raise :class:`NonFiniteGradientError` naming the (rank, tensor) the all-reduced vote encodes."""
-        worst = self.xp.to_float(agreed[0])
-        if worst > 0:
-            r, t = divmod(int(self._vote_span() - worst), len(self.layout.tensors))
-            raise NonFiniteGradientError(r, self.layout.tensors[t].name, step, when)
+        world, tensors = self.comm.world_size, len(self.layout.tensors)
+        named = finite_vote.offender(self.xp.to_float(agreed[0]), world, tensors)
+        if named is not None:
+            raise NonFiniteGradientError(named[0], self.layout.tensors[named[1]].name, step, when)
 
-    def on_block_grads(self, step: int, micro: int, block: str, grads: dict[str, Any]) -> None:
+    def on_block_grads(self, step: int, micro: int, block: str, grads: dict[str, Any],
+                       defer: Any = None) -> None:
         """Where a block's fresh gradients go: reduce-scatter (ZeRO-3), the micro-batch buffer (ZeRO-2),
-        or the local accumulator (NO_SHARD, ZeRO-1)."""
+        or the local accumulator (NO_SHARD, ZeRO-1). ``defer(unit, grads, packed)``, when given, takes
+        a ZeRO-3 unit's packed gradient instead of the finite vote and reduce-scatter here (a schedule
+        that starts them and waits later)."""
         xp = self.xp
-        grads = self._inject(step, micro, grads)
+        grads = finite_vote.inject(xp, self.run.inject_nan, self.rank, step, micro, grads)
         if self.sharded_params:
             unit = self.unit_by_block[block]
             packed = self._pack_grads(unit, grads)
             self.tracker.alloc(f"gradbuf:{block}", "grad_buffers", xp.nbytes(packed))
-            if self.runs_ahead and self._phase == "backward":
-                self._start_reduce_scatter(unit, grads, packed)
+            if defer is not None:
+                defer(unit, grads, packed)
             else:
                 self.check_finite(step, grads, packed)
                 self._reduce_scatter_into_acc(unit, packed, micro)
@@ -604,8 +450,6 @@ class ZeroEngine:
                     xp.assign(view, flat)
                 else:
                     view += xp.astype(flat, self.state_dtype)
-            if self.run.inject_nan is not None:
-                self._accumulated_names.update(grads)
 
     def reduce_full_grad(self, step: int) -> Any | None:
         """NO_SHARD / ZeRO-1, after the last micro-batch: every rank agrees the accumulated full gradient
@@ -618,26 +462,20 @@ class ZeroEngine:
         self.check_finite(step, named, self.grad_acc)
         if self.zero1_reduce_scatter:
             return self._reduce_scatter_full_grad()
-        if self.comm.world_size > 1:
-            self.grad_acc = self.comm.all_reduce(self.grad_acc, self.grad_reduce_op())
+        self.grad_acc = wire.all_reduce_grads(self.comm, self.grad_acc, self.grad_reduce_op())
         return None
 
     def _reduce_scatter_into_acc(self, unit: FlatUnit, packed: Any, micro: int) -> None:
         assert self.shard_comm is not None
         # the packed buffer is read by nothing after this: the communicator may use it as scratch
-        part = self.shard_comm.reduce_scatter(packed, self.grad_reduce_op(), donate=True)
-        self._accumulate_chunk(unit, part, micro)
+        self.accumulate_chunk(unit, wire.reduce_scatter_grads(self.shard_comm, packed, self.grad_reduce_op()),
+                              micro)
 
-    def _accumulate_chunk(self, unit: FlatUnit, part: Any, micro: int) -> None:
+    def accumulate_chunk(self, unit: FlatUnit, part: Any, micro: int) -> None:
         """Add the unit's reduced gradient chunk into this rank's gradient shard (micro-batch 0: write)."""
         if self.offload:  # the reduced shard goes to the host accumulator right away
             self._moved["device_to_host"] += self.xp.nbytes(part)
-        off = self.units.shard_offsets[unit.index]
-        view = self.grad_acc[off:off + unit.chunk]
-        if micro == 0:
-            self.xp.assign(view, part)
-        else:
-            view += part
+        wire.accumulate_chunk(self.xp, self.grad_acc, self.units.shard_offsets[unit.index], part, micro == 0)
 
     def _reduce_scatter_full_grad(self) -> Any:
         """ZeRO-1 with ``zero1_grad_reduce="reduce_scatter"`` (DeepSpeed stage 1, the paper's P_os): after
@@ -652,7 +490,7 @@ class ZeroEngine:
         }
         packed = self._pack_grads(unit, named)
         self.tracker.alloc("gradbuf:packed", "grad_buffers", self.xp.nbytes(packed))
-        part = self.shard_comm.reduce_scatter(packed, self.grad_reduce_op())
+        part = wire.reduce_scatter_grads(self.shard_comm, packed, self.grad_reduce_op(), donate=False)
         del packed
         self.tracker.alloc("grad_chunk", "grad_buffers", self.xp.nbytes(part))
         self.tracker.free("gradbuf:packed")
@@ -670,112 +508,24 @@ class ZeroEngine:
             self.tracker.free("gradbuf:packed")
 
     # =============================================================================================
-    # run-ahead (see the module docstring)
-    # =============================================================================================
-    def _can_run_ahead(self) -> bool:
-        """ZeRO-3 whose shard-group communicator can start an all-gather and a reduce-scatter and
-        shares all-gather results among its members (the simulator: starting every gather of a
-        micro-batch ahead then costs the process one copy of the model, not one per rank)."""
-        comm = self.shard_comm
-        return (self.sharded_params and comm is not None and getattr(comm, "shares_results", False)
-                and callable(getattr(comm, "all_gather_start", None))
-                and callable(getattr(comm, "reduce_scatter_start", None))
-                and callable(getattr(self.control, "all_reduce_start", None)))
-
-    def _start_gathers(self, order: list[str]) -> None:
-        """Start the micro-batch's all-gathers in the order the schedule takes them: every block for
-        the forward, then every block again for the backward."""
-        assert self.shard_comm is not None
-        for phase, blocks in (("forward", order), ("backward", order[::-1])):
-            for block in blocks:
-                unit = self.unit_by_block[block]
-                self._started_gathers[(phase, unit.index)] = self.shard_comm.all_gather_start(  # type: ignore[attr-defined]
-                    self.param_chunk(unit))
-                self.unit_states[block] = UnitState.IN_FLIGHT
-
-    def _start_reduce_scatter(self, unit: FlatUnit, grads: dict[str, Any], packed: Any) -> None:
-        """Start the block's finite vote (:meth:`check_finite`'s all-reduce) and its reduce-scatter;
-        the packed buffer is donated."""
-        assert self.shard_comm is not None
-        vote = self.control.all_reduce_start(  # type: ignore[attr-defined]
-            self._finite_flag(self.first_nonfinite(grads, packed)), "max")
-        reduction = self.shard_comm.reduce_scatter_start(  # type: ignore[attr-defined]
-            packed, self.grad_reduce_op(), donate=True)
-        self._started_reductions.append((unit, vote, reduction))
-
-    def _finish_started(self, step: int, micro: int) -> None:
-        """After backward: every block's finite vote in backward order (the first flagged block raises,
-        naming the same rank and tensor as waiting block by block would), and only then the reduced
-        chunks are accumulated, so no rank's state ever holds a non-finite gradient. A gather the
-        schedule did not take is dropped (its rendezvous completed when every rank started it)."""
-        self._started_gathers.clear()
-        for name in self.unit_states:
-            if self.unit_states[name] is UnitState.IN_FLIGHT:
-                self.unit_states[name] = UnitState.SHARDED
-        started, self._started_reductions = self._started_reductions, []
-        for _, vote, _ in started:
-            self._raise_if_flagged(step, vote.wait(), BEFORE_REDUCTION)
-        for unit, _, reduction in started:
-            self._accumulate_chunk(unit, reduction.wait(), micro)
-
-    # =============================================================================================
     # one step
     # =============================================================================================
-    def micro_batch(self, step: int, micro: int) -> float:
-        """Forward and backward of one micro-batch, block by block, feeding gradients to the strategy."""
-        xp, tr = self.xp, self.tracker
-        cfg = self.run.model_cfg
-        tokens, targets = synthetic_batch(cfg, self.run.seed, step, self.rank, micro)
-        order = list(self.model.block_names)
-        if self.runs_ahead:
-            self._start_gathers(order)
-        caches: list[Any] = []
-        x: Any = tokens
-        self._phase = "forward"
-        tr.set_phase(f"forward[{micro}]")
-        for i, block in enumerate(order):
-            params = self.block_params(block, step, order, i)
-            x, cache = self.model.forward(block, params, x, targets if block == "lm_head" else None)
-            del params
-            if self.sharded_params:
-                self.release(block)
-            tr.alloc(f"act:{block}", "activations", tree_nbytes(xp, cache))
-            caches.append(cache)
-        loss = xp.to_float(x)
-        dy: Any = 1.0
-        self._phase = "backward"
-        tr.set_phase(f"backward[{micro}]")
-        rev = list(reversed(order))
-        for i, block in enumerate(rev):
-            params = self.block_params(block, step, rev, i)
-            cache = caches.pop()
-            dy, grads = self.model.backward(block, params, cache, dy)
-            del params, cache
-            tr.free(f"act:{block}")
-            if self.sharded_params:
-                self.release(block)
-            self.on_block_grads(step, micro, block, grads)
-            del grads
-        if self.runs_ahead:
-            self._finish_started(step, micro)
-        self.on_micro_batch_end(step, micro)
-        return loss
-
     def step(self, step: int) -> StepObservation:
         """One optimizer step over M micro-batches; returns the observation (taken after the timed part)."""
         xp, tr = self.xp, self.tracker
         before = _snapshot(self.comm.traffic)
-        if self.align_step_start:
+        if self.schedule.align_step_start:
             self.control.barrier()  # every rank starts the step together (control group: no data traffic)
         t0 = time.perf_counter()
         tr.begin_step(step)
         self._step = step
         self._micro_grads = {}
-        self._accumulated_names: dict[str, Any] = {}
-        losses = [self.micro_batch(step, m) for m in range(self.run.micro_batches)]
+        losses = [self.schedule.micro_batch(step, m) for m in range(self.run.micro_batches)]
         tr.set_phase("reduce")
         grad_shard = None  # ZeRO-1 with reduce_scatter: the rank's averaged gradient chunk
-        if not self.sharded_grads:
+        if self.schedule.settle_gradients(step):
+            pass  # the schedule finished the reduction it started during backward
+        elif not self.sharded_grads:
             grad_shard = self.reduce_full_grad(step)
         elif self.hybrid and self.replicate_comm is not None:
             self.grad_acc = self.replicate_reduce(self.grad_acc)
@@ -790,20 +540,13 @@ class ZeroEngine:
         tr.set_phase("optimizer")
         if self.sharded_grads or grad_shard is not None:
             grad = self.grad_acc if grad_shard is None else grad_shard
-            local = 0.0
-            for unit, off in zip(self.units.units, self.units.shard_offsets, strict=True):
-                local += xp.sum_of_squares(grad[off:off + unit.owned_numel(self.local)])
-            sumsq = self.global_sumsq(local)
+            sumsq = self.global_sumsq(wire.owned_sumsq(xp, grad, self.units, self.local))
         else:
             sumsq = xp.sum_of_squares(self.grad_acc)
-            grad = self._own_chunk(self.grad_acc) if self.sharded_optim else self.grad_acc
+            grad = self.own_chunk(self.grad_acc) if self.sharded_optim else self.grad_acc
             if grad is not self.grad_acc:
                 tr.alloc("grad_chunk", "grad_buffers", xp.nbytes(grad))
-        norm = global_norm_from_sumsq(sumsq)
-        coef = 1.0
-        if self.run.spec.max_grad_norm is not None:
-            coef = clip_coefficient(norm, self.run.spec.max_grad_norm, self.state_dtype)
-            apply_clip_(grad, coef, xp)
+        norm, coef = wire.clip_(xp, grad, sumsq, self.run.spec.max_grad_norm, self.state_dtype)
         self.optimizer_step(grad)
         self._stepped_grad = grad
         # ---- refresh the working parameters ----------------------------------------------------
@@ -823,6 +566,9 @@ class ZeroEngine:
             self.obs.offload.setdefault("steps", []).append(dict(self._moved))
             self._moved = {"host_to_device": 0, "device_to_host": 0}
         self.observe(obs)
+        if not self.schedule.keeps_history:  # a trainer runs for as long as its user trains
+            del self.obs.steps[:-1]
+            del self.tracker.steps[:-1]
         if self.run.cfg.reshard_at == step:
             self.reshard_round_trip()
         return obs
@@ -839,22 +585,16 @@ class ZeroEngine:
         arrays = [self.master, *(self.opt_state[n] for n in self.run.spec.state_names)]
         for arr in arrays:
             full = self.assemble_full_state(self.shard_comm.all_gather(arr))
-            self.xp.assign(arr, self._own_chunk(full))
+            self.xp.assign(arr, self.own_chunk(full))
 
     def assemble_full_state(self, gathered: Any) -> Any:
         """The full flat array from an all-gather of every rank's packed shard (padding dropped)."""
-        xp = self.xp
-        full = xp.zeros(self.total, self.state_dtype)
-        size = self.units.shard_numel
-        for j in range(self.k):
-            base = self.gathered_chunk_index(j) * size
-            for g0, g1, pos in self.units.owned_global(j):
-                xp.assign(full[g0:g1], gathered[base + pos:base + pos + g1 - g0])
-        return full
+        return wire.assemble_full(self.xp, gathered, self.units, self.k, self.total, self.state_dtype,
+                                  self.gathered_chunk_index)
 
     def optimizer_step(self, grad: Any) -> None:
         """The optimizer step on the master shard (C-ZERO-002); bug class 11 advances the counter twice."""
-        self.opt.step(self.master, grad, self.opt_state)
+        wire.optimizer_step(self.opt, self.master, grad, self.opt_state)
         if self.corruption(Hook.OPTIMIZER_STEP) == "count-twice":
             self.opt_state["step"] += 1
 
@@ -875,6 +615,11 @@ class ZeroEngine:
         elif self.sharded_optim:
             assert self.shard_comm is not None
             work = self.precision.to_params(self.master, xp)
+            gather_into = getattr(self.shard_comm, "all_gather_into", None)
+            if self.schedule.receives_into_params and callable(gather_into):
+                # every rank's updated chunk is received straight into the parameters it covers
+                gather_into(work, self._param_destinations())
+                return
             gathered = self.shard_comm.all_gather(work)
             self.tracker.alloc("gathered:params", "gathered", xp.nbytes(gathered))
             self.write_gathered_params(gathered, self.units.units[0])
@@ -882,6 +627,18 @@ class ZeroEngine:
             self.tracker.free("gathered:params")
         elif self.mixed:
             xp.assign(self.params_full, self.precision.to_params(self.master, xp))
+        self.schedule.params_refreshed()
+
+    def _param_destinations(self) -> list[list[tuple[int, Any]]]:
+        """Per shard-group rank, where each piece of its chunk lives in the full parameters:
+        ``(position in the chunk, view of params_full)``, the all-gather's unpacking done by the
+        receive itself (C-ZERO-003: every rank then holds the same full parameters)."""
+        cached = self.__dict__.get("_destinations")
+        if cached is None or cached[0] is not self.params_full:
+            dests = [[(pos, self.params_full[g0:g1]) for g0, g1, pos in self.units.owned_global(j)]
+                     for j in range(self.k)]
+            cached = self.__dict__["_destinations"] = (self.params_full, dests)
+        return cached[1]
 
     # =============================================================================================
     # observation (outside the timed part of the step)
@@ -946,7 +703,7 @@ class ZeroEngine:
         assert self.observe_comm is not None
         for unit in self.units.units:
             _, flat = self.gather_unit(unit, self.observe_comm)
-            views = self.use_gathered(unit.name, self._tensor_views(unit, flat), len(self.obs.steps) + 1)
+            views = self.use_gathered(unit.name, wire.tensor_views(xp, unit, flat), len(self.obs.steps) + 1)
             for name, v in views.items():
                 g0, g1 = self.layout.tensor_range(name)
                 xp.assign(out[g0:g1], xp.reshape(v, (-1,)))
@@ -967,13 +724,6 @@ def tensor_digests(layout: Any, flat: Any) -> dict[str, str]:
     return {
         t.name: digest(flat[g0 : g0 + t.numel]) for t, g0 in zip(layout.tensors, layout.offsets, strict=True)
     }
-
-
-def _tensor_index(layout: Any, name: str) -> int:
-    for i, t in enumerate(layout.tensors):
-        if t.name == name:
-            return i
-    raise ConfigError("tensor", name, "no such tensor in the layout")
 
 
 def _snapshot(counter: Any) -> dict[tuple[str, str], tuple[int, Any, Any, int, dict[str, int]]]:

@@ -20,6 +20,7 @@ from ..checkpoint.engine_state import (
 )
 from ..checks.checkpoint import StateSnapshot
 from ..comm.sim import run_spmd
+from ..engine.block_schedule import block_engine
 from ..engine.config import ResolvedRun, RunConfig
 from ..engine.fault_catalog import engine_fault
 from ..engine.zero import ZeroEngine
@@ -27,7 +28,7 @@ from ..xp import numpy_namespace
 
 
 def _engine(comm: Any, run: ResolvedRun) -> ZeroEngine:
-    return ZeroEngine(comm, run, numpy_namespace(), fault=engine_fault(run))
+    return block_engine(comm, run, numpy_namespace(), fault=engine_fault(run))
 
 
 def _resolve(cfg: RunConfig | ResolvedRun) -> ResolvedRun:

@@ -16,6 +16,7 @@ import numpy as np
 from ..checkpoint.broadcast import BroadcastLoadResult, broadcast_and_shard_state_dict
 from ..checks.state_dict import check_broadcast_shard
 from ..comm.sim import run_spmd
+from ..engine.block_schedule import BlockSchedule
 from ..engine.config import ResolvedRun, RunConfig
 from ..engine.fault_catalog import engine_fault
 from ..engine.faults import EngineFault
@@ -82,7 +83,7 @@ def load_on_ranks(
     fault = fault if fault is not None else engine_fault(run)
 
     def program(comm: Any) -> RankLoad:
-        engine = engine_cls(comm, run, numpy_namespace(), fault=fault)
+        engine = engine_cls(comm, run, numpy_namespace(), BlockSchedule(), fault=fault)
         source = state if comm.rank == 0 else other_source
         result = broadcast_and_shard_state_dict(engine, source, strict=strict, bucket_bytes=bucket_bytes)
         shard = ShardValues(tuple(engine.owned_pieces), engine.xp.to_numpy(engine.master, copy=True))
