@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 BLOCKS = 64
+_WEIGHTS: dict[tuple[int, int, str], torch.Tensor] = {}
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -41,22 +42,32 @@ def integer_words(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return main, tail
 
 
+def _weights(start: int, count: int, device: torch.device) -> torch.Tensor:
+    """``arange(start, start + count)`` as int64 on ``device``, made once per (start, count, device)."""
+    key = (start, count, str(device))
+    found = _WEIGHTS.get(key)
+    if found is None:
+        found = _WEIGHTS[key] = torch.arange(start, start + count, dtype=torch.int64, device=device)
+    return found
+
+
 def tensor_digest(tensor: torch.Tensor) -> torch.Tensor:
     """The two-lane digest of ``tensor`` (see the module docstring): an int64 tensor of shape (2,) on
     ``tensor``'s device."""
     words, tail = integer_words(tensor)
     n = words.numel()
-    total = words.sum(dtype=torch.int64) + tail.sum()
-    tail_weights = torch.arange(BLOCKS + 1, BLOCKS + 1 + tail.numel(), dtype=torch.int64, device=tail.device)
-    positional = (tail * tail_weights).sum()
     if n >= BLOCKS:
         per = n // BLOCKS
-        blocks = words[: per * BLOCKS].view(BLOCKS, per).sum(dim=1, dtype=torch.int64)
-        weights = torch.arange(1, BLOCKS + 1, dtype=torch.int64, device=words.device)
-        positional = positional + (blocks * weights).sum() + words[per * BLOCKS:].sum() * (BLOCKS + 1)
+        blocks = words[: per * BLOCKS].view(BLOCKS, per).sum(dim=1)
+        rest = words[per * BLOCKS:].sum()
+        total = blocks.sum() + rest
+        positional = (blocks * _weights(1, BLOCKS, words.device)).sum() + rest * (BLOCKS + 1)
     else:
-        weights = torch.arange(1, n + 1, dtype=torch.int64, device=words.device)
-        positional = positional + (words * weights).sum()
+        total = words.sum()
+        positional = (words * _weights(1, n, words.device)).sum()
+    if tail.numel():
+        total = total + tail.sum()
+        positional = positional + (tail * _weights(BLOCKS + 2, tail.numel(), tail.device)).sum()
     return torch.stack([total, positional])
 
 

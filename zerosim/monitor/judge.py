@@ -50,11 +50,14 @@ def check_layout(observations: Sequence[MonitorObservation]) -> Verdict:
     return check_partition_ranges(records, numels)  # type: ignore[arg-type]
 
 
-def judge(observations: Sequence[MonitorObservation], layout: Verdict | None = None) -> list[Verdict]:
+def judge(observations: Sequence[MonitorObservation], layout: Verdict | None = None,
+          identity: Verdict | None = None) -> list[Verdict]:
     """The three verdicts, in contract order; ``layout``: C-ZERO-001's verdict already computed for these
-    observations' layout (the live monitor judges a layout once, when it first sees it)."""
+    observations' layout (the live monitor judges a layout once, when it first sees it); ``identity``:
+    C-ZERO-003's, already computed (the live monitor compares digests vectorised first)."""
     return [layout if layout is not None else check_layout(observations),
-            check_live_state(observations), check_replica_identity(observations)]
+            check_live_state(observations),
+            identity if identity is not None else check_replica_identity(observations)]
 
 
 def summary_line(step: int | None, verdicts: Sequence[Verdict]) -> str:

@@ -31,9 +31,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checks.identity import check_replica_identity
 from ..errors import ConfigError
 from ..observe import MonitorObservation
 from ..verdict import Verdict, Violation
@@ -145,10 +147,16 @@ class Monitor:
             rows = gather_rows(self._row(layout, int(step), fingerprint, _number(loss), _number(grad_norm)))
             self._fingerprints = [int(summary_values(r, self._width)["fingerprint"]) for r in rows]
         assert self._keys is not None
-        observations = [self._observation(r, self._keys[r], rows[r]) for r in range(self.world)]
+        table = torch.stack(rows).numpy()
+        mismatched = self._mismatched_pieces(table)
+        observations = [self._observation(r, self._keys[r], rows[r], r == self.rank or None, mismatched)
+                        for r in range(self.world)]
         if self._layout_verdict is None:
             self._layout_verdict = check_layout(observations)
-        verdicts = judge(observations, self._layout_verdict)
+        identity = check_replica_identity(observations) if mismatched else \
+            Verdict("C-ZERO-003", details={"violation_count": 0})
+        identity.checked = self._compared
+        verdicts = judge(observations, self._layout_verdict, identity)
         found = [v for verdict in verdicts for v in verdict.violations]
         elapsed = time.perf_counter() - t0
         self.seconds += elapsed
@@ -163,8 +171,28 @@ class Monitor:
     def _exchange(self, keys: dict[str, Any]) -> None:
         self._keys = exchange_keys(keys, self.device)
         self._width = 2 * max(len(k["held"]) for k in self._keys)
+        holders: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+        for rank, k in enumerate(self._keys):
+            for i, (name, a, b) in enumerate(k["held"]):
+                holders.setdefault((name, int(a), int(b)), []).append((rank, i))
+        shared = [(key, members) for key, members in holders.items() if len(members) > 1]
+        self._compared = len(shared)
+        pairs = [(members[0], other, key) for key, members in shared for other in members[1:]]
+        self._pair_base = np.array([[r, i] for (r, i), _, _ in pairs], dtype=np.int64).reshape(-1, 2)
+        self._pair_other = np.array([[r, i] for _, (r, i), _ in pairs], dtype=np.int64).reshape(-1, 2)
+        self._pair_key = [key for _, _, key in pairs]
         self._fingerprints = [zlib.crc32(json.dumps(k, separators=(",", ":")).encode()) for k in self._keys]
         self._layout_verdict = None
+
+    def _mismatched_pieces(self, table: np.ndarray) -> set[tuple[str, int, int]]:
+        """The pieces (tensor, start, stop) whose holders' digest lanes differ somewhere: one vectorised
+        comparison of every holder with the piece's first holder (C-ZERO-003's fast path)."""
+        if not len(self._pair_key):
+            return set()
+        (br, bi), (orank, oi) = self._pair_base.T, self._pair_other.T
+        differ = ((table[br, 2 * bi] != table[orank, 2 * oi]) |
+                  (table[br, 2 * bi + 1] != table[orank, 2 * oi + 1]))
+        return {self._pair_key[i] for i in np.flatnonzero(differ)}
 
     def _row(self, layout: LiveLayout, step: int, fingerprint: int, loss: float | None,
              grad_norm: float | None) -> torch.Tensor:
@@ -192,22 +220,29 @@ class Monitor:
             if "step" in values:
                 counters.append((int(_local_value(values["step"])), owned.name))
             for value in tensors.values():
-                flags.append(torch.isfinite(value).all().to(self.device))
+                flags.append(value.sum())  # non-finite if any element is (or if finite ones overflow)
                 flag_owner.append(owned.name)
         if stateless and len(stateless) < len(layout.states):  # some owned pieces keep state, these none
             missing += len(stateless)
             missing_idx = names.index(stateless[0]) if missing_idx < 0 else missing_idx
         if flags:
-            finite = torch.stack(flags).cpu().tolist()
-            bad = [flag_owner[i] for i, ok in enumerate(finite) if not ok]
+            finite = torch.isfinite(torch.stack([f.to(self.device) for f in flags])).cpu().tolist()
+            suspects = [i for i, ok in enumerate(finite) if not ok]  # confirmed element by element
+            checked = [v for owned in layout.states for k, v in (owned.values or {}).items()
+                       if k != "step" and isinstance(v, torch.Tensor)]
+            bad = [flag_owner[i] for i in suspects if not bool(torch.isfinite(_local(checked[i])).all())]
             nonfinite = len(set(bad))
             nonfinite_idx = names.index(bad[0]) if bad else -1
         grad_sq, grad_numel = 0.0, 0
         if layout.grads is not None:
-            parts = [torch.linalg.vector_norm(_local(g), dtype=torch.float64) for g in layout.grads]
-            grad_numel = sum(_local(g).numel() for g in layout.grads)
-            if parts:
-                grad_sq = float((torch.stack([p.to(self.device) for p in parts]) ** 2).sum())
+            local_grads = [_local(g) for g in layout.grads]
+            grad_numel = sum(g.numel() for g in local_grads)
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in local_grads:
+                by_device.setdefault(g.device, []).append(g)
+            for grads in by_device.values():
+                norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+                grad_sq += float((torch.stack(norms) ** 2).sum())
         low = min(counters, key=lambda c: c[0]) if counters else (0, "")  # the first tensor at the least
         summary = {
             "fingerprint": fingerprint, "n_held": len(layout.held), "step": step,
@@ -224,12 +259,18 @@ class Monitor:
         self._grad_dtype = layout.grad_dtype
         return torch.cat([lanes, tail])
 
-    def _observation(self, rank: int, keys: dict[str, Any], row: torch.Tensor) -> MonitorObservation:
+    def _observation(self, rank: int, keys: dict[str, Any], row: torch.Tensor, every_piece: bool | None,
+                     pieces: set[tuple[str, int, int]]) -> MonitorObservation:
+        """Rank ``rank``'s observation from its keys and row: with the digests of every piece it holds
+        (``every_piece``: this rank's own, for its file) or of those in ``pieces`` only."""
         s = summary_values(row, self._width)
-        lanes = row[: self._width].tolist()
         names = keys["names"]
-        held = [(n, int(a), int(b), digest_text((lanes[2 * i], lanes[2 * i + 1])))
-                for i, (n, a, b) in enumerate(keys["held"][: s["n_held"]])]
+        held = []
+        if every_piece or pieces:
+            lanes = row[: self._width].tolist()
+            held = [(n, int(a), int(b), digest_text((lanes[2 * i], lanes[2 * i + 1])))
+                    for i, (n, a, b) in enumerate(keys["held"][: s["n_held"]])
+                    if every_piece or (n, int(a), int(b)) in pieces]
         return MonitorObservation(
             rank=rank, world_size=self.world, step=int(s["step"]), adapter=keys["adapter"], held=held,
             owned={k: [(int(a), int(b)) for a, b in v] for k, v in keys["owned"].items()},
