@@ -208,3 +208,23 @@ def test_bad_input_is_one_line_and_training_goes_on(world_of_one, tmp_path):
     with pytest.raises(MonitorViolation, match="C-ZERO-002 state_finite step=0 rank=0 tensor=bias"):
         monitor.after_step(0)
     assert (tmp_path / "m" / "rank-00000.jsonl").read_text().count("\n") == 1
+
+
+# ---- the benchmark's arithmetic and its bad input ----------------------------------------------------
+def test_bench_monitor_ratios_are_per_adapter_medians_over_rounds(capsys):
+    from zerosim.bench.monitor import summarize
+
+    def row(variant, step_s, r):
+        checks = 0 if variant == "off" else 2
+        return {"adapter": "ddp", "variant": variant, "step_s": step_s, "round": r, "checks": checks,
+                "violations": 0, "monitor_s": 0.004, "local_params": 10}
+
+    rows = [row("off", 0.010, 0), row("off", 0.012, 1), row("every=100", 0.0102, 0),
+            row("every=100", 0.0124, 1), row("every=1", 0.020, 0), row("every=1", 0.030, 1)]
+    table = {r["variant"]: r for r in summarize(rows)}
+    assert table["off"]["ratio"] == 1.0
+    assert table["every=100"]["ratio"] == pytest.approx(0.0113 / 0.011)
+    assert table["every=1"]["ratio"] == pytest.approx(0.025 / 0.011)
+    assert table["every=1"]["check_ms"] == pytest.approx(2.0)  # 8 ms over 4 checks
+    assert cli_main(["bench", "monitor", "--adapters", "megatron"]) == 2
+    assert "invalid adapters='megatron'" in capsys.readouterr().err

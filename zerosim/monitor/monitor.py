@@ -171,6 +171,10 @@ class Monitor:
     def _exchange(self, keys: dict[str, Any]) -> None:
         self._keys = exchange_keys(keys, self.device)
         self._width = 2 * max(len(k["held"]) for k in self._keys)
+        # each rank's owned ranges and element counts, converted once per layout (shared by every check)
+        self._owned = [{k: [(int(a), int(b)) for a, b in v] for k, v in keys["owned"].items()}
+                       for keys in self._keys]
+        self._numels = [{k: int(v) for k, v in keys["numels"].items()} for keys in self._keys]
         holders: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
         for rank, k in enumerate(self._keys):
             for i, (name, a, b) in enumerate(k["held"]):
@@ -273,8 +277,7 @@ class Monitor:
                     if every_piece or (n, int(a), int(b)) in pieces]
         return MonitorObservation(
             rank=rank, world_size=self.world, step=int(s["step"]), adapter=keys["adapter"], held=held,
-            owned={k: [(int(a), int(b)) for a, b in v] for k, v in keys["owned"].items()},
-            numels={k: int(v) for k, v in keys["numels"].items()},
+            owned=self._owned[rank], numels=self._numels[rank],
             state_missing=(int(s["missing"]), names[s["missing_idx"]] if s["missing_idx"] >= 0 else None),
             state_nonfinite=(int(s["nonfinite"]),
                              names[s["nonfinite_idx"]] if s["nonfinite_idx"] >= 0 else None),
