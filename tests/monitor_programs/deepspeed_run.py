@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from zerogpu.rank import leave_rank  # os._exit after the teardown: a gloo finalizer can abort at exit
 from zerosim.comm.fault_plan import FaultPlan
 from zerosim.monitor.deepspeed import attach
 from zerosim.verify.adapters.deepspeed_zero import _deepspeed, release_zero3_globals
@@ -76,6 +77,7 @@ def main() -> None:
                 f.write(json.dumps({"name": name, "summary": summary}) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank(0)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,11 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(result, "w") as f:
             json.dump(callback.summary, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    from zerogpu.rank import leave_rank  # os._exit after the teardown: a gloo finalizer can abort at exit
+
+    leave_rank(0)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zerogpu.rank import leave_rank  # os._exit after the teardown: a gloo finalizer can abort at exit
 from zerosim.monitor import Monitor
 from zerosim.monitor.faults import LiveFault
 
@@ -149,6 +150,7 @@ def main() -> None:
                 f.write(json.dumps(record) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank(0)
 
 
 if __name__ == "__main__":

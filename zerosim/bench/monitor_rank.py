@@ -3,7 +3,9 @@ without the monitor, with it at ``every=100`` and at ``every=1``, in rounds whos
 
 argv: one JSON object (adapters, steps, warmup, rounds, width, depth, result path). Each timed run is
 ``steps`` optimizer steps after ``warmup`` untimed ones, between two barriers; its time is the slowest
-rank's. Rank 0 writes the rows (adapter, variant, round, seconds per step, the monitor's checks,
+rank's. A rank leaves with :func:`zerogpu.rank.leave_rank` (``os._exit`` after the process group is torn
+down: an interpreter exit that finalizes gloo objects aborts now and then with torch 2.13). Rank 0
+writes the rows (adapter, variant, round, seconds per step, the monitor's checks,
 violations and seconds in checks) as JSON to the result path.
 """
 
@@ -17,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from zerogpu.rank import leave_rank
 
 from ..monitor import Monitor
 
@@ -128,6 +132,7 @@ def main() -> None:
             json.dump({"world_size": dist.get_world_size(), "rows": rows}, f)
     dist.barrier()
     dist.destroy_process_group()
+    leave_rank(0)
 
 
 if __name__ == "__main__":
