@@ -289,6 +289,75 @@ class TrainerStep(Protocol):
     def bounds(self) -> TensorValues: ...
 
 
+@dataclass
+class MonitorObservation:
+    """One rank at one check of a live run (:mod:`zerosim.monitor`): what C-ZERO-001, -002 and -003 read
+    when the monitor judges a real training run, and what each rank appends to its observation file.
+
+    ``held``: every tensor piece the rank holds, as ``(tensor, start, stop, digest)`` (flat element range
+    of the full tensor, a hex digest of its bytes computed where it lives); ranks holding the same piece
+    must hold the same bytes (C-ZERO-003). ``owned``: the flat ranges of each tensor whose optimizer
+    state the rank owns (C-ZERO-001); ``numels``: every tensor's element count. ``state_missing`` /
+    ``state_nonfinite``: how many owned tensors lack state for an owned element / hold a non-finite
+    state value, and the first one's name; ``step_counters``: the least and largest optimizer step
+    counter over the rank's owned tensors and the first tensor holding the least (None: its optimizer
+    keeps none). ``grad_sq``: the float64 sum
+    of squares of the reduced gradient over the owned elements (None: no gradient held);
+    ``grad_numel``: how many elements it sums; ``grad_norm``: the norm the training loop logged, in
+    ``grad_dtype``, computed before clipping at ``max_norm`` (None: no clipping).
+    """
+
+    rank: int
+    world_size: int
+    step: int
+    adapter: str
+    held: list[tuple[str, int, int, str]] = field(default_factory=list)
+    owned: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    numels: dict[str, int] = field(default_factory=dict)
+    state_missing: tuple[int, str | None] = (0, None)
+    state_nonfinite: tuple[int, str | None] = (0, None)
+    step_counters: tuple[int, int, str | None] | None = None
+    grad_sq: float | None = None
+    grad_numel: int = 0
+    grad_norm: float | None = None
+    grad_dtype: str = "float32"
+    max_norm: float | None = None
+    loss: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank, "world_size": self.world_size, "step": self.step, "adapter": self.adapter,
+            "held": [list(h) for h in self.held],
+            "owned": {k: [list(r) for r in v] for k, v in self.owned.items()},
+            "numels": dict(self.numels),
+            "state_missing": list(self.state_missing), "state_nonfinite": list(self.state_nonfinite),
+            "step_counters": None if self.step_counters is None else list(self.step_counters),
+            "grad_sq": self.grad_sq, "grad_numel": self.grad_numel, "grad_norm": self.grad_norm,
+            "grad_dtype": self.grad_dtype, "max_norm": self.max_norm, "loss": self.loss,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> MonitorObservation:
+        """The observation of one JSON line (a KeyError, TypeError or ValueError on a malformed one)."""
+        counters = data["step_counters"]
+        return cls(
+            rank=int(data["rank"]), world_size=int(data["world_size"]), step=int(data["step"]),
+            adapter=str(data["adapter"]),
+            held=[(str(n), int(a), int(b), str(d)) for n, a, b, d in data["held"]],
+            owned={str(k): [(int(a), int(b)) for a, b in v] for k, v in data["owned"].items()},
+            numels={str(k): int(v) for k, v in data["numels"].items()},
+            state_missing=(int(data["state_missing"][0]), data["state_missing"][1]),
+            state_nonfinite=(int(data["state_nonfinite"][0]), data["state_nonfinite"][1]),
+            step_counters=None if counters is None else (int(counters[0]), int(counters[1]), counters[2]),
+            grad_sq=None if data["grad_sq"] is None else float(data["grad_sq"]),
+            grad_numel=int(data["grad_numel"]),
+            grad_norm=None if data["grad_norm"] is None else float(data["grad_norm"]),
+            grad_dtype=str(data["grad_dtype"]),
+            max_norm=None if data["max_norm"] is None else float(data["max_norm"]),
+            loss=None if data["loss"] is None else float(data["loss"]),
+        )
+
+
 def digest(array: np.ndarray) -> str:
     """A short content digest of an array's bytes (dtype and shape included)."""
     h = hashlib.blake2b(digest_size=12)

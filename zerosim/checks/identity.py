@@ -8,6 +8,9 @@
 * **Live trainers** (:class:`~zerosim.observe.TrainerStep`): every rank's full parameters are bitwise
   equal after every step (clause ``identical``); the odd rank out is named, ranks being compared with
   the bit pattern most of them hold.
+* **Monitored runs** (:class:`~zerosim.observe.MonitorObservation`): every rank that holds a piece of a
+  tensor (the same flat element range) holds a piece with the same digest (clause ``identical``), the
+  odd rank out named the same way; pieces held by one rank only are not compared.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..layout import ParamLayout
-from ..observe import RankObservation, TrainerStep, digest
+from ..observe import MonitorObservation, RankObservation, TrainerStep, digest
 from ..verdict import Verdict
 from ..xp import numpy_namespace
 from .collect import MAX_LISTED, ViolationCollector
@@ -32,7 +35,7 @@ from .mismatch import (
 
 
 def check_replica_identity(
-    observations: Sequence[RankObservation] | Sequence[TrainerStep],
+    observations: Sequence[RankObservation] | Sequence[TrainerStep] | Sequence[MonitorObservation],
     *,
     layout: ParamLayout | None = None,
     contract: str = "C-ZERO-003",
@@ -40,8 +43,11 @@ def check_replica_identity(
     """C-ZERO-003: every rank's weights after each step are bitwise identical (see the module docstring).
 
     ``observations``: the engine's :class:`~zerosim.observe.RankObservation` per rank, or a live
-    trainer's :class:`~zerosim.observe.TrainerStep` records.
+    trainer's :class:`~zerosim.observe.TrainerStep` records, or a monitored run's
+    :class:`~zerosim.observe.MonitorObservation` per rank and check.
     """
+    if observations and isinstance(observations[0], MonitorObservation):
+        return _digest_identity(observations, contract)  # type: ignore[arg-type]
     if not observations or isinstance(observations[0], RankObservation):
         return _post_gather_identity(observations, layout=layout, contract=contract)  # type: ignore[arg-type]
     return _trainer_identity(observations, contract)  # type: ignore[arg-type]
@@ -213,3 +219,36 @@ def _trainer_identity(records: Sequence[TrainerStep], contract: str) -> Verdict:
                     )
     checked = sum(len(rec.ranks) for rec in records)
     return out.listed_verdict(checked=checked, max_error=max_abs, tolerance=0.0)
+
+
+def _digest_identity(observations: Sequence[MonitorObservation], contract: str) -> Verdict:
+    """C-ZERO-003 on a monitored run: per step, the ranks holding one piece (tensor, flat range) hold one
+    digest; each rank outside the majority is named with the tensor and the range."""
+    out = ViolationCollector(contract, total=MAX_LISTED)
+    compared = 0
+    pieces: dict[int, dict[tuple[str, int, int], dict[str, list[int]]]] = {}
+    for obs in observations:
+        at = pieces.setdefault(obs.step, {})
+        for name, start, stop, dig in obs.held:
+            at.setdefault((name, start, stop), {}).setdefault(dig, []).append(obs.rank)
+    for step in sorted(pieces):
+        for (name, start, stop), by_digest in pieces[step].items():
+            holders = sorted(r for ranks in by_digest.values() for r in ranks)
+            if len(holders) < 2:
+                continue
+            compared += 1
+            if len(by_digest) == 1:
+                continue
+            majority = max(by_digest.values(), key=lambda members: (len(members), -min(members)))
+            for dig, members in by_digest.items():
+                if members is majority:
+                    continue
+                for rank in sorted(members):
+                    out.add(
+                        "identical",
+                        f"rank {rank}'s copy of {name}[{start}:{stop}] differs bitwise from rank(s) "
+                        f"{','.join(map(str, sorted(majority)))} (digest {dig}, theirs "
+                        f"{next(d for d, m in by_digest.items() if m is majority)})",
+                        step=step, ranks=(rank,), tensor=name, interval=(start, stop),
+                    )
+    return out.listed_verdict(checked=compared, steps=len(pieces))

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench import check as bench_check
+from ..bench import monitor as bench_monitor
 from ..bench import mpi as bench_mpi
 from ..bench import offload as bench_offload
 from ..bench import peers as bench_peers
@@ -19,7 +20,7 @@ from ..bench import scale as bench_scale
 from ..bench import sim as bench_sim
 from ..comm.sim import SCHEDULES
 
-BENCH_MODULES = ("sim", "mpi", "check", "peers", "scale", "offload")
+BENCH_MODULES = ("sim", "mpi", "check", "peers", "scale", "offload", "monitor")
 
 
 def register(sub: Any) -> None:
@@ -168,3 +169,25 @@ def register_offload(sub: Any) -> None:
     p.add_argument("--out", default=None,
                    help=f"JSON report (default {bench_offload.DEFAULT_OUT})")
     p.set_defaults(func=bench_offload.run)
+
+
+def register_monitor(sub: Any) -> None:
+    """``zerosim bench monitor``: its options; the work is :func:`zerosim.bench.monitor.run`."""
+    p = sub.add_parser("monitor", help="step time with and without zerosim.monitor (every=1, every=100), "
+                                       "per adapter, and the digest's throughput (launches torchrun)",
+                       description=bench_monitor.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--adapters", default="ddp,zero-redundancy,fsdp2,zerogpu-zero3",
+                   help="comma-separated: ddp, zero-redundancy, fsdp2, zerogpu-zero3 (default all)")
+    p.add_argument("--world", default="2", help="ranks (default 2)")
+    p.add_argument("--steps", default="120",
+                   help="timed steps per run (default 120: every=100 checks at 0 and 100)")
+    p.add_argument("--warmup", default="5", help="untimed steps first (default 5)")
+    p.add_argument("--rounds", default="2", help="rounds of every run, order alternating (default 2)")
+    p.add_argument("--width", default="128", help="hidden width of the model (default 128)")
+    p.add_argument("--depth", default="2", help="hidden layers of the model (default 2)")
+    p.add_argument("--digest-mb", default="64", help="MB digested and copied for the throughput (default 64)")
+    p.add_argument("--timeout", default="600", help="seconds the launch may take (default 600)")
+    p.add_argument("--out", default=None, help=f"directory for {bench_monitor.JSON_NAME} "
+                   f"(default {bench_monitor.DEFAULT_OUT})")
+    p.set_defaults(func=bench_monitor.run)

@@ -1,6 +1,7 @@
 """``zerosim check <target>``: run a contract check and exit 1 on any violation, 0 when all hold.
 
-Targets: ``partition`` (C-ZERO-001 on a user's partition function or a built-in partitioner).
+Targets: ``partition`` (C-ZERO-001 on a user's partition function or a built-in partitioner) and
+``trace`` (C-ZERO-001..003 on the observation files :mod:`zerosim.monitor` wrote during a training run).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def register(sub: Any) -> None:
                        description="Check a contract. Exit status: 0 all hold, 1 a violation, 2 bad input.")
     inner = p.add_subparsers(dest="check_target", metavar="TARGET")
     _register_partition(inner)
+    _register_trace(inner)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
@@ -192,4 +194,49 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
               if len(cases) > 1 else f"plan built in {build_ms[0]:.1f} ms, checked in {check_ms[0]:.2f} ms")
     verb = "holds for" if passed else f"violated ({n_violations} violations) by"
     print(f"{CONTRACT} {verb} partitioner {partitioner.name}: {where}; {timing}")
+    return 0 if passed else 1
+
+
+def _register_trace(inner: Any) -> None:
+    p = inner.add_parser(
+        "trace", help="C-ZERO-001..003 on a monitored run's observation files (zerosim.monitor's out=DIR)",
+        description=(
+            "Judge the per-rank observation files (rank-NNNNN.jsonl) zerosim.monitor wrote during a\n"
+            "training run with the checks the live monitor ran: C-ZERO-001 (owned ranges cover every\n"
+            "parameter), C-ZERO-002's live clauses (optimizer state present and finite, equal step\n"
+            "counters, logged vs recomputed gradient norm), C-ZERO-003 (replicas hold identical bytes).\n"
+            "One line per violation; exit 1 on any violation, 0 when all hold, 2 on bad input."),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("directory", metavar="DIR", help="the monitor's out directory")
+    p.add_argument("--limit", type=int, default=50, help="violation lines to print (0 = all; default 50)")
+    p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
+    p.set_defaults(func=run_trace)
+
+
+@pipe_safe
+def run_trace(args: argparse.Namespace) -> int:
+    from ..monitor.judge import judge, summary_line
+    from ..monitor.trace import read_trace
+
+    limit = require_non_negative_int("limit", args.limit)
+    observations, notes = read_trace(args.directory)
+    verdicts = judge(observations)
+    passed = all(v.passed for v in verdicts)
+    steps = sorted({o.step for o in observations})
+    ranks = sorted({o.rank for o in observations})
+    if args.json:
+        json.dump({"passed": passed, "steps": len(steps), "ranks": ranks, "notes": notes,
+                   "verdicts": [v.to_json() for v in verdicts]}, sys.stdout, indent=2)
+        print()
+        return 0 if passed else 1
+    lines = [str(v) for verdict in verdicts for v in verdict.violations]
+    for line in lines[: limit or None]:
+        print(line)
+    if limit and len(lines) > limit:
+        print(f"... {len(lines) - limit} more violations not shown (use --limit 0 or --json)")
+    for note in notes:
+        print(f"note: {note}")
+    span = f"steps {steps[0]}..{steps[-1]}" if steps else "no steps"
+    print(f"{'PASS' if passed else 'FAIL'} {len(steps)} check(s) ({span}) of {len(ranks)} rank(s): "
+          f"{summary_line(None, verdicts)}")
     return 0 if passed else 1

@@ -11,7 +11,14 @@ One description language for every fault a test injects into a run, ``KIND:rank=
 - ``nan:rank=R:step=S``, ``inf:...`` and ``-inf:...`` put that value into one gradient of rank ``R``
   at optimizer step ``S`` (optional ``micro=M``, default 0, and ``tensor=NAME``, default the layout's
   first tensor): the engine's ``RunConfig.inject_nan`` (:class:`zerosim.engine.config.NanInjection`),
-  so the run must end with a ``NonFiniteGradientError`` naming the rank and the tensor.
+  so the run must end with a ``NonFiniteGradientError`` naming the rank and the tensor;
+- live-run faults, applied to a real training loop by :mod:`zerosim.monitor.faults` right after the
+  optimizer step ``S`` of rank ``R`` (or, for ``grad`` and ``skip-step``, inside it), for the monitor to
+  catch: ``bitflip:rank=R:step=S:tensor=NAME[:bit=B]`` flips bit ``B`` (default 20) of element 0 of
+  the rank's copy of the tensor; ``skip-step:rank=R:step=S`` makes the rank skip its optimizer step;
+  ``grad:rank=R:step=S:tensor=NAME`` adds 1 to element 0 of the rank's reduced gradient of the tensor
+  before the step; ``zero-state:rank=R:step=S`` zeroes the rank's optimizer state (step counters
+  included), as a bad checkpoint load would.
 
 The collective faults are fired by the communicators, each counting its rank's collectives with a
 :class:`FaultCounter`: the in-process simulator (:mod:`zerosim.comm.sim`, one counter per simulated
@@ -37,9 +44,13 @@ from ..errors import ConfigError
 COLLECTIVE_KINDS = ("raise", "hang", "kill")
 #: kinds that put a non-finite value into one gradient at ``step`` (the value's text, for ``float()``)
 GRADIENT_KINDS = ("nan", "inf", "-inf")
+#: kinds applied to a live training loop (:mod:`zerosim.monitor.faults`)
+LIVE_KINDS = ("bitflip", "skip-step", "grad", "zero-state")
 FAULT_ENV = "ZEROSIM_FAULT"
-_SYNTAX = ("expected raise|hang|kill:rank=R:call=K or nan|inf|-inf:rank=R:step=S[:micro=M][:tensor=NAME]")
-_INT_FIELDS = {"collective": ("rank", "call"), "gradient": ("rank", "step", "micro")}
+_SYNTAX = ("expected raise|hang|kill:rank=R:call=K, nan|inf|-inf:rank=R:step=S[:micro=M][:tensor=NAME] "
+           "or bitflip|skip-step|grad|zero-state:rank=R:step=S[:tensor=NAME][:bit=B]")
+_INT_FIELDS = {"collective": ("rank", "call"), "gradient": ("rank", "step", "micro"),
+               "live": ("rank", "step", "bit")}
 
 
 @dataclass(frozen=True)
@@ -52,11 +63,16 @@ class FaultPlan:
     step: int = 0
     micro: int = 0
     tensor: str | None = None  # gradient kinds: None means the layout's first tensor
+    bit: int = 20  # bitflip: the bit of element 0 flipped
 
     @property
     def text(self) -> str:
         if self.kind in COLLECTIVE_KINDS:
             return f"{self.kind}:rank={self.rank}:call={self.call}"
+        if self.kind in LIVE_KINDS:
+            tensor = "" if self.tensor is None else f":tensor={self.tensor}"
+            bit = f":bit={self.bit}" if self.kind == "bitflip" else ""
+            return f"{self.kind}:rank={self.rank}:step={self.step}{tensor}{bit}"
         tensor = "" if self.tensor is None else f":tensor={self.tensor}"
         return f"{self.kind}:rank={self.rank}:step={self.step}:micro={self.micro}{tensor}"
 
@@ -71,14 +87,16 @@ class FaultPlan:
         if not text:
             return None
         kind, *fields = text.split(":")
-        if kind not in COLLECTIVE_KINDS + GRADIENT_KINDS:
+        if kind not in COLLECTIVE_KINDS + GRADIENT_KINDS + LIVE_KINDS:
             raise ConfigError(FAULT_ENV, text, f"unknown kind {kind!r}; {_SYNTAX}")
-        ints = _INT_FIELDS["collective" if kind in COLLECTIVE_KINDS else "gradient"]
+        family = ("collective" if kind in COLLECTIVE_KINDS else
+                  "gradient" if kind in GRADIENT_KINDS else "live")
+        ints = _INT_FIELDS[family]
         values: dict[str, int] = {}
         tensor: str | None = None
         for f in fields:
             key, eq, value = f.partition("=")
-            if key == "tensor" and kind in GRADIENT_KINDS and value:
+            if key == "tensor" and kind in GRADIENT_KINDS + LIVE_KINDS and value:
                 tensor = value
                 continue
             if not eq or key not in ints:
@@ -89,6 +107,8 @@ class FaultPlan:
                 raise ConfigError(FAULT_ENV, text, f"{key} must be an integer; {_SYNTAX}") from None
         if any(v < 0 for v in values.values()):
             raise ConfigError(FAULT_ENV, text, f"{', '.join(ints)} must be >= 0")
+        if kind in ("bitflip", "grad") and tensor is None:
+            raise ConfigError(FAULT_ENV, text, f"{kind} needs tensor=NAME; {_SYNTAX}")
         return cls(kind, tensor=tensor, **values)
 
     def fire(self, collective: str, group: str) -> None:

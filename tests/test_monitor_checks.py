@@ -1,0 +1,230 @@
+"""zerosim.monitor's pieces without a launch: the digest, the checks its observations feed (each fails on
+a deliberately wrong input, naming rank and tensor), the trace files and ``zerosim check trace``'s exit
+codes, the live fault language, and the monitor's bad input in a one-rank world."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from zerosim.checks.identity import check_replica_identity
+from zerosim.checks.live_state import check_live_state, norm_contributors, norm_relative_bound
+from zerosim.cli import main as cli_main
+from zerosim.comm.fault_plan import FaultPlan
+from zerosim.errors import ConfigError
+from zerosim.monitor.digest import tensor_digest
+from zerosim.monitor.judge import check_layout
+from zerosim.monitor.trace import append_line, rank_file, read_trace
+from zerosim.observe import MonitorObservation
+
+NUMELS = {"w": 8, "b": 4}
+
+
+def obs(rank: int, step: int = 10, **fields) -> MonitorObservation:
+    """Rank ``rank`` of a 2-rank DDP-like run: everything held and owned, equal digests, step counter 11."""
+    base = dict(rank=rank, world_size=2, step=step, adapter="ddp",
+                held=[("w", 0, 8, "aa"), ("b", 0, 4, "bb")], owned={"w": [(0, 8)], "b": [(0, 4)]},
+                numels=dict(NUMELS), step_counters=(11, 11, "w"), grad_sq=4.0, grad_numel=12, grad_norm=2.0)
+    base.update(fields)
+    return MonitorObservation(**base)
+
+
+# ---- the digest ------------------------------------------------------------------------------------
+def test_digest_changes_with_any_one_bit_and_not_with_where_the_bytes_sit():
+    x = torch.randn(999)
+    reference = tensor_digest(x)
+    for position in (0, 1, 500, 998):
+        for bit in (0, 13, 31):
+            y = x.clone()
+            y.view(torch.int32)[position] ^= 1 << bit
+            assert not torch.equal(tensor_digest(y), reference), (position, bit)
+    assert torch.equal(tensor_digest(x[1:]), tensor_digest(x[1:].clone()))  # unaligned view == aligned copy
+    swapped = torch.cat([x[500:], x[:500]])  # the same bytes, moved
+    assert not torch.equal(tensor_digest(swapped), reference)
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        z = torch.randn(37).to(dtype)
+        assert torch.equal(tensor_digest(z), tensor_digest(z.clone()))
+
+
+# ---- C-ZERO-003 on digests ------------------------------------------------------------------------------
+def test_identity_names_the_rank_whose_copy_differs():
+    rows = [obs(0), obs(1, held=[("w", 0, 8, "aa"), ("b", 0, 4, "XX")]), obs(2)]
+    verdict = check_replica_identity(rows)
+    assert [(v.ranks, v.tensor, v.interval, v.step) for v in verdict.violations] == [((1,), "b", (0, 4), 10)]
+    assert verdict.checked == 2
+    sharded = [obs(0, held=[("w", 0, 4, "p")]), obs(1, held=[("w", 4, 8, "q")])]
+    assert check_replica_identity(sharded).passed and check_replica_identity(sharded).checked == 0
+
+
+# ---- C-ZERO-002's live clauses -----------------------------------------------------------------------
+def test_live_state_passes_a_consistent_step_and_fails_each_wrong_one():
+    assert check_live_state([obs(0), obs(1)]).passed
+    cases = {
+        "state_present": [obs(0), obs(1, state_missing=(1, "b"))],
+        "state_finite": [obs(0), obs(1, state_nonfinite=(2, "w"))],
+        "step_counter": [obs(0), obs(1, step_counters=(10, 10, "w")), obs(2)],
+        "grad_norm": [obs(0), obs(1, grad_norm=2.5)],
+    }
+    for clause, rows in cases.items():
+        verdict = check_live_state(rows)
+        assert {v.clause for v in verdict.violations} == {clause}, verdict.violations
+        assert all(v.ranks == (1,) for v in verdict.violations), verdict.violations
+    inside = check_live_state([obs(0, step_counters=(11, 12, "b"))])
+    assert [(v.clause, v.tensor) for v in inside.violations] == [("step_counter", "b")]
+
+
+def test_grad_norm_bound_is_the_rounding_of_a_blocked_reduction():
+    u32 = 2.0 ** -24
+    assert norm_relative_bound(12, "float32") == pytest.approx(20 * u32, rel=1e-4)  # gamma_20: 12 adds + 8
+    assert norm_relative_bound(10**9, "float32") < 1e-4  # blocked: logarithmic in n, never vacuous
+    ok = 2.0 * (1 + 0.5 * norm_relative_bound(12, "float32"))
+    assert check_live_state([obs(0, grad_norm=ok), obs(1, grad_norm=ok)]).passed
+    off = 2.0 * (1 + 4 * norm_relative_bound(12, "float32"))
+    assert not check_live_state([obs(0, grad_norm=off), obs(1, grad_norm=off)]).passed
+    # clipped at max_norm=1: the shards hold the clipped gradient, norm 1 (1 - 1e-6 / 2 ...)
+    clipped = [obs(r, grad_sq=(1 / (2 + 1e-6) * 2) ** 2, grad_norm=2.0, max_norm=1.0) for r in (0, 1)]
+    assert check_live_state(clipped).passed
+    unclipped = [obs(r, grad_sq=(1 / (2 + 1e-6) * 2) ** 2, grad_norm=2.0) for r in (0, 1)]
+    assert not check_live_state(unclipped).passed
+
+
+def test_the_norm_counts_each_element_once():
+    assert norm_contributors([obs(0), obs(1)]) == [0]  # replicas: one
+    sharded = [obs(0, owned={"w": [(0, 4)]}), obs(1, owned={"w": [(4, 8)]})]
+    assert norm_contributors(sharded) == [0, 1]
+    hsdp = [obs(r, owned={"w": [(0, 4)] if r % 2 == 0 else [(4, 8)]}) for r in range(4)]
+    assert norm_contributors(hsdp) == [0, 1]
+
+
+# ---- C-ZERO-001 on owned ranges ---------------------------------------------------------------------
+def test_layout_finds_an_element_nobody_owns():
+    good = [obs(0, owned={"w": [(0, 4)], "b": [(0, 4)]}), obs(1, owned={"w": [(4, 8)], "b": []})]
+    assert check_layout(good).passed
+    gap = [obs(0, owned={"w": [(0, 3)], "b": [(0, 4)]}), obs(1, owned={"w": [(4, 8)], "b": []})]
+    verdict = check_layout(gap)
+    assert [(v.clause, v.tensor, v.interval) for v in verdict.violations] == [("coverage", "w", (3, 4))]
+
+
+# ---- the files and the command -------------------------------------------------------------------------
+def _write(tmp_path, rows):
+    for row in rows:
+        append_line(rank_file(tmp_path, row.rank), row.to_json())
+
+
+def test_check_trace_exit_codes(tmp_path, capsys):
+    good = tmp_path / "good"
+    good.mkdir()
+    _write(good, [obs(0, step=s) for s in (0, 5)] + [obs(1, step=s) for s in (0, 5)])
+    assert cli_main(["check", "trace", str(good)]) == 0
+    assert "PASS 2 check(s)" in capsys.readouterr().out
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    _write(bad, [obs(0), obs(1, held=[("w", 0, 8, "zz"), ("b", 0, 4, "bb")])])
+    assert cli_main(["check", "trace", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "C-ZERO-003 identical step=10 rank=1 tensor=w range=[0, 8)" in out
+    with open(rank_file(bad, 1), "a") as f:
+        f.write('{"rank": 1, "step"')  # a run killed while writing its last line
+    assert cli_main(["check", "trace", str(bad)]) == 1
+    assert "an unfinished last line was left out" in capsys.readouterr().out
+    with open(rank_file(bad, 1), "a") as f:
+        f.write("\n" + json.dumps(obs(1).to_json()) + "\n")  # ... then a malformed line in the middle
+    assert cli_main(["check", "trace", str(bad)]) == 2
+    assert "rank-00001.jsonl:2" in capsys.readouterr().err
+    assert cli_main(["check", "trace", str(tmp_path / "missing")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no monitor observation file"):
+        read_trace(tmp_path)
+
+
+def test_observations_round_trip_through_json():
+    row = obs(1, state_missing=(2, "w"), grad_norm=None, loss=math.inf)
+    assert MonitorObservation.from_json(json.loads(json.dumps(row.to_json()))) == row
+
+
+# ---- the live fault language -----------------------------------------------------------------------------
+def test_live_faults_parse_and_refuse_what_they_cannot_apply():
+    plan = FaultPlan.from_env("bitflip:rank=1:step=7:tensor=head.weight:bit=3")
+    assert plan == FaultPlan("bitflip", 1, step=7, tensor="head.weight", bit=3)
+    assert FaultPlan.from_env(plan.text) == plan
+    assert FaultPlan.from_env("skip-step:rank=0:step=2").kind == "skip-step"
+    with pytest.raises(ConfigError, match="needs tensor=NAME"):
+        FaultPlan.from_env("grad:rank=1:step=3")
+    with pytest.raises(ConfigError, match="unknown kind"):
+        FaultPlan.from_env("flip:rank=1:step=3")
+
+
+# ---- the monitor itself, one rank -----------------------------------------------------------------
+def test_without_a_process_group_the_monitor_says_so_and_stays_off():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    from zerosim.monitor import Monitor
+
+    lines: list[str] = []
+    model = torch.nn.Linear(2, 2)
+    monitor = Monitor(model, torch.optim.SGD(model.parameters(), lr=0.1), every=1, log=lines.append)
+    assert not monitor.enabled and monitor.after_step(0) == []
+    assert lines == ["zerosim.monitor: off: no torch.distributed process group (call init_process_group, "
+                     "e.g. under torchrun)"]
+
+
+def _train(model, optimizer, monitor, steps):
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = model(torch.ones(3, 4)).pow(2).mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        optimizer.step()
+        monitor.after_step(step, loss=loss, grad_norm=norm)
+
+
+def test_bad_input_is_one_line_and_training_goes_on(world_of_one, tmp_path):
+    from zerosim.monitor import Monitor, MonitorViolation
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for kwargs, expected in (({"every": 0}, "invalid every=0"), ({"every": "5"}, "invalid every='5'"),
+                             ({"on_violation": "stop"}, "invalid on_violation='stop'")):
+        lines: list[str] = []
+        monitor = Monitor(model, optimizer, log=lines.append, **kwargs)
+        assert not monitor.enabled and len(lines) == 1 and expected in lines[0], lines
+    lines = []
+    assert not Monitor(42, None, log=lines.append).enabled and "cannot read the layout of int" in lines[0]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    lines = []
+    monitor = Monitor(model, optimizer, every=1, out=blocker / "sub", log=lines.append)
+    assert monitor.enabled and monitor.out is None and "invalid out=" in lines[0]
+    _train(model, optimizer, monitor, 3)
+    assert monitor.checks == 3 and monitor.violation_count == 0
+    # a state value gone non-finite: raised at the next check, naming the rank and the tensor
+    monitor = Monitor(model, optimizer, every=1, out=tmp_path / "m", on_violation="raise", log=lambda _: None)
+    optimizer.state[model.bias]["exp_avg"][0] = float("nan")
+    with pytest.raises(MonitorViolation, match="C-ZERO-002 state_finite step=0 rank=0 tensor=bias"):
+        monitor.after_step(0)
+    assert (tmp_path / "m" / "rank-00000.jsonl").read_text().count("\n") == 1
+
+
+# ---- the benchmark's arithmetic and its bad input ----------------------------------------------------
+def test_bench_monitor_ratios_are_per_adapter_medians_over_rounds(capsys):
+    from zerosim.bench.monitor import summarize
+
+    def row(variant, step_s, r):
+        checks = 0 if variant == "off" else 2
+        return {"adapter": "ddp", "variant": variant, "step_s": step_s, "round": r, "checks": checks,
+                "violations": 0, "monitor_s": 0.004, "local_params": 10}
+
+    rows = [row("off", 0.010, 0), row("off", 0.012, 1), row("every=100", 0.0102, 0),
+            row("every=100", 0.0124, 1), row("every=1", 0.020, 0), row("every=1", 0.030, 1)]
+    table = {r["variant"]: r for r in summarize(rows)}
+    assert table["off"]["ratio"] == 1.0
+    assert table["every=100"]["ratio"] == pytest.approx(0.0113 / 0.011)
+    assert table["every=1"]["ratio"] == pytest.approx(0.025 / 0.011)
+    assert table["every=1"]["check_ms"] == pytest.approx(2.0)  # 8 ms over 4 checks
+    assert cli_main(["bench", "monitor", "--adapters", "megatron"]) == 2
+    assert "invalid adapters='megatron'" in capsys.readouterr().err

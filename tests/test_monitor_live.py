@@ -1,0 +1,132 @@
+"""zerosim.monitor inside real training loops under torchrun (gloo on the CPU).
+
+One launch at world 2 runs every scenario of :data:`WORLD2` (tests/monitor_programs/monitor_run.py), one
+at world 4 those of :data:`WORLD4` (a 2-D HSDP mesh and zerogpu's hybrid strategy):
+
+- a fault-free run of every adapter gives zero violations, and the same final parameters, bit for bit,
+  as the same loop without the monitor;
+- every live fault (``ZEROSIM_FAULT`` bitflip, skip-step, grad, zero-state) is caught at the first check
+  at or after the step it is injected at, naming the faulty rank (and the tensor, where the fault has
+  one), with nothing reported before;
+- ``zerosim check trace`` on the files the monitor wrote gives the live verdict again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zerogpu.launch import run_torchrun, torch_unavailable_reason
+from zerosim.cli import main as cli_main
+
+PROGRAM = str(Path(__file__).parent / "monitor_programs" / "monitor_run.py")
+BOUND_S = 240.0  # a launch of every scenario, on two shared cores
+CLEAN_ADAPTERS = ("ddp", "zero-redundancy", "fsdp2", "zerogpu-zero2", "zerogpu-zero3")
+STEPS, EVERY = 30, 1
+FAULT_STEPS, FAULT_EVERY = 11, 5
+
+#: name -> (adapter, fault kind, rank, step injected, tensor)
+FAULTS = {
+    "flip-ddp": ("ddp", "bitflip", 1, 7, "blocks.0.weight"),
+    "flip-zr": ("zero-redundancy", "bitflip", 1, 10, "head.weight"),
+    "flip-z2": ("zerogpu-zero2", "bitflip", 1, 10, "embed.weight"),
+    "skip-ddp": ("ddp", "skip-step", 1, 7, None),
+    "skip-zr": ("zero-redundancy", "skip-step", 1, 7, None),
+    "skip-fsdp": ("fsdp2", "skip-step", 1, 7, None),
+    "grad-ddp": ("ddp", "grad", 1, 10, "head.bias"),
+    "grad-zr": ("zero-redundancy", "grad", 1, 10, "head.bias"),
+    "zero-ddp": ("ddp", "zero-state", 1, 7, None),
+    "zero-fsdp": ("fsdp2", "zero-state", 1, 7, None),
+    "zero-z3": ("zerogpu-zero3", "zero-state", 1, 7, None),
+}
+FAULTS4 = {
+    "flip-hsdp": ("hsdp", "bitflip", 3, 5, "blocks.1.weight"),
+    "flip-zh": ("zerogpu-hybrid", "bitflip", 2, 5, "embed.weight"),
+}
+
+
+def _fault_spec(name: str, fault: tuple) -> str:
+    adapter, kind, rank, step, tensor = fault
+    text = f"{kind};rank={rank};step={step}" + (f";tensor={tensor}" if tensor else "")
+    return f"{name}={adapter},{FAULT_STEPS},{FAULT_EVERY},1,{text}"
+
+
+def _launch(tmp: Path, world: int, scenarios: list[str]) -> dict[str, dict]:
+    reason = torch_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    results = tmp / "results.jsonl"
+    run = run_torchrun(world, [PROGRAM, str(results), str(tmp), *scenarios], BOUND_S,
+                       env={"PYTHONWARNINGS": "ignore"})
+    assert not run.timed_out and run.returncode == 0, run.stderr[-3000:]
+    return {r["name"]: r for r in map(json.loads, results.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    tmp = tmp_path_factory.mktemp("monitor2")
+    scenarios = [f"clean-{a}={a},{STEPS},{EVERY},1" for a in CLEAN_ADAPTERS]
+    scenarios += [f"plain-{a}={a},{STEPS},{EVERY},0" for a in CLEAN_ADAPTERS]
+    scenarios += [_fault_spec(name, fault) for name, fault in FAULTS.items()]
+    return tmp, _launch(tmp, 2, scenarios)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    tmp = tmp_path_factory.mktemp("monitor4")
+    scenarios = [_fault_spec(name, fault) for name, fault in FAULTS4.items()]
+    return tmp, _launch(tmp, 4, scenarios)
+
+
+@pytest.mark.parametrize("adapter", CLEAN_ADAPTERS)
+def test_a_fault_free_run_has_no_violation_and_unchanged_parameters(world2, adapter):
+    _, results = world2
+    clean, plain = results[f"clean-{adapter}"], results[f"plain-{adapter}"]
+    assert clean["violations"] == [] and clean["summary"]["passed"], clean["violations"][:3]
+    assert clean["summary"]["checks"] == STEPS // EVERY
+    assert clean["params"] == plain["params"], "the monitor changed the training numbers"
+
+
+def _caught(record: dict, fault: tuple) -> None:
+    _, kind, rank, step, tensor = fault
+    expected = -(-step // FAULT_EVERY) * FAULT_EVERY  # the first check at or after the injection
+    violations = record["violations"]
+    assert violations, f"{kind} at step {step} on rank {rank} was not caught"
+    first = min(v["step"] for v in violations)
+    assert first == expected, violations[:3]
+    at_first = [v for v in violations if v["step"] == first]
+    assert any(v["ranks"] == [rank] for v in at_first), at_first
+    if tensor is not None:
+        named = {v["tensor"] for v in at_first if v["ranks"] == [rank]}
+        assert named & {tensor, tensor + ".grad"}, named  # the copy itself, or its reduced gradient
+
+
+@pytest.mark.parametrize("name", sorted(FAULTS))
+def test_each_live_fault_is_caught_at_the_first_check_naming_rank_and_tensor(world2, name):
+    _caught(world2[1][name], FAULTS[name])
+
+
+def test_hsdp_and_zerogpu_hybrid_at_world_4(world4):
+    """A 2-D HSDP mesh (2 replicas x 2 shards) and zerogpu's hybrid strategy: the check before the fault
+    finds nothing (``_caught``: no violation before the injection), the next one names rank and tensor."""
+    _, results = world4
+    for name, fault in FAULTS4.items():
+        assert results[name]["summary"]["checks"] == 3
+        _caught(results[name], fault)
+
+
+def test_check_trace_judges_the_files_again(world2, capsys):
+    tmp, results = world2
+    assert cli_main(["check", "trace", str(tmp / "clean-fsdp2")]) == 0
+    assert "PASS 30 check(s)" in capsys.readouterr().out
+    assert cli_main(["check", "trace", str(tmp / "flip-ddp"), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    offline = [(v["step"], v["contract"], v["clause"], v["ranks"], v["tensor"])
+               for verdict in doc["verdicts"] for v in verdict["violations"]]
+    live = [(v["step"], v["contract"], v["clause"], v["ranks"], v["tensor"])
+            for v in results["flip-ddp"]["violations"]]
+    assert sorted(offline) == sorted(live)
+    summary = json.loads((tmp / "flip-ddp" / "summary.json").read_text())
+    assert summary["violation_count"] == len(live) and not summary["passed"]

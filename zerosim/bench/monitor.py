@@ -1,0 +1,134 @@
+"""``zerosim bench monitor``: what zerosim.monitor costs a training step, measured side by side.
+
+One torchrun launch (:mod:`zerosim.bench.monitor_rank`) trains one small model with each adapter
+(DDP, ZeroRedundancyOptimizer, FSDP2, zerogpu ZeRO-3) without the monitor, with it at ``every=100`` and
+at ``every=1``, in ``--rounds`` rounds whose order alternates; per adapter and variant the median
+seconds per step over the rounds, and its ratio to the run without the monitor. Every monitored run is
+also a fault-free soak: its violations are counted (0 expected). In this process: the digest's
+throughput (:func:`zerosim.monitor.digest.tensor_digest`) against a plain copy of the same bytes.
+
+Writes ``bench_monitor.json`` into a new ``reports/bench-monitor-<timestamp>/`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, require_positive_int
+from ..outputs import output_dir, write_text
+
+DEFAULT_OUT = "a new reports/bench-monitor-<timestamp>/"
+JSON_NAME = "bench_monitor.json"
+VARIANTS = ("off", "every=100", "every=1")
+
+
+def digest_throughput(megabytes: int, repeats: int = 5) -> dict[str, float]:
+    """GB/s of the digest and of ``clone()`` over one float32 tensor of ``megabytes`` MB (best of
+    ``repeats``), and their ratio (digest time / copy time)."""
+    import torch
+
+    from ..monitor.digest import tensor_digest
+
+    x = torch.randn(megabytes * 2**20 // 4)
+
+    def best(fn: Any) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    digest_s = best(lambda: tensor_digest(x))
+    copy_s = best(lambda: x.clone())
+    gb = x.numel() * 4 / 1e9
+    return {"megabytes": megabytes, "digest_gb_s": gb / digest_s, "copy_gb_s": gb / copy_s,
+            "digest_over_copy": digest_s / copy_s}
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per adapter and variant: median seconds per step over the rounds, its ratio to ``off``, the
+    monitor's checks and violations (summed over rounds)."""
+    out = []
+    adapters = list(dict.fromkeys(r["adapter"] for r in rows))
+    for adapter in adapters:
+        mine = [r for r in rows if r["adapter"] == adapter]
+        base = statistics.median(r["step_s"] for r in mine if r["variant"] == "off")
+        for variant in VARIANTS:
+            runs = [r for r in mine if r["variant"] == variant]
+            step_s = statistics.median(r["step_s"] for r in runs)
+            out.append({"adapter": adapter, "variant": variant, "step_ms": step_s * 1e3,
+                        "ratio": step_s / base, "rounds": len(runs),
+                        "checks": sum(r["checks"] for r in runs),
+                        "violations": sum(r["violations"] for r in runs),
+                        "check_ms": 1e3 * sum(r["monitor_s"] for r in runs)
+                        / max(1, sum(r["checks"] for r in runs)),
+                        "local_params": runs[0]["local_params"]})
+    return out
+
+
+def run(args: Any) -> int:
+    from zerogpu.launch import run_torchrun, torch_unavailable_reason
+
+    from ..bench import monitor_rank
+
+    world = require_positive_int("world", _int("world", args.world))
+    settings: dict[str, Any] = {
+        "adapters": [a for a in args.adapters.split(",") if a],
+        "steps": require_positive_int("steps", _int("steps", args.steps)),
+        "warmup": _int("warmup", args.warmup),
+        "rounds": require_positive_int("rounds", _int("rounds", args.rounds)),
+        "width": require_positive_int("width", _int("width", args.width)),
+        "depth": require_positive_int("depth", _int("depth", args.depth)),
+    }
+    for adapter in settings["adapters"]:
+        if adapter not in monitor_rank.ADAPTERS:
+            raise ConfigError("adapters", adapter, f"must be among {', '.join(monitor_rank.ADAPTERS)}")
+    reason = torch_unavailable_reason()
+    if reason:
+        raise ConfigError("torch", "unavailable", reason)
+    out = output_dir(args.out, "bench-monitor")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="zerosim-bench-monitor-") as tmp:
+        result = Path(tmp) / "rows.json"
+        launch = run_torchrun(world, ["-m", "zerosim.bench.monitor_rank", json.dumps({**settings,
+                                                                                  "result": str(result)})],
+                              float(args.timeout), env={"PYTHONWARNINGS": "ignore"})
+        if launch.returncode != 0 or not result.exists():
+            tail = "\n".join((launch.stderr or "").strip().splitlines()[-15:])
+            print(f"error: the benchmark launch ended with status {launch.returncode}"
+                  f"{' (timed out)' if launch.timed_out else ''}:\n{tail}")
+            return 1
+        measured = json.loads(result.read_text())
+    table = summarize(measured["rows"])
+    report = {"world_size": measured["world_size"], "settings": settings, "table": table,
+              "rows": measured["rows"], "digest": digest_throughput(_int("digest-mb", args.digest_mb)),
+              "wall_s": round(time.monotonic() - started, 1)}
+    path = write_text(out / JSON_NAME, json.dumps(report, indent=2) + "\n")
+    print(f"{'adapter':<16} {'variant':<10} {'step ms':>9} {'ratio':>7} {'checks':>6} {'ms/check':>9} "
+          f"{'violations':>10}")
+    for row in table:
+        print(f"{row['adapter']:<16} {row['variant']:<10} {row['step_ms']:>9.3f} {row['ratio']:>7.3f} "
+              f"{row['checks']:>6} {row['check_ms']:>9.3f} {row['violations']:>10}")
+    d = report["digest"]
+    print(f"digest {d['digest_gb_s']:.2f} GB/s vs copy {d['copy_gb_s']:.2f} GB/s over {d['megabytes']} MB "
+          f"(digest time / copy time {d['digest_over_copy']:.2f})")
+    print(f"wall time {report['wall_s']:.1f}s; wrote {path}")
+    violations = sum(r["violations"] for r in table)
+    if violations:
+        print(f"error: {violations} violation(s) in fault-free runs")
+        return 1
+    return 0
+
+
+def _int(field: str, text: Any) -> int:
+    try:
+        return int(text)
+    except (TypeError, ValueError):
+        raise ConfigError(field, text, "must be an integer") from None

@@ -1,0 +1,139 @@
+"""The rank side of ``zerosim bench monitor`` (under torchrun): one small model trained by each adapter,
+without the monitor, with it at ``every=100`` and at ``every=1``, in rounds whose order alternates.
+
+argv: one JSON object (adapters, steps, warmup, rounds, width, depth, result path). Each timed run is
+``steps`` optimizer steps after ``warmup`` untimed ones, between two barriers; its time is the slowest
+rank's. A rank leaves with :func:`zerogpu.rank.leave_rank` (``os._exit`` after the process group is torn
+down: an interpreter exit that finalizes gloo objects aborts now and then with torch 2.13). Rank 0
+writes the rows (adapter, variant, round, seconds per step, the monitor's checks,
+violations and seconds in checks) as JSON to the result path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerogpu.rank import leave_rank
+
+from ..monitor import Monitor
+
+VARIANTS = {"off": None, "every=100": 100, "every=1": 1}
+ADAPTERS = ("ddp", "zero-redundancy", "fsdp2", "zerogpu-zero3")
+MAX_NORM = 1.0
+TIMEOUT_S = 120  # a collective that waits longer ends the run (a rank died or hung)
+
+
+class Stack(torch.nn.Module):
+    """``depth`` tanh layers of ``width`` between an input and an output layer; MSE loss."""
+
+    def __init__(self, width: int, depth: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Linear(16, width)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(width, width) for _ in range(depth)])
+        self.head = torch.nn.Linear(width, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return torch.nn.functional.mse_loss(self.head(h), y)
+
+
+def build(adapter: str, width: int, depth: int) -> tuple[Any, Any, Any]:
+    """(what steps, what the monitor watches, the optimizer) for one adapter."""
+    model = Stack(width, depth)
+    if adapter.startswith("zerogpu-"):
+        from zerogpu.trainer import ZeroTrainer
+
+        trainer = ZeroTrainer(model, {"name": "adamw", "lr": 1e-3}, adapter.removeprefix("zerogpu-"))
+        return trainer, trainer, None
+    if adapter in ("ddp", "zero-redundancy"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+        if adapter == "ddp":
+            return ddp, ddp, torch.optim.AdamW(model.parameters(), lr=1e-3)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        return ddp, ddp, zero
+    if adapter == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    raise ValueError(f"unknown adapter {adapter!r}")
+
+
+def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, steps: int) -> None:
+    rank = dist.get_rank()
+    for step in range(first, first + steps):
+        gen = torch.Generator().manual_seed(step * 101 + rank)
+        x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+        norm = None
+        if hasattr(stepper, "engine"):
+            loss = stepper.step(x, y)
+        else:
+            optimizer.zero_grad()
+            value = stepper(x, y)
+            value.backward()
+            total = torch.nn.utils.clip_grad_norm_(list(stepper.parameters()), MAX_NORM)
+            norm = total.full_tensor() if hasattr(total, "full_tensor") else total
+            optimizer.step()
+            loss = value.detach()
+        if monitor is not None:
+            monitor.after_step(step, loss=loss, grad_norm=norm)
+
+
+def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any]:
+    stepper, watched, optimizer = build(adapter, settings["width"], settings["depth"])
+    every = VARIANTS[variant]
+    monitor = None if every is None else Monitor(watched, optimizer, every=every, max_norm=MAX_NORM,
+                                                 log=lambda line: None)
+    train(stepper, optimizer, None, 0, settings["warmup"])
+    dist.barrier()
+    start = time.perf_counter()
+    train(stepper, optimizer, monitor, settings["warmup"], settings["steps"])
+    dist.barrier()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    summary = monitor.close() if monitor is not None else {}
+    if hasattr(stepper, "close"):
+        stepper.close()
+    params = sum(p.numel() for p in (watched.model if hasattr(watched, "engine") else watched).parameters())
+    return {"adapter": adapter, "variant": variant, "step_s": float(elapsed) / settings["steps"],
+            "checks": summary.get("checks", 0), "violations": summary.get("violation_count", 0),
+            "monitor_s": summary.get("monitor_seconds", 0.0), "local_params": params}
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    rows = []
+    order = list(VARIANTS)
+    for round_ in range(settings["rounds"]):
+        for adapter in settings["adapters"]:
+            for variant in order if round_ % 2 == 0 else order[::-1]:
+                rows.append({**timed(adapter, variant, settings), "round": round_})
+    if dist.get_rank() == 0:
+        with open(settings["result"], "w") as f:
+            json.dump({"world_size": dist.get_world_size(), "rows": rows}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    leave_rank(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The monitor's two collectives over the default process group, and the row each rank contributes.
+
+* :func:`exchange_keys`: every rank's layout keys (JSON bytes, never pickle), gathered once and again
+  whenever a rank's layout fingerprint changes: two all-gathers (lengths, then the padded bytes).
+* :func:`gather_rows`: one all-gather of a small int64 row per rank at every check: two digest lanes
+  per held piece and a fixed summary (:data:`SUMMARY`), floats carried as their float64 bits.
+
+Both run on the device the backend communicates from (the current CUDA device under NCCL, the CPU
+otherwise) and are bounded by the process group's own timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: the summary fields after the digest lanes, in order
+SUMMARY = ("fingerprint", "n_held", "step", "missing", "missing_idx", "nonfinite", "nonfinite_idx",
+           "has_counters", "step_min", "step_max", "step_min_idx", "has_grad", "grad_sq", "grad_numel",
+           "has_norm", "grad_norm", "has_loss", "loss")
+FLOAT_FIELDS = ("grad_sq", "grad_norm", "loss")
+
+
+def comm_device() -> torch.device:
+    """Where the default group's tensors must live."""
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def float_bits(value: float) -> int:
+    return int(struct.unpack("<q", struct.pack("<d", float(value)))[0])
+
+
+def bits_float(value: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", int(value)))[0])
+
+
+def exchange_keys(keys: dict[str, Any], device: torch.device) -> list[dict[str, Any]]:
+    """Every rank's ``keys`` (JSON-serialisable), in rank order."""
+    world = dist.get_world_size()
+    data = json.dumps(keys, separators=(",", ":")).encode()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.zeros_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    longest = max(int(t.item()) for t in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    out = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [json.loads(bytes(t.cpu()[: int(n.item())].tolist()).decode())
+            for t, n in zip(out, lengths, strict=True)]
+
+
+def gather_rows(row: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's ``row`` (the same length on every rank), in rank order, on the host."""
+    world = dist.get_world_size()
+    out = [torch.zeros_like(row) for _ in range(world)]
+    dist.all_gather(out, row)
+    return [t.cpu() for t in out]
+
+
+def summary_values(row: torch.Tensor, width: int) -> dict[str, Any]:
+    """The summary fields of a gathered row whose digest part is ``width`` lanes long."""
+    values = row[width:].tolist()
+    out: dict[str, Any] = dict(zip(SUMMARY, values, strict=True))
+    for key in FLOAT_FIELDS:
+        out[key] = bits_float(out[key])
+    return out

@@ -1,0 +1,191 @@
+"""What one rank of a live run holds, read from what its framework exposes (never declared by the user).
+
+A :class:`LiveLayout` lists the tensor pieces the rank holds (each a flat element range of a full
+parameter, with the local tensor holding it), the ranges whose optimizer state it owns (C-ZERO-001),
+that state (C-ZERO-002's live clauses) and the reduced gradient over the owned elements.
+
+Readers, chosen by :func:`read_layout` from the objects given to the monitor:
+
+* a torch module (plain, DDP-wrapped, or FSDP2 ``fully_shard``-ed: DTensor parameters sharded on
+  dim 0 or replicated, a 1-D or 2-D HSDP mesh) with a ``torch.optim`` optimizer: a DTensor's local
+  shard is the piece and the owned range, from its placements and local shape; a plain parameter
+  is held and owned whole;
+* the same module with ``ZeroRedundancyOptimizer``: parameters held whole, owned as the optimizer
+  assigned them (``_param_to_rank``), state in its inner optimizer;
+* a :class:`zerogpu.trainer.ZeroTrainer`: the engine's full parameters (ZeRO-1/2) or parameter shard
+  (ZeRO-3, hybrid), its owned pieces and optimizer state arrays.
+
+DeepSpeed engines have their reader in :mod:`zerosim.monitor.deepspeed`. A layout that cannot be read
+raises :class:`~zerosim.errors.ConfigError` naming what was missing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+#: a held gradient piece is named after its parameter with this suffix (replicas of a reduced gradient
+#: hold the same bytes too)
+GRAD_SUFFIX = ".grad"
+
+
+@dataclass
+class OwnedState:
+    """The optimizer state of one owned piece: ``values`` by state name (None: no state kept for it);
+    ``numel``: the elements it must cover."""
+
+    name: str
+    numel: int
+    values: dict[str, Any] | None
+
+
+@dataclass
+class LiveLayout:
+    adapter: str
+    numels: dict[str, int]
+    #: (tensor, start, stop, local tensor): parameter pieces, and reduced-gradient pieces (GRAD_SUFFIX)
+    held: list[tuple[str, int, int, torch.Tensor]] = field(default_factory=list)
+    owned: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    states: list[OwnedState] = field(default_factory=list)
+    grads: list[torch.Tensor] | None = None  # None: the rank holds no gradient now
+    grad_dtype: str = "float32"
+
+    def keys(self) -> dict[str, Any]:
+        """The layout without its values: what every rank exchanges once (and again when it changes)."""
+        return {"adapter": self.adapter, "numels": self.numels,
+                "held": [[n, a, b] for n, a, b, _ in self.held],
+                "owned": {k: [list(r) for r in v] for k, v in self.owned.items()},
+                "names": list(self.numels)}
+
+
+def read_layout(model: Any, optimizer: Any) -> LiveLayout:
+    """The layout of ``model`` and ``optimizer`` on this rank (see the module docstring)."""
+    trainer = model if hasattr(model, "engine") and hasattr(model, "local_shards") else optimizer
+    if trainer is not None and hasattr(trainer, "engine") and hasattr(trainer, "local_shards"):
+        return _zero_trainer_layout(trainer)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError("model", type(model).__name__,
+                          "must be a torch.nn.Module (plain, DDP or FSDP2) or a zerogpu ZeroTrainer")
+    module = model.module if hasattr(model, "module") and isinstance(model.module, torch.nn.Module) else model
+    if optimizer is not None and hasattr(optimizer, "_param_to_rank") and hasattr(optimizer, "optim"):
+        return _zero_redundancy_layout(module, optimizer)
+    if optimizer is None or not hasattr(optimizer, "state"):
+        raise ConfigError("optimizer", type(optimizer).__name__, "must be a torch.optim optimizer")
+    return _module_layout(module, optimizer)
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _local(t: Any) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def dtensor_range(param: Any) -> tuple[int, int]:
+    """The flat element range of a DTensor's local piece: dim-0 shards and replicas only."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for placement in param.placements:
+        if not (isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0)):
+            raise ConfigError("placements", str(param.placements),
+                              "the monitor reads dim-0 shards and replicas only")
+    if param.dim() == 0:
+        return 0, 1
+    local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                param.placements)
+    row = param.numel() // param.shape[0] if param.shape[0] else 0
+    return offset[0] * row, (offset[0] + local_shape[0]) * row
+
+
+def _state_of(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    return dict(state) if state else None
+
+
+def _module_layout(module: torch.nn.Module, optimizer: Any) -> LiveLayout:
+    from torch.distributed.tensor import DTensor
+
+    is_fsdp = any(isinstance(p, DTensor) for p in module.parameters())
+    layout = LiveLayout("fsdp2" if is_fsdp else "ddp", numels={})
+    grads: list[torch.Tensor] = []
+    has_grads = True
+    for name, p in module.named_parameters():
+        layout.numels[name] = p.numel()
+        start, stop = dtensor_range(p) if isinstance(p, DTensor) else (0, p.numel())
+        local = _local(p.detach())
+        if stop > start:
+            layout.held.append((name, start, stop, local))
+            layout.owned[name] = [(start, stop)]
+            layout.states.append(OwnedState(name, stop - start, _state_of(optimizer.state.get(p))))
+        else:
+            layout.owned[name] = []
+        if p.grad is None:
+            has_grads = has_grads and stop <= start
+        elif stop > start:
+            grads.append(_local(p.grad))
+            layout.held.append((name + GRAD_SUFFIX, start, stop, _local(p.grad)))
+        layout.grad_dtype = dtype_name(local)
+    layout.grads = grads if has_grads else None
+    return layout
+
+
+def _zero_redundancy_layout(module: torch.nn.Module, optimizer: Any) -> LiveLayout:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    owner_of = optimizer._param_to_rank
+    inner = optimizer.optim.state
+    layout = LiveLayout("zero-redundancy", numels={})
+    grads: list[torch.Tensor] = []
+    has_grads = True
+    for name, p in module.named_parameters():
+        layout.numels[name] = p.numel()
+        layout.held.append((name, 0, p.numel(), p.detach()))
+        layout.grad_dtype = dtype_name(p)
+        if p.grad is not None:
+            layout.held.append((name + GRAD_SUFFIX, 0, p.numel(), p.grad))
+        if owner_of.get(p) != rank:
+            layout.owned[name] = []
+            continue
+        layout.owned[name] = [(0, p.numel())]
+        layout.states.append(OwnedState(name, p.numel(), _state_of(inner.get(p))))
+        if p.grad is None:
+            has_grads = False
+        else:
+            grads.append(p.grad)
+    layout.grads = grads if has_grads else None
+    return layout
+
+
+def _zero_trainer_layout(trainer: Any) -> LiveLayout:
+    e = trainer.engine
+    layout = LiveLayout(f"zerogpu-{trainer.strategy.name}",
+                        numels={t.name: t.numel for t in e.layout.tensors})
+    ranges = {t.name: e.layout.tensor_range(t.name) for t in e.layout.tensors}
+    if e.params_full is not None:
+        for name, (g0, g1) in ranges.items():
+            layout.held.append((name, 0, g1 - g0, e.params_full[g0:g1]))
+    else:
+        for a, b, pos in e.owned_pieces:
+            for name, (g0, g1) in ranges.items():
+                lo, hi = max(a, g0), min(b, g1)
+                if lo < hi:
+                    layout.held.append((name, lo - g0, hi - g0, e.param_shard[pos + lo - a: pos + hi - a]))
+    layout.owned = {name: list(r) for name, r in trainer.local_shards().items()}
+    names = [n for n in e.run.spec.state_names]
+    for a, b, pos in e.owned_pieces:
+        for name, (g0, g1) in ranges.items():
+            lo, hi = max(a, g0), min(b, g1)
+            if lo < hi:
+                values: dict[str, Any] = {k: e.opt_state[k][pos + lo - a: pos + hi - a] for k in names}
+                if names:
+                    values["step"] = int(e.opt_state["step"])
+                layout.states.append(OwnedState(name, hi - lo, values or None))
+    layout.grad_dtype = dtype_name(e.master)
+    layout.grads = None  # the engine reduces, clips and consumes its gradient inside its step
+    return layout

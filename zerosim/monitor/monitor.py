@@ -1,0 +1,349 @@
+"""``Monitor``: C-ZERO-001, -002 (live clauses) and -003 checked inside a real training run, every N steps.
+
+One call in the training loop, after the optimizer step::
+
+    monitor = Monitor(model, optimizer, every=100, out="monitor/")
+    ...
+    monitor.after_step(step, loss=loss.item(), grad_norm=norm)
+    monitor.close()  # writes the JSON summary
+
+At each check every rank reads its layout (:mod:`zerosim.monitor.layouts`), digests each piece it holds
+where it lives (:mod:`zerosim.monitor.digest`), summarises its optimizer state and gradient on its
+device, and contributes one small int64 row to one all-gather (:mod:`zerosim.monitor.exchange`). Every
+rank then judges the same observations with the same checks (:mod:`zerosim.monitor.judge`), so with
+``on_violation="raise"`` every rank raises at the same check. Each rank appends its own observation as
+one JSON line to ``out/rank-NNNNN.jsonl`` (flushed and fsynced per line); rank 0 logs one line per
+check and writes ``out/summary.json`` at :meth:`Monitor.close`.
+
+The monitor reads, never writes, the training state: parameters, gradients and optimizer state keep
+their bits. Bad input (no process group, ``every`` not a positive integer, an unknown
+``on_violation``, a layout it cannot read) is one line on stderr and the monitor turns itself off; an
+``out`` it cannot write is one line and the checks go on without files.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..checks.identity import check_replica_identity
+from ..errors import ConfigError
+from ..observe import MonitorObservation
+from ..verdict import Verdict, Violation
+from .digest import digest_text, tensor_digest
+from .exchange import SUMMARY, comm_device, exchange_keys, float_bits, gather_rows, summary_values
+from .judge import CONTRACTS, check_layout, judge, summary_line
+from .layouts import LiveLayout, read_layout
+from .trace import append_line, rank_file, write_summary
+
+ON_VIOLATION = ("log", "raise")
+#: violations kept in the JSON summary (the rest are counted)
+SUMMARY_LISTED = 50
+
+
+class MonitorViolation(RuntimeError):
+    """Raised (``on_violation="raise"``) at the first check that finds a violation; ``violations``: all
+    of that check's."""
+
+    def __init__(self, violations: list[Violation]):
+        self.violations = violations
+        super().__init__(f"zerosim.monitor: {len(violations)} violation(s), first: {violations[0]}")
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class Monitor:
+    """Checks the contracts on a live run every ``every`` steps (see the module docstring).
+
+    ``model``: the module being trained (plain, DDP or FSDP2) or a ``zerogpu`` ``ZeroTrainer``;
+    ``optimizer``: its torch.optim optimizer (``ZeroRedundancyOptimizer`` included; None for a
+    ZeroTrainer). ``max_norm``: the ``clip_grad_norm_`` bound, when the logged norm is the one before
+    clipping. ``log``: where the per-check lines go (default: rank 0's stderr).
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, *, every: Any = 100, out: Any = None,
+                 on_violation: str = "log", max_norm: float | None = None,
+                 log: Callable[[str], None] | None = None,
+                 layout_reader: Callable[[], LiveLayout] | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.max_norm = max_norm
+        self.enabled = False
+        self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._log = log if log is not None else (_stderr if self.rank == 0 else (lambda line: None))
+        self._read = layout_reader or (lambda: read_layout(self.model, self.optimizer))
+        self.every = every
+        self.on_violation = on_violation
+        self.out: Path | None = None
+        self.checks = 0
+        self.seconds = 0.0
+        self.violations: list[Violation] = []
+        self.violation_count = 0
+        self.steps: list[int] = []
+        self.adapter = "?"
+        self._keys: list[dict[str, Any]] | None = None
+        self._fingerprints: list[int] = []
+        self._layout_verdict: Verdict | None = None
+        problem = self._validate(every, on_violation)
+        if problem is not None:
+            self._log(f"zerosim.monitor: off: {problem}")
+            return
+        self.device = comm_device()
+        self.world = dist.get_world_size()
+        if out is not None:
+            try:
+                self.out = Path(out)
+                self.out.mkdir(parents=True, exist_ok=True)
+                path = rank_file(self.out, self.rank)
+                with open(path, "a"):
+                    pass
+            except OSError as err:
+                self._log(f"zerosim.monitor: invalid out={str(out)!r}: {err.strerror or err}; "
+                          "checking without observation files")
+                self.out = None
+        self.enabled = True
+
+    def _validate(self, every: Any, on_violation: Any) -> str | None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return "no torch.distributed process group (call init_process_group, e.g. under torchrun)"
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            return f"invalid every={every!r}: must be a positive integer (steps between checks)"
+        if on_violation not in ON_VIOLATION:
+            return f"invalid on_violation={on_violation!r}: must be one of {', '.join(ON_VIOLATION)}"
+        try:
+            self.adapter = self._read().adapter
+        except (ConfigError, AttributeError, KeyError, TypeError, RuntimeError) as err:
+            return f"cannot read the layout of {type(self.model).__name__}: {err}"
+        return None
+
+    # ---- the check ----------------------------------------------------------------------------------
+    def after_step(self, step: int, loss: Any = None, grad_norm: Any = None) -> list[Violation]:
+        """Check the contracts when ``step`` is a multiple of ``every``; the check's violations (also
+        logged; raised as :class:`MonitorViolation` with ``on_violation="raise"``)."""
+        if not self.enabled or int(step) % self.every:
+            return []
+        t0 = time.perf_counter()
+        layout = self._read()
+        self.adapter = layout.adapter
+        keys = layout.keys()
+        fingerprint = zlib.crc32(json.dumps(keys, separators=(",", ":")).encode())
+        if self._keys is None:
+            self._exchange(keys)
+        rows = gather_rows(self._row(layout, int(step), fingerprint, _number(loss), _number(grad_norm)))
+        fingerprints = [int(summary_values(r, self._width)["fingerprint"]) for r in rows]
+        if fingerprints != self._fingerprints:
+            self._exchange(keys)
+            rows = gather_rows(self._row(layout, int(step), fingerprint, _number(loss), _number(grad_norm)))
+            self._fingerprints = [int(summary_values(r, self._width)["fingerprint"]) for r in rows]
+        assert self._keys is not None
+        table = torch.stack(rows).numpy()
+        mismatched = self._mismatched_pieces(table)
+        observations = [self._observation(r, self._keys[r], rows[r], r == self.rank or None, mismatched)
+                        for r in range(self.world)]
+        if self._layout_verdict is None:
+            self._layout_verdict = check_layout(observations)
+        identity = check_replica_identity(observations) if mismatched else \
+            Verdict("C-ZERO-003", details={"violation_count": 0})
+        identity.checked = self._compared
+        verdicts = judge(observations, self._layout_verdict, identity)
+        found = [v for verdict in verdicts for v in verdict.violations]
+        elapsed = time.perf_counter() - t0
+        self.seconds += elapsed
+        self.checks += 1
+        self.steps.append(int(step))
+        self._record(observations[self.rank], elapsed)
+        self._report(int(step), verdicts, found, elapsed)
+        if found and self.on_violation == "raise":
+            raise MonitorViolation(found)
+        return found
+
+    def _exchange(self, keys: dict[str, Any]) -> None:
+        self._keys = exchange_keys(keys, self.device)
+        self._width = 2 * max(len(k["held"]) for k in self._keys)
+        # each rank's owned ranges and element counts, converted once per layout (shared by every check)
+        self._owned = [{k: [(int(a), int(b)) for a, b in v] for k, v in keys["owned"].items()}
+                       for keys in self._keys]
+        self._numels = [{k: int(v) for k, v in keys["numels"].items()} for keys in self._keys]
+        holders: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
+        for rank, k in enumerate(self._keys):
+            for i, (name, a, b) in enumerate(k["held"]):
+                holders.setdefault((name, int(a), int(b)), []).append((rank, i))
+        shared = [(key, members) for key, members in holders.items() if len(members) > 1]
+        self._compared = len(shared)
+        pairs = [(members[0], other, key) for key, members in shared for other in members[1:]]
+        self._pair_base = np.array([[r, i] for (r, i), _, _ in pairs], dtype=np.int64).reshape(-1, 2)
+        self._pair_other = np.array([[r, i] for _, (r, i), _ in pairs], dtype=np.int64).reshape(-1, 2)
+        self._pair_key = [key for _, _, key in pairs]
+        self._fingerprints = [zlib.crc32(json.dumps(k, separators=(",", ":")).encode()) for k in self._keys]
+        self._layout_verdict = None
+
+    def _mismatched_pieces(self, table: np.ndarray) -> set[tuple[str, int, int]]:
+        """The pieces (tensor, start, stop) whose holders' digest lanes differ somewhere: one vectorised
+        comparison of every holder with the piece's first holder (C-ZERO-003's fast path)."""
+        if not len(self._pair_key):
+            return set()
+        (br, bi), (orank, oi) = self._pair_base.T, self._pair_other.T
+        differ = ((table[br, 2 * bi] != table[orank, 2 * oi]) |
+                  (table[br, 2 * bi + 1] != table[orank, 2 * oi + 1]))
+        return {self._pair_key[i] for i in np.flatnonzero(differ)}
+
+    def _row(self, layout: LiveLayout, step: int, fingerprint: int, loss: float | None,
+             grad_norm: float | None) -> torch.Tensor:
+        """This rank's int64 row: the held pieces' digest lanes, then the summary (:data:`SUMMARY`)."""
+        lanes = torch.zeros(self._width, dtype=torch.int64, device=self.device)
+        pieces = layout.held[: self._width // 2]
+        if pieces:
+            lanes[: 2 * len(pieces)] = torch.cat([tensor_digest(t).to(self.device) for *_, t in pieces])
+        names = list(layout.numels)
+        missing = nonfinite = 0
+        missing_idx = nonfinite_idx = -1
+        counters: list[tuple[int, str]] = []
+        flags: list[torch.Tensor] = []
+        flag_owner: list[str] = []
+        stateless: list[str] = []
+        for owned in layout.states:
+            values = owned.values or {}
+            tensors = {k: _local(v) for k, v in values.items() if k != "step" and isinstance(v, torch.Tensor)}
+            if not tensors:
+                stateless.append(owned.name)
+                continue
+            if any(v.numel() != owned.numel for v in tensors.values()):
+                missing += 1
+                missing_idx = names.index(owned.name) if missing_idx < 0 else missing_idx
+            if "step" in values:
+                counters.append((int(_local_value(values["step"])), owned.name))
+            for value in tensors.values():
+                flags.append(value.sum())  # non-finite if any element is (or if finite ones overflow)
+                flag_owner.append(owned.name)
+        if stateless and len(stateless) < len(layout.states):  # some owned pieces keep state, these none
+            missing += len(stateless)
+            missing_idx = names.index(stateless[0]) if missing_idx < 0 else missing_idx
+        if flags:
+            finite = torch.isfinite(torch.stack([f.to(self.device) for f in flags])).cpu().tolist()
+            suspects = [i for i, ok in enumerate(finite) if not ok]  # confirmed element by element
+            checked = [v for owned in layout.states for k, v in (owned.values or {}).items()
+                       if k != "step" and isinstance(v, torch.Tensor)]
+            bad = [flag_owner[i] for i in suspects if not bool(torch.isfinite(_local(checked[i])).all())]
+            nonfinite = len(set(bad))
+            nonfinite_idx = names.index(bad[0]) if bad else -1
+        grad_sq, grad_numel = 0.0, 0
+        if layout.grads is not None:
+            local_grads = [_local(g) for g in layout.grads]
+            grad_numel = sum(g.numel() for g in local_grads)
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for g in local_grads:
+                by_device.setdefault(g.device, []).append(g)
+            for grads in by_device.values():
+                norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+                grad_sq += float((torch.stack(norms) ** 2).sum())
+        low = min(counters, key=lambda c: c[0]) if counters else (0, "")  # the first tensor at the least
+        summary = {
+            "fingerprint": fingerprint, "n_held": len(layout.held), "step": step,
+            "missing": missing, "missing_idx": missing_idx, "nonfinite": nonfinite,
+            "nonfinite_idx": nonfinite_idx, "has_counters": int(bool(counters)), "step_min": low[0],
+            "step_max": max(c for c, _ in counters) if counters else 0,
+            "step_min_idx": names.index(low[1]) if counters else -1,
+            "has_grad": int(layout.grads is not None), "grad_sq": float_bits(grad_sq),
+            "grad_numel": grad_numel,
+            "has_norm": int(grad_norm is not None), "grad_norm": float_bits(grad_norm or 0.0),
+            "has_loss": int(loss is not None), "loss": float_bits(loss or 0.0),
+        }
+        tail = torch.tensor([summary[k] for k in SUMMARY], dtype=torch.int64, device=self.device)
+        self._grad_dtype = layout.grad_dtype
+        return torch.cat([lanes, tail])
+
+    def _observation(self, rank: int, keys: dict[str, Any], row: torch.Tensor, every_piece: bool | None,
+                     pieces: set[tuple[str, int, int]]) -> MonitorObservation:
+        """Rank ``rank``'s observation from its keys and row: with the digests of every piece it holds
+        (``every_piece``: this rank's own, for its file) or of those in ``pieces`` only."""
+        s = summary_values(row, self._width)
+        names = keys["names"]
+        held = []
+        if every_piece or pieces:
+            lanes = row[: self._width].tolist()
+            held = [(n, int(a), int(b), digest_text((lanes[2 * i], lanes[2 * i + 1])))
+                    for i, (n, a, b) in enumerate(keys["held"][: s["n_held"]])
+                    if every_piece or (n, int(a), int(b)) in pieces]
+        return MonitorObservation(
+            rank=rank, world_size=self.world, step=int(s["step"]), adapter=keys["adapter"], held=held,
+            owned=self._owned[rank], numels=self._numels[rank],
+            state_missing=(int(s["missing"]), names[s["missing_idx"]] if s["missing_idx"] >= 0 else None),
+            state_nonfinite=(int(s["nonfinite"]),
+                             names[s["nonfinite_idx"]] if s["nonfinite_idx"] >= 0 else None),
+            step_counters=(int(s["step_min"]), int(s["step_max"]), names[s["step_min_idx"]])
+            if s["has_counters"] else None,
+            grad_sq=s["grad_sq"] if s["has_grad"] else None, grad_numel=int(s["grad_numel"]),
+            grad_norm=s["grad_norm"] if s["has_norm"] else None, grad_dtype=self._grad_dtype,
+            max_norm=self.max_norm, loss=s["loss"] if s["has_loss"] else None,
+        )
+
+    # ---- what the run keeps ---------------------------------------------------------------------------
+    def _record(self, mine: MonitorObservation, elapsed: float) -> None:
+        if self.out is None:
+            return
+        try:
+            append_line(rank_file(self.out, self.rank), {**mine.to_json(), "monitor_s": elapsed})
+        except OSError as err:
+            self._log(f"zerosim.monitor: cannot append to {rank_file(self.out, self.rank)}: "
+                      f"{err.strerror or err}; checking without observation files")
+            self.out = None
+
+    def _report(self, step: int, verdicts: list[Verdict], found: list[Violation], elapsed: float) -> None:
+        self.violation_count += sum(v.details.get("violation_count", len(v.violations)) for v in verdicts)
+        self.violations.extend(found[: max(0, SUMMARY_LISTED - len(self.violations))])
+        self._log(f"zerosim.monitor {summary_line(step, verdicts)}; {elapsed * 1e3:.1f} ms")
+        for v in found[:5]:
+            self._log(f"zerosim.monitor violation: {v}")
+
+    def summary(self) -> dict[str, Any]:
+        """What the run's checks found so far (the JSON summary's content)."""
+        by_contract = dict.fromkeys(CONTRACTS, 0)
+        for v in self.violations:
+            by_contract[v.contract] = by_contract.get(v.contract, 0) + 1
+        return {"adapter": self.adapter, "world_size": getattr(self, "world", None), "every": self.every,
+                "checks": self.checks,
+                "steps_checked": [self.steps[0], self.steps[-1]] if self.steps else None,
+                "passed": self.violation_count == 0, "violation_count": self.violation_count,
+                "listed_by_contract": by_contract, "violations": [v.to_json() for v in self.violations],
+                "monitor_seconds": self.seconds, "enabled": self.enabled}
+
+    def close(self) -> dict[str, Any]:
+        """Write ``out/summary.json`` (rank 0) and return the summary."""
+        summary = self.summary()
+        if self.enabled and self.out is not None and self.rank == 0:
+            try:
+                write_summary(self.out, summary)
+            except OSError as err:
+                self._log(f"zerosim.monitor: cannot write {self.out / 'summary.json'}: "
+                          f"{err.strerror or err}")
+        if self.enabled:
+            self._log(f"zerosim.monitor summary: {self.checks} check(s), "
+                      f"{self.violation_count} violation(s), {self.seconds:.3f} s in checks")
+        return summary
+
+
+def _number(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().item())
+    return float(value)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local_value(v: Any) -> Any:
+    return _local(v).item() if isinstance(v, torch.Tensor) else v
