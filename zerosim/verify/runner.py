@@ -1,8 +1,8 @@
 """Running ``zerosim verify``: the launcher (:func:`verify`) and what every rank runs (:func:`rank_main`).
 
 Launcher: validates the options, resolves TARGET (bad input fails here, before any process starts),
-then starts ``torchrun --standalone --nproc-per-node N -m zerosim.verify TARGET ...``
-(:func:`zerogpu.launch.run_torchrun`: a wall-clock timeout, never a process left behind) with the
+then starts N ranks of ``python -m zerosim.verify TARGET ...`` as ``torchrun --standalone`` would
+(:func:`zerogpu.launch.run_ranks`: a wall-clock timeout, never a process left behind) with the
 current directory on every rank's ``PYTHONPATH``. Rank 0 writes ``report.json`` (or ``error.json``)
 into the run directory; each failing rank writes ``failure-rank<R>.json`` naming the rank to blame.
 Each rank's own output goes to ``rank<R>.log`` in ``--out``'s ``logs/`` (a temporary folder without
@@ -230,28 +230,28 @@ def _launch(target: str, world: int, steps: int | None, dtype: str, device: str,
 
 
 class _Launch:
-    """The torchrun launches of one ``verify`` call, every rank writing into ``run_dir`` and its own
+    """The launches of one ``verify`` call, every rank writing into ``run_dir`` and its own
     output into ``log_dir``."""
 
     def __init__(self, argv: list[str], env: dict[str, str], launch_s: float, run_dir: Path, log_dir: Path):
         self.argv, self.env, self.launch_s, self.run_dir, self.log_dir = argv, env, launch_s, run_dir, log_dir
 
     def once(self, world: int) -> VerifyReport:
-        from zerogpu.launch import run_torchrun
+        from zerogpu.launch import run_ranks
 
-        result = run_torchrun(world, self.argv, self.launch_s, env=self.env, capture=True,
+        result = run_ranks(world, self.argv, self.launch_s, env=self.env, capture=True,
                               rank_log_dir=self.log_dir)
         return _collect(result, self.run_dir, world, self.launch_s, self.log_dir)
 
     def resumed(self, world: int, resume_world: int, at: int, resume_dir: Path) -> VerifyReport:
         """``world`` ranks train and save into ``resume_dir`` (inside this run's private folder), then
         ``resume_world`` fresh ranks load from it, continue and report."""
-        from zerogpu.launch import run_torchrun
+        from zerogpu.launch import run_ranks
 
         resume_dir.mkdir(mode=0o700)
         common = ["--resume-at", str(at), "--resume-dir", str(resume_dir)]
         save_logs, load_logs = self.log_dir / "save", self.log_dir / "load"
-        first = run_torchrun(
+        first = run_ranks(
             world, self.argv + common + ["--resume-stage", "save"], self.launch_s, env=self.env, capture=True,
             rank_log_dir=save_logs,
         )
@@ -259,7 +259,7 @@ class _Launch:
             _collect(first, self.run_dir, world, self.launch_s, save_logs)  # raises the first launch's error
             raise RankFailure(-1, f"the first launch ended with status {first.returncode} without saving "
                                   f"(rank output: {save_logs})")
-        second = run_torchrun(
+        second = run_ranks(
             resume_world,
             self.argv + common + ["--resume-stage", "load"],
             self.launch_s,
