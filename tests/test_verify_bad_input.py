@@ -118,6 +118,27 @@ def test_bad_target_under_torchrun_is_exit_2_on_every_rank() -> None:
     assert "Traceback" not in (result.stdout or "") + (result.stderr or "")
 
 
+@pytest.mark.torchdist
+def test_bad_target_under_an_external_torchrun_is_exit_2_on_every_rank() -> None:
+    """The documented external path (``torchrun ... -m zerosim.verify TARGET``): the ranks run under
+    a real torchrun unchanged; rank 0 says why once and every rank exits 2, which torchrun lists."""
+    from zerosim.launching import run_process_group
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "zerosim.verify", f"{BAD}:no_such_factory"]
+    run = run_process_group(command, GUARD_S, env)
+    text = (run.stdout or "") + (run.stderr or "")
+    assert run.returncode == 1, text  # torchrun's own status for failed workers
+    errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "no_such_factory" in errors[0], text
+    # the one traceback is torchrun's own (ChildFailedError), none a rank's
+    assert text.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in text, text
+    for rank in (0, 1):
+        assert f"rank      : {rank} (local_rank: {rank})\n  exitcode  : 2" in text, text
+
+
 def test_world_larger_than_the_machine_can_start() -> None:
     world = str(64 * (os.cpu_count() or 1))
     line = error_line(run_verify("examples.zero1_trainer:make_trainer", "--world", world), 2)
