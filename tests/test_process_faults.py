@@ -206,16 +206,19 @@ def test_mpich_s_banner_names_the_rank_by_its_process_id() -> None:
 
 
 @pytest.mark.skipif(TORCH_REASON is not None, reason=f"torch unavailable: {TORCH_REASON}")
-def test_torchrun_s_summary_names_the_rank_that_died_first() -> None:
-    from zerogpu.launch import diagnose_torchrun_death
+def test_the_rank_that_died_first_is_named_from_how_each_rank_ended() -> None:
+    from zerogpu.spawn import RankExits, diagnose_rank_death
 
-    def entry(rank: int, code: int) -> str:
-        return f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code} (pid: 9{rank})\n"
-
-    killed = f"Failures:\n[1]:\n{entry(0, -15)}Root Cause (first observed failure):\n[0]:\n{entry(1, -9)}"
-    assert diagnose_torchrun_death(killed) == "rank 1 failed: killed by signal 9 (SIGKILL)"
-    peer_first = f"Failures:\n[1]:\n{entry(1, -9)}Root Cause (first observed failure):\n[0]:\n{entry(0, 3)}"
-    assert diagnose_torchrun_death(peer_first, said_why=True) == "rank 1 failed: killed by signal 9 (SIGKILL)"
-    raised = f"Failures:\n[1]:\n{entry(0, -15)}Root Cause (first observed failure):\n[0]:\n{entry(1, 3)}"
-    assert diagnose_torchrun_death(raised, said_why=True) is None
-    assert diagnose_torchrun_death(raised) == "rank 1 failed: exited with status 3 without a message"
+    # rank 1 killed by SIGKILL first, rank 0 then stopped by the launcher
+    killed = RankExits([(1, -9), (0, -15)], {0})
+    assert diagnose_rank_death(killed) == "rank 1 failed: killed by signal 9 (SIGKILL)"
+    # rank 0 noticed first (status 3), but rank 1 had been killed by a signal nobody here sent
+    peer_first = RankExits([(0, 3), (1, -9)], set())
+    assert diagnose_rank_death(peer_first, said_why=True) == "rank 1 failed: killed by signal 9 (SIGKILL)"
+    # rank 1 raised (status 3); the SIGTERM that ended rank 0 was the launcher's own
+    raised = RankExits([(1, 3), (0, -15)], {0})
+    assert diagnose_rank_death(raised, said_why=True) is None
+    assert diagnose_rank_death(raised) == "rank 1 failed: exited with status 3 without a message"
+    # a SIGTERM the launcher did not send is a death like any other
+    assert diagnose_rank_death(RankExits([(0, 3), (1, -15)], set()), said_why=True) == (
+        "rank 1 failed: killed by signal 15 (SIGTERM)")

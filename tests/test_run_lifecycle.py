@@ -268,27 +268,18 @@ def test_a_rank_printing_40_mib_leaves_the_launcher_s_memory_alone(tmp_path: Pat
     assert (out / "logs" / "rank0.log").stat().st_size >= LOUD_BYTES
 
 
-def _launch_result(rank_status: dict[int, int], stderr: str = "", timed_out: bool = False):  # type: ignore[no-untyped-def]
+def _launch_result(rank_status: dict[int, int], exits: list[tuple[int, int]], stopped: tuple[int, ...] = (),
+                   timed_out: bool = False):  # type: ignore[no-untyped-def]
     from types import SimpleNamespace
 
-    return SimpleNamespace(returncode=3, torchrun_returncode=None if timed_out else 1,
-                           rank_status=rank_status, stderr=stderr, timed_out=timed_out)
+    from zerogpu.spawn import RankExits
+
+    return SimpleNamespace(returncode=3, launcher_returncode=None if timed_out else 1,
+                           rank_status=rank_status, exits=RankExits(list(exits), set(stopped)), stderr="",
+                           timed_out=timed_out)
 
 
-_SUMMARY = """Root Cause (first observed failure):
-[0]:
-  time      : 2026-01-01_00:00:00
-  host      : h
-  rank      : 0 (local_rank: 0)
-  exitcode  : 3 (pid: 10)
-Other Failures:
-[1]:
-  rank      : 1 (local_rank: 1)
-  exitcode  : -15 (pid: 11)
-"""
-
-
-def test_the_verdict_tells_a_rank_that_left_from_one_torchrun_stopped(tmp_path: Path) -> None:
+def test_the_verdict_tells_a_rank_that_left_from_one_the_launcher_stopped(tmp_path: Path) -> None:
     from zerosim.verify.blame import rank_verdict
 
     for r in (0, 1):
@@ -296,15 +287,17 @@ def test_the_verdict_tells_a_rank_that_left_from_one_torchrun_stopped(tmp_path: 
     reset = {"rank": 1, "reporter": 0, "kind": "peer",
              "message": "dropped its connection while rank 0 waited",
              "saw": "connection reset by peer during step 3", "last_in": {"1": "step 3 (sgd): step()"}}
-    left = rank_verdict(_launch_result({0: 3}), 2, tmp_path, [reset], 60.0)
+    left = rank_verdict(_launch_result({0: 3}, [(1, 0), (0, 3)]), 2, tmp_path, [reset], 60.0)
     assert left.rank == 1
     assert left.message.startswith("exited with status 0 mid-run without a message (it was last in step 3")
     assert "rank 0 then saw: connection reset by peer during step 3" in left.message
-    # the same rank stopped by torchrun's SIGTERM after rank 0 failed did not leave on its own
-    stopped = rank_verdict(_launch_result({0: 3}, _SUMMARY), 2, tmp_path, [reset], 60.0)
+    # the same rank stopped by the launcher's SIGTERM after rank 0 failed did not leave on its own
+    ended = _launch_result({0: 3}, [(0, 3), (1, -15)], stopped=(1,))
+    stopped = rank_verdict(ended, 2, tmp_path, [reset], 60.0)
     assert "mid-run" not in stopped.message and stopped.message.startswith("dropped its connection")
     # a rank that never started (no log) did not leave mid-run either
     (tmp_path / "rank1.log").unlink()
-    assert "mid-run" not in rank_verdict(_launch_result({0: 3}), 2, tmp_path, [reset], 60.0).message
-    timed_out = rank_verdict(_launch_result({}, timed_out=True), 2, tmp_path, [], 60.0)
+    assert "mid-run" not in rank_verdict(_launch_result({0: 3}, [(1, 0), (0, 3)]), 2, tmp_path, [reset],
+                                         60.0).message
+    timed_out = rank_verdict(_launch_result({}, [], timed_out=True), 2, tmp_path, [], 60.0)
     assert (timed_out.rank, timed_out.message.split(";")[0]) == (-1, "the run did not finish within 60s")

@@ -22,7 +22,9 @@ from zerosim.verify.model import build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GUARD_S = 300.0  # the subprocess guard: far above any run here; reaching it is itself the failure (a hang)
-HANG_TIMEOUT_S = 15  # the collective timeout given to the hang test
+# the collective timeout given to the hang test: well above the skew between the two ranks' start-ups
+# (started at one instant, each importing torch) and any healthy call of the tiny trainer
+HANG_TIMEOUT_S = 8
 BAD = "tests.verify_trainers.bad"
 FIRST_PARAMETER = next(name for name, _ in build_model("gpt").named_parameters())
 
@@ -116,6 +118,27 @@ def test_bad_target_under_torchrun_is_exit_2_on_every_rank() -> None:
     assert result.returncode == 2, (result.stdout or "") + (result.stderr or "")
     assert "no_such_factory" in (result.stderr or ""), result.stderr
     assert "Traceback" not in (result.stdout or "") + (result.stderr or "")
+
+
+@pytest.mark.torchdist
+def test_bad_target_under_an_external_torchrun_is_exit_2_on_every_rank() -> None:
+    """The documented external path (``torchrun ... -m zerosim.verify TARGET``): the ranks run under
+    a real torchrun unchanged; rank 0 says why once and every rank exits 2, which torchrun lists."""
+    from zerosim.launching import run_process_group
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "zerosim.verify", f"{BAD}:no_such_factory"]
+    run = run_process_group(command, GUARD_S, env)
+    text = (run.stdout or "") + (run.stderr or "")
+    assert run.returncode == 1, text  # torchrun's own status for failed workers
+    errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "no_such_factory" in errors[0], text
+    # the one traceback is torchrun's own (ChildFailedError), none a rank's
+    assert text.count("Traceback (most recent call last)") == 1 and "ChildFailedError" in text, text
+    for rank in (0, 1):
+        assert f"rank      : {rank} (local_rank: {rank})\n  exitcode  : 2" in text, text
 
 
 def test_world_larger_than_the_machine_can_start() -> None:

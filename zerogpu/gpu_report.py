@@ -101,7 +101,7 @@ def markdown(doc: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     from zerosim.cli.gpu import report_parser
 
-    from .launch import run_torchrun
+    from .launch import run_ranks
 
     args = report_parser().parse_args(argv)
     try:
@@ -136,9 +136,9 @@ def main(argv: list[str]) -> int:
             str(raw),
         ]
         print(
-            f"running torchrun --nproc-per-node {n} -m zerogpu equivalence on {device} ...", file=sys.stderr
+            f"running {n} ranks of -m zerogpu equivalence on {device} ...", file=sys.stderr
         )
-        result = run_torchrun(n, forwarded, args.launch_timeout)
+        result = run_ranks(n, forwarded, args.launch_timeout)
         if not raw.exists():
             tail = "\n".join((result.stderr or "").strip().splitlines()[-15:])
             why = "launch timeout" if result.timed_out else f"exit {result.returncode}"

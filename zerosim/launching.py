@@ -1,13 +1,19 @@
-"""Running a launcher (``mpiexec``, ``torchrun``) as a process group with a wall-clock timeout.
+"""Running a launch (``mpiexec``, or ranks started directly) as process groups with a wall-clock timeout.
 
-Shared by :mod:`zerosim.mpi.launch` and :mod:`zerogpu.launch` (distributed runs never hang): the
-launcher runs in its own session (process group) with an owner token in its environment
-(:mod:`zerosim.owned_processes`). When the launcher ends, when the launch outlives its timeout, and
-when this process is interrupted (Ctrl-C, or SIGTERM / SIGHUP through :mod:`zerosim.stop_signals`),
-the whole group and every process holding the token (ranks in sessions of their own, children they
-started) get SIGTERM, then SIGKILL (:func:`end_launch`), so nothing outlives the launch. The launch
-writes into files, never pipes: a process that keeps its output open cannot keep a launch waiting.
-Pure standard library: no MPI, no torch.
+Shared by :mod:`zerosim.mpi.launch` and :mod:`zerogpu.launch` (distributed runs never hang). What a
+launch starts is a :class:`Launch`: one launcher command (:class:`CommandLaunch`, ``mpiexec``) or the
+ranks themselves (:class:`zerogpu.spawn.RankSpawn`). Every process runs in a session (process group)
+of its own with an owner token in its environment (:mod:`zerosim.owned_processes`). When the launch
+ends, when it outlives its timeout, and when this process is interrupted (Ctrl-C, or SIGTERM /
+SIGHUP through :mod:`zerosim.stop_signals`), its groups and every process holding the token
+(children the ranks started, in sessions of their own or not) get SIGTERM, then SIGKILL
+(:meth:`Launch.end`), so nothing outlives the launch. The launch writes into files, never pipes: a
+process that keeps its output open cannot keep a launch waiting. Pure standard library: no MPI, no
+torch.
+
+Why one module of this length: starting a launch, ending it and reading its output back (captured,
+or streamed to the user with the noise sorted out) are one guarantee, that a launch leaves nothing
+behind whichever way it ends; each reader of a launch relies on the ending it sees here.
 
 What the user sees of a launch started for them (``zerosim simulate --backend mpi|torch``,
 :func:`run_streamed` and :func:`finish_launch`): the ranks' standard output, streamed as it comes
@@ -35,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from .errors import EXIT_BAD_INPUT, EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError
 from .owned_processes import end_owned, new_owner_token, parent_death_preexec, with_owner_token
@@ -104,6 +110,53 @@ def end_launch(proc: subprocess.Popen, token: str, grace_s: float) -> None:
     proc.wait()
 
 
+class Launch(Protocol):
+    """What one launch starts and watches (see the module docstring)."""
+
+    def start(self, env: dict[str, str], token: str, stdout: IO[bytes] | None,
+              stderr: IO[bytes] | None) -> None:
+        """Start every process of the launch with ``env`` (plus ``token``), its output into these files."""
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Wait up to ``timeout_s``: the launch's own status once everything it started has ended,
+        else None."""
+
+    def end(self, token: str, grace_s: float) -> None:
+        """End everything the launch started (SIGTERM, ``grace_s``, SIGKILL); returns once none is left."""
+
+
+class CommandLaunch:
+    """A launch that is one launcher process (``mpiexec``): its status is the launcher's."""
+
+    def __init__(self, command: Sequence[str]):
+        self.command = list(command)
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str], token: str, stdout: IO[bytes] | None,
+              stderr: IO[bytes] | None) -> None:
+        self.proc = start_owned(self.command, env, token, stdout=stdout, stderr=stderr)
+
+    def wait(self, timeout_s: float) -> int | None:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def end(self, token: str, grace_s: float) -> None:
+        if self.proc is not None:
+            end_launch(self.proc, token, grace_s)
+        else:
+            end_owned(token, grace_s)
+
+
+def as_launch(command: Sequence[str] | Launch) -> Launch:
+    """``command`` itself when it is a :class:`Launch`, else a :class:`CommandLaunch` of it."""
+    if isinstance(command, (list, tuple)):
+        return CommandLaunch(command)
+    return command  # type: ignore[return-value]
+
+
 @dataclass
 class GroupRun:
     """What one process-group launch did. ``stdout`` / ``stderr`` are None when they went to the terminal;
@@ -123,29 +176,28 @@ def _read_back(f: IO[bytes] | None) -> str | None:
     return f.read().decode("utf-8", "replace")
 
 
-def run_process_group(command: Sequence[str], timeout_s: float, env: dict[str, str], *, capture: bool = True,
-                      kill_grace_s: float = 3.0) -> GroupRun:
-    """Run ``command`` (with exactly ``env`` plus its owner token) in its own session with a wall-clock
-    timeout; never leaves processes behind: when the launcher ends, when the timeout expires and on
-    any exception here (KeyboardInterrupt, :class:`zerosim.stop_signals.StopSignal`) everything it
-    started is ended (:func:`end_launch`). Captured output goes to unnamed temporary files, never
-    pipes, so a process that outlives its launcher cannot keep this call waiting."""
+def run_process_group(command: Sequence[str] | Launch, timeout_s: float, env: dict[str, str], *,
+                      capture: bool = True, kill_grace_s: float = 3.0) -> GroupRun:
+    """Run ``command`` (a launcher's argv, or a :class:`Launch`) with exactly ``env`` plus its owner
+    token, with a wall-clock timeout; never leaves processes behind: when the launch ends, when the
+    timeout expires and on any exception here (KeyboardInterrupt,
+    :class:`zerosim.stop_signals.StopSignal`) everything it started is ended (:meth:`Launch.end`).
+    Captured output goes to unnamed temporary files, never pipes, so a process that outlives its
+    launcher cannot keep this call waiting."""
+    launch = as_launch(command)
     token = new_owner_token()
     with contextlib.ExitStack() as files:
         out_f = files.enter_context(tempfile.TemporaryFile()) if capture else None
         err_f = files.enter_context(tempfile.TemporaryFile()) if capture else None
         start = time.monotonic()
-        proc = start_owned(command, env, token, stdout=out_f, stderr=err_f)
-        timed_out = False
+        returncode: int | None = None
         try:
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
+            launch.start(env, token, out_f, err_f)
+            returncode = launch.wait(timeout_s)
         finally:  # a normal end, the timeout, or KeyboardInterrupt: take everything it started down
-            end_launch(proc, token, kill_grace_s)
-        return GroupRun(None if timed_out else proc.returncode, _read_back(out_f), _read_back(err_f),
-                        timed_out, time.monotonic() - start)
+            launch.end(token, kill_grace_s)
+        return GroupRun(returncode, _read_back(out_f), _read_back(err_f), returncode is None,
+                        time.monotonic() - start)
 
 
 # ---- a launch whose output the user reads: stdout streamed, stderr sorted, noise to a log -----------
@@ -281,7 +333,7 @@ class _Log:
             self.file.close()
 
 
-def run_streamed(command: Sequence[str], timeout_s: float, env: dict[str, str], *, log_name: str,
+def run_streamed(command: Sequence[str] | Launch, timeout_s: float, env: dict[str, str], *, log_name: str,
                  kill_grace_s: float = 3.0, is_noise: Callable[[str], bool] | None = None) -> StreamedRun:
     """Run ``command`` like :func:`run_process_group`, its stdout streamed to ours (lines ``is_noise``
     flags, and all after them, to the log instead) and its stderr to the log (see the module docstring).
@@ -293,6 +345,7 @@ def run_streamed(command: Sequence[str], timeout_s: float, env: dict[str, str], 
     ``zerosim-<log_name>-*.log`` in the temporary folder; the caller removes the log
     (:func:`finish_launch` does) or names it.
     """
+    launch = as_launch(command)
     log = _Log(log_name)
     token = new_owner_token()
     start = time.monotonic()
@@ -300,8 +353,9 @@ def run_streamed(command: Sequence[str], timeout_s: float, env: dict[str, str], 
     done = threading.Event()
     out_f = tempfile.TemporaryFile()
     try:
-        proc = start_owned(command, env, token, stdout=out_f, stderr=log.file)
+        launch.start(env, token, out_f, log.file)
     except BaseException:
+        launch.end(token, kill_grace_s)
         out_f.close()
         log.close()
         raise
@@ -310,20 +364,20 @@ def run_streamed(command: Sequence[str], timeout_s: float, env: dict[str, str], 
     reader.start()
     timed_out = False
     interrupted = True
+    returncode: int | None = None
     try:
         deadline = start + timeout_s
-        while proc.poll() is None and not broken.is_set():
+        while not broken.is_set():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = True
                 break
-            try:
-                proc.wait(timeout=min(0.1, remaining))
-            except subprocess.TimeoutExpired:
-                pass
+            returncode = launch.wait(min(0.1, remaining))
+            if returncode is not None:
+                break
         interrupted = False
     finally:  # a normal end, the timeout, a closed stdout or KeyboardInterrupt: nothing outlives it
-        end_launch(proc, token, kill_grace_s)
+        launch.end(token, kill_grace_s)
         done.set()
         reader.join(_JOIN_S)
         if not reader.is_alive():
@@ -332,7 +386,7 @@ def run_streamed(command: Sequence[str], timeout_s: float, env: dict[str, str], 
         if interrupted:
             log.path.unlink(missing_ok=True)
     stopped = timed_out or broken.is_set()
-    return StreamedRun(None if stopped else proc.returncode, timed_out, broken.is_set(), log.path,
+    return StreamedRun(None if stopped else returncode, timed_out, broken.is_set(), log.path,
                        time.monotonic() - start, _messages_in(log.path))
 
 

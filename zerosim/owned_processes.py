@@ -1,8 +1,8 @@
 """Every process a command started, found and ended wherever it went.
 
-A launch starts a launcher (``torchrun``, ``mpiexec``) in its own session, but what runs under it
-leaves that session: torchrun starts every rank in a session of its own, and a trainer may start
-children of its own that outlive their rank. So each launch (and each ``zerosim`` command) draws a
+A launch starts a launcher (``mpiexec``) or each torch rank (:mod:`zerogpu.spawn`) in a session of
+its own, but what runs under it may leave that session: a trainer may start children of its own
+that outlive their rank, in sessions of their own. So each launch (and each ``zerosim`` command) draws a
 fresh owner token and adds it to ``$ZEROSIM_OWNER_TOKENS`` in the environment it starts processes
 with. Every descendant inherits the variable, whichever session or process group it ends up in, and
 :func:`end_owned` ends them all: SIGTERM, a grace period, then SIGKILL, until none carries the token.
@@ -10,8 +10,8 @@ On Linux the processes are found through ``/proc/<pid>/environ`` (this user's pr
 elsewhere :func:`owned_pids` finds none and the launchers fall back to their process group.
 
 :func:`parent_death_preexec` covers the one case no handler can: this process killed by SIGKILL.
-The launcher it starts asks the kernel (``prctl(PR_SET_PDEATHSIG)``) for SIGTERM when its parent
-dies, and torchrun and mpiexec stop their ranks on SIGTERM.
+Each process it starts directly (``mpiexec``, a torch rank) asks the kernel
+(``prctl(PR_SET_PDEATHSIG)``) for SIGTERM when its parent dies, and mpiexec stops its ranks on SIGTERM.
 
 Serves the "distributed runs never hang; nothing outlives the command" rule. Pure standard library.
 """

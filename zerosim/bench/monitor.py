@@ -74,7 +74,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run(args: Any) -> int:
-    from zerogpu.launch import run_torchrun, torch_unavailable_reason
+    from zerogpu.launch import run_ranks, torch_unavailable_reason
 
     from ..bench import monitor_rank
 
@@ -97,9 +97,8 @@ def run(args: Any) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zerosim-bench-monitor-") as tmp:
         result = Path(tmp) / "rows.json"
-        launch = run_torchrun(world, ["-m", "zerosim.bench.monitor_rank", json.dumps({**settings,
-                                                                                  "result": str(result)})],
-                              float(args.timeout), env={"PYTHONWARNINGS": "ignore"})
+        argv = ["-m", "zerosim.bench.monitor_rank", json.dumps({**settings, "result": str(result)})]
+        launch = run_ranks(world, argv, float(args.timeout), env={"PYTHONWARNINGS": "ignore"})
         if launch.returncode != 0 or not result.exists():
             tail = "\n".join((launch.stderr or "").strip().splitlines()[-15:])
             print(f"error: the benchmark launch ended with status {launch.returncode}"

@@ -8,8 +8,8 @@ optimizer (AdamW, global-norm clip at 1.0; ``--optimizer sgd``: SGD with momentu
 ``--adapters`` picks some of them, and may name your own trainer as ``MODULE:FACTORY`` (the factory
 ``zerosim verify`` takes), timed beside the peers.
 
-Ranks are started by :func:`zerogpu.launch.run_torchrun` (a wall-clock limit, no process left behind):
-one ``torchrun -m zerosim.bench.peers_rank --config FILE`` launch per model (the launch's settings as
+Ranks are started by :func:`zerogpu.launch.run_ranks` (a wall-clock limit, no process left behind):
+one ``-m zerosim.bench.peers_rank --config FILE`` launch per model (the launch's settings as
 one value, :class:`zerosim.bench.peers_run.PeersRun`, in FILE) that runs the adapters one after the
 other, ``--rounds`` times (default 2), the list forwards in even rounds and backwards in odd ones, so
 that load drifting during the run falls on every adapter alike. Each run of an adapter builds its
@@ -549,7 +549,7 @@ def measure_model(
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Every adapter on ``model`` in every round: launches until each (round, adapter) has a result or
     its adapter an error (one launch if none fails). A failed adapter is left out of later rounds."""
-    from zerogpu.launch import run_torchrun
+    from zerogpu.launch import run_ranks
 
     order = sequence(settings["adapters"], settings["rounds"])
     start = 0
@@ -567,12 +567,12 @@ def measure_model(
         calls = len(remaining) * (settings["steps"] + settings["warmup"] + 2)
         limit_s = 300.0 + settings["timeout_s"] * calls + settings["min_time_s"] * len(remaining)
         names = sorted({order[i][1] for i in remaining}, key=settings["adapters"].index)
-        print(f"{model}: torchrun --nproc-per-node {settings['world']}, {len(remaining)} adapter run(s) of "
+        print(f"{model}: {settings['world']} ranks, {len(remaining)} adapter run(s) of "
               f"{', '.join(names)}", file=sys.stderr, flush=True)
         run_file = write_peers_run(rank_run(settings, model, results, start, skip),
                                    tmp / f"{model}-{attempt}.run.json")
         argv = ["-m", "zerosim.bench.peers_rank", "--config", str(run_file)]
-        result = run_torchrun(settings["world"], argv, limit_s, env={"PYTHONPATH": path_env}, capture=True)
+        result = run_ranks(settings["world"], argv, limit_s, env={"PYTHONPATH": path_env}, capture=True)
         got_meta, done = read_results(results)
         meta = meta or got_meta
         rows.extend(done)

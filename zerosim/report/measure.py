@@ -296,7 +296,7 @@ def run_under_mpi(cfg: RunConfig, timeout_s: float = 120.0) -> MpiRun:
 
 
 # ---------------------------------------------------------------------------------------------------
-# torch.distributed (gloo, CPU): the engine under torchrun, observations shipped back likewise
+# torch.distributed (gloo, CPU): the engine on torch ranks, observations shipped back likewise
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class TorchRun:
@@ -306,7 +306,7 @@ class TorchRun:
 
 
 def torch_unavailable_reason() -> str | None:
-    """Why a torchrun measurement cannot happen here, or None when it can."""
+    """Why a torch.distributed measurement cannot happen here, or None when it can."""
     import importlib.util
 
     for mod, why in (
@@ -322,16 +322,15 @@ def torch_unavailable_reason() -> str | None:
 
 
 def run_under_torch(cfgs: Sequence[RunConfig], world_size: int, timeout_s: float = 240.0) -> TorchRun:
-    """Run every config (torch arrays) in one ``torchrun --nproc-per-node world_size`` launch (gloo on CPU),
+    """Run every config (torch arrays) in one launch of ``world_size`` ranks on gloo (CPU), started as
+    ``torchrun --standalone --nproc-per-node world_size`` starts them (:func:`zerogpu.launch.run_ranks`),
     via :mod:`zerosim.report.torch_worker`. The whole launch has a wall-clock timeout: on expiry
-    everything it started is ended (:func:`zerosim.launching.run_process_group`) and the error says so."""
-    import sys
-
-    from ..launching import run_process_group
-
+    everything it started is ended and the error says so."""
     reason = torch_unavailable_reason()
     if reason:
         return TorchRun(None, reason, 0.0)
+    from zerogpu.launch import run_ranks
+
     specs = []
     for cfg in cfgs:
         if cfg.world_size != world_size:
@@ -341,25 +340,13 @@ def run_under_torch(cfgs: Sequence[RunConfig], world_size: int, timeout_s: float
         specs.append(cfg.replace(xp="torch").to_json())
     with tempfile.TemporaryDirectory(prefix="zerosim-torch-") as tmp:
         out = os.path.join(tmp, "observations.safetensors")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(world_size),
-            "-m",
-            "zerosim.report.torch_worker",
-            json.dumps(specs),
-            out,
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        run = run_process_group(cmd, timeout_s, env, capture=True)
+        run = run_ranks(world_size, ["-m", "zerosim.report.torch_worker", json.dumps(specs), out], timeout_s,
+                        env={"OMP_NUM_THREADS": "1"}, capture=True)
         if run.timed_out:
-            return TorchRun(None, f"torchrun did not finish within {timeout_s:g}s; killed it and its ranks",
+            return TorchRun(None, f"the {world_size} ranks did not finish within {timeout_s:g}s; killed them",
                             run.elapsed_s)
         wall = run.elapsed_s
         if run.returncode != 0 or not os.path.exists(out):
             tail = [ln for ln in (run.stderr or "").strip().splitlines() if "Warning" not in ln][-3:]
-            return TorchRun(None, f"torchrun exit {run.returncode}: " + " | ".join(tail), wall)
+            return TorchRun(None, f"the ranks' exit {run.returncode}: " + " | ".join(tail), wall)
         return TorchRun(datafile.load(out, types=STORED_TYPES), None, wall)

@@ -1,4 +1,5 @@
-"""``torchrun --standalone --nproc-per-node N -m zerosim.report.torch_worker CONFIGS_JSON OUT``.
+"""``torchrun --standalone --nproc-per-node N -m zerosim.report.torch_worker CONFIGS_JSON OUT``, or its ranks
+started the same way by :func:`zerogpu.launch.run_ranks` (the report does that).
 
 The report's torch.distributed measurement: every rank runs the engine's SPMD program
 (:func:`zerosim.engine.spmd.rank_program`, torch arrays) on a gloo

@@ -8,14 +8,14 @@ no report, from the most to the least telling:
   a rank that raised names itself and the trainer call it raised in (a trainer that destroyed the
   process group is one of these);
 * which ranks ended mid-run without a word: a rank that started (its log exists) but wrote no exit
-  status (``$ZEROGPU_STATUS_DIR``) and that torchrun's failure summary does not list as killed by a
-  signal left on its own (``os._exit``, a C library's ``exit``), with the status the summary gives,
-  0 when it lists none (torchrun does not list a worker that exited 0);
-* a rank killed by a signal other than torchrun's own SIGTERM (:func:`diagnose_torchrun_death`);
+  status (``$ZEROGPU_STATUS_DIR``), that the launcher did not stop and that no signal killed left on
+  its own (``os._exit``, a C library's ``exit``), with the status it exited with
+  (:class:`zerogpu.spawn.RankExits`);
+* a rank killed by a signal the launcher did not send (:func:`zerogpu.spawn.diagnose_rank_death`);
 * the records of ranks that waited for a peer: a collective that timed out, or a connection that the
   peer reset or closed; they name the peer they waited for;
 * a ``rank R failed: ...`` line in a rank's log, then the last lines of the first log that has any
-  (torchrun's own output when no rank wrote a word: a rank that could not even start).
+  (the launch's own output when no rank wrote a word: a rank that could not even start).
 
 Every line names the folder of the ranks' own output (:mod:`zerosim.rank_logs`). Serves the "a
 failing rank ends the run non-zero naming it" rule: the line says what happened, not what it looks
@@ -47,18 +47,17 @@ class Verdict:
 def left_mid_run(result: Any, world: int, log_dir: Path) -> dict[int, int]:
     """rank -> exit status of every rank that started and ended on its own before the run did (see the
     module docstring); empty when the launch timed out or every rank wrote its status."""
-    from zerogpu.launch import torchrun_failures
-
-    if result.timed_out or result.torchrun_returncode is None:
+    if result.timed_out or result.launcher_returncode is None:
         return {}
-    listed = torchrun_failures(result.stderr or "")
+    ended = result.exits.status()
     out: dict[int, int] = {}
     for rank in range(world):
         if rank in result.rank_status or not rank_log_path(log_dir, rank).exists():
             continue
-        status = listed.get(rank, 0)
-        if status >= 0:
-            out[rank] = status
+        if rank in result.exits.stopped or rank not in ended:
+            continue
+        if ended[rank] >= 0:
+            out[rank] = ended[rank]
     return out
 
 
@@ -70,7 +69,7 @@ def _where(record: dict[str, Any] | None, rank: int) -> str:
 def rank_verdict(result: Any, world: int, log_dir: Path, records: list[dict[str, Any]],
                  launch_s: float) -> Verdict:
     """The one verdict for a launch that ended without a report (see the module docstring)."""
-    from zerogpu.launch import diagnose_torchrun_death
+    from zerogpu.spawn import SUMMARY_HEADING, diagnose_rank_death
 
     logs = f"rank output: {log_dir}"
     if result.timed_out:
@@ -88,7 +87,7 @@ def rank_verdict(result: Any, world: int, log_dir: Path, records: list[dict[str,
         also = f" (so did rank {', '.join(map(str, others))})" if others else ""
         return Verdict(rank, f"exited with status {status} mid-run without a message{_where(witness, rank)}"
                              f"{also}{saw} ({logs})")
-    death = diagnose_torchrun_death(result.stderr or "", said_why=bool(records))
+    death = diagnose_rank_death(result.exits, said_why=bool(records))
     if death is not None and "killed by" in death:
         rank_text, _, how = death.partition(" failed: ")
         rank = int(rank_text.split()[1]) if rank_text.split()[1].isdigit() else -1
@@ -102,9 +101,10 @@ def rank_verdict(result: Any, world: int, log_dir: Path, records: list[dict[str,
                            f"{line.split(' failed: ', 1)[1]} ({logs})")
     tails = [(r, log_tail(rank_log_path(log_dir, r))) for r in range(world)]
     said = [(r, t) for r, t in tails if t]
-    launcher = [ln for ln in (result.stderr or "").splitlines() if ln.strip()][-3:]  # before any rank log
+    before_summary = (result.stderr or "").split(SUMMARY_HEADING)[0]  # what ranks wrote before their logs
+    launcher = [ln for ln in before_summary.splitlines() if ln.strip()][-3:]
     tail = " | ".join(said[0][1] if said else launcher) or "no output"
-    where = f"rank {said[0][0]}'s output ends: " if said else ("torchrun's output ends: " if launcher else "")
+    where = f"rank {said[0][0]}'s output ends: " if said else ("the launch's output ends: " * bool(launcher))
     return Verdict(-1, f"the ranks ended with status {result.returncode} without a report "
                        f"({where}{tail}; {logs})")
 

@@ -1,8 +1,8 @@
 """Running ``zerosim verify``: the launcher (:func:`verify`) and what every rank runs (:func:`rank_main`).
 
 Launcher: validates the options, resolves TARGET (bad input fails here, before any process starts),
-then starts ``torchrun --standalone --nproc-per-node N -m zerosim.verify TARGET ...``
-(:func:`zerogpu.launch.run_torchrun`: a wall-clock timeout, never a process left behind) with the
+then starts N ranks of ``python -m zerosim.verify TARGET ...`` as ``torchrun --standalone`` would
+(:func:`zerogpu.launch.run_ranks`: a wall-clock timeout, never a process left behind) with the
 current directory on every rank's ``PYTHONPATH``. Rank 0 writes ``report.json`` (or ``error.json``)
 into the run directory; each failing rank writes ``failure-rank<R>.json`` naming the rank to blame.
 Each rank's own output goes to ``rank<R>.log`` in ``--out``'s ``logs/`` (a temporary folder without
@@ -182,12 +182,12 @@ class _Launch:
         self.run_dir = Path(run.out)
 
     def _start(self, run: VerifyRun, name: str, log_dir: Path) -> Any:
-        from zerogpu.launch import run_torchrun
+        from zerogpu.launch import run_ranks
 
         assert run.world is not None
         run_file = write_verify_run(run, self.private / name)
-        return run_torchrun(run.world, ["-m", "zerosim.verify", "--run-file", str(run_file)], self.launch_s,
-                            env=self.env, capture=True, rank_log_dir=log_dir)
+        return run_ranks(run.world, ["-m", "zerosim.verify", "--run-file", str(run_file)], self.launch_s,
+                         env=self.env, capture=True, rank_log_dir=log_dir)
 
     def once(self) -> VerifyReport:
         result = self._start(self.run, RUN_FILE, self.log_dir)

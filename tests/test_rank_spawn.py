@@ -1,0 +1,158 @@
+"""Ranks started without torchrun (:mod:`zerogpu.spawn`): torchrun's environment, a store no other
+launch can race for, a failing rank that ends the others, and ranks that end with their launcher.
+
+Most ranks here are tiny ``python -c`` programs that never import torch, so each launch takes a
+fraction of a second; one test starts a real ``torchrun`` to compare environments.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from zerogpu.launch import torch_unavailable_reason
+from zerosim.launching import run_process_group
+from zerosim.owned_processes import new_owner_token
+
+TORCH_REASON = torch_unavailable_reason()
+pytestmark = pytest.mark.skipif(TORCH_REASON is not None, reason=f"torch unavailable: {TORCH_REASON}")
+
+ROOT = Path(__file__).resolve().parents[1]
+GUARD_S = 120.0  # every launch here ends in seconds; reaching this is the failure (a hang)
+_ENV_PROGRAM = """import json, os, sys
+with open(os.path.join(sys.argv[1], "env-" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump(dict(os.environ), f)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.torchdist
+def test_each_rank_gets_the_environment_torchrun_gives_its_workers(tmp_path: Path) -> None:
+    from zerogpu.spawn import RankSpawn
+
+    program = tmp_path / "env_program.py"
+    program.write_text(_ENV_PROGRAM)
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    theirs_dir, ours_dir = tmp_path / "torchrun", tmp_path / "spawn"
+    theirs_dir.mkdir()
+    ours_dir.mkdir()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(program), str(theirs_dir)]
+    assert run_process_group(torchrun, GUARD_S, env).returncode == 0
+    spawn = RankSpawn(2, [str(program), str(ours_dir)])
+    assert run_process_group(spawn, GUARD_S, env).returncode == 0
+    ports = set()
+    for rank in (0, 1):
+        theirs = json.loads((theirs_dir / f"env-{rank}.json").read_text())
+        ours = json.loads((ours_dir / f"env-{rank}.json").read_text())
+        # what torchrun adds for its workers; its elastic bookkeeping (run id, error file, restarts)
+        # serves its agent, not the ranks, and the store's address is each launch's own
+        added = {k for k in set(theirs) - set(env) if k != "_"}
+        own = ("MASTER_ADDR", "MASTER_PORT", "ZEROSIM_OWNER_TOKENS")  # each launch's own
+        same = {k for k in added if not k.startswith("TORCHELASTIC_") and k not in own}
+        assert same >= {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK"}
+        assert {k: ours.get(k) for k in same} == {k: theirs[k] for k in same}
+        assert ours["TORCHELASTIC_USE_AGENT_STORE"] == theirs["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert ours["OMP_NUM_THREADS"] == "1"
+        ports.add(int(ours["MASTER_PORT"]))
+    assert len(ports) == 1 and 0 < ports.pop() < 65536
+
+
+def test_the_store_listens_on_its_port_before_any_rank_starts_and_launches_never_share_one() -> None:
+    from zerogpu.spawn import RankSpawn
+
+    sleeper = ["-c", "import time; time.sleep(30)"]
+    launches = [RankSpawn(2, sleeper) for _ in range(3)]
+    token = new_owner_token()
+    with tempfile.TemporaryFile() as out:
+        try:
+            for launch in launches:
+                launch.start(dict(os.environ), token, out, out)
+            ports = [launch.port for launch in launches]
+            assert len(set(ports)) == len(ports), ports  # each launch holds its own port
+            for port in ports:
+                with socket.socket() as s:  # nobody else can take it while the launch runs
+                    with pytest.raises(OSError) as taken:
+                        s.bind(("127.0.0.1", port))
+                    assert taken.value.errno == errno.EADDRINUSE
+                with socket.create_connection(("127.0.0.1", port), timeout=5):
+                    pass  # and the store already answers on it
+        finally:
+            for launch in launches:
+                launch.end(token, 2.0)
+    assert all(code == -signal.SIGTERM for launch in launches for _, code in launch.exits.order)
+
+
+def test_a_failing_rank_stops_the_others_and_the_launch_says_how_each_ended() -> None:
+    from zerogpu.spawn import RankSpawn
+
+    program = "import os, sys, time\nif os.environ['RANK'] == '1': sys.exit(5)\ntime.sleep(60)"
+    spawn = RankSpawn(3, ["-c", program])
+    run = run_process_group(spawn, GUARD_S, dict(os.environ), kill_grace_s=2.0)
+    assert run.returncode == 1 and not run.timed_out
+    assert spawn.exits.first_failure() == (1, 5)
+    assert spawn.exits.stopped == {0, 2}
+    assert sorted(spawn.exits.status().items()) == [(0, -signal.SIGTERM), (1, 5), (2, -signal.SIGTERM)]
+    assert run.elapsed_s < 30  # not the 60 s the others would have slept
+    report = (run.stderr or "").splitlines()
+    assert report[-3:] == ["  rank 1: exited with status 5",
+                           "  rank 0: killed by signal 15 (SIGTERM) (stopped by the launcher)",
+                           "  rank 2: killed by signal 15 (SIGTERM) (stopped by the launcher)"], run.stderr
+
+
+def test_ranks_that_all_exit_0_end_the_launch_with_0_and_no_report() -> None:
+    from zerogpu.spawn import RankSpawn
+
+    spawn = RankSpawn(2, ["-c", "print('rank', __import__('os').environ['RANK'])"])
+    run = run_process_group(spawn, GUARD_S, dict(os.environ))
+    assert run.returncode == 0 and sorted(spawn.exits.status().items()) == [(0, 0), (1, 0)]
+    assert sorted((run.stdout or "").split("\n")[:2]) == ["rank 0", "rank 1"]
+    assert "ranks ended" not in (run.stderr or "")
+
+
+_LAUNCHER = """import os, sys
+from zerogpu.launch import run_ranks
+rank = ("import os, time; open(os.path.join(%r, os.environ['RANK']), 'w').write(str(os.getpid())); "
+        "time.sleep(60)")
+run_ranks(2, ["-c", rank % sys.argv[1]], 120.0)
+"""
+
+
+@pytest.mark.torchdist
+def test_ranks_end_when_their_launcher_is_killed_by_sigkill(tmp_path: Path) -> None:
+    """No handler runs on SIGKILL: each rank asked the kernel for SIGTERM when its launcher dies."""
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + GUARD_S
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int((tmp_path / r).read_text() or 0) for r in ("0", "1")]
+        assert all(_alive(p) for p in pids)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in pids), "a rank outlived its launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

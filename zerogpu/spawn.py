@@ -1,0 +1,205 @@
+"""Starting the ranks of one single-node torch.distributed job directly, as ``torchrun --standalone`` would.
+
+:class:`RankSpawn` is a :class:`zerosim.launching.Launch`: it starts ``python -u ARGV`` once per rank,
+each rank in a session of its own with the environment torchrun gives its workers (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
+``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``; ``OMP_NUM_THREADS`` stays the caller's), so a rank program runs
+unchanged under it and under an external ``torchrun``. There is no agent process: the launching
+process itself plays the agent's two parts, which saves one interpreter that imports torch per launch.
+
+* **The job's store.** Before any rank starts, this process opens the job's ``TCPStore`` on
+  ``127.0.0.1`` port 0: the kernel picks a free port and the store is listening on it before its
+  number is handed to the ranks (``MASTER_PORT``). The ranks connect as clients
+  (``TORCHELASTIC_USE_AGENT_STORE=True``, what torchrun sets for its agent's store), so no rank
+  binds a port and two launches started at the same moment cannot pick the same one.
+* **Watching the ranks.** Every 0.1 s (torchrun's monitor interval) each rank's exit is noted in the
+  order seen. When one exits non-zero, or is killed by a signal, the others are stopped (SIGTERM, a
+  grace period, SIGKILL), as torchrun's agent does; a rank that exits 0 leaves the others running.
+  :attr:`RankSpawn.exits` then says exactly how each rank ended and which ones this launcher stopped
+  (:class:`RankExits`); when one failed, the same is written as a few lines at the end of the
+  launch's standard error (:meth:`RankExits.summary`), where torchrun printed its failure summary.
+
+Stopping, timeouts and signals are :mod:`zerosim.launching`'s (each rank also carries the launch's
+owner token and, on Linux, SIGTERM on this process's death), so nothing outlives the launch.
+Serves the "distributed runs never hang; a failing rank ends the run non-zero naming it" rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import IO, Any
+
+from zerosim.launching import death_line, signal_description, start_owned
+from zerosim.owned_processes import end_owned
+
+MONITOR_S = 0.1  #: how often the ranks are looked at (torchrun's default ``--monitor-interval``)
+STORE_HOST = "127.0.0.1"
+_STORE_TIMEOUT_S = 300.0
+SUMMARY_HEADING = "the ranks ended (first failure first):"
+
+
+@dataclass
+class RankExits:
+    """How each rank of a launch ended: ``order`` holds ``(rank, status)`` as the exits were seen
+    (status negative: killed by that signal); ``stopped`` the ranks this launcher ended itself after
+    another rank failed, or at the end of the launch."""
+
+    order: list[tuple[int, int]] = field(default_factory=list)
+    stopped: set[int] = field(default_factory=set)
+
+    def status(self) -> dict[int, int]:
+        return dict(self.order)
+
+    def summary(self) -> str:
+        """How each rank ended, one line each, the first failure first (the launch's own report)."""
+        first = self.first_failure()
+        order = sorted(self.order, key=lambda rc: (rc != first, self.order.index(rc)))
+        lines = [SUMMARY_HEADING]
+        for rank, code in order:
+            how = f"killed by {signal_description(-code)}" if code < 0 else f"exited with status {code}"
+            stopped = " (stopped by the launcher)" if rank in self.stopped else ""
+            lines.append(f"  rank {rank}: {how}{stopped}")
+        return "\n".join(lines) + "\n"
+
+    def first_failure(self) -> tuple[int, int] | None:
+        """The first rank seen ending non-zero on its own, with its status; None when there is none."""
+        return next(((r, c) for r, c in self.order if c != 0 and r not in self.stopped), None)
+
+
+def diagnose_rank_death(exits: RankExits, said_why: bool = False) -> str | None:
+    """``rank R failed: killed by signal S (NAME)`` for a rank that died without a word.
+
+    The first failure when it was a signal; else another rank that a signal killed before this
+    launcher stopped it (the first failure being a peer that noticed it); else, when no rank
+    ``said_why``, the first failure's exit status; else None."""
+    first = exits.first_failure()
+    if first is not None and first[1] < 0:
+        return death_line(first[0], -first[1], None)
+    killed = [(r, c) for r, c in exits.order if c < 0 and r not in exits.stopped]
+    if killed:
+        return death_line(killed[0][0], -killed[0][1], None)
+    if first is not None and not said_why:
+        return death_line(first[0], None, first[1])
+    return None
+
+
+def rank_environment(rank: int, world: int, port: int, env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus what torchrun ``--standalone --nproc-per-node world`` sets for worker ``rank``."""
+    return {
+        **env,
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(world),
+        "MASTER_ADDR": STORE_HOST,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+
+
+class RankSpawn:
+    """``world`` ranks of ``python -u *argv`` on this node (see the module docstring)."""
+
+    def __init__(self, world: int, argv: Sequence[str], python: str | None = None):
+        self.world = world
+        self.command = [python or sys.executable, "-u", *argv]
+        self.procs: list[subprocess.Popen] = []
+        self.exits = RankExits()
+        self.store: Any = None
+        self.stderr: IO[bytes] | None = None
+        self._kill_at: float | None = None  # when the ranks stopped after a failure get SIGKILL
+        self.grace_s = 5.0
+
+    @property
+    def port(self) -> int:
+        return int(self.store.port)
+
+    def start(self, env: dict[str, str], token: str, stdout: IO[bytes] | None,
+              stderr: IO[bytes] | None) -> None:
+        from torch.distributed import TCPStore
+
+        self.stderr = stderr
+        self.store = TCPStore(STORE_HOST, 0, world_size=self.world, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=_STORE_TIMEOUT_S))
+        for rank in range(self.world):
+            self.procs.append(start_owned(self.command, rank_environment(rank, self.world, self.port, env),
+                                          token, stdout=stdout, stderr=stderr))
+
+    def _look(self) -> None:
+        """Note the ranks that ended since the last look; stop the rest once one has failed."""
+        seen = {r for r, _ in self.exits.order}
+        for rank, proc in enumerate(self.procs):
+            code = proc.poll()
+            if code is not None and rank not in seen:
+                self.exits.order.append((rank, code))
+        if self._kill_at is None and any(c != 0 for _, c in self.exits.order):
+            self._signal_running(signal.SIGTERM)
+            self._kill_at = time.monotonic() + self.grace_s
+        elif self._kill_at is not None and time.monotonic() >= self._kill_at:
+            self._signal_running(signal.SIGKILL)
+
+    def _signal_running(self, sig: int) -> None:
+        """Send ``sig`` to the process group of every rank still running, and count it as stopped."""
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is None:
+                self.exits.stopped.add(rank)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """0 once every rank exited 0, 1 once every rank ended and one did not; None while one runs."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._look()
+            if len(self.exits.order) == len(self.procs):
+                return 0 if all(c == 0 for _, c in self.exits.order) else 1
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(MONITOR_S, remaining))
+
+    def end(self, token: str, grace_s: float) -> None:
+        """SIGTERM every rank still running (its process group) and every process holding ``token``,
+        SIGKILL after ``grace_s``; returns once none is left and every rank is reaped."""
+
+        def groups(sig: int) -> None:
+            self._signal_running(sig)
+
+        groups(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.02)
+        groups(signal.SIGKILL)
+        end_owned(token, grace_s, also=groups)
+        for proc in self.procs:
+            proc.wait()
+        self._look()
+        self.store = None  # the store's server closes with its last reference
+        if any(c != 0 for _, c in self.exits.order):
+            self._report()
+
+    def _report(self) -> None:
+        """Write :meth:`RankExits.summary` after whatever the ranks wrote to the launch's stderr."""
+        text = self.exits.summary().encode()
+        with contextlib.suppress(OSError, ValueError):
+            if self.stderr is None:
+                sys.stderr.flush()
+                os.write(sys.stderr.fileno(), text)
+            else:
+                self.stderr.write(text)
+                self.stderr.flush()
