@@ -27,6 +27,7 @@ from zerosim.verify.model import build_model  # noqa: E402
 pytestmark = [pytest.mark.torchdist, pytest.mark.slow]
 
 LAUNCH_TIMEOUT_S = 120.0  # per collective; the launcher adds its own wall-clock bound
+STEPS = 8  # 4 per phase: every bug here shows within 4 steps of its phase (the defaults are longer)
 
 
 # ---- the example's layout, computed here from the model ------------------------------------------------
@@ -266,7 +267,7 @@ def report_for(factory: str, world: int) -> VerifyReport:
     key = (factory, world)
     if key not in _reports:
         _reports[key] = verify(
-            f"tests.verify_trainers.broken:{factory}", world=world, timeout_s=LAUNCH_TIMEOUT_S
+            f"tests.verify_trainers.broken:{factory}", world=world, steps=STEPS, timeout_s=LAUNCH_TIMEOUT_S
         )
     return _reports[key]
 
