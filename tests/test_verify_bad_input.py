@@ -96,7 +96,7 @@ def test_out_that_is_a_file_is_refused_before_any_rank_starts(tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("args", "field"),
     [(["--dtype", "float16"], "dtype"), (["--timeout", "0"], "timeout"), (["ddp"], "target"),
-     (["--world", "3"], "world"), (["--model", "gpt-tied"], "model")],
+     (["--world", "3"], "world"), (["--model", "gpt-tied"], "model"), (["--mesh", "4x1"], "mesh")],
 )
 def test_all_refuses_an_option_it_cannot_honour_before_the_first_cell(
     args: list[str], field: str, tmp_path: Path

@@ -502,7 +502,9 @@ def run_cli(args: Any, timeout_s: float | None) -> int:
     fixed = (("target", args.target, None), ("world", args.world, None), ("steps", args.steps, None),
              ("model", args.model, "gpt"), ("optimizers", args.optimizers, "sgd,adamw"),
              ("resume_at", getattr(args, "resume_at", None), None),
-             ("resume_world", getattr(args, "resume_world", None), None))
+             ("resume_world", getattr(args, "resume_world", None), None),
+             ("mesh", getattr(args, "mesh", None), None), ("strict", getattr(args, "strict", False), False),
+             ("allow_world_1", getattr(args, "allow_world_1", False), False))
     what = "--resume-matrix" if resume_only else "--all"
     for flag, value, default in fixed:
         if value != default:
