@@ -98,7 +98,7 @@ def test_out_that_is_a_file_is_refused_before_any_rank_starts(tmp_path: Path) ->
 @pytest.mark.parametrize(
     ("args", "field"),
     [(["--dtype", "float16"], "dtype"), (["--timeout", "0"], "timeout"), (["ddp"], "target"),
-     (["--world", "3"], "world"), (["--model", "gpt-tied"], "model")],
+     (["--world", "3"], "world"), (["--model", "gpt-tied"], "model"), (["--mesh", "4x1"], "mesh")],
 )
 def test_all_refuses_an_option_it_cannot_honour_before_the_first_cell(
     args: list[str], field: str, tmp_path: Path
@@ -190,3 +190,32 @@ def test_rank_hanging_is_named_after_the_timeout() -> None:
     result = run_verify(f"{BAD}:rank_hangs", "--world", "2", "--steps", "4", "--timeout", str(HANG_TIMEOUT_S))
     line = error_line(result, 3)
     assert f"rank {bad.MISBEHAVING_RANK}" in line, line
+
+
+# ---- the mesh and the world size: refused before any rank starts --------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["fsdp2-hybrid", "--world", "2", "--mesh", "3x1"], ["mesh='3x1'", "3 x 1 = 3 ranks", "has 2"]),
+        (["fsdp2-hybrid", "--world", "2", "--mesh", "2by1"], ["mesh='2by1'", "RxS"]),
+        (["fsdp2-hybrid", "--world", "2", "--mesh", "0x2"], ["mesh='0x2'", "at least 1"]),
+        (["ddp", "--world", "2", "--mesh", "2x1"], ["mesh='2x1'", "fixed layout"]),
+        (["fsdp2-hybrid", "--world", "2", "--mesh", "2x1", "--resume-at", "1"],
+         ["mesh='2x1'", "--resume-at"]),
+        (["ddp", "--world", "1"], ["world=1", "one rank cannot show a sharding bug", "--allow-world-1"]),
+        (["ddp", "--world-size", "1"], ["world=1", "one rank cannot show a sharding bug"]),
+    ],
+    ids=["mesh-not-the-world", "mesh-malformed", "mesh-zero", "mesh-fixed-layout", "mesh-with-resume",
+         "world-1", "world-size-1"],
+)
+def test_mesh_and_world_one_refused_in_one_line(args: list[str], needles: list[str], capsys) -> None:
+    """In process (the refusal comes before any rank starts): exit 2, one line on stderr, nothing else."""
+    from zerosim.cli import main
+
+    code = main(["verify", *args])
+    out, err = capsys.readouterr()
+    line = error_line(subprocess.CompletedProcess(args, code, out, err), 2)
+    for needle in needles:
+        assert needle in line, f"{needle!r} missing from: {line}"

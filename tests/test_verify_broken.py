@@ -27,6 +27,7 @@ from zerosim.verify.model import build_model  # noqa: E402
 pytestmark = [pytest.mark.torchdist, pytest.mark.slow]
 
 LAUNCH_TIMEOUT_S = 120.0  # per collective; the launcher adds its own wall-clock bound
+STEPS = 8  # 4 per phase: every bug here shows within 4 steps of its phase (the defaults are longer)
 
 
 # ---- the example's layout, computed here from the model ------------------------------------------------
@@ -266,7 +267,7 @@ def report_for(factory: str, world: int) -> VerifyReport:
     key = (factory, world)
     if key not in _reports:
         _reports[key] = verify(
-            f"tests.verify_trainers.broken:{factory}", world=world, timeout_s=LAUNCH_TIMEOUT_S
+            f"tests.verify_trainers.broken:{factory}", world=world, steps=STEPS, timeout_s=LAUNCH_TIMEOUT_S
         )
     return _reports[key]
 
@@ -308,3 +309,43 @@ def test_correct_hybrid_passes_with_repeated_ranges() -> None:
     report = report_for("hybrid_zero1", 4)
     assert report.verdict == "pass", failure_message(report)
     assert report.contracts["C-ZERO-001"].status == "pass"
+
+
+# ---- the regimes: defaults long enough for late bugs, a named mesh, a trainer that never clips ----------
+
+
+def test_a_rank_that_stops_updating_late_is_caught_under_the_defaults() -> None:
+    """Rank 1 stops from the 5th step of each phase: 4-step phases never see it; the default run (no
+    --steps) has 12 per phase and names the rank and the step."""
+    factory = "tests.verify_trainers.broken:rank_stops_updating_late"
+    report = verify(factory, world=2, timeout_s=LAUNCH_TIMEOUT_S)
+    text = failure_message(report)
+    assert report.verdict == "fail", text
+    step = sgd_step(broken.STOPS_LATE_AFTER_STEPS + 1)(report)
+    assert first_failing_step(report, "C-ZERO-002") == step, text
+    classes = [d.bug_class for d in report.diagnosis]
+    assert "rank-local" in classes and "late-divergence" in classes, text
+    in_rank_1_slice(report, step)
+
+
+def test_a_hybrid_trainer_that_skips_the_replica_reduce_on_an_n_by_1_mesh_is_named() -> None:
+    """``--mesh 2x1``: each shard group is one rank, the trainer reduces within it only, so nothing is
+    reduced (pytorch #154888's class); its correct twin passes on the same mesh."""
+    factory = "tests.verify_trainers.broken:hybrid_skips_replica_reduce"
+    report = verify(factory, world=2, steps=4, mesh=(2, 1), timeout_s=LAUNCH_TIMEOUT_S)
+    text = failure_message(report)
+    assert report.verdict == "fail" and report.extra.get("mesh") == [2, 1], text
+    assert first_failing_step(report, "C-ZERO-002") == sgd_step(1)(report), text
+    assert "replicas-not-reduced" in [d.bug_class for d in report.diagnosis], text
+    correct = verify("tests.verify_trainers.broken:hybrid_mesh_zero1", world=2, steps=4, mesh=(2, 1),
+                     timeout_s=LAUNCH_TIMEOUT_S)
+    assert correct.verdict == "pass", failure_message(correct)
+
+
+def test_a_trainer_that_never_clips_is_not_told_its_norm_covers_the_wrong_elements() -> None:
+    factory = "tests.verify_trainers.broken:never_clips"
+    report = verify(factory, world=2, steps=STEPS, timeout_s=LAUNCH_TIMEOUT_S)
+    text = failure_message(report)
+    assert first_failing_step(report, "C-ZERO-002") == first_binding_clip(report), text
+    clip = next(d.evidence for d in report.diagnosis if d.bug_class == "clip-norm")
+    assert "does not clip at all" in clip and "wrong set of elements" not in clip, clip

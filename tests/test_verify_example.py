@@ -36,7 +36,7 @@ def assert_example_holds(report: VerifyReport, world: int) -> None:
 @pytest.mark.torchdist
 @pytest.mark.slow
 def test_example_passes_through_the_pytest_helper_at_world_2() -> None:
-    report = assert_trainer_verifies(EXAMPLE, world=2)
+    report = assert_trainer_verifies(EXAMPLE, world=2, steps=8)
     assert_example_holds(report, 2)
 
 
@@ -45,7 +45,7 @@ def test_example_passes_through_the_pytest_helper_at_world_2() -> None:
 @pytest.mark.parametrize("world", [3, 4])
 def test_example_passes_at_world_sizes_that_do_not_divide_the_model(world: int) -> None:
     assert parameter_count(build_model("gpt")) % world != 0
-    assert_example_holds(verify(EXAMPLE, world=world), world)
+    assert_example_holds(verify(EXAMPLE, world=world, steps=8), world)
 
 
 @pytest.mark.torchdist
@@ -54,7 +54,7 @@ def test_helper_raises_with_the_diagnostic_of_a_broken_trainer() -> None:
     """A gradient summed, not averaged: the message names the contract, the first step, the rank, the
     tensor and its element range, and the bug class."""
     with pytest.raises(AssertionError) as caught:
-        assert_trainer_verifies("tests.verify_trainers.broken:summed_gradient", world=2)
+        assert_trainer_verifies("tests.verify_trainers.broken:summed_gradient", world=2, steps=4)
     message = str(caught.value)
     first_tensor = next(name for name, _ in build_model("gpt").named_parameters())
     for needle in (

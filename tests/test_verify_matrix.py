@@ -82,3 +82,29 @@ def test_an_unknown_adapter_is_refused_before_any_cell_runs(stand_in_runs: None)
 
     with pytest.raises(ConfigError, match="invalid adapter='nccl-magic'"):
         matrix.run_matrix(["ddp", "nccl-magic"])
+
+
+def test_mesh_column_runs_hybrid_adapters_on_the_world_by_1_mesh_and_counts_findings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The mesh column: only hybrid adapters, each at world 4 on mesh (4, 1); a cell whose traffic is a
+    finding (values right) passes and says how many findings."""
+    seen: list[tuple[str, int, object]] = []
+
+    def fake_verify(adapter: str, *, world: int, mesh: object = None, **_: object) -> VerifyReport:
+        seen.append((adapter, world, mesh))
+        report = _report(adapter, world, [])
+        if adapter == "ddp":
+            finding = {**_traffic_violation(2, 0), "clause": "ring_model"}
+            report.contracts["C-ZERO-005"] = ContractOutcome("finding", "traffic", [finding])
+        return report
+
+    monkeypatch.setattr(verify_package, "verify", fake_verify)
+    result = matrix.run_matrix(["ddp", "fsdp2-hybrid"], optimizers=("sgd",), worlds=(2,), mesh_worlds=(4,))
+    assert ("fsdp2-hybrid", 4, (4, 1)) in seen and all(m is None for a, _, m in seen if a == "ddp")
+    assert [(c["adapter"], c["mesh"]) for c in result["mesh_cells"]] == [("fsdp2-hybrid", [4, 1])]
+    assert matrix.matrix_exit_code(result) == 0
+    text = matrix.render_markdown(result)
+    assert "| adapter | sgd @ 2 | sgd @ 4, mesh 4x1 |" in text, text
+    assert "| ddp | pass 1.0e-02 (1 finding) | - |" in text, text
+    assert "| fsdp2-hybrid | pass 1.0e-02 | pass 1.0e-02 |" in text, text

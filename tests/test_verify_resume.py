@@ -23,6 +23,7 @@ from zerosim.verify.outcome import violation_json  # noqa: E402
 from zerosim.verify.protocol import STATE_NAMES  # noqa: E402
 from zerosim.verify.reference import Reference  # noqa: E402
 from zerosim.verify.resume import SNAPSHOT_FILE, read_first_run  # noqa: E402
+from zerosim.verify.suite import build_phases  # noqa: E402
 
 TIMEOUT_S = 120.0
 
@@ -219,7 +220,7 @@ def test_publishing_copies_the_runs_files_and_deletes_nothing(tmp_path: Path) ->
     "args,field",
     [
         (["--resume-at", "0"], "resume_at"),
-        (["--resume-at", "4"], "resume_at"),  # the default phases have 4 steps each
+        (["--resume-at", str(min(p.steps for p in build_phases()))], "resume_at"),  # a default phase's length
         (["--resume-at", "x"], "resume_at"),
         (["--resume-at", "1", "--resume-world", "0"], "resume_world"),
         (["--resume-world", "3"], "resume_world"),

@@ -19,6 +19,7 @@ from zerogpu.trainer import ZeroTrainer
 
 BROKEN_RANK = 1  # the rank that misbehaves in the single-rank bugs
 STOPS_AFTER_STEPS = 2  # the stopping rank's last real update, counted within one optimizer phase
+STOPS_LATE_AFTER_STEPS = 4  # the late variant: rank 1 stops from the 5th step of each phase
 OVERLAP_ELEMENTS = 7  # how far rank 0 reaches into rank 1's slice
 
 
@@ -206,6 +207,59 @@ class ReducesInFloat32(Zero1Trainer):
         reduced = flat_grad.to(torch.float32)
         dist.all_reduce(reduced)
         return (reduced / self.world).to(flat_grad.dtype)
+
+
+class RankStopsUpdatingLate(RankStopsUpdating):
+    """Rank 1 stops updating from the 5th step of each phase: invisible in 4-step phases, caught under
+    the default 12 steps per phase."""
+
+    def update(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.rank == BROKEN_RANK and self.steps_taken > STOPS_LATE_AFTER_STEPS:
+            return
+        Zero1Trainer.update(self, param, grad)
+
+
+class NeverClips(Zero1Trainer):
+    """``max_grad_norm`` is accepted and ignored: the update always uses the unclipped gradient."""
+
+    def clip_coefficient(self, grad_shard: torch.Tensor) -> float:
+        return 1.0
+
+
+def _mesh_shard_size(optim: dict) -> int:
+    mesh = optim.get("mesh")
+    if mesh is None:
+        raise ValueError("this trainer needs --mesh RxS (optim['mesh'])")
+    return int(mesh[1])
+
+
+class HybridSkipsReplicaReduce(HybridZero1):
+    """HSDP on ``optim["mesh"]`` whose step reduces the gradient within the shard group only: on an
+    (n, 1) mesh the shard group is one rank, so no gradient is reduced at all and every rank trains on
+    its own micro-batch (pytorch #154888: FSDP HYBRID_SHARD on an (n, 1) mesh drops the cross-replica
+    all-reduce)."""
+
+    def mean_gradient(self, flat_grad: torch.Tensor) -> torch.Tensor:
+        if self.group_size > 1:
+            dist.all_reduce(flat_grad, group=self.shard_group)
+        return flat_grad / self.group_size
+
+
+def hybrid_mesh_zero1(model: torch.nn.Module, optim: dict) -> Zero1Trainer:
+    """The correct hybrid ZeRO-1 on ``optim["mesh"]`` (the baseline of the next one)."""
+    return HybridZero1(model, optim, shard_group_size=_mesh_shard_size(optim))
+
+
+def hybrid_skips_replica_reduce(model: torch.nn.Module, optim: dict) -> Zero1Trainer:
+    return HybridSkipsReplicaReduce(model, optim, shard_group_size=_mesh_shard_size(optim))
+
+
+def rank_stops_updating_late(model: torch.nn.Module, optim: dict) -> Zero1Trainer:
+    return RankStopsUpdatingLate(model, optim)
+
+
+def never_clips(model: torch.nn.Module, optim: dict) -> Zero1Trainer:
+    return NeverClips(model, optim)
 
 
 def summed_gradient(model: torch.nn.Module, optim: dict) -> Zero1Trainer:

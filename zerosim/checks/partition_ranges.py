@@ -6,7 +6,10 @@ two ranks share one (``disjoint``), and the most and least loaded ranks differ b
 tensor (``balance``). A hybrid layout (every element owned by the same number k > 1 of ranks) holds
 when ranks whose ranges meet own identical ranges (replicas of one shard), each such group has k
 members, and one rank of each group covers every element exactly once (``replicas``). The layout is
-inferred from the ranges alone. The engine's plans are judged by :mod:`zerosim.checks.partition`
+inferred from the ranges alone; given a mesh (R replicas of S shard ranks: rank r in shard group
+r // S and replica group r % S), the ranges must also follow it: every element owned by R ranks and
+the ranks of one replica group owning identical ranges (clause ``replicas``). The engine's plans are
+judged by :mod:`zerosim.checks.partition`
 before they run, against the same clauses.
 """
 
@@ -25,9 +28,12 @@ from .mismatch import first_run, runs
 CONTRACT = "C-ZERO-001"
 
 
-def check_partition_ranges(records: Sequence[TrainerStep], numels: dict[str, int]) -> Verdict:
+def check_partition_ranges(
+    records: Sequence[TrainerStep], numels: dict[str, int], mesh: tuple[int, int] | None = None
+) -> Verdict:
     """C-ZERO-001 on the element ranges every rank owns (see the module docstring); ``numels``: the
-    element count per tensor. Each distinct layout is checked once. Without owned ranges (a trainer with
+    element count per tensor; ``mesh``: (replicas, shard group size) the ranges must follow, when the
+    run names one. Each distinct layout is checked once. Without owned ranges (a trainer with
     no ``local_shards()``) the verdict lists nothing and says why in ``details["skipped"]``."""
     with_shards = [r for r in records if all(o.shards is not None for o in r.ranks)]
     if not with_shards:
@@ -46,11 +52,13 @@ def check_partition_ranges(records: Sequence[TrainerStep], numels: dict[str, int
         if key in seen:
             continue
         seen.add(key)
-        layouts.append(_ranges_layout(rec, numels, out))
+        layouts.append(_ranges_layout(rec, numels, out, mesh))
     return out.listed_verdict(checked=len(layouts), layouts=layouts)
 
 
-def _ranges_layout(rec: TrainerStep, numels: dict[str, int], out: ViolationCollector) -> str:
+def _ranges_layout(
+    rec: TrainerStep, numels: dict[str, int], out: ViolationCollector, mesh: tuple[int, int] | None = None
+) -> str:
     """Check one step's ranges; add violations to ``out``; describe the inferred layout."""
     ranks = [o.rank for o in rec.ranks]
     owners = {n: np.zeros(numels[n], dtype=object if len(ranks) > 62 else np.int64) for n in numels}
@@ -112,6 +120,8 @@ def _ranges_layout(rec: TrainerStep, numels: dict[str, int], out: ViolationColle
                 expected=k,
                 got=int(c[start]),
             )
+    if mesh is not None:
+        _follows_mesh(rec, mesh, k, owners, out)
     largest = max(numels.values()) if numels else 0
     if k <= 1:
         loads = [owned[r] for r in ranks]
@@ -199,6 +209,40 @@ def _ranges_layout(rec: TrainerStep, numels: dict[str, int], out: ViolationColle
             tolerance=largest,
         )
     return f"hybrid: {len(groups)} shard(s) x {k} replicas"
+
+
+def _follows_mesh(
+    rec: TrainerStep, mesh: tuple[int, int], k: int, owners: dict[str, Any], out: ViolationCollector
+) -> None:
+    """Clause ``replicas`` under a named mesh (R, S): each element has R owners, one per replica, and
+    rank r owns what the first rank of its replica group (r % S) owns."""
+    replicas, shard = mesh
+    label = f"mesh {replicas}x{shard}"
+    if k and k != replicas:
+        out.add(
+            "replicas",
+            f"replicas: under {label} every element is owned by {replicas} rank(s), one per replica; "
+            f"here by {k}",
+            {"mesh": [replicas, shard]},
+            phase=rec.phase, step=rec.step, tensor="*", interval=(0, 0), expected=replicas, got=k,
+        )
+    for o in rec.ranks:
+        first = o.rank % shard
+        if first == o.rank:
+            continue
+        for name, own in owners.items():
+            a = (own & (1 << first)) != 0
+            b = (own & (1 << o.rank)) != 0
+            if (a != b).any():
+                start, stop = first_run(a != b)
+                out.add(
+                    "replicas",
+                    f"replicas: under {label} ranks {first} and {o.rank} form one replica group "
+                    f"(rank % {shard} = {first}) but own different ranges",
+                    {"ranks": [first, o.rank], "mesh": [replicas, shard]},
+                    phase=rec.phase, step=rec.step, ranks=(o.rank,), tensor=name, interval=(start, stop),
+                )
+                break
 
 
 def _ranks_of(mask: Any) -> list[int]:

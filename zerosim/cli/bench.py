@@ -81,7 +81,8 @@ def register_check(sub: Any) -> None:
         "check", help="C-ZERO-001 interval check at 10^12 x 1024 vs a flag-per-parameter checker"
     )
     p.add_argument("--total", default="10**12", help="parameters in the big plan (default 10**12)")
-    p.add_argument("--world-size", type=int, default=1024, help="ranks in the big plan (default 1024)")
+    p.add_argument("--world-size", "--world", dest="world_size",
+                   type=int, default=1024, help="ranks in the big plan (default 1024)")
     p.add_argument("--repeats", type=int, default=50, help="timed repetitions of the big check (default 50)")
     p.add_argument("--flag-sizes", default="10**5,10**6,10**7,10**8",
                    help="totals at which both checkers run side by side (default 10**5..10**8)")
@@ -106,7 +107,7 @@ def register_peers(sub: Any) -> None:
                    help=f"verify model presets (default {','.join(bench_peers.DEFAULT_MODELS)})")
     p.add_argument("--adapters", default=None,
                    help="comma-separated built-in adapters or MODULE:FACTORY (default: every installed one)")
-    p.add_argument("--world", default=None,
+    p.add_argument("--world", "--world-size", dest="world", default=None,
                    help="ranks (default 2 on the CPU, one per GPU with --device cuda)")
     p.add_argument("--steps", default=str(bench_peers.DEFAULT_STEPS),
                    help=f"timed steps per adapter (default {bench_peers.DEFAULT_STEPS})")
@@ -179,7 +180,7 @@ def register_monitor(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapters", default="ddp,zero-redundancy,fsdp2,zerogpu-zero3",
                    help="comma-separated: ddp, zero-redundancy, fsdp2, zerogpu-zero3 (default all)")
-    p.add_argument("--world", default="2", help="ranks (default 2)")
+    p.add_argument("--world", "--world-size", dest="world", default="2", help="ranks (default 2)")
     p.add_argument("--steps", default="120",
                    help="timed steps per run (default 120: every=100 checks at 0 and 100)")
     p.add_argument("--warmup", default="5", help="untimed steps first (default 5)")

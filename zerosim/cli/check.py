@@ -54,7 +54,7 @@ def _register_partition(inner: Any) -> None:
     what.add_argument("--partitioner", metavar="NAME",
                       help=f"a built-in partitioner: {', '.join(sorted(PARTITIONERS))}")
     p.add_argument("--model", metavar="PRESET", help=f"--partitioner on a preset model: {', '.join(PRESETS)}")
-    p.add_argument("--world-size", type=str, action="append", metavar="N",
+    p.add_argument("--world-size", "--world", dest="world_size", type=str, action="append", metavar="N",
                    help="check this world size only (repeatable)")
     p.add_argument("--world-sizes", metavar="LIST", help="world sizes, e.g. '1..64,1024' (the default)")
     p.add_argument("--total", type=str, action="append", metavar="N",

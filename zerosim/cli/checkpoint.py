@@ -65,7 +65,8 @@ def register(sub: Any) -> None:
     )
     rs.add_argument("path", metavar="PATH", help="the checkpoint directory to read")
     rs.add_argument("out", metavar="OUT", help="the directory to write (created; must not be PATH)")
-    rs.add_argument("--world-size", type=int, required=True, metavar="M", help="the new world size")
+    rs.add_argument("--world-size", "--world", dest="world_size",
+                    type=int, required=True, metavar="M", help="the new world size")
     rs.add_argument(
         "--strategy",
         required=True,

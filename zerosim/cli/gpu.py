@@ -27,7 +27,7 @@ def report_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", type=Path, default=DEFAULT_REPORT_OUT,
                    help=f"output folder (default {DEFAULT_REPORT_OUT})")
-    p.add_argument("--world-size", type=int, default=None, metavar="N",
+    p.add_argument("--world-size", "--world", dest="world_size", type=int, default=None, metavar="N",
                    help="ranks, one GPU each (default: the number of visible GPUs; 2 with --cpu)")
     p.add_argument("--cpu", action="store_true", help="no CUDA needed: gloo on the CPU (the same report)")
     p.add_argument("--strategies", default="all", metavar="LIST", help="comma-separated, or 'all' (default)")

@@ -60,7 +60,8 @@ def add_model_args(p) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--params", help="parameter count, e.g. 7.5e9 or 7.5B (no block structure)")
     src.add_argument("--model", help="a preset: tiny, sim-10m, gpt2-small, ..., gpt-7.5b, gpt3-175b")
-    p.add_argument("--world-size", required=True, help="number of ranks (data-parallel degree N_d)")
+    p.add_argument("--world-size", "--world", dest="world_size",
+                   required=True, help="number of ranks (data-parallel degree N_d)")
     p.add_argument(
         "--ranks-per-node", default=None, help="ranks per node (hybrid group size; intra vs inter node)"
     )

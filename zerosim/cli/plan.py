@@ -39,7 +39,8 @@ def register(sub: Any) -> None:
                    help=f"built-in model (default gpt2-small): {', '.join(PRESETS)}")
     p.add_argument("--params", default=None, metavar="N",
                    help="instead of --model: one flat tensor of N parameters (e.g. 1e15, 10**15)")
-    p.add_argument("--world-size", type=int, default=8, metavar="N", help="number of ranks (default 8)")
+    p.add_argument("--world-size", "--world", dest="world_size",
+                   type=int, default=8, metavar="N", help="number of ranks (default 8)")
     p.add_argument("--strategy", default="full_shard", metavar="S",
                    help="no_shard|zero1|zero2|zero3|full_shard|shard_grad_op|hybrid_shard[:K]|"
                         "hybrid_shard_zero2[:K] (default full_shard)")

@@ -19,7 +19,7 @@ from typing import Any
 from ..bench import peers
 from ..bench.peers_run import PeersRun
 from ..errors import ConfigError, ZeroSimError
-from ..verify.run_value import DEFAULT_TIMEOUT_S, DEVICES, DTYPES, VerifyRun, read_verify_run
+from ..verify.run_value import DEFAULT_TIMEOUT_S, DEVICES, DTYPES, VerifyRun, parse_mesh, read_verify_run
 from ..verify.suite import OPTIMIZERS
 
 
@@ -35,6 +35,9 @@ def verify_rank_parser() -> argparse.ArgumentParser:
                    help="the whole run as one JSON value (what zerosim verify writes for its ranks); "
                    "no other option with it")
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--allow-world-1", action="store_true", help="run on one rank anyway")
+    p.add_argument("--mesh", default=None, metavar="RxS", help="R replicas of S shard ranks (optim['mesh'])")
+    p.add_argument("--strict", action="store_true", help="findings fail the run")
     p.add_argument("--dtype", default="float64", choices=DTYPES)
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--model", default="gpt")
@@ -90,6 +93,8 @@ def verify_run_from_args(args: Any, world: int | None = None) -> VerifyRun:
         optimizers=args.optimizers, seed=args.seed, timeout_s=args.timeout, out=args.out,
         json_output=bool(args.json), quiet=bool(args.quiet), resume_at=args.resume_at,
         resume_dir=args.resume_dir, resume_stage=args.resume_stage, save_observations=args.save_observations,
+        allow_world_1=bool(args.allow_world_1), mesh=None if args.mesh is None else parse_mesh(args.mesh),
+        strict=bool(args.strict),
     )
 
 

@@ -37,7 +37,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default="tiny", metavar="PRESET",
         help=f"block-model preset (default tiny): {', '.join(simulator_presets())}",
     )
-    g.add_argument("--world-size", type=int, default=4, metavar="N", help="number of ranks (default 4)")
+    g.add_argument("--world-size", "--world", dest="world_size", type=int, default=4, metavar="N",
+                   help="number of ranks (default 4)")
     g.add_argument("--strategy", default="full_shard", metavar="S", help=STRATEGY_HELP)
     g.add_argument("--partitioner", default="fsdp", metavar="P",
                    help="how shards are cut (default fsdp): fsdp, deepspeed, deepspeed-zero3, seed, "

@@ -32,10 +32,26 @@ def register(sub: Any) -> None:
     one_line_errors(p)
     p.add_argument("target", nargs="?", default=None, help="built-in adapter name or MODULE:FACTORY")
     p.add_argument(
-        "--world", default=None, help="ranks to start (default 4; under torchrun: the ranks it started)"
+        "--world", "--world-size", dest="world", default=None,
+        help="ranks to start (default 4; under torchrun: the ranks it started)",
     )
     p.add_argument(
-        "--steps", default=None, help="optimizer steps over both phases (default 8: 4 SGD + 4 AdamW)"
+        "--allow-world-1", action="store_true",
+        help="run on one rank anyway (refused otherwise: one rank cannot show a sharding bug)",
+    )
+    p.add_argument(
+        "--mesh", default=None, metavar="RxS",
+        help="R replicas of S shard ranks (R x S = world; rank r in shard group r // S, replica group "
+        "r %% S), given to the trainer as optim['mesh'] = (R, S) and judged by the checks; default: "
+        "the target's own",
+    )
+    p.add_argument(
+        "--strict", action="store_true",
+        help="findings fail the run (traffic or memory off the declared strategy's model while every "
+        "value is right; without --strict such a run passes and lists them)",
+    )
+    p.add_argument(
+        "--steps", default=None, help="optimizer steps over both phases (default 24: 12 SGD + 12 AdamW)"
     )
     p.add_argument("--dtype", default="float64", help="float64 (default) or float32")
     p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
@@ -149,7 +165,8 @@ def _run_as_rank(args: Any) -> None:
     run = VerifyRun(args.target, world=world, steps=_int("steps", args.steps), dtype=args.dtype,
                     device=args.device, model=args.model, optimizers=args.optimizers,
                     timeout_s=timeout if timeout is not None else DEFAULT_TIMEOUT_S, out=args.out,
-                    json_output=bool(args.json))
+                    json_output=bool(args.json), allow_world_1=bool(args.allow_world_1),
+                    mesh=_mesh(args.mesh), strict=bool(args.strict))
     rank_main(run)
 
 
@@ -169,4 +186,13 @@ def _verify(args: Any) -> Any:
         out=args.out,
         resume_at=_int("resume_at", args.resume_at),
         resume_world=_int("resume_world", args.resume_world),
+        allow_world_1=bool(args.allow_world_1),
+        mesh=_mesh(args.mesh),
+        strict=bool(args.strict),
     )
+
+
+def _mesh(text: Any) -> tuple[int, int] | None:
+    from ..verify.run_value import parse_mesh
+
+    return None if text is None else parse_mesh(text)

@@ -10,12 +10,17 @@ specific first (the fixed vocabulary :data:`zerosim.verify.outcome.BUG_CLASSES`)
 * ``gradient-scale``: the first SGD update equals the reference's gradient step times a constant
   factor (world: summed, not averaged; 1/world: averaged twice).
 * ``permuted-shards``: the values are the reference's, in the wrong places (a gather in the wrong order).
-* ``clip-norm``: within a clipped phase, the steps before the clip first binds match and the
-  divergence starts exactly at that step (a norm over the wrong set of elements).
+* ``clip-norm``: the divergence starts at a step where the clip binds, the phase's first such step
+  (or the failing phase is the only one whose clip binds): a norm over the wrong set of elements, or,
+  when every rank holds AdamW's unclipped update there, no clip at all.
 * ``rank-local``: every differing element at the first failing step lies in the ranges one rank (or
   one replica group) owns: that rank's optimizer or its shard of the reduction.
 * ``late-divergence``: the phase matches for k-1 steps and diverges at step k > 1 (state, counters,
   zeroing).
+* ``replicas-not-reduced``: at the first failing SGD step the ranks fall into replicas (the shard
+  groups of the run's mesh, or else the groups of ranks holding bitwise the same values), each
+  replica's update differs and their mean is the reference's: each replica averaged its gradient over
+  its own ranks only, the all-reduce across replicas is missing.
 * ``ranks-disagree``: ranks hold different full parameters (gather, broadcast, replica drift; a rank
   whose values equal the previous step's is named stale).
 * ``ranks-agree-wrong``: at the first failing step every rank agrees bitwise, yet not with the
@@ -98,8 +103,11 @@ def _ranges(mask: np.ndarray, limit: int = 3) -> str:
     return ", ".join(pairs) + (f" and {more} more range(s)" if more > 0 else "")
 
 
-def diagnose(records: Sequence[StepRecord], contracts: dict[str, ContractOutcome]) -> list[Diagnosis]:
-    """Every bug class whose signature the observations show, most specific first (module docstring)."""
+def diagnose(
+    records: Sequence[StepRecord], contracts: dict[str, ContractOutcome], mesh: tuple[int, int] | None = None
+) -> list[Diagnosis]:
+    """Every bug class whose signature the observations show, most specific first (module docstring);
+    ``mesh`` = (replicas, shard group size) when the run names one."""
     found: list[Diagnosis] = []
     own = contracts.get("C-ZERO-001")
     found += _overlap(own)
@@ -113,6 +121,7 @@ def diagnose(records: Sequence[StepRecord], contracts: dict[str, ContractOutcome
     found += _gradient_scale(records)
     if first_bad is not None:
         found += _permuted(first_bad)
+        found += _replicas_not_reduced(first_bad, mesh)
         found += _clip(records, first_bad)
         found += _rank_local(first_bad)
         found += _late(records, first_bad)
@@ -301,27 +310,116 @@ def _permuted(rec: StepRecord) -> list[Diagnosis]:
     ]
 
 
+def _key(rec: StepRecord, obs: TrainerObservation) -> bytes:
+    """The bytes of every parameter ``obs`` holds (equal keys: bitwise the same values)."""
+    return b"".join(np.ascontiguousarray(obs.params[n]).tobytes() for n in rec.ref.params)
+
+
+def _replica_groups(rec: StepRecord, mesh: tuple[int, int] | None) -> list[list[int]] | None:
+    """Positions in ``rec.ranks`` of each replica: the mesh's shard groups (None when the ranks of one
+    disagree), or else the groups of ranks holding bitwise the same parameters."""
+    keys = [_key(rec, o) for o in rec.ranks]
+    if mesh is not None:
+        shard = mesh[1]
+        groups = [list(range(g, min(g + shard, len(keys)))) for g in range(0, len(keys), shard)]
+        if any(keys[i] != keys[g[0]] for g in groups for i in g):
+            return None
+        return groups
+    by_key: dict[bytes, list[int]] = {}
+    for i, k in enumerate(keys):
+        by_key.setdefault(k, []).append(i)
+    return list(by_key.values())
+
+
+def _replicas_not_reduced(rec: StepRecord, mesh: tuple[int, int] | None) -> list[Diagnosis]:
+    if rec.phase != "sgd":  # SGD's step is linear in the gradient: the replicas' mean is the reference's
+        return []
+    groups = _replica_groups(rec, mesh)
+    if groups is None or len(groups) < 2 or len({len(g) for g in groups}) != 1:
+        return []
+    heads = [rec.ranks[g[0]] for g in groups]
+    if len({_key(rec, o) for o in heads}) < 2:
+        return []
+    for n, exp in rec.ref.params.items():
+        mean = np.mean([o.params[n].astype(np.float64) for o in heads], axis=0)
+        slack = rec.bounds.params[n] + 4 * np.finfo(np.float64).eps * np.abs(exp)
+        if (np.abs(mean - exp) > slack).any():
+            return []
+    shard = mesh[1] if mesh is not None else len(groups[0])
+    names = "; ".join(",".join(str(rec.ranks[i].rank) for i in g) for g in groups[:4])
+    more = f" and {len(groups) - 4} more" if len(groups) > 4 else ""
+    return [
+        Diagnosis(
+            "replicas-not-reduced",
+            f"at step {rec.step} ({rec.phase}) the {len(groups)} replicas (ranks {names}{more}) each hold "
+            "a different update and their mean is the reference's: each replica averaged its gradient over "
+            f"its own {shard} rank(s) only; the all-reduce across replicas (ranks r, r + {shard}, ...) is "
+            "missing (an HSDP step that skips the replicate reduction, as FSDP's HYBRID_SHARD does on an "
+            "(n, 1) mesh in pytorch #154888)",
+        )
+    ]
+
+
 def _phase_records(records: Sequence[StepRecord], phase: str) -> list[StepRecord]:
     return [r for r in records if r.phase == phase]
 
 
 def _clip(records: Sequence[StepRecord], first_bad: StepRecord) -> list[Diagnosis]:
+    """``clip-norm`` when the divergence starts at a step where the clip binds and that step is the
+    phase's first binding one, or the failing phase is the only one whose clip binds."""
     phase = _phase_records(records, first_bad.phase)
     binding = [r for r in phase if r.ref.clip_bound]
-    if not binding or binding[0] is not first_bad or first_bad.ref.phase_step == 1:
+    if not first_bad.ref.clip_bound:
         return []
-    if any(_record_fails(r) for r in records if r.phase != first_bad.phase and r.step < first_bad.step):
+    clipped_phases = {r.phase for r in records if r.ref.clip_bound}
+    if binding[0] is not first_bad and clipped_phases != {first_bad.phase}:
         return []
-    return [
-        Diagnosis(
-            "clip-norm",
-            f"steps {phase[0].step}-{first_bad.step - 1} of the {first_bad.phase} phase match "
-            f"the reference; the divergence starts at step {first_bad.step}, the first step where the clip "
-            f"binds (global gradient norm {first_bad.ref.grad_norm:.4g}, clip factor "
-            f"{first_bad.ref.clip_coef:.4g}): the norm is likely taken over the wrong set of elements "
-            "(a local shard, or without the other ranks' contributions)",
+    matched = (
+        f"steps {phase[0].step}-{first_bad.step - 1} of the {first_bad.phase} phase match the reference; "
+        if first_bad.step > phase[0].step
+        else ""
+    )
+    which = "the first step" if binding[0] is first_bad else "a step"
+    start = (
+        f"{matched}the divergence starts at step {first_bad.step}, {which} where the clip binds (global "
+        f"gradient norm {first_bad.ref.grad_norm:.4g}, clip factor {first_bad.ref.clip_coef:.4g})"
+    )
+    if _unclipped_update(phase, first_bad):
+        cause = (
+            ": every rank's update there is the unclipped one (max_grad_norm "
+            f"{(first_bad.optim or {}).get('max_grad_norm')}): the trainer does not clip at all"
         )
-    ]
+    else:
+        cause = (
+            ": the norm is likely taken over the wrong set of elements (a local shard, or without the "
+            "other ranks' contributions)"
+        )
+    return [Diagnosis("clip-norm", start + cause)]
+
+
+def _unclipped_update(phase: Sequence[StepRecord], rec: StepRecord) -> bool:
+    """Every rank holds, at ``rec``, AdamW's step with the unclipped gradient from the reference's state
+    before it (torch.optim.AdamW's update replayed in float64; steps before ``rec`` matched)."""
+    optim = rec.optim or {}
+    if optim.get("name") != "adamw":
+        return False
+    prev = next((r for r in phase if r.ref.phase_step == rec.ref.phase_step - 1), None)
+    if rec.ref.phase_step > 1 and prev is None:
+        return False
+    lr, wd, eps = float(optim["lr"]), float(optim.get("weight_decay", 0.0)), float(optim.get("eps", 1e-8))
+    b1, b2 = (float(b) for b in optim.get("betas", (0.9, 0.999)))
+    t = rec.ref.phase_step
+    for n, before in rec.ref.params_before.items():
+        g = rec.ref.grad[n].astype(np.float64)
+        state = prev.ref.state.get(n, {}) if prev is not None else {}
+        m = b1 * state.get("exp_avg", np.zeros_like(g)) + (1 - b1) * g
+        v = b2 * state.get("exp_avg_sq", np.zeros_like(g)) + (1 - b2) * g * g
+        expected = before * (1 - lr * wd) - (lr / (1 - b1**t)) * m / (np.sqrt(v) / np.sqrt(1 - b2**t) + eps)
+        slack = rec.bounds.params[n] + 64 * np.finfo(np.float64).eps * (np.abs(before) + lr)
+        for o in rec.ranks:
+            if (np.abs(o.params[n].astype(np.float64) - expected) > slack).any():
+                return False
+    return True
 
 
 def _rank_local(rec: StepRecord) -> list[Diagnosis]:

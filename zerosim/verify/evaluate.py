@@ -32,7 +32,7 @@ from zerosim.verdict import Verdict
 
 from .model import require_model
 from .observation import StepRecord
-from .outcome import ContractOutcome, VerifyReport, violation_json
+from .outcome import ContractOutcome, VerifyReport, mark_findings, violation_json
 from .reference import Reference
 from .resume import ResumeRun, resume_outcome
 from .suite import Phase
@@ -79,7 +79,7 @@ def build_records(
             ref_step = ref.step(s)
             if ref_step.clip_bound:
                 binds.append(s)
-            records.append(StepRecord(ref_step, model.step(ref_step), ranks))
+            records.append(StepRecord(ref_step, model.step(ref_step), ranks, dict(phase.optim)))
         info[phase.name]["arithmetic"] = arithmetic
         if masters32:
             info[phase.name]["master_dtype"] = "float32"
@@ -138,8 +138,15 @@ def evaluate(
     numels: dict[str, int],
     resources: dict[str, ContractOutcome] | None = None,
     resume: ResumeRun | None = None,
+    mesh: tuple[int, int] | None = None,
+    strict: bool = False,
 ) -> VerifyReport:
+    """The report of one run: the contracts judged on the records (C-ZERO-001 against ``mesh`` when the
+    run names one), efficiency-only failures of a run whose values are right marked as findings
+    (:func:`~zerosim.verify.outcome.mark_findings`; ``strict`` makes them fail), and the diagnosis."""
     from .diagnosis import diagnose
+
+    mesh = None if mesh is None else (int(mesh[0]), int(mesh[1]))
 
     records = build_records(
         phases,
@@ -154,7 +161,7 @@ def evaluate(
     )
     contracts: dict[str, ContractOutcome] = {}
     if records:
-        contracts["C-ZERO-001"] = ContractOutcome.from_verdict(check_partition_ranges(records, numels))
+        contracts["C-ZERO-001"] = ContractOutcome.from_verdict(check_partition_ranges(records, numels, mesh))
         contracts["C-ZERO-002"] = ContractOutcome.from_verdict(check_step_equivalence(records))
         contracts["C-ZERO-003"] = ContractOutcome.from_verdict(check_replica_identity(records))
     else:
@@ -176,9 +183,13 @@ def evaluate(
             why = "; ".join(p.get("reason", "") for p in phase_info if p.get("reason"))
             contracts["C-ZERO-007"] = ContractOutcome("skipped", f"no phase resumed: {why}")
     total = sum(p.steps for p in phases)
+    mark_findings(contracts)
     report = VerifyReport(
-        target, world, total, dtype, contracts, diagnose(records, contracts), device, model_name, phase_info
+        target, world, total, dtype, contracts, diagnose(records, contracts, mesh), device, model_name,
+        phase_info, strict=strict,
     )
+    if mesh is not None:
+        report.extra["mesh"] = list(mesh)
     if resume is not None:
         report.extra["resume"] = resume.to_json()
     return report

@@ -15,8 +15,14 @@ checkpoint on M fresh ranks (``verify(..., resume_at=, resume_world=)``); the ce
 verdict and C-ZERO-007. ``--resume-matrix`` runs this column alone (``verify-resume-matrix.json``
 and ``.md``).
 
-A cell whose run ends with an error (a rank failed, the peer rejected the configuration) is kept
-as ``"error"`` with its one-line message: a peer that fails is a finding, never dropped.
+The mesh column: every hybrid adapter (:data:`zerosim.verify.adapters.HYBRID_ADAPTERS`) once more at
+world 4 on the degenerate mesh (4, 1) (``--mesh 4x1``: four replicas of one unsharded rank, where
+the replicate all-reduce is the only reduction; pytorch #154888 dropped it there), per optimizer.
+
+A cell counts its findings (traffic or memory off the declared strategy's model in a run whose values
+are right; the cell passes and says how many). A cell whose run ends with an error (a rank failed, the
+peer rejected the configuration) is kept as ``"error"`` with its one-line message: a peer that fails
+is reported, never dropped.
 
 Why one module of this length: the cells, their order, the resume column and the three renderings
 (markdown, JSON, heat map) describe one table; each rendering reads the same cell values.
@@ -35,7 +41,7 @@ from typing import Any
 from zerosim.errors import ConfigError, ZeroSimError
 from zerosim.outputs import save_figure, write_text
 
-from .adapters import ADAPTERS, installed_adapters
+from .adapters import ADAPTERS, HYBRID_ADAPTERS, installed_adapters
 from .outcome import VerifyReport
 
 OPTIMIZER_PHASES = ("sgd", "adamw")
@@ -43,6 +49,7 @@ WORLDS = (2, 4)
 PHASE_STEPS = 4  # each phase's length in the default two-phase suite (8 steps)
 RESUME_PAIRS = ((2, 3), (4, 2))  # (world saved at, world resumed at) of the resume column
 RESUME_AT = 2  # each phase resumes after this many of its steps
+MESH_WORLDS = (4,)  # the mesh column: hybrid adapters on the (world, 1) mesh at these world sizes
 
 
 def run_cell(
@@ -54,11 +61,16 @@ def run_cell(
     dtype: str = "float64",
     device: str = "cpu",
     timeout_s: float | None = None,
+    mesh: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
-    """One matrix cell: verify ``adapter`` with one optimizer phase at ``world`` ranks."""
+    """One matrix cell: verify ``adapter`` with one optimizer phase at ``world`` ranks (on ``mesh``)."""
     cell: dict[str, Any] = {"adapter": adapter, "optimizer": optimizer, "world": world, "steps": steps}
+    options: dict[str, Any] = {}
+    if mesh is not None:
+        cell["mesh"] = list(mesh)
+        options["mesh"] = mesh
     report = _timed_verify(cell, adapter, world=world, steps=steps, dtype=dtype, device=device,
-                           optimizers=(optimizer,), timeout_s=timeout_s)
+                           optimizers=(optimizer,), timeout_s=timeout_s, **options)
     if report is None:
         return cell
     eq = report.contracts.get("C-ZERO-002")
@@ -78,6 +90,7 @@ def run_cell(
         arithmetic=phase.get("arithmetic"),
         master_dtype=phase.get("master_dtype"),
         clip_binds_at=phase.get("clip_binds_at"),
+        findings=len(report.findings),
     )
     return cell
 
@@ -134,8 +147,10 @@ def run_matrix(
     timeout_s: float | None = None,
     progress: Any = None,
     resume_pairs: Sequence[tuple[int, int]] = (),
+    mesh_worlds: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Every cell of the matrix (see the module docstring), then the resume column for each pair in
+    """Every cell of the matrix (see the module docstring), the mesh column (hybrid adapters on the
+    (world, 1) mesh for each world in ``mesh_worlds``), then the resume column for each pair in
     ``resume_pairs``; ``progress(cell)`` is called after each."""
     names = list(adapters) if adapters is not None else installed_adapters()
     for name in names:
@@ -143,6 +158,7 @@ def run_matrix(
             raise ConfigError("adapter", name, f"not a built-in adapter; known: {', '.join(ADAPTERS)}")
     cells = []
     resume_cells = []
+    mesh_cells = []
     for name in names:
         for world in worlds:
             for optimizer in optimizers:
@@ -150,6 +166,13 @@ def run_matrix(
                     name, optimizer, world, steps=steps, dtype=dtype, device=device, timeout_s=timeout_s
                 )
                 cells.append(cell)
+                if progress is not None:
+                    progress(cell)
+        for world in mesh_worlds if name in HYBRID_ADAPTERS else ():
+            for optimizer in optimizers:
+                cell = run_cell(name, optimizer, world, steps=steps, dtype=dtype, device=device,
+                                timeout_s=timeout_s, mesh=(world, 1))
+                mesh_cells.append(cell)
                 if progress is not None:
                     progress(cell)
         for n, m in resume_pairs:
@@ -171,6 +194,8 @@ def run_matrix(
         "resume_pairs": [list(p) for p in resume_pairs],
         "resume_at": RESUME_AT,
         "resume_cells": resume_cells,
+        "mesh_worlds": list(mesh_worlds),
+        "mesh_cells": mesh_cells,
     }
 
 
@@ -200,6 +225,8 @@ def _label(cell: dict[str, Any]) -> str:
     text = cell["verdict"]
     if ratio is not None:
         text += f" {ratio:.1e}"
+    if cell.get("findings"):
+        text += f" ({cell['findings']} finding{'s' if cell['findings'] != 1 else ''})"
     if cell.get("first_failing_step"):
         text += f" (step {cell['first_failing_step']}, {cell['first_failing_contract']})"
     return text
@@ -275,6 +302,8 @@ def render_markdown(matrix: dict[str, Any]) -> str:
         return "\n".join(head + render_resume_markdown(matrix) + tail) + "\n"
     cells = {(c["adapter"], c["optimizer"], c["world"]): c for c in matrix["cells"]}
     cols = [(o, w) for w in matrix["worlds"] for o in matrix["optimizers"]]
+    mesh_cells = {(c["adapter"], c["optimizer"], c["world"]): c for c in matrix.get("mesh_cells", [])}
+    mesh_cols = [(o, w) for w in matrix.get("mesh_worlds", []) for o in matrix["optimizers"]]
     env = matrix["environment"]
     lines = [
         f"# Peers' verdict matrix ({matrix['dtype']}, {matrix['device']}, {matrix['steps_per_cell']} steps "
@@ -285,11 +314,13 @@ def render_markdown(matrix: dict[str, Any]) -> str:
         f"Python {env.get('python')} on {env.get('machine')}. Cell: verdict, max error / tolerance of "
         "C-ZERO-002 (below 1 passes), and the first failing step and contract.",
         "",
-        "| adapter | " + " | ".join(f"{o} @ {w}" for o, w in cols) + " |",
-        "|---|" + "---|" * len(cols),
+        "| adapter | " + " | ".join([*(f"{o} @ {w}" for o, w in cols),
+                                       *(f"{o} @ {w}, mesh {w}x1" for o, w in mesh_cols)]) + " |",
+        "|---|" + "---|" * (len(cols) + len(mesh_cols)),
     ]
     for name in matrix["adapters"]:
         row = [_label(cells[(name, o, w)]) if (name, o, w) in cells else "-" for o, w in cols]
+        row += [_label(mesh_cells[(name, o, w)]) if (name, o, w) in mesh_cells else "-" for o, w in mesh_cols]
         lines.append(f"| {name} | " + " | ".join(row) + " |")
     lines += [
         "",
@@ -299,19 +330,21 @@ def render_markdown(matrix: dict[str, Any]) -> str:
         "| wall s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in matrix["cells"]:
+    for c in [*matrix["cells"], *matrix.get("mesh_cells", [])]:
         st = c.get("contracts", {})
         short = [
             st.get(f"C-ZERO-00{i}", c["verdict"] if c["verdict"] == "error" else "-") for i in range(1, 6)
         ]
         err = f"{c['max_error']:.2e}" if c.get("max_error") is not None else "-"
         tol = f"{c['tolerance']:.2e}" if c.get("tolerance") is not None else "-"
+        world = f"{c['world']} (mesh {c['mesh'][0]}x{c['mesh'][1]})" if c.get("mesh") else c["world"]
         lines.append(
-            f"| {c['adapter']} | {c['optimizer']} | {c['world']} | "
+            f"| {c['adapter']} | {c['optimizer']} | {world} | "
             + " | ".join(short)
             + f" | {err} | {tol} | {c.get('arithmetic') or '-'} | {c['wall_s']:.1f} |"
         )
-    notes = [c for c in matrix["cells"] if c["verdict"] in ("fail", "error")]
+    every = [*matrix["cells"], *matrix.get("mesh_cells", [])]
+    notes = [c for c in every if c["verdict"] in ("fail", "error")]
     if notes:
         lines += ["", "## Failures and errors", ""]
         for c in notes:
@@ -407,7 +440,8 @@ def write_matrix(matrix: dict[str, Any], out_dir: str | Path) -> dict[str, Path]
 def matrix_exit_code(matrix: dict[str, Any]) -> int:
     """3 if a cell's run failed outright (a rank failed, hung, or the peer rejected the run), 1 if a
     contract failed, else 0."""
-    verdicts = {c["verdict"] for c in [*matrix["cells"], *matrix.get("resume_cells", [])]}
+    verdicts = {c["verdict"] for c in [*matrix["cells"], *matrix.get("resume_cells", []),
+                                        *matrix.get("mesh_cells", [])]}
     return 3 if "error" in verdicts else 1 if "fail" in verdicts else 0
 
 
@@ -422,12 +456,15 @@ def run_all(
     echo: Any = print,
     optimizers: Sequence[str] = OPTIMIZER_PHASES,
     resume_pairs: Sequence[tuple[int, int]] = RESUME_PAIRS,
+    mesh_worlds: Sequence[int] = MESH_WORLDS,
 ) -> int:
     """``zerosim verify --all``: run the matrix, write it, print one line per cell; the exit status."""
 
     def progress(cell: dict[str, Any]) -> None:
         if "resume_world" in cell:
             what = f"resume {cell['world']}->{cell['resume_world']}: {_resume_label(cell)}"
+        elif "mesh" in cell:
+            what = f"{cell['optimizer']:<6} world {cell['world']} mesh {cell['world']}x1: {_label(cell)}"
         else:
             what = f"{cell['optimizer']:<6} world {cell['world']}: {_label(cell)}"
         echo(
@@ -444,6 +481,7 @@ def run_all(
         timeout_s=timeout_s,
         progress=progress,
         resume_pairs=resume_pairs,
+        mesh_worlds=mesh_worlds,
     )
     paths = write_matrix(matrix, out_dir)
     echo("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -464,7 +502,9 @@ def run_cli(args: Any, timeout_s: float | None) -> int:
     fixed = (("target", args.target, None), ("world", args.world, None), ("steps", args.steps, None),
              ("model", args.model, "gpt"), ("optimizers", args.optimizers, "sgd,adamw"),
              ("resume_at", getattr(args, "resume_at", None), None),
-             ("resume_world", getattr(args, "resume_world", None), None))
+             ("resume_world", getattr(args, "resume_world", None), None),
+             ("mesh", getattr(args, "mesh", None), None), ("strict", getattr(args, "strict", False), False),
+             ("allow_world_1", getattr(args, "allow_world_1", False), False))
     what = "--resume-matrix" if resume_only else "--all"
     for flag, value, default in fixed:
         if value != default:
@@ -478,7 +518,7 @@ def run_cli(args: Any, timeout_s: float | None) -> int:
     out_dir = output_dir(getattr(args, "out", None), name)
     if resume_only:
         return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s, optimizers=(),
-                       worlds=())
+                       worlds=(), mesh_worlds=())
     return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s)
 
 

@@ -10,6 +10,7 @@ testable on synthetic observations.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from zerosim.checks.tolerance import StepBounds
 from zerosim.observe import TrainerObservation
@@ -27,6 +28,7 @@ class StepRecord:
     ref: ReferenceStep
     bounds: StepBounds
     ranks: list[StepObservation]
+    optim: dict[str, Any] | None = None  # the phase's optimizer config (the diagnosis replays a step with it)
 
     @property
     def step(self) -> int:

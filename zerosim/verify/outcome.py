@@ -18,13 +18,19 @@ from typing import Any
 from zerosim.verdict import Verdict, Violation
 
 CONTRACT_IDS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
+#: the clauses that judge efficiency against the declared strategy's model, not the values: memory
+#: above the plan (C-ZERO-004 ``bytes``), traffic outside the ring model (C-ZERO-005 ``ring_model``)
+EFFICIENCY_CLAUSES = frozenset({"bytes", "ring_model"})
+FINDING = "finding"  # a contract's status when only efficiency clauses broke and every value is right
 BUG_CLASSES = ("gradient-scale", "clip-norm", "unowned-elements", "overlapping-shards", "rank-local",
-               "ranks-disagree", "ranks-agree-wrong", "permuted-shards", "late-divergence")
+               "ranks-disagree", "ranks-agree-wrong", "permuted-shards", "late-divergence",
+               "replicas-not-reduced")
 
 
 @dataclass
 class ContractOutcome:
-    """One contract's verdict: ``status`` "pass" | "fail" | "skipped", why, and what broke it.
+    """One contract's verdict: ``status`` "pass" | "fail" | "finding" | "skipped", why, and what broke it
+    ("finding": see :func:`mark_findings`).
     ``details`` carries the measured ``max_error`` next to its ``tolerance`` where the contract has one."""
 
     status: str
@@ -102,6 +108,24 @@ def _num(x: Any) -> Any:
     return float(x)
 
 
+def mark_findings(contracts: dict[str, ContractOutcome]) -> dict[str, ContractOutcome]:
+    """A correct run is a pass; efficiency is a finding. When no contract failed on a value clause
+    (parameters, optimizer state, replicas, ownership, resumed state, logged values), every failed
+    contract whose violations are all efficiency clauses (:data:`EFFICIENCY_CLAUSES`: the framework's
+    own schedule moves or keeps other bytes than the declared strategy's model) becomes a "finding".
+    When a value is wrong they stay failures: the traffic is then evidence of the bug."""
+
+    def efficiency_only(c: ContractOutcome) -> bool:
+        return bool(c.violations) and all(v.get("clause") in EFFICIENCY_CLAUSES for v in c.violations)
+
+    failed = [cid for cid, c in contracts.items() if c.status == "fail"]
+    if any(not efficiency_only(contracts[cid]) for cid in failed):
+        return contracts
+    for cid in failed:
+        contracts[cid].status = FINDING
+    return contracts
+
+
 @dataclass(frozen=True)
 class Diagnosis:
     """A likely bug class (one of :data:`BUG_CLASSES`) and the observations that point at it."""
@@ -115,7 +139,8 @@ class Diagnosis:
 
 @dataclass
 class VerifyReport:
-    """The result of verifying one trainer: ``verdict`` is "fail" when any contract failed."""
+    """The result of verifying one trainer: ``verdict`` is "fail" when any contract failed, or, with
+    ``strict``, when any contract has a finding."""
 
     target: str
     world: int
@@ -127,10 +152,18 @@ class VerifyReport:
     model: str = "gpt"
     phases: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    strict: bool = False
 
     @property
     def verdict(self) -> str:
-        return "fail" if any(c.status == "fail" for c in self.contracts.values()) else "pass"
+        failed = any(c.status == "fail" for c in self.contracts.values())
+        return "fail" if failed or (self.strict and self.findings) else "pass"
+
+    @property
+    def findings(self) -> list[dict[str, Any]]:
+        """Each efficiency violation of a contract whose status is "finding" (traffic or memory off the
+        declared strategy's model in a run whose values are right)."""
+        return [v for c in self.contracts.values() if c.status == FINDING for v in c.violations]
 
     @property
     def exit_code(self) -> int:
@@ -140,14 +173,15 @@ class VerifyReport:
         return {"target": self.target, "world": self.world, "steps": self.steps, "dtype": self.dtype,
                 "device": self.device, "model": self.model, "verdict": self.verdict,
                 "contracts": {k: v.to_json() for k, v in self.contracts.items()},
-                "diagnosis": [d.to_json() for d in self.diagnosis], "phases": list(self.phases), **self.extra}
+                "diagnosis": [d.to_json() for d in self.diagnosis], "phases": list(self.phases),
+                "strict": self.strict, "findings": self.findings, **self.extra}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> VerifyReport:
         known = {"target", "world", "steps", "dtype", "device", "model", "verdict", "contracts", "diagnosis",
-                 "phases"}
+                 "phases", "strict", "findings"}
         return cls(data["target"], int(data["world"]), int(data["steps"]), data["dtype"],
                    {k: ContractOutcome.from_json(v) for k, v in data["contracts"].items()},
                    [Diagnosis(d["bug_class"], d["evidence"]) for d in data.get("diagnosis", [])],
                    data.get("device", "cpu"), data.get("model", "gpt"), list(data.get("phases", [])),
-                   {k: v for k, v in data.items() if k not in known})
+                   {k: v for k, v in data.items() if k not in known}, bool(data.get("strict", False)))

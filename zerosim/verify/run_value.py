@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,9 @@ class VerifyRun:
     the report as one JSON object; ``quiet``: it prints nothing (the launcher reads the files).
     ``resume_at`` / ``resume_dir`` / ``resume_stage``: one of the two launches of a resumed run.
     ``save_observations``: rank 0 also writes the observations to this path as plain data.
+    ``allow_world_1``: run on one rank although it cannot show a sharding bug. ``mesh``: (replicas,
+    shard group size) handed to the trainer as ``optim["mesh"]`` and used by the checks. ``strict``:
+    findings (traffic or memory off the declared strategy's model while every value is right) fail.
     """
 
     target: str
@@ -58,6 +62,9 @@ class VerifyRun:
     resume_dir: str | None = None
     resume_stage: str | None = None
     save_observations: str | None = None
+    allow_world_1: bool = False
+    mesh: tuple[int, int] | None = None
+    strict: bool = False
 
     def replace(self, **changes: Any) -> VerifyRun:
         return dataclasses.replace(self, **changes)
@@ -69,6 +76,12 @@ class VerifyRun:
         validate_options(world=1 if self.world is None else self.world, steps=self.steps, dtype=self.dtype,
                          device=self.device, model=self.model, optimizers=self.optimizers,
                          timeout_s=self.timeout_s)
+        if self.world is not None and self.resume_stage != "load":  # a resumed run may continue on one rank
+            require_world(self.world, self.allow_world_1)
+            if self.mesh is not None:
+                require_mesh(self.mesh, self.world)
+        if self.mesh is not None:
+            require_mesh_target(self.target, self.mesh)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError("seed", self.seed, "must be a non-negative integer")
         if self.resume_stage is not None and self.resume_stage not in RESUME_STAGES:
@@ -92,7 +105,7 @@ class VerifyRun:
         if "target" not in data:
             raise ConfigError("target", None, "the run file names no target")
         values = {k: v for k, v in data.items() if k != "format"}
-        for name in ("json_output", "quiet"):
+        for name in ("json_output", "quiet", "allow_world_1", "strict"):
             if name in values and not isinstance(values[name], bool):
                 raise ConfigError(name, values[name], "expected true/false")
         for name in ("target", "dtype", "device", "model", "optimizers", "out", "resume_dir",
@@ -107,6 +120,13 @@ class VerifyRun:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise ConfigError("timeout_s", timeout, "expected a number of seconds")
         values["timeout_s"] = float(timeout)
+        mesh = values.get("mesh")
+        if mesh is not None:
+            if not isinstance(mesh, list) or len(mesh) != 2 or any(
+                isinstance(v, bool) or not isinstance(v, int) for v in mesh
+            ):
+                raise ConfigError("mesh", mesh, "expected [replicas, shard group size]")
+            values["mesh"] = (mesh[0], mesh[1])
         return cls(**values).validate()
 
 
@@ -142,6 +162,53 @@ def validate_options(
         or not 0 < timeout_s < float("inf")
     ):
         raise ConfigError("timeout_s", timeout_s, "must be a positive number of seconds")
+
+
+def require_world(world: int, allow_world_1: bool) -> None:
+    """ConfigError for one rank unless the user asked for it: nothing is sharded, reduced or gathered
+    on one rank, so no sharding bug can show and a pass would say nothing."""
+    if world == 1 and not allow_world_1:
+        raise ConfigError(
+            "world", world, "one rank cannot show a sharding bug (nothing is sharded, reduced or gathered); "
+            "use --world 2 or more, or --allow-world-1 to run it anyway"
+        )
+
+
+def parse_mesh(text: Any) -> tuple[int, int]:
+    """``"RxS"`` -> (R, S): R replicas of S shard ranks; ConfigError naming the field and value."""
+    match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
+    if match is None:
+        raise ConfigError("mesh", text, "expected RxS: R replicas of S shard ranks, e.g. 2x2")
+    mesh = (int(match.group(1)), int(match.group(2)))
+    if min(mesh) < 1:
+        raise ConfigError("mesh", text, "R and S must be at least 1")
+    return mesh
+
+
+def require_mesh(mesh: Any, world: int) -> None:
+    """ConfigError unless ``mesh`` = (R, S) are positive integers with R x S = ``world``."""
+    if (not isinstance(mesh, tuple) or len(mesh) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in mesh)):
+        raise ConfigError("mesh", mesh, "expected (replicas, shard group size), both positive integers")
+    if mesh[0] * mesh[1] != world:
+        raise ConfigError(
+            "mesh", f"{mesh[0]}x{mesh[1]}",
+            f"{mesh[0]} x {mesh[1]} = {mesh[0] * mesh[1]} ranks, but the run has {world}",
+        )
+
+
+def require_mesh_target(target: str, mesh: tuple[int, int]) -> None:
+    """ConfigError when a built-in adapter with a fixed layout is given a mesh; a hybrid adapter and a
+    user's MODULE:FACTORY get ``optim["mesh"]`` (verify cannot know whether a user's trainer is hybrid:
+    it hands the mesh over and judges the ranges against it)."""
+    from .adapters import ADAPTERS, HYBRID_ADAPTERS, VARIANTS
+
+    if (target in ADAPTERS or target in VARIANTS) and target not in HYBRID_ADAPTERS:
+        raise ConfigError(
+            "mesh", f"{mesh[0]}x{mesh[1]}",
+            f"{target} has a fixed layout; --mesh applies to {', '.join(HYBRID_ADAPTERS[:2])} and to "
+            "your own MODULE:FACTORY",
+        )
 
 
 def validate_resume(at: Any, world: Any, optimizers: Any, steps: Any, device: str) -> None:

@@ -84,6 +84,9 @@ def verify(
     out: str | None = None,
     resume_at: int | None = None,
     resume_world: int | None = None,
+    allow_world_1: bool = False,
+    mesh: tuple[int, int] | None = None,
+    strict: bool = False,
 ) -> VerifyReport:
     """Train ``target`` on ``world`` ranks next to the unsharded reference and check C-ZERO-001..005.
 
@@ -96,12 +99,18 @@ def verify(
     ranks end; ``resume_world`` ranks (default ``world``) start in a second launch, build a fresh
     trainer, call ``load_checkpoint`` and train the phase's remaining steps; C-ZERO-007 is checked
     besides the others (:mod:`zerosim.verify.resume`).
+
+    ``world`` 1 is refused unless ``allow_world_1`` (one rank cannot show a sharding bug). ``mesh`` =
+    (R, S): the trainer gets ``optim["mesh"]`` and the checks judge R replicas of S shard ranks (rank r
+    in shard group r // S, replica group r % S). ``strict``: findings (traffic or memory off the
+    declared strategy's model while every value is right) fail the run.
     """
     validate_options(world=world, steps=steps, dtype=dtype, device=device, model=model,
                      optimizers=optimizers, timeout_s=timeout_s)
     names = optimizers if isinstance(optimizers, str) else ",".join(optimizers)
     run = VerifyRun(target, world=world, steps=steps, dtype=dtype, device=device, model=model,
-                    optimizers=names, timeout_s=float(timeout_s or DEFAULT_TIMEOUT_S))
+                    optimizers=names, timeout_s=float(timeout_s or DEFAULT_TIMEOUT_S),
+                    allow_world_1=allow_world_1, mesh=mesh, strict=strict)
     return launch_verify(run, out=out, resume_at=resume_at, resume_world=resume_world)
 
 
@@ -112,10 +121,13 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
 
     from .targets import resolve_factory
 
-    run.validate()
     world = run.world if run.world is not None else 4
+    run = run.replace(world=world).validate()
     if resume_world is not None and resume_at is None:
         raise ConfigError("resume_world", resume_world, "needs --resume-at K (the phase step to resume at)")
+    if resume_at is not None and run.mesh is not None:
+        raise ConfigError("mesh", f"{run.mesh[0]}x{run.mesh[1]}",
+                          "cannot be combined with --resume-at (the resumed world has its own shape)")
     if resume_at is not None:
         resume_world = world if resume_world is None else resume_world
         validate_resume(resume_at, resume_world, run.optimizers, run.steps, run.device)
@@ -260,7 +272,7 @@ def rank_main(run: VerifyRun) -> NoReturn:
         if run.world is not None and run.world != world:
             raise ConfigError("world", run.world, f"the launcher started {world} rank(s); drop --world or "
                                                   "start that many")
-        run.validate()
+        run.replace(world=world).validate()
     except ZeroSimError as e:
         _write_error(run.out, e)
         fail_on_bad_input(e)

@@ -226,6 +226,8 @@ class RankSession:
                 observations=self.observations,
                 numels=numels,
                 resources=resources,
+                mesh=self.settings.mesh,
+                strict=self.settings.strict,
             )
             if self.settings.save_observations:
                 save_observations(self.settings.save_observations, run)
@@ -317,7 +319,10 @@ class RankSession:
     def _make(self, model: Any, phase: Phase) -> tuple[Any, str | None]:
         name = self.settings.target
         try:
-            trainer = self.factory(model, dict(phase.optim))
+            optim = dict(phase.optim)
+            if self.settings.mesh is not None:
+                optim["mesh"] = tuple(self.settings.mesh)
+            trainer = self.factory(model, optim)
         except NotImplementedError as e:
             return (
                 None,

@@ -18,7 +18,9 @@ from typing import Any
 from zerosim.errors import ConfigError
 
 OPTIMIZERS = ("sgd", "adamw")
-DEFAULT_STEPS = 8
+# 12 steps per phase: a bug that starts late in a phase (a rank that stops updating after a few
+# steps, a counter that wraps) shows under the defaults
+DEFAULT_STEPS = 24
 # rank 0 keeps every rank's full parameters and optimizer state of every step for the evaluation:
 # 1,000 steps at world 4 on the built-in GPT is over 1.2 GB, and about 70 s of training on 2 cores
 MAX_STEPS = 1000
@@ -61,7 +63,7 @@ def require_optimizers(optimizers: Sequence[str] | str) -> tuple[str, ...]:
 
 
 def build_phases(optimizers: Sequence[str] | str = OPTIMIZERS, steps: int | None = None) -> list[Phase]:
-    """The phases for ``optimizers`` sharing ``steps`` (default 8; the first phase gets the odd one)."""
+    """The phases for ``optimizers`` sharing ``steps`` (default 24; the first phase gets the odd one)."""
     names = require_optimizers(optimizers)
     total = DEFAULT_STEPS if steps is None else steps
     if isinstance(total, int) and not isinstance(total, bool) and total > MAX_STEPS:

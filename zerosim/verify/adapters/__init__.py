@@ -39,6 +39,10 @@ VARIANTS: dict[str, str] = {
     "zerogpu-3-offload-native": f"{_HERE}.zerogpu:make_offload_native_trainer",
 }
 
+#: the adapters that take ``optim["mesh"]`` = (replicas, shard group size) (``zerosim verify --mesh RxS``);
+#: the others have a fixed layout and refuse a mesh
+HYBRID_ADAPTERS = ("fsdp2-hybrid", "zerogpu-hybrid", "zerogpu-hybrid-native")
+
 #: the Python package each adapter needs beyond torch, and how to install it
 REQUIRES: dict[str, tuple[str, str]] = {
     "deepspeed-1": ("deepspeed", "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"),

@@ -14,7 +14,8 @@ parameters and for each optimizer state buffer.
 * ``fsdp2-hybrid``: HSDP on a 2-D mesh (replicate x shard): world ``N`` even -> ``(2, N/2)``,
   odd -> ``(1, N)``. At world 2 that is ``(2, 1)``: two replicas of an unsharded shard group, so
   the replica all-reduce, the part HSDP adds to FSDP, is what runs; world 4 is ``(2, 2)``.
-  Strategy ``"hybrid:<shard size>"``.
+  Strategy ``"hybrid:<shard size>"``. ``optim["mesh"] = (R, S)`` (``--mesh RxS``) replaces the default
+  shape, the degenerate ``(N, 1)`` (pure replication) and ``(1, N)`` (pure sharding) included.
 """
 
 from __future__ import annotations
@@ -172,7 +173,8 @@ def make_grad_op_trainer(model: torch.nn.Module, optim: dict[str, Any]) -> FSDP2
 
 
 def make_hybrid_trainer(model: torch.nn.Module, optim: dict[str, Any]) -> FSDP2Trainer:
-    replicas, shard = hybrid_mesh_shape(dist.get_world_size())
+    mesh = optim.get("mesh")
+    replicas, shard = tuple(mesh) if mesh is not None else hybrid_mesh_shape(dist.get_world_size())
     return FSDP2Trainer(
         model,
         optim,

@@ -4,7 +4,8 @@ engine around the verify model (:class:`zerogpu.trainer.ZeroTrainer`).
 The trainer already speaks the verify protocol; these factories only choose the strategy. Every
 element of the model's ``blocks`` list is a ZeRO-3 unit, the rest (embeddings, final norm, head)
 the root unit, with FSDP2's partition rule (``fsdp``: dim-0 chunks per tensor). ``zerogpu-hybrid``
-uses the mesh FSDP2's hybrid adapter uses: ``(2, N/2)`` at even world sizes, ``(1, N)`` at odd ones.
+uses the mesh FSDP2's hybrid adapter uses: ``optim["mesh"]`` when the run names one (``--mesh RxS``),
+else ``(2, N/2)`` at even world sizes, ``(1, N)`` at odd ones.
 ``zerogpu-3-offload`` keeps the parameter shards on the offload manager's host tier with a device
 budget of the two largest units' shards, so eviction and prefetch both run every step.
 
@@ -42,7 +43,11 @@ def make_zero3_trainer(model: torch.nn.Module, optim: dict[str, Any], **options:
 
 
 def make_hybrid_trainer(model: torch.nn.Module, optim: dict[str, Any], **options: Any) -> ZeroTrainer:
-    return ZeroTrainer(model, optim, "hybrid", mesh=hybrid_mesh_shape(dist.get_world_size()), **options)
+    """HSDP on ``optim["mesh"]`` = (replicas, shard group size) when the run names one, else the default."""
+    optim = dict(optim)
+    mesh = optim.pop("mesh", None)
+    shape = tuple(mesh) if mesh is not None else hybrid_mesh_shape(dist.get_world_size())
+    return ZeroTrainer(model, optim, "hybrid", mesh=shape, **options)
 
 
 def make_offload_trainer(model: torch.nn.Module, optim: dict[str, Any], **options: Any) -> ZeroTrainer:
