@@ -196,6 +196,8 @@ class ModuleEngine(ZeroEngine):
         self.optimizer_kernel = run.optimizer_kernel
         super().__init__(comm, run, xp)
         self._batch: tuple[Any, Any] = (None, None)
+        self._batches: list[tuple[Any, Any]] | None = None  # the micro-batches of an accumulating step
+        self.module_run = run  # the run itself (``self.run`` is typed as the engine's read-only view)
         self._step_index = 0
         self._micro_index = 0
         self._buffers: dict[str, torch.Tensor] = {}
@@ -532,6 +534,14 @@ class ModuleEngine(ZeroEngine):
     # ---- one micro-batch through the module ------------------------------------------------------
     def set_batch(self, inputs: Any, targets: Any) -> None:
         self._batch = (inputs, targets)
+        self._batches = None
+        self.module_run.micro_batches = 1
+
+    def set_batches(self, batches: list[tuple[Any, Any]]) -> None:
+        """The next step accumulates over these micro-batches (one ``(inputs, targets)`` each, in order):
+        the engine's own micro-batch loop, reducing and averaging as its strategy does."""
+        self._batches = list(batches)
+        self.module_run.micro_batches = len(self._batches)
 
     def micro_batch(self, step: int, micro: int) -> float:
         """Forward and backward of the module on the batch given to :meth:`set_batch`; gradients to the
@@ -545,7 +555,7 @@ class ModuleEngine(ZeroEngine):
             self._arrived, self._started, self._pending, self._started_units = {}, set(), [], set()
             self._bucket, self._bucket_numel = [], 0
             self._local_bad = 0
-        inputs, targets = self._batch
+        inputs, targets = self._batches[micro] if self._batches else self._batch
         self.tracker.set_phase(f"forward[{micro}]")
         loss = self.loss_fn(self.module, inputs, targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -39,6 +39,8 @@ def verify_rank_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="gpt")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                   help="micro-batches per optimizer step (K > 1 calls step_accumulated)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--out", default=None, help="directory for report.json (rank 0)")
     p.add_argument("--json", action="store_true", help="rank 0 prints the report as one JSON object")
@@ -89,6 +91,7 @@ def verify_run_from_args(args: Any, world: int | None = None) -> VerifyRun:
         optimizers=args.optimizers, seed=args.seed, timeout_s=args.timeout, out=args.out,
         json_output=bool(args.json), quiet=bool(args.quiet), resume_at=args.resume_at,
         resume_dir=args.resume_dir, resume_stage=args.resume_stage, save_observations=args.save_observations,
+        grad_accum=args.grad_accum,
     )
 
 

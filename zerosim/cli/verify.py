@@ -42,6 +42,13 @@ def register(sub: Any) -> None:
     p.add_argument("--model", default="gpt", help="built-in model: gpt (default) or gpt-tied")
     p.add_argument("--optimizers", default="sgd,adamw", help="phases to run (default sgd,adamw)")
     p.add_argument(
+        "--grad-accum",
+        default=None,
+        metavar="K",
+        help="micro-batches per optimizer step (default 1): verify calls trainer.step_accumulated with K "
+        "(inputs, targets) pairs; the reference takes the mean gradient of all K x world micro-batches",
+    )
+    p.add_argument(
         "--timeout", default=None, help="seconds a collective or trainer call may take (default 120)"
     )
     p.add_argument(
@@ -149,7 +156,7 @@ def _run_as_rank(args: Any) -> None:
     run = VerifyRun(args.target, world=world, steps=_int("steps", args.steps), dtype=args.dtype,
                     device=args.device, model=args.model, optimizers=args.optimizers,
                     timeout_s=timeout if timeout is not None else DEFAULT_TIMEOUT_S, out=args.out,
-                    json_output=bool(args.json))
+                    json_output=bool(args.json), grad_accum=_grad_accum(args))
     rank_main(run)
 
 
@@ -169,4 +176,10 @@ def _verify(args: Any) -> Any:
         out=args.out,
         resume_at=_int("resume_at", args.resume_at),
         resume_world=_int("resume_world", args.resume_world),
+        grad_accum=_grad_accum(args),
     )
+
+
+def _grad_accum(args: Any) -> int:
+    value = _int("grad_accum", getattr(args, "grad_accum", None))
+    return 1 if value is None else value

@@ -7,7 +7,8 @@ or when the trainer keeps float32 master weights of a float64 model: every param
 float32-representable after every step), and the contracts' checks (:mod:`zerosim.checks`:
 C-ZERO-001 :func:`~zerosim.checks.partition_ranges.check_partition_ranges`, C-ZERO-002
 :func:`~zerosim.checks.equivalence.check_step_equivalence`, C-ZERO-003
-:func:`~zerosim.checks.identity.check_replica_identity`) and the diagnosis
+:func:`~zerosim.checks.identity.check_replica_identity`, C-ZERO-008
+:func:`~zerosim.checks.logged_norm.check_logged_norm` on the logged gradient norm) and the diagnosis
 (:mod:`zerosim.verify.diagnosis`) run on the result.
 """
 
@@ -21,8 +22,9 @@ import torch
 from zerosim import datafile
 from zerosim.checks.equivalence import check_step_equivalence, float32_masters
 from zerosim.checks.identity import check_replica_identity
+from zerosim.checks.logged_norm import check_logged_norm
 from zerosim.checks.partition_ranges import check_partition_ranges
-from zerosim.checks.tolerance import ErrorModel
+from zerosim.checks.tolerance import ErrorModel, unit_roundoff
 from zerosim.observe import TrainerObservation
 
 from .model import require_model
@@ -44,10 +46,13 @@ def build_records(
     model_name: str,
     seed: int,
     resume: ResumeRun | None = None,
+    grad_accum: int = 1,
 ) -> list[StepRecord]:
     """Reference and bounds beside every observed step; notes per phase the arithmetic dtype judged
     and the steps where the clip bound, in ``phase_info``. With ``resume``, the reference's batches
-    after the resume are the new world's, and the bound's reduction length is the larger world's."""
+    after the resume are the new world's, and the bound's reduction length is the larger world's. Under
+    accumulation the reference averages all ``grad_accum`` x world micro-batches, and the bound's
+    reduction length counts them all (K x world local gradients are added)."""
     cfg = require_model(model_name)
     info = {p["name"]: p for p in phase_info}
     records: list[StepRecord] = []
@@ -66,9 +71,10 @@ def build_records(
             phase=phase.name,
             data_offset=phase.data_offset,
             resume=(resume.last_step_before(phase.first_step), resume.world_after) if resume else None,
+            grad_accum=grad_accum,
         )
         bound_world = max(world, resume.world_after) if resume else world
-        model = ErrorModel(phase.optim, arithmetic, cfg, bound_world, rounded_start=masters32)
+        model = ErrorModel(phase.optim, arithmetic, cfg, bound_world * grad_accum, rounded_start=masters32)
         binds = []
         for s, ranks in zip(phase.step_numbers, steps, strict=True):
             ref_step = ref.step(s)
@@ -98,6 +104,7 @@ def evaluate(
     numels: dict[str, int],
     resources: dict[str, ContractOutcome] | None = None,
     resume: ResumeRun | None = None,
+    grad_accum: int = 1,
 ) -> VerifyReport:
     from .diagnosis import diagnose
 
@@ -111,15 +118,18 @@ def evaluate(
         model_name=model_name,
         seed=seed,
         resume=resume,
+        grad_accum=grad_accum,
     )
     contracts: dict[str, ContractOutcome] = {}
     if records:
         contracts["C-ZERO-001"] = ContractOutcome.from_verdict(check_partition_ranges(records, numels))
         contracts["C-ZERO-002"] = ContractOutcome.from_verdict(check_step_equivalence(records))
         contracts["C-ZERO-003"] = ContractOutcome.from_verdict(check_replica_identity(records))
+        roundoff = {p["name"]: unit_roundoff(p["arithmetic"]) for p in phase_info if "arithmetic" in p}
+        contracts["C-ZERO-008"] = ContractOutcome.from_verdict(check_logged_norm(records, roundoff))
     else:
         why = "every phase was skipped: " + "; ".join(p.get("reason", "") for p in phase_info)
-        for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003"):
+        for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-008"):
             contracts[cid] = ContractOutcome("skipped", why)
     for cid in ("C-ZERO-004", "C-ZERO-005"):
         contracts[cid] = (resources or {}).get(cid) or ContractOutcome(
@@ -138,6 +148,8 @@ def evaluate(
     )
     if resume is not None:
         report.extra["resume"] = resume.to_json()
+    if grad_accum > 1:
+        report.extra["grad_accum"] = grad_accum
     return report
 
 

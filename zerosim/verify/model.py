@@ -145,11 +145,18 @@ def torch_dtype(dtype: str) -> torch.dtype:
     raise ConfigError("dtype", dtype, "must be float64 or float32")
 
 
-def micro_batch(rank: int, step: int, seed: int = 0, model: str = "gpt") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s (inputs, targets) for global step ``step`` (1-based): int64 [batch, block] on the CPU,
-    a function of (seed, rank, step) only."""
+MICRO_STRIDE = 15_485_863  # a prime above any rank: micro-batch m of rank r seeds apart from every other
+
+
+def micro_batch(
+    rank: int, step: int, seed: int = 0, model: str = "gpt", micro: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s (inputs, targets) for global step ``step`` (1-based) and micro-batch ``micro``
+    (0-based; 0 is the only one without accumulation): int64 [batch, block] on the CPU, a function of
+    (seed, rank, step, micro) only."""
     cfg = require_model(model)
-    gen = torch.Generator().manual_seed(((seed * 7919 + step) * 104_729 + rank) % (2**62))
+    key = (seed * 7919 + step) * 104_729 + rank + micro * MICRO_STRIDE
+    gen = torch.Generator().manual_seed(key % (2**62))
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.block + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

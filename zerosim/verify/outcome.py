@@ -19,7 +19,8 @@ from zerosim.verdict import Verdict, Violation
 
 CONTRACT_IDS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
 BUG_CLASSES = ("gradient-scale", "clip-norm", "unowned-elements", "overlapping-shards", "rank-local",
-               "ranks-disagree", "ranks-agree-wrong", "permuted-shards", "late-divergence")
+               "ranks-disagree", "ranks-agree-wrong", "permuted-shards", "late-divergence",
+               "accumulation-sum", "accumulation-dropped", "logged-norm")
 
 
 @dataclass

@@ -268,13 +268,41 @@ def _traffic_band(
     grad_bytes: int,
     partitioner: str | None,
     zero1_grad_reduce: str,
+    micro_batches: int = 1,
 ) -> dict[str, tuple[Fraction, Fraction]]:
-    """(least, most) bytes ``rank`` receives per step in each traffic class (see the module docstring)."""
+    """(least, most) bytes ``rank`` receives per step in each traffic class (see the module docstring).
+
+    Under accumulation over ``micro_batches`` K the least is the one-micro-batch model's (a trainer
+    that accumulates locally and reduces once, FSDP2 without gradient sync) and the most the K-micro-batch
+    model's (a reduction per micro-batch into the shard, DeepSpeed ZeRO-2, zerogpu; ZeRO-3 gathering
+    for every micro-batch's forward and backward). Replicated-gradient strategies (DDP, ZeRO-1) have
+    one reduction per step in both, so their band stays exact."""
+    one = _band_of(layout, strategy, world, rank, param_bytes, grad_bytes, partitioner, zero1_grad_reduce, 1)
+    if micro_batches == 1:
+        return one
+    many = _band_of(layout, strategy, world, rank, param_bytes, grad_bytes, partitioner, zero1_grad_reduce,
+                    micro_batches)
+    return {c: (min(one[c][0], many[c][0]), max(one[c][1], many[c][1])) for c in TRAFFIC_CLASSES}
+
+
+def _band_of(
+    layout: ParamLayout,
+    strategy: ShardingStrategy,
+    world: int,
+    rank: int,
+    param_bytes: int,
+    grad_bytes: int,
+    partitioner: str | None,
+    zero1_grad_reduce: str,
+    micro_batches: int,
+) -> dict[str, tuple[Fraction, Fraction]]:
+    """(least, most) of :func:`_traffic_band` for one schedule of ``micro_batches`` micro-batches."""
     est = comm_per_step(
         layout,
         strategy,
         Topology(world),
         partitioner or "fsdp",
+        micro_batches=micro_batches,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         zero1_grad_reduce=zero1_grad_reduce,
@@ -314,6 +342,7 @@ def check_traffic(
     unobserved: dict[str, str] | None = None,
     phase: str | None = None,
     first_step: int = 1,
+    micro_batches: int = 1,
 ) -> dict[str, Any]:
     """C-ZERO-005 on counted traffic: the bytes every rank receives per step, per traffic class, lie in
     the band of the declared strategy's communication model (see the module docstring).
@@ -321,7 +350,8 @@ def check_traffic(
     ``per_rank_traffic[r][i]`` = :meth:`TrafficCounter.summary` of rank ``r`` at the ``i``-th step of
     the phase (global step ``first_step + i``). ``dtype_bytes``: bytes of a parameter element on the
     wire; ``grad_bytes``: of a gradient element (default the same). ``unobserved``: class -> why the
-    counter cannot see it (that class is not judged, and the reason is reported).
+    counter cannot see it (that class is not judged, and the reason is reported). ``micro_batches``:
+    micro-batches per optimizer step (the band of :func:`_traffic_band` under accumulation).
     """
     strategy = strategy_from_declared(declared_strategy)
     lay = as_layout(layout)
@@ -329,7 +359,8 @@ def check_traffic(
     violations, rows = [], []
     for rank, steps in enumerate(per_rank_traffic):
         band = _traffic_band(
-            lay, strategy, world, rank, dtype_bytes, grad_bytes or dtype_bytes, partitioner, zero1_grad_reduce
+            lay, strategy, world, rank, dtype_bytes, grad_bytes or dtype_bytes, partitioner,
+            zero1_grad_reduce, micro_batches,
         )
         rows.append(
             {
@@ -383,6 +414,7 @@ def check_traffic(
             "param_bytes": dtype_bytes,
             "grad_bytes": grad_bytes or dtype_bytes,
             "zero1_grad_reduce": zero1_grad_reduce,
+            "micro_batches": micro_batches,
             "ranks": rows,
         },
     }
@@ -504,6 +536,7 @@ def resource_outcomes(
                 unobserved=info.get("unobserved_traffic"),
                 phase=ph.name,
                 first_step=ph.first_step,
+                micro_batches=int(info.get("micro_batches", 1)),
             )
         )
     out = {}

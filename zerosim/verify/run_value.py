@@ -30,6 +30,9 @@ DEFAULT_TIMEOUT_S = 120.0  # a collective (or a trainer call between two of them
 DTYPES = ("float64", "float32")
 DEVICES = ("cpu", "cuda")
 RESUME_STAGES = ("save", "load")
+# micro-batches per optimizer step: every rank trains K micro-batches of the built-in model per step and
+# rank 0 keeps nothing per micro-batch, but the reference replays K x world of them per step
+MAX_GRAD_ACCUM = 64
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class VerifyRun:
     the report as one JSON object; ``quiet``: it prints nothing (the launcher reads the files).
     ``resume_at`` / ``resume_dir`` / ``resume_stage``: one of the two launches of a resumed run.
     ``save_observations``: rank 0 also writes the observations to this path as plain data.
+    ``grad_accum``: micro-batches per optimizer step (K > 1: ``step_accumulated`` is called with K).
     """
 
     target: str
@@ -59,6 +63,7 @@ class VerifyRun:
     resume_dir: str | None = None
     resume_stage: str | None = None
     save_observations: str | None = None
+    grad_accum: int = 1
 
     def replace(self, **changes: Any) -> VerifyRun:
         return dataclasses.replace(self, **changes)
@@ -69,7 +74,7 @@ class VerifyRun:
             raise ConfigError("target", self.target, "give a built-in adapter name or MODULE:FACTORY")
         validate_options(world=1 if self.world is None else self.world, steps=self.steps, dtype=self.dtype,
                          device=self.device, model=self.model, optimizers=self.optimizers,
-                         timeout_s=self.timeout_s)
+                         timeout_s=self.timeout_s, grad_accum=self.grad_accum)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError("seed", self.seed, "must be a non-negative integer")
         if self.resume_stage is not None and self.resume_stage not in RESUME_STAGES:
@@ -102,7 +107,7 @@ class VerifyRun:
                      "resume_stage", "save_observations"):
             if values.get(name) is not None and not isinstance(values[name], str):
                 raise ConfigError(name, values[name], "expected a string")
-        for name in ("world", "steps", "seed", "resume_at"):
+        for name in ("world", "steps", "seed", "resume_at", "grad_accum"):
             value = values.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(name, value, "expected an integer")
@@ -129,12 +134,14 @@ def read_verify_run(path: str | os.PathLike[str]) -> VerifyRun:
 
 
 def validate_options(
-    *, world: Any, steps: Any, dtype: Any, device: Any, model: Any, optimizers: Any, timeout_s: Any
+    *, world: Any, steps: Any, dtype: Any, device: Any, model: Any, optimizers: Any, timeout_s: Any,
+    grad_accum: Any = 1,
 ) -> None:
     """ConfigError (one line naming the field and value) for any bad option; deterministic."""
     from .model import require_model
 
     require_positive_int("world", world)
+    require_grad_accum(grad_accum)
     if dtype not in DTYPES:
         raise ConfigError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
     if device not in DEVICES:
@@ -147,6 +154,17 @@ def validate_options(
         or not 0 < timeout_s < float("inf")
     ):
         raise ConfigError("timeout_s", timeout_s, "must be a positive number of seconds")
+
+
+def require_grad_accum(value: Any) -> int:
+    """``--grad-accum K``: an integer 1 <= K <= MAX_GRAD_ACCUM, or ConfigError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GRAD_ACCUM:
+        raise ConfigError(
+            "grad_accum", value,
+            f"must be an integer from 1 to {MAX_GRAD_ACCUM} (micro-batches per optimizer step; the "
+            f"reference replays K x world micro-batches per step)",
+        )
+    return value
 
 
 def validate_resume(at: Any, world: Any, optimizers: Any, steps: Any, device: str) -> None:

@@ -84,6 +84,7 @@ def verify(
     out: str | None = None,
     resume_at: int | None = None,
     resume_world: int | None = None,
+    grad_accum: int = 1,
 ) -> VerifyReport:
     """Train ``target`` on ``world`` ranks next to the unsharded reference and check C-ZERO-001..005.
 
@@ -96,12 +97,15 @@ def verify(
     ranks end; ``resume_world`` ranks (default ``world``) start in a second launch, build a fresh
     trainer, call ``load_checkpoint`` and train the phase's remaining steps; C-ZERO-007 is checked
     besides the others (:mod:`zerosim.verify.resume`).
+
+    ``grad_accum`` K > 1: every optimizer step is ``trainer.step_accumulated`` on K micro-batches per
+    rank, judged against the mean gradient of all K x world micro-batches.
     """
     validate_options(world=world, steps=steps, dtype=dtype, device=device, model=model,
-                     optimizers=optimizers, timeout_s=timeout_s)
+                     optimizers=optimizers, timeout_s=timeout_s, grad_accum=grad_accum)
     names = optimizers if isinstance(optimizers, str) else ",".join(optimizers)
     run = VerifyRun(target, world=world, steps=steps, dtype=dtype, device=device, model=model,
-                    optimizers=names, timeout_s=float(timeout_s or DEFAULT_TIMEOUT_S))
+                    optimizers=names, timeout_s=float(timeout_s or DEFAULT_TIMEOUT_S), grad_accum=grad_accum)
     return launch_verify(run, out=out, resume_at=resume_at, resume_world=resume_world)
 
 

@@ -38,6 +38,7 @@ from .model import build_model, micro_batch
 from .protocol import (
     close_trainer,
     finite_loss,
+    logged_norm,
     missing_resume_method,
     require_trainer_object,
     to_numpy,
@@ -134,6 +135,7 @@ class RankSession:
                         phase.steps,
                         model_name=self.settings.model,
                         seed=self.settings.seed,
+                        grad_accum=self.settings.grad_accum,
                     )
                 threshold, binds_at, offset = self.comm.broadcast_object(clip, root=0)
                 phase.optim["max_grad_norm"] = threshold
@@ -162,18 +164,29 @@ class RankSession:
                     self._close(trainer, phase)
                     del trainer
                     continue
+            k = self.settings.grad_accum
+            if k > 1:
+                self.where = f"{phase.name} phase: checking the trainer for step_accumulated"
+                self._require_accumulating(trainer)
             probe = ResourceProbe(trainer)
             for step in steps:
-                inputs, targets = (
-                    t.to(self.device)
-                    for t in micro_batch(self.rank, step + phase.data_offset, self.settings.seed,
-                                         self.settings.model)
-                )
-                self.where = f"step {step} ({phase.name}): step()"
-                self.arrivals.mark(self.where)
-                with probe.counting():
-                    loss = trainer.step(inputs, targets)
-                obs = self.agree(self._local(self._observe, trainer, phase, step, loss, expected, numels))
+                batches = [
+                    tuple(t.to(self.device) for t in micro_batch(
+                        self.rank, step + phase.data_offset, self.settings.seed, self.settings.model, m))
+                    for m in range(k)
+                ]
+                if k == 1:
+                    self.where = f"step {step} ({phase.name}): step()"
+                    self.arrivals.mark(self.where)
+                    with probe.counting():
+                        loss = trainer.step(*batches[0])
+                else:
+                    self.where = f"step {step} ({phase.name}): step_accumulated()"
+                    self.arrivals.mark(self.where)
+                    with probe.counting():
+                        loss = trainer.step_accumulated(batches)
+                obs = self.agree(
+                    self._local(self._observe, trainer, phase, step, loss, expected, numels, True))
                 obs.resources = probe.take()
                 gathered = self.comm.gather_object(obs, root=0)
                 if self.rank == 0:
@@ -189,7 +202,7 @@ class RankSession:
                         phase.name,
                         dict(phase.optim),
                         steps[0],
-                        probe.info,
+                        {**probe.info, "micro_batches": k},
                         [[o.resources for o in self.observations[s]] for s in steps],
                     )
                 )
@@ -226,6 +239,7 @@ class RankSession:
                 observations=self.observations,
                 numels=numels,
                 resources=resources,
+                grad_accum=self.settings.grad_accum,
             )
             if self.settings.save_observations:
                 save_observations(self.settings.save_observations, run)
@@ -256,6 +270,17 @@ class RankSession:
             error = (
                 f"{self.settings.target}: the trainer has no {missing}() method; --resume-at needs "
                 "save_checkpoint(directory) and load_checkpoint(directory)"
+            )
+        self.agree((None, error))
+
+    def _require_accumulating(self, trainer: Any) -> None:
+        """Every rank agrees on a TrainerError (bad input) when ``--grad-accum K > 1`` meets a trainer
+        without ``step_accumulated``."""
+        error = None
+        if not callable(getattr(trainer, "step_accumulated", None)):
+            error = (
+                f"{self.settings.target}: the trainer has no step_accumulated(micro_batches) method; "
+                f"--grad-accum {self.settings.grad_accum} needs it (or use --grad-accum 1)"
             )
         self.agree((None, error))
 
@@ -341,8 +366,13 @@ class RankSession:
         loss: Any,
         expected: dict[str, Any],
         numels: dict[str, int],
+        stepped: bool = False,
     ) -> TrainerObservation:
         loss_value = finite_loss(loss, self.rank, step)
+        grad_norm = None
+        if stepped and callable(getattr(trainer, "last_grad_norm", None)):
+            self.where = f"step {step} ({phase.name}): last_grad_norm()"
+            grad_norm = logged_norm(trainer.last_grad_norm(), self.rank, step)
         self.where = f"step {step} ({phase.name}): full_parameters()"
         self.arrivals.mark(self.where)
         raw = trainer.full_parameters()
@@ -368,7 +398,8 @@ class RankSession:
             self.where = f"step {step} ({phase.name}): local_shards()"
             shards = validate_local_shards(trainer.local_shards(), numels, self.rank)
         self.where = f"step {step} ({phase.name}): sending observations to rank 0"
-        return TrainerObservation(phase.name, step, self.rank, loss_value, params, state, shards)
+        return TrainerObservation(phase.name, step, self.rank, loss_value, params, state, shards,
+                                  grad_norm=grad_norm)
 
     def _phase_json(self, phase: Phase, status: str, reason: str) -> dict[str, Any]:
         info = {
