@@ -315,9 +315,12 @@ def _band_of(
             continue
         most = item.bytes_received
         if item.collective == "all_gather":
-            # every gather brings the elements this rank does not store; padding may or may not travel
+            # every gather brings the elements this rank does not store; padding may or may not travel.
+            # A one-element tensor moved alone (a peer broadcasting whole tensors) is counted as control
+            # traffic, indistinguishable from a scalar: the least leaves those elements out
             passes = Fraction(item.payload_elements, est.packed_numel)
-            least = passes * max(psi - stored, 0) * param_bytes
+            scalars = sum(1 for n in layout.numels() if n == 1)
+            least = passes * max(psi - stored - scalars, 0) * param_bytes
             cls = "gather"
         else:
             # a gradient buffer of the real elements only (no padding) is the least a reduction moves
