@@ -39,7 +39,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--dtype", default="float64", help="float64 (default) or float32")
     p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
-    p.add_argument("--model", default="gpt", help="built-in model: gpt (default) or gpt-tied")
+    p.add_argument(
+        "--model",
+        default="gpt",
+        help="gpt (default), gpt-tied, hf-gpt2 (transformers' GPT-2, random weights; the [hf] extra), or "
+        "MODULE:FACTORY: factory(seed) -> (model, make_batch), make_batch(step, rank, world, micro) -> "
+        "(inputs, targets), model(inputs, targets) -> scalar loss",
+    )
     p.add_argument("--optimizers", default="sgd,adamw", help="phases to run (default sgd,adamw)")
     p.add_argument(
         "--grad-accum",

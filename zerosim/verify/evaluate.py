@@ -27,7 +27,7 @@ from zerosim.checks.partition_ranges import check_partition_ranges
 from zerosim.checks.tolerance import ErrorModel, unit_roundoff
 from zerosim.observe import TrainerObservation
 
-from .model import require_model
+from .model_source import model_source
 from .observation import StepRecord
 from .outcome import ContractOutcome, VerifyReport
 from .reference import Reference
@@ -53,7 +53,8 @@ def build_records(
     after the resume are the new world's, and the bound's reduction length is the larger world's. Under
     accumulation the reference averages all ``grad_accum`` x world micro-batches, and the bound's
     reduction length counts them all (K x world local gradients are added)."""
-    cfg = require_model(model_name)
+    source = model_source(model_name, seed)
+    cfg = source.sizes()
     info = {p["name"]: p for p in phase_info}
     records: list[StepRecord] = []
     for phase in phases:
@@ -72,6 +73,7 @@ def build_records(
             data_offset=phase.data_offset,
             resume=(resume.last_step_before(phase.first_step), resume.world_after) if resume else None,
             grad_accum=grad_accum,
+            source=source,
         )
         bound_world = max(world, resume.world_after) if resume else world
         model = ErrorModel(phase.optim, arithmetic, cfg, bound_world * grad_accum, rounded_start=masters32)
@@ -166,12 +168,10 @@ def save_observations(path: str, run: dict[str, Any]) -> None:
 def evaluate_saved(path: str) -> VerifyReport:
     """Re-evaluate a run saved with ``--save-observations``. The file is read as plain data (no code
     runs, whoever wrote it); DataFileError when it is not a saved run."""
-    from .model import build_model
-
     run = datafile.load(path, types=SAVED_TYPES)
     accepted = set(inspect.signature(evaluate).parameters) - {"base", "resume"}
     needed = {"model_name", "dtype", "seed", "phases", "observations"}
     if not isinstance(run, dict) or not needed <= set(run) <= accepted:
         raise datafile.DataFileError(f"{path}: not a run saved by --save-observations")
-    base = build_model(run["model_name"], run["dtype"], run["seed"])
+    base = model_source(run["model_name"], run["seed"]).build(run["dtype"])
     return evaluate(base=base, **run)

@@ -1,7 +1,8 @@
 """The unsharded reference C-ZERO-002 compares a trainer against: torch.optim on the global batch, float64.
 
 The reference starts from the trainer's initial model (cast to float64, exactly: float32 values are
-float64 values), builds every rank's micro-batch (:func:`zerosim.verify.model.micro_batch`),
+float64 values), builds every rank's micro-batch (:class:`zerosim.verify.model_source.ModelSource`:
+the built-in model's :func:`zerosim.verify.model.micro_batch`, or the user's ``make_batch``),
 concatenates them in rank order and takes one ``torch.optim.SGD`` / ``torch.optim.AdamW`` step
 (``foreach=False``) on the mean loss of that global batch, after ``clip_grad_norm_`` when the phase
 clips. With equal local batches this is the protocol's "mean over ranks of the local mean losses".
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .model import micro_batch
+from .model_source import ModelSource
 
 
 @dataclass
@@ -83,7 +84,9 @@ class Reference:
         data_offset: int = 0,
         resume: tuple[int, int] | None = None,
         grad_accum: int = 1,
+        source: ModelSource | None = None,
     ):
+        self.source = source if source is not None else ModelSource(model_name, seed)
         self.data_offset = data_offset
         self.grad_accum = grad_accum
         # (last global step before a resume, the world size after it): later steps average that many
@@ -109,9 +112,10 @@ class Reference:
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every micro-batch of global step ``step``, rank-major: rank r's micro-batch m at r K + m."""
+        world = self.world_at(step)
         return [
-            micro_batch(r, step + self.data_offset, self.seed, self.model_name, m)
-            for r in range(self.world_at(step))
+            self.source.batch(r, step + self.data_offset, m, world)
+            for r in range(world)
             for m in range(self.grad_accum)
         ]
 
@@ -150,11 +154,18 @@ class Reference:
         )
 
     def _global_gradient(self, step: int) -> None:
+        """The mean gradient over the step's micro-batches in ``.grad``: one backward of the built-in
+        model on their concatenation (its mean loss over equal micro-batches is the mean of theirs), a
+        user's model one backward per micro-batch of its loss divided by their number."""
         batches = self.batches(step)
-        inputs = torch.cat([b[0] for b in batches])
-        targets = torch.cat([b[1] for b in batches])
         self.model.zero_grad(set_to_none=True)
-        self.model(inputs, targets).backward()
+        if self.source.concatenable:
+            inputs = torch.cat([b[0] for b in batches])
+            targets = torch.cat([b[1] for b in batches])
+            self.model(inputs, targets).backward()
+            return
+        for inputs, targets in batches:
+            (self.model(inputs, targets) / len(batches)).backward()
 
     def step(self, step: int) -> ReferenceStep:
         """One optimizer step on the global batch of global step ``step``; returns what it recorded."""
@@ -224,6 +235,7 @@ def choose_clip(
     model_name: str = "gpt",
     seed: int = 0,
     grad_accum: int = 1,
+    source: ModelSource | None = None,
 ) -> tuple[float, int, int]:
     """A ``max_grad_norm`` for the AdamW phase that binds at some step but not at the phase's first:
     (threshold, the phase step where it first binds, the data offset of the phase's batches).
@@ -243,6 +255,7 @@ def choose_clip(
             seed=seed,
             data_offset=offset * steps,
             grad_accum=grad_accum,
+            source=source,
         )
         norms = []
         for k in range(steps):
@@ -253,7 +266,7 @@ def choose_clip(
                 rounded = _round_sig(middle)
                 return (rounded if norms[0] < rounded < norms[-1] else middle), k + 1, offset * steps
     ref = Reference(model, {**optim, "max_grad_norm": None}, world, model_name=model_name, seed=seed,
-                    grad_accum=grad_accum)
+                    grad_accum=grad_accum, source=source)
     return _round_sig(0.9 * ref.gradient_norm(first_step)), 1, 0
 
 

@@ -138,7 +138,7 @@ def validate_options(
     grad_accum: Any = 1,
 ) -> None:
     """ConfigError (one line naming the field and value) for any bad option; deterministic."""
-    from .model import require_model
+    from .model_source import model_source
 
     require_positive_int("world", world)
     require_grad_accum(grad_accum)
@@ -146,7 +146,7 @@ def validate_options(
         raise ConfigError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
     if device not in DEVICES:
         raise ConfigError("device", device, f"must be one of {', '.join(DEVICES)}")
-    require_model(model)
+    model_source(model)
     build_phases(optimizers, steps)
     if timeout_s is not None and (
         isinstance(timeout_s, bool)

@@ -130,6 +130,9 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
     if out:
         require_output_dir(out)
     resolve_factory(run.target)
+    from .model_source import model_source
+
+    model_source(run.model, run.seed).validate(world, run.grad_accum)
     # each rank's own output goes to a log file: under --out (kept), or in a folder of this run that is
     # kept only when a rank failure names it
     own_logs = None if out else tempfile.mkdtemp(prefix="zerosim-verify-logs-")

@@ -34,7 +34,7 @@ from zerosim.observe import TrainerObservation
 from zerosim.outputs import OutputError, write_text
 
 from .errors import TrainerError
-from .model import build_model, micro_batch
+from .model_source import model_source, to_device
 from .protocol import (
     close_trainer,
     finite_loss,
@@ -107,7 +107,10 @@ class RankSession:
         from .resources import PhaseResources, ResourceProbe, resource_outcomes
 
         spec = self.settings.target
-        base = build_model(self.settings.model, self.settings.dtype, self.settings.seed)
+        source = model_source(self.settings.model, self.settings.seed)
+        self.where = "checking the model factory"
+        self.agree(self._local(source.validate, self.world, self.settings.grad_accum))
+        base = source.build(self.settings.dtype)
         expected = {
             n: (tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in base.named_parameters()
         }
@@ -136,13 +139,14 @@ class RankSession:
                         model_name=self.settings.model,
                         seed=self.settings.seed,
                         grad_accum=self.settings.grad_accum,
+                        source=source,
                     )
                 threshold, binds_at, offset = self.comm.broadcast_object(clip, root=0)
                 phase.optim["max_grad_norm"] = threshold
                 phase.data_offset = offset
                 phase.extra["clip_first_binds_at_phase_step"] = binds_at
                 phase.extra["data_offset"] = offset
-            model = build_model(self.settings.model, self.settings.dtype, self.settings.seed).to(self.device)
+            model = source.build(self.settings.dtype).to(self.device)
             self.where = f"make_trainer for the {phase.name} phase"
             trainer, skipped = self.agree(self._local(self._make, model, phase))
             skipped = self.first_of_any(skipped)  # a phase one rank cannot run is skipped on every rank
@@ -171,8 +175,7 @@ class RankSession:
             probe = ResourceProbe(trainer)
             for step in steps:
                 batches = [
-                    tuple(t.to(self.device) for t in micro_batch(
-                        self.rank, step + phase.data_offset, self.settings.seed, self.settings.model, m))
+                    to_device(source.batch(self.rank, step + phase.data_offset, m, self.world), self.device)
                     for m in range(k)
                 ]
                 if k == 1:
