@@ -535,7 +535,6 @@ class ModuleEngine(ZeroEngine):
     def set_batch(self, inputs: Any, targets: Any) -> None:
         self._batch = (inputs, targets)
         self._batches = None
-        self.module_run.micro_batches = 1
 
     def set_batches(self, batches: list[tuple[Any, Any]]) -> None:
         """The next step accumulates over these micro-batches (one ``(inputs, targets)`` each, in order):

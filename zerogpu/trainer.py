@@ -207,6 +207,7 @@ class ZeroTrainer:
     def step(self, inputs: Any, targets: Any = None) -> float:
         """One optimizer step on this rank's batch (the gradient is the mean over ranks); the local loss."""
         self.engine.set_batch(inputs, targets)
+        self.engine.module_run.micro_batches = 1  # one batch per step again after step_accumulated
         return self._step()
 
     def step_accumulated(self, micro_batches: Any) -> float:
