@@ -108,3 +108,26 @@ def test_mesh_column_runs_hybrid_adapters_on_the_world_by_1_mesh_and_counts_find
     assert "| adapter | sgd @ 2 | sgd @ 4, mesh 4x1 |" in text, text
     assert "| ddp | pass 1.0e-02 (1 finding) | - |" in text, text
     assert "| fsdp2-hybrid | pass 1.0e-02 | pass 1.0e-02 |" in text, text
+
+
+def test_the_accumulation_column_runs_each_adapter_with_grad_accum_and_renders(
+        stand_in_runs: None, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    seen = []
+    fake = verify_package.verify
+
+    def recording(adapter: str, **options: object) -> VerifyReport:
+        seen.append((adapter, options.get("grad_accum"), options.get("world")))
+        return fake(adapter, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(verify_package, "verify", recording)
+    result = matrix.run_matrix(["ddp", "torch-zero", "fsdp2"], optimizers=(), worlds=(),
+                               accum_pairs=matrix.ACCUM_CELLS)
+    assert seen == [("ddp", 3, 4), ("torch-zero", 3, 4), ("fsdp2", 3, 4)]
+    verdicts = {c["adapter"]: c["verdict"] for c in result["accum_cells"]}
+    assert verdicts == {"ddp": "pass", "torch-zero": "fail", "fsdp2": "error"}
+    assert matrix.matrix_exit_code(result) == 3
+    text = matrix.render_markdown(result)
+    assert "| adapter | accum 3 @ 4 |" in text
+    assert "| ddp | pass 1.0e-02 / norm - |" in text
+    assert "| torch-zero | fail 1.0e-02 / norm - (step 2, C-ZERO-005) |" in text
+    assert "torch-zero accum 3 @ 4: C-ZERO-005 fail: traffic" in text

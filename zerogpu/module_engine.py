@@ -113,7 +113,7 @@ def module_engine(comm: Communicator, run: ModuleRun, xp: ArrayNamespace, descri
     schedule; the schedule holds the engine weakly, so dropping the engine frees both at once)."""
     from .torch_kernels import make_step_optimizer
 
-    schedule = ModuleSchedule(described, loss_fn, offload)
+    schedule = ModuleSchedule(described, loss_fn, run, offload)
     # the module's current parameters, read lazily: a slice copies only the tensors it covers, so a
     # ZeRO-3 rank, which only slices out its own pieces, never holds a second full copy while it starts
     layout = run.layout
@@ -137,12 +137,14 @@ class ModuleSchedule:
     #: ZeRO-1/2: every rank's updated chunk is received straight into the parameters it covers
     receives_into_params = True
 
-    def __init__(self, described: ModuleUnits, loss_fn: LossFn, offload: Any = None):
+    def __init__(self, described: ModuleUnits, loss_fn: LossFn, run: ModuleRun, offload: Any = None):
         self.described = described
         self.module = described.unit_modules["root"]
         self.loss_fn = loss_fn
         self.offload_manager = offload
         self._batch: tuple[Any, Any] = (None, None)
+        self._batches: list[tuple[Any, Any]] | None = None  # the micro-batches of an accumulating step
+        self.module_run = run  # the engine's run, whose micro-batch count an accumulating step sets
         self._step_index = 0
         self._micro_index = 0
         self._buffers: dict[str, torch.Tensor] = {}
@@ -464,6 +466,13 @@ class ModuleSchedule:
     # ---- one micro-batch through the module ------------------------------------------------------
     def set_batch(self, inputs: Any, targets: Any) -> None:
         self._batch = (inputs, targets)
+        self._batches = None
+
+    def set_batches(self, batches: list[tuple[Any, Any]]) -> None:
+        """The next step accumulates over these micro-batches (one ``(inputs, targets)`` each, in order):
+        the engine's own micro-batch loop, reducing and averaging as its strategy does."""
+        self._batches = list(batches)
+        self.module_run.micro_batches = len(self._batches)
 
     def micro_batch(self, step: int, micro: int) -> float:
         """Forward and backward of the module on the batch given to :meth:`set_batch`; gradients to the
@@ -478,7 +487,7 @@ class ModuleSchedule:
             self._arrived, self._started, self._pending, self._started_units = {}, set(), [], set()
             self._bucket, self._bucket_numel = [], 0
             self._local_bad = 0
-        inputs, targets = self._batch
+        inputs, targets = self._batches[micro] if self._batches else self._batch
         e.tracker.set_phase(f"forward[{micro}]")
         loss = self.loss_fn(self.module, inputs, targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -209,9 +209,33 @@ class ZeroTrainer:
     def step(self, inputs: Any, targets: Any = None) -> float:
         """One optimizer step on this rank's batch (the gradient is the mean over ranks); the local loss."""
         self.schedule.set_batch(inputs, targets)
+        self.schedule.module_run.micro_batches = 1  # one batch per step again after step_accumulated
+        return self._step()
+
+    def step_accumulated(self, micro_batches: Any) -> float:
+        """One optimizer step on the mean gradient of this rank's micro-batches (a list of ``(inputs,
+        targets)``) over all ranks: the engine's own micro-batch loop (ZeRO-2/3 reduce each micro-batch
+        into the shard, NO_SHARD / ZeRO-1 once after the last); the mean local loss."""
+        batches = [tuple(b) for b in micro_batches]
+        if not batches or any(len(b) != 2 for b in batches):
+            raise ConfigError("micro_batches", len(batches),
+                              "give a non-empty list of (inputs, targets) pairs")
+        self.schedule.set_batches(batches)
+        return self._step()
+
+    def _step(self) -> float:
         obs = self.engine.step(self._steps)
         self._steps += 1
+        self._grad_norm = float(obs.grad_norm)
         return float(obs.local_loss)
+
+    def last_grad_norm(self) -> float:
+        """The global gradient norm of the last step before clipping, as the engine computed and clipped
+        with (C-ZERO-008: what the trainer reports equals what it computed)."""
+        norm = getattr(self, "_grad_norm", None)
+        if norm is None:
+            raise ConfigError("last_grad_norm", None, "no step has run yet")
+        return norm
 
     def close(self) -> None:
         """Detach from the model: every hook the engine registered on it is removed (the parameters

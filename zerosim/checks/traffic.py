@@ -64,28 +64,59 @@ def traffic_band(
     grad_bytes: int,
     partitioner: str | None,
     zero1_grad_reduce: str,
+    micro_batches: int = 1,
 ) -> dict[str, tuple[Fraction, Fraction]]:
-    """(least, most) bytes ``rank`` receives per step in each traffic class (see the module docstring)."""
+    """(least, most) bytes ``rank`` receives per step in each traffic class (see the module docstring).
+
+    Under accumulation over ``micro_batches`` K the least is the one-micro-batch model's (a trainer
+    that accumulates locally and reduces once, FSDP2 without gradient sync) and the most the K-micro-batch
+    model's (a reduction per micro-batch into the shard, DeepSpeed ZeRO-2, zerogpu; ZeRO-3 gathering
+    for every micro-batch's forward and backward). Replicated-gradient strategies (DDP, ZeRO-1) have
+    one reduction per step in both, so their band stays exact."""
+    one = _band_of(layout, strategy, world, rank, param_bytes, grad_bytes, partitioner, zero1_grad_reduce, 1)
+    if micro_batches == 1:
+        return one
+    many = _band_of(layout, strategy, world, rank, param_bytes, grad_bytes, partitioner, zero1_grad_reduce,
+                    micro_batches)
+    return {c: (min(one[c][0], many[c][0]), max(one[c][1], many[c][1])) for c in TRAFFIC_CLASSES}
+
+
+def _band_of(
+    layout: ParamLayout,
+    strategy: ShardingStrategy,
+    world: int,
+    rank: int,
+    param_bytes: int,
+    grad_bytes: int,
+    partitioner: str | None,
+    zero1_grad_reduce: str,
+    micro_batches: int,
+) -> dict[str, tuple[Fraction, Fraction]]:
+    """(least, most) of :func:`traffic_band` for one schedule of ``micro_batches`` micro-batches."""
     est = comm_per_step(
         layout,
         strategy,
         Topology(world),
         partitioner or "fsdp",
+        micro_batches=micro_batches,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         zero1_grad_reduce=zero1_grad_reduce,
     )
     psi = layout.total_numel
     stored = stored_numel(layout, strategy, world, rank, partitioner)
+    scalars = sum(1 for n in layout.numels() if n == 1)
     band: dict[str, tuple[Fraction, Fraction]] = {c: (Fraction(0), Fraction(0)) for c in TRAFFIC_CLASSES}
     for item in est.items:
         if item.group_size <= 1:
             continue
         most = item.bytes_received
         if item.collective == "all_gather":
-            # every gather brings the elements this rank does not store; padding may or may not travel
+            # every gather brings the elements this rank does not store; padding may or may not travel.
+            # A one-element tensor moved alone (a peer broadcasting whole tensors) is counted as control
+            # traffic, indistinguishable from a scalar: the least leaves those elements out
             passes = Fraction(item.payload_elements, est.packed_numel)
-            least = passes * max(psi - stored, 0) * param_bytes
+            least = passes * max(psi - stored - scalars, 0) * param_bytes
             cls = "gather"
         else:
             # a gradient buffer of the real elements only (no padding) is the least a reduction moves
@@ -110,6 +141,7 @@ def check_traffic_within_model(
     unobserved: Mapping[str, str] | None = None,
     phase: str | None = None,
     first_step: int = 1,
+    micro_batches: int = 1,
 ) -> Verdict:
     """C-ZERO-005 ``ring_model`` on counted traffic: the bytes every rank receives per step, per traffic
     class, lie in the band of the declared strategy's communication model (see the module docstring).
@@ -118,7 +150,9 @@ def check_traffic_within_model(
     step ``first_step + i``): ``{"reduce" | "gather" | "control": {"sent", "received"}}`` in bytes.
     ``dtype_bytes``: bytes of a parameter element on the wire; ``grad_bytes``: of a gradient element
     (default the same). ``unobserved``: class -> why it cannot be seen (that class is not judged).
-    Each violation names rank, step and class (in ``tensor``) with the band in ``expected_range``.
+    ``micro_batches``: micro-batches per optimizer step (the band of :func:`traffic_band` under
+    accumulation). Each violation names rank, step and class (in ``tensor``) with the band in
+    ``expected_range``.
     """
     strategy = strategy_from_declared(declared_strategy)
     lay = as_layout(layout)
@@ -128,7 +162,8 @@ def check_traffic_within_model(
     checked = 0
     for rank, steps in enumerate(per_rank_traffic):
         band = traffic_band(
-            lay, strategy, world, rank, dtype_bytes, grad_bytes or dtype_bytes, partitioner, zero1_grad_reduce
+            lay, strategy, world, rank, dtype_bytes, grad_bytes or dtype_bytes, partitioner,
+            zero1_grad_reduce, micro_batches,
         )
         rows.append(
             {
@@ -164,6 +199,7 @@ def check_traffic_within_model(
         param_bytes=dtype_bytes,
         grad_bytes=grad_bytes or dtype_bytes,
         zero1_grad_reduce=zero1_grad_reduce,
+        micro_batches=micro_batches,
         ranks=rows,
     )
 

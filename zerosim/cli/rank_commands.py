@@ -43,6 +43,8 @@ def verify_rank_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="gpt")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grad-accum", type=int, default=1, metavar="K",
+                   help="micro-batches per optimizer step (K > 1 calls step_accumulated)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
     p.add_argument("--out", default=None, help="directory for report.json (rank 0)")
     p.add_argument("--json", action="store_true", help="rank 0 prints the report as one JSON object")
@@ -94,7 +96,7 @@ def verify_run_from_args(args: Any, world: int | None = None) -> VerifyRun:
         json_output=bool(args.json), quiet=bool(args.quiet), resume_at=args.resume_at,
         resume_dir=args.resume_dir, resume_stage=args.resume_stage, save_observations=args.save_observations,
         allow_world_1=bool(args.allow_world_1), mesh=None if args.mesh is None else parse_mesh(args.mesh),
-        strict=bool(args.strict),
+        strict=bool(args.strict), grad_accum=args.grad_accum,
     )
 
 

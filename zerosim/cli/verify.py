@@ -55,8 +55,21 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--dtype", default="float64", help="float64 (default) or float32")
     p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
-    p.add_argument("--model", default="gpt", help="built-in model: gpt (default) or gpt-tied")
+    p.add_argument(
+        "--model",
+        default="gpt",
+        help="gpt (default), gpt-tied, hf-gpt2 (transformers' GPT-2, random weights; the [hf] extra), or "
+        "MODULE:FACTORY: factory(seed) -> (model, make_batch), make_batch(step, rank, world, micro) -> "
+        "(inputs, targets), model(inputs, targets) -> scalar loss",
+    )
     p.add_argument("--optimizers", default="sgd,adamw", help="phases to run (default sgd,adamw)")
+    p.add_argument(
+        "--grad-accum",
+        default=None,
+        metavar="K",
+        help="micro-batches per optimizer step (default 1): verify calls trainer.step_accumulated with K "
+        "(inputs, targets) pairs; the reference takes the mean gradient of all K x world micro-batches",
+    )
     p.add_argument(
         "--timeout", default=None, help="seconds a collective or trainer call may take (default 120)"
     )
@@ -166,7 +179,8 @@ def _run_as_rank(args: Any) -> None:
                     device=args.device, model=args.model, optimizers=args.optimizers,
                     timeout_s=timeout if timeout is not None else DEFAULT_TIMEOUT_S, out=args.out,
                     json_output=bool(args.json), allow_world_1=bool(args.allow_world_1),
-                    mesh=_mesh(args.mesh), strict=bool(args.strict))
+                    mesh=_mesh(args.mesh), strict=bool(args.strict),
+                    grad_accum=_grad_accum(args))
     rank_main(run)
 
 
@@ -189,6 +203,7 @@ def _verify(args: Any) -> Any:
         allow_world_1=bool(args.allow_world_1),
         mesh=_mesh(args.mesh),
         strict=bool(args.strict),
+        grad_accum=_grad_accum(args),
     )
 
 
@@ -196,3 +211,8 @@ def _mesh(text: Any) -> tuple[int, int] | None:
     from ..verify.run_value import parse_mesh
 
     return None if text is None else parse_mesh(text)
+
+
+def _grad_accum(args: Any) -> int:
+    value = _int("grad_accum", getattr(args, "grad_accum", None))
+    return 1 if value is None else value

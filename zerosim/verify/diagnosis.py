@@ -25,6 +25,12 @@ specific first (the fixed vocabulary :data:`zerosim.verify.outcome.BUG_CLASSES`)
   whose values equal the previous step's is named stale).
 * ``ranks-agree-wrong``: at the first failing step every rank agrees bitwise, yet not with the
   reference (the reduction or the optimizer math).
+* ``accumulation-sum`` (gradient accumulation over K micro-batches): the first SGD update is K times
+  the reference's: the micro-batch gradients were summed, not averaged.
+* ``accumulation-dropped``: the first SGD update is a multiple of one micro-batch's gradient alone
+  (mean over ranks): the other micro-batches' gradients were dropped (zeroed between micro-batches).
+* ``logged-norm``: C-ZERO-008 failed: the gradient norm the trainer logs is not the norm of the
+  gradient it stepped with; named "the norm of the elements one rank owns" when it is that.
 
 Why one module of this length: the classes are read off the same first failing step and the same
 owned ranges, and their order (most specific first) is one decision, kept in one place.
@@ -111,13 +117,15 @@ def diagnose(
     found: list[Diagnosis] = []
     own = contracts.get("C-ZERO-001")
     found += _overlap(own)
+    logged = _logged_norm(records, contracts.get("C-ZERO-008"))  # last: a wrong gradient explains it
     if not records:
-        return found
+        return found + logged
     first_bad = next((r for r in records if _record_fails(r)), None)
     found += _unowned(records, own)
     if first_bad is None and not found:
         disagree = _disagree(records, contracts)
-        return disagree
+        return disagree + logged
+    found += _accumulation(records)
     found += _gradient_scale(records)
     if first_bad is not None:
         found += _permuted(first_bad)
@@ -139,7 +147,7 @@ def diagnose(
                 "not at the gather",
             )
         )
-    return found
+    return found + logged
 
 
 def _counter_note(rec: StepRecord) -> str:
@@ -216,29 +224,105 @@ def _unowned(records: Sequence[StepRecord], own: ContractOutcome | None) -> list
     return []
 
 
-def _gradient_scale(records: Sequence[StepRecord]) -> list[Diagnosis]:
+def _first_sgd_update(records: Sequence[StepRecord]) -> tuple[StepRecord, np.ndarray] | None:
+    """The first SGD step when it fails, and the gradient its majority update implies (the update
+    divided by the learning rate, weight decay taken off), flattened in parameter order."""
     rec = next((r for r in records if r.phase == "sgd" and r.ref.phase_step == 1), None)
     if rec is None or not _record_fails(rec):
-        return []
+        return None
     obs = _majority(rec)
-    world = len(rec.ranks)
     lr = _sgd_lr(rec)
     wd = _sgd_wd(rec)
     if lr is None:
-        return []
-    got, ref = [], []
+        return None
+    got = []
     for n, before in rec.ref.params_before.items():
         decay = wd * before.reshape(-1)
         got.append((before.reshape(-1) - obs.params[n].astype(np.float64).reshape(-1)) / lr - decay)
-        ref.append(rec.ref.grad[n].reshape(-1))
-    g, r = np.concatenate(got), np.concatenate(ref)
+    return rec, np.concatenate(got)
+
+
+def _common_factor(g: np.ndarray, r: np.ndarray) -> tuple[float, float] | None:
+    """(the factor f with g = f r on the large elements of r, the share of them within 1% of it), or None
+    when r has fewer than three large elements."""
     big = np.abs(r) > 0.1 * np.max(np.abs(r))
     if big.sum() < 3:
-        return []
+        return None
     ratio = g[big] / r[big]
     factor = float(np.median(ratio))
-    if abs(factor - 1) < 1e-3 or np.mean(np.abs(ratio - factor) <= 0.01 * abs(factor)) < FACTOR_AGREEMENT:
+    return factor, float(np.mean(np.abs(ratio - factor) <= 0.01 * abs(factor)))
+
+
+def _flat(grads: dict[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
+    return np.concatenate([grads[n].reshape(-1) for n in names])
+
+
+def _accumulation(records: Sequence[StepRecord]) -> list[Diagnosis]:
+    """``accumulation-sum`` / ``accumulation-dropped`` from the first SGD update (module docstring)."""
+    first = _first_sgd_update(records)
+    if first is None or len(first[0].ref.micro_grads) < 2:
         return []
+    rec, g = first
+    names = list(rec.ref.params_before)
+    k = len(rec.ref.micro_grads)
+    found = _common_factor(g, _flat(rec.ref.grad, names))
+    if found is not None and found[1] >= FACTOR_AGREEMENT and abs(found[0] - k) <= 0.01 * k:
+        return [Diagnosis(
+            "accumulation-sum",
+            f"the first SGD update (step {rec.step}) is the reference's gradient step times {found[0]:.4g} "
+            f"= the {k} micro-batches per step: the micro-batch gradients were summed, not averaged "
+            "(the loss of each micro-batch not divided by K)",
+        )]
+    for j, micro in enumerate(rec.ref.micro_grads):
+        fit = _common_factor(g, _flat(micro, names))
+        if fit is not None and fit[1] >= FACTOR_AGREEMENT and abs(fit[0]) > 1e-12:
+            return [Diagnosis(
+                "accumulation-dropped",
+                f"the first SGD update (step {rec.step}) is {fit[0]:.4g} x the gradient of micro-batch {j} "
+                f"of {k} alone (mean over ranks) on {fit[1]:.0%} of its large elements: the other "
+                "micro-batches' gradients were dropped (zeroed between micro-batches, or not accumulated)",
+            )]
+    return []
+
+
+def _logged_norm(records: Sequence[StepRecord], outcome: ContractOutcome | None) -> list[Diagnosis]:
+    """``logged-norm`` when C-ZERO-008 failed; names the rank's own elements when the logged norm is
+    the norm of the reference's gradient over exactly the ranges that rank owns."""
+    if outcome is None or outcome.status != "fail":
+        return []
+    first = outcome.first_violation or {}
+    step, rank = first.get("step"), first.get("rank")
+    rec = next((r for r in records if r.step == step), None)
+    evidence = outcome.reason
+    if rec is not None and rank is not None and rank < len(rec.ranks):
+        obs = rec.ranks[rank]
+        if obs.shards and obs.grad_norm is not None:
+            squares = sum(float(np.sum(np.square(rec.ref.grad[n].reshape(-1)[a:b])))
+                          for n, ranges in obs.shards.items() for a, b in ranges)
+            own = squares ** 0.5
+            if abs(own - obs.grad_norm) <= 1e-6 * max(own, 1e-300):
+                evidence = (f"rank {rank} logged {obs.grad_norm:.6g} at step {step}: the norm of the "
+                            f"reference's gradient over the elements rank {rank} owns ({own:.6g}), not over "
+                            f"all of them ({rec.ref.grad_norm:.6g}): the norm is not reduced across ranks")
+    return [Diagnosis("logged-norm", evidence)]
+
+
+def _gradient_scale(records: Sequence[StepRecord]) -> list[Diagnosis]:
+    first = _first_sgd_update(records)
+    if first is None:
+        return []
+    rec, g = first
+    world = len(rec.ranks)
+    r = _flat(rec.ref.grad, list(rec.ref.params_before))
+    found = _common_factor(g, r)
+    if found is None:
+        return []
+    factor, share = found
+    if abs(factor - 1) < 1e-3 or share < FACTOR_AGREEMENT:
+        return []
+    k = len(rec.ref.micro_grads)
+    if k > 1 and abs(factor - k) <= 0.01 * k and abs(factor - world) > 0.01 * world:
+        return []  # accumulation-sum says it
     meaning = ""
     if abs(factor - world) <= 0.01 * world:
         meaning = f" = the world size {world}: gradients summed over ranks, not averaged"
@@ -248,7 +332,7 @@ def _gradient_scale(records: Sequence[StepRecord]) -> list[Diagnosis]:
         Diagnosis(
             "gradient-scale",
             f"the first SGD update (step {rec.step}) is the reference's gradient "
-            f"step times {factor:.4g} on {np.mean(np.abs(ratio - factor) <= 0.01 * abs(factor)):.0%} of "
+            f"step times {factor:.4g} on {share:.0%} of "
             f"the large-gradient elements{meaning}",
         )
     ]

@@ -8,10 +8,12 @@ float32-representable after every step), and the contracts' checks (:mod:`zerosi
 C-ZERO-001 :func:`~zerosim.checks.partition_ranges.check_partition_ranges`, C-ZERO-002
 :func:`~zerosim.checks.equivalence.check_step_equivalence`, C-ZERO-003
 :func:`~zerosim.checks.identity.check_replica_identity`) and the diagnosis
-(:mod:`zerosim.verify.diagnosis`) run on the result. C-ZERO-004 and C-ZERO-005's ``ring_model`` come
-judged from the ranks (:func:`zerosim.verify.resources.resource_outcomes`); C-ZERO-005's
-``reduce_dtype`` (:func:`~zerosim.checks.traffic.check_reduce_dtype`) is judged here, where each phase's
-arithmetic dtype is known: every gradient reduction must move that dtype.
+(:mod:`zerosim.verify.diagnosis`) run on the result, with C-ZERO-008
+:func:`~zerosim.checks.logged_norm.check_logged_norm` on the logged gradient norm. C-ZERO-004 and
+C-ZERO-005's ``ring_model`` come judged from the ranks
+(:func:`zerosim.verify.resources.resource_outcomes`); C-ZERO-005's ``reduce_dtype``
+(:func:`~zerosim.checks.traffic.check_reduce_dtype`) is judged here, where each phase's arithmetic
+dtype is known: every gradient reduction must move that dtype.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ import torch
 from zerosim import datafile
 from zerosim.checks.equivalence import check_step_equivalence, float32_masters
 from zerosim.checks.identity import check_replica_identity
+from zerosim.checks.logged_norm import check_logged_norm
 from zerosim.checks.partition_ranges import check_partition_ranges
-from zerosim.checks.tolerance import ErrorModel
+from zerosim.checks.tolerance import ErrorModel, unit_roundoff
 from zerosim.checks.traffic import check_reduce_dtype
 from zerosim.observe import TrainerObservation
 from zerosim.verdict import Verdict
 
-from .model import require_model
+from .model_source import model_source
 from .observation import StepRecord
 from .outcome import ContractOutcome, VerifyReport, mark_findings, violation_json
 from .reference import Reference
@@ -49,11 +52,15 @@ def build_records(
     model_name: str,
     seed: int,
     resume: ResumeRun | None = None,
+    grad_accum: int = 1,
 ) -> list[StepRecord]:
     """Reference and bounds beside every observed step; notes per phase the arithmetic dtype judged
     and the steps where the clip bound, in ``phase_info``. With ``resume``, the reference's batches
-    after the resume are the new world's, and the bound's reduction length is the larger world's."""
-    cfg = require_model(model_name)
+    after the resume are the new world's, and the bound's reduction length is the larger world's. Under
+    accumulation the reference averages all ``grad_accum`` x world micro-batches, and the bound's
+    reduction length counts them all (K x world local gradients are added)."""
+    source = model_source(model_name, seed)
+    cfg = source.sizes()
     info = {p["name"]: p for p in phase_info}
     records: list[StepRecord] = []
     for phase in phases:
@@ -71,9 +78,11 @@ def build_records(
             phase=phase.name,
             data_offset=phase.data_offset,
             resume=(resume.last_step_before(phase.first_step), resume.world_after) if resume else None,
+            grad_accum=grad_accum,
+            source=source,
         )
         bound_world = max(world, resume.world_after) if resume else world
-        model = ErrorModel(phase.optim, arithmetic, cfg, bound_world, rounded_start=masters32)
+        model = ErrorModel(phase.optim, arithmetic, cfg, bound_world * grad_accum, rounded_start=masters32)
         binds = []
         for s, ranks in zip(phase.step_numbers, steps, strict=True):
             ref_step = ref.step(s)
@@ -140,6 +149,7 @@ def evaluate(
     resume: ResumeRun | None = None,
     mesh: tuple[int, int] | None = None,
     strict: bool = False,
+    grad_accum: int = 1,
 ) -> VerifyReport:
     """The report of one run: the contracts judged on the records (C-ZERO-001 against ``mesh`` when the
     run names one), efficiency-only failures of a run whose values are right marked as findings
@@ -158,15 +168,18 @@ def evaluate(
         model_name=model_name,
         seed=seed,
         resume=resume,
+        grad_accum=grad_accum,
     )
     contracts: dict[str, ContractOutcome] = {}
     if records:
         contracts["C-ZERO-001"] = ContractOutcome.from_verdict(check_partition_ranges(records, numels, mesh))
         contracts["C-ZERO-002"] = ContractOutcome.from_verdict(check_step_equivalence(records))
         contracts["C-ZERO-003"] = ContractOutcome.from_verdict(check_replica_identity(records))
+        roundoff = {p["name"]: unit_roundoff(p["arithmetic"]) for p in phase_info if "arithmetic" in p}
+        contracts["C-ZERO-008"] = ContractOutcome.from_verdict(check_logged_norm(records, roundoff))
     else:
         why = "every phase was skipped: " + "; ".join(p.get("reason", "") for p in phase_info)
-        for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003"):
+        for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-008"):
             contracts[cid] = ContractOutcome("skipped", why)
     for cid in ("C-ZERO-004", "C-ZERO-005"):
         contracts[cid] = (resources or {}).get(cid) or ContractOutcome(
@@ -192,6 +205,8 @@ def evaluate(
         report.extra["mesh"] = list(mesh)
     if resume is not None:
         report.extra["resume"] = resume.to_json()
+    if grad_accum > 1:
+        report.extra["grad_accum"] = grad_accum
     return report
 
 
@@ -208,12 +223,10 @@ def save_observations(path: str, run: dict[str, Any]) -> None:
 def evaluate_saved(path: str) -> VerifyReport:
     """Re-evaluate a run saved with ``--save-observations``. The file is read as plain data (no code
     runs, whoever wrote it); DataFileError when it is not a saved run."""
-    from .model import build_model
-
     run = datafile.load(path, types=SAVED_TYPES)
     accepted = set(inspect.signature(evaluate).parameters) - {"base", "resume"}
     needed = {"model_name", "dtype", "seed", "phases", "observations"}
     if not isinstance(run, dict) or not needed <= set(run) <= accepted:
         raise datafile.DataFileError(f"{path}: not a run saved by --save-observations")
-    base = build_model(run["model_name"], run["dtype"], run["seed"])
+    base = model_source(run["model_name"], run["seed"]).build(run["dtype"])
     return evaluate(base=base, **run)

@@ -19,6 +19,10 @@ The mesh column: every hybrid adapter (:data:`zerosim.verify.adapters.HYBRID_ADA
 world 4 on the degenerate mesh (4, 1) (``--mesh 4x1``: four replicas of one unsharded rank, where
 the replicate all-reduce is the only reduction; pytorch #154888 dropped it there), per optimizer.
 
+The accumulation column: for each (K, N) of :data:`ACCUM_CELLS` (3 micro-batches at world 4), every
+adapter runs both phases at N ranks with ``--grad-accum K``; the cell shows the run's verdict, the
+worst C-ZERO-002 error over its bound and the worst logged-norm error over its bound (C-ZERO-008).
+
 A cell counts its findings (traffic or memory off the declared strategy's model in a run whose values
 are right; the cell passes and says how many). A cell whose run ends with an error (a rank failed, the
 peer rejected the configuration) is kept as ``"error"`` with its one-line message: a peer that fails
@@ -50,6 +54,7 @@ PHASE_STEPS = 4  # each phase's length in the default two-phase suite (8 steps)
 RESUME_PAIRS = ((2, 3), (4, 2))  # (world saved at, world resumed at) of the resume column
 RESUME_AT = 2  # each phase resumes after this many of its steps
 MESH_WORLDS = (4,)  # the mesh column: hybrid adapters on the (world, 1) mesh at these world sizes
+ACCUM_CELLS = ((3, 4),)  # (micro-batches per step, world) of the accumulation column
 
 
 def run_cell(
@@ -136,6 +141,74 @@ def run_resume_cell(
     return cell
 
 
+def run_accum_cell(
+    adapter: str,
+    grad_accum: int,
+    world: int,
+    *,
+    steps: int = PHASE_STEPS,
+    dtype: str = "float64",
+    device: str = "cpu",
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """One accumulation cell: both phases of ``steps`` each at ``world`` ranks, ``grad_accum``
+    micro-batches per optimizer step (``step_accumulated``)."""
+    cell: dict[str, Any] = {"adapter": adapter, "world": world, "grad_accum": grad_accum,
+                            "steps": steps * len(OPTIMIZER_PHASES)}
+    report = _timed_verify(cell, adapter, world=world, steps=steps * len(OPTIMIZER_PHASES), dtype=dtype,
+                           device=device, timeout_s=timeout_s, grad_accum=grad_accum)
+    if report is None:
+        return cell
+    eq = report.contracts.get("C-ZERO-002")
+    logged = report.contracts.get("C-ZERO-008")
+    failing = _failing_steps(report)
+    cell.update(
+        verdict=report.verdict,
+        contracts={cid: o.status for cid, o in report.contracts.items()},
+        reasons={cid: o.reason for cid, o in report.contracts.items() if o.status != "pass"},
+        error_over_tolerance=(eq.details if eq is not None else {}).get("error_over_tolerance"),
+        logged_norm_over_tolerance=(logged.details if logged is not None else {}).get("error_over_tolerance"),
+        first_failing_step=failing[0] if failing else None,
+        first_failing_contract=failing[1] if failing else None,
+        diagnosis=[d.bug_class for d in report.diagnosis],
+    )
+    return cell
+
+
+def render_accum_markdown(matrix: dict[str, Any]) -> list[str]:
+    """The accumulation column: one row per adapter, one column per (K, world)."""
+    cells = matrix.get("accum_cells") or []
+    if not cells:
+        return []
+    pairs = [tuple(p) for p in matrix["accum_pairs"]]
+    by = {(c["adapter"], c["grad_accum"], c["world"]): c for c in cells}
+    lines = ["", "## Gradient accumulation: K micro-batches per optimizer step (`--grad-accum K`)", "",
+             "Cell: the run's verdict, C-ZERO-002's and C-ZERO-008's (logged norm) max error / tolerance, "
+             "and the first failing step and contract.", "",
+             "| adapter | " + " | ".join(f"accum {k} @ {n}" for k, n in pairs) + " |",
+             "|---|" + "---|" * len(pairs)]
+    for name in matrix["adapters"]:
+        row = [_accum_label(by[(name, k, n)]) if (name, k, n) in by else "-" for k, n in pairs]
+        lines.append(f"| {name} | " + " | ".join(row) + " |")
+    notes = [f"- {c['adapter']} accum {c['grad_accum']} @ {c['world']}: {cid} fail: {why}"
+             for c in cells for cid, why in (c.get("reasons") or {}).items()
+             if c["contracts"].get(cid) == "fail"]
+    notes += [f"- {c['adapter']} accum {c['grad_accum']} @ {c['world']}: {c['error']}"
+              for c in cells if c["verdict"] == "error"]
+    return lines + (["", "### Accumulation findings", "", *notes] if notes else [])
+
+
+def _accum_label(cell: dict[str, Any]) -> str:
+    if cell["verdict"] == "error":
+        return "error"
+    figures = [f"{x:.1e}" if isinstance(x, (int, float)) else "-"
+               for x in (cell.get("error_over_tolerance"), cell.get("logged_norm_over_tolerance"))]
+    text = f"{cell['verdict']} {figures[0]} / norm {figures[1]}"
+    if cell.get("first_failing_step") is not None:
+        text += f" (step {cell['first_failing_step']}, {cell['first_failing_contract']})"
+    return text
+
+
 def run_matrix(
     adapters: Sequence[str] | None = None,
     optimizers: Sequence[str] = OPTIMIZER_PHASES,
@@ -148,6 +221,7 @@ def run_matrix(
     progress: Any = None,
     resume_pairs: Sequence[tuple[int, int]] = (),
     mesh_worlds: Sequence[int] = (),
+    accum_pairs: Sequence[tuple[int, int]] = (),
 ) -> dict[str, Any]:
     """Every cell of the matrix (see the module docstring), the mesh column (hybrid adapters on the
     (world, 1) mesh for each world in ``mesh_worlds``), then the resume column for each pair in
@@ -159,6 +233,7 @@ def run_matrix(
     cells = []
     resume_cells = []
     mesh_cells = []
+    accum_cells = []
     for name in names:
         for world in worlds:
             for optimizer in optimizers:
@@ -180,6 +255,11 @@ def run_matrix(
             resume_cells.append(cell)
             if progress is not None:
                 progress(cell)
+        for k, n in accum_pairs:
+            cell = run_accum_cell(name, k, n, steps=steps, dtype=dtype, device=device, timeout_s=timeout_s)
+            accum_cells.append(cell)
+            if progress is not None:
+                progress(cell)
     return {
         "generated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": _environment(),
@@ -196,6 +276,8 @@ def run_matrix(
         "resume_cells": resume_cells,
         "mesh_worlds": list(mesh_worlds),
         "mesh_cells": mesh_cells,
+        "accum_pairs": [list(p) for p in accum_pairs],
+        "accum_cells": accum_cells,
     }
 
 
@@ -299,7 +381,7 @@ def render_markdown(matrix: dict[str, Any]) -> str:
         tail = []
         if matrix.get("not_installed"):
             tail = ["", f"Not installed here (not run): {', '.join(matrix['not_installed'])}."]
-        return "\n".join(head + render_resume_markdown(matrix) + tail) + "\n"
+        return "\n".join(head + render_resume_markdown(matrix) + render_accum_markdown(matrix) + tail) + "\n"
     cells = {(c["adapter"], c["optimizer"], c["world"]): c for c in matrix["cells"]}
     cols = [(o, w) for w in matrix["worlds"] for o in matrix["optimizers"]]
     mesh_cells = {(c["adapter"], c["optimizer"], c["world"]): c for c in matrix.get("mesh_cells", [])}
@@ -363,6 +445,7 @@ def render_markdown(matrix: dict[str, Any]) -> str:
     if skipped:
         lines += ["", "## Skipped contracts", ""] + [f"- {s}" for s in skipped]
     lines += render_resume_markdown(matrix)
+    lines += render_accum_markdown(matrix)
     if matrix.get("not_installed"):
         lines += ["", f"Not installed here (not run): {', '.join(matrix['not_installed'])}."]
     return "\n".join(lines) + "\n"
@@ -441,7 +524,7 @@ def matrix_exit_code(matrix: dict[str, Any]) -> int:
     """3 if a cell's run failed outright (a rank failed, hung, or the peer rejected the run), 1 if a
     contract failed, else 0."""
     verdicts = {c["verdict"] for c in [*matrix["cells"], *matrix.get("resume_cells", []),
-                                        *matrix.get("mesh_cells", [])]}
+                                        *matrix.get("mesh_cells", []), *matrix.get("accum_cells", [])]}
     return 3 if "error" in verdicts else 1 if "fail" in verdicts else 0
 
 
@@ -457,6 +540,7 @@ def run_all(
     optimizers: Sequence[str] = OPTIMIZER_PHASES,
     resume_pairs: Sequence[tuple[int, int]] = RESUME_PAIRS,
     mesh_worlds: Sequence[int] = MESH_WORLDS,
+    accum_pairs: Sequence[tuple[int, int]] = ACCUM_CELLS,
 ) -> int:
     """``zerosim verify --all``: run the matrix, write it, print one line per cell; the exit status."""
 
@@ -465,6 +549,8 @@ def run_all(
             what = f"resume {cell['world']}->{cell['resume_world']}: {_resume_label(cell)}"
         elif "mesh" in cell:
             what = f"{cell['optimizer']:<6} world {cell['world']} mesh {cell['world']}x1: {_label(cell)}"
+        elif "grad_accum" in cell:
+            what = f"accum {cell['grad_accum']} @ {cell['world']}: {_accum_label(cell)}"
         else:
             what = f"{cell['optimizer']:<6} world {cell['world']}: {_label(cell)}"
         echo(
@@ -482,6 +568,7 @@ def run_all(
         progress=progress,
         resume_pairs=resume_pairs,
         mesh_worlds=mesh_worlds,
+        accum_pairs=accum_pairs,
     )
     paths = write_matrix(matrix, out_dir)
     echo("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -518,7 +605,7 @@ def run_cli(args: Any, timeout_s: float | None) -> int:
     out_dir = output_dir(getattr(args, "out", None), name)
     if resume_only:
         return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s, optimizers=(),
-                       worlds=(), mesh_worlds=())
+                       worlds=(), mesh_worlds=(), accum_pairs=())
     return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s)
 
 

@@ -8,9 +8,15 @@ count, or that drops a remainder, is exercised at every world size. Presets:
 * ``gpt``: 2 blocks, separate embedding and head (the head has no bias).
 * ``gpt-tied``: 2 blocks, the head's weight *is* the token embedding (one parameter, listed once by
   ``named_parameters()`` under ``wte.weight``; its gradient is the sum of both uses), plus a head bias.
-* ``gpt-50m``: the same structure at 50,291,111 parameters (d_model 511 = 7 heads of 73, 8 blocks,
-  MLP width 2047, vocabulary 24571, 65 positions), for timing a step (``zerosim bench peers``); its
-  sizes keep the same property.
+* ``gpt-50m``: the same structure (without the two small tensors below) at 50,291,111 parameters
+  (d_model 511 = 7 heads of 73, 8 blocks, MLP width 2047, vocabulary 24571, 65 positions), for
+  timing a step (``zerosim bench peers``); its sizes keep the same property.
+
+``gpt`` and ``gpt-tied`` also hold two tensors with fewer elements than the world sizes verify runs
+at: ``small.bias`` (3 elements, added to the first three channels of the embedding) and ``small.gain``
+(1 element, scaling the logits), last in ``named_parameters()``. Under per-parameter sharding at
+world 4 some ranks own nothing of them: an empty shard must not break a trainer's shards, its
+checkpoint or the checks.
 
 ``forward(inputs, targets)`` returns the mean cross-entropy over the local batch: the loss a trainer's
 ``step`` minimises. :func:`micro_batch` gives every (rank, step) its own tokens, seeded, so ranks train
@@ -39,6 +45,7 @@ class GPTConfig:
     n_layer: int = 2
     tied: bool = False
     batch: int = 2  # sequences per rank per step
+    small_tensors: bool = True  # small.bias (3 elements) and small.gain (1): see the module docstring
 
     @property
     def widest(self) -> int:
@@ -49,7 +56,8 @@ class GPTConfig:
 PRESETS = {
     "gpt": GPTConfig(),
     "gpt-tied": GPTConfig(tied=True),
-    "gpt-50m": GPTConfig(vocab=24571, block=65, d_model=511, n_head=7, d_mlp=2047, n_layer=8, batch=2),
+    "gpt-50m": GPTConfig(vocab=24571, block=65, d_model=511, n_head=7, d_mlp=2047, n_layer=8, batch=2,
+                         small_tensors=False),
 }
 
 
@@ -96,6 +104,15 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+class SmallTensors(nn.Module):
+    """A 3-element bias and a 1-element gain (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(3))
+        self.gain = nn.Parameter(torch.ones(1))
+
+
 class GPT(nn.Module):
     """``model(inputs, targets) -> mean loss`` over the local batch (int64 [batch, block] each)."""
 
@@ -109,14 +126,21 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=cfg.tied)
         if cfg.tied:
             self.head.weight = self.wte.weight
+        # fewer elements than the world size: some ranks own none of them under per-parameter sharding
+        # (a child module registered last, so they come last in named_parameters())
+        self.small = SmallTensors() if cfg.small_tensors else None
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = inputs.shape[1]
         pos = torch.arange(t, device=inputs.device)
         x = self.wte(inputs) + self.wpe(pos)
+        if self.small is not None:
+            x = x + F.pad(self.small.bias, (0, x.shape[-1] - self.small.bias.shape[0]))
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
+        if self.small is not None:
+            logits = logits * self.small.gain
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
@@ -145,11 +169,18 @@ def torch_dtype(dtype: str) -> torch.dtype:
     raise ConfigError("dtype", dtype, "must be float64 or float32")
 
 
-def micro_batch(rank: int, step: int, seed: int = 0, model: str = "gpt") -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s (inputs, targets) for global step ``step`` (1-based): int64 [batch, block] on the CPU,
-    a function of (seed, rank, step) only."""
+MICRO_STRIDE = 15_485_863  # a prime above any rank: micro-batch m of rank r seeds apart from every other
+
+
+def micro_batch(
+    rank: int, step: int, seed: int = 0, model: str = "gpt", micro: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s (inputs, targets) for global step ``step`` (1-based) and micro-batch ``micro``
+    (0-based; 0 is the only one without accumulation): int64 [batch, block] on the CPU, a function of
+    (seed, rank, step, micro) only."""
     cfg = require_model(model)
-    gen = torch.Generator().manual_seed(((seed * 7919 + step) * 104_729 + rank) % (2**62))
+    key = (seed * 7919 + step) * 104_729 + rank + micro * MICRO_STRIDE
+    gen = torch.Generator().manual_seed(key % (2**62))
     tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.block + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

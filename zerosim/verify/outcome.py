@@ -24,7 +24,7 @@ EFFICIENCY_CLAUSES = frozenset({"bytes", "ring_model"})
 FINDING = "finding"  # a contract's status when only efficiency clauses broke and every value is right
 BUG_CLASSES = ("gradient-scale", "clip-norm", "unowned-elements", "overlapping-shards", "rank-local",
                "ranks-disagree", "ranks-agree-wrong", "permuted-shards", "late-divergence",
-               "replicas-not-reduced")
+               "replicas-not-reduced", "accumulation-sum", "accumulation-dropped", "logged-norm")
 
 
 @dataclass

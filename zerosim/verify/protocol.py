@@ -13,6 +13,13 @@ Optional: ``full_optimizer_state() -> dict[str, dict[str, Tensor]]`` (torch.opti
 list[tuple[int, int]]]`` (half-open ranges of each flattened parameter whose optimizer state this
 rank owns; C-ZERO-001 is checked from them).
 
+Optional, for ``--grad-accum K`` (K > 1): ``step_accumulated(micro_batches) -> float``, where
+``micro_batches`` is a list of K ``(inputs, targets)`` pairs for this rank, all of the same shape: one
+optimizer step on the mean gradient over all K x world micro-batches; returns the mean local loss.
+
+Optional: ``last_grad_norm() -> float``: the total gradient norm before clipping of the last step, as
+the trainer would log it (C-ZERO-008 checks it every step against the reference's norm).
+
 Optional: ``close()``, called once after a trainer's last step (by verify between phases, by
 ``zerosim bench peers`` between adapters): release what the trainer registered outside itself
 (hooks on the model, an engine's global state), so that the next trainer built in the same process
@@ -41,7 +48,8 @@ import numpy as np
 from .errors import TrainerError
 
 REQUIRED_METHODS = ("step", "full_parameters")
-OPTIONAL_METHODS = ("full_optimizer_state", "local_shards", "save_checkpoint", "load_checkpoint", "close")
+OPTIONAL_METHODS = ("full_optimizer_state", "local_shards", "save_checkpoint", "load_checkpoint", "close",
+                    "step_accumulated", "last_grad_norm")
 RESUME_METHODS = ("save_checkpoint", "load_checkpoint")
 STATE_NAMES = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq", "step")}
 
@@ -253,6 +261,22 @@ def finite_loss(value: Any, rank: int, step: int) -> float:
     if not math.isfinite(loss):
         raise TrainerError(f"step() on rank {rank} at step {step} returned a non-finite loss ({loss})")
     return loss
+
+
+def logged_norm(value: Any, rank: int, step: int) -> float:
+    """``last_grad_norm()``'s return value as a float; TrainerError unless it is a finite number >= 0."""
+    try:
+        norm = float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TrainerError(
+            f"last_grad_norm() on rank {rank} at step {step} returned {type(value).__name__}, expected "
+            "the total gradient norm as a float"
+        ) from None
+    if not math.isfinite(norm) or norm < 0:
+        raise TrainerError(
+            f"last_grad_norm() on rank {rank} at step {step} returned {norm}, expected a finite norm >= 0"
+        )
+    return norm
 
 
 def close_trainer(trainer: Any) -> None:

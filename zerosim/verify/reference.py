@@ -1,10 +1,13 @@
 """The unsharded reference C-ZERO-002 compares a trainer against: torch.optim on the global batch, float64.
 
 The reference starts from the trainer's initial model (cast to float64, exactly: float32 values are
-float64 values), builds every rank's micro-batch (:func:`zerosim.verify.model.micro_batch`),
+float64 values), builds every rank's micro-batch (:class:`zerosim.verify.model_source.ModelSource`:
+the built-in model's :func:`zerosim.verify.model.micro_batch`, or the user's ``make_batch``),
 concatenates them in rank order and takes one ``torch.optim.SGD`` / ``torch.optim.AdamW`` step
 (``foreach=False``) on the mean loss of that global batch, after ``clip_grad_norm_`` when the phase
 clips. With equal local batches this is the protocol's "mean over ranks of the local mean losses".
+Under gradient accumulation (``grad_accum`` K) the global batch is all K x world micro-batches, in
+(rank, micro-batch) order: the mean gradient over every micro-batch of every rank.
 
 Besides the state after each step it records what the error model needs
 (:mod:`zerosim.checks.tolerance`): the averaged gradient, the per-element sum of the ranks' absolute
@@ -20,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .model import micro_batch
+from .model_source import ModelSource
 
 
 @dataclass
@@ -38,6 +41,8 @@ class ReferenceStep:
     grad_norm: float
     clip_coef: float  # the factor clip_grad_norm_ applied (1.0: the clip did not bind, or no clip)
     losses: list[float] = field(default_factory=list)  # each rank's local loss at the step's start
+    # under accumulation: per micro-batch index, the mean over ranks of that micro-batch's gradient
+    micro_grads: list[dict[str, np.ndarray]] = field(default_factory=list)
 
     @property
     def clip_bound(self) -> bool:
@@ -78,8 +83,12 @@ class Reference:
         phase: str = "",
         data_offset: int = 0,
         resume: tuple[int, int] | None = None,
+        grad_accum: int = 1,
+        source: ModelSource | None = None,
     ):
+        self.source = source if source is not None else ModelSource(model_name, seed)
         self.data_offset = data_offset
+        self.grad_accum = grad_accum
         # (last global step before a resume, the world size after it): later steps average that many
         # ranks' micro-batches
         self.resume = resume
@@ -93,6 +102,7 @@ class Reference:
         self.params = [p for _, p in self.model.named_parameters()]
         self.optimizer = make_optimizer(self.params, self.optim)
         self.phase_step = 0
+        self.micro_grads: list[dict[str, np.ndarray]] = []
 
     def world_at(self, step: int) -> int:
         """The number of ranks whose micro-batches make up global step ``step``'s batch."""
@@ -101,25 +111,38 @@ class Reference:
         return self.world
 
     def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every micro-batch of global step ``step``, rank-major: rank r's micro-batch m at r K + m."""
+        world = self.world_at(step)
         return [
-            micro_batch(r, step + self.data_offset, self.seed, self.model_name)
-            for r in range(self.world_at(step))
+            self.source.batch(r, step + self.data_offset, m, world)
+            for r in range(world)
+            for m in range(self.grad_accum)
         ]
 
     def local_gradients(self, step: int) -> tuple[dict[str, np.ndarray], list[float]]:
-        """Mean over ranks of |each rank's local gradient| at the current weights, and the local losses."""
+        """Mean over micro-batches of |each micro-batch's local gradient| at the current weights, and each
+        rank's local loss (under accumulation: the mean over its micro-batches)."""
         terms = {n: np.zeros(tuple(p.shape)) for n, p in zip(self.names, self.params, strict=True)}
         losses = []
         batches = self.batches(step)
-        for inputs, targets in batches:
+        k = self.grad_accum
+        micro = [{n: np.zeros(tuple(p.shape)) for n, p in zip(self.names, self.params, strict=True)}
+                 for _ in range(k if k > 1 else 0)]
+        for i, (inputs, targets) in enumerate(batches):
             self.model.zero_grad(set_to_none=True)
             loss = self.model(inputs, targets)
             loss.backward()
             losses.append(float(loss.detach()))
             for n, p in zip(self.names, self.params, strict=True):
                 if p.grad is not None:
-                    terms[n] += np.abs(p.grad.numpy())
-        return {n: t / len(batches) for n, t in terms.items()}, losses
+                    g = p.grad.numpy()
+                    terms[n] += np.abs(g)
+                    if micro:
+                        micro[i % k][n] += g
+        ranks = len(batches) // k
+        self.micro_grads = [{n: g / ranks for n, g in m.items()} for m in micro]
+        rank_losses = [sum(losses[r * k:(r + 1) * k]) / k for r in range(ranks)]
+        return {n: t / len(batches) for n, t in terms.items()}, rank_losses
 
     def gradient_norm(self, step: int) -> float:
         """The global gradient norm at the current weights for global step ``step`` (no update)."""
@@ -131,11 +154,18 @@ class Reference:
         )
 
     def _global_gradient(self, step: int) -> None:
+        """The mean gradient over the step's micro-batches in ``.grad``: one backward of the built-in
+        model on their concatenation (its mean loss over equal micro-batches is the mean of theirs), a
+        user's model one backward per micro-batch of its loss divided by their number."""
         batches = self.batches(step)
-        inputs = torch.cat([b[0] for b in batches])
-        targets = torch.cat([b[1] for b in batches])
         self.model.zero_grad(set_to_none=True)
-        self.model(inputs, targets).backward()
+        if self.source.concatenable:
+            inputs = torch.cat([b[0] for b in batches])
+            targets = torch.cat([b[1] for b in batches])
+            self.model(inputs, targets).backward()
+            return
+        for inputs, targets in batches:
+            (self.model(inputs, targets) / len(batches)).backward()
 
     def step(self, step: int) -> ReferenceStep:
         """One optimizer step on the global batch of global step ``step``; returns what it recorded."""
@@ -174,6 +204,7 @@ class Reference:
             norm,
             coef,
             losses,
+            self.micro_grads,
         )
 
     def snapshot(self) -> dict[str, np.ndarray]:
@@ -203,6 +234,8 @@ def choose_clip(
     *,
     model_name: str = "gpt",
     seed: int = 0,
+    grad_accum: int = 1,
+    source: ModelSource | None = None,
 ) -> tuple[float, int, int]:
     """A ``max_grad_norm`` for the AdamW phase that binds at some step but not at the phase's first:
     (threshold, the phase step where it first binds, the data offset of the phase's batches).
@@ -221,6 +254,8 @@ def choose_clip(
             model_name=model_name,
             seed=seed,
             data_offset=offset * steps,
+            grad_accum=grad_accum,
+            source=source,
         )
         norms = []
         for k in range(steps):
@@ -230,7 +265,8 @@ def choose_clip(
                 middle = (norms[0] + norms[-1]) / 2
                 rounded = _round_sig(middle)
                 return (rounded if norms[0] < rounded < norms[-1] else middle), k + 1, offset * steps
-    ref = Reference(model, {**optim, "max_grad_norm": None}, world, model_name=model_name, seed=seed)
+    ref = Reference(model, {**optim, "max_grad_norm": None}, world, model_name=model_name, seed=seed,
+                    grad_accum=grad_accum, source=source)
     return _round_sig(0.9 * ref.gradient_norm(first_step)), 1, 0
 
 

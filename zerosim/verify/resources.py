@@ -219,6 +219,7 @@ def resource_outcomes(
                 unobserved=info.get("unobserved_traffic"),
                 phase=ph.name,
                 first_step=ph.first_step,
+                micro_batches=int(info.get("micro_batches", 1)),
             ),
             info.get("unobserved_traffic"),
         ))

@@ -30,6 +30,9 @@ DEFAULT_TIMEOUT_S = 120.0  # a collective (or a trainer call between two of them
 DTYPES = ("float64", "float32")
 DEVICES = ("cpu", "cuda")
 RESUME_STAGES = ("save", "load")
+# micro-batches per optimizer step: every rank trains K micro-batches of the built-in model per step and
+# rank 0 keeps nothing per micro-batch, but the reference replays K x world of them per step
+MAX_GRAD_ACCUM = 64
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class VerifyRun:
     ``allow_world_1``: run on one rank although it cannot show a sharding bug. ``mesh``: (replicas,
     shard group size) handed to the trainer as ``optim["mesh"]`` and used by the checks. ``strict``:
     findings (traffic or memory off the declared strategy's model while every value is right) fail.
+    ``grad_accum``: micro-batches per optimizer step (K > 1: ``step_accumulated`` is called with K).
     """
 
     target: str
@@ -65,6 +69,7 @@ class VerifyRun:
     allow_world_1: bool = False
     mesh: tuple[int, int] | None = None
     strict: bool = False
+    grad_accum: int = 1
 
     def replace(self, **changes: Any) -> VerifyRun:
         return dataclasses.replace(self, **changes)
@@ -75,7 +80,7 @@ class VerifyRun:
             raise ConfigError("target", self.target, "give a built-in adapter name or MODULE:FACTORY")
         validate_options(world=1 if self.world is None else self.world, steps=self.steps, dtype=self.dtype,
                          device=self.device, model=self.model, optimizers=self.optimizers,
-                         timeout_s=self.timeout_s)
+                         timeout_s=self.timeout_s, grad_accum=self.grad_accum)
         if self.world is not None and self.resume_stage != "load":  # a resumed run may continue on one rank
             require_world(self.world, self.allow_world_1)
             if self.mesh is not None:
@@ -112,7 +117,7 @@ class VerifyRun:
                      "resume_stage", "save_observations"):
             if values.get(name) is not None and not isinstance(values[name], str):
                 raise ConfigError(name, values[name], "expected a string")
-        for name in ("world", "steps", "seed", "resume_at"):
+        for name in ("world", "steps", "seed", "resume_at", "grad_accum"):
             value = values.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(name, value, "expected an integer")
@@ -144,17 +149,19 @@ def read_verify_run(path: str | os.PathLike[str]) -> VerifyRun:
 
 
 def validate_options(
-    *, world: Any, steps: Any, dtype: Any, device: Any, model: Any, optimizers: Any, timeout_s: Any
+    *, world: Any, steps: Any, dtype: Any, device: Any, model: Any, optimizers: Any, timeout_s: Any,
+    grad_accum: Any = 1,
 ) -> None:
     """ConfigError (one line naming the field and value) for any bad option; deterministic."""
-    from .model import require_model
+    from .model_source import model_source
 
     require_positive_int("world", world)
+    require_grad_accum(grad_accum)
     if dtype not in DTYPES:
         raise ConfigError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
     if device not in DEVICES:
         raise ConfigError("device", device, f"must be one of {', '.join(DEVICES)}")
-    require_model(model)
+    model_source(model)
     build_phases(optimizers, steps)
     if timeout_s is not None and (
         isinstance(timeout_s, bool)
@@ -209,6 +216,17 @@ def require_mesh_target(target: str, mesh: tuple[int, int]) -> None:
             f"{target} has a fixed layout; --mesh applies to {', '.join(HYBRID_ADAPTERS[:2])} and to "
             "your own MODULE:FACTORY",
         )
+
+
+def require_grad_accum(value: Any) -> int:
+    """``--grad-accum K``: an integer 1 <= K <= MAX_GRAD_ACCUM, or ConfigError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GRAD_ACCUM:
+        raise ConfigError(
+            "grad_accum", value,
+            f"must be an integer from 1 to {MAX_GRAD_ACCUM} (micro-batches per optimizer step; the "
+            f"reference replays K x world micro-batches per step)",
+        )
+    return value
 
 
 def validate_resume(at: Any, world: Any, optimizers: Any, steps: Any, device: str) -> None:

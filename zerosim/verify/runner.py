@@ -87,6 +87,7 @@ def verify(
     allow_world_1: bool = False,
     mesh: tuple[int, int] | None = None,
     strict: bool = False,
+    grad_accum: int = 1,
 ) -> VerifyReport:
     """Train ``target`` on ``world`` ranks next to the unsharded reference and check C-ZERO-001..005.
 
@@ -104,13 +105,15 @@ def verify(
     (R, S): the trainer gets ``optim["mesh"]`` and the checks judge R replicas of S shard ranks (rank r
     in shard group r // S, replica group r % S). ``strict``: findings (traffic or memory off the
     declared strategy's model while every value is right) fail the run.
+    ``grad_accum`` K > 1: every optimizer step is ``trainer.step_accumulated`` on K micro-batches per
+    rank, judged against the mean gradient of all K x world micro-batches.
     """
     validate_options(world=world, steps=steps, dtype=dtype, device=device, model=model,
-                     optimizers=optimizers, timeout_s=timeout_s)
+                     optimizers=optimizers, timeout_s=timeout_s, grad_accum=grad_accum)
     names = optimizers if isinstance(optimizers, str) else ",".join(optimizers)
     run = VerifyRun(target, world=world, steps=steps, dtype=dtype, device=device, model=model,
                     optimizers=names, timeout_s=float(timeout_s or DEFAULT_TIMEOUT_S),
-                    allow_world_1=allow_world_1, mesh=mesh, strict=strict)
+                    allow_world_1=allow_world_1, mesh=mesh, strict=strict, grad_accum=grad_accum)
     return launch_verify(run, out=out, resume_at=resume_at, resume_world=resume_world)
 
 
@@ -138,6 +141,9 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
     if out:
         require_output_dir(out)
     resolve_factory(run.target)
+    from .model_source import model_source
+
+    model_source(run.model, run.seed).validate(world, run.grad_accum)
     # each rank's own output goes to a log file: under --out (kept), or in a folder of this run that is
     # kept only when a rank failure names it
     own_logs = None if out else tempfile.mkdtemp(prefix="zerosim-verify-logs-")

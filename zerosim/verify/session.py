@@ -34,10 +34,11 @@ from zerosim.observe import TrainerObservation
 from zerosim.outputs import OutputError, write_text
 
 from .errors import TrainerError
-from .model import build_model, micro_batch
+from .model_source import model_source, to_device
 from .protocol import (
     close_trainer,
     finite_loss,
+    logged_norm,
     missing_resume_method,
     require_trainer_object,
     to_numpy,
@@ -106,7 +107,10 @@ class RankSession:
         from .resources import PhaseResources, ResourceProbe, resource_outcomes
 
         spec = self.settings.target
-        base = build_model(self.settings.model, self.settings.dtype, self.settings.seed)
+        source = model_source(self.settings.model, self.settings.seed)
+        self.where = "checking the model factory"
+        self.agree(self._local(source.validate, self.world, self.settings.grad_accum))
+        base = source.build(self.settings.dtype)
         expected = {
             n: (tuple(p.shape), str(p.dtype).replace("torch.", "")) for n, p in base.named_parameters()
         }
@@ -134,13 +138,15 @@ class RankSession:
                         phase.steps,
                         model_name=self.settings.model,
                         seed=self.settings.seed,
+                        grad_accum=self.settings.grad_accum,
+                        source=source,
                     )
                 threshold, binds_at, offset = self.comm.broadcast_object(clip, root=0)
                 phase.optim["max_grad_norm"] = threshold
                 phase.data_offset = offset
                 phase.extra["clip_first_binds_at_phase_step"] = binds_at
                 phase.extra["data_offset"] = offset
-            model = build_model(self.settings.model, self.settings.dtype, self.settings.seed).to(self.device)
+            model = source.build(self.settings.dtype).to(self.device)
             self.where = f"make_trainer for the {phase.name} phase"
             trainer, skipped = self.agree(self._local(self._make, model, phase))
             skipped = self.first_of_any(skipped)  # a phase one rank cannot run is skipped on every rank
@@ -162,18 +168,28 @@ class RankSession:
                     self._close(trainer, phase)
                     del trainer
                     continue
+            k = self.settings.grad_accum
+            if k > 1:
+                self.where = f"{phase.name} phase: checking the trainer for step_accumulated"
+                self._require_accumulating(trainer)
             probe = ResourceProbe(trainer)
             for step in steps:
-                inputs, targets = (
-                    t.to(self.device)
-                    for t in micro_batch(self.rank, step + phase.data_offset, self.settings.seed,
-                                         self.settings.model)
-                )
-                self.where = f"step {step} ({phase.name}): step()"
-                self.arrivals.mark(self.where)
-                with probe.counting():
-                    loss = trainer.step(inputs, targets)
-                obs = self.agree(self._local(self._observe, trainer, phase, step, loss, expected, numels))
+                batches = [
+                    to_device(source.batch(self.rank, step + phase.data_offset, m, self.world), self.device)
+                    for m in range(k)
+                ]
+                if k == 1:
+                    self.where = f"step {step} ({phase.name}): step()"
+                    self.arrivals.mark(self.where)
+                    with probe.counting():
+                        loss = trainer.step(*batches[0])
+                else:
+                    self.where = f"step {step} ({phase.name}): step_accumulated()"
+                    self.arrivals.mark(self.where)
+                    with probe.counting():
+                        loss = trainer.step_accumulated(batches)
+                obs = self.agree(
+                    self._local(self._observe, trainer, phase, step, loss, expected, numels, True))
                 obs.resources = probe.take()
                 gathered = self.comm.gather_object(obs, root=0)
                 if self.rank == 0:
@@ -189,7 +205,7 @@ class RankSession:
                         phase.name,
                         dict(phase.optim),
                         steps[0],
-                        probe.info,
+                        {**probe.info, "micro_batches": k},
                         [[o.resources for o in self.observations[s]] for s in steps],
                     )
                 )
@@ -228,6 +244,7 @@ class RankSession:
                 resources=resources,
                 mesh=self.settings.mesh,
                 strict=self.settings.strict,
+                grad_accum=self.settings.grad_accum,
             )
             if self.settings.save_observations:
                 save_observations(self.settings.save_observations, run)
@@ -258,6 +275,17 @@ class RankSession:
             error = (
                 f"{self.settings.target}: the trainer has no {missing}() method; --resume-at needs "
                 "save_checkpoint(directory) and load_checkpoint(directory)"
+            )
+        self.agree((None, error))
+
+    def _require_accumulating(self, trainer: Any) -> None:
+        """Every rank agrees on a TrainerError (bad input) when ``--grad-accum K > 1`` meets a trainer
+        without ``step_accumulated``."""
+        error = None
+        if not callable(getattr(trainer, "step_accumulated", None)):
+            error = (
+                f"{self.settings.target}: the trainer has no step_accumulated(micro_batches) method; "
+                f"--grad-accum {self.settings.grad_accum} needs it (or use --grad-accum 1)"
             )
         self.agree((None, error))
 
@@ -346,8 +374,13 @@ class RankSession:
         loss: Any,
         expected: dict[str, Any],
         numels: dict[str, int],
+        stepped: bool = False,
     ) -> TrainerObservation:
         loss_value = finite_loss(loss, self.rank, step)
+        grad_norm = None
+        if stepped and callable(getattr(trainer, "last_grad_norm", None)):
+            self.where = f"step {step} ({phase.name}): last_grad_norm()"
+            grad_norm = logged_norm(trainer.last_grad_norm(), self.rank, step)
         self.where = f"step {step} ({phase.name}): full_parameters()"
         self.arrivals.mark(self.where)
         raw = trainer.full_parameters()
@@ -373,7 +406,8 @@ class RankSession:
             self.where = f"step {step} ({phase.name}): local_shards()"
             shards = validate_local_shards(trainer.local_shards(), numels, self.rank)
         self.where = f"step {step} ({phase.name}): sending observations to rank 0"
-        return TrainerObservation(phase.name, step, self.rank, loss_value, params, state, shards)
+        return TrainerObservation(phase.name, step, self.rank, loss_value, params, state, shards,
+                                  grad_norm=grad_norm)
 
     def _phase_json(self, phase: Phase, status: str, reason: str) -> dict[str, Any]:
         info = {

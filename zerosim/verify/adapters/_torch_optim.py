@@ -38,11 +38,34 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: dict[str, Any])
     return cls(params, **kwargs)
 
 
-def clip_gradients(params: Iterable[torch.nn.Parameter], optim: dict[str, Any]) -> None:
-    """``clip_grad_norm_`` on the full averaged gradient when the config asks for it (DTensor grads too)."""
+def clip_gradients(params: Iterable[torch.nn.Parameter], optim: dict[str, Any]) -> float:
+    """``clip_grad_norm_`` on the full averaged gradient when the config asks for it (DTensor grads too);
+    returns the total norm before clipping, what ``clip_grad_norm_`` returns and a training loop logs
+    (without a clip: ``get_total_norm`` of the same gradients, which it leaves untouched)."""
+    params = [p for p in params if p.grad is not None]
     max_norm = optim.get("max_grad_norm")
     if max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(list(params), float(max_norm))
+        norm = torch.nn.utils.clip_grad_norm_(params, float(max_norm))
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    full = getattr(norm, "full_tensor", None)  # a DTensor norm (FSDP2): its reduced value
+    return float(full() if full is not None else norm)
+
+
+def accumulate_backward(forward: Any, micro_batches: Any, sync: Any) -> float:
+    """Forward and backward of every ``(inputs, targets)`` micro-batch with the loss divided by their
+    number K, so the gradients add up to the mean gradient; ``sync(last)`` is called before each
+    micro-batch (True only for the last: the framework's switch for reducing gradients). Returns the
+    mean local loss."""
+    batches = list(micro_batches)
+    k = len(batches)
+    total = 0.0
+    for i, (inputs, targets) in enumerate(batches):
+        sync(i == k - 1)
+        loss = forward(inputs, targets)
+        (loss / k).backward()
+        total += float(loss.detach())
+    return total / k
 
 
 def optimizer_state_copy(state: dict[str, Any]) -> dict[str, torch.Tensor]:

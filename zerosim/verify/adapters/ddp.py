@@ -8,6 +8,7 @@ issue out of its reach.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..resources import storage_bytes
 from ._checkpoint import load_full, save_full
-from ._torch_optim import build_optimizer, clip_gradients, optimizer_state_copy
+from ._torch_optim import accumulate_backward, build_optimizer, clip_gradients, optimizer_state_copy
 
 
 def wrap_ddp(model: torch.nn.Module) -> DistributedDataParallel:
@@ -52,9 +53,29 @@ class DDPTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.ddp(inputs, targets)
         loss.backward()
-        clip_gradients(self.model.parameters(), self.optim)
+        self._grad_norm = clip_gradients(self.model.parameters(), self.optim)
         self.optimizer.step()
         return float(loss.detach())
+
+    def step_accumulated(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One optimizer step on the mean gradient of K micro-batches: DDP's ``no_sync()`` for all but
+        the last (gradients accumulate locally; the last backward all-reduces their sum / K)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        with contextlib.ExitStack() as stack:
+
+            def sync(last: bool) -> None:
+                stack.close()
+                if not last:
+                    stack.enter_context(self.ddp.no_sync())
+
+            loss = accumulate_backward(self.ddp, micro_batches, sync)
+        self._grad_norm = clip_gradients(self.model.parameters(), self.optim)
+        self.optimizer.step()
+        return loss
+
+    def last_grad_norm(self) -> float:
+        """The total gradient norm before clipping of the last step: what ``clip_grad_norm_`` returned."""
+        return self._grad_norm
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}

@@ -116,10 +116,34 @@ class DeepSpeedTrainer:
         self._named = list(self.engine.module.named_parameters())
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        self._accumulate_over(1)
         loss = self.engine(inputs, targets)
         self.engine.backward(loss)
         self.engine.step()
         return float(loss.detach())
+
+    def step_accumulated(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One optimizer step over K micro-batches, DeepSpeed's way: ``gradient_accumulation_steps`` = K
+        (``set_train_batch_size``), then ``engine(...)``, ``engine.backward`` and ``engine.step`` per
+        micro-batch; DeepSpeed divides each loss by K and steps the optimizer at the boundary only."""
+        batches = list(micro_batches)
+        self._accumulate_over(len(batches))
+        total = 0.0
+        for inputs, targets in batches:
+            loss = self.engine(inputs, targets)
+            self.engine.backward(loss)
+            self.engine.step()
+            total += float(loss.detach())
+        return total / len(batches)
+
+    def _accumulate_over(self, k: int) -> None:
+        if self.engine.gradient_accumulation_steps() != k:
+            self.engine.set_train_batch_size(k * dist.get_world_size())
+
+    def last_grad_norm(self) -> float:
+        """What DeepSpeed logs: ``engine.get_global_grad_norm()`` of the last optimizer step."""
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
 
     def close(self) -> None:
         """``DeepSpeedEngine.destroy()`` (ZeRO-3 removes the hooks it put on every parameter and

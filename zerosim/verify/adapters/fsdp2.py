@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..resources import storage_bytes
-from ._torch_optim import build_optimizer, clip_gradients, optimizer_state_copy
+from ._torch_optim import accumulate_backward, build_optimizer, clip_gradients, optimizer_state_copy
 
 
 def hybrid_mesh_shape(world: int) -> tuple[int, int]:
@@ -77,6 +77,7 @@ class FSDP2Trainer:
     ):
         self.model = model
         self.optim = optim
+        self.reshard_after_forward = reshard_after_forward
         self.declared_strategy = declared_strategy
         device_type = next(model.parameters()).device.type
         names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
@@ -88,9 +89,36 @@ class FSDP2Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.model(inputs, targets)
         loss.backward()
-        clip_gradients(self.model.parameters(), self.optim)
+        self._grad_norm = clip_gradients(self.model.parameters(), self.optim)
         self.optimizer.step()
         return float(loss.detach())
+
+    def step_accumulated(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """One optimizer step on the mean gradient of K micro-batches, FSDP2's way:
+        ``set_requires_gradient_sync(False)`` on all but the last (unsharded gradients accumulate
+        locally; the last backward reduce-scatters their sum / K). ``fsdp2-grad-op`` also keeps the
+        gathered parameters between micro-batches (``set_reshard_after_backward(False)``), so it
+        gathers once per step as ZeRO-2 does."""
+        self.optimizer.zero_grad(set_to_none=True)
+        root: Any = self.model
+
+        def sync(last: bool) -> None:
+            root.set_requires_gradient_sync(last)
+            if not self.reshard_after_forward:
+                root.set_reshard_after_backward(last)
+
+        try:
+            loss = accumulate_backward(self.model, micro_batches, sync)
+        finally:
+            sync(True)
+        self._grad_norm = clip_gradients(self.model.parameters(), self.optim)
+        self.optimizer.step()
+        return loss
+
+    def last_grad_norm(self) -> float:
+        """The total gradient norm before clipping of the last step: what ``clip_grad_norm_`` returned
+        (over the DTensor gradients, reduced across the mesh)."""
+        return self._grad_norm
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
