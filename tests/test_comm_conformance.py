@@ -99,9 +99,9 @@ def _launch(
         r = run_mpiexec(backend.world_size, [*argv, "--timeout-mode", backend.option], bound_s, env=env)
         assert not r.timed_out, f"{backend.name}: the launch outlived {bound_s} s:\n{r.stderr[-3000:]}"
         return r.returncode, r.stdout, r.stderr, r.elapsed_s
-    from zerogpu.launch import run_torchrun
+    from zerogpu.launch import run_ranks
 
-    r2 = run_torchrun(backend.world_size, argv, bound_s, env={"PYTHONWARNINGS": "ignore", **(env or {})})
+    r2 = run_ranks(backend.world_size, argv, bound_s, env={"PYTHONWARNINGS": "ignore", **(env or {})})
     assert not r2.timed_out, f"{backend.name}: the launch outlived {bound_s} s:\n{r2.stderr[-3000:]}"
     return r2.returncode, r2.stdout, r2.stderr, r2.elapsed_s
 

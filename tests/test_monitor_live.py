@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from zerogpu.launch import run_torchrun, torch_unavailable_reason
+from zerogpu.launch import run_ranks, torch_unavailable_reason
 from zerosim.cli import main as cli_main
 
 PROGRAM = str(Path(__file__).parent / "monitor_programs" / "monitor_run.py")
@@ -58,7 +58,7 @@ def _launch(tmp: Path, world: int, scenarios: list[str]) -> dict[str, dict]:
     if reason:
         pytest.skip(reason)
     results = tmp / "results.jsonl"
-    run = run_torchrun(world, [PROGRAM, str(results), str(tmp), *scenarios], BOUND_S,
+    run = run_ranks(world, [PROGRAM, str(results), str(tmp), *scenarios], BOUND_S,
                        env={"PYTHONWARNINGS": "ignore"})
     assert not run.timed_out and run.returncode == 0, run.stderr[-3000:]
     return {r["name"]: r for r in map(json.loads, results.read_text().splitlines())}

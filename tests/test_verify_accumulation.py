@@ -95,14 +95,15 @@ def test_reference_steps_on_the_mean_gradient_of_all_k_times_world_micro_batches
 
 
 def test_traffic_band_under_accumulation_widens_only_for_sharded_gradients() -> None:
-    from zerosim.verify.resources import _traffic_band, as_layout, strategy_from_declared
+    from zerosim.checks.resident_memory import as_layout, strategy_from_declared
+    from zerosim.checks.traffic import traffic_band
 
     layout = as_layout(build_model("gpt"))
     band = {}
     for declared in ("ddp", "zero1", "zero2", "zero3"):
         strategy = strategy_from_declared(declared)
-        one = _traffic_band(layout, strategy, 2, 0, 8, 8, "fsdp", "all_reduce", 1)
-        three = _traffic_band(layout, strategy, 2, 0, 8, 8, "fsdp", "all_reduce", 3)
+        one = traffic_band(layout, strategy, 2, 0, 8, 8, "fsdp", "all_reduce", 1)
+        three = traffic_band(layout, strategy, 2, 0, 8, 8, "fsdp", "all_reduce", 3)
         band[declared] = (one, three)
     for declared in ("ddp", "zero1"):  # one reduction per step, accumulated or not
         assert band[declared][0] == band[declared][1]

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zerogpu.launch import run_torchrun  # noqa: E402
+from zerogpu.launch import run_ranks  # noqa: E402
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.torchdist,
@@ -25,7 +25,7 @@ QUIET = {"PYTHONWARNINGS": "ignore"}
 
 
 def test_the_communicator_selftest_passes_on_nccl() -> None:
-    result = run_torchrun(
+    result = run_ranks(
         1, ["-m", "zerogpu", "selftest-comm", "--device", "cuda", "--json"], BOUND_S, env=QUIET
     )
     assert result.returncode == 0, (result.stdout or "") + (result.stderr or "")
@@ -34,7 +34,7 @@ def test_the_communicator_selftest_passes_on_nccl() -> None:
 
 
 def test_simulate_on_one_gpu_passes_every_contract() -> None:
-    result = run_torchrun(
+    result = run_ranks(
         1,
         [
             "-m",
@@ -59,7 +59,7 @@ def test_simulate_on_one_gpu_passes_every_contract() -> None:
 
 
 def test_a_broken_engine_on_the_gpu_fails_its_contract() -> None:
-    result = run_torchrun(
+    result = run_ranks(
         1,
         [
             "-m",
@@ -98,7 +98,7 @@ def test_the_gpu_report_writes_json_and_markdown(tmp_path: Path) -> None:
 @pytest.mark.skipif(GPUS < 2, reason="NCCL across ranks needs two GPUs")
 def test_every_strategy_over_nccl_at_world_2(tmp_path: Path) -> None:
     out = tmp_path / "eq.json"
-    result = run_torchrun(
+    result = run_ranks(
         2,
         ["-m", "zerogpu", "equivalence", "--device", "cuda", "--xp", "numpy", "--out", str(out)],
         BOUND_S,

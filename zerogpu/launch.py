@@ -65,9 +65,6 @@ class RanksResult:
     elapsed_s: float
 
 
-TorchrunResult = RanksResult  # the name from when these launches went through torchrun
-
-
 def ranks_status(launcher_code: int, written: dict[int, int], n: int) -> int:
     """The job's status from the launch's (0: every rank exited 0) and what each rank wrote (see the
     module docstring)."""
@@ -118,9 +115,6 @@ def run_ranks(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str, s
     code = EXIT_LAUNCH_TIMEOUT if run.returncode is None else ranks_status(run.returncode, written, n)
     return RanksResult(spawn.command, code, run.returncode, written, spawn.exits, run.stdout, run.stderr,
                        run.timed_out, run.elapsed_s)
-
-
-run_torchrun = run_ranks  # the name from when these launches went through torchrun
 
 
 def torch_unavailable_reason() -> str | None:
