@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from zerogpu.launch import run_torchrun, torch_unavailable_reason
+from zerogpu.launch import run_ranks, torch_unavailable_reason
 
 PROGRAMS = Path(__file__).parent / "monitor_programs"
 BOUND_S = 240.0
@@ -20,7 +20,7 @@ def _launch(argv: list[str]) -> None:
     reason = torch_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    run = run_torchrun(2, argv, BOUND_S, env={"PYTHONWARNINGS": "ignore"})
+    run = run_ranks(2, argv, BOUND_S, env={"PYTHONWARNINGS": "ignore"})
     assert not run.timed_out and run.returncode == 0, run.stderr[-3000:]
 
 

@@ -188,10 +188,10 @@ def test_closing_a_deepspeed_zero3_trainer_lets_the_process_free_it() -> None:
     list, its parameter coordinator in a class-wide cache); the adapter's close() drops both, so
     zerosim bench peers and verify can build one engine after another in a process."""
     pytest.importorskip("deepspeed")
-    from zerogpu.launch import run_torchrun
+    from zerogpu.launch import run_ranks
 
     probe = Path(__file__).parent / "verify_programs" / "release_probe.py"
-    result = run_torchrun(2, [str(probe), "close", "deepspeed-3"], timeout_s=300)
+    result = run_ranks(2, [str(probe), "close", "deepspeed-3"], timeout_s=300)
     assert result.returncode == 0, (result.stderr or "")[-2000:]
     rows = [json.loads(line) for line in (result.stdout or "").splitlines() if line.startswith("{")]
     assert len(rows) == 2 * 2

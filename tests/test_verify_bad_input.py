@@ -111,10 +111,10 @@ def test_all_refuses_an_option_it_cannot_honour_before_the_first_cell(
 @pytest.mark.torchdist
 def test_bad_target_under_torchrun_is_exit_2_on_every_rank() -> None:
     """Started by an external launcher, each rank resolves TARGET itself; all agree and exit 2."""
-    from zerogpu.launch import run_torchrun
+    from zerogpu.launch import run_ranks
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    result = run_torchrun(2, ["-m", "zerosim.verify", f"{BAD}:no_such_factory"], GUARD_S, env=env)
+    result = run_ranks(2, ["-m", "zerosim.verify", f"{BAD}:no_such_factory"], GUARD_S, env=env)
     assert result.returncode == 2, (result.stdout or "") + (result.stderr or "")
     assert "no_such_factory" in (result.stderr or ""), result.stderr
     assert "Traceback" not in (result.stdout or "") + (result.stderr or "")

@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zerogpu.launch import run_torchrun, torch_unavailable_reason  # noqa: E402
+from zerogpu.launch import run_ranks, torch_unavailable_reason  # noqa: E402
 from zerosim import datafile  # noqa: E402
 from zerosim.checks.resident_memory import (  # noqa: E402
     check_resident_memory,
@@ -159,7 +159,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if reason:
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("resources") / "observations.safetensors"
-    result = run_torchrun(WORLD, [str(PROGRAM), str(out), ",".join(ADAPTERS)], 600.0)
+    result = run_ranks(WORLD, [str(PROGRAM), str(out), ",".join(ADAPTERS)], 600.0)
     assert result.returncode == 0, (result.stderr or "")[-3000:]
     return datafile.load(out)
 
@@ -225,7 +225,7 @@ def live_deepspeed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     if reason:
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("resources-ds") / "observations.safetensors"
-    result = run_torchrun(WORLD, [str(PROGRAM), str(out), "deepspeed-1,deepspeed-2,deepspeed-3"], 600.0)
+    result = run_ranks(WORLD, [str(PROGRAM), str(out), "deepspeed-1,deepspeed-2,deepspeed-3"], 600.0)
     assert result.returncode == 0, (result.stderr or "")[-3000:]
     return datafile.load(out)
 

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from zerogpu.launch import run_torchrun, torch_unavailable_reason  # noqa: E402
+from zerogpu.launch import run_ranks, torch_unavailable_reason  # noqa: E402
 from zerosim.errors import ConfigError  # noqa: E402
 
 PROBE = Path(__file__).parent / "zerogpu_programs" / "state_dict_probe.py"
@@ -170,7 +170,7 @@ def test_two_ranks_keep_exactly_their_shards_and_only_rank_0_opens_the_file(tmp_
     _save(src, tmp_path)
     short = {k: v.contiguous() for k, v in src.state_dict().items() if k not in ("wte.weight", "wpe.weight")}
     save_file(short, str(tmp_path / "short.safetensors"))
-    result = run_torchrun(2, [str(PROBE), str(tmp_path)], timeout_s=300)
+    result = run_ranks(2, [str(PROBE), str(tmp_path)], timeout_s=300)
     assert result.returncode == 0, (result.stderr or "")[-2000:]
     rows = [json.loads(line) for r in (0, 1)
             for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]

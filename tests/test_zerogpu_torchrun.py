@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from zerogpu.agreement import AGREEMENT_TOLERANCE
-from zerogpu.launch import run_torchrun, torch_unavailable_reason
+from zerogpu.launch import run_ranks, torch_unavailable_reason
 
 REASON = torch_unavailable_reason()
 pytestmark = [
@@ -43,7 +43,7 @@ def failure_lines(stderr: str) -> list[str]:
 
 def equivalence(n: int, tmp_path: Path, *options: str) -> dict:
     out = tmp_path / "equivalence.json"
-    result = run_torchrun(
+    result = run_ranks(
         n,
         [
             "-m",
@@ -128,7 +128,7 @@ def test_zerosim_simulate_backend_torch_exits_1_naming_the_broken_contract(
 
 
 def test_the_communicator_selftest_passes_on_gloo() -> None:
-    result = run_torchrun(
+    result = run_ranks(
         2, ["-m", "zerogpu", "selftest-comm", "--device", "cpu", "--json"], BOUND_S, env=QUIET
     )
     assert result.returncode == 0, result.stdout + (result.stderr or "")

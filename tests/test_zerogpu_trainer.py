@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zerogpu.launch import run_torchrun  # noqa: E402
+from zerogpu.launch import run_ranks  # noqa: E402
 from zerosim.errors import ConfigError  # noqa: E402
 
 PROBE = Path(__file__).parent / "zerogpu_programs" / "trainer_probe.py"
@@ -41,7 +41,7 @@ def _batches(n: int, model: str = "gpt"):
 
 @pytest.mark.torchdist
 def test_two_ranks_are_bitwise_the_engines_arithmetic_for_every_strategy() -> None:
-    result = run_torchrun(2, [str(PROBE)], timeout_s=300)
+    result = run_ranks(2, [str(PROBE)], timeout_s=300)
     assert result.returncode == 0, (result.stderr or "")[-2000:]
     assert result.stdout is not None
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -151,7 +151,7 @@ def test_a_dropped_trainer_frees_its_engine_and_model_and_leaves_no_hook_behind(
     for the life of the process (0.5-0.7 GB per rank and trainer at 50M parameters). Two ranks, each
     strategy built, stepped and dropped twice, no close()."""
     adapters = "zerogpu-1,zerogpu-2,zerogpu-3,zerogpu-3-offload"
-    result = run_torchrun(2, [str(RELEASE_PROBE), "drop", adapters], timeout_s=300)
+    result = run_ranks(2, [str(RELEASE_PROBE), "drop", adapters], timeout_s=300)
     assert result.returncode == 0, (result.stderr or "")[-2000:]
     rows = [json.loads(line) for line in (result.stdout or "").splitlines() if line.startswith("{")]
     assert len(rows) == 2 * 2 * 4
@@ -260,7 +260,7 @@ def test_a_torch_optimizer_it_cannot_reproduce_is_refused(world_of_one) -> None:
 def test_a_non_finite_gradient_on_one_rank_stops_the_step_everywhere_and_the_next_step_trains() -> None:
     """Also while NO_SHARD / ZeRO-1 all-reduces started during backward are in flight."""
     program = Path(__file__).parent / "zerogpu_programs" / "nonfinite_probe.py"
-    result = run_torchrun(2, [str(program)], timeout_s=300)
+    result = run_ranks(2, [str(program)], timeout_s=300)
     assert result.returncode == 0, (result.stderr or "")[-2000:]
     assert result.stdout is not None
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
