@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from zerosim import ParamLayout, ShardingStrategy, Topology, build_plan, intervals
-from zerosim.checks import check_partition_plan, check_state_plan
+from zerosim.checks import check_partition_plan
 from zerosim.partition import PARTITIONERS, RankShard, ShardPlan, get_partitioner
 from zerosim.partition.base import RegisteredPartitioner
 from zerosim.plan import STATE_KINDS, bytes_in
@@ -162,7 +162,7 @@ def test_state_plan_shards_what_the_strategy_says(strategy, partitioner):
                 assert held.intervals == plan.shard_plan.shard(r.local_rank).intervals
             else:
                 assert held.intervals == ((0, layout.total_numel),) and held.padding == 0
-    assert check_state_plan(plan).passed
+    assert check_partition_plan(plan).passed
     # bytes of one shard group's params add up to the model's bytes
     group0 = [r for r in plan.ranks if r.shard_group == 0]
     param_bytes = sum(bytes_in(layout, r.params.intervals) for r in group0)
@@ -183,7 +183,7 @@ def test_hybrid_replicas_that_differ_are_flagged():
     mid = layout.total_numel // 2 + 5
     bad = _tamper(plan, 2, "params", RankShard(2, ((0, mid),)))
     bad = _tamper(bad, 3, "params", RankShard(3, ((mid, layout.total_numel),)))
-    verdict = check_state_plan(bad)
+    verdict = check_partition_plan(bad)
     assert set(clauses(verdict)) == {"replicas", "balance"}
     reps = [v for v in verdict.violations if v.clause == "replicas"]
     assert {v.ranks for v in reps} == {(0, 2), (1, 3)}
@@ -195,7 +195,7 @@ def test_hybrid_coverage_is_checked_inside_every_shard_group_with_global_ranks()
     layout = ParamLayout.from_config("tiny")
     plan = build_plan(layout, ShardingStrategy.hybrid_shard(2), "seed", Topology(4, 2))
     bad = _tamper(plan, 3, "grads", RankShard(3, ()))  # rank 3 forgets its grad shard
-    verdict = check_state_plan(bad)
+    verdict = check_partition_plan(bad)
     cov = [v for v in verdict.violations if v.clause == "coverage"]
     assert len(cov) == 1 and cov[0].ranks == (2,) and cov[0].context == {"state": "grads", "group": 1}
     assert cov[0].interval == plan.ranks[3].grads.intervals[0]
@@ -206,7 +206,7 @@ def test_replicated_state_must_be_whole_on_every_rank():
     layout = ParamLayout.from_config("tiny")
     plan = build_plan(layout, ShardingStrategy.parse("zero2"), "seed", Topology(4))
     bad = _tamper(plan, 1, "params", RankShard(1, ((0, 10),)))
-    verdict = check_state_plan(bad)
+    verdict = check_partition_plan(bad)
     cov = [v for v in verdict.violations if v.clause == "coverage"]
     assert cov and cov[0].ranks == (1,) and cov[0].context["state"] == "params"
 
@@ -222,7 +222,7 @@ def test_a_wrong_registered_partitioner_fails_through_build_plan(monkeypatch):
     )
     plan = build_plan(ParamLayout.from_list([("w", (37,))]), ShardingStrategy.parse("zero3"), "forgets-tail",
                       Topology(4))
-    verdict = check_state_plan(plan)
+    verdict = check_partition_plan(plan)
     assert {v.clause for v in verdict.violations} >= {"coverage", "padding"}
     assert all(v.context.get("state") in STATE_KINDS for v in verdict.violations)
 
@@ -230,7 +230,7 @@ def test_a_wrong_registered_partitioner_fails_through_build_plan(monkeypatch):
 @settings(max_examples=60, deadline=None)
 @given(plans())
 def test_every_generated_state_plan_satisfies_c_zero_001(plan):
-    verdict = check_state_plan(plan)
+    verdict = check_partition_plan(plan)
     assert verdict.passed, [str(v) for v in verdict.violations[:5]]
     strat = plan.strategy
     if strat.kind in (StrategyKind.HYBRID_SHARD, StrategyKind.HYBRID_SHARD_ZERO2):

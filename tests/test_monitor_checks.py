@@ -10,13 +10,15 @@ import math
 import pytest
 import torch
 
+from zerosim.checks.equivalence import check_step_equivalence
 from zerosim.checks.identity import check_replica_identity
-from zerosim.checks.live_state import check_live_state, norm_contributors, norm_relative_bound
+from zerosim.checks.live_state import norm_contributors
+from zerosim.checks.partition import check_partition_plan
+from zerosim.checks.tolerance import norm_relative_bound
 from zerosim.cli import main as cli_main
 from zerosim.comm.fault_plan import FaultPlan
 from zerosim.errors import ConfigError
 from zerosim.monitor.digest import tensor_digest
-from zerosim.monitor.judge import check_layout
 from zerosim.monitor.trace import append_line, rank_file, read_trace
 from zerosim.observe import MonitorObservation
 
@@ -61,7 +63,7 @@ def test_identity_names_the_rank_whose_copy_differs():
 
 # ---- C-ZERO-002's live clauses -----------------------------------------------------------------------
 def test_live_state_passes_a_consistent_step_and_fails_each_wrong_one():
-    assert check_live_state([obs(0), obs(1)]).passed
+    assert check_step_equivalence([obs(0), obs(1)]).passed
     cases = {
         "state_present": [obs(0), obs(1, state_missing=(1, "b"))],
         "state_finite": [obs(0), obs(1, state_nonfinite=(2, "w"))],
@@ -69,10 +71,10 @@ def test_live_state_passes_a_consistent_step_and_fails_each_wrong_one():
         "grad_norm": [obs(0), obs(1, grad_norm=2.5)],
     }
     for clause, rows in cases.items():
-        verdict = check_live_state(rows)
+        verdict = check_step_equivalence(rows)
         assert {v.clause for v in verdict.violations} == {clause}, verdict.violations
         assert all(v.ranks == (1,) for v in verdict.violations), verdict.violations
-    inside = check_live_state([obs(0, step_counters=(11, 12, "b"))])
+    inside = check_step_equivalence([obs(0, step_counters=(11, 12, "b"))])
     assert [(v.clause, v.tensor) for v in inside.violations] == [("step_counter", "b")]
 
 
@@ -81,14 +83,14 @@ def test_grad_norm_bound_is_the_rounding_of_a_blocked_reduction():
     assert norm_relative_bound(12, "float32") == pytest.approx(20 * u32, rel=1e-4)  # gamma_20: 12 adds + 8
     assert norm_relative_bound(10**9, "float32") < 1e-4  # blocked: logarithmic in n, never vacuous
     ok = 2.0 * (1 + 0.5 * norm_relative_bound(12, "float32"))
-    assert check_live_state([obs(0, grad_norm=ok), obs(1, grad_norm=ok)]).passed
+    assert check_step_equivalence([obs(0, grad_norm=ok), obs(1, grad_norm=ok)]).passed
     off = 2.0 * (1 + 4 * norm_relative_bound(12, "float32"))
-    assert not check_live_state([obs(0, grad_norm=off), obs(1, grad_norm=off)]).passed
+    assert not check_step_equivalence([obs(0, grad_norm=off), obs(1, grad_norm=off)]).passed
     # clipped at max_norm=1: the shards hold the clipped gradient, norm 1 (1 - 1e-6 / 2 ...)
     clipped = [obs(r, grad_sq=(1 / (2 + 1e-6) * 2) ** 2, grad_norm=2.0, max_norm=1.0) for r in (0, 1)]
-    assert check_live_state(clipped).passed
+    assert check_step_equivalence(clipped).passed
     unclipped = [obs(r, grad_sq=(1 / (2 + 1e-6) * 2) ** 2, grad_norm=2.0) for r in (0, 1)]
-    assert not check_live_state(unclipped).passed
+    assert not check_step_equivalence(unclipped).passed
 
 
 def test_the_norm_counts_each_element_once():
@@ -102,9 +104,9 @@ def test_the_norm_counts_each_element_once():
 # ---- C-ZERO-001 on owned ranges ---------------------------------------------------------------------
 def test_layout_finds_an_element_nobody_owns():
     good = [obs(0, owned={"w": [(0, 4)], "b": [(0, 4)]}), obs(1, owned={"w": [(4, 8)], "b": []})]
-    assert check_layout(good).passed
+    assert check_partition_plan(good).passed
     gap = [obs(0, owned={"w": [(0, 3)], "b": [(0, 4)]}), obs(1, owned={"w": [(4, 8)], "b": []})]
-    verdict = check_layout(gap)
+    verdict = check_partition_plan(gap)
     assert [(v.clause, v.tensor, v.interval) for v in verdict.violations] == [("coverage", "w", (3, 4))]
 
 

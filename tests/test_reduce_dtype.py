@@ -2,7 +2,7 @@
 
 The traffic records carry each collective's element dtype, read from the real tensor where
 torch.distributed's collectives are intercepted (zerosim.verify.traffic.TrafficCounter);
-zerosim.checks.traffic.check_reduce_dtype judges them. Pure cases on hand-written records, one
+zerosim.checks.traffic.check_communication judges them. Pure cases on hand-written records, one
 single-rank gloo process for the interception, and one broken trainer through ``zerosim verify``.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from zerosim.checks.traffic import check_reduce_dtype
+from zerosim.checks.traffic import check_communication
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,8 @@ def test_a_gradient_reduction_in_another_dtype_fails_naming_collective_step_rank
         _call("reduce_scatter_tensor", "reduce_scatter", "reduce", "bfloat16", 32),
         _call("reduce_scatter_tensor", "reduce_scatter", "reduce", "bfloat16", 32),
     )
-    verdict = check_reduce_dtype([[right, right], [right, wrong]], "float32", phase="adamw", first_step=7)
+    verdict = check_communication([[right, right], [right, wrong]], reduce_dtype="float32", phase="adamw",
+                                  first_step=7)
     assert not verdict.passed
     (v,) = verdict.violations
     where = (v.contract, v.clause, v.step, v.ranks, v.phase)
@@ -54,10 +55,11 @@ def test_parameter_exchange_control_scalars_and_unrecorded_steps_are_not_gradien
         _call("all_reduce", "all_reduce", "control", "float64", 8),  # a gradient norm
         _call("all_reduce", "all_reduce", "reduce", "float32"),
     )
-    verdict = check_reduce_dtype([[calls, None, {"reduce": {}}]], "float32")
+    verdict = check_communication([[calls, None, {"reduce": {}}]], reduce_dtype="float32")
     assert verdict.passed and verdict.checked == 1
     # the same records under a policy that names float64: the one gradient reduction fails
-    assert [v.step for v in check_reduce_dtype([[calls]], "float64", first_step=3).violations] == [3]
+    float64 = check_communication([[calls]], reduce_dtype="float64", first_step=3)
+    assert [v.step for v in float64.violations] == [3]
 
 
 _COUNTING = textwrap.dedent(
@@ -141,7 +143,6 @@ def test_a_simulated_step_reports_the_dtype_of_its_gradient_reductions() -> None
 def test_the_engines_check_judges_the_reduce_dtype_with_the_same_function() -> None:
     import dataclasses
 
-    from zerosim.checks.step import check_communication
     from zerosim.cost.comm_model import comm_for_run
     from zerosim.engine.config import RunConfig
     from zerosim.engine.spmd import simulate_observations

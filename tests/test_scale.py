@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from zerosim.bench.scale import fit_exponent, total_for
-from zerosim.checks.partition import check_partition_plan, check_state_plan
+from zerosim.checks.partition import check_partition_plan
 from zerosim.cli import main
 from zerosim.intervals import sweep, sweep_arrays
 from zerosim.layout import ParamLayout
@@ -94,7 +94,7 @@ def test_derived_rank_states_check_as_the_materialised_plan(strategy, partitione
     plan = build_plan(layout, ShardingStrategy.parse(strategy), partitioner, Topology(8, 4))
     assert isinstance(plan.ranks, RankStates)
     materialised = dataclasses.replace(plan, ranks=tuple(plan.ranks))
-    _same_verdict(check_state_plan(plan), check_state_plan(materialised))
+    _same_verdict(check_partition_plan(plan), check_partition_plan(materialised))
     k = plan.shard_plan.world_size
     for r in (0, 5, 7):
         own = plan.shard_plan.shard(r % k).intervals
@@ -119,7 +119,7 @@ def test_a_million_ranks_by_a_quadrillion_parameters_is_planned_checked_and_summ
     assert MAX_WORLD_SIZE == 2**20
     plan = build_plan(ParamLayout.from_list([("flat", (10**15,))]), ShardingStrategy.parse("zero3"), "seed",
                       Topology(2**20))
-    verdict = check_state_plan(plan)
+    verdict = check_partition_plan(plan)
     assert verdict.passed and verdict.checked == 3 * 2**20
     shard = plan.shard_plan.shard(2**20 - 1)
     assert shard.intervals[-1][1] == 10**15 and shard.numel in (10**15 // 2**20, 10**15 // 2**20 + 1)

@@ -18,7 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zerosim.checks.logged_norm import check_logged_norm, logged_norm_bound  # noqa: E402
+from zerosim.checks.logged_norm import check_logged_norm  # noqa: E402
+from zerosim.checks.tolerance import logged_norm_bound  # noqa: E402
 from zerosim.errors import ConfigError  # noqa: E402
 from zerosim.observe import TrainerObservation  # noqa: E402
 from zerosim.verify.adapters import ADAPTERS, missing_requirement  # noqa: E402
@@ -95,7 +96,7 @@ def test_reference_steps_on_the_mean_gradient_of_all_k_times_world_micro_batches
 
 
 def test_traffic_band_under_accumulation_widens_only_for_sharded_gradients() -> None:
-    from zerosim.checks.resident_memory import as_layout, strategy_from_declared
+    from zerosim.checks.holdings import as_layout, strategy_from_declared
     from zerosim.checks.traffic import traffic_band
 
     layout = as_layout(build_model("gpt"))

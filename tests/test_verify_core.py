@@ -22,7 +22,7 @@ import torch
 
 from zerosim.checks.equivalence import check_step_equivalence, float32_masters
 from zerosim.checks.identity import check_replica_identity
-from zerosim.checks.partition_ranges import check_partition_ranges
+from zerosim.checks.partition import check_partition_plan
 from zerosim.checks.tolerance import ErrorModel, adam_direction_bound, gamma, reduction_length
 from zerosim.errors import ConfigError
 from zerosim.verify import ContractOutcome, Diagnosis, RankFailure, TrainerError, VerifyReport, verify
@@ -47,6 +47,11 @@ ADAMW = {**PHASE_CONFIGS["adamw"], "max_grad_norm": 2.0}
 def judged(check, *args):
     """A check of zerosim.checks on the records, rendered as verify's report renders it."""
     return ContractOutcome.from_verdict(check(*args))
+
+
+def owned_ranges(records, numels, mesh=None):
+    """C-ZERO-001's check on the element ranges the records' ranks own."""
+    return check_partition_plan(records, numels=numels, mesh=mesh)
 
 
 # ---- helpers: a correct in-process data-parallel trainer, and records from it -----------------------------
@@ -271,7 +276,7 @@ def test_live_trainer_verdicts_use_the_contracts_own_clauses(sgd_correct):
         assert where == ("sgd", 2, (2,), "blocks.0.fc.bias", (10, 13))
         assert v.error is not None and v.tolerance is not None and v.error > v.tolerance
     gap = flat_shards(4, cut=lambda r, lo, hi: (lo, hi - 3 if r == 3 else hi))
-    ranges = check_partition_ranges(records_for(SGD, 4, 1, [data_parallel_steps(SGD, 4, 1)] * 4, shards=gap),
+    ranges = owned_ranges(records_for(SGD, 4, 1, [data_parallel_steps(SGD, 4, 1)] * 4, shards=gap),
                                     numels())
     assert {v.clause for v in ranges.violations} <= set(get_contract("C-ZERO-001").clauses)
     last = list(numels())[-1]  # the gap is the end of the flat vector: the last parameter's elements
@@ -342,7 +347,7 @@ def test_float32_masters_of_a_float64_model_stay_within_the_float32_bound():
 
 def _ownership(shards, world=4):
     traj = data_parallel_steps(SGD, world, 1)
-    return judged(check_partition_ranges, records_for(SGD, world, 1, [traj] * world, shards=shards), numels())
+    return judged(owned_ranges, records_for(SGD, world, 1, [traj] * world, shards=shards), numels())
 
 
 def test_ownership_passes_for_flat_zero1_and_hybrid():
@@ -399,7 +404,7 @@ def _diagnose(records, shards_numels=None):
     contracts = {"C-ZERO-002": judged(check_step_equivalence, records),
                  "C-ZERO-003": judged(check_replica_identity, records)}
     if shards_numels is not None:
-        contracts["C-ZERO-001"] = judged(check_partition_ranges, records, shards_numels)
+        contracts["C-ZERO-001"] = judged(owned_ranges, records, shards_numels)
     return diagnose(records, contracts)
 
 

@@ -15,9 +15,9 @@ from tests.test_verify_core import (
     flat_shards,
     judged,
     numels,
+    owned_ranges,
     records_for,
 )
-from zerosim.checks.partition_ranges import check_partition_ranges
 from zerosim.errors import ConfigError
 from zerosim.verify.diagnosis import bug_classes, diagnose
 from zerosim.verify.model import build_model, micro_batch
@@ -54,7 +54,7 @@ def ownership(shards, mesh=None) -> ContractOutcome:
     world = len(shards)
     traj = data_parallel_steps(SGD, world, 1)
     records = records_for(SGD, world, 1, [traj] * world, shards=shards)
-    return judged(check_partition_ranges, records, numels(), mesh)
+    return judged(owned_ranges, records, numels(), mesh)
 
 
 @pytest.mark.parametrize("mesh", [(2, 2), (4, 1), (1, 4)])

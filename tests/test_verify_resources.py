@@ -1,5 +1,5 @@
 """C-ZERO-004/005 on live trainers: resident bytes and counted traffic measured by zerosim.verify.resources,
-judged by zerosim.checks.resident_memory and zerosim.checks.traffic.
+judged by zerosim.checks.holdings and zerosim.checks.traffic.
 
 The live part launches one torchrun job at world 2 (tests/verify_programs/resources_rank.py): every
 built-in torch adapter and one deliberately wrong trainer step the built-in GPT twice per optimizer
@@ -17,12 +17,13 @@ torch = pytest.importorskip("torch")
 
 from zerogpu.launch import run_ranks, torch_unavailable_reason  # noqa: E402
 from zerosim import datafile  # noqa: E402
-from zerosim.checks.resident_memory import (  # noqa: E402
-    check_resident_memory,
+from zerosim.checks.holdings import (  # noqa: E402
+    ResidentPlan,
+    check_holdings,
     planned_bytes,
     strategy_from_declared,
 )
-from zerosim.checks.traffic import check_traffic_within_model  # noqa: E402
+from zerosim.checks.traffic import TrafficModel, check_communication  # noqa: E402
 from zerosim.layout import ParamLayout, TensorSpec  # noqa: E402
 from zerosim.verify.model import build_model  # noqa: E402
 from zerosim.verify.resources import (  # noqa: E402
@@ -49,14 +50,19 @@ def test_storage_bytes_counts_each_storage_once_and_skips_step_counters() -> Non
     assert storage_bytes([*views, flat, other, torch.tensor(5.0), None]) == 10 * 8 + 3 * 4
 
 
-def check_memory(*args, **kwargs) -> dict:
-    """C-ZERO-004's check as the report renders it."""
-    return memory_result(check_resident_memory(*args, **kwargs))
+def check_memory(strategy, layout, dtype_bytes, world, per_rank, *, phase=None, step=None, **plan) -> dict:
+    """C-ZERO-004's check on resident bytes as the report renders it."""
+    judged = check_holdings(per_rank, ResidentPlan(strategy, layout, dtype_bytes, world, **plan), phase=phase,
+                            step=step)
+    return memory_result(judged)
 
 
-def check_traffic(*args, **kwargs) -> dict:
-    """C-ZERO-005's ring-model check as the report renders it."""
-    return traffic_result(check_traffic_within_model(*args, **kwargs), kwargs.get("unobserved"))
+def check_traffic(strategy, layout, dtype_bytes, world, per_rank, *, phase=None, first_step=1,
+                  **model) -> dict:
+    """C-ZERO-005's ring-model check on counted traffic as the report renders it."""
+    judged = check_communication(per_rank, TrafficModel(strategy, layout, dtype_bytes, world, **model),
+                                 phase=phase, first_step=first_step)
+    return traffic_result(judged, model.get("unobserved"))
 
 
 def _layout() -> ParamLayout:

@@ -16,8 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.test_verify_bad_input import error_line, run_verify  # noqa: E402
-from zerosim.checks.checkpoint import check_round_trip  # noqa: E402
-from zerosim.checks.collect import ViolationCollector  # noqa: E402
+from zerosim.checks.checkpoint import ResumedTrainer, check_checkpoint_equivalence  # noqa: E402
 from zerosim.verify.observation import StepObservation  # noqa: E402
 from zerosim.verify.outcome import violation_json  # noqa: E402
 from zerosim.verify.protocol import STATE_NAMES  # noqa: E402
@@ -82,9 +81,9 @@ def test_round_trip_names_a_lost_state_and_a_changed_element() -> None:
         StepObservation("adamw", 2, 0, 0.0, dict(params), {"w": {**state["w"], "step": np.array(0.0)}}),
         StepObservation("adamw", 2, 1, 0.0, changed, {"w": {"exp_avg": state["w"]["exp_avg"]}}),
     ]
-    out = ViolationCollector("C-ZERO-007")
-    check_round_trip(out, "adamw", 2, saved, loaded, STATE_NAMES["adamw"])
-    listed = [violation_json(v) for v in out.violations]
+    resumed = ResumedTrainer({"adamw": saved}, {"adamw": loaded}, {"adamw": 2}, STATE_NAMES)
+    verdict = check_checkpoint_equivalence([], resumed)
+    listed = [violation_json(v) for v in verdict.violations]
     found = {(v["rank"], v["tensor"], v["start"], v["stop"]) for v in listed}
     assert found == {(0, "w[step]", 0, 1), (1, "w", 4, 5), (1, "w[exp_avg_sq]", 0, 6), (1, "w[step]", 0, 1)}
     missing = next(v for v in listed if v["tensor"] == "w[exp_avg_sq]")

@@ -25,3 +25,15 @@ def test_total_cap_and_counts_set_afterwards():
     assert len(col.violations) == 3 and col.count == 11
     col.set_count("disjoint", 4)  # the sweep counted four overlaps in all
     assert col.count == 14 and col.not_listed_by_clause() == {"coverage": 7, "disjoint": 4}
+
+
+def test_per_rank_cap_keeps_every_failing_rank_named():
+    # rank 0 fails ten times, rank 1 once: a per-rank cap of 2 still lists rank 1 under a total cap of 4
+    col = ViolationCollector("C-ZERO-006", total=4, per_rank=2)
+    for i in range(10):
+        col.add("shard", f"element {i} differs", ranks=(0,))
+    col.add("shard", "element 3 differs", ranks=(1,))
+    col.add("pieces", "no shard reported", ranks=(0,))
+    kept = [(x.clause, x.ranks) for x in col.violations]
+    assert kept == [("shard", (0,)), ("shard", (0,)), ("shard", (1,)), ("pieces", (0,))]
+    assert col.count == 12 and col.not_listed_by_clause() == {"shard": 8}

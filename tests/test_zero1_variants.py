@@ -14,7 +14,7 @@ from fractions import Fraction
 import pytest
 from run_assertions import assert_all_pass
 
-from zerosim.checks.step import check_communication
+from zerosim.checks.traffic import check_communication
 from zerosim.cli import main
 from zerosim.cost.comm_model import comm_for_run, comm_per_step
 from zerosim.engine.spmd import RunConfig, run_simulated, simulate_observations

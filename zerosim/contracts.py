@@ -1,12 +1,12 @@
 """Contracts as data: one TOML spec per contract in ``contracts/`` at the repository root.
 
 A spec names its id, title, statement, what it applies to, its tolerance (and why), and the dotted
-``module:function`` of the pure check that decides it. The test suite enumerates the specs, so a
-contract without a resolvable check fails the suite.
+``module:function`` of the one pure check that decides it on every kind of observation. The test
+suite enumerates the specs, so a contract without a resolvable check fails the suite.
 
 Required keys: ``id``, ``title``, ``statement``, ``applies_to`` (list of strings), ``check``
-(``module:function``) and ``[tolerance]`` with ``kind`` and ``rationale``. Optional: ``checks``
-(further check functions), ``clauses``, ``source`` and any other key (kept in ``extra``).
+(``module:function``) and ``[tolerance]`` with ``kind`` and ``rationale``. Optional: ``clauses``,
+``source`` and any other key (kept in ``extra``) but ``checks``: a contract has one check.
 """
 
 from __future__ import annotations
@@ -41,18 +41,12 @@ class ContractSpec:
     check: str
     tolerance: dict[str, Any]
     path: Path
-    checks: tuple[str, ...] = ()
     clauses: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def resolve_check(self) -> Callable[..., Any]:
         """Import and return the check function named by ``check``."""
         return import_dotted(self.check, f"{self.id}.check")
-
-    def resolve_checks(self) -> list[Callable[..., Any]]:
-        """The main check and every extra one in ``checks``, imported."""
-        names = [self.check] + [c for c in self.checks if c != self.check]
-        return [import_dotted(n, f"{self.id}.checks") for n in names]
 
 
 def default_contracts_dir() -> Path:
@@ -101,17 +95,17 @@ def load_contract(path: str | Path) -> ContractSpec:
                 raise ConfigError(
                     f"{path.name}:tolerance.{key}", tol.get(key), "allclose needs numeric rtol and atol"
                 )
-    checks = data.get("checks", [])
-    if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
-        raise ConfigError(f"{path.name}:checks", checks, "must be a list of 'module:function' strings")
+    if "checks" in data:
+        raise ConfigError(f"{path.name}:checks", data["checks"],
+                          "a contract has one check: name it in 'check' alone")
     clauses = data.get("clauses", [])
     if not isinstance(clauses, list) or not all(isinstance(c, str) for c in clauses):
         raise ConfigError(f"{path.name}:clauses", clauses, "must be a list of strings")
-    known = set(REQUIRED_KEYS) | {"checks", "clauses"}
+    known = set(REQUIRED_KEYS) | {"clauses"}
     return ContractSpec(
         id=data["id"], title=data["title"].strip(), statement=data["statement"].strip(),
         applies_to=tuple(applies), check=data["check"], tolerance=dict(tol), path=path,
-        checks=tuple(checks), clauses=tuple(clauses), extra={k: v for k, v in data.items() if k not in known},
+        clauses=tuple(clauses), extra={k: v for k, v in data.items() if k not in known},
     )
 
 

@@ -42,7 +42,7 @@ SERIES = ("simulate", "plan", "check")
 _PLAN_SNIPPET = """
 import io, json, sys, time
 from rich.console import Console
-from zerosim.checks.partition import check_state_plan
+from zerosim.checks.partition import check_partition_plan
 from zerosim.cli.plan import render
 from zerosim.layout import ParamLayout
 from zerosim.plan import build_plan
@@ -52,7 +52,7 @@ t0 = time.perf_counter()
 layout = ParamLayout.from_list([("flat", (total,))], name=f"flat-{total}")
 plan = build_plan(layout, ShardingStrategy.parse("full_shard"), "seed", Topology(ws))
 t1 = time.perf_counter()
-verdict = check_state_plan(plan)
+verdict = check_partition_plan(plan)
 t2 = time.perf_counter()
 render(plan, verdict, (t2 - t1) * 1e3, console=Console(file=io.StringIO(), width=220))
 t3 = time.perf_counter()

@@ -1,13 +1,13 @@
-"""C-ZERO-007 checkpoints: pure functions from full-state observations to a verdict.
+"""C-ZERO-007, a sharded checkpoint reshards and resumes bit for bit: one check,
+:func:`check_checkpoint_equivalence`, for the engine's checkpoints and for a live trainer resumed from
+its own (``zerosim verify --resume-at``). Which one it judges follows from the observations it is given;
+both use the same bitwise comparison (:func:`zerosim.checks.mismatch.bitwise_diff`: -0.0 vs 0.0 and NaN
+payloads differ):
 
-Two observations of the same contract, judged by the same bitwise comparison
-(:func:`zerosim.checks.mismatch.bitwise_diff`: -0.0 vs 0.0 and NaN payloads differ):
-
-* the engine's runs (:func:`check_checkpoint_equivalence`): two :class:`StateSnapshot` of flat arrays;
-* a live trainer under ``zerosim verify --resume-at`` (:func:`check_resumed_trainer`): the saved
-  trainer's and every loaded rank's :class:`~zerosim.observe.TrainerObservation` (parameters and
-  optimizer state by tensor name) for the round trip, and the steps after the resume, judged by
-  C-ZERO-002's check, for the continuation.
+* the engine's runs: two :class:`StateSnapshot` of flat arrays;
+* a live trainer (a :class:`ResumedTrainer`): the saved trainer's and every loaded rank's
+  :class:`~zerosim.observe.TrainerObservation` (parameters and optimizer state by tensor name) for the
+  round trip, and the run's steps after the resume, judged by C-ZERO-002's check, for the continuation.
 
 A :class:`StateSnapshot` is what a run holds at one point, gathered to full flat arrays (padding
 dropped): the step counter, the master and every optimizer state, and the working parameters. The
@@ -36,9 +36,10 @@ import numpy as np
 
 from ..layout import ParamLayout
 from ..observe import TrainerObservation, TrainerStep
-from ..verdict import Verdict, Violation
+from ..verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .equivalence import check_step_equivalence
+from .judges import judges
 from .mismatch import bitwise_diff, first_run
 
 CONTRACT = "C-ZERO-007"
@@ -75,25 +76,55 @@ def _differences(
     return out
 
 
+@dataclass(frozen=True)
+class ResumedTrainer:
+    """A live trainer resumed from its own checkpoint, per phase that resumed: ``saved[phase]``, the
+    saved trainer's observation right before saving; ``loaded[phase]``, every new rank's right after
+    loading; ``resumed_after[phase]``, the global number of the last step trained before the resume;
+    ``state_names[phase]``, the optimizer state entries compared."""
+
+    saved: Mapping[str, TrainerObservation]
+    loaded: Mapping[str, Sequence[TrainerObservation]]
+    resumed_after: Mapping[str, int]
+    state_names: Mapping[str, Sequence[str]]
+
+
+@judges(CONTRACT)
 def check_checkpoint_equivalence(
-    expected: StateSnapshot,
-    got: StateSnapshot,
-    layout: ParamLayout,
+    expected: StateSnapshot | Sequence[TrainerStep],
+    got: StateSnapshot | ResumedTrainer,
+    layout: ParamLayout | None = None,
     clause: str = "round_trip",
     context: dict[str, Any] | None = None,
+    **details: Any,
 ) -> Verdict:
-    """C-ZERO-007: ``got`` equals ``expected`` bit for bit (every state array, the working parameters
-    when both carry them) and the step counters match. ``clause`` is ``round_trip`` or ``resume``."""
+    """C-ZERO-007 (see the module docstring).
+
+    The engine's runs: ``got`` equals ``expected`` bit for bit (every state array, the working
+    parameters when both carry them, flat over ``layout``) and the step counters match. ``clause`` is
+    ``round_trip`` or ``resume``; ``context`` is attached to every violation.
+
+    A live trainer: ``got`` is its :class:`ResumedTrainer` and ``expected`` the run's
+    :class:`~zerosim.observe.TrainerStep` records (each with its reference values and bounds).
+    ``round_trip``: bitwise; ``continuation``: every step of ``expected`` after the resume judged by
+    C-ZERO-002's check, re-labelled. Details: C-ZERO-002's error figures, the round-trip violation
+    count, the continued steps, and ``details``.
+    """
+    if isinstance(got, ResumedTrainer):
+        return _resumed_trainer(expected, got, details)  # type: ignore[arg-type]
+    if layout is None or not isinstance(expected, StateSnapshot):
+        raise ValueError("two StateSnapshots are compared over their ParamLayout")
+    return _snapshots(expected, got, layout, clause, context)
+
+
+def _snapshots(expected: StateSnapshot, got: StateSnapshot, layout: ParamLayout, clause: str,
+               context: dict[str, Any] | None) -> Verdict:
+    """The engine's runs: ``got`` equals ``expected`` bit for bit; the step counters match."""
     if clause not in ("round_trip", "resume"):
         raise ValueError(f"unknown clause {clause!r}; known: round_trip, resume")
-    v = Verdict(CONTRACT)
-    ctx = dict(context or {})
-
-    def add(cl: str, message: str, **kw: Any) -> None:
-        if len(v.violations) < MAX_VIOLATIONS:
-            v.violations.append(Violation(CONTRACT, cl, message, context=ctx, **kw))
-
-    v.checked += 1
+    out = ViolationCollector(CONTRACT, context, total=MAX_VIOLATIONS)
+    add = out.add
+    checked = 1
     if expected.step != got.step:
         add(
             "step_counter",
@@ -105,7 +136,7 @@ def check_checkpoint_equivalence(
     if expected.params is not None and got.params is not None:
         arrays.append(("params", expected.params, got.params))
     for name, want, have in arrays:
-        v.checked += 1
+        checked += 1
         if have is None:
             add(clause, f"state {name} is missing after the load", tensor=None)
             continue
@@ -125,8 +156,7 @@ def check_checkpoint_equivalence(
                 expected=float(want[first]),
                 got=float(have[first]),
             )
-    v.details["compared"] = [name for name, _, _ in arrays]
-    return v
+    return out.verdict(checked, compared=[name for name, _, _ in arrays])
 
 
 # ---- a live trainer resumed under ``zerosim verify --resume-at`` ----------------------------------------
@@ -165,9 +195,9 @@ def _compare_bitwise(
     )
 
 
-def check_round_trip(out: ViolationCollector, phase: str, step: int, saved: TrainerObservation,
-                     loaded: Sequence[TrainerObservation], state_names: Sequence[str]) -> None:
-    """C-ZERO-007 ``round_trip`` on a live trainer: every loaded rank's parameters and optimizer state
+def _round_trip(out: ViolationCollector, phase: str, step: int, saved: TrainerObservation,
+                loaded: Sequence[TrainerObservation], state_names: Sequence[str]) -> None:
+    """``round_trip`` on a live trainer: every loaded rank's parameters and optimizer state
     (the entries named in ``state_names``) bitwise equal to the saved trainer's; a saved state entry the
     loaded rank lacks is named."""
     for obs in loaded:
@@ -191,26 +221,14 @@ def check_round_trip(out: ViolationCollector, phase: str, step: int, saved: Trai
                 _compare_bitwise(out, phase, step, obs.rank, f"{name}[{key}]", arr, got, state=key)
 
 
-def check_resumed_trainer(
-    records: Sequence[TrainerStep],
-    saved: Mapping[str, TrainerObservation],
-    loaded: Mapping[str, Sequence[TrainerObservation]],
-    resumed_after: Mapping[str, int],
-    state_names: Mapping[str, Sequence[str]],
-    **details: Any,
-) -> Verdict:
-    """C-ZERO-007 on a live trainer resumed from its own checkpoint, over every phase that resumed.
-
-    ``saved[phase]``: the saved trainer's observation right before saving; ``loaded[phase]``: every new
-    rank's right after loading; ``resumed_after[phase]``: the global number of the last step trained
-    before the resume; ``state_names[phase]``: the optimizer state entries compared. ``round_trip``:
-    bitwise (:func:`check_round_trip`); ``continuation``: every step of ``records`` after the resume
-    judged by C-ZERO-002's check, re-labelled. Details: C-ZERO-002's error figures, the round-trip
-    violation count, the continued steps, and ``details``.
-    """
+def _resumed_trainer(records: Sequence[TrainerStep], resumed: ResumedTrainer,
+                     details: dict[str, Any]) -> Verdict:
+    """A live trainer resumed from its own checkpoint, over every phase that resumed."""
+    saved, loaded, resumed_after, state_names = (resumed.saved, resumed.loaded, resumed.resumed_after,
+                                                 resumed.state_names)
     out = ViolationCollector(CONTRACT, total=MAX_LISTED)
     for phase, ranks in loaded.items():
-        check_round_trip(out, phase, resumed_after[phase], saved[phase], ranks, state_names.get(phase, ()))
+        _round_trip(out, phase, resumed_after[phase], saved[phase], ranks, state_names.get(phase, ()))
     round_trip_failures = out.count
     continued = [r for r in records if r.phase in loaded and r.step > resumed_after[r.phase]]
     eq = check_step_equivalence(continued)

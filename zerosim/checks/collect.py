@@ -19,17 +19,20 @@ MAX_LISTED = 64
 
 class ViolationCollector:
     """Collects one contract's violations, with ``context`` attached to each (a call's own context is
-    merged over it). ``per_clause`` caps the violations kept of one clause, ``total`` those kept in all
-    (None: no cap); ``count`` and ``per_clause_count`` count every finding, kept or not."""
+    merged over it). ``per_clause`` caps the violations kept of one clause, ``total`` those kept in all,
+    ``per_rank`` those kept of one clause naming the same first rank (None: no cap); ``count`` and
+    ``per_clause_count`` count every finding, kept or not."""
 
     def __init__(self, contract: str, context: dict[str, Any] | None = None, *,
-                 per_clause: int | None = None, total: int | None = None):
+                 per_clause: int | None = None, total: int | None = None, per_rank: int | None = None):
         self.contract = contract
         self.context = dict(context or {})
         self.per_clause = per_clause
         self.total = total
+        self.per_rank = per_rank
         self.violations: list[Violation] = []
         self.per_clause_count: dict[str, int] = {}
+        self.per_rank_count: dict[tuple[int | None, str], int] = {}
         self.count = 0
 
     def _keeps(self, clause: str) -> bool:
@@ -39,7 +42,10 @@ class ViolationCollector:
 
     def add(self, clause: str, message: str, context: dict[str, Any] | None = None, **fields: Any) -> None:
         """Count one finding of ``clause``; keep it as a Violation when the caps allow."""
-        if self._keeps(clause):
+        ranks = fields.get("ranks") or (None,)
+        key = (ranks[0], clause)
+        self.per_rank_count[key] = self.per_rank_count.get(key, 0) + 1
+        if self._keeps(clause) and (self.per_rank is None or self.per_rank_count[key] <= self.per_rank):
             ctx = {**self.context, **(context or {})}
             self.violations.append(Violation(self.contract, clause, message, context=ctx, **fields))
         self.per_clause_count[clause] = self.per_clause_count.get(clause, 0) + 1

@@ -1,6 +1,6 @@
 """C-ZERO-002, sharded training equals unsharded training at every step: one check,
-:func:`check_step_equivalence`, for the engine's runs (simulate, mpi, torch) and for live trainers
-(``zerosim verify``).
+:func:`check_step_equivalence`, for the engine's runs (simulate, mpi, torch), for live trainers
+(``zerosim verify``) and for monitored runs (:mod:`zerosim.monitor`).
 
 * **The engine's runs** (:class:`~zerosim.observe.RankObservation`): every rank's shard of the float32
   master and of every optimizer state equals the reference at the same global positions, every step:
@@ -12,6 +12,9 @@
 * **Live trainers** (:class:`~zerosim.observe.TrainerStep`): every rank's full parameters, and its
   optimizer state where exposed, within the per-element bound of :class:`~zerosim.checks.tolerance.ErrorModel`
   of the unsharded reference at every step; Adam's ``step`` counter exactly equal.
+* **Monitored runs** (:class:`~zerosim.observe.MonitorObservation`, no reference beside them): what
+  can be judged of the optimizer without one (:mod:`zerosim.checks.live_state`: state present and
+  finite, step counters and logged gradient norms agreeing).
 
 Violations name contract, clause, step, rank, tensor and flat element range, with expected vs got
 (and, for live trainers, the phase, the error and the tolerance it exceeded).
@@ -25,21 +28,25 @@ from typing import Any
 import numpy as np
 
 from ..layout import ParamLayout
-from ..observe import RankObservation, ShardValues, TrainerObservation, TrainerStep
+from ..observe import MonitorObservation, RankObservation, ShardValues, TrainerObservation, TrainerStep
 from ..verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
+from .judges import judges
+from .live_state import _monitor_state
 from .mismatch import bitwise_diff, describe_mismatch, first_run, step_clauses, step_verdict, values_at
 from .tolerance import EQUIVALENCE_TOLERANCE, Tolerance
 
+CONTRACT = "C-ZERO-002"
 
+
+@judges(CONTRACT)
 def check_step_equivalence(
-    observations: Sequence[RankObservation] | Sequence[TrainerStep],
+    observations: Sequence[RankObservation] | Sequence[TrainerStep] | Sequence[MonitorObservation],
     reference: Any = None,
     *,
     layout: ParamLayout | None = None,
     bitwise: bool = False,
     tolerance: Tolerance | None = None,
-    contract: str = "C-ZERO-002",
 ) -> Verdict:
     """C-ZERO-002: what every rank trains equals the unsharded reference, step by step.
 
@@ -55,12 +62,18 @@ def check_step_equivalence(
     Live trainers: ``observations`` are :class:`~zerosim.observe.TrainerStep` records, each carrying
     its reference values and per-element bounds (``reference`` is not used); clauses ``allclose``
     (a parameter or state element beyond its bound) and ``step_counter``.
+
+    Monitored runs: ``observations`` are :class:`~zerosim.observe.MonitorObservation` per rank and
+    check (``reference`` is not used); clauses ``state_present``, ``state_finite``, ``step_counter``
+    and ``grad_norm`` (:mod:`zerosim.checks.live_state`).
     """
+    if observations and isinstance(observations[0], MonitorObservation):
+        return _monitor_state(observations)  # type: ignore[arg-type]
     if reference is None:
-        return _trainer_equivalence(observations, contract)  # type: ignore[arg-type]
+        return _trainer_equivalence(observations, CONTRACT)  # type: ignore[arg-type]
     return _shard_equivalence(
         observations, reference, layout=layout, bitwise=bitwise, tolerance=tolerance,  # type: ignore[arg-type]
-        contract=contract,
+        contract=CONTRACT,
     )
 
 

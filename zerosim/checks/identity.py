@@ -24,6 +24,7 @@ from ..observe import MonitorObservation, RankObservation, TrainerStep, digest
 from ..verdict import Verdict
 from ..xp import numpy_namespace
 from .collect import MAX_LISTED, ViolationCollector
+from .judges import judges
 from .mismatch import (
     bitwise_diff,
     describe_mismatch,
@@ -33,12 +34,14 @@ from .mismatch import (
     step_verdict,
 )
 
+CONTRACT = "C-ZERO-003"
 
+
+@judges(CONTRACT)
 def check_replica_identity(
     observations: Sequence[RankObservation] | Sequence[TrainerStep] | Sequence[MonitorObservation],
     *,
     layout: ParamLayout | None = None,
-    contract: str = "C-ZERO-003",
 ) -> Verdict:
     """C-ZERO-003: every rank's weights after each step are bitwise identical (see the module docstring).
 
@@ -47,10 +50,10 @@ def check_replica_identity(
     :class:`~zerosim.observe.MonitorObservation` per rank and check.
     """
     if observations and isinstance(observations[0], MonitorObservation):
-        return _digest_identity(observations, contract)  # type: ignore[arg-type]
+        return _digest_identity(observations, CONTRACT)  # type: ignore[arg-type]
     if not observations or isinstance(observations[0], RankObservation):
-        return _post_gather_identity(observations, layout=layout, contract=contract)  # type: ignore[arg-type]
-    return _trainer_identity(observations, contract)  # type: ignore[arg-type]
+        return _post_gather_identity(observations, layout=layout, contract=CONTRACT)  # type: ignore[arg-type]
+    return _trainer_identity(observations, CONTRACT)  # type: ignore[arg-type]
 
 
 

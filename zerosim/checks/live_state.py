@@ -1,5 +1,6 @@
 """C-ZERO-002 on a monitored run (:mod:`zerosim.monitor`): what can be judged of the optimizer without an
-unsharded reference beside it.
+unsharded reference beside it; the part of :func:`zerosim.checks.equivalence.check_step_equivalence`
+that reads :class:`~zerosim.observe.MonitorObservation`.
 
 Per check (one step), over the ranks' :class:`~zerosim.observe.MonitorObservation`:
 
@@ -24,26 +25,12 @@ from ..observe import MonitorObservation
 from ..verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .rounding import UNIT_ROUNDOFF, gamma
+from .tolerance import norm_relative_bound
 
 CONTRACT = "C-ZERO-002"
 CLAUSES = ("state_present", "state_finite", "step_counter", "grad_norm")
 #: torch's clip_grad_norm_ adds this to the norm before dividing max_norm by it
 CLIP_EPS = 1e-6
-
-
-def reduction_chain(n: int) -> int:
-    """The most roundings along any one term's path through a norm of ``n`` squares: one square, the
-    additions of a blocked reduction tree (at most 16 additions per level, fan-in at most 16: torch's CPU
-    cascade sum and every GPU tree reduction), one per-tensor square root and square, one final root;
-    a plain left-to-right sum (``n`` additions) when that is shorter."""
-    levels = math.ceil(math.log(max(n, 2), 16)) + 1
-    return min(n, 16 * levels) + 8
-
-
-def norm_relative_bound(n: int, dtype: str) -> float:
-    """The relative error bound of a norm of ``n`` squares computed in ``dtype``: gamma of its reduction
-    chain (a square root halves a relative error, so gamma bounds the root too)."""
-    return gamma(reduction_chain(n), UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]))
 
 
 def norm_contributors(observations: Sequence[MonitorObservation]) -> list[int]:
@@ -61,7 +48,7 @@ def norm_contributors(observations: Sequence[MonitorObservation]) -> list[int]:
     return out
 
 
-def check_live_state(observations: Sequence[MonitorObservation]) -> Verdict:
+def _monitor_state(observations: Sequence[MonitorObservation]) -> Verdict:
     """C-ZERO-002's live clauses (see the module docstring) on every step the observations hold."""
     out = ViolationCollector(CONTRACT, total=MAX_LISTED)
     by_step: dict[int, list[MonitorObservation]] = {}

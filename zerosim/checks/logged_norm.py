@@ -26,27 +26,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-
 from ..observe import TrainerStep
 from ..verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
-from .rounding import gamma
+from .judges import judges
+from .tolerance import logged_norm_bound
 
 CONTRACT = "C-ZERO-008"
 
 
-def logged_norm_bound(ref_norm: float, grad_bound: Mapping[str, np.ndarray], u: float, world: int) -> float:
-    """The most a correct trainer's logged norm may differ from the reference's ``ref_norm`` (see the
-    module docstring): ``||dg||_2 + gamma_(P+W+3)(u) (||g|| + ||dg||_2)``."""
-    dg = math.sqrt(sum(float(np.sum(np.square(np.asarray(b, dtype=np.float64))))
-                       for b in grad_bound.values()))
-    elements = sum(int(np.asarray(b).size) for b in grad_bound.values())
-    return dg + gamma(elements + world + 3, u) * (abs(ref_norm) + dg)
-
-
+@judges(CONTRACT)
 def check_logged_norm(records: Sequence[TrainerStep], unit_roundoff: Mapping[str, float]) -> Verdict:
-    """C-ZERO-008 on a live trainer's steps: every rank's logged norm within :func:`logged_norm_bound`
+    """C-ZERO-008 on a live trainer's steps: every rank's logged norm within
+    :func:`~zerosim.checks.tolerance.logged_norm_bound`
     of the reference's. ``unit_roundoff``: per phase, u of the arithmetic it is judged in. Skipped (in
     the details) when no rank logged a norm."""
     out = ViolationCollector(CONTRACT, total=MAX_LISTED)

@@ -1,8 +1,9 @@
 """What the value contracts share to name a mismatch: the step contracts' collector, the first run of
 differing elements, their global range and tensor, and bitwise comparison (-0.0 vs 0.0 and NaN payloads
 count as different). Used by C-ZERO-002 (:mod:`zerosim.checks.equivalence`), C-ZERO-003
-(:mod:`zerosim.checks.identity`), C-ZERO-001 on owned ranges (:mod:`zerosim.checks.partition_ranges`)
-and C-ZERO-004/005 (:mod:`zerosim.checks.step`), so their violations read alike.
+(:mod:`zerosim.checks.identity`), C-ZERO-001 on owned ranges (:mod:`zerosim.checks.partition_ranges`),
+C-ZERO-004 (:mod:`zerosim.checks.holdings`) and C-ZERO-005 (:mod:`zerosim.checks.traffic`), so their
+violations read alike.
 """
 
 from __future__ import annotations

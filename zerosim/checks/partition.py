@@ -14,8 +14,19 @@ Clauses (each a separate ``Violation.clause``):
   exactly that many elements (real + padding), as its collectives require.
 
 All interval arithmetic: one sort of the k intervals, O(k log k) (k = world size for flat rules),
-never O(total). Hybrid plans: :func:`check_state_plan` runs the same check inside every shard group
-for params, grads and optimizer state, and checks that replicas hold identical shards.
+never O(total).
+
+One check, :func:`check_partition_plan`, judges every partition the contract applies to, chosen by
+what it is given:
+
+* a :class:`~zerosim.partition.base.ShardPlan` (a partitioner's plan, a user's partition function
+  swept by :func:`zerosim.check_partition`, a benchmark's plans): the clauses above;
+* a :class:`~zerosim.plan.StatePlan` (the engine's plan, before it trains): the same clauses inside
+  every shard group for params, grads and optimizer state, and replicas holding identical shards
+  (``replicas``);
+* the element ranges a live trainer's ranks own: :class:`~zerosim.observe.TrainerStep` records with
+  every tensor's element count (``zerosim verify``), or a monitored run's
+  :class:`~zerosim.observe.MonitorObservation` (:mod:`zerosim.checks.partition_ranges`).
 """
 
 from __future__ import annotations
@@ -27,9 +38,12 @@ from typing import Any
 import numpy as np
 
 from ..intervals import clip, first_difference, outside, sweep, sweep_arrays
+from ..observe import MonitorObservation
 from ..partition.base import RankShard, ShardPlan, ShardTable
 from ..verdict import Verdict, Violation
 from .collect import ViolationCollector
+from .judges import judges
+from .partition_ranges import _monitor_layout, _owned_ranges
 
 CONTRACT = "C-ZERO-001"
 CLAUSES = ("well_formed", "coverage", "disjoint", "balance", "padding", "replicas")
@@ -39,10 +53,43 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+@judges(CONTRACT)
 def check_partition_plan(
+    plan: Any,
+    *,
+    limit: int = 20,
+    context: dict[str, Any] | None = None,
+    numels: dict[str, int] | None = None,
+    mesh: tuple[int, int] | None = None,
+) -> Verdict:
+    """C-ZERO-001 on a partition (see the module docstring); a Verdict with one Violation per finding.
+
+    ``plan``: a ShardPlan (``limit`` caps the violations kept per clause, counts in
+    ``details['violations_by_clause']`` stay complete; ``context`` is attached to every violation,
+    default world size and total); a StatePlan (``limit`` as for a ShardPlan, violations name global
+    ranks, the state kind and the shard group); a live trainer's TrainerStep records, judged on the
+    ranges they own against ``numels`` (every tensor's element count) and ``mesh`` ((replicas, shard
+    group size) the ranges must follow, where the run names one); or a monitored run's
+    MonitorObservations (their own element counts).
+    """
+    if isinstance(plan, ShardPlan):
+        return _shard_plan(plan, limit=limit, context=context)
+    from ..plan import StatePlan
+
+    if isinstance(plan, StatePlan):
+        return _state_plan(plan, limit=limit)
+    records = list(plan)
+    if numels is None and all(isinstance(o, MonitorObservation) for o in records):
+        return _monitor_layout(records)
+    if numels is None:
+        raise ValueError("a live trainer's owned ranges are judged against numels (elements per tensor)")
+    return _owned_ranges(records, numels, mesh)
+
+
+def _shard_plan(
     plan: ShardPlan, *, limit: int = 20, context: dict[str, Any] | None = None
 ) -> Verdict:
-    """Check C-ZERO-001 on one ShardPlan; return a Verdict with one Violation per finding.
+    """C-ZERO-001 on one ShardPlan.
 
     ``limit`` caps the violations kept per clause (counts in ``details['violations_by_clause']``
     stay complete); ``context`` is attached to every violation (default: world size and total).
@@ -216,7 +263,7 @@ def _finish(verdict: Verdict, out: ViolationCollector, plan: ShardPlan) -> Verdi
     return verdict
 
 
-def check_state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
+def _state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
     """C-ZERO-001 for every kind of state of a StatePlan (params, grads, optimizer).
 
     Sharded kinds: the partition of every shard group satisfies C-ZERO-001 (ranks reported as
@@ -229,7 +276,8 @@ def check_state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
     strategy, topo = state_plan.strategy, state_plan.topology
     total = state_plan.layout.total_numel
     base = state_plan.shard_plan
-    verdict = Verdict(CONTRACT)
+    out = ViolationCollector(CONTRACT)
+    checked = 0
     sharded = {"params": strategy.shards_params, "grads": strategy.shards_grads,
                "optimizer": strategy.shards_optimizer}
     ranks = state_plan.ranks
@@ -256,12 +304,12 @@ def check_state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
                                      base.notes, base.meta)
                 else:
                     plan = ShardPlan("replicated", 1, total, shards, 0)
-                v = check_partition_plan(plan, limit=limit, context={})
+                v = _shard_plan(plan, limit=limit, context={})
                 seen[key] = (v, held)  # keep ``held`` alive so the ids in the key stay unique
             ctx = {"state": kind, "group": g}
-            verdict.violations += [dataclasses.replace(_to_global(x, members), context={**x.context, **ctx})
-                                   for x in v.violations]
-            verdict.checked += v.checked
+            for x in v.violations:
+                out.add_violation(dataclasses.replace(_to_global(x, members), context={**x.context, **ctx}))
+            checked += v.checked
         if not sharded[kind]:
             replicate_groups = [list(range(topo.world_size))]
         elif topo.world_size > base.world_size:
@@ -275,18 +323,17 @@ def check_state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
                 if tuple(other.intervals) == tuple(first.intervals) and other.padding == first.padding:
                     continue
                 diff = first_difference(first.intervals, other.intervals)
-                verdict.violations.append(Violation(
-                    CONTRACT, "replicas",
+                out.add(
+                    "replicas",
                     f"replicas hold different {kind} shards: rank {members[0]} has {first.numel} elements "
                     f"(+{first.padding} padding), rank {r} has {other.numel} (+{other.padding})",
-                    ranks=(members[0], r), interval=diff, context={"state": kind}))
-    verdict.details.update(strategy=strategy.name, world_size=topo.world_size, total=total,
-                           partitioner=base.partitioner, shard_group_size=base.world_size)
-    return verdict
+                    ranks=(members[0], r), interval=diff, context={"state": kind})
+    return out.verdict(checked, strategy=strategy.name, world_size=topo.world_size, total=total,
+                       partitioner=base.partitioner, shard_group_size=base.world_size)
 
 
 def _check_derived(state_plan: Any, sharded: dict[str, bool], limit: int) -> Verdict | None:
-    """check_state_plan for a plan whose every rank's holding is derived from its one ShardPlan.
+    """:func:`_state_plan` for a plan whose every rank's holding is derived from its one ShardPlan.
 
     Rank ``r`` holds local rank ``r % k``'s shard for sharded kinds and ``[0, total)`` for
     replicated ones (:class:`zerosim.plan.RankStates`), so every shard group holds the very same
@@ -300,8 +347,8 @@ def _check_derived(state_plan: Any, sharded: dict[str, bool], limit: int) -> Ver
     total = state_plan.layout.total_numel
     base = state_plan.shard_plan
     full = ShardPlan("replicated", 1, total, (RankShard(0, ((0, total),) if total else (), 0),), 0)
-    v_sharded = check_partition_plan(base, limit=limit, context={})
-    v_full = check_partition_plan(full, limit=limit, context={})
+    v_sharded = _shard_plan(base, limit=limit, context={})
+    v_full = _shard_plan(full, limit=limit, context={})
     if not (v_sharded.passed and v_full.passed):
         return None
     verdict = Verdict(CONTRACT)

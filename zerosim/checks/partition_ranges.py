@@ -1,5 +1,7 @@
 """C-ZERO-001, shards cover every parameter exactly once and stay balanced, judged on the element
-ranges a live trainer's ranks say they own (``local_shards()`` in ``zerosim verify``).
+ranges a live trainer's ranks say they own (``local_shards()`` in ``zerosim verify``, the owned ranges
+of a monitored run): the part of :func:`zerosim.checks.partition.check_partition_plan` that reads
+observed ranges instead of a plan.
 
 Every element of every parameter is owned (clause ``coverage``), no rank lists an element twice and no
 two ranks share one (``disjoint``), and the most and least loaded ranks differ by at most the largest
@@ -9,18 +11,18 @@ members, and one rank of each group covers every element exactly once (``replica
 inferred from the ranges alone; given a mesh (R replicas of S shard ranks: rank r in shard group
 r // S and replica group r % S), the ranges must also follow it: every element owned by R ranks and
 the ranks of one replica group owning identical ranges (clause ``replicas``). The engine's plans are
-judged by :mod:`zerosim.checks.partition`
-before they run, against the same clauses.
+judged by :mod:`zerosim.checks.partition` before they run, against the same clauses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..observe import TrainerStep
+from ..observe import MonitorObservation, TrainerStep
 from ..verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .mismatch import first_run, runs
@@ -28,7 +30,42 @@ from .mismatch import first_run, runs
 CONTRACT = "C-ZERO-001"
 
 
-def check_partition_ranges(
+@dataclass
+class _OwnedRanges:
+    """One rank's owned ranges at one step of a monitored run, as a trainer's observation shows them."""
+
+    rank: int
+    step: int
+    shards: dict[str, list[tuple[int, int]]]
+    phase: str = "monitor"
+
+
+@dataclass
+class _MonitoredStep:
+    """Every rank's owned ranges at one step of a monitored run, as a trainer's step shows them."""
+
+    step: int
+    ranks: list[_OwnedRanges]
+    phase: str = "monitor"
+
+
+def _monitor_layout(observations: Sequence[MonitorObservation]) -> Verdict:
+    """C-ZERO-001 on a monitored run's owned ranges, every step (each distinct layout judged once)."""
+    by_step: dict[int, list[MonitorObservation]] = {}
+    for obs in observations:
+        by_step.setdefault(obs.step, []).append(obs)
+    records = [
+        _MonitoredStep(step, [_OwnedRanges(o.rank, step, o.owned)
+                              for o in sorted(rows, key=lambda r: r.rank)])
+        for step, rows in sorted(by_step.items())
+    ]
+    numels: dict[str, int] = {}
+    for obs in observations:
+        numels.update(obs.numels)
+    return _owned_ranges(records, numels)  # type: ignore[arg-type]
+
+
+def _owned_ranges(
     records: Sequence[TrainerStep], numels: dict[str, int], mesh: tuple[int, int] | None = None
 ) -> Verdict:
     """C-ZERO-001 on the element ranges every rank owns (see the module docstring); ``numels``: the

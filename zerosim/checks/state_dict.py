@@ -21,7 +21,9 @@ import numpy as np
 
 from ..layout import ParamLayout
 from ..observe import ShardValues
-from ..verdict import Verdict, Violation
+from ..verdict import Verdict
+from .collect import ViolationCollector
+from .judges import judges
 
 CONTRACT = "C-ZERO-006"
 CLAUSES = ("pieces", "shard", "params")
@@ -48,6 +50,7 @@ def _tensor_ranges(layout: ParamLayout, idx: np.ndarray) -> list[tuple[str, int,
     return out
 
 
+@judges(CONTRACT)
 def check_broadcast_shard(
     full: np.ndarray,
     layout: ParamLayout,
@@ -60,22 +63,17 @@ def check_broadcast_shard(
     pieces) equals the slice of ``full`` (the full flat state dict in the master dtype) under
     ``plan[rank]`` bit for bit; ``params[rank]`` (optional full working parameters) equal ``full``
     cast to their dtype."""
-    v = Verdict(CONTRACT)
-    ctx = dict(context or {})
+    out = ViolationCollector(CONTRACT, context, total=MAX_VIOLATIONS, per_rank=MAX_PER_RANK)
     full = np.asarray(full)
-
-    per_rank: dict[tuple[int, str], int] = {}
+    checked = 0
     failing: set[int] = set()
 
     def add(clause: str, message: str, ranks: tuple[int, ...], **kw: Any) -> None:
         failing.update(ranks)
-        key = (ranks[0], clause)
-        per_rank[key] = per_rank.get(key, 0) + 1
-        if len(v.violations) < MAX_VIOLATIONS and per_rank[key] <= MAX_PER_RANK:
-            v.violations.append(Violation(CONTRACT, clause, message, ranks=ranks, context=ctx, **kw))
+        out.add(clause, message, ranks=ranks, **kw)
 
     for rank in sorted(plan):
-        v.checked += 1
+        checked += 1
         want = tuple(tuple(int(x) for x in p) for p in plan[rank])
         shard = got.get(rank)
         if shard is None:
@@ -105,7 +103,7 @@ def check_broadcast_shard(
                     ranks=(rank,), tensor=tensor, interval=(lo, hi),
                     expected=float(full[first]), got=float(shard.values[pos + first - g0]))
     for rank in sorted(params or {}):
-        v.checked += 1
+        checked += 1
         work = np.asarray((params or {})[rank])
         want_params = full.astype(work.dtype)
         if work.shape != want_params.shape:
@@ -118,5 +116,4 @@ def check_broadcast_shard(
                 f"{count} working parameter element(s) of {tensor} in flat range [{lo}, {hi}) differ",
                 ranks=(rank,), tensor=tensor, interval=(lo, hi),
                 expected=float(want_params[first]), got=float(work[first]))
-    v.details["failing_ranks"] = sorted(failing)
-    return v
+    return out.verdict(checked, failing_ranks=sorted(failing))

@@ -17,10 +17,15 @@ Two kinds, both derived, none fitted to a machine:
 * **The normwise fallback** (:class:`Tolerance`, :data:`EQUIVALENCE_TOLERANCE`) for a reference that
   carries no per-element bounds: ``|got - expected| <= atol_scale * max|expected|`` per state array.
   Values and their justification: contracts/C-ZERO-002.toml (a test keeps them in sync).
+
+The bounds of a gradient norm live here too: :func:`norm_relative_bound` (a monitored run's logged
+norms, C-ZERO-002's ``grad_norm``) and :func:`logged_norm_bound` (C-ZERO-008).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,7 +43,8 @@ from .rounding import (
 )
 
 __all__ = ["EQUIVALENCE_TOLERANCE", "ErrorModel", "StepBounds", "Tolerance", "adam_direction_bound",
-           "equivalence_tolerance", "gamma", "reduction_length", "unit_roundoff"]
+           "equivalence_tolerance", "gamma", "logged_norm_bound", "norm_relative_bound", "reduction_chain",
+           "reduction_length", "unit_roundoff"]
 
 
 # ---- the normwise fallback ---------------------------------------------------------------------------
@@ -155,3 +161,31 @@ class ErrorModel:
                 clip_coef=ref.clip_coef,
             )
         )
+
+
+# ---- gradient norms ---------------------------------------------------------------------------------
+
+
+def reduction_chain(n: int) -> int:
+    """The most roundings along any one term's path through a norm of ``n`` squares: one square, the
+    additions of a blocked reduction tree (at most 16 additions per level, fan-in at most 16: torch's CPU
+    cascade sum and every GPU tree reduction), one per-tensor square root and square, one final root;
+    a plain left-to-right sum (``n`` additions) when that is shorter."""
+    levels = math.ceil(math.log(max(n, 2), 16)) + 1
+    return min(n, 16 * levels) + 8
+
+
+def norm_relative_bound(n: int, dtype: str) -> float:
+    """C-ZERO-002 on a monitored run (clause ``grad_norm``): the relative error bound of a norm of ``n``
+    squares computed in ``dtype``: gamma of its reduction chain (a square root halves a relative error,
+    so gamma bounds the root too)."""
+    return gamma(reduction_chain(n), UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]))
+
+
+def logged_norm_bound(ref_norm: float, grad_bound: Mapping[str, np.ndarray], u: float, world: int) -> float:
+    """C-ZERO-008: the most a correct trainer's logged norm may differ from the reference's ``ref_norm``:
+    ``||dg||_2 + gamma_(P+W+3)(u) (||g|| + ||dg||_2)`` (derived in :mod:`zerosim.checks.logged_norm`)."""
+    dg = math.sqrt(sum(float(np.sum(np.square(np.asarray(b, dtype=np.float64))))
+                       for b in grad_bound.values()))
+    elements = sum(int(np.asarray(b).size) for b in grad_bound.values())
+    return dg + gamma(elements + world + 3, u) * (abs(ref_norm) + dg)

@@ -1,12 +1,19 @@
-"""C-ZERO-005 on a live trainer: the traffic each rank records lies within the declared strategy's model,
-and every gradient reduction moves the dtype the run's policy names.
+"""C-ZERO-005, each rank's traffic per step equals the ring model and every gradient reduction moves the
+dtype the run's policy names: one check, :func:`check_communication`, for the engine's runs (simulate on
+numpy, mpi and torch) and for live trainers (``zerosim verify``). Which one it judges follows from the
+observations it is given.
 
-Pure functions of observation values: per rank and step, the traffic summary ``zerosim verify`` counts
-at torch.distributed's collectives (bytes sent and received per traffic class under the ring attribution,
-and one record per collective call with its kind, class, group and the element dtype of the tensor it
-moved).
+* **The engine's runs** (:class:`~zerosim.observe.RankObservation` per rank and the communication
+  estimate of :func:`zerosim.cost.comm_model.comm_per_step`): each rank's data traffic per step, per
+  group kind and collective (calls, bytes sent, bytes received), equals the ring model exactly (clause
+  ``ring_model``); given the policy's reduce dtype, every gradient reduction moved that dtype (clause
+  ``reduce_dtype``).
+* **Live trainers**: per rank and step, the traffic summary ``zerosim verify`` counts at
+  torch.distributed's collectives (bytes sent and received per traffic class under the ring
+  attribution, and one record per collective call with its kind, class, group and the element dtype of
+  the tensor it moved).
 
-* ``ring_model`` (:func:`check_traffic_within_model`): the bytes every rank *receives* per step, per
+  ``ring_model`` (given a :class:`TrafficModel`): the bytes every rank *receives* per step, per
   traffic class, lie in the band of the declared strategy's communication model
   (:func:`zerosim.cost.comm_model.comm_per_step`), split into gradient reduction (all-reduce,
   reduce-scatter, reduce to an owner) and parameter exchange (all-gather, broadcast). Received bytes
@@ -17,28 +24,29 @@ moved).
   broadcasts whole tensors without padding, moves less). Below the band is a failure too: a ZeRO-3 that
   gathers once per step keeps whole parameters alive from forward to backward. Scalars (a gradient
   norm, a loss, an overflow flag) are control traffic, counted apart and not judged.
-* ``reduce_dtype`` (:func:`check_reduce_dtype`): every gradient reduction moves elements of the dtype
-  the run's policy names (the run's dtype in full precision; a mixed-precision policy's reduce dtype).
-  A reduction in another dtype is a correctness failure, not an efficiency finding: bfloat16 where the
-  policy says float32 loses precision that the parameters may not show, only the bytes do.
 
-The engine's own runs are judged exactly, per group kind and collective, by
-:func:`zerosim.checks.step.check_communication`; this module is the same contract where a trainer's
-collectives are only observed from outside.
+  ``reduce_dtype`` (given ``reduce_dtype``): every gradient reduction moves elements of the dtype the
+  run's policy names (the run's dtype in full precision; a mixed-precision policy's reduce dtype). A
+  reduction in another dtype is a correctness failure, not an efficiency finding: bfloat16 where the
+  policy says float32 loses precision that the parameters may not show, only the bytes do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
 from ..cost.comm_model import comm_per_step
 from ..layout import ParamLayout
+from ..observe import RankObservation, StepObservation
 from ..strategy import ShardingStrategy, Topology
 from ..verdict import Verdict
 from .collect import ViolationCollector
-from .resident_memory import as_layout, stored_numel, strategy_from_declared
+from .holdings import as_layout, stored_numel, strategy_from_declared
+from .judges import judges
+from .mismatch import step_clauses, step_verdict
 
 CONTRACT = "C-ZERO-005"
 #: the judged traffic classes: gradient reduction and parameter exchange (``control`` is counted apart)
@@ -128,32 +136,81 @@ def _band_of(
     return band
 
 
-def check_traffic_within_model(
-    declared_strategy: str,
-    layout: Any,
-    dtype_bytes: int,
-    world: int,
-    per_rank_traffic: Sequence[Sequence[Mapping[str, Any]]],
+@dataclass(frozen=True)
+class TrafficModel:
+    """What a live trainer declares for its counted traffic to be judged against: its strategy (as
+    :func:`~zerosim.checks.holdings.strategy_from_declared` reads it), its model (a
+    :class:`ParamLayout` or a module), the bytes of a parameter element on the wire (``param_bytes``)
+    and of a gradient element (``grad_bytes``, default the same), the world size, its partition rule,
+    how its ZeRO-1 reduces gradients, the traffic classes it cannot show (class -> why; not judged)
+    and the micro-batches per optimizer step (the band of :func:`traffic_band` under accumulation)."""
+
+    declared_strategy: str
+    layout: Any
+    param_bytes: int
+    world: int
+    grad_bytes: int | None = None
+    partitioner: str | None = None
+    zero1_grad_reduce: str = "all_reduce"
+    unobserved: Mapping[str, str] | None = None
+    micro_batches: int = 1
+
+
+@judges(CONTRACT)
+def check_communication(
+    observations: Sequence[RankObservation] | Sequence[Sequence[Mapping[str, Any] | None]],
+    model: Any = None,
     *,
-    grad_bytes: int | None = None,
-    partitioner: str | None = None,
-    zero1_grad_reduce: str = "all_reduce",
-    unobserved: Mapping[str, str] | None = None,
+    reduce_dtype: str | None = None,
     phase: str | None = None,
     first_step: int = 1,
-    micro_batches: int = 1,
+    ranks: Sequence[int] | None = None,
 ) -> Verdict:
-    """C-ZERO-005 ``ring_model`` on counted traffic: the bytes every rank receives per step, per traffic
-    class, lie in the band of the declared strategy's communication model (see the module docstring).
+    """C-ZERO-005 (see the module docstring).
 
-    ``per_rank_traffic[r][i]``: rank ``r``'s traffic summary at the ``i``-th step of the phase (global
-    step ``first_step + i``): ``{"reduce" | "gather" | "control": {"sent", "received"}}`` in bytes.
-    ``dtype_bytes``: bytes of a parameter element on the wire; ``grad_bytes``: of a gradient element
-    (default the same). ``unobserved``: class -> why it cannot be seen (that class is not judged).
-    ``micro_batches``: micro-batches per optimizer step (the band of :func:`traffic_band` under
-    accumulation). Each violation names rank, step and class (in ``tensor``) with the band in
-    ``expected_range``.
+    The engine's runs: ``observations`` are :class:`~zerosim.observe.RankObservation` per rank and
+    ``model`` the run's communication estimate (``ring_model``, exact); with ``reduce_dtype`` every
+    gradient reduction must have moved that dtype.
+
+    A live trainer: ``observations[r][i]`` is rank ``r``'s traffic summary at the ``i``-th step of
+    ``phase`` (global step ``first_step + i``): ``{"reduce" | "gather" | "control": {"sent",
+    "received"}}`` in bytes, with a ``"collectives"`` list of one record per collective call
+    (``function``, ``kind``, ``class``, ``dtype``, ``payload_bytes``, ``group``; ``calls`` where one
+    record stands for several calls); ``ranks[r]``: the rank the ``r``-th entry observed (default
+    ``r``). Given a :class:`TrafficModel` the received bytes are judged against its band
+    (``ring_model``; each violation names rank, step and class, in ``tensor``, with the band in
+    ``expected_range``); given ``reduce_dtype`` every gradient reduction's dtype (``reduce_dtype``;
+    each violation names the collective function, in ``tensor``, step, rank, the expected and the
+    moved dtype; one per rank, step, function and dtype, with the number of such calls in ``calls``;
+    a summary without records is not judged). Control traffic (scalars) and parameter exchange are
+    not gradient reductions.
     """
+    if model is not None and not isinstance(model, TrafficModel):
+        return _engine_traffic(observations, model, reduce_dtype)  # type: ignore[arg-type]
+    if model is None and reduce_dtype is None:
+        raise ValueError("counted traffic is judged against a TrafficModel, a reduce dtype, or both")
+    summaries: Sequence[Sequence[Mapping[str, Any] | None]] = observations  # type: ignore[assignment]
+    verdict = None if model is None else _within_model(summaries, model, phase, first_step)
+    if reduce_dtype is not None:
+        dtypes = _reduce_dtype(summaries, reduce_dtype, phase=phase, first_step=first_step, ranks=ranks)
+        if verdict is None:
+            return dtypes
+        verdict.extend(dtypes)
+        verdict.details.update(dtypes.details)
+    assert verdict is not None
+    return verdict
+
+
+def _within_model(
+    per_rank_traffic: Sequence[Sequence[Mapping[str, Any] | None]], model: TrafficModel, phase: str | None,
+    first_step: int,
+) -> Verdict:
+    """``ring_model`` on counted traffic: the bytes every rank receives per step, per traffic class, lie
+    in the band of the declared strategy's communication model."""
+    declared_strategy, layout, dtype_bytes, world = (model.declared_strategy, model.layout, model.param_bytes,
+                                                     model.world)
+    grad_bytes, partitioner, zero1_grad_reduce = model.grad_bytes, model.partitioner, model.zero1_grad_reduce
+    unobserved, micro_batches = model.unobserved, model.micro_batches
     strategy = strategy_from_declared(declared_strategy)
     lay = as_layout(layout)
     skip = dict(unobserved or {})
@@ -170,7 +227,8 @@ def check_traffic_within_model(
                 "rank": rank,
                 "band": {c: [float(lo), float(hi)] for c, (lo, hi) in band.items()},
                 "received": [
-                    {c: float(s[c]["received"]) for c in (*TRAFFIC_CLASSES, "control")} for s in steps
+                    {c: float(s[c]["received"]) for c in (*TRAFFIC_CLASSES, "control")}  # type: ignore[index]
+                    for s in steps
                 ],
             }
         )
@@ -180,7 +238,7 @@ def check_traffic_within_model(
                     continue
                 checked += 1
                 lo, hi = band[cls]
-                got = Fraction(summary[cls]["received"])
+                got = Fraction(summary[cls]["received"])  # type: ignore[index]
                 if lo <= got <= hi:
                     continue
                 what = "gradient reduction" if cls == "reduce" else "parameter exchange"
@@ -204,7 +262,7 @@ def check_traffic_within_model(
     )
 
 
-def check_reduce_dtype(
+def _reduce_dtype(
     per_rank_traffic: Sequence[Sequence[Mapping[str, Any] | None]],
     expected_dtype: str,
     *,
@@ -212,19 +270,7 @@ def check_reduce_dtype(
     first_step: int = 1,
     ranks: Sequence[int] | None = None,
 ) -> Verdict:
-    """C-ZERO-005 ``reduce_dtype``: every gradient reduction of every rank and step moves elements of
-    ``expected_dtype`` (the run's dtype in full precision; a mixed-precision policy's reduce dtype).
-
-    ``per_rank_traffic[r][i]``: rank ``r``'s traffic summary at the ``i``-th step of the phase (global
-    step ``first_step + i``), whose ``"collectives"`` list holds one record per collective call
-    (``function``, ``kind``, ``class``, ``dtype``, ``payload_bytes``, ``group``; ``calls`` where one
-    record stands for several calls, as the engine's per-collective tallies do); a summary without
-    records (None, or counted before dtypes were recorded) is not judged. ``ranks[r]``: the rank the
-    ``r``-th entry observed (default ``r``). Control traffic (scalars) and
-    parameter exchange are not gradient reductions. Each violation names the collective (function and
-    kind, in ``tensor``), step, rank, the expected and the moved dtype; one per (rank, step, collective
-    function, dtype), with the number of such calls in ``calls``.
-    """
+    """``reduce_dtype``: every gradient reduction of every rank and step moves ``expected_dtype``."""
     out = ViolationCollector(CONTRACT)
     checked = 0
     for index, steps in enumerate(per_rank_traffic):
@@ -254,3 +300,63 @@ def check_reduce_dtype(
                     expected=expected_dtype, got=dtype,
                 )
     return out.verdict(checked=checked, reduce_dtype=expected_dtype)
+
+
+# ---- the engine's runs ----------------------------------------------------------------------------
+
+
+def reduction_records(so: StepObservation) -> list[dict[str, Any]]:
+    """The gradient reductions of one engine step as the ``reduce_dtype`` clause reads them: one record
+    per (group, collective, dtype) of the data channel, with its call count."""
+    out = []
+    for t in so.data_traffic():
+        if t.collective not in REDUCE_COLLECTIVES:
+            continue
+        for dtype, calls in sorted(t.dtypes.items()):
+            out.append({"function": t.collective, "kind": t.collective, "class": "reduce", "dtype": dtype,
+                        "calls": calls, "payload_bytes": t.payload_bytes if len(t.dtypes) == 1 else 0,
+                        "group": t.group})
+    return out
+
+
+def _engine_traffic(observations: Sequence[RankObservation], estimate: Any,
+                    reduce_dtype: str | None) -> Verdict:
+    """The engine's runs: each rank's measured data traffic per step equals the ring model, per group
+    kind and collective; with ``reduce_dtype``, every gradient reduction moved that dtype."""
+    col = step_clauses(CONTRACT, {"strategy": estimate.strategy})
+    expected = estimate.expected()
+    checked = 0
+    for obs in observations:
+        for so in obs.steps:
+            if reduce_dtype is not None:
+                dtypes = _reduce_dtype([[{"collectives": reduction_records(so)}]], reduce_dtype,
+                                            first_step=so.step, ranks=[obs.rank])
+                checked += dtypes.checked
+                for wrong in dtypes.violations:
+                    col.add_violation(wrong)
+            got = so.traffic_by_collective()
+            keys = sorted(set(expected) | set(got))
+            checked += max(1, len(keys))  # no traffic expected and none measured is a check too
+            for key in keys:
+                e = expected.get(key, (0, Fraction(0), Fraction(0)))
+                g = got.get(key, (0, Fraction(0), Fraction(0)))
+                if e != g:
+                    what = "missing" if g[0] == 0 else ("unexpected" if e[0] == 0 else "differs")
+                    col.add(
+                        "ring_model",
+                        f"{key[1]} on the {key[0]} group: traffic {what} (calls {g[0]} vs {e[0]} expected)",
+                        step=so.step,
+                        ranks=(obs.rank,),
+                        expected={"calls": e[0], "bytes_sent": float(e[1]), "bytes_received": float(e[2])},
+                        got={"calls": g[0], "bytes_sent": float(g[1]), "bytes_received": float(g[2])},
+                        context={"group_kind": key[0], "collective": key[1]},
+                    )
+    measured_total = [float(s.bytes_sent()) for o in observations[:1] for s in o.steps]
+    v = step_verdict(col,
+        model_bytes_sent_per_rank=float(estimate.bytes_sent),
+        measured_bytes_sent_rank0=measured_total,
+        paper_elements_per_rank=float(estimate.paper_elements()),
+        padding_elements=estimate.padding,
+    )
+    v.checked = checked
+    return v

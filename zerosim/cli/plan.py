@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks.partition import CONTRACT, check_state_plan
+from ..checks.partition import CONTRACT, check_partition_plan
 from ..cost.shard_sizes import parse_param_count
 from ..cost.units import format_bytes
 from ..dtypes import canonical_dtype
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     strategy.shard_group_size(topology.world_size)  # validates a hybrid size against the world size
     plan = build_plan(layout, strategy, args.partitioner, topology)
     t0 = time.perf_counter()
-    verdict = check_state_plan(plan)
+    verdict = check_partition_plan(plan)
     check_ms = (time.perf_counter() - t0) * 1e3
     if args.json:
         json.dump(plan_json(plan, verdict, check_ms, args.intervals), sys.stdout, indent=2)

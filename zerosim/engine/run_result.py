@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checks.equivalence import check_step_equivalence
+from ..checks.holdings import OwnershipExpectation, check_holdings
 from ..checks.identity import check_replica_identity
 from ..checks.partition import check_partition_plan
-from ..checks.step import OwnershipExpectation, check_communication, check_holdings
 from ..checks.tolerance import equivalence_tolerance
+from ..checks.traffic import check_communication
 from ..cost.comm_model import CommEstimate, comm_for_run
 from ..errors import ConfigError
 from ..observe import RankObservation

@@ -1,53 +1,22 @@
 """The verdicts of a monitored run's observations: the same contract checks for the live monitor (every
 rank, after each check's all-gather) and for ``zerosim check trace`` (the per-rank files afterwards).
 
-* C-ZERO-001: :func:`zerosim.checks.partition_ranges.check_partition_ranges` on the owned ranges;
-* C-ZERO-002 (live clauses): :func:`zerosim.checks.live_state.check_live_state`;
+* C-ZERO-001: :func:`zerosim.checks.partition.check_partition_plan` on the owned ranges;
+* C-ZERO-002 (live clauses): :func:`zerosim.checks.equivalence.check_step_equivalence`;
 * C-ZERO-003: :func:`zerosim.checks.identity.check_replica_identity` on the held pieces' digests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from ..checks.equivalence import check_step_equivalence
 from ..checks.identity import check_replica_identity
-from ..checks.live_state import check_live_state
-from ..checks.partition_ranges import check_partition_ranges
+from ..checks.partition import check_partition_plan
 from ..observe import MonitorObservation
 from ..verdict import Verdict
 
 CONTRACTS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003")
-
-
-@dataclass
-class _OwnedRanges:
-    """One rank's owned ranges at one step, as C-ZERO-001's range check reads a trainer's observation."""
-
-    rank: int
-    step: int
-    shards: dict[str, list[tuple[int, int]]]
-    phase: str = "monitor"
-
-
-@dataclass
-class _Step:
-    step: int
-    ranks: list[_OwnedRanges]
-    phase: str = "monitor"
-
-
-def check_layout(observations: Sequence[MonitorObservation]) -> Verdict:
-    """C-ZERO-001 on the owned ranges of every step (each distinct layout judged once)."""
-    by_step: dict[int, list[MonitorObservation]] = {}
-    for obs in observations:
-        by_step.setdefault(obs.step, []).append(obs)
-    records = [_Step(step, [_OwnedRanges(o.rank, step, o.owned) for o in sorted(rows, key=lambda o: o.rank)])
-               for step, rows in sorted(by_step.items())]
-    numels: dict[str, int] = {}
-    for obs in observations:
-        numels.update(obs.numels)
-    return check_partition_ranges(records, numels)  # type: ignore[arg-type]
 
 
 def judge(observations: Sequence[MonitorObservation], layout: Verdict | None = None,
@@ -55,8 +24,8 @@ def judge(observations: Sequence[MonitorObservation], layout: Verdict | None = N
     """The three verdicts, in contract order; ``layout``: C-ZERO-001's verdict already computed for these
     observations' layout (the live monitor judges a layout once, when it first sees it); ``identity``:
     C-ZERO-003's, already computed (the live monitor compares digests vectorised first)."""
-    return [layout if layout is not None else check_layout(observations),
-            check_live_state(observations),
+    return [layout if layout is not None else check_partition_plan(observations),
+            check_step_equivalence(observations),
             identity if identity is not None else check_replica_identity(observations)]
 
 

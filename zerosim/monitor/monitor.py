@@ -36,12 +36,13 @@ import torch
 import torch.distributed as dist
 
 from ..checks.identity import check_replica_identity
+from ..checks.partition import check_partition_plan
 from ..errors import ConfigError
 from ..observe import MonitorObservation
 from ..verdict import Verdict, Violation
 from .digest import digest_text, tensor_digest
 from .exchange import SUMMARY, comm_device, exchange_keys, float_bits, gather_rows, summary_values
-from .judge import CONTRACTS, check_layout, judge, summary_line
+from .judge import CONTRACTS, judge, summary_line
 from .layouts import LiveLayout, read_layout
 from .trace import append_line, rank_file, write_summary
 
@@ -152,7 +153,7 @@ class Monitor:
         observations = [self._observation(r, self._keys[r], rows[r], r == self.rank or None, mismatched)
                         for r in range(self.world)]
         if self._layout_verdict is None:
-            self._layout_verdict = check_layout(observations)
+            self._layout_verdict = check_partition_plan(observations)
         identity = check_replica_identity(observations) if mismatched else \
             Verdict("C-ZERO-003", details={"violation_count": 0})
         identity.checked = self._compared

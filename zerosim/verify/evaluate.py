@@ -5,15 +5,15 @@ same initial model on the global batches, the error model (:mod:`zerosim.checks.
 each step's per-element bound in the trainer's arithmetic dtype (float32 when the run is float32,
 or when the trainer keeps float32 master weights of a float64 model: every parameter exactly
 float32-representable after every step), and the contracts' checks (:mod:`zerosim.checks`:
-C-ZERO-001 :func:`~zerosim.checks.partition_ranges.check_partition_ranges`, C-ZERO-002
+C-ZERO-001 :func:`~zerosim.checks.partition.check_partition_plan`, C-ZERO-002
 :func:`~zerosim.checks.equivalence.check_step_equivalence`, C-ZERO-003
 :func:`~zerosim.checks.identity.check_replica_identity`) and the diagnosis
 (:mod:`zerosim.verify.diagnosis`) run on the result, with C-ZERO-008
 :func:`~zerosim.checks.logged_norm.check_logged_norm` on the logged gradient norm. C-ZERO-004 and
 C-ZERO-005's ``ring_model`` come judged from the ranks
 (:func:`zerosim.verify.resources.resource_outcomes`); C-ZERO-005's ``reduce_dtype``
-(:func:`~zerosim.checks.traffic.check_reduce_dtype`) is judged here, where each phase's arithmetic
-dtype is known: every gradient reduction must move that dtype.
+(:func:`~zerosim.checks.traffic.check_communication` given the reduce dtype) is judged here, where each
+phase's arithmetic dtype is known: every gradient reduction must move that dtype.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from zerosim import datafile
 from zerosim.checks.equivalence import check_step_equivalence, float32_masters
 from zerosim.checks.identity import check_replica_identity
 from zerosim.checks.logged_norm import check_logged_norm
-from zerosim.checks.partition_ranges import check_partition_ranges
+from zerosim.checks.partition import check_partition_plan
 from zerosim.checks.tolerance import ErrorModel, unit_roundoff
-from zerosim.checks.traffic import check_reduce_dtype
+from zerosim.checks.traffic import check_communication
 from zerosim.observe import TrainerObservation
 from zerosim.verdict import Verdict
 
@@ -116,7 +116,9 @@ def reduce_dtype_verdicts(
         for step in phase.step_numbers:  # one step at a time: a resumed run changes world size
             ranks = observations.get(step, [])
             per_rank = [[obs.traffic] for obs in sorted(ranks, key=lambda o: o.rank)]
-            verdicts.append(check_reduce_dtype(per_rank, expected, phase=phase.name, first_step=step))
+            verdicts.append(
+                check_communication(per_rank, reduce_dtype=expected, phase=phase.name, first_step=step)
+            )
     return verdicts
 
 
@@ -172,7 +174,9 @@ def evaluate(
     )
     contracts: dict[str, ContractOutcome] = {}
     if records:
-        contracts["C-ZERO-001"] = ContractOutcome.from_verdict(check_partition_ranges(records, numels, mesh))
+        contracts["C-ZERO-001"] = ContractOutcome.from_verdict(
+            check_partition_plan(records, numels=numels, mesh=mesh)
+        )
         contracts["C-ZERO-002"] = ContractOutcome.from_verdict(check_step_equivalence(records))
         contracts["C-ZERO-003"] = ContractOutcome.from_verdict(check_replica_identity(records))
         roundoff = {p["name"]: unit_roundoff(p["arithmetic"]) for p in phase_info if "arithmetic" in p}

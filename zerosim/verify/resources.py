@@ -4,14 +4,14 @@ measured on every rank and handed to the contracts' checks.
 Memory (C-ZERO-004): a built-in adapter reports, per rank, the bytes of parameters, gradients and
 optimizer state it really keeps, read from tensor storages (:func:`storage_bytes`: each storage
 counted once, so views into one flat buffer, DDP's bucket views and DTensor local shards cost what
-they allocate). :func:`zerosim.checks.resident_memory.check_resident_memory` judges them against the
-declared strategy's plan.
+they allocate). :func:`zerosim.checks.holdings.check_holdings` judges them against the
+declared strategy's plan (:class:`~zerosim.checks.holdings.ResidentPlan`).
 
 Traffic (C-ZERO-005): :class:`zerosim.verify.traffic.TrafficCounter` counts, per rank, what every
 data collective of a step moves under the ring attribution, with each call's element dtype.
-:func:`zerosim.checks.traffic.check_traffic_within_model` judges the received bytes against the
-declared strategy's communication model; the dtype of every gradient reduction is judged by
-:func:`zerosim.checks.traffic.check_reduce_dtype` once the run's arithmetic dtype is known
+:func:`zerosim.checks.traffic.check_communication` judges the received bytes against the
+declared strategy's communication model (:class:`~zerosim.checks.traffic.TrafficModel`); the dtype of
+every gradient reduction is judged by the same check once the run's arithmetic dtype is known
 (:mod:`zerosim.verify.evaluate`).
 
 This module measures (:class:`ResourceProbe`, around ``step()`` on every rank) and renders the
@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zerosim.checks.resident_memory import MEMORY_KINDS, as_layout, check_resident_memory, kinds_below_plan
-from zerosim.checks.traffic import TRAFFIC_CLASSES, check_traffic_within_model
+from zerosim.checks.holdings import MEMORY_KINDS, ResidentPlan, as_layout, check_holdings, kinds_below_plan
+from zerosim.checks.traffic import TRAFFIC_CLASSES, TrafficModel, check_communication
 from zerosim.verdict import Verdict
 
 from .outcome import ContractOutcome, violation_json
@@ -189,15 +189,17 @@ def resource_outcomes(
         if info.get("has_resident_bytes") and all(m is not None for step in mem_steps for m in step):
             for i, per_rank in enumerate(mem_steps):
                 memory.append(memory_result(
-                    check_resident_memory(
-                        strategy,
-                        layout,
-                        dtype_bytes,
-                        world,
+                    check_holdings(
                         per_rank,
-                        optim=ph.optim,
-                        partitioner=info.get("partition_rule"),
-                        master_copy=bool(info.get("master_copy")),
+                        ResidentPlan(
+                            strategy,
+                            layout,
+                            dtype_bytes,
+                            world,
+                            optim=ph.optim,
+                            partitioner=info.get("partition_rule"),
+                            master_copy=bool(info.get("master_copy")),
+                        ),
                         phase=ph.name,
                         step=ph.first_step + i,
                     )
@@ -207,19 +209,21 @@ def resource_outcomes(
         per_rank = [[step[r]["traffic"] for step in observed] for r in range(world)]
         wire = info.get("wire_bytes") or {}
         traffic.append(traffic_result(
-            check_traffic_within_model(
-                strategy,
-                layout,
-                wire.get("params", dtype_bytes),
-                world,
+            check_communication(
                 per_rank,
-                grad_bytes=wire.get("grads", dtype_bytes),
-                partitioner=info.get("partition_rule"),
-                zero1_grad_reduce=info.get("zero1_grad_reduce", "all_reduce"),
-                unobserved=info.get("unobserved_traffic"),
+                TrafficModel(
+                    strategy,
+                    layout,
+                    wire.get("params", dtype_bytes),
+                    world,
+                    grad_bytes=wire.get("grads", dtype_bytes),
+                    partitioner=info.get("partition_rule"),
+                    zero1_grad_reduce=info.get("zero1_grad_reduce", "all_reduce"),
+                    unobserved=info.get("unobserved_traffic"),
+                    micro_batches=int(info.get("micro_batches", 1)),
+                ),
                 phase=ph.name,
                 first_step=ph.first_step,
-                micro_batches=int(info.get("micro_batches", 1)),
             ),
             info.get("unobserved_traffic"),
         ))

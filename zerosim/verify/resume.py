@@ -3,7 +3,7 @@ checkpoint, at another world size, continues as if it had never stopped.
 
 Two parts, both over every phase that resumed:
 
-Both are judged by :func:`zerosim.checks.checkpoint.check_resumed_trainer`; this module carries what
+Both are judged by :func:`zerosim.checks.checkpoint.check_checkpoint_equivalence`; this module carries what
 passes between the two launches and renders the verdict.
 
 * **Round trip (bitwise).** Right after ``load_checkpoint`` every rank of the new world reports its
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosim import datafile
-from zerosim.checks.checkpoint import check_resumed_trainer
+from zerosim.checks.checkpoint import ResumedTrainer, check_checkpoint_equivalence
 from zerosim.observe import TrainerObservation
 
 from .observation import StepRecord
@@ -87,15 +87,14 @@ class ResumeRun:
 def resume_outcome(records: Sequence[StepRecord], resume: ResumeRun,
                    first_steps: Mapping[str, int]) -> ContractOutcome:
     """C-ZERO-007 over the phases that resumed, judged by
-    :func:`zerosim.checks.checkpoint.check_resumed_trainer`, as the report renders it."""
+    :func:`zerosim.checks.checkpoint.check_checkpoint_equivalence`, as the report renders it."""
     if not resume.after_load:
         return ContractOutcome("skipped", "no phase resumed from a checkpoint")
-    verdict = check_resumed_trainer(
-        records,
+    resumed = ResumedTrainer(
         resume.before_save,
         resume.after_load,
         {phase: resume.last_step_before(first_steps[phase]) for phase in resume.after_load},
         STATE_NAMES,
-        **resume.to_json(),
     )
+    verdict = check_checkpoint_equivalence(records, resumed, **resume.to_json())
     return ContractOutcome.from_verdict(verdict)
