@@ -3,8 +3,9 @@
 ``fully_shard`` is applied to every block of the model (each element of an ``nn.ModuleList``) and
 then to the root, so a tied embedding/head stays in one group. Parameters are DTensors sharded on
 dim 0 (``torch.chunk``: uneven, padded to the first chunk's size); a rank owns, of each flattened
-parameter, the rows of its local shard. Full values come from ``DTensor.full_tensor()``, for the
-parameters and for each optimizer state buffer.
+parameter, the rows of its local shard. Full values are what ``DTensor.full_tensor()`` returns, for
+the parameters and for each optimizer state buffer, gathered in one collective per call
+(:func:`._full_tensors.full_tensors`).
 
 * ``fsdp2``: parameters resharded after forward and backward (strategy "zero3"). The root is given
   ``reshard_after_forward=True`` explicitly (FSDP2 keeps the root gathered otherwise), so every
@@ -26,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..resources import storage_bytes
+from ._full_tensors import full_tensors
 from ._torch_optim import accumulate_backward, build_optimizer, clip_gradients, optimizer_state_copy
 
 
@@ -57,10 +58,6 @@ def owned_range(param: Any) -> list[tuple[int, int]]:
     row = param.numel() // param.shape[0] if param.shape[0] else 0
     start, rows = offset[0], local_shape[0]
     return [(start * row, (start + rows) * row)] if rows * row else []
-
-
-def _full(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor().detach() if isinstance(value, DTensor) else value.detach().clone()
 
 
 class FSDP2Trainer:
@@ -122,15 +119,22 @@ class FSDP2Trainer:
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        return {name: _full(p) for name, p in self.model.named_parameters()}
+        named = list(self.model.named_parameters())
+        return dict(zip([n for n, _ in named], full_tensors([p for _, p in named]), strict=True))
 
     @torch.no_grad()
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        out = {}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        keys, values = [], []
         for name, p in self.model.named_parameters():
             state = self.optimizer.state.get(p)
             if state:
-                out[name] = {key: _full(value) for key, value in optimizer_state_copy(state).items()}
+                out[name] = {}
+                for key, value in optimizer_state_copy(state).items():
+                    keys.append((name, key))
+                    values.append(value)
+        for (name, key), full in zip(keys, full_tensors(values), strict=True):
+            out[name][key] = full
         return out
 
     def local_shards(self) -> dict[str, list[tuple[int, int]]]:
