@@ -1,7 +1,7 @@
 """The verdicts of a monitored run's observations: the same contract checks for the live monitor (every
 rank, after each check's all-gather) and for ``zerosim check trace`` (the per-rank files afterwards).
 
-* C-ZERO-001: :func:`zerosim.checks.partition_ranges.check_partition_ranges` on the owned ranges;
+* C-ZERO-001: :func:`zerosim.checks.owned_intervals.check_owned_intervals` on the owned ranges;
 * C-ZERO-002 (live clauses): :func:`zerosim.checks.live_state.check_live_state`;
 * C-ZERO-003: :func:`zerosim.checks.identity.check_replica_identity` on the held pieces' digests.
 """
@@ -9,45 +9,42 @@ rank, after each check's all-gather) and for ``zerosim check trace`` (the per-ra
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Any
 
+from ..checks.collect import MAX_LISTED, ViolationCollector
 from ..checks.identity import check_replica_identity
 from ..checks.live_state import check_live_state
-from ..checks.partition_ranges import check_partition_ranges
+from ..checks.owned_intervals import check_owned_intervals
 from ..observe import MonitorObservation
 from ..verdict import Verdict
 
 CONTRACTS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003")
 
 
-@dataclass
-class _OwnedRanges:
-    """One rank's owned ranges at one step, as C-ZERO-001's range check reads a trainer's observation."""
-
-    rank: int
-    step: int
-    shards: dict[str, list[tuple[int, int]]]
-    phase: str = "monitor"
-
-
-@dataclass
-class _Step:
-    step: int
-    ranks: list[_OwnedRanges]
-    phase: str = "monitor"
-
-
 def check_layout(observations: Sequence[MonitorObservation]) -> Verdict:
-    """C-ZERO-001 on the owned ranges of every step (each distinct layout judged once)."""
+    """C-ZERO-001 on the owned ranges of every step, by interval arithmetic (each distinct layout judged
+    once)."""
     by_step: dict[int, list[MonitorObservation]] = {}
     for obs in observations:
         by_step.setdefault(obs.step, []).append(obs)
-    records = [_Step(step, [_OwnedRanges(o.rank, step, o.owned) for o in sorted(rows, key=lambda o: o.rank)])
-               for step, rows in sorted(by_step.items())]
     numels: dict[str, int] = {}
     for obs in observations:
         numels.update(obs.numels)
-    return check_partition_ranges(records, numels)  # type: ignore[arg-type]
+    out = ViolationCollector("C-ZERO-001", total=MAX_LISTED)
+    seen: set[Any] = set()
+    layouts: list[str] = []
+    checked: dict[str, int] = {"elements": 0, "ranges": 0}
+    for step, rows in sorted(by_step.items()):
+        owned = {o.rank: o.owned for o in rows}
+        key = tuple((r, tuple((n, tuple(map(tuple, v))) for n, v in sorted(owned[r].items())))
+                    for r in sorted(owned))
+        if key in seen:
+            continue
+        seen.add(key)
+        verdict, layout = check_owned_intervals(owned, numels, step=step, out=out)
+        layouts.append(layout)
+        checked = {k: max(checked[k], verdict.details[k]) for k in checked}
+    return out.listed_verdict(checked=len(layouts), layouts=layouts, **checked)
 
 
 def judge(observations: Sequence[MonitorObservation], layout: Verdict | None = None,
