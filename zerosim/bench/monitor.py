@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import ConfigError, require_positive_int
 from ..outputs import output_dir, write_text
+from .monitor_layout import layout_check_times
 
 DEFAULT_OUT = "a new reports/bench-monitor-<timestamp>/"
 JSON_NAME = "bench_monitor.json"
@@ -97,7 +98,7 @@ def summarize(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
 
 
 def run(args: Any) -> int:
-    from zerogpu.launch import run_ranks, torch_unavailable_reason
+    from zerogpu.launch import torch_unavailable_reason
 
     from ..bench import monitor_rank
 
@@ -113,42 +114,72 @@ def run(args: Any) -> int:
     for adapter in settings["adapters"]:
         if adapter not in monitor_rank.ADAPTERS:
             raise ConfigError("adapters", adapter, f"must be among {', '.join(monitor_rank.ADAPTERS)}")
+    layout_world = _int("layout-world", args.layout_world)
+    if layout_world < 0:
+        raise ConfigError("layout-world", args.layout_world, "must be 0 (skip) or a number of ranks")
     reason = torch_unavailable_reason()
-    if reason:
+    if reason and settings["adapters"]:
         raise ConfigError("torch", "unavailable", reason)
     out = output_dir(args.out, "bench-monitor")
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="zerosim-bench-monitor-") as tmp:
-        result = Path(tmp) / "rows.json"
-        argv = ["-m", "zerosim.bench.monitor_rank", json.dumps({**settings, "result": str(result)})]
-        launch = run_ranks(world, argv, float(args.timeout), env={"PYTHONWARNINGS": "ignore"})
-        if launch.returncode != 0 or not result.exists():
-            tail = "\n".join((launch.stderr or "").strip().splitlines()[-15:])
-            print(f"error: the benchmark launch ended with status {launch.returncode}"
-                  f"{' (timed out)' if launch.timed_out else ''}:\n{tail}")
-            return 1
-        measured = json.loads(result.read_text())
+    measured: dict[str, Any] = {"world_size": world, "rows": []}
+    if settings["adapters"]:
+        failed = _launch(world, settings, float(args.timeout), measured)
+        if failed:
+            return failed
     table = summarize(measured["rows"], settings["steps"])
     report = {"world_size": measured["world_size"], "settings": settings, "table": table,
               "rows": measured["rows"], "digest": digest_throughput(_int("digest-mb", args.digest_mb)),
+              "layout_check": layout_check_times(layout_world) if layout_world else None,
               "wall_s": round(time.monotonic() - started, 1)}
     path = write_text(out / JSON_NAME, json.dumps(report, indent=2) + "\n")
-    print(f"{'adapter':<16} {'variant':<10} {'step ms':>8} {'ratio':>6} {'min-max':>11} {'accounted':>9} "
-          f"{'checks':>6} {'ms/check':>8} {'first ms':>8} {'violations':>10}")
-    for row in table:
-        print(f"{row['adapter']:<16} {row['variant']:<10} {row['step_ms']:>8.3f} {row['ratio']:>6.3f} "
-              f"{row['ratio_min']:>5.3f}-{row['ratio_max']:<5.3f} {row['accounted']:>9.4f} "
-              f"{row['checks']:>6} "
-              f"{row['check_ms']:>8.3f} {row['first_check_ms']:>8.2f} {row['violations']:>10}")
-    d = report["digest"]
-    print(f"digest {d['digest_gb_s']:.2f} GB/s vs copy {d['copy_gb_s']:.2f} GB/s over {d['megabytes']} MB "
-          f"(digest time / copy time {d['digest_over_copy']:.2f})")
+    _print(report)
     print(f"wall time {report['wall_s']:.1f}s; wrote {path}")
     violations = sum(r["violations"] for r in table)
     if violations:
         print(f"error: {violations} violation(s) in fault-free runs")
         return 1
     return 0
+
+
+def _launch(world: int, settings: dict[str, Any], timeout: float, measured: dict[str, Any]) -> int:
+    """The torchrun launch of :mod:`zerosim.bench.monitor_rank`; fills ``measured``; 1 if it failed."""
+    from zerogpu.launch import run_ranks
+
+    with tempfile.TemporaryDirectory(prefix="zerosim-bench-monitor-") as tmp:
+        result = Path(tmp) / "rows.json"
+        argv = ["-m", "zerosim.bench.monitor_rank", json.dumps({**settings, "result": str(result)})]
+        launch = run_ranks(world, argv, timeout, env={"PYTHONWARNINGS": "ignore"})
+        if launch.returncode != 0 or not result.exists():
+            tail = "\n".join((launch.stderr or "").strip().splitlines()[-15:])
+            print(f"error: the benchmark launch ended with status {launch.returncode}"
+                  f"{' (timed out)' if launch.timed_out else ''}:\n{tail}")
+            return 1
+        measured.update(json.loads(result.read_text()))
+    return 0
+
+
+def _print(report: dict[str, Any]) -> None:
+    if report["table"]:
+        print(f"{'adapter':<16} {'variant':<10} {'step ms':>8} {'ratio':>6} {'min-max':>11} {'accounted':>9} "
+              f"{'checks':>6} {'ms/check':>8} {'first ms':>8} {'violations':>10}")
+    for row in report["table"]:
+        print(f"{row['adapter']:<16} {row['variant']:<10} {row['step_ms']:>8.3f} {row['ratio']:>6.3f} "
+              f"{row['ratio_min']:>5.3f}-{row['ratio_max']:<5.3f} {row['accounted']:>9.4f} "
+              f"{row['checks']:>6} {row['check_ms']:>8.3f} {row['first_check_ms']:>8.2f} "
+              f"{row['violations']:>10}")
+    d = report["digest"]
+    print(f"digest {d['digest_gb_s']:.2f} GB/s vs copy {d['copy_gb_s']:.2f} GB/s over {d['megabytes']} MB "
+          f"(digest time / copy time {d['digest_over_copy']:.2f})")
+    layout = report["layout_check"]
+    if layout:
+        print(f"C-ZERO-001 layout check, Llama-like {layout['parameters'] / 1e9:.1f}B parameters "
+              f"({layout['tensors']} tensors) on {layout['world']} ranks:")
+        for label, case in layout.items():
+            if isinstance(case, dict):
+                print(f"  {label}: {case['seconds']:.2f} s over {case['ranges']} ranges, "
+                      f"{'PASS' if case['passed'] else 'FAIL'} ({case['layout']})"
+                      + (f"; first: {case['violations'][0]}" if case["violations"] else ""))
 
 
 def _int(field: str, text: Any) -> int:

@@ -93,6 +93,7 @@ class Monitor:
         self.violation_count = 0
         self.steps: list[int] = []
         self.adapter = "?"
+        self.notes: list[str] = []
         self._keys: list[dict[str, Any]] | None = None
         self._fingerprints: list[int] = []
         self._layout_verdict: Verdict | None = None
@@ -139,6 +140,9 @@ class Monitor:
         layout = self._read()
         self.adapter = layout.adapter
         self._grad_dtype = layout.grad_dtype
+        if grad_norm is not None and layout.grads is None and layout.grads_note:
+            self._note(f"C-ZERO-002 grad_norm: the logged norm is compared across ranks only, not with "
+                       f"a norm recomputed from the gradient ({layout.grads_note})")
         keys, fingerprint = self._rows.layout_keys(layout)
         if self._keys is None:
             self._exchange(keys)
@@ -245,6 +249,12 @@ class Monitor:
         for v in found[:5]:
             self._log(f"zerosim.monitor violation: {v}")
 
+    def _note(self, text: str) -> None:
+        """Keep ``text`` for the summary and log it, once per run."""
+        if text not in self.notes:
+            self.notes.append(text)
+            self._log(f"zerosim.monitor note: {text}")
+
     def summary(self) -> dict[str, Any]:
         """What the run's checks found so far (the JSON summary's content)."""
         by_contract = dict.fromkeys(CONTRACTS, 0)
@@ -255,7 +265,7 @@ class Monitor:
                 "steps_checked": [self.steps[0], self.steps[-1]] if self.steps else None,
                 "passed": self.violation_count == 0, "violation_count": self.violation_count,
                 "listed_by_contract": by_contract, "violations": [v.to_json() for v in self.violations],
-                "monitor_seconds": self.seconds, "enabled": self.enabled}
+                "monitor_seconds": self.seconds, "enabled": self.enabled, "notes": list(self.notes)}
 
     def close(self) -> dict[str, Any]:
         """Write ``out/summary.json`` (rank 0) and return the summary."""
