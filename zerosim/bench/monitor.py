@@ -130,6 +130,7 @@ def run(args: Any) -> int:
     table = summarize(measured["rows"], settings["steps"])
     report = {"world_size": measured["world_size"], "settings": settings, "table": table,
               "rows": measured["rows"], "digest": digest_throughput(_int("digest-mb", args.digest_mb)),
+              "collective": measured.get("collective"),
               "layout_check": layout_check_times(layout_world) if layout_world else None,
               "wall_s": round(time.monotonic() - started, 1)}
     path = write_text(out / JSON_NAME, json.dumps(report, indent=2) + "\n")
@@ -168,6 +169,10 @@ def _print(report: dict[str, Any]) -> None:
               f"{row['ratio_min']:>5.3f}-{row['ratio_max']:<5.3f} {row['accounted']:>9.4f} "
               f"{row['checks']:>6} {row['check_ms']:>8.3f} {row['first_check_ms']:>8.2f} "
               f"{row['violations']:>10}")
+    if report.get("collective"):
+        c = report["collective"]
+        print(f"one all-gather of {c['row_numbers']} int64 per rank: median {c['median_s'] * 1e3:.3f} ms, "
+              f"least {c['min_s'] * 1e3:.3f} ms")
     d = report["digest"]
     print(f"digest {d['digest_gb_s']:.2f} GB/s vs copy {d['copy_gb_s']:.2f} GB/s over {d['megabytes']} MB "
           f"(digest time / copy time {d['digest_over_copy']:.2f})")

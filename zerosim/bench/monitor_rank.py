@@ -126,6 +126,21 @@ def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any
             "first_check_s": first_check_s, "local_params": params}
 
 
+def collective_seconds(width: int, repeats: int = 200) -> dict[str, float]:
+    """Median and least seconds of one all-gather of an int64 row of ``width`` numbers (the size of the
+    monitor's row for this benchmark's model), over ``repeats`` calls after 10 untimed ones."""
+    row = torch.zeros(width, dtype=torch.int64)
+    out = list(torch.zeros(dist.get_world_size(), width, dtype=torch.int64).unbind(0))
+    times = []
+    for i in range(repeats + 10):
+        start = time.perf_counter()
+        dist.all_gather(out, row)
+        if i >= 10:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return {"row_numbers": width, "median_s": times[len(times) // 2], "min_s": times[0]}
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -139,9 +154,12 @@ def main() -> None:
             sequence = ["off"] + [v for variant in order for v in (variant, "off")]
             for position, variant in enumerate(sequence):
                 rows.append({**timed(adapter, variant, settings), "round": round_, "position": position})
+    # the monitor's row for this model: two lanes per parameter and gradient piece, and the summary
+    pieces = 2 * (2 * (settings["depth"] + 2))
+    collective = collective_seconds(2 * pieces + 18)
     if dist.get_rank() == 0:
         with open(settings["result"], "w") as f:
-            json.dump({"world_size": dist.get_world_size(), "rows": rows}, f)
+            json.dump({"world_size": dist.get_world_size(), "rows": rows, "collective": collective}, f)
     dist.barrier()
     dist.destroy_process_group()
     leave_rank(0)
