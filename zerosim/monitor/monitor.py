@@ -7,9 +7,11 @@ One call in the training loop, after the optimizer step::
     monitor.after_step(step, loss=loss.item(), grad_norm=norm)
     monitor.close()  # writes the JSON summary
 
-At each check every rank reads its layout (:mod:`zerosim.monitor.layouts`), digests each piece it holds
-where it lives (:mod:`zerosim.monitor.digest`), summarises its optimizer state and gradient on its
-device, and contributes one small int64 row to one all-gather (:mod:`zerosim.monitor.exchange`). Every
+At each check every rank reads its layout (:mod:`zerosim.monitor.layouts`), digests the pieces it holds
+where they live in one fused pass per device (:mod:`zerosim.monitor.digest`), summarises its optimizer
+state and gradient on its device with fused reductions (:mod:`zerosim.monitor.row`), and contributes
+one small int64 row to the check's one all-gather (:mod:`zerosim.monitor.exchange`); the layout's keys
+are gathered again, and C-ZERO-001 judged again, only when a rank's layout changes. Every
 rank then judges the same observations with the same checks (:mod:`zerosim.monitor.judge`), so with
 ``on_violation="raise"`` every rank raises at the same check. Each rank appends its own observation as
 one JSON line to ``out/rank-NNNNN.jsonl`` (flushed and fsynced per line); rank 0 logs one line per
