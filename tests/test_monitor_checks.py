@@ -51,6 +51,26 @@ def test_digest_changes_with_any_one_bit_and_not_with_where_the_bytes_sit():
         assert torch.equal(tensor_digest(z), tensor_digest(z.clone()))
 
 
+def test_pieces_digested_together_equal_each_digested_alone(monkeypatch):
+    """The fused path (one buffer, one reduction) and the in-place path give every piece the same digest,
+    whatever its dtype, shape, stride or size; a flipped bit in one piece changes that piece's only."""
+    import zerosim.monitor.digest as digest
+
+    pieces = [torch.randn(999), torch.randn(3, 5).to(torch.bfloat16), torch.randn(70000), torch.tensor(3.0),
+              torch.randn(10, 10)[:, 2], torch.randn(1001)[1:], torch.ones(5, dtype=torch.bool),
+              torch.randn(4, 4, dtype=torch.float64)]
+    alone = torch.stack([tensor_digest(p) for p in pieces])
+    for in_place_bytes in (1 << 20, 1000, 1):  # all fused, the large ones in place, all in place
+        monkeypatch.setattr(digest, "IN_PLACE_BYTES", in_place_bytes)
+        together = digest.PieceDigests(pieces, torch.device("cpu"))
+        assert torch.equal(together.compute(pieces), alone), in_place_bytes
+        flipped = [p.clone() for p in pieces]
+        flipped[5].view(torch.int32)[700] ^= 1 << 9
+        changed = (together.compute(flipped) != alone).any(dim=1)
+        assert changed.tolist() == [i == 5 for i in range(len(pieces))]
+        assert together.fits(flipped) and not together.fits(pieces[:-1])
+
+
 # ---- C-ZERO-003 on digests ------------------------------------------------------------------------------
 def test_identity_names_the_rank_whose_copy_differs():
     rows = [obs(0), obs(1, held=[("w", 0, 8, "aa"), ("b", 0, 4, "XX")]), obs(2)]
@@ -213,20 +233,32 @@ def test_bad_input_is_one_line_and_training_goes_on(world_of_one, tmp_path):
 
 
 # ---- the benchmark's arithmetic and its bad input ----------------------------------------------------
-def test_bench_monitor_ratios_are_per_adapter_medians_over_rounds(capsys):
+def test_bench_monitor_ratios_are_against_the_neighbouring_runs_without_the_monitor(capsys):
     from zerosim.bench.monitor import summarize
 
-    def row(variant, step_s, r):
+    def row(variant, step_s, r, position, monitor_s=0.0):
         checks = 0 if variant == "off" else 2
-        return {"adapter": "ddp", "variant": variant, "step_s": step_s, "round": r, "checks": checks,
-                "violations": 0, "monitor_s": 0.004, "local_params": 10}
+        return {"adapter": "ddp", "variant": variant, "step_s": step_s, "round": r, "position": position,
+                "checks": checks, "violations": 0, "monitor_s": monitor_s, "first_check_s": 0.01,
+                "local_params": 10}
 
-    rows = [row("off", 0.010, 0), row("off", 0.012, 1), row("every=100", 0.0102, 0),
-            row("every=100", 0.0124, 1), row("every=1", 0.020, 0), row("every=1", 0.030, 1)]
-    table = {r["variant"]: r for r in summarize(rows)}
-    assert table["off"]["ratio"] == 1.0
-    assert table["every=100"]["ratio"] == pytest.approx(0.0113 / 0.011)
-    assert table["every=1"]["ratio"] == pytest.approx(0.025 / 0.011)
-    assert table["every=1"]["check_ms"] == pytest.approx(2.0)  # 8 ms over 4 checks
+    # round 0: off, every=100, off, every=1, off; round 1: off, every=1, off, every=100, off (a slower box)
+    rows = [row("off", 0.010, 0, 0), row("every=100", 0.0105, 0, 1, 0.004), row("off", 0.011, 0, 2),
+            row("every=1", 0.022, 0, 3, 0.4), row("off", 0.011, 0, 4),
+            row("off", 0.020, 1, 0), row("every=1", 0.030, 1, 1, 0.4), row("off", 0.020, 1, 2),
+            row("every=100", 0.021, 1, 3, 0.004), row("off", 0.022, 1, 4)]
+    table = {r["variant"]: r for r in summarize(rows, steps=100)}
+    assert table["off"]["ratio"] == 1.0 and table["off"]["runs"] == 6
+    assert table["off"]["ratio_min"] == pytest.approx(0.010 / 0.0155)  # spread around the median off run
+    hundred = [0.0105 / 0.0105, 0.021 / 0.021]  # each over the mean of its two neighbours
+    assert table["every=100"]["ratio"] == pytest.approx(sum(hundred) / 2)
+    one = [0.022 / 0.011, 0.030 / 0.020]
+    spread = (table["every=1"]["ratio_min"], table["every=1"]["ratio_max"])
+    assert spread == pytest.approx((min(one), max(one)))
+    assert table["every=1"]["ratio"] == pytest.approx(sum(one) / 2)
+    # accounted: 1 + the monitor's seconds per step over the neighbours' step time
+    assert table["every=1"]["accounted"] == pytest.approx(((1 + 0.004 / 0.011) + (1 + 0.004 / 0.020)) / 2)
+    assert table["every=1"]["check_ms"] == pytest.approx(200.0)  # 0.8 s over 4 checks
+    assert table["every=1"]["first_check_ms"] == pytest.approx(10.0)
     assert cli_main(["bench", "monitor", "--adapters", "megatron"]) == 2
     assert "invalid adapters='megatron'" in capsys.readouterr().err

@@ -2,9 +2,11 @@
 
 One torchrun launch (:mod:`zerosim.bench.monitor_rank`) trains one small model with each adapter
 (DDP, ZeroRedundancyOptimizer, FSDP2, zerogpu ZeRO-3) without the monitor, with it at ``every=100`` and
-at ``every=1``, in ``--rounds`` rounds whose order alternates; per adapter and variant the median
-seconds per step over the rounds, and its ratio to the run without the monitor. Every monitored run is
-also a fault-free soak: its violations are counted (0 expected). In this process: the digest's
+at ``every=1``, interleaved: per adapter and round, off, A, off, B, off (the monitored variants' order
+alternating by round). Each monitored run's ratio is its step time over the mean of its two
+neighbours without the monitor; per adapter and variant the median ratio over ``--rounds`` rounds and
+its min-max, and the ratio the monitor's own timed checks account for. Every monitored run is also a
+fault-free soak: its violations are counted (0 expected). In this process: the digest's
 throughput (:func:`zerosim.monitor.digest.tensor_digest`) against a plain copy of the same bytes.
 
 Writes ``bench_monitor.json`` into a new ``reports/bench-monitor-<timestamp>/`` (or ``--out``).
@@ -21,6 +23,7 @@ from typing import Any
 
 from ..errors import ConfigError, require_positive_int
 from ..outputs import output_dir, write_text
+from .monitor_layout import layout_check_times
 
 DEFAULT_OUT = "a new reports/bench-monitor-<timestamp>/"
 JSON_NAME = "bench_monitor.json"
@@ -52,29 +55,50 @@ def digest_throughput(megabytes: int, repeats: int = 5) -> dict[str, float]:
             "digest_over_copy": digest_s / copy_s}
 
 
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per adapter and variant: median seconds per step over the rounds, its ratio to ``off``, the
-    monitor's checks and violations (summed over rounds)."""
+def summarize(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
+    """Per adapter and variant: each monitored run's ratio to the mean of the runs without the monitor
+    just before and after it in the same round (``position`` +-1); the median ratio and its min-max over
+    rounds; the median seconds per step; the monitor's checks, violations, mean ms per timed check and
+    first check (which gathers the layout once); ``accounted``: 1 + the monitor's own time per step
+    over the step time without it (the ratio the checks alone explain, free of the step time's noise).
+    ``off`` rows: ratio 1 and the spread of the runs without the monitor around their median."""
     out = []
-    adapters = list(dict.fromkeys(r["adapter"] for r in rows))
-    for adapter in adapters:
+    for adapter in dict.fromkeys(r["adapter"] for r in rows):
         mine = [r for r in rows if r["adapter"] == adapter]
-        base = statistics.median(r["step_s"] for r in mine if r["variant"] == "off")
-        for variant in VARIANTS:
+        off = [r for r in mine if r["variant"] == "off"]
+        base = statistics.median(r["step_s"] for r in off)
+        out.append({"adapter": adapter, "variant": "off", "step_ms": base * 1e3, "ratio": 1.0,
+                    "ratio_min": min(r["step_s"] for r in off) / base,
+                    "ratio_max": max(r["step_s"] for r in off) / base, "accounted": 1.0,
+                    "runs": len(off), "checks": 0, "violations": 0, "check_ms": 0.0, "first_check_ms": 0.0,
+                    "local_params": off[0]["local_params"]})
+        neighbours = {(r["round"], r["position"]): r["step_s"] for r in off}
+        for variant in VARIANTS[1:]:
             runs = [r for r in mine if r["variant"] == variant]
-            step_s = statistics.median(r["step_s"] for r in runs)
-            out.append({"adapter": adapter, "variant": variant, "step_ms": step_s * 1e3,
-                        "ratio": step_s / base, "rounds": len(runs),
-                        "checks": sum(r["checks"] for r in runs),
+            if not runs:
+                continue
+            ratios, accounted = [], []
+            for r in runs:
+                around = [neighbours[(r["round"], r["position"] + d)] for d in (-1, 1)
+                          if (r["round"], r["position"] + d) in neighbours]
+                baseline = statistics.mean(around)
+                ratios.append(r["step_s"] / baseline)
+                accounted.append(1 + r["monitor_s"] / steps / baseline)
+            checks = sum(r["checks"] for r in runs)
+            out.append({"adapter": adapter, "variant": variant,
+                        "step_ms": statistics.median(r["step_s"] for r in runs) * 1e3,
+                        "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+                        "ratio_max": max(ratios),
+                        "accounted": statistics.median(accounted), "runs": len(runs), "checks": checks,
                         "violations": sum(r["violations"] for r in runs),
-                        "check_ms": 1e3 * sum(r["monitor_s"] for r in runs)
-                        / max(1, sum(r["checks"] for r in runs)),
+                        "check_ms": 1e3 * sum(r["monitor_s"] for r in runs) / max(1, checks),
+                        "first_check_ms": 1e3 * statistics.median(r["first_check_s"] for r in runs),
                         "local_params": runs[0]["local_params"]})
     return out
 
 
 def run(args: Any) -> int:
-    from zerogpu.launch import run_ranks, torch_unavailable_reason
+    from zerogpu.launch import torch_unavailable_reason
 
     from ..bench import monitor_rank
 
@@ -90,40 +114,77 @@ def run(args: Any) -> int:
     for adapter in settings["adapters"]:
         if adapter not in monitor_rank.ADAPTERS:
             raise ConfigError("adapters", adapter, f"must be among {', '.join(monitor_rank.ADAPTERS)}")
+    layout_world = _int("layout-world", args.layout_world)
+    if layout_world < 0:
+        raise ConfigError("layout-world", args.layout_world, "must be 0 (skip) or a number of ranks")
     reason = torch_unavailable_reason()
-    if reason:
+    if reason and settings["adapters"]:
         raise ConfigError("torch", "unavailable", reason)
     out = output_dir(args.out, "bench-monitor")
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="zerosim-bench-monitor-") as tmp:
-        result = Path(tmp) / "rows.json"
-        argv = ["-m", "zerosim.bench.monitor_rank", json.dumps({**settings, "result": str(result)})]
-        launch = run_ranks(world, argv, float(args.timeout), env={"PYTHONWARNINGS": "ignore"})
-        if launch.returncode != 0 or not result.exists():
-            tail = "\n".join((launch.stderr or "").strip().splitlines()[-15:])
-            print(f"error: the benchmark launch ended with status {launch.returncode}"
-                  f"{' (timed out)' if launch.timed_out else ''}:\n{tail}")
-            return 1
-        measured = json.loads(result.read_text())
-    table = summarize(measured["rows"])
+    measured: dict[str, Any] = {"world_size": world, "rows": []}
+    if settings["adapters"]:
+        failed = _launch(world, settings, float(args.timeout), measured)
+        if failed:
+            return failed
+    table = summarize(measured["rows"], settings["steps"])
     report = {"world_size": measured["world_size"], "settings": settings, "table": table,
               "rows": measured["rows"], "digest": digest_throughput(_int("digest-mb", args.digest_mb)),
+              "collective": measured.get("collective"),
+              "layout_check": layout_check_times(layout_world) if layout_world else None,
               "wall_s": round(time.monotonic() - started, 1)}
     path = write_text(out / JSON_NAME, json.dumps(report, indent=2) + "\n")
-    print(f"{'adapter':<16} {'variant':<10} {'step ms':>9} {'ratio':>7} {'checks':>6} {'ms/check':>9} "
-          f"{'violations':>10}")
-    for row in table:
-        print(f"{row['adapter']:<16} {row['variant']:<10} {row['step_ms']:>9.3f} {row['ratio']:>7.3f} "
-              f"{row['checks']:>6} {row['check_ms']:>9.3f} {row['violations']:>10}")
-    d = report["digest"]
-    print(f"digest {d['digest_gb_s']:.2f} GB/s vs copy {d['copy_gb_s']:.2f} GB/s over {d['megabytes']} MB "
-          f"(digest time / copy time {d['digest_over_copy']:.2f})")
+    _print(report)
     print(f"wall time {report['wall_s']:.1f}s; wrote {path}")
     violations = sum(r["violations"] for r in table)
     if violations:
         print(f"error: {violations} violation(s) in fault-free runs")
         return 1
     return 0
+
+
+def _launch(world: int, settings: dict[str, Any], timeout: float, measured: dict[str, Any]) -> int:
+    """The torchrun launch of :mod:`zerosim.bench.monitor_rank`; fills ``measured``; 1 if it failed."""
+    from zerogpu.launch import run_ranks
+
+    with tempfile.TemporaryDirectory(prefix="zerosim-bench-monitor-") as tmp:
+        result = Path(tmp) / "rows.json"
+        argv = ["-m", "zerosim.bench.monitor_rank", json.dumps({**settings, "result": str(result)})]
+        launch = run_ranks(world, argv, timeout, env={"PYTHONWARNINGS": "ignore"})
+        if launch.returncode != 0 or not result.exists():
+            tail = "\n".join((launch.stderr or "").strip().splitlines()[-15:])
+            print(f"error: the benchmark launch ended with status {launch.returncode}"
+                  f"{' (timed out)' if launch.timed_out else ''}:\n{tail}")
+            return 1
+        measured.update(json.loads(result.read_text()))
+    return 0
+
+
+def _print(report: dict[str, Any]) -> None:
+    if report["table"]:
+        print(f"{'adapter':<16} {'variant':<10} {'step ms':>8} {'ratio':>6} {'min-max':>11} {'accounted':>9} "
+              f"{'checks':>6} {'ms/check':>8} {'first ms':>8} {'violations':>10}")
+    for row in report["table"]:
+        print(f"{row['adapter']:<16} {row['variant']:<10} {row['step_ms']:>8.3f} {row['ratio']:>6.3f} "
+              f"{row['ratio_min']:>5.3f}-{row['ratio_max']:<5.3f} {row['accounted']:>9.4f} "
+              f"{row['checks']:>6} {row['check_ms']:>8.3f} {row['first_check_ms']:>8.2f} "
+              f"{row['violations']:>10}")
+    if report.get("collective"):
+        c = report["collective"]
+        print(f"one all-gather of {c['row_numbers']} int64 per rank: median {c['median_s'] * 1e3:.3f} ms, "
+              f"least {c['min_s'] * 1e3:.3f} ms")
+    d = report["digest"]
+    print(f"digest {d['digest_gb_s']:.2f} GB/s vs copy {d['copy_gb_s']:.2f} GB/s over {d['megabytes']} MB "
+          f"(digest time / copy time {d['digest_over_copy']:.2f})")
+    layout = report["layout_check"]
+    if layout:
+        print(f"C-ZERO-001 layout check, Llama-like {layout['parameters'] / 1e9:.1f}B parameters "
+              f"({layout['tensors']} tensors) on {layout['world']} ranks:")
+        for label, case in layout.items():
+            if isinstance(case, dict):
+                print(f"  {label}: {case['seconds']:.2f} s over {case['ranges']} ranges, "
+                      f"{'PASS' if case['passed'] else 'FAIL'} ({case['layout']})"
+                      + (f"; first: {case['violations'][0]}" if case["violations"] else ""))
 
 
 def _int(field: str, text: Any) -> int:

@@ -1,12 +1,15 @@
 """The rank side of ``zerosim bench monitor`` (under torchrun): one small model trained by each adapter,
-without the monitor, with it at ``every=100`` and at ``every=1``, in rounds whose order alternates.
+without the monitor, with it at ``every=100`` and at ``every=1``, interleaved.
 
-argv: one JSON object (adapters, steps, warmup, rounds, width, depth, result path). Each timed run is
-``steps`` optimizer steps after ``warmup`` untimed ones, between two barriers; its time is the slowest
-rank's. A rank leaves with :func:`zerogpu.rank.leave_rank` (``os._exit`` after the process group is torn
-down: an interpreter exit that finalizes gloo objects aborts now and then with torch 2.13). Rank 0
-writes the rows (adapter, variant, round, seconds per step, the monitor's checks,
-violations and seconds in checks) as JSON to the result path.
+argv: one JSON object (adapters, steps, warmup, rounds, width, depth, result path). Per adapter and
+round: off, A, off, B, off (A and B the monitored variants, their order alternating by round), so each
+monitored run has a run without the monitor just before and just after it. Each timed run is
+``steps`` optimizer steps after ``warmup`` untimed ones (the monitor's first check among them, timed
+apart), between two barriers; its time is the slowest rank's. A rank leaves with
+:func:`zerogpu.rank.leave_rank` (``os._exit`` after the process group is torn down: an interpreter
+exit that finalizes gloo objects aborts now and then with torch 2.13). Rank 0 writes the rows
+(adapter, variant, round, position, seconds per step, the monitor's timed checks, violations, seconds
+in timed checks and in its first check) as JSON to the result path.
 """
 
 from __future__ import annotations
@@ -98,11 +101,15 @@ def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, ste
 
 
 def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """One run: ``warmup`` untimed steps (with the monitor, so its first check, which gathers the layout
+    and judges C-ZERO-001 once, is timed apart as ``first_check_s``), then ``steps`` timed ones."""
     stepper, watched, optimizer = build(adapter, settings["width"], settings["depth"])
     every = VARIANTS[variant]
     monitor = None if every is None else Monitor(watched, optimizer, every=every, max_norm=MAX_NORM,
                                                  log=lambda line: None)
-    train(stepper, optimizer, None, 0, settings["warmup"])
+    train(stepper, optimizer, monitor, 0, settings["warmup"])
+    first_check_s = monitor.seconds if monitor is not None else 0.0
+    warm_checks = monitor.checks if monitor is not None else 0
     dist.barrier()
     start = time.perf_counter()
     train(stepper, optimizer, monitor, settings["warmup"], settings["steps"])
@@ -114,22 +121,45 @@ def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any
         stepper.close()
     params = sum(p.numel() for p in (watched.model if hasattr(watched, "engine") else watched).parameters())
     return {"adapter": adapter, "variant": variant, "step_s": float(elapsed) / settings["steps"],
-            "checks": summary.get("checks", 0), "violations": summary.get("violation_count", 0),
-            "monitor_s": summary.get("monitor_seconds", 0.0), "local_params": params}
+            "checks": summary.get("checks", 0) - warm_checks, "violations": summary.get("violation_count", 0),
+            "monitor_s": summary.get("monitor_seconds", 0.0) - first_check_s,
+            "first_check_s": first_check_s, "local_params": params}
+
+
+def collective_seconds(width: int, repeats: int = 200) -> dict[str, float]:
+    """Median and least seconds of one all-gather of an int64 row of ``width`` numbers (the size of the
+    monitor's row for this benchmark's model), over ``repeats`` calls after 10 untimed ones."""
+    row = torch.zeros(width, dtype=torch.int64)
+    out = list(torch.zeros(dist.get_world_size(), width, dtype=torch.int64).unbind(0))
+    times = []
+    for i in range(repeats + 10):
+        start = time.perf_counter()
+        dist.all_gather(out, row)
+        if i >= 10:
+            times.append(time.perf_counter() - start)
+    times.sort()
+    return {"row_numbers": width, "median_s": times[len(times) // 2], "min_s": times[0]}
 
 
 def main() -> None:
     settings = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rows = []
-    order = list(VARIANTS)
-    for round_ in range(settings["rounds"]):
-        for adapter in settings["adapters"]:
-            for variant in order if round_ % 2 == 0 else order[::-1]:
-                rows.append({**timed(adapter, variant, settings), "round": round_})
+    # per adapter, every round times each monitored variant right after and right before a run without
+    # the monitor (off, A, off, B, off), the order of A and B alternating between rounds
+    monitored = [v for v in VARIANTS if VARIANTS[v] is not None]
+    for adapter in settings["adapters"]:
+        for round_ in range(settings["rounds"]):
+            order = monitored if round_ % 2 == 0 else monitored[::-1]
+            sequence = ["off"] + [v for variant in order for v in (variant, "off")]
+            for position, variant in enumerate(sequence):
+                rows.append({**timed(adapter, variant, settings), "round": round_, "position": position})
+    # the monitor's row for this model: two lanes per parameter and gradient piece, and the summary
+    pieces = 2 * (2 * (settings["depth"] + 2))
+    collective = collective_seconds(2 * pieces + 18)
     if dist.get_rank() == 0:
         with open(settings["result"], "w") as f:
-            json.dump({"world_size": dist.get_world_size(), "rows": rows}, f)
+            json.dump({"world_size": dist.get_world_size(), "rows": rows, "collective": collective}, f)
     dist.barrier()
     dist.destroy_process_group()
     leave_rank(0)

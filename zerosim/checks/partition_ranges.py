@@ -17,7 +17,6 @@ judged by :mod:`zerosim.checks.partition` before they run, against the same clau
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,43 +25,35 @@ from ..observe import MonitorObservation, TrainerStep
 from ..verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .mismatch import first_run, runs
+from .owned_intervals import owned_intervals_verdict
 
 CONTRACT = "C-ZERO-001"
 
 
-@dataclass
-class _OwnedRanges:
-    """One rank's owned ranges at one step of a monitored run, as a trainer's observation shows them."""
-
-    rank: int
-    step: int
-    shards: dict[str, list[tuple[int, int]]]
-    phase: str = "monitor"
-
-
-@dataclass
-class _MonitoredStep:
-    """Every rank's owned ranges at one step of a monitored run, as a trainer's step shows them."""
-
-    step: int
-    ranks: list[_OwnedRanges]
-    phase: str = "monitor"
-
-
 def _monitor_layout(observations: Sequence[MonitorObservation]) -> Verdict:
-    """C-ZERO-001 on a monitored run's owned ranges, every step (each distinct layout judged once)."""
+    """C-ZERO-001 on a monitored run's owned ranges, by the interval sweep of
+    :mod:`zerosim.checks.owned_intervals` (each distinct layout judged once, at the first step it shows)."""
     by_step: dict[int, list[MonitorObservation]] = {}
     for obs in observations:
         by_step.setdefault(obs.step, []).append(obs)
-    records = [
-        _MonitoredStep(step, [_OwnedRanges(o.rank, step, o.owned)
-                              for o in sorted(rows, key=lambda r: r.rank)])
-        for step, rows in sorted(by_step.items())
-    ]
     numels: dict[str, int] = {}
     for obs in observations:
         numels.update(obs.numels)
-    return _owned_ranges(records, numels)  # type: ignore[arg-type]
+    out = ViolationCollector("C-ZERO-001", total=MAX_LISTED)
+    seen: set[Any] = set()
+    layouts: list[str] = []
+    checked: dict[str, int] = {"elements": 0, "ranges": 0}
+    for step, rows in sorted(by_step.items()):
+        owned = {o.rank: o.owned for o in rows}
+        key = tuple((r, tuple((n, tuple(map(tuple, v))) for n, v in sorted(owned[r].items())))
+                    for r in sorted(owned))
+        if key in seen:
+            continue
+        seen.add(key)
+        verdict, layout = owned_intervals_verdict(owned, numels, step=step, out=out)
+        layouts.append(layout)
+        checked = {k: max(checked[k], verdict.details[k]) for k in checked}
+    return out.listed_verdict(checked=len(layouts), layouts=layouts, **checked)
 
 
 def _owned_ranges(

@@ -179,7 +179,8 @@ def register_monitor(sub: Any) -> None:
                        description=bench_monitor.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapters", default="ddp,zero-redundancy,fsdp2,zerogpu-zero3",
-                   help="comma-separated: ddp, zero-redundancy, fsdp2, zerogpu-zero3 (default all)")
+                   help="comma-separated: ddp, zero-redundancy, fsdp2, zerogpu-zero3 (default all; "
+                        "'' times no training)")
     p.add_argument("--world", "--world-size", dest="world", default="2", help="ranks (default 2)")
     p.add_argument("--steps", default="120",
                    help="timed steps per run (default 120: every=100 checks at 0 and 100)")
@@ -188,6 +189,9 @@ def register_monitor(sub: Any) -> None:
     p.add_argument("--width", default="128", help="hidden width of the model (default 128)")
     p.add_argument("--depth", default="2", help="hidden layers of the model (default 2)")
     p.add_argument("--digest-mb", default="64", help="MB digested and copied for the throughput (default 64)")
+    p.add_argument("--layout-world", default="1024",
+                   help="ranks of the C-ZERO-001 layout check timed on a Llama-like 70B model "
+                        "(default 1024; 0 skips it)")
     p.add_argument("--timeout", default="600", help="seconds the launch may take (default 600)")
     p.add_argument("--out", default=None, help=f"directory for {bench_monitor.JSON_NAME} "
                    f"(default {bench_monitor.DEFAULT_OUT})")

@@ -16,8 +16,9 @@ the monitor checks with the step number (``engine.global_steps - 1``), the globa
 logged (``engine.get_global_grad_norm()``; DeepSpeed clips with ``gradient_clipping``, passed on as
 ``max_norm``) and nothing else to do in the training loop; call :meth:`Monitor.close` at the end.
 DeepSpeed frees its gradient partitions inside its step, so the recomputed-norm comparison is left out
-(``grads`` None); the logged norms are still compared across ranks. An engine whose stage or metadata
-the monitor does not know: one line, and training goes on unmonitored.
+(``grads`` None; the summary's ``notes`` say so once); the logged norms are still compared across
+ranks. An engine whose stage or metadata the monitor does not know: one line, and training goes on
+unmonitored.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def deepspeed_layout(engine: Any) -> LiveLayout:
                           "the monitor reads DeepSpeed ZeRO stages 1, 2 and 3")
     optimizer = engine.optimizer
     named = list(engine.module.named_parameters())
-    layout = LiveLayout(f"deepspeed-{stage}", numels={})
+    layout = LiveLayout(f"deepspeed-{stage}", numels={},
+                        grads_note="DeepSpeed frees its gradient partitions inside its step")
     for name, p in named:
         layout.numels[name] = int(p.ds_numel) if stage == 3 else p.numel()
         layout.owned[name] = []

@@ -2,7 +2,7 @@
 
 * :func:`exchange_keys`: every rank's layout keys (JSON bytes, never pickle), gathered once and again
   whenever a rank's layout fingerprint changes: two all-gathers (lengths, then the padded bytes).
-* :func:`gather_rows`: one all-gather of a small int64 row per rank at every check: two digest lanes
+* :func:`gather_table`: one all-gather of a small int64 row per rank at every check: two digest lanes
   per held piece and a fixed summary (:data:`SUMMARY`), floats carried as their float64 bits.
 
 Both run on the device the backend communicates from (the current CUDA device under NCCL, the CPU
@@ -15,6 +15,7 @@ import json
 import struct
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -23,6 +24,8 @@ SUMMARY = ("fingerprint", "n_held", "step", "missing", "missing_idx", "nonfinite
            "has_counters", "step_min", "step_max", "step_min_idx", "has_grad", "grad_sq", "grad_numel",
            "has_norm", "grad_norm", "has_loss", "loss")
 FLOAT_FIELDS = ("grad_sq", "grad_norm", "loss")
+#: where the layout fingerprint sits in the summary
+FINGERPRINT = SUMMARY.index("fingerprint")
 
 
 def comm_device() -> torch.device:
@@ -58,12 +61,13 @@ def exchange_keys(keys: dict[str, Any], device: torch.device) -> list[dict[str, 
             for t, n in zip(out, lengths, strict=True)]
 
 
-def gather_rows(row: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's ``row`` (the same length on every rank), in rank order, on the host."""
+def gather_table(row: torch.Tensor) -> np.ndarray:
+    """Every rank's ``row`` (the same length on every rank) as one host table, one row per rank in rank
+    order: one all-gather."""
     world = dist.get_world_size()
-    out = [torch.zeros_like(row) for _ in range(world)]
-    dist.all_gather(out, row)
-    return [t.cpu() for t in out]
+    out = torch.empty(world, row.numel(), dtype=row.dtype, device=row.device)
+    dist.all_gather(list(out.unbind(0)), row)
+    return out.cpu().numpy()
 
 
 def summary_values(row: torch.Tensor, width: int) -> dict[str, Any]:

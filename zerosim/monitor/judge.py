@@ -1,7 +1,8 @@
 """The verdicts of a monitored run's observations: the same contract checks for the live monitor (every
 rank, after each check's all-gather) and for ``zerosim check trace`` (the per-rank files afterwards).
 
-* C-ZERO-001: :func:`zerosim.checks.partition.check_partition_plan` on the owned ranges;
+* C-ZERO-001: :func:`zerosim.checks.partition.check_partition_plan` on the owned ranges (an interval
+  sweep, each distinct layout judged once);
 * C-ZERO-002 (live clauses): :func:`zerosim.checks.equivalence.check_step_equivalence`;
 * C-ZERO-003: :func:`zerosim.checks.identity.check_replica_identity` on the held pieces' digests.
 """

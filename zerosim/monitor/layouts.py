@@ -53,6 +53,8 @@ class LiveLayout:
     states: list[OwnedState] = field(default_factory=list)
     grads: list[torch.Tensor] | None = None  # None: the rank holds no gradient now
     grad_dtype: str = "float32"
+    #: why the framework never shows the monitor its reduced gradient (None: it shows it, or not this step)
+    grads_note: str | None = None
 
     def keys(self) -> dict[str, Any]:
         """The layout without its values: what every rank exchanges once (and again when it changes)."""
@@ -187,5 +189,6 @@ def _zero_trainer_layout(trainer: Any) -> LiveLayout:
                     values["step"] = int(e.opt_state["step"])
                 layout.states.append(OwnedState(name, hi - lo, values or None))
     layout.grad_dtype = dtype_name(e.master)
-    layout.grads = None  # the engine reduces, clips and consumes its gradient inside its step
+    layout.grads = None
+    layout.grads_note = "the zerogpu engine reduces, clips and consumes its gradient inside its step"
     return layout

@@ -7,9 +7,11 @@ One call in the training loop, after the optimizer step::
     monitor.after_step(step, loss=loss.item(), grad_norm=norm)
     monitor.close()  # writes the JSON summary
 
-At each check every rank reads its layout (:mod:`zerosim.monitor.layouts`), digests each piece it holds
-where it lives (:mod:`zerosim.monitor.digest`), summarises its optimizer state and gradient on its
-device, and contributes one small int64 row to one all-gather (:mod:`zerosim.monitor.exchange`). Every
+At each check every rank reads its layout (:mod:`zerosim.monitor.layouts`), digests the pieces it holds
+where they live in one fused pass per device (:mod:`zerosim.monitor.digest`), summarises its optimizer
+state and gradient on its device with fused reductions (:mod:`zerosim.monitor.row`), and contributes
+one small int64 row to the check's one all-gather (:mod:`zerosim.monitor.exchange`); the layout's keys
+are gathered again, and C-ZERO-001 judged again, only when a rank's layout changes. Every
 rank then judges the same observations with the same checks (:mod:`zerosim.monitor.judge`), so with
 ``on_violation="raise"`` every rank raises at the same check. Each rank appends its own observation as
 one JSON line to ``out/rank-NNNNN.jsonl`` (flushed and fsynced per line); rank 0 logs one line per
@@ -40,10 +42,11 @@ from ..checks.partition import check_partition_plan
 from ..errors import ConfigError
 from ..observe import MonitorObservation
 from ..verdict import Verdict, Violation
-from .digest import digest_text, tensor_digest
-from .exchange import SUMMARY, comm_device, exchange_keys, float_bits, gather_rows, summary_values
+from .digest import digest_text
+from .exchange import FINGERPRINT, comm_device, exchange_keys, gather_table, summary_values
 from .judge import CONTRACTS, judge, summary_line
 from .layouts import LiveLayout, read_layout
+from .row import RowBuilder
 from .trace import append_line, rank_file, write_summary
 
 ON_VIOLATION = ("log", "raise")
@@ -93,6 +96,7 @@ class Monitor:
         self.violation_count = 0
         self.steps: list[int] = []
         self.adapter = "?"
+        self.notes: list[str] = []
         self._keys: list[dict[str, Any]] | None = None
         self._fingerprints: list[int] = []
         self._layout_verdict: Verdict | None = None
@@ -102,6 +106,7 @@ class Monitor:
             return
         self.device = comm_device()
         self.world = dist.get_world_size()
+        self._rows = RowBuilder(self.device)
         if out is not None:
             try:
                 self.out = Path(out)
@@ -137,20 +142,25 @@ class Monitor:
         t0 = time.perf_counter()
         layout = self._read()
         self.adapter = layout.adapter
-        keys = layout.keys()
-        fingerprint = zlib.crc32(json.dumps(keys, separators=(",", ":")).encode())
+        self._grad_dtype = layout.grad_dtype
+        if grad_norm is not None and layout.grads is None and layout.grads_note:
+            self._note(f"C-ZERO-002 grad_norm: the logged norm is compared across ranks only, not with "
+                       f"a norm recomputed from the gradient ({layout.grads_note})")
+        keys, fingerprint = self._rows.layout_keys(layout)
         if self._keys is None:
             self._exchange(keys)
-        rows = gather_rows(self._row(layout, int(step), fingerprint, _number(loss), _number(grad_norm)))
-        fingerprints = [int(summary_values(r, self._width)["fingerprint"]) for r in rows]
-        if fingerprints != self._fingerprints:
+        values = (int(step), fingerprint, _number(loss), _number(grad_norm))
+        table = gather_table(self._rows.row(layout, self._width, *values))
+        fingerprints = table[:, self._width + FINGERPRINT].tolist()
+        if fingerprints != self._fingerprints:  # a rank's layout changed: every rank sees it here
             self._exchange(keys)
-            rows = gather_rows(self._row(layout, int(step), fingerprint, _number(loss), _number(grad_norm)))
-            self._fingerprints = [int(summary_values(r, self._width)["fingerprint"]) for r in rows]
+            table = gather_table(self._rows.row(layout, self._width, *values))
+            self._fingerprints = table[:, self._width + FINGERPRINT].tolist()
         assert self._keys is not None
-        table = torch.stack(rows).numpy()
+        rows = torch.from_numpy(table)
         mismatched = self._mismatched_pieces(table)
-        observations = [self._observation(r, self._keys[r], rows[r], r == self.rank or None, mismatched)
+        observations = [self._observation(r, self._keys[r], rows[r], r == self.rank and self.out is not None,
+                                          mismatched)
                         for r in range(self.world)]
         if self._layout_verdict is None:
             self._layout_verdict = check_partition_plan(observations)
@@ -199,71 +209,6 @@ class Monitor:
                   (table[br, 2 * bi + 1] != table[orank, 2 * oi + 1]))
         return {self._pair_key[i] for i in np.flatnonzero(differ)}
 
-    def _row(self, layout: LiveLayout, step: int, fingerprint: int, loss: float | None,
-             grad_norm: float | None) -> torch.Tensor:
-        """This rank's int64 row: the held pieces' digest lanes, then the summary (:data:`SUMMARY`)."""
-        lanes = torch.zeros(self._width, dtype=torch.int64, device=self.device)
-        pieces = layout.held[: self._width // 2]
-        if pieces:
-            lanes[: 2 * len(pieces)] = torch.cat([tensor_digest(t).to(self.device) for *_, t in pieces])
-        names = list(layout.numels)
-        missing = nonfinite = 0
-        missing_idx = nonfinite_idx = -1
-        counters: list[tuple[int, str]] = []
-        flags: list[torch.Tensor] = []
-        flag_owner: list[str] = []
-        stateless: list[str] = []
-        for owned in layout.states:
-            values = owned.values or {}
-            tensors = {k: _local(v) for k, v in values.items() if k != "step" and isinstance(v, torch.Tensor)}
-            if not tensors:
-                stateless.append(owned.name)
-                continue
-            if any(v.numel() != owned.numel for v in tensors.values()):
-                missing += 1
-                missing_idx = names.index(owned.name) if missing_idx < 0 else missing_idx
-            if "step" in values:
-                counters.append((int(_local_value(values["step"])), owned.name))
-            for value in tensors.values():
-                flags.append(value.sum())  # non-finite if any element is (or if finite ones overflow)
-                flag_owner.append(owned.name)
-        if stateless and len(stateless) < len(layout.states):  # some owned pieces keep state, these none
-            missing += len(stateless)
-            missing_idx = names.index(stateless[0]) if missing_idx < 0 else missing_idx
-        if flags:
-            finite = torch.isfinite(torch.stack([f.to(self.device) for f in flags])).cpu().tolist()
-            suspects = [i for i, ok in enumerate(finite) if not ok]  # confirmed element by element
-            checked = [v for owned in layout.states for k, v in (owned.values or {}).items()
-                       if k != "step" and isinstance(v, torch.Tensor)]
-            bad = [flag_owner[i] for i in suspects if not bool(torch.isfinite(_local(checked[i])).all())]
-            nonfinite = len(set(bad))
-            nonfinite_idx = names.index(bad[0]) if bad else -1
-        grad_sq, grad_numel = 0.0, 0
-        if layout.grads is not None:
-            local_grads = [_local(g) for g in layout.grads]
-            grad_numel = sum(g.numel() for g in local_grads)
-            by_device: dict[torch.device, list[torch.Tensor]] = {}
-            for g in local_grads:
-                by_device.setdefault(g.device, []).append(g)
-            for grads in by_device.values():
-                norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
-                grad_sq += float((torch.stack(norms) ** 2).sum())
-        low = min(counters, key=lambda c: c[0]) if counters else (0, "")  # the first tensor at the least
-        summary = {
-            "fingerprint": fingerprint, "n_held": len(layout.held), "step": step,
-            "missing": missing, "missing_idx": missing_idx, "nonfinite": nonfinite,
-            "nonfinite_idx": nonfinite_idx, "has_counters": int(bool(counters)), "step_min": low[0],
-            "step_max": max(c for c, _ in counters) if counters else 0,
-            "step_min_idx": names.index(low[1]) if counters else -1,
-            "has_grad": int(layout.grads is not None), "grad_sq": float_bits(grad_sq),
-            "grad_numel": grad_numel,
-            "has_norm": int(grad_norm is not None), "grad_norm": float_bits(grad_norm or 0.0),
-            "has_loss": int(loss is not None), "loss": float_bits(loss or 0.0),
-        }
-        tail = torch.tensor([summary[k] for k in SUMMARY], dtype=torch.int64, device=self.device)
-        self._grad_dtype = layout.grad_dtype
-        return torch.cat([lanes, tail])
-
     def _observation(self, rank: int, keys: dict[str, Any], row: torch.Tensor, every_piece: bool | None,
                      pieces: set[tuple[str, int, int]]) -> MonitorObservation:
         """Rank ``rank``'s observation from its keys and row: with the digests of every piece it holds
@@ -307,6 +252,12 @@ class Monitor:
         for v in found[:5]:
             self._log(f"zerosim.monitor violation: {v}")
 
+    def _note(self, text: str) -> None:
+        """Keep ``text`` for the summary and log it, once per run."""
+        if text not in self.notes:
+            self.notes.append(text)
+            self._log(f"zerosim.monitor note: {text}")
+
     def summary(self) -> dict[str, Any]:
         """What the run's checks found so far (the JSON summary's content)."""
         by_contract = dict.fromkeys(CONTRACTS, 0)
@@ -317,7 +268,7 @@ class Monitor:
                 "steps_checked": [self.steps[0], self.steps[-1]] if self.steps else None,
                 "passed": self.violation_count == 0, "violation_count": self.violation_count,
                 "listed_by_contract": by_contract, "violations": [v.to_json() for v in self.violations],
-                "monitor_seconds": self.seconds, "enabled": self.enabled}
+                "monitor_seconds": self.seconds, "enabled": self.enabled, "notes": list(self.notes)}
 
     def close(self) -> dict[str, Any]:
         """Write ``out/summary.json`` (rank 0) and return the summary."""
@@ -340,11 +291,3 @@ def _number(value: Any) -> float | None:
     if isinstance(value, torch.Tensor):
         return float(value.detach().float().item())
     return float(value)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _local_value(v: Any) -> Any:
-    return _local(v).item() if isinstance(v, torch.Tensor) else v
