@@ -98,7 +98,8 @@ def test_agrees_with_the_element_by_element_check_on_random_layouts():
                     mine[name] = [(max(0, a - 1) if rng.random() < 0.1 else a, b)]
             owned[r] = mine
         verdict, _ = owned_intervals_verdict(owned, numels)
-        reference = check_partition_plan([_Step(0, [_Rank(r, 0, owned[r]) for r in range(world)])], numels=numels)
+        steps = [_Step(0, [_Rank(r, 0, owned[r]) for r in range(world)])]
+        reference = check_partition_plan(steps, numels=numels)
         assert verdict.passed == reference.passed, (owned, numels)
         if "replicas" not in {v.clause for v in reference.violations}:
             assert {v.clause for v in verdict.violations} == {v.clause for v in reference.violations}, owned
