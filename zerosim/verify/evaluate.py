@@ -33,6 +33,7 @@ from zerosim.checks.traffic import check_reduce_dtype
 from zerosim.observe import TrainerObservation
 from zerosim.verdict import Verdict
 
+from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, is_mixed, policy
 from .model_source import model_source
 from .observation import StepRecord
 from .outcome import ContractOutcome, VerifyReport, mark_findings, violation_json
@@ -150,6 +151,8 @@ def evaluate(
     mesh: tuple[int, int] | None = None,
     strict: bool = False,
     grad_accum: int = 1,
+    precision: str = FULL,
+    reduce_dtype: str = DEFAULT_REDUCE_DTYPE,
 ) -> VerifyReport:
     """The report of one run: the contracts judged on the records (C-ZERO-001 against ``mesh`` when the
     run names one), efficiency-only failures of a run whose values are right marked as findings
@@ -187,8 +190,10 @@ def evaluate(
             "no phase ran with a declared strategy (declared_strategy): memory and traffic have no "
             "model to be compared with",
         )
+    # under mixed precision every gradient reduction must move the policy's reduce_dtype
+    expected_reduce = {p.name: reduce_dtype for p in phases} if is_mixed(precision) else None
     contracts["C-ZERO-005"] = with_reduce_dtype(
-        contracts["C-ZERO-005"], reduce_dtype_verdicts(phases, phase_info, observations)
+        contracts["C-ZERO-005"], reduce_dtype_verdicts(phases, phase_info, observations, expected_reduce)
     )
     if resume is not None:
         contracts["C-ZERO-007"] = resume_outcome(records, resume, {p.name: p.first_step for p in phases})
@@ -207,6 +212,9 @@ def evaluate(
         report.extra["resume"] = resume.to_json()
     if grad_accum > 1:
         report.extra["grad_accum"] = grad_accum
+    mixed = policy(precision, reduce_dtype)
+    if mixed is not None:
+        report.extra["mixed_precision"] = mixed
     return report
 
 

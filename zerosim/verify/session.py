@@ -34,6 +34,7 @@ from zerosim.observe import TrainerObservation
 from zerosim.outputs import OutputError, write_text
 
 from .errors import TrainerError
+from .mixed_precision import policy
 from .model_source import model_source, to_device
 from .protocol import (
     close_trainer,
@@ -245,6 +246,8 @@ class RankSession:
                 mesh=self.settings.mesh,
                 strict=self.settings.strict,
                 grad_accum=self.settings.grad_accum,
+                precision=self.settings.precision,
+                reduce_dtype=self.settings.reduce_dtype,
             )
             if self.settings.save_observations:
                 save_observations(self.settings.save_observations, run)
@@ -350,6 +353,9 @@ class RankSession:
             optim = dict(phase.optim)
             if self.settings.mesh is not None:
                 optim["mesh"] = tuple(self.settings.mesh)
+            mixed = policy(self.settings.precision, self.settings.reduce_dtype)
+            if mixed is not None:
+                optim["mixed_precision"] = mixed
             trainer = self.factory(model, optim)
         except NotImplementedError as e:
             return (
