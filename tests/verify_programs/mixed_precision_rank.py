@@ -6,7 +6,8 @@ Per (adapter, precision): the dtype the model's head computed in, the dtypes of 
 reductions and parameter gathers in the traffic records, the dtypes ``full_parameters()`` and
 ``full_optimizer_state()`` returned, how many master elements are not bfloat16-representable (a
 trainer that keeps no float32 master has none), the loss scale, and a save/load round trip:
-whether a fresh trainer that loads the checkpoint returns the same masters and loss scale.
+whether a fresh trainer that loads the checkpoint returns the same masters and loss scale (mixed
+precision only), and under bf16 whether two half micro-batches accumulate to exactly one step.
 ``unsupported``: the NotImplementedError's reason, where the adapter refuses the policy.
 
 Run under run_ranks: ``mixed_precision_rank.py OUT_FILE CHECKPOINT_DIR ADAPTER[,ADAPTER...]``.
@@ -82,6 +83,9 @@ def run(name: str, precision: str, checkpoint: Path) -> dict[str, Any]:
         "norm": float(trainer.last_grad_norm()),
         "scale": None if scale is None else scale.state_dict(),
     }
+    if precision == "full":  # full precision's checkpoints are covered by the resume tests
+        close_trainer(trainer)
+        return out
     directory = checkpoint / f"{name}-{precision}"
     trainer.save_checkpoint(str(directory))
     close_trainer(trainer)
@@ -96,6 +100,23 @@ def run(name: str, precision: str, checkpoint: Path) -> dict[str, Any]:
     return out
 
 
+def accumulation_round_trip(name: str, precision: str) -> bool:
+    """Whether ``step_accumulated([b, b])`` leaves the same masters as ``step(b)`` bitwise: the two
+    halves of each gradient add up exactly in float32 (and in 16 bits), so any difference is the
+    accumulation path losing or double-counting a micro-batch."""
+    rank = dist.get_rank()
+    batch = micro_batch(rank, 1, 0)
+    single, _ = build(name, precision)
+    single.step(*batch)
+    expected = single.full_parameters()
+    close_trainer(single)
+    accumulated, _ = build(name, precision)
+    accumulated.step_accumulated([batch, batch])
+    got = accumulated.full_parameters()
+    close_trainer(accumulated)
+    return all(torch.equal(got[n], expected[n]) for n in expected)
+
+
 def main() -> None:
     out, checkpoint, names = sys.argv[1], Path(sys.argv[2]), sys.argv[3].split(",")
     torch.set_num_threads(1)
@@ -105,6 +126,8 @@ def main() -> None:
         for precision in POLICIES:
             print(f"rank {dist.get_rank()}: {name}/{precision}", file=sys.stderr, flush=True)
             local = run(name, precision, checkpoint)
+            if precision == "bf16":
+                local["accumulation_bitwise"] = accumulation_round_trip(name, precision)
             gathered: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, local)
             results[f"{name}/{precision}"] = gathered
