@@ -47,7 +47,8 @@ def test_policy_is_absent_in_full_precision_and_complete_under_bf16_and_fp16() -
     fp16 = policy("fp16")
     assert fp16 == {"param_dtype": "float16", "reduce_dtype": "float32", "loss_scale": LOSS_SCALE}
     assert fp16 is not None and fp16["loss_scale"] is not LOSS_SCALE  # a trainer may not change the default
-    assert LOSS_SCALE == {"init": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 1000}
+    assert LOSS_SCALE == {"init": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                          "growth_interval": 1000}
 
 
 def test_rank_options_give_float32_masters_under_precision_and_round_trip_the_run_file() -> None:

@@ -132,7 +132,7 @@ class FSDP2Trainer:
 
         scale = self.loss_scale.scale_loss if self.loss_scale is not None else None
         try:
-            loss = accumulate_backward(self.model, micro_batches, sync, scale)
+            loss = accumulate_backward(self.model, micro_batches, sync, scale_loss=scale)
         finally:
             sync(True)
         self._grad_norm = mixed_optimizer_step(self.model.parameters(), self.optimizer, self.optim,

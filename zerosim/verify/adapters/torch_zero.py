@@ -87,7 +87,7 @@ class TorchZeroTrainer(DDPTrainer):
                     stack.enter_context(compute.ddp.no_sync())
 
             scale = self.loss_scale.scale_loss if self.loss_scale is not None else None
-            loss = accumulate_backward(compute.ddp, micro_batches, sync, scale)
+            loss = accumulate_backward(compute.ddp, micro_batches, sync, scale_loss=scale)
         self._grad_norm = mixed_optimizer_step(self.model.parameters(), self.optimizer, self.optim,
                                                self.loss_scale)
         compute.refresh()
