@@ -165,3 +165,42 @@ def unscale_twice(model: torch.nn.Module, optim: dict[str, Any]) -> HandwrittenM
 
 def no_skip(model: torch.nn.Module, optim: dict[str, Any]) -> HandwrittenMixedTrainer:
     return HandwrittenMixedTrainer(model, optim, "no_skip")
+
+
+# (target, precision) rows of the table ``python -m tests.mixed_precision_trainers`` prints
+HERE = "tests.mixed_precision_trainers"
+TABLE = [("ddp", "bf16"), ("ddp", "fp16"), (f"{HERE}:correct", "bf16"), (f"{HERE}:correct", "fp16"),
+         (f"{HERE}:no_master", "bf16"), (f"{HERE}:reduce_bf16", "bf16"), (f"{HERE}:clip_scaled", "fp16"),
+         (f"{HERE}:no_unscale", "fp16"), (f"{HERE}:unscale_twice", "fp16"), (f"{HERE}:no_skip", "fp16")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Verify every trainer of :data:`TABLE` and print one markdown row each: verdict, C-ZERO-002's and
+    C-ZERO-008's error-to-bound ratios, the median update error, the diagnosis."""
+    import argparse
+
+    from zerosim.verify import verify
+
+    p = argparse.ArgumentParser(prog="python -m tests.mixed_precision_trainers")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    args = p.parse_args(argv)
+    print("| trainer | precision | verdict | C-ZERO-002 err/bound | median update error "
+          "| C-ZERO-008 err/bound | C-ZERO-005 | diagnosis |")
+    print("|---|---|---|---|---|---|---|---|")
+    for target, precision in TABLE:
+        report = verify(target, world=args.world, steps=args.steps, precision=precision)
+        eq = report.contracts["C-ZERO-002"].details
+        norm = report.contracts["C-ZERO-008"].details
+        classes = ", ".join(d.bug_class for d in report.diagnosis) or "-"
+        ratio = eq.get("error_over_tolerance")
+        nratio = norm.get("error_over_tolerance")
+        median = eq.get("median_update_error", float("nan"))
+        print(f"| {target.split(':')[-1]} | {precision} | {report.verdict} | "
+              f"{'-' if ratio is None else f'{ratio:.3g}'} | {median:.3g} | "
+              f"{'-' if nratio is None else f'{nratio:.3g}'} | {report.contracts['C-ZERO-005'].status} | "
+              f"{classes} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

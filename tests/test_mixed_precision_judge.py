@@ -56,7 +56,7 @@ def _step(noise: float = 1e-3, world: int = 2, change=None, scale=None, skipped=
              for r in range(world)]
     return MixedPrecisionStep(step, "sgd", before, ref, pert, ranks, ref_state=ref_state,
                               perturbed_state=pert_state, trainer_skipped=skipped, ref_overflow=overflow,
-                              scale=scale, grad_norm=1.0, perturbed_grad_norm=1.0 + 1e-3,
+                              scale=scale, grad_norm=1.0, perturbed_grad_norm=1.0 + 1e-4, grad_deviation=1e-3,
                               extra={"optim": {"name": "sgd", "lr": 0.1, "momentum": 0.9}})
 
 

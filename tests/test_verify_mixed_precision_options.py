@@ -70,3 +70,13 @@ def test_a_run_file_with_a_bad_precision_field_is_refused_naming_it(changes: dic
     with pytest.raises(ConfigError) as info:
         VerifyRun.from_json(data)
     assert info.value.field == field
+
+
+def test_all_refuses_precision_before_the_first_cell(tmp_path, capsys) -> None:
+    from zerosim.cli import main
+
+    code = main(["verify", "--all", "--precision", "bf16", "--out", str(tmp_path / "m")])
+    out, err = capsys.readouterr()
+    line = error_line(subprocess.CompletedProcess([], code, out, err), 2)
+    assert "precision='bf16'" in line
+    assert not (tmp_path / "m").exists()

@@ -615,14 +615,16 @@ def run_cli(args: Any, timeout_s: float | None) -> int:
              ("resume_at", getattr(args, "resume_at", None), None),
              ("resume_world", getattr(args, "resume_world", None), None),
              ("mesh", getattr(args, "mesh", None), None), ("strict", getattr(args, "strict", False), False),
-             ("allow_world_1", getattr(args, "allow_world_1", False), False))
+             ("allow_world_1", getattr(args, "allow_world_1", False), False),
+             ("precision", getattr(args, "precision", None), None),
+             ("reduce_dtype", getattr(args, "reduce_dtype", None), None))
     what = "--resume-matrix" if resume_only else "--all"
     for flag, value, default in fixed:
         if value != default:
             raise ConfigError(flag, value, f"{what} runs every installed adapter at world 2 and 4 (resumed "
                               "2 -> 3 and 4 -> 2) with the default steps, model and optimizers; drop it, "
                               f"or drop {what}")
-    dtype, device = getattr(args, "dtype", "float64"), getattr(args, "device", "cpu")
+    dtype, device = getattr(args, "dtype", None) or "float64", getattr(args, "device", "cpu")
     validate_options(world=2, steps=None, dtype=dtype, device=device, model="gpt",
                      optimizers="sgd,adamw", timeout_s=timeout_s)
     name = "verify-resume-matrix" if resume_only else "verify-matrix"

@@ -238,6 +238,7 @@ def mixed_records(
                 state_before={str(k): dict(v) for k, v in (state or {}).items()}, ref_state=plain.state,
                 perturbed_state=pert.state, trainer_skipped=skipped, ref_overflow=plain.overflow,
                 scale=scale, grad_norm=plain.grad_norm, perturbed_grad_norm=pert.grad_norm,
+                grad_deviation=_distance(plain.grad, pert.grad),
                 param_dtype=str(policy["param_dtype"]),
                 extra={"max_grad_norm": phase.optim.get("max_grad_norm"), "optim": dict(phase.optim)}))
             trainer_state = ranks[0].state
@@ -258,3 +259,9 @@ def mixed_records(
         info[phase.name]["arithmetic"] = str(policy["param_dtype"])
         info[phase.name]["master_dtype"] = "float32"
     return records
+
+
+def _distance(a: Mapping[str, np.ndarray], b: Mapping[str, np.ndarray]) -> float:
+    """||a - b||_2 over every tensor (inf when either is not finite)."""
+    total = sum(float(np.sum((np.asarray(a[n], np.float64) - np.asarray(b[n], np.float64)) ** 2)) for n in a)
+    return math.sqrt(total) if math.isfinite(total) else math.inf
