@@ -131,3 +131,35 @@ def test_the_accumulation_column_runs_each_adapter_with_grad_accum_and_renders(
     assert "| ddp | pass 1.0e-02 / norm - |" in text
     assert "| torch-zero | fail 1.0e-02 / norm - (step 2, C-ZERO-005) |" in text
     assert "torch-zero accum 3 @ 4: C-ZERO-005 fail: traffic" in text
+
+
+def test_the_mixed_precision_columns_run_each_adapter_under_bf16_and_fp16_and_render(
+        stand_in_runs: None, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    seen = []
+    fake = verify_package.verify
+
+    def recording(adapter: str, **options: object) -> VerifyReport:
+        seen.append((adapter, options.get("precision"), options.get("world")))
+        report = fake(adapter, **options)  # type: ignore[arg-type]
+        if adapter == "ddp" and options.get("precision") == "fp16":
+            report.phases = [{"name": "sgd", "status": "skipped", "reason": "no float16 here"},
+                             {"name": "adamw", "status": "ran"}]
+        return report
+
+    monkeypatch.setattr(verify_package, "verify", recording)
+    result = matrix.run_matrix(["ddp", "torch-zero", "fsdp2"], optimizers=(), worlds=(),
+                               precision_pairs=matrix.PRECISION_CELLS)
+    assert seen == [(a, p, 4) for a in ("ddp", "torch-zero", "fsdp2") for p in ("bf16", "fp16")]
+    verdicts = {(c["adapter"], c["precision"]): c["verdict"] for c in result["precision_cells"]}
+    assert verdicts[("ddp", "bf16")] == "pass" and verdicts[("torch-zero", "fp16")] == "fail"
+    assert verdicts[("fsdp2", "bf16")] == "error"
+    assert matrix.matrix_exit_code(result) == 3
+    text = matrix.render_markdown(result)
+    assert text.startswith("# Peers' mixed-precision matrix")
+    assert "| adapter | bf16 @ 4 | fp16 @ 4 | wall s |" in text
+    assert "| ddp | pass 1.0e-02 (C-ZERO-002) | pass 1.0e-02 (C-ZERO-002); unsupported: sgd |" in text
+    assert "- ddp fp16 @ 4: sgd phase: no float16 here" in text
+    assert "torch-zero bf16 @ 4: C-ZERO-005 fail: traffic" in text
+    paths = matrix.write_matrix(result, tmp_path)
+    assert paths["md"].name == "verify-precision-matrix.md"
+    assert json.loads(paths["json"].read_text())["precision_cells"][0]["precision"] == "bf16"

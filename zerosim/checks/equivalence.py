@@ -61,7 +61,9 @@ def check_step_equivalence(
 
     Live trainers: ``observations`` are :class:`~zerosim.observe.TrainerStep` records, each carrying
     its reference values and per-element bounds (``reference`` is not used); clauses ``allclose``
-    (a parameter or state element beyond its bound) and ``step_counter``.
+    (a parameter or state element beyond its bound) and ``step_counter``. Under a mixed-precision
+    policy they are :class:`~zerosim.checks.mixed_precision.MixedPrecisionStep` records, judged by the
+    per-tensor normwise update error (:mod:`zerosim.checks.mixed_precision`).
 
     Monitored runs: ``observations`` are :class:`~zerosim.observe.MonitorObservation` per rank and
     check (``reference`` is not used); clauses ``state_present``, ``state_finite``, ``step_counter``
@@ -70,6 +72,10 @@ def check_step_equivalence(
     if observations and isinstance(observations[0], MonitorObservation):
         return _monitor_state(observations)  # type: ignore[arg-type]
     if reference is None:
+        from .mixed_precision import MixedPrecisionStep, check_mixed_precision
+
+        if observations and isinstance(observations[0], MixedPrecisionStep):
+            return check_mixed_precision(observations, CONTRACT)  # type: ignore[arg-type]
         return _trainer_equivalence(observations, CONTRACT)  # type: ignore[arg-type]
     return _shard_equivalence(
         observations, reference, layout=layout, bitwise=bitwise, tolerance=tolerance,  # type: ignore[arg-type]

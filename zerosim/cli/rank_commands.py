@@ -38,7 +38,11 @@ def verify_rank_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-world-1", action="store_true", help="run on one rank anyway")
     p.add_argument("--mesh", default=None, metavar="RxS", help="R replicas of S shard ranks (optim['mesh'])")
     p.add_argument("--strict", action="store_true", help="findings fail the run")
-    p.add_argument("--dtype", default="float64", choices=DTYPES)
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="float64 (default) or float32; under --precision float32 (the master dtype)")
+    p.add_argument("--precision", default=None,
+                   help="bf16 or fp16: mixed precision (optim['mixed_precision'])")
+    p.add_argument("--reduce-dtype", default=None, help="under --precision: the gradient reduction dtype")
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--model", default="gpt")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
@@ -90,13 +94,16 @@ def verify_rank_run(argv: list[str]) -> VerifyRun:
 
 def verify_run_from_args(args: Any, world: int | None = None) -> VerifyRun:
     """The value a rank's parsed options (:func:`verify_rank_parser`) describe."""
+    from .verify import precision_options
+
+    precision, reduce_dtype, dtype = precision_options(args)
     return VerifyRun(
-        args.target, world=world, steps=args.steps, dtype=args.dtype, device=args.device, model=args.model,
+        args.target, world=world, steps=args.steps, dtype=dtype, device=args.device, model=args.model,
         optimizers=args.optimizers, seed=args.seed, timeout_s=args.timeout, out=args.out,
         json_output=bool(args.json), quiet=bool(args.quiet), resume_at=args.resume_at,
         resume_dir=args.resume_dir, resume_stage=args.resume_stage, save_observations=args.save_observations,
         allow_world_1=bool(args.allow_world_1), mesh=None if args.mesh is None else parse_mesh(args.mesh),
-        strict=bool(args.strict), grad_accum=args.grad_accum,
+        strict=bool(args.strict), grad_accum=args.grad_accum, precision=precision, reduce_dtype=reduce_dtype,
     )
 
 

@@ -53,7 +53,19 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--steps", default=None, help="optimizer steps over both phases (default 24: 12 SGD + 12 AdamW)"
     )
-    p.add_argument("--dtype", default="float64", help="float64 (default) or float32")
+    p.add_argument("--dtype", default=None,
+                   help="float64 (default) or float32; under --precision the master dtype, float32")
+    p.add_argument(
+        "--precision", default=None, metavar="bf16|fp16",
+        help="mixed precision: the trainer computes in bfloat16 / float16 with float32 master weights "
+        "and optimizer state (optim['mixed_precision']; fp16 adds dynamic loss scaling); default: "
+        "everything in --dtype",
+    )
+    p.add_argument(
+        "--reduce-dtype", default=None, metavar="float32|bfloat16|float16",
+        help="under --precision: the dtype gradients are reduced in (default float32); a reduction in "
+        "another dtype fails C-ZERO-005",
+    )
     p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
     p.add_argument(
         "--model",
@@ -175,12 +187,13 @@ def _run_as_rank(args: Any) -> None:
             "resuming needs two launches; run zerosim verify --resume-at K without torchrun",
         )
     timeout = _seconds(args.timeout)
-    run = VerifyRun(args.target, world=world, steps=_int("steps", args.steps), dtype=args.dtype,
+    precision, reduce_dtype, dtype = precision_options(args)
+    run = VerifyRun(args.target, world=world, steps=_int("steps", args.steps), dtype=dtype,
                     device=args.device, model=args.model, optimizers=args.optimizers,
                     timeout_s=timeout if timeout is not None else DEFAULT_TIMEOUT_S, out=args.out,
                     json_output=bool(args.json), allow_world_1=bool(args.allow_world_1),
                     mesh=_mesh(args.mesh), strict=bool(args.strict),
-                    grad_accum=_grad_accum(args))
+                    grad_accum=_grad_accum(args), precision=precision, reduce_dtype=reduce_dtype)
     rank_main(run)
 
 
@@ -188,11 +201,12 @@ def _verify(args: Any) -> Any:
     from ..verify import verify
 
     world = _int("world", args.world)
+    precision, reduce_dtype, dtype = precision_options(args)
     return verify(
         args.target,
         world=world if world is not None else 4,
         steps=_int("steps", args.steps),
-        dtype=args.dtype,
+        dtype=dtype,
         device=args.device,
         model=args.model,
         optimizers=args.optimizers,
@@ -204,6 +218,8 @@ def _verify(args: Any) -> Any:
         mesh=_mesh(args.mesh),
         strict=bool(args.strict),
         grad_accum=_grad_accum(args),
+        precision=precision,
+        reduce_dtype=reduce_dtype,
     )
 
 
@@ -211,6 +227,24 @@ def _mesh(text: Any) -> tuple[int, int] | None:
     from ..verify.run_value import parse_mesh
 
     return None if text is None else parse_mesh(text)
+
+
+def precision_options(args: Any) -> tuple[str, str, str]:
+    """(precision, reduce_dtype, dtype) from ``--precision``, ``--reduce-dtype`` and ``--dtype``: the
+    dtype defaults to float32 (the master dtype) under --precision; ``--reduce-dtype`` without
+    ``--precision`` is a ConfigError."""
+    from ..verify.mixed_precision import (
+        DEFAULT_REDUCE_DTYPE,
+        FULL,
+        require_reduce_dtype_option,
+        resolve_dtype,
+    )
+
+    precision = getattr(args, "precision", None)
+    reduce_dtype = getattr(args, "reduce_dtype", None)
+    require_reduce_dtype_option(precision, reduce_dtype)
+    dtype = resolve_dtype(precision, getattr(args, "dtype", None))
+    return (precision or FULL), (reduce_dtype or DEFAULT_REDUCE_DTYPE), dtype
 
 
 def _grad_accum(args: Any) -> int:

@@ -32,6 +32,18 @@ specific first (the fixed vocabulary :data:`zerosim.verify.outcome.BUG_CLASSES`)
 * ``logged-norm``: C-ZERO-008 failed: the gradient norm the trainer logs is not the norm of the
   gradient it stepped with; named "the norm of the elements one rank owns" when it is that.
 
+Under a mixed-precision policy (:func:`diagnose_mixed`):
+
+* ``no-fp32-master``: at the first failing step every rank's "masters" are values of the compute dtype
+  (bf16: the low 16 bits of every float32 are zero) while the reference's are not: the trainer keeps
+  no float32 master, and updates smaller than half a bf16 ulp of the weight are lost.
+* ``reduce-dtype``: a gradient reduction moved another dtype than the policy's ``reduce_dtype``
+  (C-ZERO-005's traffic records; numerically such a run can look right).
+* ``loss-scale`` (fp16): the update is the reference's times the loss scale (unscale missing) or
+  divided by it (unscaled twice); the clip bound the scaled gradient (its factor is the clip's on a
+  gradient the scale times larger); a step overflowed and was taken, or was skipped without an
+  overflow; or the logged norm is the scaled one.
+
 Why one module of this length: the classes are read off the same first failing step and the same
 owned ranges, and their order (most specific first) is one decision, kept in one place.
 """
@@ -39,6 +51,7 @@ owned ranges, and their order (most specific first) is one decision, kept in one
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -596,3 +609,104 @@ def _close(obs: TrainerObservation, rec: StepRecord) -> bool:
 def bug_classes(diagnosis: Sequence[Diagnosis]) -> list[str]:
     """The classes named, in order (for tests and the --all matrix)."""
     return [d.bug_class for d in diagnosis]
+
+
+def diagnose_mixed(records: Sequence[Any], contracts: dict[str, ContractOutcome],
+                   reduce_verdicts: Sequence[Any] = ()) -> list[Diagnosis]:
+    """The mixed-precision classes (module docstring) from :class:`~zerosim.checks.mixed_precision.
+    MixedPrecisionStep` records, the contract outcomes and C-ZERO-005's ``reduce_dtype`` verdicts."""
+    found: list[Diagnosis] = []
+    wrong = [v for verdict in reduce_verdicts for v in verdict.violations]
+    if wrong:
+        found.append(Diagnosis("reduce-dtype", f"{wrong[0].message}: the gradient was reduced in another "
+                               f"dtype than the policy's reduce_dtype ({len(wrong)} reductions)"))
+    equivalence = contracts.get("C-ZERO-002")
+    violations = equivalence.violations if equivalence is not None else []
+    scale_faults = [v for v in violations if v.get("clause") == "loss_scale"]
+    if scale_faults:
+        found.append(Diagnosis("loss-scale", str(scale_faults[0].get("message", ""))))
+    first = next((v for v in violations if v.get("clause") in ("master_dtype", "normwise_update",
+                                                               "step_counter")), None)
+    rec = next((r for r in records if first is not None and r.step == first.get("step")), None)
+    if rec is not None:
+        found += _no_master(rec) or _scaled_update(rec)
+    norm = contracts.get("C-ZERO-008")
+    if norm is not None and norm.status == "fail" and not any(d.bug_class == "loss-scale" for d in found):
+        v = norm.violations[0] if norm.violations else {}
+        got, exp = v.get("got"), v.get("expected")
+        scale = next((r.scale for r in records if r.step == v.get("step")), None)
+        if scale and got and exp and abs(got / exp / scale - 1) < 0.1:
+            found.append(Diagnosis("loss-scale", f"the logged norm at step {v.get('step')} is the scaled one "
+                                   f"({got:.4g} = {scale:g} x the reference's {exp:.4g}): the norm was "
+                                   "taken before unscaling"))
+        else:
+            found.append(Diagnosis("logged-norm", str(v.get("message", norm.reason))))
+    return found
+
+
+def _low_precision_values(a: np.ndarray, dtype: str) -> bool:
+    from zerosim.checks.mixed_precision import compute_dtype_values
+
+    return bool(compute_dtype_values(a, dtype).all())
+
+
+def _no_master(rec: Any) -> list[Diagnosis]:
+    dtype = rec.param_dtype
+    names = [n for n in rec.ref if np.asarray(rec.ref[n]).size > 1]
+    if not all(_low_precision_values(obs.params[n], dtype) for obs in rec.ranks for n in names):
+        return []
+    if all(_low_precision_values(rec.ref[n], dtype) for n in names):
+        return []
+    lost, total = 0, 0
+    for n in names:
+        before = np.asarray(rec.before[n], np.float64)
+        update = np.abs(np.asarray(rec.ref[n], np.float64) - before)
+        half_ulp = np.abs(before) * 2.0 ** -(8 if dtype == "bfloat16" else 11)
+        lost += int((update < half_ulp).sum())
+        total += update.size
+    return [Diagnosis("no-fp32-master", f"at step {rec.step} ({rec.phase}) every rank's masters are {dtype} "
+                      f"values: the trainer keeps no float32 master; {lost} of {total} elements of the "
+                      f"reference's update are below half a {dtype} ulp of the weight and are lost")]
+
+
+def _scaled_update(rec: Any) -> list[Diagnosis]:
+    """``loss-scale`` when the trainer's change (of the momentum / exp_avg state where exposed, else of the
+    masters) is the reference's times the scale, over it, or the clip's factor on a scaled gradient."""
+    if rec.scale is None:
+        return []
+    obs = rec.ranks[0]
+    key = next((k for k in ("momentum_buffer", "exp_avg") if obs.state and all(
+        k in e for e in obs.state.values()) and all(k in e for e in rec.ref_state.values())), None)
+    if key is not None:
+        # the gradient each state implies: buf' = mu buf + g (SGD), m' = b1 m + (1 - b1) g (AdamW)
+        optim = rec.extra.get("optim") or {}
+        keep = float(optim.get("momentum", 0.0)) if key == "momentum_buffer" else float(
+            tuple(optim.get("betas", (0.9, 0.999)))[0])
+        scale_by = 1.0 if key == "momentum_buffer" else 1.0 - keep
+        decay = float(optim.get("weight_decay", 0.0)) if key == "momentum_buffer" else 0.0  # SGD's is in g
+        start = {n: keep * np.ravel(rec.state_before.get(n, {}).get(key, 0.0))
+                 + decay * np.ravel(rec.before[n]) for n in rec.ref_state}
+        got = np.concatenate([np.ravel(obs.state[n][key]) - start[n] for n in rec.ref_state]) / scale_by
+        exp = np.concatenate([np.ravel(rec.ref_state[n][key]) - start[n] for n in rec.ref_state]) / scale_by
+    else:
+        got = np.concatenate([np.ravel(obs.params[n]) - np.ravel(rec.before[n]) for n in rec.ref])
+        exp = np.concatenate([np.ravel(rec.ref[n]) - np.ravel(rec.before[n]) for n in rec.ref])
+    denom = float(exp @ exp)
+    if denom == 0:
+        return []
+    factor = float(got @ exp) / denom
+    where = (f"at step {rec.step} ({rec.phase}) the trainer's {key or 'update'} is {factor:.4g} x the "
+             "reference's")
+    max_norm = rec.extra.get("max_grad_norm")
+    if max_norm and rec.grad_norm > 0:  # first: with a clip near the norm, 1/scale is also its factor
+        scaled_clip = min(1.0, max_norm / (rec.scale * rec.grad_norm)) / min(1.0, max_norm / rec.grad_norm)
+        if scaled_clip < 0.9 and abs(factor / scaled_clip - 1) < 0.1:
+            return [Diagnosis("loss-scale", f"{where}, the factor a clip at {max_norm:g} applies to a "
+                              f"gradient {rec.scale:g} times larger: the clip ran on the scaled gradients")]
+    if abs(factor / rec.scale - 1) < 0.1:
+        return [Diagnosis("loss-scale", f"{where} (the loss scale is {rec.scale:g}): the gradients were not "
+                          "unscaled")]
+    if abs(factor * rec.scale - 1) < 0.1:
+        return [Diagnosis("loss-scale", f"{where} (1 / the loss scale {rec.scale:g}): the gradients were "
+                          "unscaled twice")]
+    return []

@@ -19,6 +19,7 @@ phase's arithmetic dtype is known: every gradient reduction must move that dtype
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from zerosim.checks.traffic import check_communication
 from zerosim.observe import TrainerObservation
 from zerosim.verdict import Verdict
 
+from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, policy
 from .model_source import model_source
 from .observation import StepRecord
 from .outcome import ContractOutcome, VerifyReport, mark_findings, violation_json
@@ -152,6 +154,8 @@ def evaluate(
     mesh: tuple[int, int] | None = None,
     strict: bool = False,
     grad_accum: int = 1,
+    precision: str = FULL,
+    reduce_dtype: str = DEFAULT_REDUCE_DTYPE,
 ) -> VerifyReport:
     """The report of one run: the contracts judged on the records (C-ZERO-001 against ``mesh`` when the
     run names one), efficiency-only failures of a run whose values are right marked as findings
@@ -159,6 +163,12 @@ def evaluate(
     from .diagnosis import diagnose
 
     mesh = None if mesh is None else (int(mesh[0]), int(mesh[1]))
+    mixed = policy(precision, reduce_dtype)
+    if mixed is not None:
+        return _evaluate_mixed(mixed, target=target, world=world, dtype=dtype, device=device,
+                               model_name=model_name, seed=seed, phases=phases, phase_info=phase_info,
+                               observations=observations, base=base, numels=numels, resources=resources,
+                               resume=resume, mesh=mesh, strict=strict, grad_accum=grad_accum)
 
     records = build_records(
         phases,
@@ -211,6 +221,72 @@ def evaluate(
         report.extra["resume"] = resume.to_json()
     if grad_accum > 1:
         report.extra["grad_accum"] = grad_accum
+    return report
+
+
+@dataclass
+class _NamedReference:
+    params: dict[str, Any]
+
+
+@dataclass
+class _IdentityRecord:
+    """A mixed-precision step as C-ZERO-003 reads it (the ranks and the parameter names)."""
+
+    step: int
+    phase: str
+    ranks: list[TrainerObservation]
+    ref: _NamedReference
+
+
+def _evaluate_mixed(mixed: dict[str, Any], *, target: str, world: int, dtype: str, device: str,
+                    model_name: str, seed: int, phases: list[Phase], phase_info: list[dict[str, Any]],
+                    observations: dict[int, list[TrainerObservation]], base: torch.nn.Module,
+                    numels: dict[str, int], resources: dict[str, ContractOutcome] | None,
+                    resume: ResumeRun | None, mesh: tuple[int, int] | None, strict: bool,
+                    grad_accum: int) -> VerifyReport:
+    """:func:`evaluate` under a mixed-precision policy: the reference re-started every step under the
+    policy (:mod:`zerosim.verify.mixed_reference`), C-ZERO-002 and C-ZERO-008 judged by the per-tensor
+    normwise bounds (:mod:`zerosim.checks.mixed_precision`), every gradient reduction in the policy's
+    ``reduce_dtype`` (C-ZERO-005), and the mixed-precision diagnosis."""
+    from .diagnosis import diagnose_mixed
+    from .mixed_reference import mixed_records
+
+    source = model_source(model_name, seed)
+    records = mixed_records(phases, phase_info, observations, base, source, mixed, world=world,
+                            grad_accum=grad_accum, resume=resume, seed=seed)
+    contracts: dict[str, ContractOutcome] = {}
+    if records:
+        contracts["C-ZERO-001"] = ContractOutcome.from_verdict(
+            check_partition_plan(records, numels=numels, mesh=mesh))
+        contracts["C-ZERO-002"] = ContractOutcome.from_verdict(check_step_equivalence(records))
+        identity = [_IdentityRecord(r.step, r.phase, r.ranks, _NamedReference(r.ref)) for r in records]
+        contracts["C-ZERO-003"] = ContractOutcome.from_verdict(check_replica_identity(identity))  # type: ignore[arg-type]
+        contracts["C-ZERO-008"] = ContractOutcome.from_verdict(check_logged_norm(records, {}))
+    else:
+        why = "every phase was skipped: " + "; ".join(p.get("reason", "") for p in phase_info)
+        for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-008"):
+            contracts[cid] = ContractOutcome("skipped", why)
+    for cid in ("C-ZERO-004", "C-ZERO-005"):
+        contracts[cid] = (resources or {}).get(cid) or ContractOutcome(
+            "skipped", "no phase ran with a declared strategy (declared_strategy): memory and traffic "
+            "have no model to be compared with")
+    expected = {p.name: str(mixed["reduce_dtype"]) for p in phases}
+    reduce_verdicts = reduce_dtype_verdicts(phases, phase_info, observations, expected)
+    contracts["C-ZERO-005"] = with_reduce_dtype(contracts["C-ZERO-005"], reduce_verdicts)
+    if resume is not None:
+        contracts["C-ZERO-007"] = resume_outcome(records, resume, {p.name: p.first_step for p in phases})
+    mark_findings(contracts)
+    report = VerifyReport(target, world, sum(p.steps for p in phases), dtype, contracts,
+                          diagnose_mixed(records, contracts, reduce_verdicts), device, model_name, phase_info,
+                          strict=strict)
+    report.extra["mixed_precision"] = mixed
+    if mesh is not None:
+        report.extra["mesh"] = list(mesh)
+    if grad_accum > 1:
+        report.extra["grad_accum"] = grad_accum
+    if resume is not None:
+        report.extra["resume"] = resume.to_json()
     return report
 
 

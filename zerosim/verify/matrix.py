@@ -23,6 +23,8 @@ The accumulation column: for each (K, N) of :data:`ACCUM_CELLS` (3 micro-batches
 adapter runs both phases at N ranks with ``--grad-accum K``; the cell shows the run's verdict, the
 worst C-ZERO-002 error over its bound and the worst logged-norm error over its bound (C-ZERO-008).
 
+The mixed-precision columns (``bf16 @ 4``, ``fp16 @ 4``): :mod:`zerosim.verify.matrix_precision`.
+
 A cell counts its findings (traffic or memory off the declared strategy's model in a run whose values
 are right; the cell passes and says how many). A cell whose run ends with an error (a rank failed, the
 peer rejected the configuration) is kept as ``"error"`` with its one-line message: a peer that fails
@@ -46,6 +48,7 @@ from zerosim.errors import ConfigError, ZeroSimError
 from zerosim.outputs import save_figure, write_text
 
 from .adapters import ADAPTERS, HYBRID_ADAPTERS, installed_adapters
+from .matrix_precision import PRECISION_CELLS, progress_line, render_precision_markdown, run_precision_cell
 from .outcome import VerifyReport
 
 OPTIMIZER_PHASES = ("sgd", "adamw")
@@ -222,10 +225,12 @@ def run_matrix(
     resume_pairs: Sequence[tuple[int, int]] = (),
     mesh_worlds: Sequence[int] = (),
     accum_pairs: Sequence[tuple[int, int]] = (),
+    precision_pairs: Sequence[tuple[str, int]] = (),
 ) -> dict[str, Any]:
     """Every cell of the matrix (see the module docstring), the mesh column (hybrid adapters on the
     (world, 1) mesh for each world in ``mesh_worlds``), then the resume column for each pair in
-    ``resume_pairs``; ``progress(cell)`` is called after each."""
+    ``resume_pairs``, the accumulation and the mixed-precision columns; ``progress(cell)`` is called
+    after each."""
     names = list(adapters) if adapters is not None else installed_adapters()
     for name in names:
         if name not in ADAPTERS:
@@ -234,6 +239,7 @@ def run_matrix(
     resume_cells = []
     mesh_cells = []
     accum_cells = []
+    precision_cells = []
     for name in names:
         for world in worlds:
             for optimizer in optimizers:
@@ -260,6 +266,11 @@ def run_matrix(
             accum_cells.append(cell)
             if progress is not None:
                 progress(cell)
+        for precision, n in precision_pairs:
+            cell = run_precision_cell(name, precision, n, steps=steps, device=device, timeout_s=timeout_s)
+            precision_cells.append(cell)
+            if progress is not None:
+                progress(cell)
     return {
         "generated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": _environment(),
@@ -278,6 +289,8 @@ def run_matrix(
         "mesh_cells": mesh_cells,
         "accum_pairs": [list(p) for p in accum_pairs],
         "accum_cells": accum_cells,
+        "precision_pairs": [list(p) for p in precision_pairs],
+        "precision_cells": precision_cells,
     }
 
 
@@ -371,8 +384,10 @@ def render_resume_markdown(matrix: dict[str, Any]) -> list[str]:
 def render_markdown(matrix: dict[str, Any]) -> str:
     if not matrix["cells"]:
         env = matrix["environment"]
+        precision_only = bool(matrix.get("precision_cells")) and not matrix.get("resume_cells")
+        kind = "mixed-precision" if precision_only else "resume"
         head = [
-            f"# Peers' resume matrix ({matrix['dtype']}, {matrix['device']}, "
+            f"# Peers' {kind} matrix ({matrix['dtype']}, {matrix['device']}, "
             f"{matrix['steps_per_cell']} steps per phase)",
             "",
             f"Generated {matrix['generated_utc']} with torch {env.get('torch')}, deepspeed "
@@ -381,7 +396,8 @@ def render_markdown(matrix: dict[str, Any]) -> str:
         tail = []
         if matrix.get("not_installed"):
             tail = ["", f"Not installed here (not run): {', '.join(matrix['not_installed'])}."]
-        return "\n".join(head + render_resume_markdown(matrix) + render_accum_markdown(matrix) + tail) + "\n"
+        return "\n".join(head + render_resume_markdown(matrix) + render_accum_markdown(matrix)
+                         + render_precision_markdown(matrix) + tail) + "\n"
     cells = {(c["adapter"], c["optimizer"], c["world"]): c for c in matrix["cells"]}
     cols = [(o, w) for w in matrix["worlds"] for o in matrix["optimizers"]]
     mesh_cells = {(c["adapter"], c["optimizer"], c["world"]): c for c in matrix.get("mesh_cells", [])}
@@ -446,6 +462,7 @@ def render_markdown(matrix: dict[str, Any]) -> str:
         lines += ["", "## Skipped contracts", ""] + [f"- {s}" for s in skipped]
     lines += render_resume_markdown(matrix)
     lines += render_accum_markdown(matrix)
+    lines += render_precision_markdown(matrix)
     if matrix.get("not_installed"):
         lines += ["", f"Not installed here (not run): {', '.join(matrix['not_installed'])}."]
     return "\n".join(lines) + "\n"
@@ -510,7 +527,9 @@ def write_matrix(matrix: dict[str, Any], out_dir: str | Path) -> dict[str, Path]
     alone goes to ``verify-resume-matrix.json`` and ``.md``. Each file is written next to its
     target and renamed over it (:mod:`zerosim.outputs`)."""
     out = Path(out_dir)
-    stem = "verify-matrix" if matrix["cells"] else "verify-resume-matrix"
+    stem = "verify-matrix" if matrix["cells"] else (
+        "verify-precision-matrix" if matrix.get("precision_cells") and not matrix.get("resume_cells")
+        else "verify-resume-matrix")
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md"}
     write_text(paths["json"], json.dumps(matrix, indent=1) + "\n")
     write_text(paths["md"], render_markdown(matrix))
@@ -524,7 +543,8 @@ def matrix_exit_code(matrix: dict[str, Any]) -> int:
     """3 if a cell's run failed outright (a rank failed, hung, or the peer rejected the run), 1 if a
     contract failed, else 0."""
     verdicts = {c["verdict"] for c in [*matrix["cells"], *matrix.get("resume_cells", []),
-                                        *matrix.get("mesh_cells", []), *matrix.get("accum_cells", [])]}
+                                        *matrix.get("mesh_cells", []), *matrix.get("accum_cells", []),
+                                        *matrix.get("precision_cells", [])]}
     return 3 if "error" in verdicts else 1 if "fail" in verdicts else 0
 
 
@@ -541,6 +561,7 @@ def run_all(
     resume_pairs: Sequence[tuple[int, int]] = RESUME_PAIRS,
     mesh_worlds: Sequence[int] = MESH_WORLDS,
     accum_pairs: Sequence[tuple[int, int]] = ACCUM_CELLS,
+    precision_pairs: Sequence[tuple[str, int]] = PRECISION_CELLS,
 ) -> int:
     """``zerosim verify --all``: run the matrix, write it, print one line per cell; the exit status."""
 
@@ -551,6 +572,8 @@ def run_all(
             what = f"{cell['optimizer']:<6} world {cell['world']} mesh {cell['world']}x1: {_label(cell)}"
         elif "grad_accum" in cell:
             what = f"accum {cell['grad_accum']} @ {cell['world']}: {_accum_label(cell)}"
+        elif "precision" in cell:
+            what = progress_line(cell)
         else:
             what = f"{cell['optimizer']:<6} world {cell['world']}: {_label(cell)}"
         echo(
@@ -569,6 +592,7 @@ def run_all(
         resume_pairs=resume_pairs,
         mesh_worlds=mesh_worlds,
         accum_pairs=accum_pairs,
+        precision_pairs=precision_pairs,
     )
     paths = write_matrix(matrix, out_dir)
     echo("wrote " + ", ".join(str(p) for p in paths.values()))
@@ -591,21 +615,23 @@ def run_cli(args: Any, timeout_s: float | None) -> int:
              ("resume_at", getattr(args, "resume_at", None), None),
              ("resume_world", getattr(args, "resume_world", None), None),
              ("mesh", getattr(args, "mesh", None), None), ("strict", getattr(args, "strict", False), False),
-             ("allow_world_1", getattr(args, "allow_world_1", False), False))
+             ("allow_world_1", getattr(args, "allow_world_1", False), False),
+             ("precision", getattr(args, "precision", None), None),
+             ("reduce_dtype", getattr(args, "reduce_dtype", None), None))
     what = "--resume-matrix" if resume_only else "--all"
     for flag, value, default in fixed:
         if value != default:
             raise ConfigError(flag, value, f"{what} runs every installed adapter at world 2 and 4 (resumed "
                               "2 -> 3 and 4 -> 2) with the default steps, model and optimizers; drop it, "
                               f"or drop {what}")
-    dtype, device = getattr(args, "dtype", "float64"), getattr(args, "device", "cpu")
+    dtype, device = getattr(args, "dtype", None) or "float64", getattr(args, "device", "cpu")
     validate_options(world=2, steps=None, dtype=dtype, device=device, model="gpt",
                      optimizers="sgd,adamw", timeout_s=timeout_s)
     name = "verify-resume-matrix" if resume_only else "verify-matrix"
     out_dir = output_dir(getattr(args, "out", None), name)
     if resume_only:
         return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s, optimizers=(),
-                       worlds=(), mesh_worlds=(), accum_pairs=())
+                       worlds=(), mesh_worlds=(), accum_pairs=(), precision_pairs=())
     return run_all(dtype=dtype, device=device, out_dir=out_dir, timeout_s=timeout_s)
 
 

@@ -24,7 +24,8 @@ EFFICIENCY_CLAUSES = frozenset({"bytes", "ring_model"})
 FINDING = "finding"  # a contract's status when only efficiency clauses broke and every value is right
 BUG_CLASSES = ("gradient-scale", "clip-norm", "unowned-elements", "overlapping-shards", "rank-local",
                "ranks-disagree", "ranks-agree-wrong", "permuted-shards", "late-divergence",
-               "replicas-not-reduced", "accumulation-sum", "accumulation-dropped", "logged-norm")
+               "replicas-not-reduced", "accumulation-sum", "accumulation-dropped", "logged-norm",
+               "no-fp32-master", "reduce-dtype", "loss-scale")
 
 
 @dataclass
@@ -94,6 +95,10 @@ def violation_json(v: Violation) -> dict[str, Any]:
 def where(v: dict[str, Any]) -> str:
     """'first at step 3 (sgd), rank 1, h.0.w[4:9]: ...' for a rendered violation."""
     rank = f", rank {v['rank']}" if v.get("rank") is not None else ""
+    if v.get("start") is None and v.get("tensor") is not None:  # a whole tensor (a normwise clause)
+        return f"first at step {v['step']} ({v['phase']}){rank}, {v['tensor']}: {v['message']}"
+    if v.get("tensor") is None:
+        return f"first at step {v['step']} ({v['phase']}){rank}: {v['message']}"
     return (
         f"first at step {v['step']} ({v['phase']}){rank}, {v['tensor']}[{v['start']}:{v['stop']}]: "
         f"{v['message']}"

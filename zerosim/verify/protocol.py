@@ -117,9 +117,12 @@ def validate_parameters(
     expected: Mapping[str, tuple[tuple[int, ...], str]],
     rank: int,
     method: str = "full_parameters",
+    finite: bool = True,
 ) -> None:
     """TrainerError (one line) unless ``params`` maps exactly the expected names to arrays of the expected
-    shape and dtype with finite values. ``expected``: name -> (shape, numpy dtype name)."""
+    shape and dtype with finite values. ``expected``: name -> (shape, numpy dtype name). ``finite``
+    False (mixed precision): a non-finite value is left to C-ZERO-002 (an fp16 overflow step that was
+    taken instead of skipped is a contract failure, not a protocol breach)."""
     if not isinstance(params, Mapping):
         raise TrainerError(
             f"{method}() on rank {rank} returned {type(params).__name__}, expected a dict name -> tensor"
@@ -145,7 +148,7 @@ def validate_parameters(
             )
         if str(arr.dtype) != dtype:
             raise TrainerError(f"{method}() on rank {rank}: {name!r} has dtype {arr.dtype}, expected {dtype}")
-        if not np.isfinite(arr).all():
+        if finite and not np.isfinite(arr).all():
             bad = int(np.flatnonzero(~np.isfinite(arr.reshape(-1)))[0])
             raise TrainerError(
                 f"{method}() on rank {rank}: {name!r} holds a non-finite value "
@@ -154,7 +157,8 @@ def validate_parameters(
 
 
 def validate_optimizer_state(
-    state: Any, expected: Mapping[str, tuple[tuple[int, ...], str]], optim: str, rank: int
+    state: Any, expected: Mapping[str, tuple[tuple[int, ...], str]], optim: str, rank: int,
+    finite: bool = True,
 ) -> None:
     """TrainerError unless ``state`` maps parameter names to dicts of torch.optim state arrays of the
     parameter's shape (``step``: a scalar). Names a trainer does not expose are allowed to be absent."""
@@ -187,7 +191,7 @@ def validate_optimizer_state(
                     f"full_optimizer_state() on rank {rank}: {name!r}[{key!r}] has shape "
                     f"{tuple(arr.shape)}, expected {tuple(shape)}"
                 )
-            if not np.isfinite(arr).all():
+            if finite and not np.isfinite(arr).all():
                 raise TrainerError(
                     f"full_optimizer_state() on rank {rank}: {name!r}[{key!r}] holds a non-finite value"
                 )
@@ -249,8 +253,9 @@ def _is_int(x: Any) -> bool:
     return False
 
 
-def finite_loss(value: Any, rank: int, step: int) -> float:
-    """``step()``'s return value as a float; TrainerError if it is not a finite number."""
+def finite_loss(value: Any, rank: int, step: int, finite: bool = True) -> float:
+    """``step()``'s return value as a float; TrainerError if it is not a finite number (``finite`` False,
+    mixed precision: a non-finite loss is allowed, the masters are judged)."""
     try:
         loss = float(value)
     except (TypeError, ValueError):
@@ -258,13 +263,14 @@ def finite_loss(value: Any, rank: int, step: int) -> float:
             f"step() on rank {rank} at step {step} returned {type(value).__name__}, expected "
             "the loss as a float"
         ) from None
-    if not math.isfinite(loss):
+    if finite and not math.isfinite(loss):
         raise TrainerError(f"step() on rank {rank} at step {step} returned a non-finite loss ({loss})")
     return loss
 
 
-def logged_norm(value: Any, rank: int, step: int) -> float:
-    """``last_grad_norm()``'s return value as a float; TrainerError unless it is a finite number >= 0."""
+def logged_norm(value: Any, rank: int, step: int, finite: bool = True) -> float:
+    """``last_grad_norm()``'s return value as a float; TrainerError unless it is a finite number >= 0
+    (``finite`` False, mixed precision: an fp16 overflow step's norm may be inf; C-ZERO-008 judges it)."""
     try:
         norm = float(value)
     except (TypeError, ValueError, RuntimeError):
@@ -272,7 +278,7 @@ def logged_norm(value: Any, rank: int, step: int) -> float:
             f"last_grad_norm() on rank {rank} at step {step} returned {type(value).__name__}, expected "
             "the total gradient norm as a float"
         ) from None
-    if not math.isfinite(norm) or norm < 0:
+    if (finite and not math.isfinite(norm)) or norm < 0:
         raise TrainerError(
             f"last_grad_norm() on rank {rank} at step {step} returned {norm}, expected a finite norm >= 0"
         )

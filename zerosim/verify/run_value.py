@@ -23,6 +23,7 @@ from typing import Any
 from zerosim.errors import ConfigError, require_positive_int
 from zerosim.json_file import check_fields, read_settings, write_settings
 
+from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, require_precision
 from .suite import OPTIMIZERS, build_phases
 
 VERIFY_RUN_FORMAT = "zerosim-verify-run/1"
@@ -48,6 +49,9 @@ class VerifyRun:
     shard group size) handed to the trainer as ``optim["mesh"]`` and used by the checks. ``strict``:
     findings (traffic or memory off the declared strategy's model while every value is right) fail.
     ``grad_accum``: micro-batches per optimizer step (K > 1: ``step_accumulated`` is called with K).
+    ``precision``: "full" (everything in ``dtype``), "bf16" or "fp16" (compute in that dtype, float32
+    masters: ``dtype`` must be float32); ``reduce_dtype``: the dtype gradients are reduced in under
+    bf16/fp16 (:mod:`zerosim.verify.mixed_precision`; the trainer gets ``optim["mixed_precision"]``).
     """
 
     target: str
@@ -70,6 +74,8 @@ class VerifyRun:
     mesh: tuple[int, int] | None = None
     strict: bool = False
     grad_accum: int = 1
+    precision: str = FULL
+    reduce_dtype: str = DEFAULT_REDUCE_DTYPE
 
     def replace(self, **changes: Any) -> VerifyRun:
         return dataclasses.replace(self, **changes)
@@ -81,6 +87,7 @@ class VerifyRun:
         validate_options(world=1 if self.world is None else self.world, steps=self.steps, dtype=self.dtype,
                          device=self.device, model=self.model, optimizers=self.optimizers,
                          timeout_s=self.timeout_s, grad_accum=self.grad_accum)
+        require_precision(self.precision, self.reduce_dtype, self.dtype, self.device)
         if self.world is not None and self.resume_stage != "load":  # a resumed run may continue on one rank
             require_world(self.world, self.allow_world_1)
             if self.mesh is not None:
@@ -114,7 +121,7 @@ class VerifyRun:
             if name in values and not isinstance(values[name], bool):
                 raise ConfigError(name, values[name], "expected true/false")
         for name in ("target", "dtype", "device", "model", "optimizers", "out", "resume_dir",
-                     "resume_stage", "save_observations"):
+                     "resume_stage", "save_observations", "precision", "reduce_dtype"):
             if values.get(name) is not None and not isinstance(values[name], str):
                 raise ConfigError(name, values[name], "expected a string")
         for name in ("world", "steps", "seed", "resume_at", "grad_accum"):

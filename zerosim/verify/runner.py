@@ -43,6 +43,7 @@ from zerosim.outputs import publish_files, write_text
 
 from .blame import rank_verdict
 from .errors import RankFailure, TrainerError
+from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, require_reduce_dtype_option, resolve_dtype
 from .outcome import VerifyReport
 from .resume import SNAPSHOT_FILE
 from .run_value import (
@@ -76,7 +77,7 @@ def verify(
     *,
     world: int = 4,
     steps: int | None = None,
-    dtype: str = "float64",
+    dtype: str | None = None,
     device: str = "cpu",
     model: str = "gpt",
     optimizers: Any = OPTIMIZERS,
@@ -88,6 +89,8 @@ def verify(
     mesh: tuple[int, int] | None = None,
     strict: bool = False,
     grad_accum: int = 1,
+    precision: str = FULL,
+    reduce_dtype: str | None = None,
 ) -> VerifyReport:
     """Train ``target`` on ``world`` ranks next to the unsharded reference and check C-ZERO-001..005.
 
@@ -107,13 +110,20 @@ def verify(
     declared strategy's model while every value is right) fail the run.
     ``grad_accum`` K > 1: every optimizer step is ``trainer.step_accumulated`` on K micro-batches per
     rank, judged against the mean gradient of all K x world micro-batches.
+    ``precision`` "bf16" / "fp16": the trainer gets ``optim["mixed_precision"]`` (compute dtype,
+    ``reduce_dtype``, fp16's loss scale; :mod:`zerosim.verify.mixed_precision`) and a float32 model;
+    ``dtype`` then defaults to float32, the master dtype.
     """
+    require_reduce_dtype_option(precision, reduce_dtype)
+    dtype = resolve_dtype(precision, dtype)
+    reduce_dtype = reduce_dtype or DEFAULT_REDUCE_DTYPE
     validate_options(world=world, steps=steps, dtype=dtype, device=device, model=model,
                      optimizers=optimizers, timeout_s=timeout_s, grad_accum=grad_accum)
     names = optimizers if isinstance(optimizers, str) else ",".join(optimizers)
     run = VerifyRun(target, world=world, steps=steps, dtype=dtype, device=device, model=model,
                     optimizers=names, timeout_s=float(timeout_s or DEFAULT_TIMEOUT_S),
-                    allow_world_1=allow_world_1, mesh=mesh, strict=strict, grad_accum=grad_accum)
+                    allow_world_1=allow_world_1, mesh=mesh, strict=strict, grad_accum=grad_accum,
+                    precision=precision, reduce_dtype=reduce_dtype)
     return launch_verify(run, out=out, resume_at=resume_at, resume_world=resume_world)
 
 
@@ -128,6 +138,9 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
     run = run.replace(world=world).validate()
     if resume_world is not None and resume_at is None:
         raise ConfigError("resume_world", resume_world, "needs --resume-at K (the phase step to resume at)")
+    if resume_at is not None and run.precision != FULL:
+        raise ConfigError("resume_at", resume_at, f"cannot be combined with --precision {run.precision} yet "
+                          "(the mixed-precision reference does not resume)")
     if resume_at is not None and run.mesh is not None:
         raise ConfigError("mesh", f"{run.mesh[0]}x{run.mesh[1]}",
                           "cannot be combined with --resume-at (the resumed world has its own shape)")

@@ -34,6 +34,7 @@ from zerosim.observe import TrainerObservation
 from zerosim.outputs import OutputError, write_text
 
 from .errors import TrainerError
+from .mixed_precision import is_mixed, policy
 from .model_source import model_source, to_device
 from .protocol import (
     close_trainer,
@@ -245,6 +246,8 @@ class RankSession:
                 mesh=self.settings.mesh,
                 strict=self.settings.strict,
                 grad_accum=self.settings.grad_accum,
+                precision=self.settings.precision,
+                reduce_dtype=self.settings.reduce_dtype,
             )
             if self.settings.save_observations:
                 save_observations(self.settings.save_observations, run)
@@ -350,6 +353,9 @@ class RankSession:
             optim = dict(phase.optim)
             if self.settings.mesh is not None:
                 optim["mesh"] = tuple(self.settings.mesh)
+            mixed = policy(self.settings.precision, self.settings.reduce_dtype)
+            if mixed is not None:
+                optim["mixed_precision"] = mixed
             trainer = self.factory(model, optim)
         except NotImplementedError as e:
             return (
@@ -376,16 +382,18 @@ class RankSession:
         numels: dict[str, int],
         stepped: bool = False,
     ) -> TrainerObservation:
-        loss_value = finite_loss(loss, self.rank, step)
+        loss_value = finite_loss(loss, self.rank, step, finite=not is_mixed(self.settings.precision))
         grad_norm = None
         if stepped and callable(getattr(trainer, "last_grad_norm", None)):
             self.where = f"step {step} ({phase.name}): last_grad_norm()"
-            grad_norm = logged_norm(trainer.last_grad_norm(), self.rank, step)
+            grad_norm = logged_norm(trainer.last_grad_norm(), self.rank, step,
+                                    finite=not is_mixed(self.settings.precision))
         self.where = f"step {step} ({phase.name}): full_parameters()"
         self.arrivals.mark(self.where)
         raw = trainer.full_parameters()
         params = _as_arrays(raw, "full_parameters", self.rank)
-        validate_parameters(params, expected, self.rank)
+        finite = not is_mixed(self.settings.precision)
+        validate_parameters(params, expected, self.rank, finite=finite)
         state = None
         if callable(getattr(trainer, "full_optimizer_state", None)):
             self.where = f"step {step} ({phase.name}): full_optimizer_state()"
@@ -400,7 +408,7 @@ class RankSession:
                 n: _as_arrays(e, f"full_optimizer_state()[{n!r}]", self.rank) if isinstance(e, dict) else e
                 for n, e in raw_state.items()
             }
-            validate_optimizer_state(state, expected, phase.name, self.rank)
+            validate_optimizer_state(state, expected, phase.name, self.rank, finite=finite)
         shards = None
         if callable(getattr(trainer, "local_shards", None)):
             self.where = f"step {step} ({phase.name}): local_shards()"

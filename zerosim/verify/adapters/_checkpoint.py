@@ -19,14 +19,19 @@ import torch.distributed as dist
 FILE_NAME = "trainer.pt"
 
 
-def save_full(directory: Any, model_state: dict[str, Any], optimizer_state: dict[str, Any] | None) -> None:
-    """Rank 0 writes ``{"model": ..., "optimizer": ...}`` under ``directory``; collective (barrier)."""
+def save_full(directory: Any, model_state: dict[str, Any], optimizer_state: dict[str, Any] | None,
+              loss_scale: dict[str, float] | None = None) -> None:
+    """Rank 0 writes ``{"model": ..., "optimizer": ...}`` (and ``"loss_scale"``, the dynamic loss scale's
+    state, when given) under ``directory``; collective (barrier)."""
     if dist.get_rank() == 0:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         tmp = d / (FILE_NAME + ".tmp")
         with open(tmp, "wb") as f:
-            torch.save({"model": model_state, "optimizer": optimizer_state}, f)
+            saved = {"model": model_state, "optimizer": optimizer_state}
+            if loss_scale is not None:
+                saved["loss_scale"] = loss_scale
+            torch.save(saved, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, d / FILE_NAME)

@@ -52,18 +52,26 @@ def clip_gradients(params: Iterable[torch.nn.Parameter], optim: dict[str, Any]) 
     return float(full() if full is not None else norm)
 
 
-def accumulate_backward(forward: Any, micro_batches: Any, sync: Any) -> float:
+def accumulate_backward(forward: Any, micro_batches: Any, sync: Any, amp: Any = None,
+                        scale_loss: Any = None) -> float:
     """Forward and backward of every ``(inputs, targets)`` micro-batch with the loss divided by their
     number K, so the gradients add up to the mean gradient; ``sync(last)`` is called before each
-    micro-batch (True only for the last: the framework's switch for reducing gradients). Returns the
-    mean local loss."""
+    micro-batch (True only for the last: the framework's switch for reducing gradients). ``amp``: an
+    :class:`~zerosim.verify.adapters._mixed.AmpPolicy` (autocast forward, scaled backward);
+    ``scale_loss``: applied to each loss before backward (the adapters' own dynamic loss scale, for
+    a forward that already computes in the low precision). Returns the mean local loss."""
     batches = list(micro_batches)
     k = len(batches)
     total = 0.0
     for i, (inputs, targets) in enumerate(batches):
         sync(i == k - 1)
-        loss = forward(inputs, targets)
-        (loss / k).backward()
+        if amp is None:
+            loss = forward(inputs, targets)
+            (loss if scale_loss is None else scale_loss(loss)).div(k).backward()
+        else:
+            with amp.autocast():
+                loss = forward(inputs, targets)
+            amp.backward(loss / k)
         total += float(loss.detach())
     return total / k
 

@@ -4,6 +4,13 @@ Gradients are bucket views (``gradient_as_bucket_view``: DDP's buckets are the g
 copy) and are averaged by DDP's default all-reduce hook registered from Python, so
 :class:`zerosim.verify.traffic.TrafficCounter` sees the reduction the C++ reducer would otherwise
 issue out of its reach.
+
+Under ``optim["mixed_precision"]`` (:mod:`._mixed`): the forward runs under ``torch.autocast(param_dtype)``
+over the float32 model (its parameters are the float32 masters), gradients are reduced in
+``reduce_dtype`` (float32: the plain all-reduce hook; bfloat16 / float16: DDP's compress hooks, which
+cast each bucket, all-reduce it and write the mean back into the float32 gradients), and under fp16
+a ``torch.amp.GradScaler`` scales the loss, unscales before the clip (``last_grad_norm`` is the
+unscaled norm) and skips overflow steps.
 """
 
 from __future__ import annotations
@@ -13,21 +20,30 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from ..resources import storage_bytes
 from ._checkpoint import load_full, save_full
+from ._mixed import AmpPolicy
 from ._torch_optim import accumulate_backward, build_optimizer, clip_gradients, optimizer_state_copy
 
+REDUCE_HOOKS = {None: allreduce_hook, torch.float32: allreduce_hook, torch.bfloat16: bf16_compress_hook,
+                torch.float16: fp16_compress_hook}
 
-def wrap_ddp(model: torch.nn.Module) -> DistributedDataParallel:
-    """DDP over the default group with Python-visible gradient all-reduces (see the module docstring)."""
+
+def wrap_ddp(model: torch.nn.Module, reduce_dtype: torch.dtype | None = None) -> DistributedDataParallel:
+    """DDP over the default group with Python-visible gradient all-reduces (see the module docstring),
+    in ``reduce_dtype`` (None: the gradients' own dtype)."""
     device = next(model.parameters()).device
     ddp = DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True
     )
-    ddp.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    ddp.register_comm_hook(dist.group.WORLD, REDUCE_HOOKS[reduce_dtype])
     return ddp
 
 
@@ -39,7 +55,8 @@ class DDPTrainer:
     def __init__(self, model: torch.nn.Module, optim: dict[str, Any]):
         self.model = model
         self.optim = optim
-        self.ddp = wrap_ddp(model)
+        self.amp = AmpPolicy(optim, next(model.parameters()).device.type)
+        self.ddp = wrap_ddp(model, self.amp.reduce_dtype)
         self.optimizer = self.build_optimizer(model, optim)
 
     def build_optimizer(self, model: torch.nn.Module, optim: dict[str, Any]) -> torch.optim.Optimizer:
@@ -51,10 +68,12 @@ class DDPTrainer:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.ddp(inputs, targets)
-        loss.backward()
+        with self.amp.autocast():
+            loss = self.ddp(inputs, targets)
+        self.amp.backward(loss)
+        self.amp.unscale(self.optimizer)
         self._grad_norm = clip_gradients(self.model.parameters(), self.optim)
-        self.optimizer.step()
+        self.amp.step(self.optimizer)
         return float(loss.detach())
 
     def step_accumulated(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -68,9 +87,10 @@ class DDPTrainer:
                 if not last:
                     stack.enter_context(self.ddp.no_sync())
 
-            loss = accumulate_backward(self.ddp, micro_batches, sync)
+            loss = accumulate_backward(self.ddp, micro_batches, sync, self.amp)
+        self.amp.unscale(self.optimizer)
         self._grad_norm = clip_gradients(self.model.parameters(), self.optim)
-        self.optimizer.step()
+        self.amp.step(self.optimizer)
         return loss
 
     def last_grad_norm(self) -> float:

@@ -19,10 +19,22 @@ No C++ extension is built: DeepSpeed's CPU shared-memory allreduce op (``deepspe
 (:func:`_deepspeed`). That op serves only ``inference_all_reduce`` (tensor-parallel inference), never
 ZeRO's collectives; its just-in-time build needs a compiler, takes about a minute, and waits without
 any timeout on the ``lock`` file in the torch extensions directory that a killed build leaves behind.
+
+Mixed precision (``optim["mixed_precision"]``, :func:`mixed_precision_config`): ``bf16: {enabled}``
+or ``fp16: {enabled, loss_scale: 0 (dynamic), initial_scale_power, loss_scale_window, hysteresis: 1,
+min_loss_scale}`` from the protocol's ``loss_scale``, and ``communication_data_type`` from
+``reduce_dtype``. Without ``communication_data_type`` DeepSpeed 0.19 reduces bf16 gradients in
+bfloat16 at every stage (measured from the traffic records), so the adapter always names it.
+DeepSpeed casts the module to ``param_dtype`` when the engine is built and makes its float32 masters
+from the cast weights: they start bfloat16-rounded, not from the float32 values the model arrived with.
+What DeepSpeed cannot do is refused with its reason (NotImplementedError: the phase is reported
+unsupported): float16 on an accelerator without it (DeepSpeed's CPU accelerator), and loss scaling
+with factors other than DeepSpeed's fixed 2 and 1/2, or an initial scale that is not a power of two.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -30,6 +42,7 @@ import torch.distributed as dist
 
 from zerosim.errors import ConfigError
 
+from ._mixed_precision import MixedPolicy, mixed_policy
 from ._torch_optim import build_optimizer
 
 INSTALL = "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"
@@ -80,6 +93,49 @@ def deepspeed_config(stage: int, optim: dict[str, Any], world: int) -> dict[str,
     return config
 
 
+_DS_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def mixed_precision_config(policy: MixedPolicy) -> dict[str, Any]:
+    """The DeepSpeed config keys for the protocol's policy; NotImplementedError (the reason) where
+    DeepSpeed cannot follow it (see the module docstring)."""
+    out: dict[str, Any] = {"communication_data_type": _DS_DTYPE_NAMES[policy.reduce_dtype]}
+    if policy.param_dtype == torch.bfloat16:
+        out["bf16"] = {"enabled": True}
+        return out
+    scale = policy.loss_scale or {}
+    init = float(scale.get("init", 65536.0))
+    power = math.log2(init) if init > 0 else -1.0
+    if scale.get("growth_factor", 2.0) != 2.0 or scale.get("backoff_factor", 0.5) != 0.5:
+        raise NotImplementedError(
+            "DeepSpeed's dynamic loss scale grows by 2 and backs off by 1/2 only, not by "
+            f"{scale.get('growth_factor')} and {scale.get('backoff_factor')}")
+    if power != int(power) or power < 0:
+        raise NotImplementedError(f"DeepSpeed's initial loss scale is a power of two, not {init}")
+    out["fp16"] = {
+        "enabled": True,
+        "loss_scale": 0,  # dynamic
+        "initial_scale_power": int(power),
+        "loss_scale_window": int(scale.get("growth_interval", 1000)),
+        "hysteresis": 1,  # back off at the first overflow, as GradScaler does
+        "min_loss_scale": 1,
+    }
+    return out
+
+
+def refuse_unsupported_dtype(policy: MixedPolicy) -> None:
+    """NotImplementedError when DeepSpeed's accelerator here cannot compute in ``param_dtype``."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = (accelerator.is_bf16_supported() if policy.param_dtype == torch.bfloat16
+                 else accelerator.is_fp16_supported())
+    if not supported:
+        raise NotImplementedError(
+            f"DeepSpeed's {accelerator.device_name()} accelerator does not support {policy.param_name} "
+            "(DeepSpeed: 'Type fp16 is not supported on your device')")
+
+
 class DeepSpeedTrainer:
     memory_unobserved = (
         "DeepSpeed keeps gradients and fp32 masters in its optimizer's private flat "
@@ -100,11 +156,18 @@ class DeepSpeedTrainer:
         self.partition_rule = "deepspeed-zero3" if stage == 3 else "deepspeed"
         self.optim_name = optim["name"]
         self.dtype = next(model.parameters()).dtype
-        # gradients are reduced in float32, parameters gathered in the model's dtype (measured)
+        policy = mixed_policy(optim)
+        # gradients are reduced in float32 (mixed: reduce_dtype), parameters gathered in the model's
+        # dtype (mixed: param_dtype) (measured)
         self.wire_bytes = {"params": self.dtype.itemsize, "grads": 4}
+        if policy is not None:
+            refuse_unsupported_dtype(policy)
+            self.wire_bytes = {"params": policy.param_dtype.itemsize, "grads": policy.reduce_dtype.itemsize}
         self.model = model
         config = deepspeed_config(stage, optim, dist.get_world_size())
         config["zero_optimization"].update(zero_overrides or {})
+        if policy is not None:
+            config.update(mixed_precision_config(policy))
         client = build_optimizer(model.parameters(), optim) if optim["name"] == "sgd" else None
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,

@@ -17,6 +17,19 @@ the parameters and for each optimizer state buffer, gathered in one collective p
   the replica all-reduce, the part HSDP adds to FSDP, is what runs; world 4 is ``(2, 2)``.
   Strategy ``"hybrid:<shard size>"``. ``optim["mesh"] = (R, S)`` (``--mesh RxS``) replaces the default
   shape, the degenerate ``(N, 1)`` (pure replication) and ``(1, N)`` (pure sharding) included.
+
+Mixed precision (``optim["mixed_precision"]``): every ``fully_shard`` gets
+``MixedPrecisionPolicy(param_dtype, reduce_dtype)``. The sharded parameters (the masters) and the
+optimizer state stay float32; FSDP2 casts a shard to ``param_dtype`` before all-gathering it (the
+gather moves ``param_dtype``), computes and differentiates in ``param_dtype``, casts the unsharded
+gradient to ``reduce_dtype`` before the reduce-scatter (and, under HSDP, the replica all-reduce) and
+the reduced shard to float32. Under accumulation (``set_requires_gradient_sync(False)``) FSDP2
+accumulates the unsharded gradients in ``reduce_dtype`` when it differs from ``param_dtype``
+(``FSDPParam.to_accumulated_grad_if_needed``), in ``param_dtype`` when the two are equal. Under
+float16 the adapter's :class:`~zerosim.verify.adapters._mixed_precision.DynamicLossScale` scales the
+loss and unscales the float32 gradient shards, all ranks deciding together whether to skip the step
+(torch.amp.GradScaler checks only the local shard of a DTensor gradient); its state is saved in the
+checkpoint as one replicated tensor.
 """
 
 from __future__ import annotations
@@ -26,12 +39,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..resources import storage_bytes
 from ._full_tensors import full_tensors
-from ._torch_optim import accumulate_backward, build_optimizer, clip_gradients, optimizer_state_copy
+from ._mixed_precision import MixedPolicy, loss_scale_of, mixed_optimizer_step, mixed_policy
+from ._torch_optim import accumulate_backward, build_optimizer, optimizer_state_copy
 
 
 def hybrid_mesh_shape(world: int) -> tuple[int, int]:
@@ -39,13 +53,20 @@ def hybrid_mesh_shape(world: int) -> tuple[int, int]:
     return (2, world // 2) if world % 2 == 0 else (1, world)
 
 
-def apply_fully_shard(model: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool) -> None:
-    """``fully_shard`` each block (every element of every ModuleList), then the root."""
+def apply_fully_shard(
+    model: torch.nn.Module, mesh: DeviceMesh, reshard_after_forward: bool, policy: MixedPolicy | None = None
+) -> None:
+    """``fully_shard`` each block (every element of every ModuleList), then the root; with the
+    protocol's mixed-precision policy as FSDP2's ``MixedPrecisionPolicy`` when there is one."""
+    options: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if policy is not None:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=policy.param_dtype,
+                                                    reduce_dtype=policy.reduce_dtype)
     for module in list(model.modules()):
         if isinstance(module, torch.nn.ModuleList):
             for block in module:
-                fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+                fully_shard(block, **options)
+    fully_shard(model, **options)
 
 
 def owned_range(param: Any) -> list[tuple[int, int]]:
@@ -79,15 +100,17 @@ class FSDP2Trainer:
         device_type = next(model.parameters()).device.type
         names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
         self.mesh = init_device_mesh(device_type, mesh_shape, mesh_dim_names=names)
-        apply_fully_shard(model, self.mesh, reshard_after_forward)
+        self.policy = mixed_policy(optim)
+        self.loss_scale = loss_scale_of(self.policy)
+        apply_fully_shard(model, self.mesh, reshard_after_forward, self.policy)
         self.optimizer = build_optimizer(model.parameters(), optim)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.model(inputs, targets)
-        loss.backward()
-        self._grad_norm = clip_gradients(self.model.parameters(), self.optim)
-        self.optimizer.step()
+        (loss if self.loss_scale is None else self.loss_scale.scale_loss(loss)).backward()
+        self._grad_norm = mixed_optimizer_step(self.model.parameters(), self.optimizer, self.optim,
+                                               self.loss_scale)
         return float(loss.detach())
 
     def step_accumulated(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -104,12 +127,13 @@ class FSDP2Trainer:
             if not self.reshard_after_forward:
                 root.set_reshard_after_backward(last)
 
+        scale = self.loss_scale.scale_loss if self.loss_scale is not None else None
         try:
-            loss = accumulate_backward(self.model, micro_batches, sync)
+            loss = accumulate_backward(self.model, micro_batches, sync, scale_loss=scale)
         finally:
             sync(True)
-        self._grad_norm = clip_gradients(self.model.parameters(), self.optim)
-        self.optimizer.step()
+        self._grad_norm = mixed_optimizer_step(self.model.parameters(), self.optimizer, self.optim,
+                                               self.loss_scale)
         return loss
 
     def last_grad_norm(self) -> float:
@@ -146,8 +170,16 @@ class FSDP2Trainer:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        if self.loss_scale is not None:
+            # every step so far may have overflowed and been skipped: no optimizer state yet, and the
+            # skipped gradients still held would stop get_state_dict from creating the empty state
+            # that load_checkpoint's fresh trainer creates and expects in the checkpoint
+            self.optimizer.zero_grad(set_to_none=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory))
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        if self.loss_scale is not None:
+            state[_LOSS_SCALE_KEY] = _scale_tensor(self.loss_scale.state_dict())
+        dcp.save(state, checkpoint_id=str(directory))
 
     def load_checkpoint(self, directory: Any) -> None:
         """``dcp.load`` into this trainer's own (sharded) state dicts, which reshards from the saved world
@@ -157,7 +189,12 @@ class FSDP2Trainer:
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+        if self.loss_scale is not None:
+            state[_LOSS_SCALE_KEY] = torch.zeros(len(_SCALE_FIELDS), dtype=torch.float64)
         dcp.load(state, checkpoint_id=str(directory))
+        if self.loss_scale is not None:
+            self.loss_scale.load_state_dict(dict(zip(_SCALE_FIELDS, state[_LOSS_SCALE_KEY].tolist(),
+                                                     strict=True)))
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
@@ -169,6 +206,15 @@ class FSDP2Trainer:
             "grads": storage_bytes(p.grad for p in params if p.grad is not None),
             "optimizer": storage_bytes(t for p in params for t in self.optimizer.state.get(p, {}).values()),
         }
+
+
+_LOSS_SCALE_KEY = "loss_scale"
+_SCALE_FIELDS = ("scale", "growth_tracker", "skipped_steps")
+
+
+def _scale_tensor(state: dict[str, float]) -> torch.Tensor:
+    """The loss scale's state as one float64 tensor, the same on every rank (DCP saves it once)."""
+    return torch.tensor([float(state[k]) for k in _SCALE_FIELDS], dtype=torch.float64)
 
 
 def _unsharded_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
