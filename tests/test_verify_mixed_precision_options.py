@@ -80,3 +80,15 @@ def test_all_refuses_precision_before_the_first_cell(tmp_path, capsys) -> None:
     line = error_line(subprocess.CompletedProcess([], code, out, err), 2)
     assert "precision='bf16'" in line
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("args", [["ddp", "--world", "1"], ["ddp", "--world", "1", "--precision", "bf16"]])
+def test_a_full_precision_or_bf16_command_line_passes_the_precision_checks(args: list[str], capsys) -> None:
+    """The command line's defaults (no --precision, no --reduce-dtype) are accepted: the run goes on to
+    the next check, here the refusal of one rank."""
+    from zerosim.cli import main
+
+    code = main(["verify", *args])
+    out, err = capsys.readouterr()
+    line = error_line(subprocess.CompletedProcess(args, code, out, err), 2)
+    assert "world=1" in line and "reduce_dtype" not in line, line

@@ -38,3 +38,12 @@ def test_a_broken_trainer_fails_with_its_class_named(factory: str, precision: st
     assert report.verdict == "fail"
     assert report.contracts[contract].status == "fail", report.contracts[contract]
     assert report.diagnosis and report.diagnosis[0].bug_class == bug_class, report.diagnosis
+
+
+def test_ddp_reducing_in_the_policys_bf16_passes_its_dtype_check() -> None:
+    """The ddp adapter's cast hook reduces in bfloat16 when the policy says so: C-ZERO-005's reduce_dtype
+    clause holds (the byte counts of the float32 ring model are findings, not failures)."""
+    report = verify("ddp", world=2, steps=2, optimizers="sgd", precision="bf16", reduce_dtype="bfloat16")
+    assert report.verdict == "pass", report.to_json()
+    assert not [v for v in report.contracts["C-ZERO-005"].violations if "bfloat16" in v.get("message", "")
+                and "policy" in v.get("message", "")]

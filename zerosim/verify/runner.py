@@ -114,7 +114,8 @@ def verify(
     ``reduce_dtype``, fp16's loss scale; :mod:`zerosim.verify.mixed_precision`) and a float32 model;
     ``dtype`` then defaults to float32, the master dtype.
     """
-    require_reduce_dtype_option(precision, reduce_dtype)
+    # float32 is every run's default reduce dtype; another one needs a mixed-precision policy
+    require_reduce_dtype_option(precision, None if reduce_dtype == DEFAULT_REDUCE_DTYPE else reduce_dtype)
     dtype = resolve_dtype(precision, dtype)
     reduce_dtype = reduce_dtype or DEFAULT_REDUCE_DTYPE
     validate_options(world=world, steps=steps, dtype=dtype, device=device, model=model,

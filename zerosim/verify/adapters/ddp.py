@@ -7,8 +7,9 @@ issue out of its reach.
 
 Under ``optim["mixed_precision"]`` (:mod:`._mixed`): the forward runs under ``torch.autocast(param_dtype)``
 over the float32 model (its parameters are the float32 masters), gradients are reduced in
-``reduce_dtype`` (float32: the plain all-reduce hook; bfloat16 / float16: DDP's compress hooks, which
-cast each bucket, all-reduce it and write the mean back into the float32 gradients), and under fp16
+``reduce_dtype`` (float32: the plain all-reduce hook; bfloat16 / float16: :func:`cast_reduce_hook`,
+which casts each bucket, all-reduces it and writes the mean back into the float32 gradients, as
+DDP's compress hooks do; torch's own bf16 hook needs NCCL), and under fp16
 a ``torch.amp.GradScaler`` scales the loss, unscales before the clip (``last_grad_norm`` is the
 unscaled norm) and skips overflow steps.
 """
@@ -20,11 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
-    allreduce_hook,
-    bf16_compress_hook,
-    fp16_compress_hook,
-)
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from ..resources import storage_bytes
@@ -32,8 +29,29 @@ from ._checkpoint import load_full, save_full
 from ._mixed import AmpPolicy
 from ._torch_optim import accumulate_backward, build_optimizer, clip_gradients, optimizer_state_copy
 
-REDUCE_HOOKS = {None: allreduce_hook, torch.float32: allreduce_hook, torch.bfloat16: bf16_compress_hook,
-                torch.float16: fp16_compress_hook}
+
+def cast_reduce_hook(dtype: torch.dtype) -> Any:
+    """A DDP comm hook that averages each bucket in ``dtype``: cast, divide by the world size, all-reduce
+    (``dist.all_reduce``, seen by the traffic counter with its dtype), cast back into the bucket."""
+
+    def hook(state, bucket):  # no annotations: DDP rejects a bucket annotated other than GradBucket
+        buffer = bucket.buffer()
+        low = buffer.to(dtype).div_(dist.get_world_size())
+        future = dist.all_reduce(low, async_op=True).get_future()
+
+        def back(done: Any) -> torch.Tensor:
+            buffer.copy_(done.value()[0].to(buffer.dtype))
+            return buffer
+
+        return future.then(back)
+
+    return hook
+
+
+def _reduce_hook(reduce_dtype: torch.dtype | None) -> Any:
+    if reduce_dtype is None or reduce_dtype == torch.float32:
+        return allreduce_hook
+    return cast_reduce_hook(reduce_dtype)
 
 
 def wrap_ddp(model: torch.nn.Module, reduce_dtype: torch.dtype | None = None) -> DistributedDataParallel:
@@ -43,7 +61,7 @@ def wrap_ddp(model: torch.nn.Module, reduce_dtype: torch.dtype | None = None) ->
     ddp = DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True
     )
-    ddp.register_comm_hook(dist.group.WORLD, REDUCE_HOOKS[reduce_dtype])
+    ddp.register_comm_hook(dist.group.WORLD, _reduce_hook(reduce_dtype))
     return ddp
 
 
