@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from zerosim.checks.mixed_precision import check_mixed_precision
+from zerosim.checks.equivalence import check_step_equivalence
 from zerosim.observe import TrainerObservation
 from zerosim.verify.mixed_precision import policy
 from zerosim.verify.mixed_reference import mixed_records
@@ -57,7 +57,7 @@ def _train(base: torch.nn.Module, source: Any, optim: dict[str, Any], world: int
 
 
 def ratio(records: list[Any]) -> tuple[float, float, bool]:
-    verdict = check_mixed_precision(records)
+    verdict = check_step_equivalence(records)
     exact = any(v.clause == "master_dtype" for v in verdict.violations)
     normwise = verdict.details.get("error_over_tolerance", 0.0)
     return normwise, verdict.details.get("median_update_error", 0.0), exact

@@ -72,10 +72,10 @@ def check_step_equivalence(
     if observations and isinstance(observations[0], MonitorObservation):
         return _monitor_state(observations)  # type: ignore[arg-type]
     if reference is None:
-        from .mixed_precision import MixedPrecisionStep, check_mixed_precision
+        from .mixed_precision import MixedPrecisionStep, step_equivalence_mixed
 
         if observations and isinstance(observations[0], MixedPrecisionStep):
-            return check_mixed_precision(observations, CONTRACT)  # type: ignore[arg-type]
+            return step_equivalence_mixed(observations, CONTRACT)  # type: ignore[arg-type]
         return _trainer_equivalence(observations, CONTRACT)  # type: ignore[arg-type]
     return _shard_equivalence(
         observations, reference, layout=layout, bitwise=bitwise, tolerance=tolerance,  # type: ignore[arg-type]

@@ -111,7 +111,7 @@ def _model_error(a: Mapping[str, np.ndarray], ref: Mapping[str, np.ndarray],
     return diff / moved if moved else 0.0
 
 
-def check_mixed_precision(records: Sequence[MixedPrecisionStep], contract: str = "C-ZERO-002",
+def step_equivalence_mixed(records: Sequence[MixedPrecisionStep], contract: str = "C-ZERO-002",
                           safety: float = SAFETY) -> Verdict:
     """C-ZERO-002 in its mixed-precision mode (module docstring): clauses ``normwise_update`` (a tensor's
     update, or its optimizer state's change, beyond its bound), ``step_counter`` and ``loss_scale``.
@@ -245,7 +245,7 @@ def logged_norm_bound_mixed(ref_norm: float, grad_deviation: float, elements: in
     return safety * grad_deviation + gamma(elements + world + 3, U32) * abs(ref_norm)
 
 
-def check_logged_norm_mixed(records: Sequence[MixedPrecisionStep], contract: str = "C-ZERO-008") -> Verdict:
+def logged_norm_mixed(records: Sequence[MixedPrecisionStep], contract: str = "C-ZERO-008") -> Verdict:
     """C-ZERO-008 under a policy: every rank's logged norm within :func:`logged_norm_bound_mixed` of the
     reference's unscaled norm before clipping. Steps the trainer skipped (fp16 overflow) are not judged."""
     out = ViolationCollector(contract, total=MAX_LISTED)
