@@ -156,3 +156,34 @@ def test_ranks_end_when_their_launcher_is_killed_by_sigkill(tmp_path: Path) -> N
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+_WHAT_A_RANK_SEES = """import os, sys, time
+print(os.environ['RANK'], __name__, sys.argv[2:], repr(sys.path[0]), os.getpid() == os.getpgid(0))
+done = os.path.join(sys.argv[1], 'rank0-done')
+if os.environ['RANK'] == '0':
+    open(done, 'w').close()
+else:
+    while not os.path.exists(done):  # rank 0 has printed before rank 1 fails (and it is stopped)
+        time.sleep(0.05)
+    raise ValueError('rank 1 fails')
+"""
+
+
+def test_a_forked_rank_sees_what_an_interpreter_of_its_own_sees(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """The ranks forked from one warm process (the default on Linux) and ranks started as interpreters
+    of their own (``ZEROGPU_RANK_START=exec``): same output, same session, same failure and status."""
+    from zerogpu.spawn import RANK_START_ENV, RankSpawn
+
+    seen = {}
+    for mode in ("fork", "exec"):
+        monkeypatch.setenv(RANK_START_ENV, mode)
+        (tmp_path / mode).mkdir()
+        spawn = RankSpawn(2, ["-c", _WHAT_A_RANK_SEES, str(tmp_path / mode), "a", "b"])
+        assert spawn.forked == (mode == "fork")
+        run = run_process_group(spawn, GUARD_S, dict(os.environ), kill_grace_s=2.0)
+        assert run.returncode == 1 and spawn.exits.first_failure() == (1, 1), run.stderr
+        assert "ValueError: rank 1 fails" in (run.stderr or "")
+        seen[mode] = sorted((run.stdout or "").splitlines())
+    assert seen["fork"] == seen["exec"] == ["0 __main__ ['a', 'b'] '' True", "1 __main__ ['a', 'b'] '' True"]

@@ -92,6 +92,53 @@ def diagnose_rank_death(exits: RankExits, said_why: bool = False) -> str | None:
     return None
 
 
+RANK_START_ENV = "ZEROGPU_RANK_START"  #: ``exec``: every rank an interpreter of its own (no forks)
+
+
+def forking_available() -> bool:
+    """Whether ranks can be forks of one warm process here: Linux (``fork``, ``prctl``), unless
+    ``$ZEROGPU_RANK_START`` is ``exec``."""
+    return sys.platform.startswith("linux") and os.environ.get(RANK_START_ENV, "") != "exec"
+
+
+class _ZygoteReport:
+    """What :mod:`zerogpu.rank_zygote` says on its report pipe: each rank's pid, then its status."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self.fd: int | None = fd
+        self.pids: dict[int, int] = {}
+        self.exits: list[tuple[int, int]] = []
+        self._partial = b""
+
+    def read(self, until_closed: bool = False) -> None:
+        """Take in every whole line written so far (``until_closed``: up to the end, within 5 s)."""
+        give_up = time.monotonic() + 5.0
+        while self.fd is not None:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                if not until_closed or time.monotonic() > give_up:
+                    return
+                time.sleep(0.01)
+                continue
+            if not chunk:
+                self.close()
+            self._partial += chunk
+            *lines, self._partial = self._partial.split(b"\n")
+            for line in lines:
+                what, rank, value = line.decode().split()
+                if what == "fork":
+                    self.pids[int(rank)] = int(value)
+                elif int(rank) not in dict(self.exits):
+                    self.exits.append((int(rank), int(value)))
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def rank_environment(rank: int, world: int, port: int, env: dict[str, str]) -> dict[str, str]:
     """``env`` plus what torchrun ``--standalone --nproc-per-node world`` sets for worker ``rank``."""
     return {
@@ -113,7 +160,11 @@ def rank_environment(rank: int, world: int, port: int, env: dict[str, str]) -> d
 
 
 class RankSpawn:
-    """``world`` ranks of ``python -u *argv`` on this node (see the module docstring)."""
+    """``world`` ranks of ``python -u *argv`` on this node (see the module docstring).
+
+    On Linux the ranks are forks of one process per launch that imported torch once
+    (:mod:`zerogpu.rank_zygote`); elsewhere, with another ``python``, or with ``$ZEROGPU_RANK_START``
+    set to ``exec``, each rank is an interpreter of its own. A rank program sees no difference."""
 
     def __init__(self, world: int, argv: Sequence[str], python: str | None = None):
         self.world = world
@@ -124,6 +175,9 @@ class RankSpawn:
         self.stderr: IO[bytes] | None = None
         self._kill_at: float | None = None  # when the ranks stopped after a failure get SIGKILL
         self.grace_s = 5.0
+        self.forked = forking_available() and self.command[0] == sys.executable
+        self._zygote: subprocess.Popen | None = None
+        self._zygote_report: _ZygoteReport | None = None
 
     @property
     def port(self) -> int:
@@ -136,37 +190,82 @@ class RankSpawn:
         self.stderr = stderr
         self.store = TCPStore(STORE_HOST, 0, world_size=self.world, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=_STORE_TIMEOUT_S))
+        if self.forked:
+            read_fd, write_fd = os.pipe()
+            zygote = [self.command[0], "-u", "-m", "zerogpu.rank_zygote", str(write_fd), str(self.world),
+                      "--", *self.command[2:]]
+            try:
+                self._zygote = start_owned(zygote, rank_environment(0, self.world, self.port, env), token,
+                                           stdout=stdout, stderr=stderr, pass_fds=(write_fd,))
+            finally:
+                os.close(write_fd)
+            self._zygote_report = _ZygoteReport(read_fd)
+            return
         for rank in range(self.world):
             self.procs.append(start_owned(self.command, rank_environment(rank, self.world, self.port, env),
                                           token, stdout=stdout, stderr=stderr))
 
+    def _running(self) -> dict[int, int]:
+        """rank -> pid of every rank started and not yet seen ending (its session has that id)."""
+        ended = {r for r, _ in self.exits.order}
+        if not self.forked:
+            return {r: p.pid for r, p in enumerate(self.procs) if r not in ended and p.poll() is None}
+        assert self._zygote_report is not None
+        return {r: pid for r, pid in self._zygote_report.pids.items() if r not in ended}
+
+    def _new_exits(self) -> list[tuple[int, int]]:
+        """The ranks that ended since the last look, with their status."""
+        seen = {r for r, _ in self.exits.order}
+        if not self.forked:
+            codes = [(r, p.poll()) for r, p in enumerate(self.procs) if r not in seen]
+            return [(r, code) for r, code in codes if code is not None]
+        assert self._zygote_report is not None and self._zygote is not None
+        zygote_code = self._zygote.poll()
+        self._zygote_report.read()
+        new = [(r, c) for r, c in self._zygote_report.exits if r not in seen]
+        if zygote_code is not None:
+            self._zygote_report.read(until_closed=True)
+            new = [(r, c) for r, c in self._zygote_report.exits if r not in seen]
+            told = seen | {r for r, _ in new}
+            # ranks the zygote never forked, or whose end it could not report (it was killed): how it ended
+            lost = zygote_code if zygote_code != 0 else -signal.SIGTERM
+            new += [(r, lost) for r in range(self.world) if r not in told]
+        return sorted(new)  # those seen in one look in rank order, as the exec'd ranks are polled
+
     def _look(self) -> None:
         """Note the ranks that ended since the last look; stop the rest once one has failed."""
-        seen = {r for r, _ in self.exits.order}
-        for rank, proc in enumerate(self.procs):
-            code = proc.poll()
-            if code is not None and rank not in seen:
-                self.exits.order.append((rank, code))
+        self.exits.order.extend(self._new_exits())
         if self._kill_at is None and any(c != 0 for _, c in self.exits.order):
             self._signal_running(signal.SIGTERM)
             self._kill_at = time.monotonic() + self.grace_s
         elif self._kill_at is not None and time.monotonic() >= self._kill_at:
             self._signal_running(signal.SIGKILL)
 
-    def _signal_running(self, sig: int) -> None:
-        """Send ``sig`` to the process group of every rank still running, and count it as stopped."""
-        for rank, proc in enumerate(self.procs):
-            if proc.poll() is None:
-                self.exits.stopped.add(rank)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, sig)
+    def _signal_running(self, sig: int, *, zygote_too: bool = False) -> None:
+        """Send ``sig`` to the process group of every rank still running, and count it as stopped. The
+        forking process gets SIGTERM too (it forks no more and passes it on); SIGKILL only
+        ``zygote_too`` (at the end of the launch: it may then not report how the ranks ended)."""
+        for rank, pid in self._running().items():
+            self.exits.stopped.add(rank)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, sig)
+        if self._zygote is not None and self._zygote.poll() is None and (sig != signal.SIGKILL or zygote_too):
+            if len(self._running()) < self.world - len(self.exits.order):  # ranks not forked yet: stopped
+                self.exits.stopped.update(set(range(self.world)) - {r for r, _ in self.exits.order})
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._zygote.pid, sig)
+
+    def _all_ended(self) -> bool:
+        if self.forked:
+            return self._zygote is None or self._zygote.poll() is not None
+        return all(p.poll() is not None for p in self.procs)
 
     def wait(self, timeout_s: float) -> int | None:
         """0 once every rank exited 0, 1 once every rank ended and one did not; None while one runs."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._look()
-            if len(self.exits.order) == len(self.procs):
+            if len(self.exits.order) == self.world:
                 return 0 if all(c == 0 for _, c in self.exits.order) else 1
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -178,17 +277,19 @@ class RankSpawn:
         SIGKILL after ``grace_s``; returns once none is left and every rank is reaped."""
 
         def groups(sig: int) -> None:
-            self._signal_running(sig)
+            self._signal_running(sig, zygote_too=True)
 
         groups(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+        while time.monotonic() < deadline and not self._all_ended():
             time.sleep(0.02)
         groups(signal.SIGKILL)
         end_owned(token, grace_s, also=groups)
-        for proc in self.procs:
+        for proc in [*self.procs, *([self._zygote] if self._zygote is not None else [])]:
             proc.wait()
         self._look()
+        if self._zygote_report is not None:
+            self._zygote_report.close()
         self.store = None  # the store's server closes with its last reference
         if any(c != 0 for _, c in self.exits.order):
             self._report()
