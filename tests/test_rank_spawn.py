@@ -129,7 +129,8 @@ def test_ranks_that_all_exit_0_end_the_launch_with_0_and_no_report() -> None:
 
 _LAUNCHER = """import os, sys
 from zerogpu.launch import run_ranks
-rank = ("import os, time; open(os.path.join(%r, os.environ['RANK']), 'w').write(str(os.getpid())); "
+rank = ("import os, time; d = %r; part = os.path.join(d, '.' + os.environ['RANK']); "
+        "open(part, 'w').write(str(os.getpid())); os.replace(part, os.path.join(d, os.environ['RANK'])); "
         "time.sleep(60)")
 run_ranks(2, ["-c", rank % sys.argv[1]], 120.0)
 """
@@ -142,9 +143,9 @@ def test_ranks_end_when_their_launcher_is_killed_by_sigkill(tmp_path: Path) -> N
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + GUARD_S
-        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+        while not all((tmp_path / r).exists() for r in ("0", "1")) and time.monotonic() < deadline:
             time.sleep(0.05)
-        pids = [int((tmp_path / r).read_text() or 0) for r in ("0", "1")]
+        pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]  # renamed into place once written
         assert all(_alive(p) for p in pids)
         launcher.kill()
         launcher.wait()
