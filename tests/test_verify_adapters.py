@@ -198,3 +198,33 @@ def test_closing_a_deepspeed_zero3_trainer_lets_the_process_free_it() -> None:
     for r in rows:
         assert r["alive"] == [], r
 
+
+
+@pytest.mark.parametrize(("version", "by_version"), [("2.13.0+cpu", True), ("2.6.0", True), ("2.5.1", False),
+                                                      ("1.13.1", False), ("nightly", False)])
+def test_fsdp2_availability_is_read_from_the_version_without_importing_fsdp(
+    monkeypatch: pytest.MonkeyPatch, version: str, by_version: bool
+) -> None:
+    import builtins
+    import importlib.metadata
+
+    from zerosim.verify import adapters
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    assert adapters._torch_has_fsdp2_by_version() is by_version
+    real_import = builtins.__import__
+    imported: list[str] = []
+
+    def no_fsdp(name: str, *args: object, **kwargs: object) -> object:
+        if name.startswith("torch.distributed.fsdp"):
+            imported.append(name)
+            raise ImportError("cannot import name 'fully_shard'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_fsdp)
+    reason = missing_requirement("fsdp2")
+    # a new enough torch is trusted by its version; an older one is asked by importing fully_shard
+    assert imported == ([] if by_version else ["torch.distributed.fsdp"])
+    assert (reason is None) is by_version, reason
+    if not by_version:
+        assert reason is not None and "has no FSDP2 (fully_shard): pip install 'torch>=2.6'" in reason

@@ -45,7 +45,6 @@ from .blame import rank_verdict
 from .errors import RankFailure, TrainerError
 from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, require_reduce_dtype_option, resolve_dtype
 from .outcome import VerifyReport
-from .resume import SNAPSHOT_FILE
 from .run_value import (
     DEFAULT_TIMEOUT_S,
     DEVICES,
@@ -133,7 +132,7 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
     """:func:`verify` for a run already built as one value: validate it, start its ranks, collect."""
     from zerogpu.launch import torch_unavailable_reason
 
-    from .targets import resolve_factory
+    from .targets import factory_spec, is_built_in, resolve_factory
 
     world = run.world if run.world is not None else 4
     run = run.replace(world=world).validate()
@@ -154,7 +153,13 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
     require_startable(world, run.device)
     if out:
         require_output_dir(out)
-    resolve_factory(run.target)
+    # a built-in adapter's module ships with zerosim: its name and requirements are checked here and the
+    # ranks import it; a user's MODULE:FACTORY (and model factory) is imported here, so that bad input
+    # fails before any rank starts
+    if is_built_in(run.target):
+        factory_spec(run.target)
+    else:
+        resolve_factory(run.target)
     from .model_source import model_source
 
     model_source(run.model, run.seed).validate(world, run.grad_accum)
@@ -233,6 +238,8 @@ class _Launch:
         save_logs, load_logs = self.log_dir / "save", self.log_dir / "load"
         world = self.run.world or 0
         first = self._start(resumed.replace(resume_stage="save"), "run-save.json", save_logs)
+        from .resume import SNAPSHOT_FILE
+
         if first.returncode != 0 or not (resume_dir / SNAPSHOT_FILE).exists():
             _collect(first, self.run_dir, world, self.launch_s, save_logs)  # raises the first launch's error
             raise RankFailure(-1, f"the first launch ended with status {first.returncode} without saving "

@@ -40,6 +40,13 @@ def factory_spec(target: str) -> str:
     return target
 
 
+def is_built_in(target: str) -> bool:
+    """True for a built-in adapter or variant name (its module ships with zerosim)."""
+    from .adapters import ADAPTERS, VARIANTS
+
+    return target in ADAPTERS or target in VARIANTS
+
+
 def resolve_factory(target: str) -> Callable[..., Any]:
     """The ``make_trainer`` callable TARGET names. TrainerError if its module or attribute is missing, the
     module raises on import, or the attribute is not callable."""

@@ -9,7 +9,9 @@ C-ZERO-004/005 are judged on (:mod:`zerosim.verify.resources`).
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import re
 
 _HERE = __name__
 
@@ -57,7 +59,7 @@ def missing_requirement(name: str) -> str | None:
     if need is None:
         if not importlib.util.find_spec("torch"):
             return "torch is not installed: pip install 'zerosim[torch]'"
-        if name.startswith("fsdp2"):
+        if name.startswith("fsdp2") and not _torch_has_fsdp2_by_version():
             try:
                 from torch.distributed.fsdp import fully_shard  # noqa: F401
             except ImportError:
@@ -69,6 +71,22 @@ def missing_requirement(name: str) -> str | None:
     if importlib.util.find_spec(package) is None:
         return f"{package} is not installed: {command}"
     return None
+
+
+#: the first torch release whose ``torch.distributed.fsdp`` exports ``fully_shard`` (FSDP2)
+FSDP2_SINCE = (2, 6)
+
+
+def _torch_has_fsdp2_by_version() -> bool:
+    """True when the installed torch's version alone shows FSDP2 is there (>= :data:`FSDP2_SINCE`),
+    read from the package metadata so that asking imports no ``torch.distributed.fsdp``; False means
+    "import it to find out"."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return match is not None and (int(match[1]), int(match[2])) >= FSDP2_SINCE
 
 
 def installed_adapters() -> list[str]:
