@@ -13,6 +13,8 @@ Broken variants (one flag each):
 
 * ``no_master``: the model itself is cast to ``param_dtype`` and the optimizer steps the low-precision
   parameters: no float32 master (``no-fp32-master``).
+* ``master_init``: the masters start from the model cast to ``param_dtype`` and back, not from the
+  float32 values it arrived with, as ``deepspeed.initialize`` makes them (``master-init``).
 * ``reduce_bf16``: the gradient buffer is all-reduced in bfloat16 whatever the policy says
   (``reduce-dtype``).
 * ``clip_scaled``: the clip runs before unscaling, on the scaled gradients (``loss-scale``).
@@ -54,6 +56,10 @@ class HandwrittenMixedTrainer:
         self.scale = float(scaling["init"]) if scaling else None
         self.clean_steps = 0
         self.model = model.to(self.param_dtype) if fault == "no_master" else model
+        if fault == "master_init":
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.copy_(p.to(self.param_dtype).to(p.dtype))
         self.names = [n for n, _ in self.model.named_parameters()]
         self.params = [p for _, p in self.model.named_parameters()]
         if optim["name"] == "sgd":
@@ -147,6 +153,10 @@ def no_master(model: torch.nn.Module, optim: dict[str, Any]) -> HandwrittenMixed
     return HandwrittenMixedTrainer(model, optim, "no_master")
 
 
+def master_init(model: torch.nn.Module, optim: dict[str, Any]) -> HandwrittenMixedTrainer:
+    return HandwrittenMixedTrainer(model, optim, "master_init")
+
+
 def reduce_bf16(model: torch.nn.Module, optim: dict[str, Any]) -> HandwrittenMixedTrainer:
     return HandwrittenMixedTrainer(model, optim, "reduce_bf16")
 
@@ -170,7 +180,8 @@ def no_skip(model: torch.nn.Module, optim: dict[str, Any]) -> HandwrittenMixedTr
 # (target, precision) rows of the table ``python -m tests.mixed_precision_trainers`` prints
 HERE = "tests.mixed_precision_trainers"
 TABLE = [("ddp", "bf16"), ("ddp", "fp16"), (f"{HERE}:correct", "bf16"), (f"{HERE}:correct", "fp16"),
-         (f"{HERE}:no_master", "bf16"), (f"{HERE}:reduce_bf16", "bf16"), (f"{HERE}:clip_scaled", "fp16"),
+         (f"{HERE}:no_master", "bf16"),
+         (f"{HERE}:master_init", "bf16"), (f"{HERE}:reduce_bf16", "bf16"), (f"{HERE}:clip_scaled", "fp16"),
          (f"{HERE}:no_unscale", "fp16"), (f"{HERE}:unscale_twice", "fp16"), (f"{HERE}:no_skip", "fp16")]
 
 

@@ -15,6 +15,7 @@ from zerosim.checks.mixed_precision import (
     MixedPrecisionStep,
     compute_dtype_values,
     normwise_error,
+    round_to_compute_dtype,
     update_bound,
 )
 from zerosim.observe import TrainerObservation
@@ -116,6 +117,53 @@ def test_masters_held_in_bf16_fail_as_no_fp32_master() -> None:
     assert first.step == 1 and first.ranks == (0,) and first.tensor in ("w", "v")
     outcome = ContractOutcome.from_verdict(verdict)
     assert [d.bug_class for d in diagnose_mixed([rec], {"C-ZERO-002": outcome})] == ["no-fp32-master"]
+
+
+def test_masters_started_from_the_bf16_cast_fail_as_master_init() -> None:
+    """A trainer whose step began from bf16-rounded masters: its update is the reference's plus the
+    rounding of ``before`` (relative 2^-9 of the weight, here a fifth of the update); diagnosed as such."""
+    rec = _step(noise=1e-4)
+    for obs in rec.ranks:
+        for n in NAMES:
+            shift = round_to_compute_dtype(rec.before[n], "bfloat16") - rec.before[n]
+            obs.params[n] = (obs.params[n] + shift).astype(np.float32)
+    verdict = check_step_equivalence([rec])
+    first = verdict.violations[0]
+    assert first.clause == "master_init" and first.step == 1 and first.ranks == (0, 1)
+    found = diagnose_mixed([rec], {"C-ZERO-002": ContractOutcome.from_verdict(verdict)})
+    assert [d.bug_class for d in found] == ["master-init"], found
+    assert "bfloat16-cast weights" in found[0].evidence
+
+
+def test_a_rounded_start_too_small_for_the_normwise_bound_still_fails_master_init() -> None:
+    """Updates ten times larger: the rounding is within the normwise bound, and still exactly what
+    the trainer's offset is."""
+    rec = _step(noise=1e-5)
+    for n in NAMES:
+        rec.ref[n] = rec.before[n] + 10 * (rec.ref[n] - rec.before[n])
+        rec.perturbed[n] = rec.before[n] + 10 * (rec.perturbed[n] - rec.before[n])
+        shift = round_to_compute_dtype(rec.before[n], "bfloat16") - rec.before[n]
+        for obs in rec.ranks:
+            obs.params[n] = rec.before[n] + 10 * (obs.params[n] - rec.before[n]) + shift
+    verdict = check_step_equivalence([rec])
+    assert {v.clause for v in verdict.violations} == {"master_init"}, verdict.violations
+
+
+def test_an_unrelated_offset_is_not_called_master_init() -> None:
+    rec = _step(noise=0.5)
+    verdict = check_step_equivalence([rec])
+    assert not verdict.passed
+    found = diagnose_mixed([rec], {"C-ZERO-002": ContractOutcome.from_verdict(verdict)})
+    assert "master-init" not in [d.bug_class for d in found]
+
+
+def test_round_to_compute_dtype_is_torchs_cast() -> None:
+    torch = pytest.importorskip("torch")
+    x = RNG.normal(size=4000).astype(np.float32)
+    x[:4] = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 3.0e38]  # ties to even, and the top
+    for dtype, tdtype in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        expected = torch.from_numpy(x).to(tdtype).double().numpy()
+        np.testing.assert_array_equal(round_to_compute_dtype(x, dtype), expected)
 
 
 def test_a_small_tensor_never_triggers_the_master_dtype_clause() -> None:

@@ -123,6 +123,7 @@ def test_bf16_computes_in_bf16_reduces_in_float32_and_returns_float32_masters(li
     assert run["compute"] == ["bfloat16"], run
     assert run["reduce"] == ["float32"], f"{name} reduced in {run['reduce']} under reduce_dtype float32"
     assert run["params"] == ["float32"] and run["state"] == ["float32"]
+    assert run["starts_from_model"], f"{name}'s masters do not start from the float32 model it received"
     # a trainer without a float32 master returns bfloat16 values: every element would be representable
     assert run["not_bf16"] > run["numel"] // 2, run
     assert run["resumed_bitwise"]

@@ -29,6 +29,7 @@ def test_a_correct_handwritten_bf16_trainer_passes_and_received_the_policy() -> 
 @pytest.mark.parametrize(
     "factory, precision, bug_class, contract",
     [("no_master", "bf16", "no-fp32-master", "C-ZERO-002"),
+     ("master_init", "bf16", "master-init", "C-ZERO-002"),
      ("reduce_bf16", "bf16", "reduce-dtype", "C-ZERO-005"),
      ("no_unscale", "fp16", "loss-scale", "C-ZERO-002")],
 )

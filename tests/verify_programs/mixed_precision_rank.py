@@ -2,7 +2,8 @@
 built-in GPT (float32, the master dtype) for two steps in full precision and under bf16, five under fp16,
 with traffic counted; rank 0 stores what each run showed (zerosim.datafile).
 
-Per (adapter, precision): the dtype the model's head computed in, the dtypes of the gradient
+Per (adapter, precision): whether the masters before the first step are the float32 model the
+factory received (bitwise), the dtype the model's head computed in, the dtypes of the gradient
 reductions and parameter gathers in the traffic records, the dtypes ``full_parameters()`` and
 ``full_optimizer_state()`` returned, how many master elements are not bfloat16-representable (a
 trainer that keeps no float32 master has none), the loss scale, and a save/load round trip:
@@ -66,6 +67,9 @@ def run(name: str, precision: str, checkpoint: Path) -> dict[str, Any]:
     trainer, seen = build(name, precision)
     if isinstance(trainer, str):
         return {"unsupported": trainer}
+    arrived = {n: p.detach() for n, p in build_model("gpt", "float32", 0).named_parameters()}
+    start = trainer.full_parameters()
+    starts_from_model = all(torch.equal(start[n].float(), arrived[n]) for n in arrived)
     with TrafficCounter() as counter:
         for step in range(1, STEPS[precision] + 1):
             trainer.step(*micro_batch(rank, step, 0))
@@ -80,6 +84,7 @@ def run(name: str, precision: str, checkpoint: Path) -> dict[str, Any]:
         "state": sorted({_name(v.dtype) for s in state.values() for k, v in s.items() if k != "step"}),
         "not_bf16": int(sum(int((p.float() != p.to(torch.bfloat16).float()).sum()) for p in params.values())),
         "numel": int(sum(p.numel() for p in params.values())),
+        "starts_from_model": starts_from_model,
         "norm": float(trainer.last_grad_norm()),
         "scale": None if scale is None else scale.state_dict(),
     }

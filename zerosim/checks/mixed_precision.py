@@ -26,6 +26,12 @@ even when the median over all of them is fine. The optimizer state is judged the
 (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``: the change of the state over the step); Adam's
 step counter exactly.
 
+Float32 masters from the float32 model (clause ``master_init``): a phase's first step is judged from
+the model the trainer received. When on every rank the offset from the reference is, to within half
+its norm, the compute-dtype rounding of that model, the masters were made from the cast weights
+(DeepSpeed's ``deepspeed.initialize`` does that): exact in the sense that a correct trainer's offset
+is independent of that rounding, so what it leaves is about the whole offset, never under half.
+
 Float32 masters (clause ``master_dtype``): a float32 master moved by an update lands on a value of the
 compute dtype by chance with probability about 2^-16 (bf16: the low 16 of its 32 bits are zero; fp16:
 2^-13). When every element of a tensor that the reference's update moved (at least
@@ -120,11 +126,15 @@ def step_equivalence_mixed(records: Sequence[MixedPrecisionStep], contract: str 
     worst: dict[str, Any] = {"ratio": -1.0}
     errors: list[float] = []
     stopped: set[str] = set()
+    started: set[str] = set()
     for rec in records:
         if rec.phase in stopped:
             continue
         if _judge_skip(out, rec, stopped):
             continue
+        if rec.phase not in started:
+            started.add(rec.phase)
+            _judge_master_init(out, rec)
         targets: list[tuple[str, str | None, dict[str, np.ndarray], dict[str, np.ndarray],
                             dict[str, np.ndarray]]] = [("params", None, rec.ref, rec.perturbed, rec.before)]
         for sk in STATE_KEYS:
@@ -197,6 +207,58 @@ def compute_dtype_values(values: np.ndarray, dtype: str) -> np.ndarray:
         return (x.view(np.uint32) & 0xFFFF) == 0
     with np.errstate(over="ignore"):
         return x.astype(np.float16).astype(np.float32) == x
+
+
+def round_to_compute_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+    """Float32 ``values`` rounded to the nearest ``dtype`` (bfloat16 / float16) value, ties to even, as
+    float64: what a cast of the masters to the compute dtype makes of them."""
+    x = np.ascontiguousarray(np.asarray(values, np.float32))
+    if dtype == "bfloat16":
+        bits = x.view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+        return rounded.view(np.float32).astype(np.float64)
+    with np.errstate(over="ignore"):
+        return x.astype(np.float16).astype(np.float64)
+
+
+ROUNDED_START_MATCH = 0.5  # the rounding explains a rank's offset when what it leaves is below this share
+
+
+def rounded_start_share(rec: MixedPrecisionStep, obs: TrainerObservation) -> float | None:
+    """``||(p - p_ref) - (round(p_before) - p_before)|| / ||p - p_ref||`` over every tensor: how much of
+    a rank's offset from the reference the compute-dtype rounding of the starting masters leaves
+    unexplained (None when that rounding or the offset is zero or not finite). A correct trainer's
+    offset is independent of the rounding (the share is at least about 1); one whose masters began
+    from the cast weights leaves only its own small noise."""
+    names = [n for n in rec.ref if n in rec.before and n in obs.params]
+    shift = {n: round_to_compute_dtype(rec.before[n], rec.param_dtype) - np.asarray(rec.before[n], np.float64)
+             for n in names}
+    if not any(np.any(v) for v in shift.values()):
+        return None
+    total = rest = 0.0
+    for n in names:
+        offset = (np.asarray(obs.params[n], np.float64).reshape(np.shape(rec.ref[n]))
+                  - np.asarray(rec.ref[n], np.float64))
+        total += float(np.sum(offset ** 2))
+        rest += float(np.sum((offset - shift[n]) ** 2))
+    if not math.isfinite(total) or not math.isfinite(rest) or total == 0.0:
+        return None
+    return math.sqrt(rest / total)
+
+
+def _judge_master_init(out: ViolationCollector, rec: MixedPrecisionStep) -> None:
+    """Clause ``master_init`` at a phase's first step (judged from the model the trainer received): every
+    rank's offset is the compute-dtype rounding of that model (:func:`rounded_start_share` below
+    :data:`ROUNDED_START_MATCH`): the float32 masters were made from the cast weights."""
+    shares = [rounded_start_share(rec, obs) for obs in rec.ranks]
+    if not shares or any(s is None or s >= ROUNDED_START_MATCH for s in shares):
+        return
+    worst = max(s for s in shares if s is not None)
+    out.add("master_init",
+            f"every rank's masters after step {rec.step} are the reference's plus the {rec.param_dtype} "
+            f"rounding of the float32 model the step started from (it leaves {worst:.2g} of the "
+            f"difference): the float32 masters were made from the {rec.param_dtype}-cast weights",
+            phase=rec.phase, step=rec.step, ranks=tuple(o.rank for o in rec.ranks))
 
 
 def _judge_master_dtype(out: ViolationCollector, rec: MixedPrecisionStep) -> None:

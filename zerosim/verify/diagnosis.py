@@ -37,6 +37,10 @@ Under a mixed-precision policy (:func:`diagnose_mixed`):
 * ``no-fp32-master``: at the first failing step every rank's "masters" are values of the compute dtype
   (bf16: the low 16 bits of every float32 are zero) while the reference's are not: the trainer keeps
   no float32 master, and updates smaller than half a bf16 ulp of the weight are lost.
+* ``master-init``: at the first failing step every rank's masters differ from the reference's by the
+  compute dtype's rounding of the masters the step started from (the model's float32 values, at a
+  phase's first step): the float32 masters were made from the ``param_dtype``-cast weights, not from
+  the float32 values the model arrived with (DeepSpeed's ``deepspeed.initialize`` does this).
 * ``reduce-dtype``: a gradient reduction moved another dtype than the policy's ``reduce_dtype``
   (C-ZERO-005's traffic records; numerically such a run can look right).
 * ``loss-scale`` (fp16): the update is the reference's times the loss scale (unscale missing) or
@@ -625,11 +629,11 @@ def diagnose_mixed(records: Sequence[Any], contracts: dict[str, ContractOutcome]
     scale_faults = [v for v in violations if v.get("clause") == "loss_scale"]
     if scale_faults:
         found.append(Diagnosis("loss-scale", str(scale_faults[0].get("message", ""))))
-    first = next((v for v in violations if v.get("clause") in ("master_dtype", "normwise_update",
-                                                               "step_counter")), None)
+    first = next((v for v in violations if v.get("clause") in ("master_dtype", "master_init",
+                                                               "normwise_update", "step_counter")), None)
     rec = next((r for r in records if first is not None and r.step == first.get("step")), None)
     if rec is not None:
-        found += _no_master(rec) or _scaled_update(rec)
+        found += _no_master(rec) or _rounded_start(rec) or _scaled_update(rec)
     norm = contracts.get("C-ZERO-008")
     if norm is not None and norm.status == "fail" and not any(d.bug_class == "loss-scale" for d in found):
         v = norm.violations[0] if norm.violations else {}
@@ -667,6 +671,22 @@ def _no_master(rec: Any) -> list[Diagnosis]:
     return [Diagnosis("no-fp32-master", f"at step {rec.step} ({rec.phase}) every rank's masters are {dtype} "
                       f"values: the trainer keeps no float32 master; {lost} of {total} elements of the "
                       f"reference's update are below half a {dtype} ulp of the weight and are lost")]
+
+
+def _rounded_start(rec: Any) -> list[Diagnosis]:
+    """``master-init`` (module docstring): on every rank the compute-dtype rounding of the masters the step
+    started from explains the offset from the reference
+    (:func:`zerosim.checks.mixed_precision.rounded_start_share`)."""
+    from zerosim.checks.mixed_precision import ROUNDED_START_MATCH, rounded_start_share
+
+    shares = [rounded_start_share(rec, obs) for obs in rec.ranks]
+    if not shares or any(s is None or s >= ROUNDED_START_MATCH for s in shares):
+        return []
+    worst = max(s for s in shares if s is not None)
+    return [Diagnosis("master-init", f"at step {rec.step} ({rec.phase}) every rank's masters are the "
+                      f"reference's plus the {rec.param_dtype} rounding of the masters the step started from "
+                      f"(it leaves {worst:.2g} of the difference): the float32 masters were made from the "
+                      f"{rec.param_dtype}-cast weights, not from the float32 values the model arrived with")]
 
 
 def _scaled_update(rec: Any) -> list[Diagnosis]:

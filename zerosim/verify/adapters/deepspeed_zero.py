@@ -26,7 +26,11 @@ min_loss_scale}`` from the protocol's ``loss_scale``, and ``communication_data_t
 ``reduce_dtype``. Without ``communication_data_type`` DeepSpeed 0.19 reduces bf16 gradients in
 bfloat16 at every stage (measured from the traffic records), so the adapter always names it.
 DeepSpeed casts the module to ``param_dtype`` when the engine is built and makes its float32 masters
-from the cast weights: they start bfloat16-rounded, not from the float32 values the model arrived with.
+from the cast weights: they start bfloat16-rounded, not from the float32 values the model arrived with
+(verify names that ``master-init``; its offset, up to 2^-9 of each weight, is larger than a first SGD
+step on LayerNorm gains). The adapter writes the float32 values into the masters after
+``deepspeed.initialize`` (:meth:`DeepSpeedTrainer._restore_masters`), through DeepSpeed's own
+``safe_set_full_fp32_param`` / ``safe_set_local_fp32_param``.
 What DeepSpeed cannot do is refused with its reason (NotImplementedError: the phase is reported
 unsupported): float16 on an accelerator without it (DeepSpeed's CPU accelerator), and loss scaling
 with factors other than DeepSpeed's fixed 2 and 1/2, or an initial scale that is not a power of two.
@@ -168,6 +172,8 @@ class DeepSpeedTrainer:
         config["zero_optimization"].update(zero_overrides or {})
         if policy is not None:
             config.update(mixed_precision_config(policy))
+        arrived = ({name: p.detach().clone() for name, p in model.named_parameters()}
+                   if policy is not None else None)
         client = build_optimizer(model.parameters(), optim) if optim["name"] == "sgd" else None
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
@@ -177,6 +183,31 @@ class DeepSpeedTrainer:
             dist_init_required=False,
         )
         self._named = list(self.engine.module.named_parameters())
+        if arrived is not None:
+            self._restore_masters(arrived)
+
+    def _restore_masters(self, arrived: dict[str, torch.Tensor]) -> None:
+        """Write the float32 values the model arrived with into DeepSpeed's float32 masters
+        (``safe_set_full_fp32_param``, collective: every rank, every parameter, the same order).
+        ``deepspeed.initialize`` casts the module to ``param_dtype`` first and builds its masters from
+        the cast weights, so without this they start ``param_dtype``-rounded. The compute copy stays
+        the cast weights: the masters' rounding, as the policy makes it.
+
+        Stage 3 writes each rank's own partition (``safe_set_local_fp32_param``): DeepSpeed 0.19.8's
+        ``set_full_hp_param`` narrows past the end of a parameter whose last partition is padded."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_local_fp32_param
+
+        rank = dist.get_rank()
+        for name, p in self._named:
+            value = arrived[name].to(torch.float32).reshape(-1)
+            if self.stage != 3:
+                safe_set_full_fp32_param(p, value)
+                continue
+            part = int(p.ds_tensor.ds_numel)
+            local = torch.zeros(part, dtype=torch.float32)
+            own = value[rank * part:(rank + 1) * part]
+            local[:own.numel()] = own
+            safe_set_local_fp32_param(p, local)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
         self._accumulate_over(1)
