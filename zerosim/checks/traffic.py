@@ -36,6 +36,10 @@ observations it is given.
   run's policy names (the run's dtype in full precision; a mixed-precision policy's reduce dtype). A
   reduction in another dtype is a correctness failure, not an efficiency finding: bfloat16 where the
   policy says float32 loses precision that the parameters may not show, only the bytes do.
+
+Why one module of this length: C-ZERO-005 is one check (:func:`check_communication`) whose clauses
+share the traffic classes, the model values (:class:`TrafficModel`) and the band arithmetic that turns
+them into expected bytes; split, the model values and the bytes they imply would live apart.
 """
 
 from __future__ import annotations
