@@ -156,6 +156,91 @@ def test_an_unobserved_traffic_class_is_not_judged_and_says_why() -> None:
     assert out["status"] == "pass" and "gather not judged: bound before the counter" in out["reason"]
 
 
+# ---- under a mixed-precision policy: element sizes from the policy (pure) -------------------------------
+
+BF16_F32 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+
+
+def _records(reduce_dtype: str, gather_dtype: str) -> list[dict]:
+    return [{"function": "reduce_scatter_tensor", "kind": "reduce_scatter", "class": "reduce",
+             "dtype": reduce_dtype, "payload_bytes": 0, "group": [0, 1]},
+            {"function": "all_gather_into_tensor", "kind": "all_gather", "class": "gather",
+             "dtype": gather_dtype, "payload_bytes": 0, "group": [0, 1]}]
+
+
+def _judge_policy(strategy: str, partitioner: str, per_rank: list, policy: dict = BF16_F32, **kw) -> tuple:
+    """(ring_model + reduce_dtype outcome) of counted traffic under ``policy``, float32 masters."""
+    model = TrafficModel.under_policy(strategy, _layout(), 2, policy, 4, partitioner=partitioner, **kw)
+    judged = check_communication(per_rank, model, reduce_dtype=policy["reduce_dtype"])
+    return judged, traffic_result(judged)
+
+
+def test_zero3_under_bf16_gathers_bf16_copies_and_reduces_in_reduce_dtype() -> None:
+    # layout of 26 elements, fsdp chunks of 15 per rank at world 2 (30 packed): one ring all-gather
+    # pass receives 15 elements, forward + backward two passes; one reduce-scatter receives 15
+    bf16_gathers, f32_reduce = Fraction(2 * 15 * 2), Fraction(15 * 4)
+    summary = {**_summary(f32_reduce, bf16_gathers), "collectives": _records("float32", "bfloat16")}
+    verdict, out = _judge_policy("zero3", "fsdp", [[summary]] * 2)
+    assert out["status"] == "pass", out["reason"]
+    assert verdict.details["param_bytes"] == 2 and verdict.details["grad_bytes"] == 4
+    # the same bytes against the float32 model of the run's masters: the finding the policy removes
+    plain = check_traffic("zero3", _layout(), 4, 2, [[summary]] * 2, partitioner="fsdp")
+    assert plain["status"] == "fail" and {v["tensor"] for v in plain["violations"]} == {"gather"}
+    # gathers that move float32 masters into a bf16 forward move twice the bytes: off the model
+    f32_gathers = {**_summary(f32_reduce, 2 * bf16_gathers), "collectives": _records("float32", "float32")}
+    _, wide = _judge_policy("zero3", "fsdp", [[f32_gathers]] * 2)
+    assert wide["status"] == "fail"
+    assert {(v["rank"], v["tensor"]) for v in wide["violations"]} == {(0, "gather"), (1, "gather")}
+
+
+def test_a_reduction_in_bf16_under_a_float32_policy_fails_both_clauses() -> None:
+    bf16_reduce = {**_summary(Fraction(15 * 2), Fraction(2 * 15 * 2)),
+                   "collectives": _records("bfloat16", "bfloat16")}
+    verdict, _ = _judge_policy("zero3", "fsdp", [[bf16_reduce]] * 2)
+    clauses = {(v.clause, v.ranks[0], v.tensor) for v in verdict.violations}
+    assert ("reduce_dtype", 0, "reduce_scatter_tensor") in clauses
+    assert ("ring_model", 0, "reduce") in clauses  # half the bytes: below the float32 band
+    # the same records under a policy that reduces in bfloat16 pass
+    policy = {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
+    _, out = _judge_policy("zero3", "fsdp", [[bf16_reduce]] * 2, policy)
+    assert out["status"] == "pass", out["reason"]
+
+
+def test_zero2_exchange_after_the_step_may_move_masters_or_compute_copies() -> None:
+    # ZeRO-2, fsdp chunks: one gather pass after the step, 11 elements not stored (least), 15 padded (most)
+    reduce = Fraction(15 * 4)
+    for gathered in (Fraction(15 * 2), Fraction(11 * 2), Fraction(15 * 4), Fraction(11 * 4)):
+        _, out = _judge_policy("zero2", "fsdp", [[_summary(reduce, gathered)]] * 2)
+        assert out["status"] == "pass", (gathered, out["reason"])
+    _, twice = _judge_policy("zero2", "fsdp", [[_summary(reduce, Fraction(2 * 15 * 4))]] * 2)
+    assert twice["status"] == "fail" and twice["violations"][0]["tensor"] == "gather"
+
+
+def test_a_skipped_step_may_exchange_nothing_after_it_and_only_that_step() -> None:
+    reduce, gathered = Fraction(15 * 4), Fraction(15 * 2)
+    steps = [_summary(reduce, Fraction(0)), _summary(reduce, gathered)]
+    _, out = _judge_policy("zero2", "fsdp", [steps] * 2, skipped_steps=frozenset({1}))
+    assert out["status"] == "pass", out["reason"]
+    _, not_skipped = _judge_policy("zero2", "fsdp", [steps] * 2, skipped_steps=frozenset({2}))
+    assert {(v["step"], v["tensor"]) for v in not_skipped["violations"]} == {(1, "gather")}
+    # ZeRO-3 gathers for the forward whether or not the step is taken
+    _, z3 = _judge_policy("zero3", "fsdp", [[_summary(reduce, Fraction(0))]] * 2,
+                          skipped_steps=frozenset({1}))
+    assert z3["status"] == "fail"
+
+
+def test_skipped_steps_are_those_whose_masters_did_not_change() -> None:
+    import numpy as np
+
+    from zerosim.verify.resources import skipped_steps
+
+    w0 = {"w": np.array([1.0, 2.0], np.float32)}
+    w1 = {"w": np.array([1.0, 2.5], np.float32)}
+    masters = {1: w0, 2: w1, 3: w1, 4: {"w": np.array([1.0, 2.5000002], np.float32)}}
+    assert skipped_steps([1, 2, 3, 4], masters, w0) == frozenset({1, 3})
+    assert skipped_steps([1, 2], {2: w0}, w0) == frozenset()  # step 1 unobserved: neither counted
+
+
 # ---- live: one torchrun job at world 2 -----------------------------------------------------------------
 
 

@@ -278,3 +278,36 @@ def test_resume_column_cells_files_and_exit_status(monkeypatch: pytest.MonkeyPat
     assert "| ddp | pass (C-ZERO-007 pass 1.0e-02) | pass (C-ZERO-007 pass 1.0e-02) |" in text
     assert "fail (C-ZERO-007 fail 1.0e-02) step 2, C-ZERO-007" in text
     assert "fsdp2 4 -> 2: RankFailure" in text
+
+
+def _resume_fp16(target: str):
+    from zerosim.verify import verify
+
+    return verify(target, world=2, steps=4, optimizers=("adamw",), timeout_s=TIMEOUT_S, resume_at=2,
+                  precision="fp16")
+
+
+@pytest.mark.torchdist
+def test_an_fp16_run_resumes_with_its_float32_masters_and_loss_scale() -> None:
+    # the protocol's initial scale 65536 overflows the first steps: the scale the trainer resumes with
+    # is one it backed off to, and the continued steps are judged at the scale its skips imply
+    report = _resume_fp16("torch-zero")
+    assert report.exit_code == 0, {k: v.reason for k, v in report.contracts.items()}
+    c7 = report.contracts["C-ZERO-007"]
+    assert c7.status == "pass", c7.reason
+    assert c7.details["round_trip_violations"] == 0 and c7.details["continued_steps"] == 2
+    assert report.extra["mixed_precision"]["param_dtype"] == "float16"
+    assert report.extra["resume"]["phases_resumed"] == ["adamw"]
+    assert report.contracts["C-ZERO-005"].status == "pass", report.contracts["C-ZERO-005"].reason
+
+
+@pytest.mark.torchdist
+def test_a_loss_scale_that_restarts_on_load_fails_c_zero_007_as_loss_scale() -> None:
+    report = _resume_fp16("tests.verify_trainers.broken:loss_scale_restarts_on_load")
+    assert report.exit_code == 1
+    c7 = report.contracts["C-ZERO-007"]
+    assert c7.status == "fail" and c7.details["round_trip_violations"] == 0  # masters and state: intact
+    first = c7.violations[0]
+    assert first["clause"] == "continuation" and first["step"] == 3  # the first step after the resume
+    assert "skipped step 3" in first["message"] and "do not overflow" in first["message"]
+    assert [d.bug_class for d in report.diagnosis] == ["loss-scale"]

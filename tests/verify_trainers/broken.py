@@ -347,3 +347,21 @@ MUTANTS = {
     "rank_stops_updating": 2, "wrong_gather_order": 2, "stale_parameters": 2, "double_weight_decay": 2,
     "adam_step_off_by_one": 2, "gradients_never_zeroed": 2, "hybrid_replicas_drift": 4,
 }
+
+
+def loss_scale_restarts_on_load(model: torch.nn.Module, optim: dict):
+    """The torch-zero adapter whose load_checkpoint restores masters and optimizer state but starts the
+    fp16 loss scale over at its initial value (the scaler's state is not carried across a resume)."""
+    from zerosim.verify.adapters.torch_zero import make_trainer
+
+    trainer = make_trainer(model, optim)
+    load = trainer.load_checkpoint
+
+    def load_without_scale(directory):
+        load(directory)
+        if trainer.loss_scale is not None:
+            trainer.loss_scale.scale = float(optim["mixed_precision"]["loss_scale"]["init"])
+            trainer.loss_scale.growth_tracker = 0
+
+    trainer.load_checkpoint = load_without_scale
+    return trainer

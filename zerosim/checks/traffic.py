@@ -25,10 +25,21 @@ observations it is given.
   gathers once per step keeps whole parameters alive from forward to backward. Scalars (a gradient
   norm, a loss, an overflow flag) are control traffic, counted apart and not judged.
 
+  Under a mixed-precision policy (:meth:`TrafficModel.under_policy`) the two classes have their own
+  element sizes: a gradient reduction moves ``reduce_dtype`` elements; the gathers that feed forward and
+  backward (ZeRO-3, FSDP) move ``param_dtype`` compute copies; the exchange after the optimizer step
+  (ZeRO-1/2) may move the float32 masters (ZeroRedundancyOptimizer) or the ``param_dtype`` copies cast
+  from them (DeepSpeed, FSDP2's ZeRO-2, zerogpu): its band spans both. A step the trainer skipped
+  (fp16 overflow: the masters did not change) may exchange nothing after it.
+
   ``reduce_dtype`` (given ``reduce_dtype``): every gradient reduction moves elements of the dtype the
   run's policy names (the run's dtype in full precision; a mixed-precision policy's reduce dtype). A
   reduction in another dtype is a correctness failure, not an efficiency finding: bfloat16 where the
   policy says float32 loses precision that the parameters may not show, only the bytes do.
+
+Why one module of this length: C-ZERO-005 is one check (:func:`check_communication`) whose clauses
+share the traffic classes, the model values (:class:`TrafficModel`) and the band arithmetic that turns
+them into expected bytes; split, the model values and the bytes they imply would live apart.
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ from typing import Any
 from ..cost.comm_model import comm_per_step
 from ..layout import ParamLayout
 from ..observe import RankObservation, StepObservation
-from ..strategy import ShardingStrategy, Topology
+from ..strategy import ShardingStrategy, StrategyKind, Topology
 from ..verdict import Verdict
 from .collect import ViolationCollector
 from .holdings import as_layout, stored_numel, strategy_from_declared
@@ -53,6 +64,12 @@ CONTRACT = "C-ZERO-005"
 TRAFFIC_CLASSES = ("reduce", "gather")
 REDUCE_COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce")
 GATHER_COLLECTIVES = ("all_gather", "broadcast")
+#: bytes of one element of each dtype a trainer may move
+ELEMENT_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+#: the strategies whose only parameter exchange follows the optimizer step (ZeRO-1/2): the updated
+#: parameters, as masters or as compute copies
+EXCHANGE_AFTER_STEP = (StrategyKind.SHARD_OPTIMIZER, StrategyKind.SHARD_GRAD_OP,
+                       StrategyKind.HYBRID_SHARD_ZERO2)
 
 
 def traffic_class(kind: str, numel: int) -> str:
@@ -143,7 +160,11 @@ class TrafficModel:
     :class:`ParamLayout` or a module), the bytes of a parameter element on the wire (``param_bytes``)
     and of a gradient element (``grad_bytes``, default the same), the world size, its partition rule,
     how its ZeRO-1 reduces gradients, the traffic classes it cannot show (class -> why; not judged)
-    and the micro-batches per optimizer step (the band of :func:`traffic_band` under accumulation)."""
+    and the micro-batches per optimizer step (the band of :func:`traffic_band` under accumulation).
+    Under a mixed-precision policy (:meth:`under_policy`): ``master_bytes``, the bytes of a master
+    element when the exchange after a ZeRO-1/2 step may move masters instead of ``param_bytes`` compute
+    copies (the gather band spans both), and ``skipped_steps``, the global steps the trainer skipped
+    (fp16 overflow), after which no exchange is required."""
 
     declared_strategy: str
     layout: Any
@@ -154,6 +175,32 @@ class TrafficModel:
     zero1_grad_reduce: str = "all_reduce"
     unobserved: Mapping[str, str] | None = None
     micro_batches: int = 1
+    master_bytes: int | None = None
+    skipped_steps: frozenset[int] = frozenset()
+
+    @classmethod
+    def under_policy(
+        cls,
+        declared_strategy: str,
+        layout: Any,
+        world: int,
+        policy: Mapping[str, Any],
+        master_bytes: int = 4,
+        *,
+        skipped_steps: frozenset[int] = frozenset(),
+        **options: Any,
+    ) -> TrafficModel:
+        """The model of a trainer under a mixed-precision ``policy`` (``{"param_dtype", "reduce_dtype"}``):
+        gradient reductions move ``reduce_dtype`` elements, the gathers of ZeRO-3 / FSDP ``param_dtype``
+        compute copies, and the exchange after a ZeRO-1/2 step either those or the ``master_bytes``
+        masters (``master_bytes`` spans the band); ``skipped_steps``: the global steps the trainer
+        skipped (no exchange after them is required)."""
+        strategy = strategy_from_declared(declared_strategy)
+        after_step = strategy.kind in EXCHANGE_AFTER_STEP
+        return cls(declared_strategy, layout, ELEMENT_BYTES[str(policy["param_dtype"])], world,
+                   grad_bytes=ELEMENT_BYTES[str(policy["reduce_dtype"])],
+                   master_bytes=master_bytes if after_step else None,
+                   skipped_steps=frozenset(skipped_steps), **options)
 
 
 @judges(CONTRACT)
@@ -213,6 +260,7 @@ def _within_model(
     unobserved, micro_batches = model.unobserved, model.micro_batches
     strategy = strategy_from_declared(declared_strategy)
     lay = as_layout(layout)
+    after_step = strategy.kind in EXCHANGE_AFTER_STEP
     skip = dict(unobserved or {})
     out = ViolationCollector(CONTRACT)
     rows: list[dict[str, Any]] = []
@@ -222,6 +270,11 @@ def _within_model(
             lay, strategy, world, rank, dtype_bytes, grad_bytes or dtype_bytes, partitioner,
             zero1_grad_reduce, micro_batches,
         )
+        if model.master_bytes is not None and model.master_bytes != dtype_bytes:
+            # the exchange after the step may move the masters instead of the compute copies
+            masters = traffic_band(lay, strategy, world, rank, model.master_bytes, grad_bytes or dtype_bytes,
+                                   partitioner, zero1_grad_reduce, micro_batches)["gather"]
+            band["gather"] = (min(band["gather"][0], masters[0]), max(band["gather"][1], masters[1]))
         rows.append(
             {
                 "rank": rank,
@@ -238,6 +291,8 @@ def _within_model(
                     continue
                 checked += 1
                 lo, hi = band[cls]
+                if cls == "gather" and after_step and first_step + i in model.skipped_steps:
+                    lo = Fraction(0)  # a skipped step changed no parameter: nothing to exchange after it
                 got = Fraction(summary[cls]["received"])  # type: ignore[index]
                 if lo <= got <= hi:
                     continue
@@ -256,6 +311,7 @@ def _within_model(
         partitioner=partitioner,
         param_bytes=dtype_bytes,
         grad_bytes=grad_bytes or dtype_bytes,
+        master_bytes=model.master_bytes,
         zero1_grad_reduce=zero1_grad_reduce,
         micro_batches=micro_batches,
         ranks=rows,

@@ -21,9 +21,11 @@ verdicts into the report's outcomes (:func:`resource_outcomes`, on rank 0); it j
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from zerosim.checks.holdings import MEMORY_KINDS, ResidentPlan, as_layout, check_holdings, kinds_below_plan
 from zerosim.checks.traffic import TRAFFIC_CLASSES, TrafficModel, check_communication
@@ -164,11 +166,33 @@ def traffic_result(verdict: Verdict, unobserved: dict[str, str] | None = None) -
             "details": dict(verdict.details)}
 
 
+def skipped_steps(steps: Sequence[int], masters: Mapping[int, Mapping[str, Any]],
+                  initial: Mapping[str, Any]) -> frozenset[int]:
+    """The steps among ``steps`` (consecutive, one phase) whose masters (``masters[step]``, rank 0's
+    after the step) are bitwise those before it (``initial`` before the first): steps a loss-scaling
+    trainer skipped. A step without masters is not counted as skipped."""
+    out = set()
+    before: Mapping[str, Any] | None = initial
+    for step in steps:
+        after = masters.get(step)
+        if after is not None and before is not None and set(after) == set(before) and all(
+            np.array_equal(np.asarray(after[n], np.float32), np.asarray(before[n], np.float32))
+            for n in after
+        ):
+            out.add(step)
+        before = after
+    return frozenset(out)
+
+
 def resource_outcomes(
-    phases: Sequence[PhaseResources], model: Any, dtype_bytes: int, world: int
+    phases: Sequence[PhaseResources], model: Any, dtype_bytes: int, world: int,
+    policy: Mapping[str, Any] | None = None, overflowed: frozenset[int] = frozenset(),
 ) -> dict[str, ContractOutcome]:
     """C-ZERO-004 and C-ZERO-005 (``ring_model``) over every phase that ran, as
-    ``{"C-ZERO-004": ContractOutcome, "C-ZERO-005": ContractOutcome}``."""
+    ``{"C-ZERO-004": ContractOutcome, "C-ZERO-005": ContractOutcome}``. Under a mixed-precision
+    ``policy`` the traffic model takes its element sizes from the policy
+    (:meth:`~zerosim.checks.traffic.TrafficModel.under_policy`; ``dtype_bytes`` is the masters'), with
+    ``overflowed`` the steps the trainer skipped; what a trainer declares in ``wire_bytes`` still wins."""
     layout = as_layout(model)
     memory: list[dict[str, Any]] = []
     traffic: list[dict[str, Any]] = []
@@ -208,23 +232,25 @@ def resource_outcomes(
             skipped["C-ZERO-004"] = info.get("memory_unobserved") or "the trainer reports no resident_bytes()"
         per_rank = [[step[r]["traffic"] for step in observed] for r in range(world)]
         wire = info.get("wire_bytes") or {}
+        options: dict[str, Any] = dict(
+            partitioner=info.get("partition_rule"),
+            zero1_grad_reduce=info.get("zero1_grad_reduce", "all_reduce"),
+            unobserved=info.get("unobserved_traffic"),
+            micro_batches=int(info.get("micro_batches", 1)),
+        )
+        if policy is None:
+            traffic_model = TrafficModel(strategy, layout, wire.get("params", dtype_bytes), world,
+                                         grad_bytes=wire.get("grads", dtype_bytes), **options)
+        else:
+            traffic_model = TrafficModel.under_policy(strategy, layout, world, policy, dtype_bytes,
+                                                      skipped_steps=overflowed, **options)
+            if wire:  # the trainer's own declaration of what it moves is exact
+                traffic_model = replace(
+                    traffic_model, param_bytes=wire.get("params", traffic_model.param_bytes),
+                    grad_bytes=wire.get("grads", traffic_model.grad_bytes),
+                    master_bytes=None if "params" in wire else traffic_model.master_bytes)
         traffic.append(traffic_result(
-            check_communication(
-                per_rank,
-                TrafficModel(
-                    strategy,
-                    layout,
-                    wire.get("params", dtype_bytes),
-                    world,
-                    grad_bytes=wire.get("grads", dtype_bytes),
-                    partitioner=info.get("partition_rule"),
-                    zero1_grad_reduce=info.get("zero1_grad_reduce", "all_reduce"),
-                    unobserved=info.get("unobserved_traffic"),
-                    micro_batches=int(info.get("micro_batches", 1)),
-                ),
-                phase=ph.name,
-                first_step=ph.first_step,
-            ),
+            check_communication(per_rank, traffic_model, phase=ph.name, first_step=ph.first_step),
             info.get("unobserved_traffic"),
         ))
     out = {}

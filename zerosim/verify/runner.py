@@ -138,9 +138,6 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
     run = run.replace(world=world).validate()
     if resume_world is not None and resume_at is None:
         raise ConfigError("resume_world", resume_world, "needs --resume-at K (the phase step to resume at)")
-    if resume_at is not None and run.precision != FULL:
-        raise ConfigError("resume_at", resume_at, f"cannot be combined with --precision {run.precision} yet "
-                          "(the mixed-precision reference does not resume)")
     if resume_at is not None and run.mesh is not None:
         raise ConfigError("mesh", f"{run.mesh[0]}x{run.mesh[1]}",
                           "cannot be combined with --resume-at (the resumed world has its own shape)")

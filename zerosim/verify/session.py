@@ -226,8 +226,12 @@ class RankSession:
             from .evaluate import evaluate, save_observations
             from .render import render_text
 
+            mixed = policy(self.settings.precision, self.settings.reduce_dtype)
+            overflowed = (self._skipped_steps(base) if mixed is not None and mixed.get("loss_scale")
+                          else frozenset())
             resources = (
-                resource_outcomes(phase_resources, base, base_dtype_bytes(base), self.world)
+                resource_outcomes(phase_resources, base, base_dtype_bytes(base), self.world, mixed,
+                                  overflowed)
                 if phase_resources
                 else None
             )
@@ -263,6 +267,18 @@ class RankSession:
                 print(text, flush=True)
             code = report.exit_code
         return code
+
+    def _skipped_steps(self, base: Any) -> frozenset[int]:
+        """Rank 0: the steps of every phase whose masters did not change (a loss-scaling trainer skipped
+        them), from the phase's initial model on."""
+        from .resources import skipped_steps
+
+        initial = {n: p.detach().cpu().float().numpy() for n, p in base.named_parameters()}
+        masters = {s: seen[0].params for s, seen in self.observations.items() if seen}
+        out: set[int] = set()
+        for phase in self.phases:
+            out |= skipped_steps(phase.step_numbers, masters, initial)
+        return frozenset(out)
 
     def _close(self, trainer: Any, phase: Phase) -> None:
         """The trainer's optional ``close()`` once its phase is over, on every rank."""
