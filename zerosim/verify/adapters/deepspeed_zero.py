@@ -6,6 +6,9 @@ own ``AdamW`` with ``torch_adam`` (torch's implementation, no extension to build
 DeepSpeed's accessors, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``, which are
 collective: every rank calls them for every parameter, in the same order.
 
+Why one module of this length: the three stages share one engine configuration, one set of
+accessors and one mixed-precision mapping; split, each piece would reach into the others' config.
+
 DeepSpeed keeps float32 master weights and optimizer state whatever the model's dtype: a float64
 model is trained in float32 (its parameters are float32-representable after every step). verify
 detects that from the values and judges it with the float32 bound.
