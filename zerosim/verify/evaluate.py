@@ -191,16 +191,7 @@ def evaluate(
         contracts["C-ZERO-003"] = ContractOutcome.from_verdict(check_replica_identity(records))
         roundoff = {p["name"]: unit_roundoff(p["arithmetic"]) for p in phase_info if "arithmetic" in p}
         contracts["C-ZERO-008"] = ContractOutcome.from_verdict(check_logged_norm(records, roundoff))
-    else:
-        why = "every phase was skipped: " + "; ".join(p.get("reason", "") for p in phase_info)
-        for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-008"):
-            contracts[cid] = ContractOutcome("skipped", why)
-    for cid in ("C-ZERO-004", "C-ZERO-005"):
-        contracts[cid] = (resources or {}).get(cid) or ContractOutcome(
-            "skipped",
-            "no phase ran with a declared strategy (declared_strategy): memory and traffic have no "
-            "model to be compared with",
-        )
+    _add_skipped_and_resources(contracts, phase_info, resources)
     contracts["C-ZERO-005"] = with_reduce_dtype(
         contracts["C-ZERO-005"], reduce_dtype_verdicts(phases, phase_info, observations)
     )
@@ -263,14 +254,7 @@ def _evaluate_mixed(mixed: dict[str, Any], *, target: str, world: int, dtype: st
         identity = [_IdentityRecord(r.step, r.phase, r.ranks, _NamedReference(r.ref)) for r in records]
         contracts["C-ZERO-003"] = ContractOutcome.from_verdict(check_replica_identity(identity))  # type: ignore[arg-type]
         contracts["C-ZERO-008"] = ContractOutcome.from_verdict(check_logged_norm(records, {}))
-    else:
-        why = "every phase was skipped: " + "; ".join(p.get("reason", "") for p in phase_info)
-        for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-008"):
-            contracts[cid] = ContractOutcome("skipped", why)
-    for cid in ("C-ZERO-004", "C-ZERO-005"):
-        contracts[cid] = (resources or {}).get(cid) or ContractOutcome(
-            "skipped", "no phase ran with a declared strategy (declared_strategy): memory and traffic "
-            "have no model to be compared with")
+    _add_skipped_and_resources(contracts, phase_info, resources)
     expected = {p.name: str(mixed["reduce_dtype"]) for p in phases}
     reduce_verdicts = reduce_dtype_verdicts(phases, phase_info, observations, expected)
     contracts["C-ZERO-005"] = with_reduce_dtype(contracts["C-ZERO-005"], reduce_verdicts)
@@ -310,3 +294,19 @@ def evaluate_saved(path: str) -> VerifyReport:
         raise datafile.DataFileError(f"{path}: not a run saved by --save-observations")
     base = model_source(run["model_name"], run["seed"]).build(run["dtype"])
     return evaluate(base=base, **run)
+
+
+def _add_skipped_and_resources(contracts: dict[str, ContractOutcome], phase_info: list[dict[str, Any]],
+                               resources: dict[str, ContractOutcome] | None) -> None:
+    """C-ZERO-001/002/003/008 "skipped" when no phase ran (``contracts`` holds none of them then), and
+    C-ZERO-004/005 from ``resources`` or "skipped" where no phase declared a strategy."""
+    if not contracts:
+        why = "every phase was skipped: " + "; ".join(p.get("reason", "") for p in phase_info)
+        for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-008"):
+            contracts[cid] = ContractOutcome("skipped", why)
+    for cid in ("C-ZERO-004", "C-ZERO-005"):
+        contracts[cid] = (resources or {}).get(cid) or ContractOutcome(
+            "skipped",
+            "no phase ran with a declared strategy (declared_strategy): memory and traffic have no "
+            "model to be compared with",
+        )
