@@ -155,7 +155,7 @@ def test_the_mixed_precision_columns_run_each_adapter_under_bf16_and_fp16_and_re
     assert verdicts[("fsdp2", "bf16")] == "error"
     assert matrix.matrix_exit_code(result) == 3
     text = matrix.render_markdown(result)
-    assert text.startswith("# Peers' mixed-precision matrix")
+    assert text.startswith("# Peers' mixed-precision matrix (bf16 / fp16, cpu,")
     assert "| adapter | bf16 @ 4 | fp16 @ 4 | wall s |" in text
     assert "| ddp | pass 1.0e-02 (C-ZERO-002) | pass 1.0e-02 (C-ZERO-002); unsupported: sgd |" in text
     assert "- ddp fp16 @ 4: sgd phase: no float16 here" in text
@@ -163,3 +163,13 @@ def test_the_mixed_precision_columns_run_each_adapter_under_bf16_and_fp16_and_re
     paths = matrix.write_matrix(result, tmp_path)
     assert paths["md"].name == "verify-precision-matrix.md"
     assert json.loads(paths["json"].read_text())["precision_cells"][0]["precision"] == "bf16"
+
+
+def test_a_precision_cell_where_no_phase_ran_reads_unsupported_not_pass() -> None:
+    from zerosim.verify.matrix_precision import precision_label
+
+    cell = {"verdict": "pass", "error_over_tolerance": None, "findings": 0,
+            "phases": {"sgd": "no float16 kernels", "adamw": "no float16 kernels"}}
+    assert precision_label(cell) == "unsupported: sgd, adamw"
+    cell["phases"]["adamw"] = "ran"
+    assert precision_label(cell) == "pass; unsupported: sgd"

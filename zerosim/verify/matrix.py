@@ -386,8 +386,11 @@ def render_markdown(matrix: dict[str, Any]) -> str:
         env = matrix["environment"]
         precision_only = bool(matrix.get("precision_cells")) and not matrix.get("resume_cells")
         kind = "mixed-precision" if precision_only else "resume"
+        # a mixed-precision matrix runs in the precisions of its columns, not in the matrix's dtype
+        dtypes = (" / ".join(sorted({str(p[0]) for p in matrix.get("precision_pairs") or []}))
+                  if precision_only else matrix["dtype"])
         head = [
-            f"# Peers' {kind} matrix ({matrix['dtype']}, {matrix['device']}, "
+            f"# Peers' {kind} matrix ({dtypes}, {matrix['device']}, "
             f"{matrix['steps_per_cell']} steps per phase)",
             "",
             f"Generated {matrix['generated_utc']} with torch {env.get('torch')}, deepspeed "

@@ -75,12 +75,15 @@ def precision_label(cell: dict[str, Any]) -> str:
     """A cell as one short text: verdict, worst error / bound (and which contract), first skip."""
     if cell["verdict"] == "error":
         return "error"
+    phases = cell.get("phases") or {}
+    unsupported = [name for name, status in phases.items() if status not in ("ran", None)]
+    if phases and len(unsupported) == len(phases):  # nothing ran: no verdict to give
+        return f"unsupported: {', '.join(unsupported)}"
     text = cell["verdict"]
     if cell.get("error_over_tolerance") is not None:
         text += f" {cell['error_over_tolerance']:.1e} ({cell['worst_contract']})"
     if cell.get("findings"):
         text += f" ({cell['findings']} finding{'s' if cell['findings'] != 1 else ''})"
-    unsupported = [name for name, status in (cell.get("phases") or {}).items() if status not in ("ran", None)]
     if unsupported:
         text += f"; unsupported: {', '.join(unsupported)}"
     return text
