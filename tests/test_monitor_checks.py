@@ -262,3 +262,19 @@ def test_bench_monitor_ratios_are_against_the_neighbouring_runs_without_the_moni
     assert table["every=1"]["first_check_ms"] == pytest.approx(10.0)
     assert cli_main(["bench", "monitor", "--adapters", "megatron"]) == 2
     assert "invalid adapters='megatron'" in capsys.readouterr().err
+
+
+def test_bench_monitor_names_why_a_deepspeed_adapter_is_skipped(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
+    # no adapter left to launch: the report holds the skipped rows and the digest only
+    assert cli_main(["bench", "monitor", "--adapters", "deepspeed-1,deepspeed-3", "--digest-mb", "1",
+                     "--layout-world", "0", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "deepspeed-1      skipped: deepspeed is not installed: DS_BUILD_OPS=0 pip install" in out, out
+    report = json.loads((tmp_path / "bench_monitor.json").read_text())
+    assert [r["adapter"] for r in report["skipped"]] == ["deepspeed-1", "deepspeed-3"]
+    assert report["table"] == [] and report["settings"]["adapters"] == []
