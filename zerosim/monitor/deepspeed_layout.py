@@ -37,6 +37,11 @@ from .layouts import LiveLayout, OwnedState, dtype_name
 
 #: why a layout read without :class:`GradientSquares` has no gradient
 GRADS_NOTE = "DeepSpeed frees its gradient partitions inside its step"
+#: why a layout read with it has none at this check
+UNMEASURED_NOTE = ("DeepSpeed's last step measured no gradient partition: a step skipped on an fp16 "
+                   "overflow, a check at a step that is not DeepSpeed's (engine.global_steps - 1, a "
+                   "multiple of every), or a DeepSpeed whose ZeRO step no longer calls "
+                   "unscale_and_clip_grads once per group")
 
 
 def is_deepspeed_engine(obj: Any) -> bool:
@@ -179,6 +184,7 @@ def deepspeed_layout(engine: Any, squares: GradientSquares | None = None) -> Liv
     layout = LiveLayout(f"deepspeed-{stage}", numels={}, grads_note=None if squares else GRADS_NOTE)
     if squares is not None:
         layout.grad_squares = squares.measured()
+        layout.grads_note = UNMEASURED_NOTE if layout.grad_squares is None else None
     for name, p in named:
         layout.numels[name] = int(p.ds_numel) if stage == 3 else p.numel()
         layout.owned[name] = []
