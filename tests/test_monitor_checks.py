@@ -232,6 +232,67 @@ def test_bad_input_is_one_line_and_training_goes_on(world_of_one, tmp_path):
     assert (tmp_path / "m" / "rank-00000.jsonl").read_text().count("\n") == 1
 
 
+class _ZeroStage2Optimizer:
+    """What the monitor reads of DeepSpeed 0.19's ZeRO-1/2 optimizer, at world 1: one group whose flat
+    fp32 partition is padded (with values that must not count), a loss scale of 4, and a ``step`` that
+    hands the loss-scaled gradient partition to ``unscale_and_clip_grads`` and frees it after."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.round_robin_bit16_groups = [params]
+        numel = sum(p.numel() for p in params)
+        self.partition_size = [numel + 3]
+        self.single_partition_of_fp32_groups = [torch.zeros(numel + 3)]
+        self.optimizer = type("Inner", (), {"state": {}})()
+        self.loss_scale = 4.0
+
+    def step(self) -> None:
+        master = self.single_partition_of_fp32_groups[0]
+        flat = [p.grad.reshape(-1) for p in self.round_robin_bit16_groups[0]] + [torch.full((3,), 99.0)]
+        master.grad = torch.cat(flat) * self.loss_scale
+        self.unscale_and_clip_grads([master.grad], None)
+        master.grad = None
+
+    def unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
+        grad_groups_flat[0].mul_(1.0 / self.loss_scale)
+
+
+class _Engine:
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.optimizer = _ZeroStage2Optimizer(list(module.parameters()))
+        self.global_steps = 0
+
+    def zero_optimization_stage(self) -> int:
+        return 2
+
+
+def test_a_deepspeed_gradient_is_measured_inside_its_step_and_judged_against_the_logged_norm(world_of_one):
+    from zerosim.monitor import Monitor
+
+    engine = _Engine(torch.nn.Linear(4, 3))
+    lines: list[str] = []
+    monitor = Monitor(engine, every=2, log=lines.append)
+    assert monitor.enabled and monitor.adapter == "deepspeed-2", lines
+    found = {}
+    for step, factor in enumerate((1.0, 1.0, 1.0, 1.0, 1.01)):  # the last logged norm 1% too large
+        engine.module.zero_grad()
+        engine.module(torch.ones(2, 4) * (step + 1)).pow(2).mean().backward()
+        norm = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in engine.module.parameters()]))
+        engine.optimizer.step()
+        engine.global_steps += 1
+        found[step] = monitor.after_step(engine.global_steps - 1, grad_norm=float(norm) * factor)
+    assert monitor.checks == 3 and not found[0] and not found[2] and monitor.notes == [], (found, lines)
+    assert [(v.clause, v.step, v.ranks) for v in found[4]] == [("grad_norm", 4, (0,))], found[4]
+    assert "recomputed from the shards" in found[4][0].message
+    # a loop counting steps other than DeepSpeed does checks after a step DeepSpeed did not measure
+    # (its step 5): the logged norm is compared with nothing, and a note says why, once
+    engine.optimizer.step()
+    engine.global_steps += 1
+    assert monitor.after_step(6, grad_norm=1.0) == [] and "measured no gradient" in monitor.notes[0]
+    monitor.close()
+    assert "step" not in vars(engine.optimizer) and "unscale_and_clip_grads" not in vars(engine.optimizer)
+
+
 # ---- the benchmark's arithmetic and its bad input ----------------------------------------------------
 def test_bench_monitor_ratios_are_against_the_neighbouring_runs_without_the_monitor(capsys):
     from zerosim.bench.monitor import summarize
@@ -262,3 +323,19 @@ def test_bench_monitor_ratios_are_against_the_neighbouring_runs_without_the_moni
     assert table["every=1"]["first_check_ms"] == pytest.approx(10.0)
     assert cli_main(["bench", "monitor", "--adapters", "megatron"]) == 2
     assert "invalid adapters='megatron'" in capsys.readouterr().err
+
+
+def test_bench_monitor_names_why_a_deepspeed_adapter_is_skipped(monkeypatch, tmp_path, capsys):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a))
+    # no adapter left to launch: the report holds the skipped rows and the digest only
+    assert cli_main(["bench", "monitor", "--adapters", "deepspeed-1,deepspeed-3", "--digest-mb", "1",
+                     "--layout-world", "0", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "deepspeed-1      skipped: deepspeed is not installed: DS_BUILD_OPS=0 pip install" in out, out
+    report = json.loads((tmp_path / "bench_monitor.json").read_text())
+    assert [r["adapter"] for r in report["skipped"]] == ["deepspeed-1", "deepspeed-3"]
+    assert report["table"] == [] and report["settings"]["adapters"] == []

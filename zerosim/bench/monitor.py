@@ -1,7 +1,8 @@
 """``zerosim bench monitor``: what zerosim.monitor costs a training step, measured side by side.
 
 One torchrun launch (:mod:`zerosim.bench.monitor_rank`) trains one small model with each adapter
-(DDP, ZeroRedundancyOptimizer, FSDP2, zerogpu ZeRO-3) without the monitor, with it at ``every=100`` and
+(DDP, ZeroRedundancyOptimizer, FSDP2, zerogpu ZeRO-3, and DeepSpeed ZeRO stages 1-3 where DeepSpeed is
+installed: otherwise each is a ``skipped`` row naming why) without the monitor, with it at ``every=100`` and
 at ``every=1``, interleaved: per adapter and round, off, A, off, B, off (the monitored variants' order
 alternating by round). Each monitored run's ratio is its step time over the mean of its two
 neighbours without the monitor; per adapter and variant the median ratio over ``--rounds`` rounds and
@@ -28,6 +29,7 @@ from .monitor_layout import layout_check_times
 DEFAULT_OUT = "a new reports/bench-monitor-<timestamp>/"
 JSON_NAME = "bench_monitor.json"
 VARIANTS = ("off", "every=100", "every=1")
+DEFAULT_ADAPTERS = "ddp,zero-redundancy,fsdp2,zerogpu-zero3,deepspeed-1,deepspeed-2,deepspeed-3"
 
 
 def digest_throughput(megabytes: int, repeats: int = 5) -> dict[str, float]:
@@ -114,6 +116,8 @@ def run(args: Any) -> int:
     for adapter in settings["adapters"]:
         if adapter not in monitor_rank.ADAPTERS:
             raise ConfigError("adapters", adapter, f"must be among {', '.join(monitor_rank.ADAPTERS)}")
+    skipped = unavailable_adapters(settings["adapters"])
+    settings["adapters"] = [a for a in settings["adapters"] if a not in skipped]
     layout_world = _int("layout-world", args.layout_world)
     if layout_world < 0:
         raise ConfigError("layout-world", args.layout_world, "must be 0 (skip) or a number of ranks")
@@ -129,6 +133,7 @@ def run(args: Any) -> int:
             return failed
     table = summarize(measured["rows"], settings["steps"])
     report = {"world_size": measured["world_size"], "settings": settings, "table": table,
+              "skipped": [{"adapter": a, "reason": why} for a, why in skipped.items()],
               "rows": measured["rows"], "digest": digest_throughput(_int("digest-mb", args.digest_mb)),
               "collective": measured.get("collective"),
               "layout_check": layout_check_times(layout_world) if layout_world else None,
@@ -141,6 +146,15 @@ def run(args: Any) -> int:
         print(f"error: {violations} violation(s) in fault-free runs")
         return 1
     return 0
+
+
+def unavailable_adapters(adapters: list[str]) -> dict[str, str]:
+    """The optional adapters among ``adapters`` whose package is not installed here, with the reason
+    (the install command): they are left out of the launch and reported as skipped."""
+    from ..verify.adapters import missing_requirement
+    from .monitor_rank import OPTIONAL
+
+    return {a: why for a in adapters if a in OPTIONAL and (why := missing_requirement(a)) is not None}
 
 
 def _launch(world: int, settings: dict[str, Any], timeout: float, measured: dict[str, Any]) -> int:
@@ -169,6 +183,8 @@ def _print(report: dict[str, Any]) -> None:
               f"{row['ratio_min']:>5.3f}-{row['ratio_max']:<5.3f} {row['accounted']:>9.4f} "
               f"{row['checks']:>6} {row['check_ms']:>8.3f} {row['first_check_ms']:>8.2f} "
               f"{row['violations']:>10}")
+    for row in report.get("skipped", ()):
+        print(f"{row['adapter']:<16} skipped: {row['reason']}")
     if report.get("collective"):
         c = report["collective"]
         print(f"one all-gather of {c['row_numbers']} int64 per rank: median {c['median_s'] * 1e3:.3f} ms, "

@@ -1,7 +1,9 @@
 """The rank side of ``zerosim bench monitor`` (under torchrun): one small model trained by each adapter,
 without the monitor, with it at ``every=100`` and at ``every=1``, interleaved.
 
-argv: one JSON object (adapters, steps, warmup, rounds, width, depth, result path). Per adapter and
+argv: one JSON object (adapters, steps, warmup, rounds, width, depth, result path). The adapters: DDP,
+ZeroRedundancyOptimizer, FSDP2, zerogpu ZeRO-3, and DeepSpeed ZeRO stages 1-3 (an engine configured as
+``zerosim verify``'s deepspeed adapters; the monitor reads it as ``Monitor(engine)``). Per adapter and
 round: off, A, off, B, off (A and B the monitored variants, their order alternating by round), so each
 monitored run has a run without the monitor just before and just after it. Each timed run is
 ``steps`` optimizer steps after ``warmup`` untimed ones (the monitor's first check among them, timed
@@ -28,7 +30,9 @@ from zerogpu.rank import leave_rank
 from ..monitor import Monitor
 
 VARIANTS = {"off": None, "every=100": 100, "every=1": 1}
-ADAPTERS = ("ddp", "zero-redundancy", "fsdp2", "zerogpu-zero3")
+ADAPTERS = ("ddp", "zero-redundancy", "fsdp2", "zerogpu-zero3", "deepspeed-1", "deepspeed-2", "deepspeed-3")
+#: the adapters that need a package beyond torch (skipped, with the reason, when it is missing)
+OPTIONAL = ("deepspeed-1", "deepspeed-2", "deepspeed-3")
 MAX_NORM = 1.0
 TIMEOUT_S = 120  # a collective that waits longer ends the run (a rank died or hung)
 
@@ -77,7 +81,29 @@ def build(adapter: str, width: int, depth: int) -> tuple[Any, Any, Any]:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if adapter.startswith("deepspeed-"):
+        return _deepspeed_engine(model, int(adapter.removeprefix("deepspeed-")))
     raise ValueError(f"unknown adapter {adapter!r}")
+
+
+def _deepspeed_engine(model: torch.nn.Module, stage: int) -> tuple[Any, Any, None]:
+    """A DeepSpeed engine of ZeRO ``stage``, configured as ``zerosim verify``'s deepspeed adapters (every
+    parameter partitioned, AdamW in torch's implementation, ``gradient_clipping`` at MAX_NORM, nothing
+    compiled); its ``close`` destroys it and drops what ZeRO-3 keeps at module level."""
+    from ..verify.adapters.deepspeed_zero import _deepspeed, deepspeed_config, release_zero3_globals
+
+    config = deepspeed_config(stage, {"name": "adamw", "lr": 1e-3, "max_grad_norm": MAX_NORM},
+                              dist.get_world_size())
+    engine, *_ = _deepspeed().initialize(model=model, model_parameters=list(model.parameters()),
+                                         config=config, dist_init_required=False)
+
+    def close() -> None:
+        engine.destroy()
+        if stage == 3:
+            release_zero3_globals(engine.module)
+
+    engine.close = close
+    return engine, engine, None
 
 
 def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, steps: int) -> None:
@@ -88,6 +114,11 @@ def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, ste
         norm = None
         if hasattr(stepper, "engine"):
             loss = stepper.step(x, y)
+        elif hasattr(stepper, "zero_optimization_stage"):  # a DeepSpeed engine: it clips and logs the norm
+            value = stepper(x, y)
+            stepper.backward(value)
+            stepper.step()
+            norm, loss = stepper.get_global_grad_norm(), value.detach()
         else:
             optimizer.zero_grad()
             value = stepper(x, y)

@@ -178,9 +178,10 @@ def register_monitor(sub: Any) -> None:
                                        "per adapter, and the digest's throughput (launches torchrun)",
                        description=bench_monitor.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--adapters", default="ddp,zero-redundancy,fsdp2,zerogpu-zero3",
-                   help="comma-separated: ddp, zero-redundancy, fsdp2, zerogpu-zero3 (default all; "
-                        "'' times no training)")
+    p.add_argument("--adapters", default=bench_monitor.DEFAULT_ADAPTERS,
+                   help="comma-separated: ddp, zero-redundancy, fsdp2, zerogpu-zero3, deepspeed-1, "
+                        "deepspeed-2, deepspeed-3 (default all; the deepspeed ones skipped, with the reason, "
+                        "where DeepSpeed is not installed; '' times no training)")
     p.add_argument("--world", "--world-size", dest="world", default="2", help="ranks (default 2)")
     p.add_argument("--steps", default="120",
                    help="timed steps per run (default 120: every=100 checks at 0 and 100)")

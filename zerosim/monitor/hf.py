@@ -5,7 +5,7 @@
 The callback builds its :class:`~zerosim.monitor.Monitor` when training begins, from the model and the
 optimizer the Trainer hands its callbacks (DDP and FSDP runs: the module and its torch.optim optimizer;
 DeepSpeed runs: the ZeRO optimizer DeepSpeed put in the Trainer, read with
-:func:`zerosim.monitor.deepspeed.deepspeed_layout`), checks at the end of every ``every``-th optimizer
+:func:`zerosim.monitor.deepspeed_layout.deepspeed_layout`), checks at the end of every ``every``-th optimizer
 step (``state.global_step - 1``, 0-based as the monitor counts; the Trainer hands callbacks no gradient
 norm, so that clause compares none) and writes the summary when training ends (``callback.summary``).
 """
@@ -20,7 +20,7 @@ from .monitor import Monitor
 
 
 class _ZeroOptimizerEngine:
-    """What :func:`~zerosim.monitor.deepspeed.deepspeed_layout` reads of an engine, from the module and
+    """What :func:`~zerosim.monitor.deepspeed_layout.deepspeed_layout` reads of an engine, from the module and
     the ZeRO optimizer alone (the Trainer hands its callbacks those, not the engine)."""
 
     def __init__(self, module: Any, optimizer: Any):
@@ -48,7 +48,7 @@ class ZeroMonitorCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", None)  # transformers/accelerate wrap the optimizer
         if inner is not None and (hasattr(inner, "single_partition_of_fp32_groups")
                                   or hasattr(inner, "fp32_partitioned_groups_flat")):
-            from .deepspeed import deepspeed_layout
+            from .deepspeed_layout import deepspeed_layout
 
             engine = _ZeroOptimizerEngine(model, inner)
             self.monitor = Monitor(model, inner, every=self.every, out=self.out,

@@ -55,6 +55,9 @@ class LiveLayout:
     grad_dtype: str = "float32"
     #: why the framework never shows the monitor its reduced gradient (None: it shows it, or not this step)
     grads_note: str | None = None
+    #: (float64 sum of squares, elements) of the reduced gradient over the owned elements, measured by the
+    #: framework's reader inside the step when the gradient itself is gone by now (DeepSpeed)
+    grad_squares: tuple[float, int] | None = None
 
     def keys(self) -> dict[str, Any]:
         """The layout without its values: what every rank exchanges once (and again when it changes)."""

@@ -42,6 +42,7 @@ from ..checks.partition import check_partition_plan
 from ..errors import ConfigError
 from ..observe import MonitorObservation
 from ..verdict import Verdict, Violation
+from .deepspeed_layout import DeepSpeedReader, is_deepspeed_engine
 from .digest import digest_text
 from .exchange import FINGERPRINT, comm_device, exchange_keys, gather_table, summary_values
 from .judge import CONTRACTS, judge, summary_line
@@ -70,10 +71,13 @@ def _stderr(line: str) -> None:
 class Monitor:
     """Checks the contracts on a live run every ``every`` steps (see the module docstring).
 
-    ``model``: the module being trained (plain, DDP or FSDP2) or a ``zerogpu`` ``ZeroTrainer``;
-    ``optimizer``: its torch.optim optimizer (``ZeroRedundancyOptimizer`` included; None for a
-    ZeroTrainer). ``max_norm``: the ``clip_grad_norm_`` bound, when the logged norm is the one before
-    clipping. ``log``: where the per-check lines go (default: rank 0's stderr).
+    ``model``: the module being trained (plain, DDP or FSDP2), a ``zerogpu`` ``ZeroTrainer`` or a
+    DeepSpeed engine of ZeRO stage 1-3 (:mod:`zerosim.monitor.deepspeed_layout`; ``after_step`` with
+    DeepSpeed's step count, ``engine.global_steps - 1``); ``optimizer``: its torch.optim optimizer
+    (``ZeroRedundancyOptimizer`` included; None for a ZeroTrainer or a DeepSpeed engine). ``max_norm``:
+    the ``clip_grad_norm_`` bound, when the logged norm is the one before clipping (not used for a
+    DeepSpeed engine, whose gradient is measured before it clips). ``log``: where the per-check lines
+    go (default: rank 0's stderr).
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, every: Any = 100, out: Any = None,
@@ -82,6 +86,9 @@ class Monitor:
                  layout_reader: Callable[[], LiveLayout] | None = None):
         self.model = model
         self.optimizer = optimizer
+        if layout_reader is None and is_deepspeed_engine(model):
+            # DeepSpeed's gradient is measured inside its step, before it clips: no clip to undo
+            layout_reader, max_norm = DeepSpeedReader(model, every), None
         self.max_norm = max_norm
         self.enabled = False
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -279,6 +286,8 @@ class Monitor:
             except OSError as err:
                 self._log(f"zerosim.monitor: cannot write {self.out / 'summary.json'}: "
                           f"{err.strerror or err}")
+        if hasattr(self._read, "close"):
+            self._read.close()  # a DeepSpeed reader takes its wrappers off the optimizer
         if self.enabled:
             self._log(f"zerosim.monitor summary: {self.checks} check(s), "
                       f"{self.violation_count} violation(s), {self.seconds:.3f} s in checks")

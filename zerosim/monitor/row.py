@@ -131,8 +131,12 @@ def _nonfinite(tensors: list[torch.Tensor]) -> list[int]:
 
 
 def _grad_summary(layout: LiveLayout) -> dict[str, int]:
-    """The float64 sum of squares of the reduced gradient over the owned elements, and its size."""
+    """The float64 sum of squares of the reduced gradient over the owned elements, and its size (as the
+    layout's reader measured it, where the framework frees the gradient inside its step)."""
     if layout.grads is None:
+        if layout.grad_squares is not None:  # measured by the reader inside the step
+            squares, numel = layout.grad_squares
+            return {"has_grad": 1, "grad_sq": float_bits(squares), "grad_numel": numel}
         return {"has_grad": 0, "grad_sq": float_bits(0.0), "grad_numel": 0}
     local = [_local(g) for g in layout.grads]
     grad_sq = 0.0
