@@ -296,3 +296,5 @@ def test_bench_monitor_ratios_are_against_the_neighbouring_runs_without_the_moni
     assert table["every=1"]["first_check_ms"] == pytest.approx(10.0)
     assert cli_main(["bench", "monitor", "--adapters", "megatron"]) == 2
     assert "invalid adapters='megatron'" in capsys.readouterr().err
+    assert cli_main(["bench", "monitor", "--batch", "0"]) == 2
+    assert "invalid batch=0" in capsys.readouterr().err

@@ -1,7 +1,7 @@
-"""The rank side of ``zerosim bench monitor`` (under torchrun): one small model trained by each adapter,
+"""The rank side of ``zerosim bench monitor`` (under torchrun): one MLP trained by each adapter,
 without the monitor, with it at ``every=100`` and at ``every=1``, interleaved.
 
-argv: one JSON object (adapters, steps, warmup, rounds, width, depth, result path). Per adapter and
+argv: one JSON object (adapters, steps, warmup, rounds, width, depth, batch, result path). Per adapter and
 round: off, A, off, B, off (A and B the monitored variants, their order alternating by round), so each
 monitored run has a run without the monitor just before and just after it. Each timed run is
 ``steps`` optimizer steps after ``warmup`` untimed ones (the monitor's first check among them, timed
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from zerogpu.rank import leave_rank
 
 from ..monitor import Monitor
+from .monitor import DEFAULT_BATCH
 
 VARIANTS = {"off": None, "every=100": 100, "every=1": 1}
 ADAPTERS = ("ddp", "zero-redundancy", "fsdp2", "zerogpu-zero3")
@@ -80,11 +81,13 @@ def build(adapter: str, width: int, depth: int) -> tuple[Any, Any, Any]:
     raise ValueError(f"unknown adapter {adapter!r}")
 
 
-def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, steps: int) -> None:
+def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, steps: int,
+          batch: int = DEFAULT_BATCH) -> None:
+    """``steps`` optimizer steps from step ``first``, each on ``batch`` rows per rank."""
     rank = dist.get_rank()
     for step in range(first, first + steps):
         gen = torch.Generator().manual_seed(step * 101 + rank)
-        x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+        x, y = torch.randn(batch, 16, generator=gen), torch.randn(batch, 16, generator=gen)
         norm = None
         if hasattr(stepper, "engine"):
             loss = stepper.step(x, y)
@@ -107,12 +110,12 @@ def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any
     every = VARIANTS[variant]
     monitor = None if every is None else Monitor(watched, optimizer, every=every, max_norm=MAX_NORM,
                                                  log=lambda line: None)
-    train(stepper, optimizer, monitor, 0, settings["warmup"])
+    train(stepper, optimizer, monitor, 0, settings["warmup"], settings["batch"])
     first_check_s = monitor.seconds if monitor is not None else 0.0
     warm_checks = monitor.checks if monitor is not None else 0
     dist.barrier()
     start = time.perf_counter()
-    train(stepper, optimizer, monitor, settings["warmup"], settings["steps"])
+    train(stepper, optimizer, monitor, settings["warmup"], settings["steps"], settings["batch"])
     dist.barrier()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
