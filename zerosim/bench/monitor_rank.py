@@ -26,7 +26,6 @@ import torch.distributed as dist
 from zerogpu.rank import leave_rank
 
 from ..monitor import Monitor
-from .monitor import DEFAULT_BATCH
 
 VARIANTS = {"off": None, "every=100": 100, "every=1": 1}
 ADAPTERS = ("ddp", "zero-redundancy", "fsdp2", "zerogpu-zero3")
@@ -82,7 +81,7 @@ def build(adapter: str, width: int, depth: int) -> tuple[Any, Any, Any]:
 
 
 def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, steps: int,
-          batch: int = DEFAULT_BATCH) -> None:
+          batch: int) -> None:
     """``steps`` optimizer steps from step ``first``, each on ``batch`` rows per rank."""
     rank = dist.get_rank()
     for step in range(first, first + steps):
