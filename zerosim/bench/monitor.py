@@ -37,7 +37,19 @@ DEFAULT_WIDTH, DEFAULT_DEPTH, DEFAULT_BATCH = 512, 4, 256
 def digest_throughput(megabytes: int, repeats: int = 9) -> dict[str, float]:
     """GB/s of the digest and of a plain copy (``copy_`` into a buffer allocated beforehand, so neither
     pays for fresh pages) over one float32 tensor of ``megabytes`` MB, the two timed alternately, best
-    of ``repeats`` each, and their ratio (digest time / copy time)."""
+    of ``repeats`` each, and their ratio (digest time / copy time); on one thread, as each rank of the
+    launch runs (torchrun's ``OMP_NUM_THREADS=1``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _digest_and_copy(megabytes, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _digest_and_copy(megabytes: int, repeats: int) -> dict[str, float]:
     import torch
 
     from ..monitor.digest import tensor_digest
