@@ -13,7 +13,10 @@ state and gradient on its device with fused reductions (:mod:`zerosim.monitor.ro
 one small int64 row to the check's one all-gather (:mod:`zerosim.monitor.exchange`); the layout's keys
 are gathered again, and C-ZERO-001 judged again, only when a rank's layout changes. Every
 rank then judges the same observations with the same checks (:mod:`zerosim.monitor.judge`), so with
-``on_violation="raise"`` every rank raises at the same check. Each rank appends its own observation as
+``on_violation="raise"`` every rank raises at the same call. With ``overlap`` (the default) the
+all-gather is posted without waiting and completed, and the check judged, at the next ``after_step``
+call (or :meth:`Monitor.flush`, :meth:`Monitor.close`): no rank waits at the check for the others,
+and the verdict still names the step observed. Each rank appends its own observation as
 one JSON line to ``out/rank-NNNNN.jsonl`` (flushed and fsynced per line); rank 0 logs one line per
 check and writes ``out/summary.json`` at :meth:`Monitor.close`.
 

@@ -9,10 +9,10 @@ with a handful of fused operators whatever the number of tensors:
   per chunk length and device; large pieces reduced where they sit);
 * optimizer state present for every owned element (sizes compared, no data read), the step counters'
   least and largest value;
-* one float64 ``_foreach_norm`` per device and dtype over the floating optimizer state and the reduced
-  gradient's owned pieces, read back in one host copy: the state is finite where its norm is
-  (confirmed element by element where a norm is not finite), the gradient's float64 sum of squares is
-  the sum of its norms squared.
+* one ``_foreach_norm`` per device and dtype over the floating optimizer state (in its own dtype) and
+  one float64 one over the reduced gradient's owned pieces, read back in one host copy: the state is
+  finite where its norm is (confirmed element by element where a norm is not finite), the gradient's
+  float64 sum of squares is the sum of its norms squared.
 """
 
 from __future__ import annotations
@@ -134,29 +134,37 @@ def _scalars(values: list[Any]) -> list[int]:
     return out
 
 
-def _norms(tensors: list[torch.Tensor]) -> list[float]:
-    """The float64 2-norm of every tensor: one ``_foreach_norm`` per device and dtype, one host copy."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+def _norms(tensors: list[torch.Tensor], wide: int) -> list[float]:
+    """The 2-norm of every tensor, the first ``wide`` accumulated in their own dtype (enough to see a
+    non-finite element), the rest in float64: one ``_foreach_norm`` per device, dtype and accumulation,
+    one host copy per device."""
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(i)
+            groups.setdefault((t.device, t.dtype, i >= wide), []).append(i)
     norms = [0.0] * len(tensors)
-    for members in groups.values():
-        values = torch._foreach_norm([tensors[i] for i in members], 2, dtype=torch.float64)
-        for i, v in zip(members, torch.stack(values).tolist(), strict=True):
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    for (device, _, in_float64), members in groups.items():
+        values = torch._foreach_norm([tensors[i] for i in members], 2,
+                                     dtype=torch.float64 if in_float64 else None)
+        indices, found = by_device.setdefault(device, ([], []))
+        indices += members
+        found += [v.to(torch.float64) for v in values]
+    for indices, found in by_device.values():
+        for i, v in zip(indices, torch.stack(found).tolist(), strict=True):
             norms[i] = v
     return norms
 
 
 def _norm_summary(layout: LiveLayout) -> dict[str, int]:
     """The state summary (:func:`_state_summary`) with its non-finite count, and the gradient's: the
-    float64 norms of the state tensors and of the owned gradient pieces in one pass. A state tensor is
-    non-finite when its float64 norm is not finite (squares of float32 or narrower values cannot
-    overflow float64; a float64 tensor whose norm is not finite is confirmed element by element, so an
-    overflow is never reported); the gradient's float64 sum of squares is the sum of its norms squared."""
+    norms of the state tensors (in their dtype) and the float64 norms of the owned gradient pieces,
+    read back together. A state tensor whose norm is not finite is confirmed element by element (so
+    an overflow of the squares is never reported); the gradient's float64 sum of squares is the sum of
+    its norms squared."""
     fields, tensors, owners = _state_summary(layout)
     grads = [_local(g) for g in layout.grads] if layout.grads is not None else []
-    norms = _norms(tensors + grads)
+    norms = _norms(tensors + grads, len(tensors))
     bad_names = {owners[i] for i, v in enumerate(norms[: len(tensors)])
                  if not math.isfinite(v) and not bool(torch.isfinite(tensors[i]).all())}
     index = {n: i for i, n in enumerate(layout.numels)}
