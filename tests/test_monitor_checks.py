@@ -18,7 +18,7 @@ from zerosim.checks.tolerance import norm_relative_bound
 from zerosim.cli import main as cli_main
 from zerosim.comm.fault_plan import FaultPlan
 from zerosim.errors import ConfigError
-from zerosim.monitor.digest import tensor_digest
+from zerosim.monitor.digest import CHUNKS, tensor_digest
 from zerosim.monitor.trace import append_line, rank_file, read_trace
 from zerosim.observe import MonitorObservation
 
@@ -46,9 +46,30 @@ def test_digest_changes_with_any_one_bit_and_not_with_where_the_bytes_sit():
     assert torch.equal(tensor_digest(x[1:]), tensor_digest(x[1:].clone()))  # unaligned view == aligned copy
     swapped = torch.cat([x[500:], x[:500]])  # the same bytes, moved
     assert not torch.equal(tensor_digest(swapped), reference)
+    chunks = torch.randn(CHUNKS, 6, dtype=torch.float64)  # 64 chunks of 6 words each
+    moved = chunks[[5, *range(1, 5), 0, *range(6, CHUNKS)]]  # chunks 0 and 5 swapped
+    before, after = tensor_digest(chunks), tensor_digest(moved)
+    assert before[0] == after[0] and before[1] != after[1]  # lane 0 sees the same words, lane 1 the move
     for dtype in (torch.bfloat16, torch.float16, torch.float64):
         z = torch.randn(37).to(dtype)
         assert torch.equal(tensor_digest(z), tensor_digest(z.clone()))
+
+
+def _reference_digest(t: torch.Tensor) -> tuple[int, int]:
+    """The module docstring's definition, word by word in Python integers."""
+    data = t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    data += bytes(-len(data) % 8)
+    words = [int.from_bytes(data[i: i + 8], "little", signed=True) for i in range(0, len(data), 8)]
+    m = max(1, -(-len(words) // CHUNKS))
+    sums = [sum(words[j * m: (j + 1) * m]) for j in range(CHUNKS)]
+    wrap = lambda v: (v + 2**63) % 2**64 - 2**63  # noqa: E731
+    return wrap(sum(sums)), wrap(sum((j + 1) * s for j, s in enumerate(sums)))
+
+
+def test_digest_is_the_documented_chunk_sums():
+    for t in (torch.randn(999), torch.randn(3, 5).to(torch.bfloat16), torch.tensor(3.0), torch.zeros(0),
+              torch.randn(64 * 7 * 2 + 3), torch.arange(10**4, dtype=torch.int64) * (2**61 + 12345)):
+        assert tuple(tensor_digest(t).tolist()) == _reference_digest(t), t.shape
 
 
 def test_pieces_digested_together_equal_each_digested_alone(monkeypatch):
@@ -223,13 +244,26 @@ def test_bad_input_is_one_line_and_training_goes_on(world_of_one, tmp_path):
     monitor = Monitor(model, optimizer, every=1, out=blocker / "sub", log=lines.append)
     assert monitor.enabled and monitor.out is None and "invalid out=" in lines[0]
     _train(model, optimizer, monitor, 3)
-    assert monitor.checks == 3 and monitor.violation_count == 0
-    # a state value gone non-finite: raised at the next check, naming the rank and the tensor
-    monitor = Monitor(model, optimizer, every=1, out=tmp_path / "m", on_violation="raise", log=lambda _: None)
+    assert monitor.checks == 2  # the third check's exchange is still under way (overlap)
+    assert monitor.flush() == [] and monitor.checks == 3 and monitor.violation_count == 0
+    # a state value gone non-finite: without overlap raised at the check that observed it, with overlap
+    # at the next call (or close), naming the step observed, the rank and the tensor
     optimizer.state[model.bias]["exp_avg"][0] = float("nan")
-    with pytest.raises(MonitorViolation, match="C-ZERO-002 state_finite step=0 rank=0 tensor=bias"):
+    expected = "C-ZERO-002 state_finite step=0 rank=0 tensor=bias"
+    monitor = Monitor(model, optimizer, every=1, out=tmp_path / "m", on_violation="raise", log=lambda _: None,
+                      overlap=False)
+    with pytest.raises(MonitorViolation, match=expected):
         monitor.after_step(0)
     assert (tmp_path / "m" / "rank-00000.jsonl").read_text().count("\n") == 1
+    monitor = Monitor(model, optimizer, every=1, out=tmp_path / "o", on_violation="raise", log=lambda _: None)
+    assert monitor.after_step(0) == [] and monitor.checks == 0
+    with pytest.raises(MonitorViolation, match=expected):
+        monitor.after_step(1)
+    monitor = Monitor(model, optimizer, every=1, out=tmp_path / "c", on_violation="raise", log=lambda _: None)
+    monitor.after_step(0)
+    with pytest.raises(MonitorViolation, match=expected):
+        monitor.close()
+    assert json.loads((tmp_path / "c" / "summary.json").read_text())["violation_count"] == 1
 
 
 class _ZeroStage2Optimizer:
@@ -271,7 +305,7 @@ def test_a_deepspeed_gradient_is_measured_inside_its_step_and_judged_against_the
 
     engine = _Engine(torch.nn.Linear(4, 3))
     lines: list[str] = []
-    monitor = Monitor(engine, every=2, log=lines.append)
+    monitor = Monitor(engine, every=2, log=lines.append, overlap=False)  # judged within each call
     assert monitor.enabled and monitor.adapter == "deepspeed-2", lines
     found = {}
     for step, factor in enumerate((1.0, 1.0, 1.0, 1.0, 1.01)):  # the last logged norm 1% too large
@@ -323,6 +357,8 @@ def test_bench_monitor_ratios_are_against_the_neighbouring_runs_without_the_moni
     assert table["every=1"]["first_check_ms"] == pytest.approx(10.0)
     assert cli_main(["bench", "monitor", "--adapters", "megatron"]) == 2
     assert "invalid adapters='megatron'" in capsys.readouterr().err
+    assert cli_main(["bench", "monitor", "--batch", "0"]) == 2
+    assert "invalid batch=0" in capsys.readouterr().err
 
 
 def test_bench_monitor_names_why_a_deepspeed_adapter_is_skipped(monkeypatch, tmp_path, capsys):

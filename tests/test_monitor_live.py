@@ -4,7 +4,8 @@ One launch at world 2 runs every scenario of :data:`WORLD2` (tests/monitor_progr
 at world 4 those of :data:`WORLD4` (a 2-D HSDP mesh and zerogpu's hybrid strategy):
 
 - a fault-free run of every adapter gives zero violations, and the same final parameters, bit for bit,
-  as the same loop without the monitor;
+  as the same loop without the monitor (with the monitor's exchange overlapping the next step, its
+  default, and without);
 - every live fault (``ZEROSIM_FAULT`` bitflip, skip-step, grad, zero-state) is caught at the first check
   at or after the step it is injected at, naming the faulty rank (and the tensor, where the fault has
   one), with nothing reported before;
@@ -41,16 +42,19 @@ FAULTS = {
     "zero-fsdp": ("fsdp2", "zero-state", 1, 7, None),
     "zero-z3": ("zerogpu-zero3", "zero-state", 1, 7, None),
 }
+#: the same, with the monitor judging each check within the call that observed it (overlap=False)
+SYNC_ADAPTERS = ("ddp", "fsdp2")
+SYNC_FAULTS = {"sync-flip-ddp": FAULTS["flip-ddp"], "sync-skip-fsdp": FAULTS["skip-fsdp"]}
 FAULTS4 = {
     "flip-hsdp": ("hsdp", "bitflip", 3, 5, "blocks.1.weight"),
     "flip-zh": ("zerogpu-hybrid", "bitflip", 2, 5, "embed.weight"),
 }
 
 
-def _fault_spec(name: str, fault: tuple) -> str:
+def _fault_spec(name: str, fault: tuple, monitor: str = "1") -> str:
     adapter, kind, rank, step, tensor = fault
     text = f"{kind};rank={rank};step={step}" + (f";tensor={tensor}" if tensor else "")
-    return f"{name}={adapter},{FAULT_STEPS},{FAULT_EVERY},1,{text}"
+    return f"{name}={adapter},{FAULT_STEPS},{FAULT_EVERY},{monitor},{text}"
 
 
 def _launch(tmp: Path, world: int, scenarios: list[str]) -> dict[str, dict]:
@@ -69,7 +73,9 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, di
     tmp = tmp_path_factory.mktemp("monitor2")
     scenarios = [f"clean-{a}={a},{STEPS},{EVERY},1" for a in CLEAN_ADAPTERS]
     scenarios += [f"plain-{a}={a},{STEPS},{EVERY},0" for a in CLEAN_ADAPTERS]
+    scenarios += [f"sync-{a}={a},{STEPS},{EVERY},2" for a in SYNC_ADAPTERS]
     scenarios += [_fault_spec(name, fault) for name, fault in FAULTS.items()]
+    scenarios += [_fault_spec(name, fault, monitor="2") for name, fault in SYNC_FAULTS.items()]
     return tmp, _launch(tmp, 2, scenarios)
 
 
@@ -87,6 +93,10 @@ def test_a_fault_free_run_has_no_violation_and_unchanged_parameters(world2, adap
     assert clean["violations"] == [] and clean["summary"]["passed"], clean["violations"][:3]
     assert clean["summary"]["checks"] == STEPS // EVERY
     assert clean["params"] == plain["params"], "the monitor changed the training numbers"
+    if adapter in SYNC_ADAPTERS:
+        sync = results[f"sync-{adapter}"]
+        assert sync["violations"] == [] and sync["summary"]["checks"] == STEPS // EVERY
+        assert sync["params"] == plain["params"], "the monitor without overlap changed the training numbers"
 
 
 def _caught(record: dict, fault: tuple) -> None:
@@ -103,9 +113,9 @@ def _caught(record: dict, fault: tuple) -> None:
         assert named & {tensor, tensor + ".grad"}, named  # the copy itself, or its reduced gradient
 
 
-@pytest.mark.parametrize("name", sorted(FAULTS))
+@pytest.mark.parametrize("name", sorted({**FAULTS, **SYNC_FAULTS}))
 def test_each_live_fault_is_caught_at_the_first_check_naming_rank_and_tensor(world2, name):
-    _caught(world2[1][name], FAULTS[name])
+    _caught(world2[1][name], {**FAULTS, **SYNC_FAULTS}[name])
 
 
 def test_hsdp_and_zerogpu_hybrid_at_world_4(world4):

@@ -3,7 +3,8 @@ tests/test_monitor_live.py (one launch runs many scenarios).
 
 argv: RESULTS_JSONL OUT_ROOT SCENARIO...; a scenario is ``NAME=ADAPTER,STEPS,EVERY,MONITOR[,FAULT]``
 with ADAPTER one of ddp, zero-redundancy, fsdp2, hsdp, zerogpu-zero2, zerogpu-zero3, zerogpu-hybrid;
-MONITOR 1 or 0 (0: the same loop without a monitor, for the bitwise comparison); FAULT a live
+MONITOR 1, 2 or 0 (1: the monitor with its default overlap, 2: without overlap, 0: the same loop without a
+monitor, for the bitwise comparison); FAULT a live
 ``ZEROSIM_FAULT`` text with ``;`` for ``:``. Rank 0 appends one JSON line per scenario: the
 violations the monitor returned (step, contract, clause, ranks, tensor), its summary, and a digest of
 the final full parameters.
@@ -105,7 +106,7 @@ def run(name: str, spec: str, out_root: Path) -> dict:
     fault = LiveFault.from_env(rank, fault_text[0].replace(";", ":")) if fault_text else None
     stepper, watched, optimizer = build(adapter)
     monitor = (Monitor(watched, optimizer, every=int(every), out=out_root / name, max_norm=MAX_NORM,
-                       log=lambda line: None) if with_monitor == "1" else None)
+                       log=lambda line: None, overlap=with_monitor == "1") if with_monitor != "0" else None)
     found = []
     for step in range(int(steps)):
         x, y = batch(rank, step)
@@ -132,6 +133,10 @@ def run(name: str, spec: str, out_root: Path) -> dict:
             for v in monitor.after_step(step, loss=loss, grad_norm=norm):
                 found.append({"step": v.step, "contract": v.contract, "clause": v.clause,
                               "ranks": list(v.ranks), "tensor": v.tensor, "text": str(v)})
+    if monitor is not None:
+        for v in monitor.flush():  # the last check's, when its exchange overlapped the loop's end
+            found.append({"step": v.step, "contract": v.contract, "clause": v.clause,
+                          "ranks": list(v.ranks), "tensor": v.tensor, "text": str(v)})
     summary = monitor.close() if monitor is not None else None
     digest = full_digest(stepper)
     if hasattr(stepper, "close"):

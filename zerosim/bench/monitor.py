@@ -1,8 +1,9 @@
 """``zerosim bench monitor``: what zerosim.monitor costs a training step, measured side by side.
 
-One torchrun launch (:mod:`zerosim.bench.monitor_rank`) trains one small model with each adapter
-(DDP, ZeroRedundancyOptimizer, FSDP2, zerogpu ZeRO-3, and DeepSpeed ZeRO stages 1-3 where DeepSpeed is
-installed: otherwise each is a ``skipped`` row naming why) without the monitor, with it at ``every=100`` and
+One torchrun launch (:mod:`zerosim.bench.monitor_rank`) trains one MLP (``--width``, ``--depth``,
+``--batch`` rows per rank and step) with each adapter (DDP, ZeroRedundancyOptimizer, FSDP2, zerogpu
+ZeRO-3, and DeepSpeed ZeRO stages 1-3 where DeepSpeed is installed: otherwise each is a ``skipped`` row
+naming why) without the monitor, with it at ``every=100`` and
 at ``every=1``, interleaved: per adapter and round, off, A, off, B, off (the monitored variants' order
 alternating by round). Each monitored run's ratio is its step time over the mean of its two
 neighbours without the monitor; per adapter and variant the median ratio over ``--rounds`` rounds and
@@ -30,28 +31,43 @@ DEFAULT_OUT = "a new reports/bench-monitor-<timestamp>/"
 JSON_NAME = "bench_monitor.json"
 VARIANTS = ("off", "every=100", "every=1")
 DEFAULT_ADAPTERS = "ddp,zero-redundancy,fsdp2,zerogpu-zero3,deepspeed-1,deepspeed-2,deepspeed-3"
+#: the default model and batch: 1.07M parameters, 256 rows of 16 per rank and step, about 1.6 GFLOP a
+#: step per rank (tens of ms on one idle core), so the step does work a check can be weighed against
+DEFAULT_WIDTH, DEFAULT_DEPTH, DEFAULT_BATCH = 512, 4, 256
 
 
-def digest_throughput(megabytes: int, repeats: int = 5) -> dict[str, float]:
-    """GB/s of the digest and of ``clone()`` over one float32 tensor of ``megabytes`` MB (best of
-    ``repeats``), and their ratio (digest time / copy time)."""
+def digest_throughput(megabytes: int, repeats: int = 9) -> dict[str, float]:
+    """GB/s of the digest and of a plain copy (``copy_`` into a buffer allocated beforehand, so neither
+    pays for fresh pages) over one float32 tensor of ``megabytes`` MB, the two timed alternately, best
+    of ``repeats`` each, and their ratio (digest time / copy time); on one thread, as each rank of the
+    launch runs (torchrun's ``OMP_NUM_THREADS=1``)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _digest_and_copy(megabytes, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _digest_and_copy(megabytes: int, repeats: int) -> dict[str, float]:
     import torch
 
     from ..monitor.digest import tensor_digest
 
     x = torch.randn(megabytes * 2**20 // 4)
-
-    def best(fn: Any) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    digest_s = best(lambda: tensor_digest(x))
-    copy_s = best(lambda: x.clone())
+    destination = torch.empty_like(x)
+    tensor_digest(x)
+    destination.copy_(x)
+    digest_s = copy_s = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tensor_digest(x)
+        t1 = time.perf_counter()
+        destination.copy_(x)
+        t2 = time.perf_counter()
+        digest_s, copy_s = min(digest_s, t1 - t0), min(copy_s, t2 - t1)
     gb = x.numel() * 4 / 1e9
     return {"megabytes": megabytes, "digest_gb_s": gb / digest_s, "copy_gb_s": gb / copy_s,
             "digest_over_copy": digest_s / copy_s}
@@ -112,6 +128,7 @@ def run(args: Any) -> int:
         "rounds": require_positive_int("rounds", _int("rounds", args.rounds)),
         "width": require_positive_int("width", _int("width", args.width)),
         "depth": require_positive_int("depth", _int("depth", args.depth)),
+        "batch": require_positive_int("batch", _int("batch", args.batch)),
     }
     for adapter in settings["adapters"]:
         if adapter not in monitor_rank.ADAPTERS:

@@ -1,9 +1,9 @@
-"""The rank side of ``zerosim bench monitor`` (under torchrun): one small model trained by each adapter,
+"""The rank side of ``zerosim bench monitor`` (under torchrun): one MLP trained by each adapter,
 without the monitor, with it at ``every=100`` and at ``every=1``, interleaved.
 
-argv: one JSON object (adapters, steps, warmup, rounds, width, depth, result path). The adapters: DDP,
-ZeroRedundancyOptimizer, FSDP2, zerogpu ZeRO-3, and DeepSpeed ZeRO stages 1-3 (an engine configured as
-``zerosim verify``'s deepspeed adapters; the monitor reads it as ``Monitor(engine)``). Per adapter and
+argv: one JSON object (adapters, steps, warmup, rounds, width, depth, batch, result path). The adapters:
+DDP, ZeroRedundancyOptimizer, FSDP2, zerogpu ZeRO-3, and DeepSpeed ZeRO stages 1-3 (an engine configured
+as ``zerosim verify``'s deepspeed adapters; the monitor reads it as ``Monitor(engine)``). Per adapter and
 round: off, A, off, B, off (A and B the monitored variants, their order alternating by round), so each
 monitored run has a run without the monitor just before and just after it. Each timed run is
 ``steps`` optimizer steps after ``warmup`` untimed ones (the monitor's first check among them, timed
@@ -106,11 +106,13 @@ def _deepspeed_engine(model: torch.nn.Module, stage: int) -> tuple[Any, Any, Non
     return engine, engine, None
 
 
-def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, steps: int) -> None:
+def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, steps: int,
+          batch: int) -> None:
+    """``steps`` optimizer steps from step ``first``, each on ``batch`` rows per rank."""
     rank = dist.get_rank()
     for step in range(first, first + steps):
         gen = torch.Generator().manual_seed(step * 101 + rank)
-        x, y = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+        x, y = torch.randn(batch, 16, generator=gen), torch.randn(batch, 16, generator=gen)
         norm = None
         if hasattr(stepper, "engine"):
             loss = stepper.step(x, y)
@@ -138,19 +140,21 @@ def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any
     every = VARIANTS[variant]
     monitor = None if every is None else Monitor(watched, optimizer, every=every, max_norm=MAX_NORM,
                                                  log=lambda line: None)
-    train(stepper, optimizer, monitor, 0, settings["warmup"])
+    train(stepper, optimizer, monitor, 0, settings["warmup"], settings["batch"])
     first_check_s = monitor.seconds if monitor is not None else 0.0
     warm_checks = monitor.checks if monitor is not None else 0
     dist.barrier()
     start = time.perf_counter()
-    train(stepper, optimizer, monitor, settings["warmup"], settings["steps"])
+    train(stepper, optimizer, monitor, settings["warmup"], settings["steps"], settings["batch"])
     dist.barrier()
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     summary = monitor.close() if monitor is not None else {}
     if hasattr(stepper, "close"):
         stepper.close()
-    params = sum(p.numel() for p in (watched.model if hasattr(watched, "engine") else watched).parameters())
+    # ZeRO-3's partitioned parameters report numel() 0; ds_numel is their full size
+    params = sum(getattr(p, "ds_numel", p.numel())
+                 for p in (watched.model if hasattr(watched, "engine") else watched).parameters())
     return {"adapter": adapter, "variant": variant, "step_s": float(elapsed) / settings["steps"],
             "checks": summary.get("checks", 0) - warm_checks, "violations": summary.get("violation_count", 0),
             "monitor_s": summary.get("monitor_seconds", 0.0) - first_check_s,

@@ -187,8 +187,13 @@ def register_monitor(sub: Any) -> None:
                    help="timed steps per run (default 120: every=100 checks at 0 and 100)")
     p.add_argument("--warmup", default="5", help="untimed steps first (default 5)")
     p.add_argument("--rounds", default="2", help="rounds of every run, order alternating (default 2)")
-    p.add_argument("--width", default="128", help="hidden width of the model (default 128)")
-    p.add_argument("--depth", default="2", help="hidden layers of the model (default 2)")
+    p.add_argument("--width", default=str(bench_monitor.DEFAULT_WIDTH),
+                   help=f"hidden width of the model (default {bench_monitor.DEFAULT_WIDTH})")
+    p.add_argument("--depth", default=str(bench_monitor.DEFAULT_DEPTH),
+                   help=f"hidden layers of the model (default {bench_monitor.DEFAULT_DEPTH})")
+    p.add_argument("--batch", default=str(bench_monitor.DEFAULT_BATCH),
+                   help=f"rows per rank and step (default {bench_monitor.DEFAULT_BATCH}: a step of tens of "
+                        "ms on an idle core; a check's cost is mostly fixed, so tiny steps overstate it)")
     p.add_argument("--digest-mb", default="64", help="MB digested and copied for the throughput (default 64)")
     p.add_argument("--layout-world", default="1024",
                    help="ranks of the C-ZERO-001 layout check timed on a Llama-like 70B model "

@@ -2,8 +2,10 @@
 
 * :func:`exchange_keys`: every rank's layout keys (JSON bytes, never pickle), gathered once and again
   whenever a rank's layout fingerprint changes: two all-gathers (lengths, then the padded bytes).
-* :func:`gather_table`: one all-gather of a small int64 row per rank at every check: two digest lanes
-  per held piece and a fixed summary (:data:`SUMMARY`), floats carried as their float64 bits.
+* :func:`start_gather`: one all-gather of a small int64 row per
+  rank at every check, posted without waiting so that it can complete while training goes on: two
+  digest lanes per held piece and a fixed summary (:data:`SUMMARY`), floats carried as their float64
+  bits.
 
 Both run on the device the backend communicates from (the current CUDA device under NCCL, the CPU
 otherwise) and are bounded by the process group's own timeout.
@@ -61,13 +63,25 @@ def exchange_keys(keys: dict[str, Any], device: torch.device) -> list[dict[str, 
             for t, n in zip(out, lengths, strict=True)]
 
 
-def gather_table(row: torch.Tensor) -> np.ndarray:
-    """Every rank's ``row`` (the same length on every rank) as one host table, one row per rank in rank
-    order: one all-gather."""
-    world = dist.get_world_size()
-    out = torch.empty(world, row.numel(), dtype=row.dtype, device=row.device)
-    dist.all_gather(list(out.unbind(0)), row)
-    return out.cpu().numpy()
+class Gather:
+    """One all-gather of every rank's row, posted without waiting (``async_op``): :meth:`wait` gives the
+    host table, one row per rank in rank order. Posted at the same point of every rank's sequence of
+    collectives on the default group, it is matched with the other ranks' in that order, whatever
+    training collectives are posted after it."""
+
+    def __init__(self, row: torch.Tensor):
+        self.row = row  # kept alive (and unchanged) until the gather is complete
+        self.out = torch.empty(dist.get_world_size(), row.numel(), dtype=row.dtype, device=row.device)
+        self.work = dist.all_gather(list(self.out.unbind(0)), row, async_op=True)
+
+    def wait(self) -> np.ndarray:
+        self.work.wait()
+        return self.out.cpu().numpy()
+
+
+def start_gather(row: torch.Tensor) -> Gather:
+    """Post the all-gather of ``row`` (the same length on every rank); :meth:`Gather.wait` completes it."""
+    return Gather(row)
 
 
 def summary_values(row: torch.Tensor, width: int) -> dict[str, Any]:

@@ -102,10 +102,18 @@ def dtensor_range(param: Any) -> tuple[int, int]:
                               "the monitor reads dim-0 shards and replicas only")
     if param.dim() == 0:
         return 0, 1
-    local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                                param.placements)
-    row = param.numel() // param.shape[0] if param.shape[0] else 0
-    return offset[0] * row, (offset[0] + local_shape[0]) * row
+    key = (tuple(param.shape), param.device_mesh, tuple(param.placements))
+    found = _RANGES.get(key)
+    if found is None:
+        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                    param.placements)
+        row = param.numel() // param.shape[0] if param.shape[0] else 0
+        found = _RANGES[key] = (offset[0] * row, (offset[0] + local_shape[0]) * row)
+    return found
+
+
+#: a DTensor's flat range by (global shape, mesh, placements): what this rank holds of it never changes
+_RANGES: dict[tuple[Any, ...], tuple[int, int]] = {}
 
 
 def _state_of(state: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -13,7 +13,10 @@ state and gradient on its device with fused reductions (:mod:`zerosim.monitor.ro
 one small int64 row to the check's one all-gather (:mod:`zerosim.monitor.exchange`); the layout's keys
 are gathered again, and C-ZERO-001 judged again, only when a rank's layout changes. Every
 rank then judges the same observations with the same checks (:mod:`zerosim.monitor.judge`), so with
-``on_violation="raise"`` every rank raises at the same check. Each rank appends its own observation as
+``on_violation="raise"`` every rank raises at the same call. With ``overlap`` (the default) the
+all-gather is posted without waiting and completed, and the check judged, at the next ``after_step``
+call (or :meth:`Monitor.flush`, :meth:`Monitor.close`): no rank waits at the check for the others,
+and the verdict still names the step observed. Each rank appends its own observation as
 one JSON line to ``out/rank-NNNNN.jsonl`` (flushed and fsynced per line); rank 0 logs one line per
 check and writes ``out/summary.json`` at :meth:`Monitor.close`.
 
@@ -30,6 +33,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +48,7 @@ from ..observe import MonitorObservation
 from ..verdict import Verdict, Violation
 from .deepspeed_layout import DeepSpeedReader, is_deepspeed_engine
 from .digest import digest_text
-from .exchange import FINGERPRINT, comm_device, exchange_keys, gather_table, summary_values
+from .exchange import FINGERPRINT, Gather, comm_device, exchange_keys, start_gather, summary_values
 from .judge import CONTRACTS, judge, summary_line
 from .layouts import LiveLayout, read_layout
 from .row import RowBuilder
@@ -77,14 +81,18 @@ class Monitor:
     (``ZeroRedundancyOptimizer`` included; None for a ZeroTrainer or a DeepSpeed engine). ``max_norm``:
     the ``clip_grad_norm_`` bound, when the logged norm is the one before clipping (not used for a
     DeepSpeed engine, whose gradient is measured before it clips). ``log``: where the per-check lines
-    go (default: rank 0's stderr).
+    go (default: rank 0's stderr). ``overlap`` (default True): each check's all-gather completes, and
+    the check is judged, at the next :meth:`after_step` call (or :meth:`flush`, :meth:`close`), so that
+    no rank waits at a check for the others to reach it; False: judged within the call that observed it.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, every: Any = 100, out: Any = None,
                  on_violation: str = "log", max_norm: float | None = None,
                  log: Callable[[str], None] | None = None,
-                 layout_reader: Callable[[], LiveLayout] | None = None):
+                 layout_reader: Callable[[], LiveLayout] | None = None, overlap: bool = True):
         self.model = model
+        self.overlap = bool(overlap)
+        self._pending: _Pending | None = None
         self.optimizer = optimizer
         if layout_reader is None and is_deepspeed_engine(model):
             # DeepSpeed's gradient is measured inside its step, before it clips: no clip to undo
@@ -142,10 +150,16 @@ class Monitor:
 
     # ---- the check ----------------------------------------------------------------------------------
     def after_step(self, step: int, loss: Any = None, grad_norm: Any = None) -> list[Violation]:
-        """Check the contracts when ``step`` is a multiple of ``every``; the check's violations (also
-        logged; raised as :class:`MonitorViolation` with ``on_violation="raise"``)."""
-        if not self.enabled or int(step) % self.every:
+        """Observe this rank's state when ``step`` is a multiple of ``every``, and judge: the violations
+        of the checks completed by this call (also logged; raised as :class:`MonitorViolation` with
+        ``on_violation="raise"``, on every rank at this same call). Without ``overlap`` that is this
+        step's check; with it, the check observed at the previous check step, whose exchange went on
+        while this step trained (its violations name the step they were observed at)."""
+        if not self.enabled:
             return []
+        found = self._complete() if self._pending is not None else []
+        if int(step) % self.every:
+            return found
         t0 = time.perf_counter()
         layout = self._read()
         self.adapter = layout.adapter
@@ -157,17 +171,46 @@ class Monitor:
         if self._keys is None:
             self._exchange(keys)
         values = (int(step), fingerprint, _number(loss), _number(grad_norm))
-        table = gather_table(self._rows.row(layout, self._width, *values))
-        fingerprints = table[:, self._width + FINGERPRINT].tolist()
+        row = self._rows.row(layout, self._width, *values)
+        self._pending = _Pending(int(step), keys, self._width, start_gather(row),
+                                 None if self.overlap else (layout, values),
+                                 time.perf_counter() - t0)
+        if not self.overlap:
+            found = self._complete()
+        return found
+
+    def flush(self) -> list[Violation]:
+        """Complete the check still exchanging (with ``overlap``), if any: its violations (raised as
+        :class:`MonitorViolation` with ``on_violation="raise"``). :meth:`close` calls it."""
+        if not self.enabled or self._pending is None:
+            return []
+        return self._complete()
+
+    def _complete(self) -> list[Violation]:
+        """Wait for the pending check's all-gather, judge every rank's observation, record and report."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        t0 = time.perf_counter()
+        width = pending.width
+        table = pending.gather.wait()
+        fingerprints = table[:, width + FINGERPRINT].tolist()
         if fingerprints != self._fingerprints:  # a rank's layout changed: every rank sees it here
-            self._exchange(keys)
-            table = gather_table(self._rows.row(layout, self._width, *values))
-            self._fingerprints = table[:, self._width + FINGERPRINT].tolist()
+            self._exchange(pending.keys)
+            if pending.now is not None:  # the state observed is still there: observe it again in full
+                layout, values = pending.now
+                width = self._width
+                table = start_gather(self._rows.row(layout, width, *values)).wait()
+                self._fingerprints = table[:, width + FINGERPRINT].tolist()
+            else:
+                self._fingerprints = fingerprints
+                if self._width > width:
+                    self._note(f"a layout changed at step {pending.step}: that check compared the pieces "
+                               f"its row had room for, every check after it compares them all")
         assert self._keys is not None
         rows = torch.from_numpy(table)
-        mismatched = self._mismatched_pieces(table)
-        observations = [self._observation(r, self._keys[r], rows[r], r == self.rank and self.out is not None,
-                                          mismatched)
+        mismatched = self._mismatched_pieces(table, width)
+        observations = [self._observation(r, self._keys[r], rows[r], width,
+                                          r == self.rank and self.out is not None, mismatched)
                         for r in range(self.world)]
         if self._layout_verdict is None:
             self._layout_verdict = check_partition_plan(observations)
@@ -176,12 +219,12 @@ class Monitor:
         identity.checked = self._compared
         verdicts = judge(observations, self._layout_verdict, identity)
         found = [v for verdict in verdicts for v in verdict.violations]
-        elapsed = time.perf_counter() - t0
+        elapsed = pending.seconds + time.perf_counter() - t0
         self.seconds += elapsed
         self.checks += 1
-        self.steps.append(int(step))
+        self.steps.append(pending.step)
         self._record(observations[self.rank], elapsed)
-        self._report(int(step), verdicts, found, elapsed)
+        self._report(pending.step, verdicts, found, elapsed)
         if found and self.on_violation == "raise":
             raise MonitorViolation(found)
         return found
@@ -206,27 +249,33 @@ class Monitor:
         self._fingerprints = [zlib.crc32(json.dumps(k, separators=(",", ":")).encode()) for k in self._keys]
         self._layout_verdict = None
 
-    def _mismatched_pieces(self, table: np.ndarray) -> set[tuple[str, int, int]]:
+    def _mismatched_pieces(self, table: np.ndarray, width: int) -> set[tuple[str, int, int]]:
         """The pieces (tensor, start, stop) whose holders' digest lanes differ somewhere: one vectorised
-        comparison of every holder with the piece's first holder (C-ZERO-003's fast path)."""
+        comparison of every holder with the piece's first holder (C-ZERO-003's fast path), over the
+        pieces the table's ``width`` lanes hold."""
         if not len(self._pair_key):
             return set()
         (br, bi), (orank, oi) = self._pair_base.T, self._pair_other.T
+        if 2 * max(int(bi.max()), int(oi.max())) + 1 >= width:  # a layout grew since the row was built
+            room = (2 * bi + 1 < width) & (2 * oi + 1 < width)
+            bi, oi = np.where(room, bi, 0), np.where(room, oi, 0)
+            br, orank = np.where(room, br, 0), np.where(room, orank, 0)
         differ = ((table[br, 2 * bi] != table[orank, 2 * oi]) |
                   (table[br, 2 * bi + 1] != table[orank, 2 * oi + 1]))
         return {self._pair_key[i] for i in np.flatnonzero(differ)}
 
-    def _observation(self, rank: int, keys: dict[str, Any], row: torch.Tensor, every_piece: bool | None,
-                     pieces: set[tuple[str, int, int]]) -> MonitorObservation:
-        """Rank ``rank``'s observation from its keys and row: with the digests of every piece it holds
-        (``every_piece``: this rank's own, for its file) or of those in ``pieces`` only."""
-        s = summary_values(row, self._width)
+    def _observation(self, rank: int, keys: dict[str, Any], row: torch.Tensor, width: int,
+                     every_piece: bool | None, pieces: set[tuple[str, int, int]]) -> MonitorObservation:
+        """Rank ``rank``'s observation from its keys and row (``width`` digest lanes): with the digests
+        of every piece it holds (``every_piece``: this rank's own, for its file) or of those in
+        ``pieces`` only."""
+        s = summary_values(row, width)
         names = keys["names"]
         held = []
         if every_piece or pieces:
-            lanes = row[: self._width].tolist()
+            lanes = row[:width].tolist()
             held = [(n, int(a), int(b), digest_text((lanes[2 * i], lanes[2 * i + 1])))
-                    for i, (n, a, b) in enumerate(keys["held"][: s["n_held"]])
+                    for i, (n, a, b) in enumerate(keys["held"][: min(s["n_held"], width // 2)])
                     if every_piece or (n, int(a), int(b)) in pieces]
         return MonitorObservation(
             rank=rank, world_size=self.world, step=int(s["step"]), adapter=keys["adapter"], held=held,
@@ -278,7 +327,14 @@ class Monitor:
                 "monitor_seconds": self.seconds, "enabled": self.enabled, "notes": list(self.notes)}
 
     def close(self) -> dict[str, Any]:
-        """Write ``out/summary.json`` (rank 0) and return the summary."""
+        """Complete the check still exchanging, write ``out/summary.json`` (rank 0) and return the
+        summary; with ``on_violation="raise"`` a violation that check found is raised after the summary
+        is written."""
+        raised: MonitorViolation | None = None
+        try:
+            self.flush()
+        except MonitorViolation as err:
+            raised = err
         summary = self.summary()
         if self.enabled and self.out is not None and self.rank == 0:
             try:
@@ -291,7 +347,23 @@ class Monitor:
         if self.enabled:
             self._log(f"zerosim.monitor summary: {self.checks} check(s), "
                       f"{self.violation_count} violation(s), {self.seconds:.3f} s in checks")
+        if raised is not None:
+            raise raised
         return summary
+
+
+@dataclass
+class _Pending:
+    """A check observed at ``step`` whose all-gather is under way: this rank's layout keys then, the row
+    width, the gather, (the layout and row values, when the check completes within the same call) and
+    the seconds spent observing."""
+
+    step: int
+    keys: dict[str, Any]
+    width: int
+    gather: Gather
+    now: tuple[LiveLayout, tuple[Any, ...]] | None
+    seconds: float
 
 
 def _number(value: Any) -> float | None:

@@ -5,19 +5,24 @@ clauses and C-ZERO-003's digests, :mod:`zerosim.monitor.exchange` lays the row o
 :class:`~zerosim.monitor.digest.PieceDigests`, the layout's fingerprint) and measures at each check,
 with a handful of fused operators whatever the number of tensors:
 
-* the held pieces' digests (one copy into a word buffer and one blocked reduction per device);
-* optimizer state present for every owned element (sizes compared, no data read) and finite (one
-  ``_foreach_norm`` per device and dtype, confirmed element by element where a norm is not finite);
-* the step counters' least and largest value;
-* the float64 sum of squares of the reduced gradient over the owned elements (one ``_foreach_norm``).
+* the held pieces' digests (one copy of the small pieces into a word buffer and one row reduction
+  per chunk length and device; large pieces reduced where they sit);
+* optimizer state present for every owned element (sizes compared, no data read), the step counters'
+  least and largest value;
+* one ``_foreach_norm`` per device and dtype over the floating optimizer state (in its own dtype) and
+  one float64 one over the reduced gradient's owned pieces, read back in one host copy: the state is
+  finite where its norm is (confirmed element by element where a norm is not finite), the gradient's
+  float64 sum of squares is the sum of its norms squared.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from typing import Any
 
+import numpy as np
 import torch
 
 from .digest import PieceDigests
@@ -27,10 +32,6 @@ from .layouts import LiveLayout
 
 def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _local_value(v: Any) -> Any:
-    return _local(v).item() if isinstance(v, torch.Tensor) else v
 
 
 class RowBuilder:
@@ -71,19 +72,21 @@ class RowBuilder:
         if count:
             row[: 2 * count] = self.digests(layout, count).reshape(-1)
         summary = {"fingerprint": fingerprint, "n_held": len(layout.held), "step": step,
-                   **_state_summary(layout), **_grad_summary(layout),
+                   **_norm_summary(layout),
                    "has_norm": int(grad_norm is not None), "grad_norm": float_bits(grad_norm or 0.0),
                    "has_loss": int(loss is not None), "loss": float_bits(loss or 0.0)}
-        row[width:] = torch.tensor([summary[k] for k in SUMMARY], dtype=torch.int64)
+        row[width:] = torch.from_numpy(np.fromiter((summary[k] for k in SUMMARY), np.int64, len(SUMMARY)))
         return row
 
 
-def _state_summary(layout: LiveLayout) -> dict[str, int]:
-    """C-ZERO-002's state fields: owned pieces without state for every element, with a non-finite
-    value, and the step counters (each with the index of the first tensor concerned)."""
-    names = list(layout.numels)
+def _state_summary(layout: LiveLayout) -> tuple[dict[str, int], list[torch.Tensor], list[str]]:
+    """C-ZERO-002's state fields that need no data read: owned pieces without state for every element,
+    and the step counters (each with the index of the first tensor concerned); and the floating state
+    tensors (with their tensor's name) whose finiteness :func:`_norms` measures."""
+    names = layout.numels
     missing_names: list[str] = []
-    counters: list[tuple[int, str]] = []
+    step_values: list[Any] = []
+    step_names: list[str] = []
     tensors: list[torch.Tensor] = []
     owners: list[str] = []
     stateless: list[str] = []
@@ -96,54 +99,83 @@ def _state_summary(layout: LiveLayout) -> dict[str, int]:
         if any(v.numel() != owned.numel for v in held):
             missing_names.append(owned.name)
         if "step" in values:
-            counters.append((int(_local_value(values["step"])), owned.name))
+            step_values.append(_local(values["step"]))
+            step_names.append(owned.name)
         for value in held:
             if value.is_floating_point() or value.is_complex():
                 tensors.append(value)
                 owners.append(owned.name)
+    counters = list(zip(_scalars(step_values), step_names, strict=True))
     if stateless and len(stateless) < len(layout.states):  # some owned pieces keep state, these none
         missing_names += stateless
-    bad = sorted({owners[i] for i in _nonfinite(tensors)}, key=names.index)
+    index = {n: i for i, n in enumerate(names)}
     low = min(counters, key=lambda c: c[0]) if counters else (0, "")  # the first tensor at the least
-    first_missing = min((names.index(n) for n in missing_names), default=-1)
-    return {"missing": len(missing_names), "missing_idx": first_missing, "nonfinite": len(bad),
-            "nonfinite_idx": names.index(bad[0]) if bad else -1, "has_counters": int(bool(counters)),
-            "step_min": low[0], "step_max": max(c for c, _ in counters) if counters else 0,
-            "step_min_idx": names.index(low[1]) if counters else -1}
+    first_missing = min((index[n] for n in missing_names), default=-1)
+    return ({"missing": len(missing_names), "missing_idx": first_missing,
+             "has_counters": int(bool(counters)), "step_min": low[0],
+             "step_max": max(c for c, _ in counters) if counters else 0,
+             "step_min_idx": index[low[1]] if counters else -1}, tensors, owners)
 
 
-def _nonfinite(tensors: list[torch.Tensor]) -> list[int]:
-    """The indices of the tensors holding a non-finite element: one 2-norm per tensor, fused per device
-    and dtype (non-finite when an element is, or when finite squares overflow: a tensor whose norm is
-    not finite is then confirmed element by element, so an overflow is never reported)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+def _scalars(values: list[Any]) -> list[int]:
+    """Step counters (Python numbers or one-element tensors) as ints: the tensors of one device and
+    dtype read back in one host copy."""
+    out: list[int] = [0] * len(values)
+    by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            by_device.setdefault((v.device, v.dtype), []).append(i)
+        else:
+            out[i] = int(v)
+    for members in by_device.values():
+        read = torch.stack([values[i].reshape(()) for i in members]).tolist()
+        for i, v in zip(members, read, strict=True):
+            out[i] = int(v)
+    return out
+
+
+def _norms(tensors: list[torch.Tensor], wide: int) -> list[float]:
+    """The 2-norm of every tensor, the first ``wide`` accumulated in their own dtype (enough to see a
+    non-finite element), the rest in float64: one ``_foreach_norm`` per device, dtype and accumulation,
+    one host copy per device."""
+    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(i)
-    bad: list[int] = []
-    for members in groups.values():
-        norms = torch._foreach_norm([tensors[i] for i in members], 2)
-        finite = torch.isfinite(torch.stack(norms))
-        if not bool(finite.all()):
-            suspects = [members[j] for j in torch.nonzero(~finite).flatten().tolist()]
-            bad += [i for i in suspects if not bool(torch.isfinite(tensors[i]).all())]
-    return bad
+            groups.setdefault((t.device, t.dtype, i >= wide), []).append(i)
+    norms = [0.0] * len(tensors)
+    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    for (device, _, in_float64), members in groups.items():
+        values = torch._foreach_norm([tensors[i] for i in members], 2,
+                                     dtype=torch.float64 if in_float64 else None)
+        indices, found = by_device.setdefault(device, ([], []))
+        indices += members
+        found += [v.to(torch.float64) for v in values]
+    for indices, found in by_device.values():
+        for i, v in zip(indices, torch.stack(found).tolist(), strict=True):
+            norms[i] = v
+    return norms
 
 
-def _grad_summary(layout: LiveLayout) -> dict[str, int]:
-    """The float64 sum of squares of the reduced gradient over the owned elements, and its size (as the
-    layout's reader measured it, where the framework frees the gradient inside its step)."""
-    if layout.grads is None:
-        if layout.grad_squares is not None:  # measured by the reader inside the step
-            squares, numel = layout.grad_squares
-            return {"has_grad": 1, "grad_sq": float_bits(squares), "grad_numel": numel}
-        return {"has_grad": 0, "grad_sq": float_bits(0.0), "grad_numel": 0}
-    local = [_local(g) for g in layout.grads]
-    grad_sq = 0.0
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in local:
-        by_device.setdefault(g.device, []).append(g)
-    for grads in by_device.values():
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
-        grad_sq += float((torch.stack(norms) ** 2).sum())
-    return {"has_grad": 1, "grad_sq": float_bits(grad_sq), "grad_numel": sum(g.numel() for g in local)}
+def _norm_summary(layout: LiveLayout) -> dict[str, int]:
+    """The state summary (:func:`_state_summary`) with its non-finite count, and the gradient's: the
+    norms of the state tensors (in their dtype) and the float64 norms of the owned gradient pieces,
+    read back together. A state tensor whose norm is not finite is confirmed element by element (so
+    an overflow of the squares is never reported); the gradient's float64 sum of squares is the sum of
+    its norms squared."""
+    fields, tensors, owners = _state_summary(layout)
+    grads = [_local(g) for g in layout.grads] if layout.grads is not None else []
+    norms = _norms(tensors + grads, len(tensors))
+    bad_names = {owners[i] for i, v in enumerate(norms[: len(tensors)])
+                 if not math.isfinite(v) and not bool(torch.isfinite(tensors[i]).all())}
+    index = {n: i for i, n in enumerate(layout.numels)}
+    bad = sorted(bad_names, key=index.__getitem__)
+    fields.update(nonfinite=len(bad), nonfinite_idx=index[bad[0]] if bad else -1)
+    if layout.grads is None and layout.grad_squares is not None:  # measured by the reader inside the step
+        squares, numel = layout.grad_squares
+        fields.update(has_grad=1, grad_sq=float_bits(squares), grad_numel=numel)
+    elif layout.grads is None:
+        fields.update(has_grad=0, grad_sq=float_bits(0.0), grad_numel=0)
+    else:
+        grad_sq = math.fsum(v * v for v in norms[len(tensors):]) if grads else 0.0
+        fields.update(has_grad=1, grad_sq=float_bits(grad_sq), grad_numel=sum(g.numel() for g in grads))
+    return fields
