@@ -2,8 +2,8 @@
 module is imported there, and none of them starts a thread, a process group or CUDA at import (a
 fork would copy a thread's state without the thread).
 
-Each check runs in a fresh interpreter that imports ``torch.distributed`` first (as the forking
-process does), then counts its native threads before and after.
+Each check runs in a fresh interpreter (for the preload, one that imports ``torch.distributed`` first,
+as the forking process does) and counts its native threads before and after each import.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 # argv[2:] in turn); prints {"imported": [...], "side_effects": {module: what}} as JSON
 _PROBE = textwrap.dedent("""
     import importlib, json, os, sys
-    import torch
-    import torch.distributed as dist
 
     def threads():
         return len(os.listdir("/proc/self/task"))
@@ -38,13 +36,18 @@ _PROBE = textwrap.dedent("""
         found = []
         if threads() != before:
             found.append(f"native threads {before} -> {threads()}")
-        if dist.is_initialized():
-            found.append("a process group")
-        if torch.cuda.is_initialized():
-            found.append("CUDA")
+        if "torch" in sys.modules:
+            import torch
+            import torch.distributed as dist
+            if dist.is_initialized():
+                found.append("a process group")
+            if torch.cuda.is_initialized():
+                found.append("CUDA")
         return ", ".join(found)
 
     mode, names = sys.argv[1], sys.argv[2:]
+    if mode == "preload":
+        import torch.distributed  # what the forking process imports first
     side_effects, imported = {}, []
     for name in names:
         before = threads()
