@@ -21,6 +21,11 @@ from typing import Any
 
 __all__ = ["OffloadConfig", "ZeroTrainer"]
 
+#: What every rank of ``python -m zerogpu simulate|equivalence|selftest-comm`` imports whatever its
+#: options (:mod:`zerogpu.rank_zygote` imports them once before forking the ranks; none starts a
+#: thread or touches a device at import). ``selftest-comm`` needs only the first two.
+RANK_IMPORTS = ("zerogpu.comm", "zerogpu.rank", "zerogpu.program", "zerosim.engine.run_file")
+
 
 def __getattr__(name: str) -> Any:
     if name == "ZeroTrainer":

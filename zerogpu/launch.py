@@ -25,6 +25,7 @@ exit 3.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -115,6 +116,16 @@ def run_ranks(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str, s
     code = EXIT_LAUNCH_TIMEOUT if run.returncode is None else ranks_status(run.returncode, written, n)
     return RanksResult(spawn.command, code, run.returncode, written, spawn.exits, run.stdout, run.stderr,
                        run.timed_out, run.elapsed_s)
+
+
+def torch_missing_reason() -> str | None:
+    """Why no launch can happen here because torch is not installed, or None; imports nothing, so a
+    launcher checks it before its other options at no cost. Whether the installed torch has a working
+    torch.distributed is :func:`torch_unavailable_reason`'s (:func:`run_ranks` asks it before the ranks
+    start, when this process imports torch.distributed for the launch's store anyway)."""
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed (No module named 'torch'); pip install 'zerosim[torch]'"
+    return None
 
 
 def torch_unavailable_reason() -> str | None:

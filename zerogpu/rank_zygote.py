@@ -2,8 +2,9 @@
 
 ``python -u -m zerogpu.rank_zygote REPORT_FD WORLD -- ARGV...`` is what :class:`zerogpu.spawn.RankSpawn`
 starts on Linux instead of ``WORLD`` interpreters of ``python -u ARGV``: it imports
-``torch.distributed`` (and, for ``-m zerosim.X`` / ``-m zerogpu.X`` programs, that program's package),
-then forks one rank per ``RANK`` and runs ``ARGV`` in each exactly as ``python -u ARGV`` would
+``torch.distributed`` (and, for ``-m zerosim.X`` / ``-m zerogpu.X`` programs, that program's package
+and the modules the package lists in ``RANK_IMPORTS``), then forks one rank per ``RANK`` and runs
+``ARGV`` in each exactly as ``python -u ARGV`` would
 (``-m`` module, ``-c`` code or a script; ``sys.argv``, ``sys.path[0]``, uncaught exceptions, exit
 statuses, atexit handlers and non-daemon threads as the interpreter treats them). Every rank pays
 for the imports once per launch instead of once per rank, which is most of a rank's start.
@@ -45,9 +46,16 @@ _PR_SET_PDEATHSIG = 1
 PRELOADABLE = ("zerosim", "zerogpu")
 
 
+#: The attribute of a program's package that lists the modules every rank of ``-m PACKAGE`` imports
+#: whatever its arguments (a tuple of module names; each imported without side effects).
+RANK_IMPORTS = "RANK_IMPORTS"
+
+
 def preload(argv: Sequence[str]) -> None:
     """Import what every rank of ``argv`` imports first: torch.distributed and, for ``-m`` programs of
-    :data:`PRELOADABLE` packages, the program's package (its ``__main__`` runs in each rank)."""
+    :data:`PRELOADABLE` packages, the program's package (its ``__main__`` runs in each rank) and the
+    modules its :data:`RANK_IMPORTS` names. A module that fails to import here is left to the ranks,
+    which import it again and report the error as they would have."""
     import torch.distributed  # noqa: F401
 
     if len(argv) >= 2 and argv[0] == "-m" and argv[1].split(".")[0] in PRELOADABLE:
@@ -56,7 +64,10 @@ def preload(argv: Sequence[str]) -> None:
             is_package = spec is not None and spec.submodule_search_locations is not None
             package = argv[1] if is_package else argv[1].rpartition(".")[0]
             if package:
-                importlib.import_module(package)
+                module = importlib.import_module(package)
+                for name in getattr(module, RANK_IMPORTS, ()):
+                    with contextlib.suppress(Exception):
+                        importlib.import_module(name)
 
 
 def _die_with_parent(parent: int) -> None:

@@ -26,7 +26,6 @@ on different data and the reference can rebuild every rank's batch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -34,38 +33,10 @@ from torch import nn
 
 from zerosim.errors import ConfigError
 
+from .model_presets import PRESETS, GPTConfig, require_model
 
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 37
-    block: int = 7
-    d_model: int = 25
-    n_head: int = 5
-    d_mlp: int = 47
-    n_layer: int = 2
-    tied: bool = False
-    batch: int = 2  # sequences per rank per step
-    small_tensors: bool = True  # small.bias (3 elements) and small.gain (1): see the module docstring
-
-    @property
-    def widest(self) -> int:
-        """The longest dot product in one layer (for :mod:`zerosim.checks.tolerance`'s rounding model)."""
-        return max(self.d_model, self.d_mlp, self.vocab, self.block)
-
-
-PRESETS = {
-    "gpt": GPTConfig(),
-    "gpt-tied": GPTConfig(tied=True),
-    "gpt-50m": GPTConfig(vocab=24571, block=65, d_model=511, n_head=7, d_mlp=2047, n_layer=8, batch=2,
-                         small_tensors=False),
-}
-
-
-def require_model(name: str) -> GPTConfig:
-    """The preset called ``name``; ConfigError (field ``model``) listing the presets otherwise."""
-    if name not in PRESETS:
-        raise ConfigError("model", name, f"known models: {', '.join(PRESETS)}")
-    return PRESETS[name]
+__all__ = ["GPT", "PRESETS", "GPTConfig", "build_model", "micro_batch", "parameter_count", "require_model",
+           "torch_dtype"]
 
 
 class CausalSelfAttention(nn.Module):

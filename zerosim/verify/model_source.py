@@ -17,7 +17,6 @@ are one :class:`~zerosim.errors.ConfigError` line naming what is wrong (exit 2),
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +28,10 @@ from zerosim.dotted import import_dotted
 from zerosim.errors import ConfigError, ZeroSimError
 
 from .model import PRESETS, build_model, micro_batch, torch_dtype
+from .model_presets import BUILT_IN_MODELS, HF_INSTALL, HF_MODEL, require_model_name
 
-HF_MODEL = "hf-gpt2"
-HF_INSTALL = "pip install 'zerosim[hf]'"
-BUILT_IN_MODELS = (*PRESETS, HF_MODEL)
+__all__ = ["BUILT_IN_MODELS", "HF_INSTALL", "HF_MODEL", "ModelSizes", "ModelSource", "batch_signature",
+           "hf_gpt2_factory", "model_sizes_of", "model_source", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -253,15 +252,9 @@ def _describe(sig: Any) -> str:
 
 def model_source(name: Any, seed: int = 0) -> ModelSource:
     """The source ``--model`` names; ConfigError (field ``model``) for a name that is neither a built-in
-    model nor ``MODULE:FACTORY``, and for ``hf-gpt2`` without transformers."""
-    if not isinstance(name, str) or not name:
-        raise ConfigError("model", name,
-                          f"give a built-in model ({', '.join(BUILT_IN_MODELS)}) or MODULE:FACTORY")
-    if name == HF_MODEL and importlib.util.find_spec("transformers") is None:
-        raise ConfigError("model", name, f"needs transformers, which is not installed: {HF_INSTALL}")
-    if name not in BUILT_IN_MODELS and (":" not in name or name.startswith(":") or name.endswith(":")):
-        raise ConfigError("model", name, f"known models: {', '.join(BUILT_IN_MODELS)}, or MODULE:FACTORY")
-    return ModelSource(name, seed)
+    model nor ``MODULE:FACTORY``, and for ``hf-gpt2`` without transformers
+    (:func:`~zerosim.verify.model_presets.require_model_name`)."""
+    return ModelSource(require_model_name(name), seed)
 
 
 # ---- the built-in GPT-2 from transformers -------------------------------------------------------------

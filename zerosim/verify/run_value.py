@@ -160,7 +160,7 @@ def validate_options(
     grad_accum: Any = 1,
 ) -> None:
     """ConfigError (one line naming the field and value) for any bad option; deterministic."""
-    from .model_source import model_source
+    from .model_presets import require_model_name
 
     require_positive_int("world", world)
     require_grad_accum(grad_accum)
@@ -168,7 +168,7 @@ def validate_options(
         raise ConfigError("dtype", dtype, f"must be one of {', '.join(DTYPES)}")
     if device not in DEVICES:
         raise ConfigError("device", device, f"must be one of {', '.join(DEVICES)}")
-    model_source(model)
+    require_model_name(model)
     build_phases(optimizers, steps)
     if timeout_s is not None and (
         isinstance(timeout_s, bool)

@@ -130,8 +130,9 @@ def verify(
 def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | None = None,
                   resume_world: int | None = None) -> VerifyReport:
     """:func:`verify` for a run already built as one value: validate it, start its ranks, collect."""
-    from zerogpu.launch import torch_unavailable_reason
+    from zerogpu.launch import torch_missing_reason
 
+    from .model_presets import is_preset
     from .targets import factory_spec, is_built_in, resolve_factory
 
     world = run.world if run.world is not None else 4
@@ -144,7 +145,7 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
     if resume_at is not None:
         resume_world = world if resume_world is None else resume_world
         validate_resume(resume_at, resume_world, run.optimizers, run.steps, run.device)
-    reason = torch_unavailable_reason()
+    reason = torch_missing_reason()  # whether torch.distributed works: checked before the ranks start
     if reason:
         raise ConfigError("backend", "torch", reason)
     require_startable(world, run.device)
@@ -152,14 +153,16 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
         require_output_dir(out)
     # a built-in adapter's module ships with zerosim: its name and requirements are checked here and the
     # ranks import it; a user's MODULE:FACTORY (and model factory) is imported here, so that bad input
-    # fails before any rank starts
+    # fails before any rank starts. A built-in preset model needs no torch here (validate() checks
+    # nothing for it).
     if is_built_in(run.target):
         factory_spec(run.target)
     else:
         resolve_factory(run.target)
-    from .model_source import model_source
+    if not is_preset(run.model):
+        from .model_source import model_source
 
-    model_source(run.model, run.seed).validate(world, run.grad_accum)
+        model_source(run.model, run.seed).validate(world, run.grad_accum)
     # each rank's own output goes to a log file: under --out (kept), or in a folder of this run that is
     # kept only when a rank failure names it
     own_logs = None if out else tempfile.mkdtemp(prefix="zerosim-verify-logs-")
