@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 FORK_SERVER_ENV = "ZEROGPU_FORK_SERVER"  #: the socket's path; unset, empty or ``off``: no server
@@ -489,9 +489,28 @@ def start_fork_server(env: Mapping[str, str]) -> ForkServer:
     server_env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     server_env[FORK_SERVER_ENV] = address
     proc = subprocess.Popen([sys.executable, "-u", "-m", "zerogpu.fork_server", address], cwd=folder,
-                            env=server_env, stdin=subprocess.DEVNULL, start_new_session=True,
+                            env=server_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=parent_death_preexec())
     return ForkServer(proc, folder)
+
+
+@contextlib.contextmanager
+def serving_launches() -> Iterator[None]:
+    """A server for the launches this process (and its subprocesses) makes while the block runs, for
+    commands that make many; nothing when ``$ZEROGPU_FORK_SERVER`` is already set (a server, or
+    ``off``), off Linux, or when ``$ZEROGPU_RANK_START`` is ``exec``."""
+    if FORK_SERVER_ENV in os.environ or not sys.platform.startswith("linux") \
+            or os.environ.get("ZEROGPU_RANK_START") == "exec":
+        yield
+        return
+    server = start_fork_server({"OMP_NUM_THREADS": "1", **os.environ})  # what launches default to
+    os.environ[FORK_SERVER_ENV] = server.address
+    try:
+        yield
+    finally:
+        os.environ.pop(FORK_SERVER_ENV, None)
+        server.stop()
 
 
 if __name__ == "__main__":

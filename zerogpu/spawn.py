@@ -164,8 +164,10 @@ class RankSpawn:
     """``world`` ranks of ``python -u *argv`` on this node (see the module docstring).
 
     On Linux the ranks are forks of one process per launch that imported torch once
-    (:mod:`zerogpu.rank_zygote`); elsewhere, with another ``python``, or with ``$ZEROGPU_RANK_START``
-    set to ``exec``, each rank is an interpreter of its own. A rank program sees no difference."""
+    (:mod:`zerogpu.rank_zygote`), itself forked by a warm server when ``$ZEROGPU_FORK_SERVER`` in the
+    launch's environment names one that accepts the launch (:mod:`zerogpu.fork_server`); elsewhere,
+    with another ``python``, or with ``$ZEROGPU_RANK_START`` set to ``exec``, each rank is an
+    interpreter of its own. A rank program sees no difference."""
 
     def __init__(self, world: int, argv: Sequence[str], python: str | None = None):
         self.world = world
