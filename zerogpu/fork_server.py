@@ -262,6 +262,8 @@ class _Server:
         pid = os.fork()
         if pid == 0:
             os.close(ready_r)
+            for sock in [self.listener, *(c for c in self.by_pid.values() if c is not None)]:
+                sock.detach()  # closed with every other descriptor, never later by a reused number
             high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (*fds, ready_w)]  # out of the way of 0..3
             self.child = (request, high[:-1], server, high[-1])
             return 0
