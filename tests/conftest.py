@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -71,7 +73,44 @@ class _Progress:
             )
 
 
+def _start_fork_server(config: pytest.Config) -> None:
+    """On the process that runs tests (each xdist worker, or pytest itself without xdist): a fork server
+    (:mod:`zerogpu.fork_server`) for the session, named in ``$ZEROGPU_FORK_SERVER`` so that every launch
+    of ranks this process or its subprocesses make forks its zygote from it instead of importing torch.
+    ``ZEROGPU_FORK_SERVER=off`` (or any value already set) is left as it is."""
+    from zerogpu.fork_server import FORK_SERVER_ENV, start_fork_server
+
+    is_controller = not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None)
+    if is_controller or FORK_SERVER_ENV in os.environ or not sys.platform.startswith("linux"):
+        return
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("torch") is None:
+            return
+    except (ImportError, ValueError):
+        return
+    server = start_fork_server({"OMP_NUM_THREADS": "1", **os.environ})  # what launches default to
+    os.environ[FORK_SERVER_ENV] = server.address
+    config.stash[_FORK_SERVER] = server
+
+
+_FORK_SERVER = pytest.StashKey[object]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the progress line on the process that prints (not on xdist's workers)."""
+    """Register the progress line on the process that prints (not on xdist's workers); start the
+    session's fork server on the processes that run tests."""
     if not hasattr(config, "workerinput") and config.getoption("verbose") < 1:
         config.pluginmanager.register(_Progress(config), "zerosim-progress")
+    _start_fork_server(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the session's fork server, if this process started one."""
+    server = config.stash.get(_FORK_SERVER, None)
+    if server is not None:
+        from zerogpu.fork_server import FORK_SERVER_ENV
+
+        server.stop()  # type: ignore[attr-defined]
+        os.environ.pop(FORK_SERVER_ENV, None)

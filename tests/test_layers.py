@@ -47,7 +47,7 @@ LAYERS: dict[str, int] = {
     "zerosim.comm.mpi": 3, "zerosim.comm.mpi_wire": 3, "zerosim.comm.mpi_traffic": 3,
     "zerosim.comm.mpi_watchdog": 3, "zerosim.mpi.*": 3, "zerosim.launching": 3, "zerosim.rank_messages": 3,
     "zerosim.bench.mpi": 3, "zerogpu.*": 3, "zerosim.owned_processes": 3, "zerosim.stop_signals": 3,
-    "zerosim.rank_logs": 3, "zerogpu.module_run": 3, "zerosim.monitor.*": 3,
+    "zerosim.rank_logs": 3, "zerogpu.module_run": 3, "zerogpu.fork_server": 3, "zerosim.monitor.*": 3,
     # 4: interface
     "zerosim": 4, "zerosim.__main__": 4, "zerosim.cli.*": 4, "zerosim.report.*": 4, "zerosim.bench.*": 4,
     "zerosim.verify.*": 4, "zerosim.testing.*": 4, "zerosim.mutants": 4,

@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, Any
 
+from zerogpu.fork_server import ServedZygote, request_zygote, server_address
 from zerosim.launching import death_line, signal_description, start_owned
-from zerosim.owned_processes import end_owned
+from zerosim.owned_processes import end_owned, with_owner_token
 
 MONITOR_S = 0.1  #: how often the ranks are looked at (torchrun's default ``--monitor-interval``)
 STORE_HOST = "127.0.0.1"
@@ -163,8 +164,10 @@ class RankSpawn:
     """``world`` ranks of ``python -u *argv`` on this node (see the module docstring).
 
     On Linux the ranks are forks of one process per launch that imported torch once
-    (:mod:`zerogpu.rank_zygote`); elsewhere, with another ``python``, or with ``$ZEROGPU_RANK_START``
-    set to ``exec``, each rank is an interpreter of its own. A rank program sees no difference."""
+    (:mod:`zerogpu.rank_zygote`), itself forked by a warm server when ``$ZEROGPU_FORK_SERVER`` in the
+    launch's environment names one that accepts the launch (:mod:`zerogpu.fork_server`); elsewhere,
+    with another ``python``, or with ``$ZEROGPU_RANK_START`` set to ``exec``, each rank is an
+    interpreter of its own. A rank program sees no difference."""
 
     def __init__(self, world: int, argv: Sequence[str], python: str | None = None):
         self.world = world
@@ -176,7 +179,7 @@ class RankSpawn:
         self._kill_at: float | None = None  # when the ranks stopped after a failure get SIGKILL
         self.grace_s = 5.0
         self.forked = forking_available() and self.command[0] == sys.executable
-        self._zygote: subprocess.Popen | None = None
+        self._zygote: subprocess.Popen | ServedZygote | None = None
         self._zygote_report: _ZygoteReport | None = None
 
     @property
@@ -194,9 +197,13 @@ class RankSpawn:
             read_fd, write_fd = os.pipe()
             zygote = [self.command[0], "-u", "-m", "zerogpu.rank_zygote", str(write_fd), str(self.world),
                       "--", *self.command[2:]]
+            zygote_env = rank_environment(0, self.world, self.port, env)
             try:
-                self._zygote = start_owned(zygote, rank_environment(0, self.world, self.port, env), token,
-                                           stdout=stdout, stderr=stderr, pass_fds=(write_fd,))
+                self._zygote = self._served_zygote(zygote[5:], with_owner_token(zygote_env, token), stdout,
+                                                   stderr, write_fd)
+                if self._zygote is None:
+                    self._zygote = start_owned(zygote, zygote_env, token, stdout=stdout, stderr=stderr,
+                                               pass_fds=(write_fd,))
             finally:
                 os.close(write_fd)
             self._zygote_report = _ZygoteReport(read_fd)
@@ -204,6 +211,18 @@ class RankSpawn:
         for rank in range(self.world):
             self.procs.append(start_owned(self.command, rank_environment(rank, self.world, self.port, env),
                                           token, stdout=stdout, stderr=stderr))
+
+    @staticmethod
+    def _served_zygote(zygote_args: Sequence[str], env: dict[str, str], stdout: IO[bytes] | None,
+                       stderr: IO[bytes] | None, report_fd: int) -> ServedZygote | None:
+        """The zygote forked by the server ``env`` names (:mod:`zerogpu.fork_server`), or None when
+        there is none or it refused (then the zygote is started as an interpreter of its own)."""
+        address = server_address(env)
+        if address is None:
+            return None
+        out = 1 if stdout is None else stdout.fileno()
+        err = 2 if stderr is None else stderr.fileno()
+        return request_zygote(address, zygote_args, env, (0, out, err, report_fd))
 
     def _running(self) -> dict[int, int]:
         """rank -> pid of every rank started and not yet seen ending (its session has that id)."""

@@ -10,6 +10,7 @@ survived (the contracts missed a bug), 2 bad input or an output that cannot be w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any
@@ -45,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_report:  # the folder is made (or refused) before anything runs
         out = output_dir(args.out, "mutants")
     progress = None if args.json or not sys.stderr.isatty() else _progress
-    matrix = mutants.run_matrix(faults, args.backend, progress=progress, trainers=trainers)
+    from zerogpu.fork_server import serving_launches
+
+    launches_ranks = args.backend == "torch" or bool(trainers)
+    with serving_launches() if launches_ranks else contextlib.nullcontext():  # one torch import for all
+        matrix = mutants.run_matrix(faults, args.backend, progress=progress, trainers=trainers)
     if not args.no_report:
         paths = mutants.write_report(matrix, out)
     if args.json:

@@ -584,19 +584,22 @@ def run_all(
             + (f" {cell['error']}" if cell.get("error") else "")
         )
 
-    matrix = run_matrix(
-        adapters,
-        optimizers=optimizers,
-        worlds=worlds,
-        dtype=dtype,
-        device=device,
-        timeout_s=timeout_s,
-        progress=progress,
-        resume_pairs=resume_pairs,
-        mesh_worlds=mesh_worlds,
-        accum_pairs=accum_pairs,
-        precision_pairs=precision_pairs,
-    )
+    from zerogpu.fork_server import serving_launches
+
+    with serving_launches():  # one torch import for all the matrix's launches
+        matrix = run_matrix(
+            adapters,
+            optimizers=optimizers,
+            worlds=worlds,
+            dtype=dtype,
+            device=device,
+            timeout_s=timeout_s,
+            progress=progress,
+            resume_pairs=resume_pairs,
+            mesh_worlds=mesh_worlds,
+            accum_pairs=accum_pairs,
+            precision_pairs=precision_pairs,
+        )
     paths = write_matrix(matrix, out_dir)
     echo("wrote " + ", ".join(str(p) for p in paths.values()))
     return matrix_exit_code(matrix)
