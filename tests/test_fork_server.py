@@ -91,6 +91,30 @@ def test_a_served_launch_matches_an_exec_d_one(server: ForkServer, monkeypatch: 
     assert seen["served"] == seen["exec'd"] == expected
 
 
+_WARNS = ("import sys, warnings; warnings.warn('rank warning ' + __import__('os').environ['RANK']); "
+          "print(sys.warnoptions, flush=True)")
+
+
+def test_a_launch_that_silences_warnings_is_served_and_its_ranks_warn_as_exec_d_ones_do(
+        server: ForkServer) -> None:
+    """``$PYTHONWARNINGS`` is the launch's own (the server runs without it): a served rank has the
+    filters and ``sys.warnoptions`` an exec'd one has, with the option and without it."""
+    seen = {}
+    for option in ("ignore", ""):
+        for how in ("served", "exec'd"):
+            address = server.address if how == "served" else "off"
+            spawn = RankSpawn(2, ["-c", _WARNS])
+            env = _env(server, **{FORK_SERVER_ENV: address, "PYTHONWARNINGS": option})
+            run = run_process_group(spawn, GUARD_S, env, kill_grace_s=2.0)
+            assert isinstance(spawn._zygote, ServedZygote) == (how == "served")
+            assert run.returncode == 0, run.stderr
+            seen[option, how] = (run.stdout, sorted(line for line in (run.stderr or "").splitlines()
+                                                    if "rank warning" in line))
+        assert seen[option, "served"] == seen[option, "exec'd"], seen
+    assert seen["ignore", "served"] == ("['ignore']\n['ignore']\n", [])
+    assert len(seen["", "served"][1]) == 2  # both ranks' warnings shown without the option
+
+
 _LAUNCHER = """import os, sys
 from zerogpu.launch import run_ranks
 rank = ("import os, time; d = %r; part = os.path.join(d, '.' + os.environ['RANK']); "

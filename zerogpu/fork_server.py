@@ -63,6 +63,8 @@ IMPORT_NAMES = ("LANG", "LANGUAGE", "TZ", "HOME", "ZEROGPU_RANK_START", FORK_SER
 #: what each launch sets for its own ranks (:func:`zerogpu.spawn.rank_environment`; read by the ranks,
 #: not by an import), and ``$PYTHONPATH``, which the served zygote puts on its ``sys.path`` itself
 PER_LAUNCH = frozenset({"TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_USE_AGENT_STORE", "PYTHONPATH"})
+#: applied by the served zygote itself (:func:`_apply_warning_options`) when the server runs without it
+WARNINGS_ENV = "PYTHONWARNINGS"
 _PR_SET_MM, _PR_SET_MM_MAP = 35, 14
 _REPORT_FD = 3  # the report pipe's number in a served zygote (0, 1, 2 are the launch's)
 
@@ -70,8 +72,25 @@ _REPORT_FD = 3  # the report pipe's number in a served zygote (0, 1, 2 are the l
 def import_environment(env: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``env`` that can change what an import does (:data:`IMPORT_PREFIXES`,
     :data:`IMPORT_NAMES`), less :data:`PER_LAUNCH`: a launch is served only where these agree."""
-    return {k: v for k, v in env.items() if k not in PER_LAUNCH
+    per_launch = PER_LAUNCH | ({WARNINGS_ENV} if not _BASE_ENV.get(WARNINGS_ENV) else set())
+    return {k: v for k, v in env.items() if k not in per_launch
             and (k.startswith(IMPORT_PREFIXES) or k in IMPORT_NAMES)}
+
+
+def _apply_warning_options(env: Mapping[str, str]) -> None:
+    """The warning filters a new interpreter started with ``env`` would have once it had made this
+    server's imports: the filters those imports added first, then ``$PYTHONWARNINGS``'s, then the
+    interpreter's defaults (this server runs without ``$PYTHONWARNINGS``, so its startup filters are
+    the defaults). Lets launches that silence warnings, as many do, be served."""
+    import warnings
+
+    options = [o for o in env.get(WARNINGS_ENV, "").split(",") if o]
+    added = warnings.filters[: len(warnings.filters) - len(_STARTUP_FILTERS)]
+    warnings.filters[:] = []
+    warnings._processoptions(options)  # type: ignore[attr-defined]
+    warnings.filters[:] = [*added, *warnings.filters, *_STARTUP_FILTERS]
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+    sys.warnoptions[:] = options
 
 
 def server_address(env: Mapping[str, str]) -> str | None:
@@ -186,6 +205,8 @@ def _become_zygote(request: Mapping[str, Any], fds: Sequence[int], server: int,
         os.environ.clear()
         os.environ.update(env)
         sys.path[:] = [*_python_path(env, cwd), *_BASE_PATH]
+        if not _BASE_ENV.get(WARNINGS_ENV):
+            _apply_warning_options(env)
         tempfile.tempdir = None  # found again from this environment's $TMPDIR
         zygote_argv = [sys.executable, "-u", "-m", "zerogpu.rank_zygote", str(_REPORT_FD), *request["argv"]]
         show_as_launched(env, zygote_argv)
@@ -204,6 +225,7 @@ def _become_zygote(request: Mapping[str, Any], fds: Sequence[int], server: int,
 # ---- the server ------------------------------------------------------------------------------------
 
 _BASE_ENV: dict[str, str] = {}  # the server's environment
+_STARTUP_FILTERS: list[Any] = []  # the warning filters before the server's own imports
 _BASE_PATH: list[str] = []  # the server's sys.path after its folder and $PYTHONPATH
 
 
@@ -347,10 +369,13 @@ def serve_forever(path: str) -> None:
     """Import, listen on ``path`` (see the module docstring), serve until SIGTERM or the parent's death.
     In each forked zygote this returns only through :func:`zerogpu.rank_zygote.serve`'s ``os._exit``
     or a rank's own end: called at the top of the stack, a rank leaves as an interpreter leaves."""
+    import warnings
+
     from zerogpu import rank_zygote
 
     parent = os.getppid()
     _BASE_ENV.update(os.environ)
+    _STARTUP_FILTERS[:] = warnings.filters
     _BASE_PATH[:] = sys.path[len(_python_path(os.environ, os.getcwd())):]
     wakeup_r, wakeup_w = os.pipe()
     os.set_blocking(wakeup_w, False)
