@@ -84,11 +84,12 @@ def _apply_warning_options(env: Mapping[str, str]) -> None:
     the defaults). Lets launches that silence warnings, as many do, be served."""
     import warnings
 
+    filters: list[Any] = warnings.filters  # type: ignore[assignment]
     options = [o for o in env.get(WARNINGS_ENV, "").split(",") if o]
-    added = warnings.filters[: len(warnings.filters) - len(_STARTUP_FILTERS)]
-    warnings.filters[:] = []
+    added = filters[: len(filters) - len(_STARTUP_FILTERS)]
+    filters[:] = []
     warnings._processoptions(options)  # type: ignore[attr-defined]
-    warnings.filters[:] = [*added, *warnings.filters, *_STARTUP_FILTERS]
+    filters[:] = [*added, *filters, *_STARTUP_FILTERS]
     warnings._filters_mutated()  # type: ignore[attr-defined]
     sys.warnoptions[:] = options
 
