@@ -140,6 +140,8 @@ def refusal(request: Mapping[str, Any]) -> str | None:
         return f"python {request['python']} is not {sys.executable}"
     ours, theirs = import_environment(_BASE_ENV), import_environment(request["env"])
     for name in sorted(set(ours) | set(theirs)):
+        if name in _SET_BY_IMPORTS and theirs.get(name) in (None, _SET_BY_IMPORTS[name]):
+            continue  # what this server's imports set (torch._dynamo's cache folder): the same either way
         if ours.get(name) != theirs.get(name):
             return f"${name} differs"
     return _shadowed(_python_path(request["env"], request["cwd"]))
@@ -205,6 +207,8 @@ def _become_zygote(request: Mapping[str, Any], fds: Sequence[int], server: int,
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
+        for name, value in _SET_BY_IMPORTS.items():  # as the imports this zygote skips would set them
+            os.environ.setdefault(name, value)
         sys.path[:] = [*_python_path(env, cwd), *_BASE_PATH]
         if not _BASE_ENV.get(WARNINGS_ENV):
             _apply_warning_options(env)
@@ -226,6 +230,8 @@ def _become_zygote(request: Mapping[str, Any], fds: Sequence[int], server: int,
 # ---- the server ------------------------------------------------------------------------------------
 
 _BASE_ENV: dict[str, str] = {}  # the server's environment
+#: the variables the server's imports set (a launch that made the same imports has them too)
+_SET_BY_IMPORTS: dict[str, str] = {}
 _STARTUP_FILTERS: list[Any] = []  # the warning filters before the server's own imports
 _BASE_PATH: list[str] = []  # the server's sys.path after its folder and $PYTHONPATH
 
@@ -389,6 +395,7 @@ def serve_forever(path: str) -> None:
     rank_zygote._die_with_parent(parent)
     rank_zygote.preload(["-m", "zerosim.verify"])
     importlib.import_module("zerogpu.spawn")  # what a rank program of zerogpu imports first
+    _SET_BY_IMPORTS.update({k: v for k, v in os.environ.items() if _BASE_ENV.get(k) != v})
 
     if not show_as_launched(os.environ, sys.orig_argv):  # served ranks would hide their owner token
         raise SystemExit(f"{FORK_SERVER_ENV}: /proc/<pid>/environ cannot be set here; not serving")
