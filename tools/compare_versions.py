@@ -189,6 +189,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines += [f"## {name}", "", f"`zerosim {' '.join(bench['command'])}`, {_rounds(bench)}, "
                   f"started {bench['started_utc']}; 1-minute load average {min(loads):.2f}-{max(loads):.2f} "
                   "across the runs.", ""]
+        if bench.get("note"):
+            lines += [f"Note: {bench['note']}.", ""]
         for ver in ("base", "new"):
             c = bench["checkouts"][ver]
             dirty = " (uncommitted changes)" if c["dirty"] else ""
