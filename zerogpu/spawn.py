@@ -263,12 +263,12 @@ class RankSpawn:
         zygote_code = self._zygote.poll()
         self._zygote_report.read()
         if self._zygote_report.unavailable is not None:
-            raise TorchUnavailable(self._zygote_report.unavailable)
+            return []  # no rank was started (wait() says why)
         new = [(r, c) for r, c in self._zygote_report.exits if r not in seen]
         if zygote_code is not None:
             self._zygote_report.read(until_closed=True)
             if self._zygote_report.unavailable is not None:
-                raise TorchUnavailable(self._zygote_report.unavailable)
+                return []
             new = [(r, c) for r, c in self._zygote_report.exits if r not in seen]
             told = seen | {r for r, _ in new}
             # ranks the zygote never forked, or whose end it could not report (it was killed): how it ended
@@ -305,10 +305,13 @@ class RankSpawn:
         return all(p.poll() is not None for p in self.procs)
 
     def wait(self, timeout_s: float) -> int | None:
-        """0 once every rank exited 0, 1 once every rank ended and one did not; None while one runs."""
+        """0 once every rank exited 0, 1 once every rank ended and one did not; None while one runs.
+        Raises :class:`TorchUnavailable` when the forking process reports that no rank can start."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._look()
+            if self._zygote_report is not None and self._zygote_report.unavailable is not None:
+                raise TorchUnavailable(self._zygote_report.unavailable)
             if len(self.exits.order) == self.world:
                 return 0 if all(c == 0 for _, c in self.exits.order) else 1
             remaining = deadline - time.monotonic()
