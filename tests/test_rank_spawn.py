@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -92,8 +93,11 @@ def test_the_store_listens_on_its_port_before_any_rank_starts_and_launches_never
                     with pytest.raises(OSError) as taken:
                         s.bind(("127.0.0.1", port))
                     assert taken.value.errno == errno.EADDRINUSE
-                with socket.create_connection(("127.0.0.1", port), timeout=5):
-                    pass  # and the store already answers on it
+                from torch.distributed import TCPStore
+
+                client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=GUARD_S))
+                client.set("probe", str(port))  # and the job's store serves on it
+                assert client.get("probe") == str(port).encode()
         finally:
             for launch in launches:
                 launch.end(token, 2.0)
@@ -188,3 +192,51 @@ def test_a_forked_rank_sees_what_an_interpreter_of_its_own_sees(monkeypatch: pyt
         assert "ValueError: rank 1 fails" in (run.stderr or "")
         seen[mode] = sorted((run.stdout or "").splitlines())
     assert seen["fork"] == seen["exec"] == ["0 __main__ ['a', 'b'] '' True", "1 __main__ ['a', 'b'] '' True"]
+
+
+_TORCH_FREE_LAUNCHER = """import sys
+from zerogpu.launch import run_ranks
+rank = '''import os, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+store = TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
+                 timeout=timedelta(seconds=60))
+store.add('ranks', 1)
+give_up = time.monotonic() + 60
+while int(store.add('ranks', 0)) < 2 and time.monotonic() < give_up:
+    time.sleep(0.02)
+print('met', int(store.add('ranks', 0)))'''
+result = run_ranks(2, ["-c", rank], 120.0)
+print(result.returncode, sorted((result.stdout or '').split()), 'torch' in sys.modules)
+"""
+
+
+def test_a_forked_launch_imports_no_torch_in_its_launcher_and_its_ranks_meet_on_the_store() -> None:
+    """The forking process holds the job's store: the launcher never imports torch, and the ranks'
+    clients reach the store it opened (each adds itself to a counter there)."""
+    from zerogpu.spawn import RANK_START_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != RANK_START_ENV}
+    done = subprocess.run([sys.executable, "-c", _TORCH_FREE_LAUNCHER], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=GUARD_S)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-2] == "0 ['2', '2', 'met', 'met'] False", done.stdout
+
+
+def test_a_torch_without_distributed_is_bad_input_said_by_the_forking_process(tmp_path: Path) -> None:
+    """The launcher of forked ranks only looks for torch; the forking process imports it and reports a
+    torch.distributed that is not built, which ends the launch as before any rank starts: exit 2, one
+    line naming the backend, no rank forked."""
+    from zerogpu.spawn import RANK_START_ENV
+
+    fake = tmp_path / "torch" / "distributed"
+    fake.mkdir(parents=True)
+    (tmp_path / "torch" / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("def is_available():\n    return False\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env.pop(RANK_START_ENV, None)
+    done = subprocess.run([sys.executable, "-m", "zerosim", "verify", "ddp", "--world", "2"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=GUARD_S)
+    assert done.returncode == 2, done.stderr
+    assert "this torch build has no torch.distributed" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "ranks ended" not in done.stderr, done.stderr

@@ -46,7 +46,8 @@ from zerosim.launching import (
 from zerosim.rank_logs import RANK_LOG_DIR_ENV
 
 from .rank import STATUS_DIR_ENV
-from .spawn import RankExits, RankSpawn, diagnose_rank_death
+from .rank_zygote import torch_distributed_unavailable
+from .spawn import RankExits, RankSpawn, TorchUnavailable, diagnose_rank_death, forking_available
 
 _KILL_GRACE_S = 5.0
 
@@ -100,10 +101,8 @@ def run_ranks(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str, s
     output, ``rank<R>.log``, instead of the launch's stdout and stderr."""
     require_positive_int("world_size", n)
     require_launch_timeout(timeout_s)
-    reason = torch_unavailable_reason()
-    if reason:
-        raise ConfigError("backend", "torch", reason)
     spawn = RankSpawn(n, argv)
+    _require_torch(spawn.forked)
     spawn.grace_s = _KILL_GRACE_S
     logs: dict[str, str] = {}
     if rank_log_dir is not None:
@@ -111,32 +110,40 @@ def run_ranks(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str, s
         logs[RANK_LOG_DIR_ENV] = str(rank_log_dir)
     with tempfile.TemporaryDirectory(prefix="zerogpu-status-") as status_dir:
         full_env = {"OMP_NUM_THREADS": "1", **os.environ, **(env or {}), **logs, STATUS_DIR_ENV: status_dir}
-        run = run_process_group(spawn, timeout_s, full_env, capture=capture, kill_grace_s=_KILL_GRACE_S)
+        try:
+            run = run_process_group(spawn, timeout_s, full_env, capture=capture, kill_grace_s=_KILL_GRACE_S)
+        except TorchUnavailable as e:
+            raise ConfigError("backend", "torch", e.reason) from None
         written = _read_status(status_dir)
     code = EXIT_LAUNCH_TIMEOUT if run.returncode is None else ranks_status(run.returncode, written, n)
     return RanksResult(spawn.command, code, run.returncode, written, spawn.exits, run.stdout, run.stderr,
                        run.timed_out, run.elapsed_s)
 
 
+def _require_torch(forked: bool) -> None:
+    """ConfigError(backend) when no torch.distributed job can run here. ``forked`` ranks: only whether torch
+    is installed (no import); the forking process reports a torch.distributed it cannot import, which
+    the launch turns into the same error (:class:`zerogpu.spawn.TorchUnavailable`). Otherwise: the
+    full check (this process imports torch.distributed for the job's store anyway)."""
+    reason = torch_missing_reason() if forked else torch_unavailable_reason()
+    if reason:
+        raise ConfigError("backend", "torch", reason)
+
+
 def torch_missing_reason() -> str | None:
     """Why no launch can happen here because torch is not installed, or None; imports nothing, so a
     launcher checks it before its other options at no cost. Whether the installed torch has a working
-    torch.distributed is :func:`torch_unavailable_reason`'s (:func:`run_ranks` asks it before the ranks
-    start, when this process imports torch.distributed for the launch's store anyway)."""
+    torch.distributed is :func:`torch_unavailable_reason`'s (asked before the ranks start when this
+    process opens the job's store, else by the process that forks the ranks)."""
     if importlib.util.find_spec("torch") is None:
         return "torch is not installed (No module named 'torch'); pip install 'zerosim[torch]'"
     return None
 
 
 def torch_unavailable_reason() -> str | None:
-    """Why torchrun launches cannot happen here (no torch.distributed), or None. For test skips."""
-    try:
-        import torch.distributed as dist
-    except ImportError as e:
-        return f"torch is not installed ({e}); pip install 'zerosim[torch]'"
-    if not dist.is_available():
-        return "this torch build has no torch.distributed"
-    return None
+    """Why torchrun launches cannot happen here (no torch.distributed), or None; imports
+    torch.distributed. For test skips."""
+    return torch_distributed_unavailable()
 
 
 # ---- zerosim simulate --backend torch ------------------------------------------------------------
@@ -151,9 +158,7 @@ def launch_simulate(job: RankRun) -> int:
     ``$ZEROSIM_LAUNCH_TIMEOUT_S`` (default 900 s). Runs on the CPU with gloo (the run file's device
     ``auto`` picks CUDA/NCCL on the ranks where there is a GPU).
     """
-    reason = torch_unavailable_reason()
-    if reason:
-        raise ConfigError("backend", "torch", reason)
+    _require_torch(forking_available())
     n = require_positive_int("world_size", job.run.world_size)
     timeout_s = launch_timeout_from_env()
     env = {"OMP_NUM_THREADS": "1", **os.environ}
@@ -163,8 +168,11 @@ def launch_simulate(job: RankRun) -> int:
         run_file = write_rank_run(job, Path(status_dir) / RUN_FILE_NAME)
         spawn = RankSpawn(n, ["-m", "zerogpu", "simulate", "--config", str(run_file)])
         spawn.grace_s = _KILL_GRACE_S
-        run = run_streamed(spawn, timeout_s, {**env, STATUS_DIR_ENV: status_dir},
-                           log_name="ranks", kill_grace_s=_KILL_GRACE_S)
+        try:
+            run = run_streamed(spawn, timeout_s, {**env, STATUS_DIR_ENV: status_dir},
+                               log_name="ranks", kill_grace_s=_KILL_GRACE_S)
+        except TorchUnavailable as e:
+            raise ConfigError("backend", "torch", e.reason) from None
         written = _read_status(status_dir)
     code = EXIT_RUN_FAILED if run.returncode is None else ranks_status(run.returncode, written, n)
     return finish_launch(run, code, f"the {n} torch ranks", f"{timeout_s:g}s",

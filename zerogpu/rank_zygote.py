@@ -20,11 +20,20 @@ What a rank keeps from being started on its own:
 * the launch's standard output and error (inherited), default signal handlers, and a process that
   runs no thread of this one (only the main thread forks; torch starts no thread pool at import).
 
-This process reports on ``REPORT_FD``, one line each: ``fork RANK PID`` once the rank is in its own
-session, and ``exit RANK STATUS`` when it has reaped it (STATUS as :attr:`subprocess.Popen.returncode`:
-negative when a signal killed the rank). SIGTERM here is passed on to every rank's session; this
-process leaves once every rank is reaped. Serves the "a failing rank ends the run naming it; nothing
-outlives the launch" rule together with :mod:`zerogpu.spawn`.
+The job's store is this process's too (so the launcher imports no torch): before the first fork it
+binds and listens on a socket on ``127.0.0.1`` port 0 (a plain socket, no thread), reports its port
+and gives it to every rank (``MASTER_PORT``); once every rank is forked, it opens the master
+``TCPStore`` on that socket (``master_listen_fd``). A rank that connects earlier waits in the listen
+backlog until the store serves (its client's timeout applies), and two launches cannot pick the same
+port. The store's threads start only after the last fork, with SIGTERM and SIGINT blocked, so every
+fork happens in a process of one thread and a stop signal still reaches this process's main thread.
+
+This process reports on ``REPORT_FD``, one line each: ``port PORT`` first (or ``unavailable REASON``
+when torch.distributed cannot be imported or is not built, and no rank is forked), ``fork RANK PID``
+once the rank is in its own session, and ``exit RANK STATUS`` when it has reaped it (STATUS as
+:attr:`subprocess.Popen.returncode`: negative when a signal killed the rank). SIGTERM here is passed
+on to every rank's session; this process leaves once every rank is reaped. Serves the "a failing rank
+ends the run naming it; nothing outlives the launch" rule together with :mod:`zerogpu.spawn`.
 """
 
 from __future__ import annotations
@@ -36,12 +45,16 @@ import importlib.util
 import os
 import runpy
 import signal
+import socket
 import sys
 import types
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import IO, NoReturn
 
 _PR_SET_PDEATHSIG = 1
+STORE_HOST = "127.0.0.1"
+STORE_TIMEOUT_S = 300.0  #: how long the job's store waits on a request (torch's default)
 #: Packages whose rank programs may be imported before the fork: their import has no side effect.
 PRELOADABLE = ("zerosim", "zerogpu")
 
@@ -51,13 +64,27 @@ PRELOADABLE = ("zerosim", "zerogpu")
 RANK_IMPORTS = "RANK_IMPORTS"
 
 
-def preload(argv: Sequence[str]) -> None:
+def torch_distributed_unavailable() -> str | None:
+    """Why no torch.distributed job can run here (torch not installed, or built without
+    torch.distributed), or None; imports torch.distributed."""
+    try:
+        import torch.distributed as dist
+    except ImportError as e:
+        return f"torch is not installed ({e}); pip install 'zerosim[torch]'"
+    if not dist.is_available():
+        return "this torch build has no torch.distributed"
+    return None
+
+
+def preload(argv: Sequence[str]) -> str | None:
     """Import what every rank of ``argv`` imports first: torch.distributed and, for ``-m`` programs of
     :data:`PRELOADABLE` packages, the program's package (its ``__main__`` runs in each rank) and the
     modules its :data:`RANK_IMPORTS` names. A module that fails to import here is left to the ranks,
-    which import it again and report the error as they would have."""
-    import torch.distributed  # noqa: F401
-
+    which import it again and report the error as they would have. Returns
+    :func:`torch_distributed_unavailable`'s reason (then nothing else is imported)."""
+    reason = torch_distributed_unavailable()
+    if reason:
+        return reason
     if len(argv) >= 2 and argv[0] == "-m" and argv[1].split(".")[0] in PRELOADABLE:
         with contextlib.suppress(ImportError, ValueError):
             spec = importlib.util.find_spec(argv[1])
@@ -68,6 +95,30 @@ def preload(argv: Sequence[str]) -> None:
                 for name in getattr(module, RANK_IMPORTS, ()):
                     with contextlib.suppress(Exception):
                         importlib.import_module(name)
+    return None
+
+
+def store_listener() -> socket.socket:
+    """A socket listening on :data:`STORE_HOST`, on a port the kernel picked (no thread starts)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((STORE_HOST, 0))
+    listener.listen(socket.SOMAXCONN)
+    return listener
+
+
+def open_store(listener: socket.socket, world: int) -> object:
+    """The job's master ``TCPStore``, serving on ``listener`` (which must stay open while it serves).
+    Its threads start with SIGTERM and SIGINT blocked, so those signals reach the main thread."""
+    from torch.distributed import TCPStore
+
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    try:
+        return TCPStore(STORE_HOST, listener.getsockname()[1], world_size=world, is_master=True,
+                        wait_for_workers=False, timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                        master_listen_fd=listener.fileno())
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
 
 
 def _die_with_parent(parent: int) -> None:
@@ -96,9 +147,10 @@ def run_program(argv: Sequence[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
-def _fork_rank(rank: int, argv: Sequence[str], report: IO[str]) -> int:
+def _fork_rank(rank: int, argv: Sequence[str], report: IO[str], listener: socket.socket) -> int:
     """Fork rank ``rank``; in the child run ``argv`` and never return; in this process return the
-    child's pid once it is in a session of its own."""
+    child's pid once it is in a session of its own. The child keeps neither ``report`` nor the store's
+    ``listener``."""
     ready_r, ready_w = os.pipe()
     parent = os.getpid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # no handler of this process in the child
@@ -106,6 +158,7 @@ def _fork_rank(rank: int, argv: Sequence[str], report: IO[str]) -> int:
     if pid == 0:
         os.close(ready_r)
         report.close()
+        listener.close()
         os.setsid()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
@@ -131,6 +184,7 @@ class _Ranks:
         self.by_pid: dict[int, int] = {}
         self.stopping = False
         self.report = report
+        self.store: object = None  # the job's store, served until this process leaves
 
     def pass_on(self, signum: int, frame: object) -> None:
         if not self.by_pid:  # told to stop before any rank was forked (a fork in flight dies with us)
@@ -150,14 +204,27 @@ def serve(report_fd: int, world: int, argv: Sequence[str]) -> NoReturn:
     ranks = _Ranks(os.fdopen(report_fd, "w", buffering=1))
     signal.signal(signal.SIGTERM, ranks.pass_on)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    preload(argv)
+    reason = preload(argv)
+    if reason:
+        ranks.say(f"unavailable {reason}")
+        os._exit(2)
+    listener = store_listener()
+    port = listener.getsockname()[1]
+    ranks.say(f"port {port}")
+    os.environ["MASTER_PORT"] = str(port)
     for rank in range(world):
         if ranks.stopping:
             break
-        pid = _fork_rank(rank, argv, ranks.report)  # the child never returns from here
+        pid = _fork_rank(rank, argv, ranks.report, listener)  # the child never returns from here
         ranks.by_pid[pid] = rank
         ranks.say(f"fork {rank} {pid}")
         if ranks.stopping:  # SIGTERM came while this rank was being forked
+            ranks.pass_on(signal.SIGTERM, None)
+    if not ranks.stopping:
+        try:
+            ranks.store = open_store(listener, world)  # the first thread of this process starts here
+        except Exception as e:  # the ranks could not meet: stop them rather than let them wait
+            print(f"the job's store could not be opened on port {port}: {e}", file=sys.stderr, flush=True)
             ranks.pass_on(signal.SIGTERM, None)
     while ranks.by_pid:
         try:
@@ -169,7 +236,7 @@ def serve(report_fd: int, world: int, argv: Sequence[str]) -> NoReturn:
             ranks.say(f"exit {rank} {os.waitstatus_to_exitcode(status)}")
     with contextlib.suppress(OSError):
         ranks.report.close()
-    os._exit(0)
+    os._exit(0)  # the store served until every rank was reaped; leaving does not wait on its threads
 
 
 def main(args: Sequence[str]) -> NoReturn:

@@ -8,11 +8,13 @@ each rank in a session of its own with the environment torchrun gives its worker
 unchanged under it and under an external ``torchrun``. There is no agent process: the launching
 process itself plays the agent's two parts, which saves one interpreter that imports torch per launch.
 
-* **The job's store.** Before any rank starts, this process opens the job's ``TCPStore`` on
-  ``127.0.0.1`` port 0: the kernel picks a free port and the store is listening on it before its
-  number is handed to the ranks (``MASTER_PORT``). The ranks connect as clients
-  (``TORCHELASTIC_USE_AGENT_STORE=True``, what torchrun sets for its agent's store), so no rank
-  binds a port and two launches started at the same moment cannot pick the same one.
+* **The job's store.** A ``TCPStore`` on ``127.0.0.1`` port 0: the kernel picks a free port, which
+  is listening before its number is handed to the ranks (``MASTER_PORT``). The ranks connect as
+  clients (``TORCHELASTIC_USE_AGENT_STORE=True``, what torchrun sets for its agent's store), so no
+  rank binds a port and two launches started at the same moment cannot pick the same one. When the
+  ranks are forks, the forking process holds the store (:mod:`zerogpu.rank_zygote`) and reports its
+  port, and this process imports no torch at all; otherwise this process opens it before any rank
+  starts.
 * **Watching the ranks.** Every 0.1 s (torchrun's monitor interval) each rank's exit is noted in the
   order seen. When one exits non-zero, or is killed by a signal, the others are stopped (SIGTERM, a
   grace period, SIGKILL), as torchrun's agent does; a rank that exits 0 leaves the others running.
@@ -42,9 +44,9 @@ from zerogpu.fork_server import ServedZygote, request_zygote, server_address
 from zerosim.launching import death_line, signal_description, start_owned
 from zerosim.owned_processes import end_owned, with_owner_token
 
+from .rank_zygote import STORE_HOST, STORE_TIMEOUT_S
+
 MONITOR_S = 0.1  #: how often the ranks are looked at (torchrun's default ``--monitor-interval``)
-STORE_HOST = "127.0.0.1"
-_STORE_TIMEOUT_S = 300.0
 SUMMARY_HEADING = "the ranks ended (first failure first):"
 
 
@@ -102,12 +104,23 @@ def forking_available() -> bool:
     return sys.platform.startswith("linux") and os.environ.get(RANK_START_ENV, "") != "exec"
 
 
+class TorchUnavailable(Exception):
+    """torch.distributed cannot be imported where the ranks start; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class _ZygoteReport:
-    """What :mod:`zerogpu.rank_zygote` says on its report pipe: each rank's pid, then its status."""
+    """What :mod:`zerogpu.rank_zygote` says on its report pipe: the store's port (or why torch is
+    unavailable), each rank's pid, then its status."""
 
     def __init__(self, fd: int) -> None:
         os.set_blocking(fd, False)
         self.fd: int | None = fd
+        self.port: int | None = None
+        self.unavailable: str | None = None
         self.pids: dict[int, int] = {}
         self.exits: list[tuple[int, int]] = []
         self._partial = b""
@@ -128,7 +141,14 @@ class _ZygoteReport:
             self._partial += chunk
             *lines, self._partial = self._partial.split(b"\n")
             for line in lines:
-                what, rank, value = line.decode().split()
+                what, _, rest = line.decode().partition(" ")
+                if what == "port":
+                    self.port = int(rest)
+                    continue
+                if what == "unavailable":
+                    self.unavailable = rest
+                    continue
+                rank, value = rest.split()
                 if what == "fork":
                     self.pids[int(rank)] = int(value)
                 elif int(rank) not in dict(self.exits):
@@ -140,9 +160,10 @@ class _ZygoteReport:
             self.fd = None
 
 
-def rank_environment(rank: int, world: int, port: int, env: dict[str, str]) -> dict[str, str]:
-    """``env`` plus what torchrun ``--standalone --nproc-per-node world`` sets for worker ``rank``."""
-    return {
+def rank_environment(rank: int, world: int, port: int | None, env: dict[str, str]) -> dict[str, str]:
+    """``env`` plus what torchrun ``--standalone --nproc-per-node world`` sets for worker ``rank``
+    (without ``MASTER_PORT`` when ``port`` is None: the forking process sets it)."""
+    ranked = {
         **env,
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -158,6 +179,9 @@ def rank_environment(rank: int, world: int, port: int, env: dict[str, str]) -> d
         "TORCHELASTIC_USE_AGENT_STORE": "True",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
+    if port is None:
+        del ranked["MASTER_PORT"]
+    return ranked
 
 
 class RankSpawn:
@@ -184,20 +208,32 @@ class RankSpawn:
 
     @property
     def port(self) -> int:
-        return int(self.store.port)
+        """The job's store's port; with forked ranks, waits (within the store's timeout) until the
+        forking process reports it. Raises :class:`TorchUnavailable`, or RuntimeError when the
+        forking process ended without opening it."""
+        if not self.forked:
+            return int(self.store.port)
+        assert self._zygote_report is not None and self._zygote is not None
+        report = self._zygote_report
+        give_up = time.monotonic() + STORE_TIMEOUT_S
+        while report.port is None:
+            ended = self._zygote.poll() is not None
+            report.read(until_closed=ended)
+            if report.unavailable is not None:
+                raise TorchUnavailable(report.unavailable)
+            if report.port is None and (ended or time.monotonic() > give_up):
+                raise RuntimeError("the ranks' forking process ended without opening the job's store")
+            time.sleep(0.01)
+        return report.port
 
     def start(self, env: dict[str, str], token: str, stdout: IO[bytes] | None,
               stderr: IO[bytes] | None) -> None:
-        from torch.distributed import TCPStore
-
         self.stderr = stderr
-        self.store = TCPStore(STORE_HOST, 0, world_size=self.world, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=_STORE_TIMEOUT_S))
         if self.forked:
             read_fd, write_fd = os.pipe()
             zygote = [self.command[0], "-u", "-m", "zerogpu.rank_zygote", str(write_fd), str(self.world),
                       "--", *self.command[2:]]
-            zygote_env = rank_environment(0, self.world, self.port, env)
+            zygote_env = rank_environment(0, self.world, None, env)  # the zygote opens the store
             try:
                 self._zygote = self._served_zygote(zygote[5:], with_owner_token(zygote_env, token), stdout,
                                                    stderr, write_fd)
@@ -208,6 +244,10 @@ class RankSpawn:
                 os.close(write_fd)
             self._zygote_report = _ZygoteReport(read_fd)
             return
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore(STORE_HOST, 0, world_size=self.world, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=STORE_TIMEOUT_S))
         for rank in range(self.world):
             self.procs.append(start_owned(self.command, rank_environment(rank, self.world, self.port, env),
                                           token, stdout=stdout, stderr=stderr))
@@ -241,9 +281,13 @@ class RankSpawn:
         assert self._zygote_report is not None and self._zygote is not None
         zygote_code = self._zygote.poll()
         self._zygote_report.read()
+        if self._zygote_report.unavailable is not None:
+            return []  # no rank was started (wait() says why)
         new = [(r, c) for r, c in self._zygote_report.exits if r not in seen]
         if zygote_code is not None:
             self._zygote_report.read(until_closed=True)
+            if self._zygote_report.unavailable is not None:
+                return []
             new = [(r, c) for r, c in self._zygote_report.exits if r not in seen]
             told = seen | {r for r, _ in new}
             # ranks the zygote never forked, or whose end it could not report (it was killed): how it ended
@@ -280,10 +324,13 @@ class RankSpawn:
         return all(p.poll() is not None for p in self.procs)
 
     def wait(self, timeout_s: float) -> int | None:
-        """0 once every rank exited 0, 1 once every rank ended and one did not; None while one runs."""
+        """0 once every rank exited 0, 1 once every rank ended and one did not; None while one runs.
+        Raises :class:`TorchUnavailable` when the forking process reports that no rank can start."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._look()
+            if self._zygote_report is not None and self._zygote_report.unavailable is not None:
+                raise TorchUnavailable(self._zygote_report.unavailable)
             if len(self.exits.order) == self.world:
                 return 0 if all(c == 0 for _, c in self.exits.order) else 1
             remaining = deadline - time.monotonic()
