@@ -201,7 +201,8 @@ def test_a_closed_connection_ends_the_served_zygote_and_its_session(server: Fork
     os.close(write_end)
     assert zygote is not None
     with os.fdopen(read_end) as report:
-        rank_pid = int(report.readline().split()[2])  # "fork 0 PID"
+        lines = iter(report.readline, "")
+        rank_pid = int(next(line for line in lines if line.startswith("fork ")).split()[2])  # "fork 0 PID"
         assert _alive(rank_pid) and os.getpgid(rank_pid) == rank_pid
         assert zygote.conn is not None
         zygote.conn.close()  # what a launcher killed by SIGKILL leaves
