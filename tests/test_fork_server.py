@@ -9,8 +9,6 @@ One server for the module; the rank programs are tiny ``python -c`` programs.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.launch_probes import alive, kill_and_expect_ranks_gone, sleeping_launch
 from zerosim.launching import run_process_group
 
 pytest.importorskip("torch")
@@ -35,7 +34,6 @@ from zerogpu.fork_server import (  # noqa: E402
 from zerogpu.spawn import RANK_START_ENV, RankSpawn  # noqa: E402
 
 GUARD_S = 120.0  # every launch here ends in seconds; reaching this is the failure (a hang)
-ROOT = Path(__file__).resolve().parents[1]
 _WHAT_A_RANK_SEES = """import os, sys
 environ = open('/proc/self/environ', 'rb').read().split(b'\\0')
 print(os.environ['RANK'], __name__, sys.argv[1:], repr(sys.path[0]), os.getpid() == os.getpgid(0),
@@ -47,12 +45,7 @@ if os.environ['RANK'] == '1':
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
+_alive = alive
 
 
 @pytest.fixture(scope="module")
@@ -115,45 +108,16 @@ def test_a_launch_that_silences_warnings_is_served_and_its_ranks_warn_as_exec_d_
     assert len(seen["", "served"][1]) == 2  # both ranks' warnings shown without the option
 
 
-_LAUNCHER = """import os, sys
-from zerogpu.launch import run_ranks
-rank = ("import os, time; d = %r; part = os.path.join(d, '.' + os.environ['RANK']); "
-        "open(part, 'w').write(str(os.getpid())); os.replace(part, os.path.join(d, os.environ['RANK'])); "
-        "time.sleep(60)")
-run_ranks(2, ["-c", rank % sys.argv[1]], 120.0)
-"""
-
-
 def test_a_launcher_killed_by_sigkill_takes_every_served_rank_with_it(server: ForkServer,
                                                                      tmp_path: Path) -> None:
     """No handler runs on SIGKILL: the server sees the launcher's connection close and ends the
     zygote's session (SIGTERM, passed on to every rank's session)."""
-    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], cwd=ROOT, env=_env(server),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pids: list[int] = []
-    try:
-        deadline = time.monotonic() + GUARD_S
-        while not all((tmp_path / r).exists() for r in ("0", "1")) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]
-        assert all(_alive(p) for p in pids)
+    with sleeping_launch(tmp_path, _env(server), GUARD_S) as (launcher, pids):
         # each rank's parent (field 4 of /proc/PID/stat) is a child of the server
         zygotes = {int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1]) for p in pids}
         served = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
         assert zygotes <= {int(s) for s in served}, "the launch did not use the server"
-        launcher.kill()
-        launcher.wait()
-        deadline = time.monotonic() + 15
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), "a rank outlived its launcher"
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        for pid in pids:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill_and_expect_ranks_gone(launcher, pids, 15)
 
 
 def test_a_rank_s_child_in_its_own_session_ends_with_the_launch(server: ForkServer, tmp_path: Path) -> None:

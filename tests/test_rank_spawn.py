@@ -15,12 +15,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
+from tests.launch_probes import alive, kill_and_expect_ranks_gone, sleeping_launch
 from zerogpu.launch import torch_unavailable_reason
 from zerosim.launching import run_process_group
 from zerosim.owned_processes import new_owner_token
@@ -36,12 +36,7 @@ with open(os.path.join(sys.argv[1], "env-" + os.environ["RANK"] + ".json"), "w")
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
+_alive = alive
 
 
 @pytest.mark.torchdist
@@ -131,36 +126,12 @@ def test_ranks_that_all_exit_0_end_the_launch_with_0_and_no_report() -> None:
     assert "ranks ended" not in (run.stderr or "")
 
 
-_LAUNCHER = """import os, sys
-from zerogpu.launch import run_ranks
-rank = ("import os, time; d = %r; part = os.path.join(d, '.' + os.environ['RANK']); "
-        "open(part, 'w').write(str(os.getpid())); os.replace(part, os.path.join(d, os.environ['RANK'])); "
-        "time.sleep(60)")
-run_ranks(2, ["-c", rank % sys.argv[1]], 120.0)
-"""
-
-
 @pytest.mark.torchdist
 def test_ranks_end_when_their_launcher_is_killed_by_sigkill(tmp_path: Path) -> None:
-    """No handler runs on SIGKILL: each rank asked the kernel for SIGTERM when its launcher dies."""
-    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + GUARD_S
-        while not all((tmp_path / r).exists() for r in ("0", "1")) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]  # renamed into place once written
-        assert all(_alive(p) for p in pids)
-        launcher.kill()
-        launcher.wait()
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(p) for p in pids), "a rank outlived its launcher"
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+    """No handler runs on SIGKILL: each rank asked the kernel for SIGTERM when its launcher dies (the
+    launch's own forking process, not a fork server's: that path is tests/test_fork_server.py's)."""
+    with sleeping_launch(tmp_path, {**os.environ, "ZEROGPU_FORK_SERVER": "off"}, GUARD_S) as (launcher, pids):
+        kill_and_expect_ranks_gone(launcher, pids, 10)
 
 
 _WHAT_A_RANK_SEES = """import os, sys, time
