@@ -191,6 +191,8 @@ def test_refusal_names_what_would_differ(tmp_path: Path) -> None:
             f"python /usr/bin/python3-other is not {sys.executable}")
         assert refusal({**request, "env": {**env, "MKL_NUM_THREADS": "9"}}) == "$MKL_NUM_THREADS differs"
         assert refusal({**request, "env": {**env, "ZEROSIM_FAULT": "x", "TMPDIR": "/x"}}) is None
+        # set by DeepSpeed's import in a process that made it, read by torch only where CUDA is asked for
+        assert refusal({**request, "env": {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}}) is None
         (tmp_path / "torch.py").write_text("")
         assert refusal(request) == f"{tmp_path / 'torch.py'} shadows the imported torch"
     finally:

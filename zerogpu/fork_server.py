@@ -63,6 +63,9 @@ IMPORT_NAMES = ("LANG", "LANGUAGE", "TZ", "HOME", "ZEROGPU_RANK_START", FORK_SER
 #: what each launch sets for its own ranks (:func:`zerogpu.spawn.rank_environment`; read by the ranks,
 #: not by an import), and ``$PYTHONPATH``, which the served zygote puts on its ``sys.path`` itself
 PER_LAUNCH = frozenset({"TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_USE_AGENT_STORE", "PYTHONPATH"})
+#: read where they are used, not at import: the same in a served zygote (whose ``os.environ`` is the
+#: launch's) as in a new interpreter; DeepSpeed's import sets the CUDA check's in its process
+READ_WHEN_USED = frozenset({"PYTORCH_NVML_BASED_CUDA_CHECK"})
 #: applied by the served zygote itself (:func:`_apply_warning_options`) when the server runs without it
 WARNINGS_ENV = "PYTHONWARNINGS"
 _PR_SET_MM, _PR_SET_MM_MAP = 35, 14
@@ -72,7 +75,7 @@ _REPORT_FD = 3  # the report pipe's number in a served zygote (0, 1, 2 are the l
 def import_environment(env: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``env`` that can change what an import does (:data:`IMPORT_PREFIXES`,
     :data:`IMPORT_NAMES`), less :data:`PER_LAUNCH`: a launch is served only where these agree."""
-    per_launch = PER_LAUNCH | ({WARNINGS_ENV} if not _BASE_ENV.get(WARNINGS_ENV) else set())
+    per_launch = PER_LAUNCH | READ_WHEN_USED | ({WARNINGS_ENV} if not _BASE_ENV.get(WARNINGS_ENV) else set())
     return {k: v for k, v in env.items() if k not in per_launch
             and (k.startswith(IMPORT_PREFIXES) or k in IMPORT_NAMES)}
 
