@@ -92,10 +92,21 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 # ---- 1. a stop signal ends the command and everything it started -----------------------------------------
 
 
+def _as_from_a_shell() -> None:
+    """The stop signals as an interactive shell leaves them to a command it starts: default, unblocked
+    (whatever this test process inherited or was left with; a command started with one ignored keeps
+    ignoring it, as ``nohup`` asks)."""
+    stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    for sig in stops:
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
+
+
 def _stop_mid_run(argv: list[str], env: dict[str, str], ready, sig: int, mark: str):  # type: ignore[no-untyped-def]
     """Start ``zerosim *argv``, send ``sig`` once ``ready()``; (status, stderr lines)."""
     proc = subprocess.Popen([sys.executable, "-m", "zerosim", *argv], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_from_a_shell)
     try:
         assert _wait_until(lambda: ready() or proc.poll() is not None, GUARD_S), "the run never got going"
         assert proc.poll() is None, f"ended before the signal: {proc.stderr.read() if proc.stderr else ''}"
