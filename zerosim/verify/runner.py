@@ -132,8 +132,7 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
     """:func:`verify` for a run already built as one value: validate it, start its ranks, collect."""
     from zerogpu.launch import torch_missing_reason
 
-    from .model_presets import is_preset
-    from .targets import factory_spec, is_built_in, resolve_factory
+    from .targets import target_parts
 
     world = run.world if run.world is not None else 4
     run = run.replace(world=world).validate()
@@ -151,18 +150,11 @@ def launch_verify(run: VerifyRun, *, out: str | None = None, resume_at: int | No
     require_startable(world, run.device)
     if out:
         require_output_dir(out)
-    # a built-in adapter's module ships with zerosim: its name and requirements are checked here and the
-    # ranks import it; a user's MODULE:FACTORY (and model factory) is imported here, so that bad input
-    # fails before any rank starts. A built-in preset model needs no torch here (validate() checks
-    # nothing for it).
-    if is_built_in(run.target):
-        factory_spec(run.target)
-    else:
-        resolve_factory(run.target)
-    if not is_preset(run.model):
-        from .model_source import model_source
-
-        model_source(run.model, run.seed).validate(world, run.grad_accum)
+    # TARGET's form and a built-in adapter's requirements are checked here, without importing torch; a
+    # user's MODULE:FACTORY (and model factory) is imported by the ranks, which agree on its errors
+    # before any of them trains (RankSession), so bad input there ends the run the same way: one line,
+    # exit 2. The launcher then imports no torch, whatever the target.
+    target_parts(run.target)
     # each rank's own output goes to a log file: under --out (kept), or in a folder of this run that is
     # kept only when a rank failure names it
     own_logs = None if out else tempfile.mkdtemp(prefix="zerosim-verify-logs-")

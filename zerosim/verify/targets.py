@@ -47,15 +47,21 @@ def is_built_in(target: str) -> bool:
     return target in ADAPTERS or target in VARIANTS
 
 
-def resolve_factory(target: str) -> Callable[..., Any]:
-    """The ``make_trainer`` callable TARGET names. TrainerError if its module or attribute is missing, the
-    module raises on import, or the attribute is not callable."""
-    spec = factory_spec(target)
-    module_name, _, attr = spec.partition(":")
+def target_parts(target: str) -> tuple[str, str]:
+    """(module, factory) of TARGET's ``module:factory`` (:func:`factory_spec`), checked without importing
+    anything: ConfigError unless both parts are there."""
+    module_name, _, attr = factory_spec(target).partition(":")
     if not module_name or not attr:
         raise ConfigError(
             "target", target, "MODULE:FACTORY needs both parts, e.g. examples.zero1_trainer:make_trainer"
         )
+    return module_name, attr
+
+
+def resolve_factory(target: str) -> Callable[..., Any]:
+    """The ``make_trainer`` callable TARGET names. TrainerError if its module or attribute is missing, the
+    module raises on import, or the attribute is not callable."""
+    module_name, attr = target_parts(target)
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
