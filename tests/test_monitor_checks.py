@@ -14,7 +14,7 @@ from zerosim.checks.equivalence import check_step_equivalence
 from zerosim.checks.identity import check_replica_identity
 from zerosim.checks.live_state import norm_contributors
 from zerosim.checks.partition import check_partition_plan
-from zerosim.checks.tolerance import norm_relative_bound
+from zerosim.checks.tolerance import norm_accumulation, norm_relative_bound
 from zerosim.cli import main as cli_main
 from zerosim.comm.fault_plan import FaultPlan
 from zerosim.errors import ConfigError
@@ -132,6 +132,19 @@ def test_grad_norm_bound_is_the_rounding_of_a_blocked_reduction():
     assert check_step_equivalence(clipped).passed
     unclipped = [obs(r, grad_sq=(1 / (2 + 1e-6) * 2) ** 2, grad_norm=2.0) for r in (0, 1)]
     assert not check_step_equivalence(unclipped).passed
+
+
+def test_the_recomputed_norm_is_allowed_the_rounding_of_its_own_accumulation():
+    """The ranks accumulate a float32 or narrower gradient's norm in float32 (a float64 one in float64):
+    the bound is the logged norm's plus the recomputation's, and no wider."""
+    assert norm_accumulation("bfloat16") == norm_accumulation("float16") == norm_accumulation("float32")
+    assert norm_accumulation("float32") == "float32" and norm_accumulation("float64") == "float64"
+    for dtype in ("float32", "float64"):
+        bound = norm_relative_bound(12, dtype)
+        within = 2.0 * (1 + 1.5 * bound)  # past the logged norm's own bound, inside the two together
+        assert check_step_equivalence([obs(r, grad_norm=within, grad_dtype=dtype) for r in (0, 1)]).passed
+        beyond = 2.0 * (1 + 3 * bound)
+        assert not check_step_equivalence([obs(r, grad_norm=beyond, grad_dtype=dtype) for r in (0, 1)]).passed
 
 
 def test_the_norm_counts_each_element_once():

@@ -301,10 +301,11 @@ class MonitorObservation:
     ``state_nonfinite``: how many owned tensors lack state for an owned element / hold a non-finite
     state value, and the first one's name; ``step_counters``: the least and largest optimizer step
     counter over the rank's owned tensors and the first tensor holding the least (None: its optimizer
-    keeps none). ``grad_sq``: the float64 sum
-    of squares of the reduced gradient over the owned elements (None: no gradient held);
-    ``grad_numel``: how many elements it sums; ``grad_norm``: the norm the training loop logged, in
-    ``grad_dtype``, computed before clipping at ``max_norm`` (None: no clipping).
+    keeps none). ``grad_sq``: the sum of squares of the reduced gradient over the owned elements (each
+    piece's norm accumulated in :func:`~zerosim.checks.tolerance.norm_accumulation` of ``grad_dtype``,
+    squared and summed in float64; None: no gradient held); ``grad_numel``: how many elements it sums;
+    ``grad_norm``: the norm the training loop logged, in ``grad_dtype``, computed before clipping at
+    ``max_norm`` (None: no clipping).
     """
 
     rank: int

@@ -11,7 +11,8 @@ Per check (one step), over the ranks' :class:`~zerosim.observe.MonitorObservatio
 * ``grad_norm``: every rank logged the same global gradient norm (the rank outside the majority is
   named), and the gradient norm each rank logged equals the norm recomputed from the reduced
   gradient's shards (each element counted once: the shards of the ranks whose owned ranges are
-  disjoint, lowest rank first), within :func:`norm_relative_bound` of the two dtypes' rounding.
+  disjoint, lowest rank first), within :func:`norm_relative_bound` of the logged norm's dtype plus
+  that of the recomputation's accumulation (:func:`norm_accumulation`).
   With ``max_norm`` the recomputed norm is that of the clipped gradient, so the logged norm is scaled
   by torch's clip coefficient ``min(1, max_norm / (norm + 1e-6))`` first.
 """
@@ -25,7 +26,7 @@ from ..observe import MonitorObservation
 from ..verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .rounding import UNIT_ROUNDOFF, gamma
-from .tolerance import norm_relative_bound
+from .tolerance import norm_accumulation, norm_relative_bound
 
 CONTRACT = "C-ZERO-002"
 CLAUSES = ("state_present", "state_finite", "step_counter", "grad_norm")
@@ -128,11 +129,14 @@ def _grad_norm(rows: list[MonitorObservation], step: int, out: ViolationCollecto
         return 0.0  # a contributing rank held no gradient (freed before the check): nothing to compare
     n = sum(o.grad_numel for o in parts)
     recomputed = math.sqrt(sum(o.grad_sq for o in parts))  # type: ignore[misc]
+    # each part's pieces' norms were accumulated in norm_accumulation(its gradient's dtype)
+    recomputed_bound = max(norm_relative_bound(n, norm_accumulation(o.grad_dtype)) for o in parts)
     worst = 0.0
     for obs in logged:
         norm = float(obs.grad_norm)  # type: ignore[arg-type]
         u = UNIT_ROUNDOFF.get(obs.grad_dtype, UNIT_ROUNDOFF["float32"])
-        rel = norm_relative_bound(n, obs.grad_dtype) + gamma(n + len(parts) + 2, UNIT_ROUNDOFF["float64"])
+        rel = (norm_relative_bound(n, obs.grad_dtype) + recomputed_bound
+               + gamma(n + len(parts) + 2, UNIT_ROUNDOFF["float64"]))
         expected = norm
         if obs.max_norm is not None and math.isfinite(norm):
             coef = min(1.0, obs.max_norm / (norm + CLIP_EPS))

@@ -182,6 +182,14 @@ def norm_relative_bound(n: int, dtype: str) -> float:
     return gamma(reduction_chain(n), UNIT_ROUNDOFF.get(dtype, UNIT_ROUNDOFF["float32"]))
 
 
+def norm_accumulation(dtype: str) -> str:
+    """C-ZERO-002 on a monitored run (clause ``grad_norm``): the dtype a rank accumulates the norm of a
+    ``dtype`` gradient piece in when it recomputes the norm: float64 for a float64 gradient, float32
+    for every other (what ``clip_grad_norm_`` accumulates a float32 or narrower gradient in; one read
+    of the gradient, where a float64 accumulation of a float32 tensor costs a conversion per element)."""
+    return "float64" if dtype == "float64" else "float32"
+
+
 def logged_norm_bound(ref_norm: float, grad_bound: Mapping[str, np.ndarray], u: float, world: int) -> float:
     """C-ZERO-008: the most a correct trainer's logged norm may differ from the reference's ``ref_norm``:
     ``||dg||_2 + gamma_(P+W+3)(u) (||g|| + ||dg||_2)`` (derived in :mod:`zerosim.checks.logged_norm`)."""

@@ -15,14 +15,14 @@ The layout:
 The gradient (C-ZERO-002's ``grad_norm`` clause): DeepSpeed frees its gradient partitions inside its
 step, before a training loop could look at them. :class:`GradientSquares` wraps two methods of the
 engine's ZeRO optimizer (instance attributes; the class is untouched): ``step``, to note the engine's
-step number and the loss scale the backward used, and ``unscale_and_clip_grads``, which DeepSpeed
-calls once per parameter group with that group's reduced fp32 gradient partition after computing the
-norm it logs and before it unscales and clips it (stages 1 and 2:
-``single_partition_of_fp32_groups[i].grad``; stage 3: ``fp32_partitioned_groups_flat[i].grad``). On
-a step the monitor checks, the wrapper adds the float64 squares of the owned elements of that
-partition (padding left out) and calls DeepSpeed's method unchanged; it reads, never writes, so every
-training number keeps its bits. The sum is divided by the square of the loss scale (a power of two:
-exact), giving the squares of the gradient whose norm ``engine.get_global_grad_norm()`` reports.
+step number and the loss scale the backward used, and ``unscale_and_clip_grads``, which DeepSpeed calls
+once per parameter group with that group's reduced fp32 gradient partition after computing the norm it
+logs and before it unscales and clips it (stages 1 and 2: ``single_partition_of_fp32_groups[i].grad``;
+stage 3: ``fp32_partitioned_groups_flat[i].grad``). On a step the monitor checks, the wrapper adds the
+squares of the owned elements of that partition (:func:`~zerosim.monitor.row.grad_accumulation`)
+(padding left out) and calls DeepSpeed's method unchanged; it reads, never writes, so every training
+number keeps its bits. The sum is divided by the square of the loss scale (a power of two: exact),
+giving the squares of the gradient whose norm ``engine.get_global_grad_norm()`` reports.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from .layouts import LiveLayout, OwnedState, dtype_name
+from .row import grad_accumulation
 
 #: why a layout read without :class:`GradientSquares` has no gradient
 GRADS_NOTE = "DeepSpeed frees its gradient partitions inside its step"
@@ -82,7 +83,8 @@ def owned_grad_slices(optimizer: Any, stage: int, rank: int) -> list[list[tuple[
 
 
 class GradientSquares:
-    """The float64 sum of squares of this rank's reduced gradient partition at the steps the monitor
+    """The sum of squares (each piece's norm accumulated as :func:`~zerosim.monitor.row.grad_accumulation`
+    says, squared and summed in float64) of this rank's reduced gradient partition at the steps the monitor
     checks (every ``every``-th DeepSpeed step), measured inside DeepSpeed's step (see the module
     docstring)."""
 
@@ -151,7 +153,7 @@ class GradientSquares:
                 return
         pieces = [grad.view(-1).narrow(0, a, n) for a, n in self.slices[group]]
         if pieces:
-            self._norms.extend(torch._foreach_norm(pieces, 2, dtype=torch.float64))
+            self._norms.extend(torch._foreach_norm(pieces, 2, dtype=grad_accumulation(grad.dtype)))
         self._count += sum(n for _, n in self.slices[group])
         self._groups += 1
 

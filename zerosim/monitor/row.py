@@ -10,9 +10,10 @@ with a handful of fused operators whatever the number of tensors:
 * optimizer state present for every owned element (sizes compared, no data read), the step counters'
   least and largest value;
 * one ``_foreach_norm`` per device and dtype over the floating optimizer state (in its own dtype) and
-  one float64 one over the reduced gradient's owned pieces, read back in one host copy: the state is
-  finite where its norm is (confirmed element by element where a norm is not finite), the gradient's
-  float64 sum of squares is the sum of its norms squared.
+  one over the reduced gradient's owned pieces (accumulated as
+  :func:`~zerosim.checks.tolerance.norm_accumulation` says: float32, float64 for a float64 gradient),
+  read back in one host copy: the state is finite where its norm is (confirmed element by element
+  where a norm is not finite), the gradient's sum of squares is the float64 sum of its norms squared.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checks.tolerance import norm_accumulation
 from .digest import PieceDigests
 from .exchange import SUMMARY, float_bits
 from .layouts import LiveLayout
@@ -134,19 +136,25 @@ def _scalars(values: list[Any]) -> list[int]:
     return out
 
 
+def grad_accumulation(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a gradient piece's norm is accumulated in (C-ZERO-002 ``grad_norm``):
+    :func:`~zerosim.checks.tolerance.norm_accumulation` of its dtype."""
+    return getattr(torch, norm_accumulation(str(dtype).removeprefix("torch.")))
+
+
 def _norms(tensors: list[torch.Tensor], wide: int) -> list[float]:
     """The 2-norm of every tensor, the first ``wide`` accumulated in their own dtype (enough to see a
-    non-finite element), the rest in float64: one ``_foreach_norm`` per device, dtype and accumulation,
-    one host copy per device."""
-    groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    non-finite element), the rest (gradient pieces) in :func:`grad_accumulation` of theirs: one
+    ``_foreach_norm`` per device, dtype and accumulation, one host copy per device."""
+    groups: dict[tuple[torch.device, torch.dtype, torch.dtype | None], list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel():
-            groups.setdefault((t.device, t.dtype, i >= wide), []).append(i)
+            groups.setdefault((t.device, t.dtype, grad_accumulation(t.dtype) if i >= wide else None),
+                              []).append(i)
     norms = [0.0] * len(tensors)
     by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
-    for (device, _, in_float64), members in groups.items():
-        values = torch._foreach_norm([tensors[i] for i in members], 2,
-                                     dtype=torch.float64 if in_float64 else None)
+    for (device, _, accumulation), members in groups.items():
+        values = torch._foreach_norm([tensors[i] for i in members], 2, dtype=accumulation)
         indices, found = by_device.setdefault(device, ([], []))
         indices += members
         found += [v.to(torch.float64) for v in values]
