@@ -62,7 +62,7 @@ def error_line(result: subprocess.CompletedProcess, code: int) -> str:
     return lines[0]
 
 
-# ---- resolving TARGET: no process is started ----------------------------------------------------------
+# ---- resolving TARGET: the ranks agree on the error before any trains ----------------------------------
 
 
 def test_module_not_found() -> None:

@@ -67,9 +67,10 @@ def test_helper_raises_with_the_diagnostic_of_a_broken_trainer() -> None:
         assert needle in message, f"{needle!r} missing from:\n{message}"
 
 
+@pytest.mark.torchdist
 def test_helper_turns_a_protocol_breach_into_an_assertion() -> None:
     """A factory that does not exist is the trainer's fault: AssertionError carrying the one-line reason
-    (resolved before any rank starts, so this test launches nothing)."""
+    (the ranks resolve it and agree on the error before any of them trains)."""
     with pytest.raises(AssertionError, match="no_such_factory"):
         assert_trainer_verifies("tests.verify_trainers.bad:no_such_factory", world=2)
 
