@@ -46,8 +46,15 @@ def chunk_words(nbytes: int) -> int:
     return max(1, -(-words // CHUNKS))
 
 
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
 def _weights(device: torch.device) -> torch.Tensor:
-    return torch.arange(1, CHUNKS + 1, dtype=torch.int64, device=device)
+    """``1 .. CHUNKS`` as int64 on ``device`` (made once per device)."""
+    found = _WEIGHTS.get(device)
+    if found is None:
+        found = _WEIGHTS[device] = torch.arange(1, CHUNKS + 1, dtype=torch.int64, device=device)
+    return found
 
 
 def lanes_of(chunk_sums: torch.Tensor) -> torch.Tensor:
@@ -135,8 +142,12 @@ class PieceDigests:
             torch._foreach_copy_(targets, [pieces[i] for i in order])
             sums = torch.cat([span.view(-1, m).sum(dim=1) for span, m in spans]).view(-1, CHUNKS)
             out[index] = lanes_of(sums).to(self.device)
+        by_device: dict[torch.device, list[int]] = {}
         for i in self.in_place:
-            out[i] = tensor_digest(pieces[i]).to(self.device)
+            by_device.setdefault(pieces[i].device, []).append(i)
+        for members in by_device.values():  # one lanes_of per device over the stacked chunk sums
+            sums = torch.stack([chunk_sums(pieces[i]) for i in members])
+            out[torch.tensor(members, device=self.device)] = lanes_of(sums).to(self.device)
         return out
 
 

@@ -157,9 +157,9 @@ def _norms(tensors: list[torch.Tensor], wide: int) -> list[float]:
         values = torch._foreach_norm([tensors[i] for i in members], 2, dtype=accumulation)
         indices, found = by_device.setdefault(device, ([], []))
         indices += members
-        found += [v.to(torch.float64) for v in values]
+        found.append(torch.stack(values).to(torch.float64))
     for indices, found in by_device.values():
-        for i, v in zip(indices, torch.stack(found).tolist(), strict=True):
+        for i, v in zip(indices, torch.cat(found).tolist(), strict=True):
             norms[i] = v
     return norms
 
