@@ -108,7 +108,8 @@ class Step:
     name: str
     title: str
     limit_s: float
-    command: Callable[[Context, float], list[str] | None]  # (context, limit) -> argv; None: nothing to run
+    #: (context, limit) -> argv, or why the step is skipped without running anything
+    command: Callable[[Context, float], list[str] | str]
     read: Callable[[Context, GroupRun], tuple[str, str, dict[str, float]]]  # (status, reason, figures)
     artifact: Callable[[Context], Path]
 
@@ -124,9 +125,14 @@ def _python(*args: str) -> list[str]:
 
 
 # ---- 1. the GPU tests ---------------------------------------------------------------------------
-def _tests_command(ctx: Context, limit_s: float) -> list[str] | None:
+def _tests_command(ctx: Context, limit_s: float) -> list[str] | str:
     if ctx.repo is None:
-        return None
+        return f"tests not found ({GPU_TESTS} beside the package)"
+    import torch
+
+    if not torch.cuda.is_available():  # --cpu on a machine without CUDA: every GPU test would skip
+        return (f"no CUDA device visible to torch: every GPU test would skip, so pytest is not run (the "
+                f"test suite collects {GPU_TESTS} and skips its tests the same way)")
     return _python("-m", "pytest", "-q", "-m", "gpu", "-rs", "-p", "no:cacheprovider",
                    "-p", "no:xdist", "-p", "no:hypothesispytest",  # plugins the GPU tests do not use
                    f"--rootdir={ctx.repo}", f"--junitxml={ctx.steps_dir / 'tests.xml'}",
@@ -299,13 +305,14 @@ def run_step(step: Step, ctx: Context, limit_s: float, env: dict[str, str]) -> S
     """One step in its own process group, killed when it outlives ``limit_s``; its output to a log."""
     command = step.command(ctx, limit_s)
     artifact = step.artifact(ctx)
-    if command is None:
-        return StepResult(step.name, step.title, "skipped",
-                          f"tests not found ({GPU_TESTS} beside the package)", 0.0, limit_s, [], {})
+    log = ctx.steps_dir / f"{step.name}.log"
+    if isinstance(command, str):
+        log.write_text(f"skipped, nothing run: {command}\n")
+        return StepResult(step.name, step.title, "skipped", command, 0.0, limit_s, [], {},
+                          log=str(log.relative_to(ctx.out)))
     before = _children_cpu_s()
     run = run_process_group(command, limit_s, env, capture=True)
     cpu_s = _children_cpu_s() - before
-    log = ctx.steps_dir / f"{step.name}.log"
     log.write_text(f"$ {' '.join(command)}\n--- stdout\n{run.stdout or ''}\n--- stderr\n{run.stderr or ''}")
     if run.timed_out:
         figures: dict[str, float] = {}
