@@ -100,7 +100,9 @@ class PieceDigests:
     def __init__(self, pieces: Sequence[torch.Tensor], device: torch.device):
         self.device = device
         self.signature = self._signature(pieces)
-        self.in_place: list[int] = []
+        # per device: the indices of the pieces reduced where they sit (a list, and a tensor on ``device``)
+        self.in_place: list[tuple[list[int], torch.Tensor]] = []
+        in_place: dict[torch.device, list[int]] = {}
         # per device: (piece indices in buffer order, as a tensor on ``device``, each piece's place in
         # the buffer typed and shaped as the piece, per chunk length m: (the buffer's word range, m))
         self.groups: list[tuple[list[int], torch.Tensor, list[torch.Tensor],
@@ -108,7 +110,7 @@ class PieceDigests:
         by_device: dict[torch.device, dict[int, list[int]]] = {}
         for i, (nbytes, dev, _, _) in enumerate(self.signature):
             if nbytes >= IN_PLACE_BYTES:
-                self.in_place.append(i)
+                in_place.setdefault(dev, []).append(i)
             elif nbytes:
                 by_device.setdefault(dev, {}).setdefault(chunk_words(nbytes), []).append(i)
         for dev, by_length in by_device.items():
@@ -127,6 +129,8 @@ class PieceDigests:
                     order.append(i)
                     at += CHUNKS * m
             self.groups.append((order, torch.tensor(order, device=self.device), targets, spans))
+        self.in_place = [(members, torch.tensor(members, device=self.device))
+                         for members in in_place.values()]
 
     @staticmethod
     def _signature(pieces: Sequence[torch.Tensor]) -> list[tuple[int, torch.device, torch.dtype, Any]]:
@@ -142,12 +146,9 @@ class PieceDigests:
             torch._foreach_copy_(targets, [pieces[i] for i in order])
             sums = torch.cat([span.view(-1, m).sum(dim=1) for span, m in spans]).view(-1, CHUNKS)
             out[index] = lanes_of(sums).to(self.device)
-        by_device: dict[torch.device, list[int]] = {}
-        for i in self.in_place:
-            by_device.setdefault(pieces[i].device, []).append(i)
-        for members in by_device.values():  # one lanes_of per device over the stacked chunk sums
+        for members, index in self.in_place:  # one lanes_of per device over the stacked chunk sums
             sums = torch.stack([chunk_sums(pieces[i]) for i in members])
-            out[torch.tensor(members, device=self.device)] = lanes_of(sums).to(self.device)
+            out[index] = lanes_of(sums).to(self.device)
         return out
 
 
