@@ -83,6 +83,63 @@ def test_preload_imports_every_listed_module_without_side_effects():
     assert seen["side_effects"] == {}, f"a preloaded module has a side effect: {seen['side_effects']}"
 
 
+# argv[1]: a verify run file; runs rank_zygote.preload on ``-m zerosim.verify --run-file FILE`` and prints
+# {"imported": [the launch's modules now imported], "side_effects": what changed} as JSON
+_LAUNCH_PROBE = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    from zerogpu.rank_zygote import preload
+    import zerosim.verify
+
+    argv = ["-m", "zerosim.verify", "--run-file", sys.argv[1]]
+    names = zerosim.verify.launch_imports(argv[2:])
+    preload(["-m", "zerosim.verify"])  # every launch's imports first, then this launch's
+    before = len(os.listdir("/proc/self/task"))
+    preload(argv)
+    found = []
+    if len(os.listdir("/proc/self/task")) != before:
+        found.append("native threads")
+    if dist.is_initialized():
+        found.append("a process group")
+    if torch.cuda.is_initialized():
+        found.append("CUDA")
+    print(json.dumps({"names": list(names), "imported": [n for n in names if n in sys.modules],
+                      "side_effects": found}))
+""")
+
+
+def _launch_probe(tmp_path: Path, target: str, device: str = "cpu") -> dict:
+    run = tmp_path / f"{target}-{device}.json"
+    run.write_text(json.dumps({"format": "zerosim-verify-run/1", "target": target, "device": device}))
+    proc = subprocess.run([sys.executable, "-c", _LAUNCH_PROBE, str(run)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_a_deepspeed_launch_on_the_cpu_imports_deepspeed_once_before_the_fork(tmp_path):
+    """DeepSpeed's ranks import DeepSpeed and its Muon module (torch.compile's compiler): the zygote of a
+    CPU launch imports them before forking, with no thread, process group or CUDA started."""
+    pytest.importorskip("deepspeed")
+    from zerosim.verify.adapters import CPU_RANK_IMPORTS
+
+    seen = _launch_probe(tmp_path, "deepspeed-2")
+    assert seen["names"] == list(CPU_RANK_IMPORTS["deepspeed-2"])
+    assert seen["imported"] == seen["names"], "a launch import did not import before the fork"
+    assert seen["side_effects"] == [], f"a launch import has a side effect: {seen['side_effects']}"
+
+
+def test_other_launches_import_nothing_more(tmp_path):
+    import zerosim.verify
+
+    for target, device in (("ddp", "cpu"), ("deepspeed-2", "cuda")):
+        run = tmp_path / f"{target}-{device}.json"
+        run.write_text(json.dumps({"target": target, "device": device}))
+        assert zerosim.verify.launch_imports(["--run-file", str(run)]) == (), (target, device)
+    assert zerosim.verify.launch_imports(["--settings", str(run)]) == ()
+    assert zerosim.verify.launch_imports(["--run-file", str(tmp_path / "missing.json")]) == ()
+
+
 def test_the_probe_names_a_module_that_starts_a_thread(tmp_path):
     (tmp_path / "starts_a_thread.py").write_text(
         "import threading, time\nthreading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"

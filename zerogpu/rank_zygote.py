@@ -62,6 +62,10 @@ PRELOADABLE = ("zerosim", "zerogpu")
 #: The attribute of a program's package that lists the modules every rank of ``-m PACKAGE`` imports
 #: whatever its arguments (a tuple of module names; each imported without side effects).
 RANK_IMPORTS = "RANK_IMPORTS"
+#: The attribute of a program's package naming a function of the program's arguments that returns the
+#: modules every rank of this launch imports beyond ``RANK_IMPORTS`` (a tuple of module names, each
+#: imported without side effects; an empty tuple when the arguments name none).
+LAUNCH_IMPORTS = "launch_imports"
 
 
 def torch_distributed_unavailable() -> str | None:
@@ -78,8 +82,9 @@ def torch_distributed_unavailable() -> str | None:
 
 def preload(argv: Sequence[str]) -> str | None:
     """Import what every rank of ``argv`` imports first: torch.distributed and, for ``-m`` programs of
-    :data:`PRELOADABLE` packages, the program's package (its ``__main__`` runs in each rank) and the
-    modules its :data:`RANK_IMPORTS` names. A module that fails to import here is left to the ranks,
+    :data:`PRELOADABLE` packages, the program's package (its ``__main__`` runs in each rank), the
+    modules its :data:`RANK_IMPORTS` names and those its :data:`LAUNCH_IMPORTS` function names for the
+    program's arguments. A module that fails to import here is left to the ranks,
     which import it again and report the error as they would have. Returns
     :func:`torch_distributed_unavailable`'s reason (then nothing else is imported)."""
     reason = torch_distributed_unavailable()
@@ -92,10 +97,22 @@ def preload(argv: Sequence[str]) -> str | None:
             package = argv[1] if is_package else argv[1].rpartition(".")[0]
             if package:
                 module = importlib.import_module(package)
-                for name in getattr(module, RANK_IMPORTS, ()):
+                for name in (*getattr(module, RANK_IMPORTS, ()), *_launch_imports(module, argv[2:])):
                     with contextlib.suppress(Exception):
                         importlib.import_module(name)
     return None
+
+
+def _launch_imports(package: types.ModuleType, args: Sequence[str]) -> tuple[str, ...]:
+    """What ``package``'s :data:`LAUNCH_IMPORTS` function names for ``args`` (nothing when it has none
+    or it fails: the ranks then import those modules themselves)."""
+    names = getattr(package, LAUNCH_IMPORTS, None)
+    if not callable(names):
+        return ()
+    try:
+        return tuple(str(name) for name in names(list(args)))
+    except Exception:
+        return ()
 
 
 def store_listener() -> socket.socket:

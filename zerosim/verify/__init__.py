@@ -11,6 +11,8 @@ The trainer protocol (:class:`Trainer`, :class:`OptimConfig`) is in :mod:`zerosi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .errors import RankFailure, TrainerError
 from .outcome import ContractOutcome, Diagnosis, VerifyReport
 from .protocol import OptimConfig, Trainer
@@ -34,6 +36,27 @@ RANK_IMPORTS = (
     "zerosim.verify.session",
     "zerosim.verify.targets",
 )
+
+
+def launch_imports(args: Sequence[str]) -> tuple[str, ...]:
+    """The modules every rank of ``python -m zerosim.verify --run-file FILE`` imports for the target and
+    device that FILE names, beyond :data:`RANK_IMPORTS`
+    (:data:`~zerosim.verify.adapters.CPU_RANK_IMPORTS`), for :mod:`zerogpu.rank_zygote` to import
+    once before the fork; nothing for any other arguments or a file it cannot read."""
+    from ..errors import ConfigError
+    from ..json_file import read_settings
+    from .adapters import CPU_RANK_IMPORTS
+
+    if len(args) != 2 or args[0] != "--run-file":
+        return ()
+    try:
+        run = read_settings(args[1])
+    except ConfigError:
+        return ()
+    if not isinstance(run, dict) or run.get("device", "cpu") != "cpu":
+        return ()
+    return CPU_RANK_IMPORTS.get(run.get("target"), ())
+
 
 __all__ = ["ContractOutcome", "Diagnosis", "OptimConfig", "RankFailure", "Trainer", "TrainerError",
            "VerifyReport", "verify"]

@@ -52,6 +52,15 @@ REQUIRES: dict[str, tuple[str, str]] = {
     "deepspeed-3": ("deepspeed", "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"),
 }
 
+#: modules an adapter's ranks import on the CPU on top of every rank's (``zerosim.verify.RANK_IMPORTS``),
+#: imported once per launch before the ranks are forked (:func:`zerosim.verify.launch_imports`):
+#: DeepSpeed, and its Muon optimizer module, which ``deepspeed.initialize`` imports to check the
+#: optimizer and whose import loads torch.compile's compiler (about 2.3 s of each rank's start on a 2-core
+#: x86 host). On a GPU the ranks import them themselves: DeepSpeed picks its accelerator at import.
+CPU_RANK_IMPORTS: dict[str, tuple[str, ...]] = {
+    name: ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer") for name in REQUIRES
+}
+
 
 def missing_requirement(name: str) -> str | None:
     """Why adapter ``name`` cannot run here (its peer is not installed, with the install command), or None."""
