@@ -45,6 +45,8 @@ FAULTS = {
 #: the same, with the monitor judging each check within the call that observed it (overlap=False)
 SYNC_ADAPTERS = ("ddp", "fsdp2")
 SYNC_FAULTS = {"sync-flip-ddp": FAULTS["flip-ddp"], "sync-skip-fsdp": FAULTS["skip-fsdp"]}
+#: DDP whose rank 1 drops its gradients before one check and holds them again at the next
+LAYOUT_CHANGE, LAYOUT_CHANGE_STEPS = "ddp-layout-change", 9
 FAULTS4 = {
     "flip-hsdp": ("hsdp", "bitflip", 3, 5, "blocks.1.weight"),
     "flip-zh": ("zerogpu-hybrid", "bitflip", 2, 5, "embed.weight"),
@@ -74,6 +76,8 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, di
     scenarios = [f"clean-{a}={a},{STEPS},{EVERY},1" for a in CLEAN_ADAPTERS]
     scenarios += [f"plain-{a}={a},{STEPS},{EVERY},0" for a in CLEAN_ADAPTERS]
     scenarios += [f"sync-{a}={a},{STEPS},{EVERY},2" for a in SYNC_ADAPTERS]
+    scenarios += [f"layout-change={LAYOUT_CHANGE},{LAYOUT_CHANGE_STEPS},1,1",
+                  f"sync-layout-change={LAYOUT_CHANGE},{LAYOUT_CHANGE_STEPS},1,2"]
     scenarios += [_fault_spec(name, fault) for name, fault in FAULTS.items()]
     scenarios += [_fault_spec(name, fault, monitor="2") for name, fault in SYNC_FAULTS.items()]
     return tmp, _launch(tmp, 2, scenarios)
@@ -116,6 +120,16 @@ def _caught(record: dict, fault: tuple) -> None:
 @pytest.mark.parametrize("name", sorted({**FAULTS, **SYNC_FAULTS}))
 def test_each_live_fault_is_caught_at_the_first_check_naming_rank_and_tensor(world2, name):
     _caught(world2[1][name], {**FAULTS, **SYNC_FAULTS}[name])
+
+
+@pytest.mark.parametrize("name", ["layout-change", "sync-layout-change"])
+def test_a_layout_that_changes_on_one_rank_is_exchanged_again_without_a_false_alarm(world2, name):
+    """Rank 1 holds no gradient at one check and holds it again at the next: at each of those checks the
+    ranks digested their pieces under layouts that no longer hold (rank 0 left the gradient it alone
+    held undigested at the second), the keys are gathered again, and no check reports a violation."""
+    record = world2[1][name]
+    assert record["violations"] == [] and record["summary"]["passed"], record["violations"][:3]
+    assert record["summary"]["checks"] == LAYOUT_CHANGE_STEPS
 
 
 def test_hsdp_and_zerogpu_hybrid_at_world_4(world4):

@@ -63,6 +63,8 @@ def build(adapter: str) -> tuple[object, object, object]:
         mesh = (2, world // 2) if strategy == "hybrid" else None
         trainer = ZeroTrainer(model, {"name": "adamw", "lr": 0.01}, strategy, mesh=mesh)
         return trainer, trainer, None
+    if adapter == "ddp-layout-change":  # DDP whose rank 1 shows no gradient at DROP_GRADS_AT (run)
+        adapter = "ddp"
     if adapter in ("ddp", "zero-redundancy"):
         from torch.nn.parallel import DistributedDataParallel
 
@@ -100,6 +102,11 @@ def full_digest(model: object) -> str:
     return h.hexdigest()
 
 
+#: the step after which rank 1 of a ``ddp-layout-change`` run drops its gradients before the check: its
+#: layout loses the gradient pieces at that check and gains them back at the next
+DROP_GRADS_AT = 5
+
+
 def run(name: str, spec: str, out_root: Path) -> dict:
     adapter, steps, every, with_monitor, *fault_text = spec.split(",")
     rank = dist.get_rank()
@@ -129,6 +136,8 @@ def run(name: str, spec: str, out_root: Path) -> dict:
             loss = float(value.detach())
         if fault is not None:
             fault.after_step(step, stepper, optimizer)
+        if adapter == "ddp-layout-change" and rank == 1 and step == DROP_GRADS_AT:
+            optimizer.zero_grad(set_to_none=True)
         if monitor is not None:
             for v in monitor.after_step(step, loss=loss, grad_norm=norm):
                 found.append({"step": v.step, "contract": v.contract, "clause": v.clause,

@@ -226,13 +226,16 @@ def _trainer_identity(records: Sequence[TrainerStep], contract: str) -> Verdict:
 
 def _digest_identity(observations: Sequence[MonitorObservation], contract: str) -> Verdict:
     """C-ZERO-003 on a monitored run: per step, the ranks holding one piece (tensor, flat range) hold one
-    digest; each rank outside the majority is named with the tensor and the range."""
+    digest; each rank outside the majority is named with the tensor and the range. An empty digest (a
+    piece the monitor did not digest, as no other rank held it) is not compared."""
     out = ViolationCollector(contract, total=MAX_LISTED)
     compared = 0
     pieces: dict[int, dict[tuple[str, int, int], dict[str, list[int]]]] = {}
     for obs in observations:
         at = pieces.setdefault(obs.step, {})
         for name, start, stop, dig in obs.held:
+            if not dig:  # not digested: no other rank held the piece when it was observed
+                continue
             at.setdefault((name, start, stop), {}).setdefault(dig, []).append(obs.rank)
     for step in sorted(pieces):
         for (name, start, stop), by_digest in pieces[step].items():

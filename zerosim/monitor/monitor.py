@@ -8,7 +8,8 @@ One call in the training loop, after the optimizer step::
     monitor.close()  # writes the JSON summary
 
 At each check every rank reads its layout (:mod:`zerosim.monitor.layouts`), digests the pieces it holds
-where they live in one fused pass per device (:mod:`zerosim.monitor.digest`), summarises its optimizer
+that another rank holds too where they live, in one fused pass per device
+(:mod:`zerosim.monitor.digest`), summarises its optimizer
 state and gradient on its device with fused reductions (:mod:`zerosim.monitor.row`), and contributes
 one small int64 row to the check's one all-gather (:mod:`zerosim.monitor.exchange`); the layout's keys
 are gathered again, and C-ZERO-001 judged again, only when a rank's layout changes. Every
@@ -114,6 +115,7 @@ class Monitor:
         self.notes: list[str] = []
         self._keys: list[dict[str, Any]] | None = None
         self._fingerprints: list[int] = []
+        self._shared: frozenset[tuple[str, int, int]] = frozenset()
         self._layout_verdict: Verdict | None = None
         problem = self._validate(every, on_violation)
         if problem is not None:
@@ -171,13 +173,29 @@ class Monitor:
         if self._keys is None:
             self._exchange(keys)
         values = (int(step), fingerprint, _number(loss), _number(grad_norm))
-        row = self._rows.row(layout, self._width, *values)
+        row = self._rows.row(layout, self._width, *values, digested=self._digested(layout, fingerprint))
         self._pending = _Pending(int(step), keys, self._width, start_gather(row),
                                  None if self.overlap else (layout, values),
-                                 time.perf_counter() - t0)
+                                 time.perf_counter() - t0, self._shared, self._fingerprints)
         if not self.overlap:
             found = self._complete()
         return found
+
+    def _digested(self, layout: LiveLayout, fingerprint: int) -> list[bool] | None:
+        """Which of its held pieces this rank digests: those another rank holds too, by the layouts
+        exchanged last; every piece (None) when its own layout has changed since, which the other ranks
+        learn only when the check completes (:meth:`_digest_rule`)."""
+        if fingerprint != self._fingerprints[self.rank]:
+            return None
+        return [(name, a, b) in self._shared for name, a, b, _ in layout.held]
+
+    def _digest_rule(self, table: np.ndarray, width: int, shared: frozenset[tuple[str, int, int]],
+                     fingerprints: list[int]) -> Callable[[int, tuple[str, int, int]], bool]:
+        """Whether rank r digested a piece in the rows of ``table``, built by :meth:`_digested` under the
+        exchanged ``shared`` pieces and layout ``fingerprints``: a rank whose row carries another
+        fingerprint digested every piece it held."""
+        whole = [fp != fingerprints[r] for r, fp in enumerate(table[:, width + FINGERPRINT].tolist())]
+        return lambda rank, key: whole[rank] or key in shared
 
     def flush(self) -> list[Violation]:
         """Complete the check still exchanging (with ``overlap``), if any: its violations (raised as
@@ -194,13 +212,16 @@ class Monitor:
         width = pending.width
         table = pending.gather.wait()
         fingerprints = table[:, width + FINGERPRINT].tolist()
+        digested = self._digest_rule(table, width, pending.shared, pending.fingerprints)
         if fingerprints != self._fingerprints:  # a rank's layout changed: every rank sees it here
             self._exchange(pending.keys)
             if pending.now is not None:  # the state observed is still there: observe it again in full
                 layout, values = pending.now
                 width = self._width
-                table = start_gather(self._rows.row(layout, width, *values)).wait()
+                row = self._rows.row(layout, width, *values, digested=self._digested(layout, values[1]))
+                table = start_gather(row).wait()
                 self._fingerprints = table[:, width + FINGERPRINT].tolist()
+                digested = self._digest_rule(table, width, self._shared, self._fingerprints)
             else:
                 self._fingerprints = fingerprints
                 if self._width > width:
@@ -208,9 +229,9 @@ class Monitor:
                                f"its row had room for, every check after it compares them all")
         assert self._keys is not None
         rows = torch.from_numpy(table)
-        mismatched = self._mismatched_pieces(table, width)
+        mismatched = self._mismatched_pieces(table, width, digested)
         observations = [self._observation(r, self._keys[r], rows[r], width,
-                                          r == self.rank and self.out is not None, mismatched)
+                                          r == self.rank and self.out is not None, mismatched, digested)
                         for r in range(self.world)]
         if self._layout_verdict is None:
             self._layout_verdict = check_partition_plan(observations)
@@ -241,6 +262,7 @@ class Monitor:
             for i, (name, a, b) in enumerate(k["held"]):
                 holders.setdefault((name, int(a), int(b)), []).append((rank, i))
         shared = [(key, members) for key, members in holders.items() if len(members) > 1]
+        self._shared = frozenset(key for key, _ in shared)
         self._compared = len(shared)
         pairs = [(members[0], other, key) for key, members in shared for other in members[1:]]
         self._pair_base = np.array([[r, i] for (r, i), _, _ in pairs], dtype=np.int64).reshape(-1, 2)
@@ -249,10 +271,11 @@ class Monitor:
         self._fingerprints = [zlib.crc32(json.dumps(k, separators=(",", ":")).encode()) for k in self._keys]
         self._layout_verdict = None
 
-    def _mismatched_pieces(self, table: np.ndarray, width: int) -> set[tuple[str, int, int]]:
+    def _mismatched_pieces(self, table: np.ndarray, width: int,
+                           digested: Callable[[int, tuple[str, int, int]], bool]) -> set[tuple[str, int, int]]:
         """The pieces (tensor, start, stop) whose holders' digest lanes differ somewhere: one vectorised
         comparison of every holder with the piece's first holder (C-ZERO-003's fast path), over the
-        pieces the table's ``width`` lanes hold."""
+        pieces the table's ``width`` lanes hold and both holders ``digested``."""
         if not len(self._pair_key):
             return set()
         (br, bi), (orank, oi) = self._pair_base.T, self._pair_other.T
@@ -262,19 +285,23 @@ class Monitor:
             br, orank = np.where(room, br, 0), np.where(room, orank, 0)
         differ = ((table[br, 2 * bi] != table[orank, 2 * oi]) |
                   (table[br, 2 * bi + 1] != table[orank, 2 * oi + 1]))
-        return {self._pair_key[i] for i in np.flatnonzero(differ)}
+        first, other = self._pair_base[:, 0], self._pair_other[:, 0]
+        return {key for i in np.flatnonzero(differ) for key in (self._pair_key[i],)
+                if digested(int(first[i]), key) and digested(int(other[i]), key)}
 
     def _observation(self, rank: int, keys: dict[str, Any], row: torch.Tensor, width: int,
-                     every_piece: bool | None, pieces: set[tuple[str, int, int]]) -> MonitorObservation:
+                     every_piece: bool | None, pieces: set[tuple[str, int, int]],
+                     digested: Callable[[int, tuple[str, int, int]], bool]) -> MonitorObservation:
         """Rank ``rank``'s observation from its keys and row (``width`` digest lanes): with the digests
         of every piece it holds (``every_piece``: this rank's own, for its file) or of those in
-        ``pieces`` only."""
+        ``pieces`` only; a piece it did not digest (no other rank holds it) has an empty digest."""
         s = summary_values(row, width)
         names = keys["names"]
         held = []
         if every_piece or pieces:
             lanes = row[:width].tolist()
-            held = [(n, int(a), int(b), digest_text((lanes[2 * i], lanes[2 * i + 1])))
+            held = [(n, int(a), int(b), digest_text((lanes[2 * i], lanes[2 * i + 1]))
+                     if digested(rank, (n, int(a), int(b))) else "")
                     for i, (n, a, b) in enumerate(keys["held"][: min(s["n_held"], width // 2)])
                     if every_piece or (n, int(a), int(b)) in pieces]
         return MonitorObservation(
@@ -355,8 +382,8 @@ class Monitor:
 @dataclass
 class _Pending:
     """A check observed at ``step`` whose all-gather is under way: this rank's layout keys then, the row
-    width, the gather, (the layout and row values, when the check completes within the same call) and
-    the seconds spent observing."""
+    width, the gather, (the layout and row values, when the check completes within the same call), the
+    seconds spent observing, and what the rows digested."""
 
     step: int
     keys: dict[str, Any]
@@ -364,6 +391,9 @@ class _Pending:
     gather: Gather
     now: tuple[LiveLayout, tuple[Any, ...]] | None
     seconds: float
+    #: the pieces shared and the layout fingerprints exchanged when the row was built (what it digested)
+    shared: frozenset[tuple[str, int, int]]
+    fingerprints: list[int]
 
 
 def _number(value: Any) -> float | None:

@@ -5,8 +5,9 @@ clauses and C-ZERO-003's digests, :mod:`zerosim.monitor.exchange` lays the row o
 :class:`~zerosim.monitor.digest.PieceDigests`, the layout's fingerprint) and measures at each check,
 with a handful of fused operators whatever the number of tensors:
 
-* the held pieces' digests (one copy of the small pieces into a word buffer and one row reduction
-  per chunk length and device; large pieces reduced where they sit);
+* the digests of the held pieces another rank holds too (one copy of the small pieces into a word
+  buffer and one row reduction per chunk length and device; large pieces reduced where they sit): a
+  piece no other rank holds has nothing to be compared with and is not read;
 * optimizer state present for every owned element (sizes compared, no data read), the step counters'
   least and largest value;
 * one ``_foreach_norm`` per device and dtype over the floating optimizer state (in its own dtype) and
@@ -45,6 +46,13 @@ class RowBuilder:
         self._signature: Any = None
         self.fingerprint = 0
         self.keys: dict[str, Any] = {}
+        self._chosen: tuple[tuple[int, ...], torch.Tensor] | None = None
+
+    def _index(self, chosen: list[int]) -> torch.Tensor:
+        """``chosen`` as an index tensor on the exchange's device (made again only when it changes)."""
+        if self._chosen is None or self._chosen[0] != tuple(chosen):
+            self._chosen = (tuple(chosen), torch.tensor(chosen, dtype=torch.int64, device=self.device))
+        return self._chosen[1]
 
     def layout_keys(self, layout: LiveLayout) -> tuple[dict[str, Any], int]:
         """The layout's keys (names and ranges, :meth:`LiveLayout.keys`) and their fingerprint, computed
@@ -58,21 +66,25 @@ class RowBuilder:
             self.fingerprint = zlib.crc32(json.dumps(self.keys, separators=(",", ":")).encode())
         return self.keys, self.fingerprint
 
-    def digests(self, layout: LiveLayout, count: int) -> torch.Tensor:
-        """The digests of the first ``count`` held pieces, shape (count, 2), on the exchange's device."""
-        pieces = [t for *_, t in layout.held[:count]]
+    def digests(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The digests of ``pieces``, shape (pieces, 2), on the exchange's device."""
         if self._digests is None or not self._digests.fits(pieces):
             self._digests = PieceDigests(pieces, self.device)
         return self._digests.compute(pieces)
 
     def row(self, layout: LiveLayout, width: int, step: int, fingerprint: int, loss: float | None,
-            grad_norm: float | None) -> torch.Tensor:
-        """This rank's row: ``width`` digest lanes (two per held piece, zeros after), then the summary
+            grad_norm: float | None, digested: list[bool] | None = None) -> torch.Tensor:
+        """This rank's row: ``width`` digest lanes (two per held piece, zeros after and for the pieces
+        ``digested`` marks False: None digests every piece), then the summary
         (:data:`~zerosim.monitor.exchange.SUMMARY`)."""
         row = torch.zeros(width + len(SUMMARY), dtype=torch.int64, device=self.device)
         count = min(len(layout.held), width // 2)
-        if count:
-            row[: 2 * count] = self.digests(layout, count).reshape(-1)
+        chosen = list(range(count)) if digested is None else [i for i in range(count) if digested[i]]
+        if len(chosen) == count and count:
+            row[: 2 * count] = self.digests([t for *_, t in layout.held[:count]]).reshape(-1)
+        elif chosen:
+            lanes = self.digests([layout.held[i][3] for i in chosen])
+            row[: 2 * count].view(count, 2)[self._index(chosen)] = lanes
         summary = {"fingerprint": fingerprint, "n_held": len(layout.held), "step": step,
                    **_norm_summary(layout),
                    "has_norm": int(grad_norm is not None), "grad_norm": float_bits(grad_norm or 0.0),
