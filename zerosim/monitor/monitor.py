@@ -21,6 +21,10 @@ and the verdict still names the step observed. Each rank appends its own observa
 one JSON line to ``out/rank-NNNNN.jsonl`` (flushed and fsynced per line); rank 0 logs one line per
 check and writes ``out/summary.json`` at :meth:`Monitor.close`.
 
+Why one module of this length: a check is observed at one call and completed at the next, and both
+ends read the same exchanged state (every rank's layout keys and fingerprints, the pieces shared, the
+rule the rows were digested by); split, each half would reach into the other's fields.
+
 The monitor reads, never writes, the training state: parameters, gradients and optimizer state keep
 their bits. Bad input (no process group, ``every`` not a positive integer, an unknown
 ``on_violation``, a layout it cannot read) is one line on stderr and the monitor turns itself off; an
@@ -56,6 +60,8 @@ from .row import RowBuilder
 from .trace import append_line, rank_file, write_summary
 
 ON_VIOLATION = ("log", "raise")
+#: a held piece: (tensor, start, stop) of its flat element range
+PieceKey = tuple[str, int, int]
 #: violations kept in the JSON summary (the rest are counted)
 SUMMARY_LISTED = 50
 
@@ -115,7 +121,7 @@ class Monitor:
         self.notes: list[str] = []
         self._keys: list[dict[str, Any]] | None = None
         self._fingerprints: list[int] = []
-        self._shared: frozenset[tuple[str, int, int]] = frozenset()
+        self._shared: frozenset[PieceKey] = frozenset()
         self._layout_verdict: Verdict | None = None
         problem = self._validate(every, on_violation)
         if problem is not None:
@@ -189,8 +195,8 @@ class Monitor:
             return None
         return [(name, a, b) in self._shared for name, a, b, _ in layout.held]
 
-    def _digest_rule(self, table: np.ndarray, width: int, shared: frozenset[tuple[str, int, int]],
-                     fingerprints: list[int]) -> Callable[[int, tuple[str, int, int]], bool]:
+    def _digest_rule(self, table: np.ndarray, width: int, shared: frozenset[PieceKey],
+                     fingerprints: list[int]) -> Callable[[int, PieceKey], bool]:
         """Whether rank r digested a piece in the rows of ``table``, built by :meth:`_digested` under the
         exchanged ``shared`` pieces and layout ``fingerprints``: a rank whose row carries another
         fingerprint digested every piece it held."""
@@ -218,7 +224,9 @@ class Monitor:
             if pending.now is not None:  # the state observed is still there: observe it again in full
                 layout, values = pending.now
                 width = self._width
-                row = self._rows.row(layout, width, *values, digested=self._digested(layout, values[1]))
+                step, fingerprint, loss, norm = values
+                row = self._rows.row(layout, width, step, fingerprint, loss, norm,
+                                     digested=self._digested(layout, fingerprint))
                 table = start_gather(row).wait()
                 self._fingerprints = table[:, width + FINGERPRINT].tolist()
                 digested = self._digest_rule(table, width, self._shared, self._fingerprints)
@@ -272,7 +280,7 @@ class Monitor:
         self._layout_verdict = None
 
     def _mismatched_pieces(self, table: np.ndarray, width: int,
-                           digested: Callable[[int, tuple[str, int, int]], bool]) -> set[tuple[str, int, int]]:
+                           digested: Callable[[int, PieceKey], bool]) -> set[PieceKey]:
         """The pieces (tensor, start, stop) whose holders' digest lanes differ somewhere: one vectorised
         comparison of every holder with the piece's first holder (C-ZERO-003's fast path), over the
         pieces the table's ``width`` lanes hold and both holders ``digested``."""
@@ -291,7 +299,7 @@ class Monitor:
 
     def _observation(self, rank: int, keys: dict[str, Any], row: torch.Tensor, width: int,
                      every_piece: bool | None, pieces: set[tuple[str, int, int]],
-                     digested: Callable[[int, tuple[str, int, int]], bool]) -> MonitorObservation:
+                     digested: Callable[[int, PieceKey], bool]) -> MonitorObservation:
         """Rank ``rank``'s observation from its keys and row (``width`` digest lanes): with the digests
         of every piece it holds (``every_piece``: this rank's own, for its file) or of those in
         ``pieces`` only; a piece it did not digest (no other rank holds it) has an empty digest."""
@@ -392,7 +400,7 @@ class _Pending:
     now: tuple[LiveLayout, tuple[Any, ...]] | None
     seconds: float
     #: the pieces shared and the layout fingerprints exchanged when the row was built (what it digested)
-    shared: frozenset[tuple[str, int, int]]
+    shared: frozenset[PieceKey]
     fingerprints: list[int]
 
 

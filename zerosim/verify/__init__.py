@@ -53,9 +53,8 @@ def launch_imports(args: Sequence[str]) -> tuple[str, ...]:
         run = read_settings(args[1])
     except ConfigError:
         return ()
-    if not isinstance(run, dict) or run.get("device", "cpu") != "cpu":
-        return ()
-    return CPU_RANK_IMPORTS.get(run.get("target"), ())
+    target = run.get("target") if isinstance(run, dict) and run.get("device", "cpu") == "cpu" else None
+    return CPU_RANK_IMPORTS.get(target, ()) if isinstance(target, str) else ()
 
 
 __all__ = ["ContractOutcome", "Diagnosis", "OptimConfig", "RankFailure", "Trainer", "TrainerError",
