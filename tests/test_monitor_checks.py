@@ -68,7 +68,9 @@ def _reference_digest(t: torch.Tensor) -> tuple[int, int]:
 
 def test_digest_is_the_documented_chunk_sums():
     for t in (torch.randn(999), torch.randn(3, 5).to(torch.bfloat16), torch.tensor(3.0), torch.zeros(0),
-              torch.randn(64 * 7 * 2 + 3), torch.arange(10**4, dtype=torch.int64) * (2**61 + 12345)):
+              torch.randn(64 * 7 * 2 + 3), torch.arange(10**4, dtype=torch.int64) * (2**61 + 12345),
+              # words splitting evenly into the 64 chunks (one row reduction), also strided and unaligned
+              torch.randn(64 * 8 * 3), torch.randn(128, 64)[:, :32], torch.randn(1025)[1:]):
         assert tuple(tensor_digest(t).tolist()) == _reference_digest(t), t.shape
 
 
@@ -79,7 +81,7 @@ def test_pieces_digested_together_equal_each_digested_alone(monkeypatch):
 
     pieces = [torch.randn(999), torch.randn(3, 5).to(torch.bfloat16), torch.randn(70000), torch.tensor(3.0),
               torch.randn(10, 10)[:, 2], torch.randn(1001)[1:], torch.ones(5, dtype=torch.bool),
-              torch.randn(4, 4, dtype=torch.float64)]
+              torch.randn(4, 4, dtype=torch.float64), torch.randn(512, 64)]
     alone = torch.stack([tensor_digest(p) for p in pieces])
     for in_place_bytes in (1 << 20, 1000, 1):  # all fused, the large ones in place, all in place
         monkeypatch.setattr(digest, "IN_PLACE_BYTES", in_place_bytes)
