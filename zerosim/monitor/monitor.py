@@ -195,12 +195,13 @@ class Monitor:
             return None
         return [(name, a, b) in self._shared for name, a, b, _ in layout.held]
 
-    def _digest_rule(self, table: np.ndarray, width: int, shared: frozenset[PieceKey],
+    @staticmethod
+    def _digest_rule(rows: list[int], shared: frozenset[PieceKey],
                      fingerprints: list[int]) -> Callable[[int, PieceKey], bool]:
-        """Whether rank r digested a piece in the rows of ``table``, built by :meth:`_digested` under the
-        exchanged ``shared`` pieces and layout ``fingerprints``: a rank whose row carries another
-        fingerprint digested every piece it held."""
-        whole = [fp != fingerprints[r] for r, fp in enumerate(table[:, width + FINGERPRINT].tolist())]
+        """Whether rank r digested a piece in rows carrying the layout fingerprints ``rows``, built by
+        :meth:`_digested` under the exchanged ``shared`` pieces and layout ``fingerprints``: a rank whose
+        row carries another fingerprint digested every piece it held."""
+        whole = [fp != fingerprints[r] for r, fp in enumerate(rows)]
         return lambda rank, key: whole[rank] or key in shared
 
     def flush(self) -> list[Violation]:
@@ -218,7 +219,7 @@ class Monitor:
         width = pending.width
         table = pending.gather.wait()
         fingerprints = table[:, width + FINGERPRINT].tolist()
-        digested = self._digest_rule(table, width, pending.shared, pending.fingerprints)
+        digested = self._digest_rule(fingerprints, pending.shared, pending.fingerprints)
         if fingerprints != self._fingerprints:  # a rank's layout changed: every rank sees it here
             self._exchange(pending.keys)
             if pending.now is not None:  # the state observed is still there: observe it again in full
@@ -229,7 +230,7 @@ class Monitor:
                                      digested=self._digested(layout, fingerprint))
                 table = start_gather(row).wait()
                 self._fingerprints = table[:, width + FINGERPRINT].tolist()
-                digested = self._digest_rule(table, width, self._shared, self._fingerprints)
+                digested = self._digest_rule(self._fingerprints, self._shared, self._fingerprints)
             else:
                 self._fingerprints = fingerprints
                 if self._width > width:

@@ -79,12 +79,14 @@ class RowBuilder:
         (:data:`~zerosim.monitor.exchange.SUMMARY`)."""
         row = torch.zeros(width + len(SUMMARY), dtype=torch.int64, device=self.device)
         count = min(len(layout.held), width // 2)
-        chosen = list(range(count)) if digested is None else [i for i in range(count) if digested[i]]
-        if len(chosen) == count and count:
-            row[: 2 * count] = self.digests([t for *_, t in layout.held[:count]]).reshape(-1)
-        elif chosen:
+        chosen = [i for i in range(count) if digested is None or digested[i]]
+        if chosen:
             lanes = self.digests([layout.held[i][3] for i in chosen])
-            row[: 2 * count].view(count, 2)[self._index(chosen)] = lanes
+            target = row[: 2 * count].view(count, 2)
+            if len(chosen) == count:
+                target.copy_(lanes)
+            else:
+                target[self._index(chosen)] = lanes
         summary = {"fingerprint": fingerprint, "n_held": len(layout.held), "step": step,
                    **_norm_summary(layout),
                    "has_norm": int(grad_norm is not None), "grad_norm": float_bits(grad_norm or 0.0),
