@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -95,7 +96,53 @@ def _start_fork_server(config: pytest.Config) -> None:
     config.stash[_FORK_SERVER] = server
 
 
+#: the project's source folders, relative to the repository root, whose modules the suite's processes import
+_PROJECT_SOURCES = ("zerosim", "zerogpu", "tests", "examples")
+
+
+def _write_project_bytecode() -> list[Path]:
+    """Where Python is told not to write bytecode (``PYTHONDONTWRITEBYTECODE``, set on some CI images),
+    every process the suite starts (ranks under ``mpiexec``, launchers, the fork servers, ``zerosim``
+    commands: several hundred) compiles the project's modules again from source, 0.2-0.6 CPU-s each,
+    since the editable install never compiled them. Under that setting Python still reads bytecode
+    that exists: write it once, where Python would have (``__pycache__`` beside each source), for
+    every project module that has none. Returns the files and folders made, which the session removes
+    at its end (those only: bytecode that was already there is left as it was)."""
+    if not sys.flags.dont_write_bytecode and not os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        return []  # Python writes bytecode as processes import
+    import importlib.util
+    import py_compile
+
+    root = Path(__file__).resolve().parent.parent
+    written: list[Path] = []
+    made: list[Path] = []
+    for folder in _PROJECT_SOURCES:
+        for source in sorted((root / folder).rglob("*.py")):
+            target = Path(importlib.util.cache_from_source(str(source)))
+            if target.exists():
+                continue
+            if not target.parent.exists():
+                made.append(target.parent)
+            try:
+                py_compile.compile(str(source), cfile=str(target), doraise=True)
+            except (OSError, py_compile.PyCompileError):
+                continue  # a read-only tree, or a file that does not compile: imports compile it as before
+            written.append(target)
+    return written + made  # files first: each folder is empty once they are removed
+
+
+def _remove_bytecode(made: list[Path]) -> None:
+    """Remove what :func:`_write_project_bytecode` made: its files, then its folders if nothing else
+    was written into them since."""
+    for path in made:
+        try:
+            path.rmdir() if path.is_dir() else path.unlink(missing_ok=True)
+        except OSError:
+            pass  # a folder that holds files this session did not write
+
+
 _FORK_SERVER = pytest.StashKey[object]()
+_BYTECODE = pytest.StashKey[list[Path]]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -103,11 +150,14 @@ def pytest_configure(config: pytest.Config) -> None:
     session's fork server on the processes that run tests."""
     if not hasattr(config, "workerinput") and config.getoption("verbose") < 1:
         config.pluginmanager.register(_Progress(config), "zerosim-progress")
+    if not hasattr(config, "workerinput"):
+        config.stash[_BYTECODE] = _write_project_bytecode()
     _start_fork_server(config)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Stop the session's fork server, if this process started one."""
+    """Stop the session's fork server, if this process started one; remove the bytecode it wrote."""
+    _remove_bytecode(config.stash.get(_BYTECODE, []))
     server = config.stash.get(_FORK_SERVER, None)
     if server is not None:
         from zerogpu.fork_server import FORK_SERVER_ENV

@@ -281,3 +281,21 @@ def test_isfinite_all_never_trusts_an_overflowing_sum(dtype: str, values: list, 
     for ns in (NP, TH):
         arr = ns.astype(ns.from_numpy(np.asarray(values, dtype=np.float64)), dtype)
         assert ns.isfinite_all(arr) is finite, (ns.backend, dtype, values)
+
+
+def test_the_numpy_namespace_is_numpy_itself_and_imports_none_of_its_unused_submodules():
+    """numpy 2.1 and later is an array-API namespace of its own: the simulator uses it directly, so a
+    process that builds the numpy namespace (each MPI rank does) never imports numpy's f2py, testing
+    or masked-array submodules, as wrapping numpy in array_api_compat would (about 0.2 CPU-s)."""
+    import subprocess
+    import sys
+
+    from zerosim.xp import NUMPY_IS_ARRAY_API
+
+    if not NUMPY_IS_ARRAY_API:
+        pytest.skip(f"numpy {np.__version__} predates the 2023.12 array API: array_api_compat wraps it")
+    assert numpy_namespace().xp is np
+    code = ("import sys; from zerosim.xp import numpy_namespace; numpy_namespace(); "
+            "print(sorted(m for m in ('numpy.f2py', 'numpy.testing', 'numpy.ma') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

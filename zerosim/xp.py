@@ -6,10 +6,13 @@ tensors (zerogpu, and the test that runs the engine on torch CPU tensors and mat
 those modules imports numpy or torch to compute.
 
 The seam is thin: every standard operation (``matmul``, ``exp``, ``sum``, ``reshape``, ``take``,
-``where``, ...) is the Python array API as provided by ``array_api_compat``, reached through
-attribute delegation (``ns.matmul`` is ``array_api_compat.numpy.matmul`` or
-``array_api_compat.torch.matmul``). Only the handful of operations where the two libraries differ,
-or where zerosim needs a guarantee the array API does not give, are defined here; each says why.
+``where``, ...) is the Python array API, reached through attribute delegation (``ns.matmul`` is
+``numpy.matmul`` or ``array_api_compat.torch.matmul``). numpy from 2.1 on is itself a namespace of the
+2023.12 standard and is used as it is: ``array_api_compat.numpy``, which an older numpy needs, imports
+every numpy submodule when it is built (``f2py``, ``testing``, ``ma``, ...: about 0.2 CPU-s
+in each process, and an MPI run starts one per rank). Only the handful of operations where the two
+libraries differ, or where zerosim needs a guarantee the array API does not give, are defined here;
+each says why.
 
 Bitwise-identity guarantees (what C-ZERO-002 and the numpy-vs-torch engine test lean on):
 
@@ -36,6 +39,8 @@ from .dtypes import canonical_dtype
 from .errors import ConfigError
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+#: numpy is an array-API namespace of its own (2023.12: numpy 2.1 and later)
+NUMPY_IS_ARRAY_API = getattr(np, "__array_api_version__", "") >= "2023.12"
 SUMSQ_CHUNK = 1 << 18  # elements per float64 chunk of sum_of_squares (2 MiB: stays in cache)
 
 _NUMPY_DTYPES: dict[str, Any] = {
@@ -63,15 +68,15 @@ def _torch():
 class ArrayNamespace:
     """One array library (``backend`` = "numpy" or "torch") on one device, plus zerosim's extras.
 
-    Standard array-API functions are delegated to ``self.xp`` (an ``array_api_compat`` namespace);
-    the methods defined below are the extras. ``zeros``, ``empty`` and ``astype`` take zerosim dtype
-    *names* ("float32", "bfloat16", "fp16", ...) so callers never hold library dtype objects; the raw
-    array-API versions remain available as ``ns.xp.zeros`` etc.
+    Standard array-API functions are delegated to ``self.xp`` (numpy itself, or an
+    ``array_api_compat`` namespace); the methods defined below are the extras. ``zeros``, ``empty``
+    and ``astype`` take zerosim dtype *names* ("float32", "bfloat16", "fp16", ...) so callers never
+    hold library dtype objects; the raw array-API versions remain available as ``ns.xp.zeros`` etc.
     """
 
     def __init__(self, backend: str, device: str | None = None):
         if backend == "numpy":
-            xp = array_api_compat.array_namespace(np.zeros(0))
+            xp = np if NUMPY_IS_ARRAY_API else array_api_compat.array_namespace(np.zeros(0))
             device = "cpu"
         elif backend == "torch":
             torch = _torch()
