@@ -121,6 +121,36 @@ def test_live_state_passes_a_consistent_step_and_fails_each_wrong_one():
     assert [(v.clause, v.tensor) for v in inside.violations] == [("step_counter", "b")]
 
 
+def test_a_rank_s_row_counts_each_state_tensor_that_is_not_finite_and_no_finite_one():
+    """The row's state summary: a NaN or an infinity of either sign in any floating dtype is found and
+    the first such tensor named; finite state whose reduction overflows (float32 near its largest
+    value, float16 summing past 65,504) is confirmed finite, not reported; the gradient's sum of
+    squares is its norms squared, summed."""
+    from zerosim.monitor.exchange import summary_values
+    from zerosim.monitor.layouts import LiveLayout, OwnedState
+    from zerosim.monitor.row import RowBuilder
+
+    big = torch.finfo(torch.float32).max
+    states = {
+        "ok": torch.randn(100),
+        "sum_overflows": torch.tensor([big, big, 1.0]),
+        "half_sum_overflows": torch.full((64,), 60000.0, dtype=torch.float16),
+        "negative_inf": torch.tensor([1.0, -math.inf, 2.0]),
+        "nan": torch.tensor([0.0, math.nan]),
+        "bf16_inf": torch.tensor([math.inf, 1.0], dtype=torch.bfloat16),
+        "complex_nan": torch.tensor([1 + 1j, complex(0, math.nan)], dtype=torch.complex64),
+    }
+    layout = LiveLayout("ddp", numels={n: t.numel() for n, t in states.items()},
+                        states=[OwnedState(n, t.numel(), {"exp_avg": t, "step": torch.tensor(3.0)})
+                                for n, t in states.items()],
+                        grads=[torch.tensor([3.0, 4.0]), torch.tensor([12.0])])
+    s = summary_values(RowBuilder(torch.device("cpu")).row(layout, 0, 3, 1, None, None), 0)
+    assert s["nonfinite"] == 4
+    assert list(states)[s["nonfinite_idx"]] == "negative_inf"
+    assert s["grad_sq"] == 169.0 and s["grad_numel"] == 3
+    assert (s["step_min"], s["step_max"]) == (3, 3)
+
+
 def test_grad_norm_bound_is_the_rounding_of_a_blocked_reduction():
     u32 = 2.0 ** -24
     assert norm_relative_bound(12, "float32") == pytest.approx(20 * u32, rel=1e-4)  # gamma_20: 12 adds + 8
