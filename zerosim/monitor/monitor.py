@@ -295,11 +295,11 @@ class Monitor:
         differ = ((table[br, 2 * bi] != table[orank, 2 * oi]) |
                   (table[br, 2 * bi + 1] != table[orank, 2 * oi + 1]))
         first, other = self._pair_base[:, 0], self._pair_other[:, 0]
-        return {key for i in np.flatnonzero(differ) for key in (self._pair_key[i],)
-                if digested(int(first[i]), key) and digested(int(other[i]), key)}
+        return {self._pair_key[i] for i in np.flatnonzero(differ)
+                if digested(int(first[i]), self._pair_key[i]) and digested(int(other[i]), self._pair_key[i])}
 
     def _observation(self, rank: int, keys: dict[str, Any], row: torch.Tensor, width: int,
-                     every_piece: bool | None, pieces: set[tuple[str, int, int]],
+                     every_piece: bool | None, pieces: set[PieceKey],
                      digested: Callable[[int, PieceKey], bool]) -> MonitorObservation:
         """Rank ``rank``'s observation from its keys and row (``width`` digest lanes): with the digests
         of every piece it holds (``every_piece``: this rank's own, for its file) or of those in
