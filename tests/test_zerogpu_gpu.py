@@ -108,3 +108,30 @@ def test_every_strategy_over_nccl_at_world_2(tmp_path: Path) -> None:
     assert result.returncode == 0 and doc["passed"], result.stdout
     # numpy arrays, two ranks: NCCL's sum of two is the simulator's, bit for bit
     assert all(r["vs_simulator"]["bitwise_equal"] for r in doc["runs"])
+
+
+def test_division_by_a_number_is_correctly_rounded_on_the_gpu() -> None:
+    """``zerosim.xp.divide_`` on the GPU gives the CPU's (IEEE) quotient bit for bit, for float32 and
+    float64, by divisors whose reciprocal is inexact: what keeps the reference optimizer's denominator,
+    the micro-batch mean and the communicator's average the same bits on every device."""
+    from zerosim.xp import divide_
+
+    for dtype in (torch.float32, torch.float64):
+        x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(5), dtype=dtype)
+        for divisor in (3, 7, 10, 0.9994998749374609):
+            on_gpu = divide_(x.cuda(), divisor).cpu()
+            assert torch.equal(on_gpu, divide_(x.clone(), divisor)), (dtype, divisor)
+
+
+def test_offload_on_the_gpu_is_refused_in_one_line() -> None:
+    """ZeroTrainer keeps the optimizer state on the model's device; offload's host tier cannot hold it
+    there, so a GPU model with offload is refused before anything is built."""
+    from zerogpu.offload import OffloadConfig
+    from zerogpu.trainer import ZeroTrainer
+    from zerosim.errors import ConfigError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).cuda()
+    refusal = r"invalid offload='cuda:0': parameter offload runs on the CPU only"
+    with pytest.raises(ConfigError, match=refusal):
+        ZeroTrainer(model, {"name": "adamw", "lr": 1e-3}, "zero3",
+                    offload=OffloadConfig(device_budget_bytes=1 << 20))

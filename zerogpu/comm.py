@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from zerosim.comm.base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter
 from zerosim.errors import CollectiveError, ConfigError
-from zerosim.xp import torch_namespace
+from zerosim.xp import divide_, torch_namespace
 
 from .comm_decompose import (
     ALL_GATHER_MODES,
@@ -209,7 +209,7 @@ class TorchCommunicator:
         else:
             self._watch.local("all_reduce")
         if op == "avg":
-            out /= self.world_size  # the simulator's arithmetic: the sum, then divide in place
+            divide_(out, self.world_size)  # the simulator's arithmetic: the sum, then divide in place
         return self._out(out, as_numpy)
 
     def all_reduce_start(self, x: torch.Tensor, op: str = "sum") -> PendingAllReduce:
@@ -261,7 +261,7 @@ class TorchCommunicator:
         else:
             out = self._reduce_scatter_fallback(t, op, c, donate)
         if op == "avg":
-            out /= n
+            divide_(out, n)
         return self._out(out, as_numpy)
 
     def _reduce_scatter_path(self) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from zerosim.errors import CollectiveError, CollectiveTimeout
+from zerosim.xp import divide_
 
 from .comm_setup import Job
 
@@ -155,6 +156,6 @@ class PendingAllReduce:
             except Exception as e:  # noqa: BLE001 - every backend error becomes ours, with a diagnosis
                 raise self._watch.error("all_reduce", self._call, e) from e
             if self._op == "avg":
-                self._tensor /= self._world_size
+                divide_(self._tensor, self._world_size)
             self._done = True
         return self._tensor

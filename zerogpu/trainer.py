@@ -171,6 +171,12 @@ class ZeroTrainer:
             raise ConfigError("offload", type(offload).__name__,
                               f"parameter offload needs ZeRO-3 or hybrid, not {plan_strategy.name}")
         device = str(described.device)
+        if offload is not None and described.device.type != "cpu":
+            # the offload manager holds the optimizer state and master on the host tier, but the engine
+            # keeps them, its gradient shard and the optimizer step on the model's device
+            raise ConfigError("offload", device, "parameter offload runs on the CPU only: on a GPU the "
+                              "engine keeps the optimizer state on the device, which offload's host tier "
+                              "cannot hold (move the model to the CPU, or train without offload)")
         self.model = model
         self.strategy = plan_strategy
         self.partition_rule = rule.name

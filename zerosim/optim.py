@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError, require_non_negative_int
-from .xp import ArrayNamespace, get_namespace, namespace_of
+from .xp import ArrayNamespace, divide_, get_namespace, namespace_of
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6)
@@ -361,7 +361,7 @@ class Adam(_Optimizer):
         bias_correction1 = 1.0 - beta1 ** float(t)
         bias_correction2 = 1.0 - beta2 ** float(t)
         step_size = s.lr / bias_correction1
-        denom = xp.sqrt(v) / r(bias_correction2**0.5)
+        denom = divide_(xp.sqrt(v), r(bias_correction2**0.5))
         denom += r(s.eps)
         p += (m * r(-step_size)) / denom
 

@@ -19,7 +19,9 @@ Bitwise-identity guarantees (what C-ZERO-002 and the numpy-vs-torch engine test 
 * elementwise ``+ - * /`` on float32 are IEEE correctly rounded in both libraries;
 * :meth:`ArrayNamespace.sqrt` is correctly rounded in both (torch's vectorised CPU ``sqrt`` is not:
   on an AVX-512 build about 0.7% of float32 results differ from the correctly rounded one by 1 ulp);
-* :meth:`ArrayNamespace.fma` is the same float64-emulated fused multiply-add in both.
+* :meth:`ArrayNamespace.fma` is the same float64-emulated fused multiply-add in both;
+* :func:`divide_` divides by a number with one IEEE division on every device (torch's CUDA kernels
+  divide by a host number as a multiplication by its rounded reciprocal, an ulp off for some values).
 
 So an optimizer step written with these ops gives bit-identical results on numpy and torch CPU.
 Matrix products are *not* bitwise across libraries (different BLAS blockings): model
@@ -300,6 +302,24 @@ class ArrayNamespace:
     def to_float(self, x: Any) -> float:
         """A 0-d (or one-element) array as a Python float."""
         return float(x.item()) if hasattr(x, "item") else float(x)
+
+
+def divide_(x: Any, divisor: float) -> Any:
+    """``x /= divisor`` in place, correctly rounded on every device for float32 and float64 arrays;
+    returns ``x``. Why: torch's CUDA kernels divide a tensor by a host number (a Python or numpy scalar,
+    a CPU 0-d tensor) as a multiplication by the divisor's rounded reciprocal, which differs from the
+    division by an ulp for some values unless the divisor is a power of two; the CPU kernels and numpy
+    divide. So on a device the divisor goes as a 0-d tensor on that device (``torch.full``: a kernel
+    argument, no copy, no synchronisation), which takes the IEEE division. The divisor is rounded to
+    ``x``'s dtype either way. 16-bit arrays divide as the library does (both torch kernels multiply by
+    the reciprocal in float32 there)."""
+    device = getattr(x, "device", None)
+    if device is not None and getattr(device, "type", "cpu") != "cpu" and x.dtype.is_floating_point \
+            and x.element_size() >= 4:
+        x.div_(_torch().full((), divisor, dtype=x.dtype, device=device))
+    else:
+        x /= divisor
+    return x
 
 
 def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:

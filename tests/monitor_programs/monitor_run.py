@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,13 @@ from zerosim.monitor.faults import LiveFault
 
 MAX_NORM = 1.0
 TIMEOUT_S = 120  # a collective that waits longer ends the run (a rank died or hung)
+DEVICE_TYPE = os.environ.get("MONITOR_DEVICE", "cpu")
+
+
+def device() -> torch.device:
+    if DEVICE_TYPE == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
 
 
 class Tiny(torch.nn.Module):
@@ -49,12 +57,12 @@ class Tiny(torch.nn.Module):
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+    return torch.randn(4, 6, generator=gen).to(device()), torch.randn(4, 3, generator=gen).to(device())
 
 
 def build(adapter: str) -> tuple[object, object, object]:
     """(what the loop steps, the monitor's model, the optimizer)."""
-    model = Tiny()
+    model = Tiny().to(device())
     world = dist.get_world_size()
     if adapter.startswith("zerogpu-"):
         from zerogpu.trainer import ZeroTrainer
@@ -79,9 +87,9 @@ def build(adapter: str) -> tuple[object, object, object]:
     from torch.distributed.fsdp import fully_shard
 
     if adapter == "hsdp":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh(DEVICE_TYPE, (world,), mesh_dim_names=("shard",))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -98,7 +106,7 @@ def full_digest(model: object) -> str:
     h = hashlib.sha256()
     for name, p in named:
         h.update(name.encode())
-        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -155,7 +163,12 @@ def run(name: str, spec: str, out_root: Path) -> dict:
 
 def main() -> None:
     results, out_root, *scenarios = sys.argv[1:]
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    backend = "gloo"
+    if DEVICE_TYPE == "cuda":
+        torch.cuda.set_device(device())
+        if int(os.environ["WORLD_SIZE"]) <= torch.cuda.device_count():
+            backend = "nccl"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     for scenario in scenarios:
         name, spec = scenario.split("=", 1)
         record = run(name, spec, Path(out_root))

@@ -3,7 +3,7 @@
 Five steps, each in its own process group with its own wall-clock limit (killed whole when it outlives
 it, :func:`zerosim.launching.run_process_group`), all within :data:`TOTAL_LIMIT_S`:
 
-1. ``tests``: the GPU tests (``tests/test_zerogpu_gpu.py``, marker ``gpu``) under pytest;
+1. ``tests``: the GPU tests (:data:`GPU_TESTS`, marker ``gpu``) under pytest;
 2. ``report``: ``python -m zerogpu report --world-size 1``: the engine on the device against the
    ground truth, every strategy;
 3. ``trainer``: ZeroTrainer on the device against the same run on the CPU, every strategy
@@ -50,7 +50,10 @@ CPU_LIMIT_SCALE = 2.0
 MIN_STEP_S = 5.0  #: a step that would get less than this of the total is not started
 PERTURB_ENV = "ZEROSIM_GPU_CHECK_PERTURB"  #: a step name: that step's comparison sees a perturbed value
 PERTURBABLE = ("trainer", "kernel")
-GPU_TESTS = Path("tests") / "test_zerogpu_gpu.py"
+#: the GPU tests: the engine, NCCL and the report; the offload manager's pinned copies on a side stream;
+#: the monitor's digest and live runs on the device
+GPU_TESTS = (Path("tests") / "test_zerogpu_gpu.py", Path("tests") / "test_zerogpu_offload.py",
+             Path("tests") / "test_monitor_gpu.py")
 
 #: each step's size on a GPU (realistic) and on the CPU (seconds on two cores)
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
@@ -117,7 +120,7 @@ class Step:
 def find_repo() -> Path | None:
     """The source tree the package was installed from (editable or a checkout), if its tests are there."""
     root = Path(__file__).resolve().parents[2]
-    return root if (root / GPU_TESTS).is_file() else None
+    return root if all((root / path).is_file() for path in GPU_TESTS) else None
 
 
 def _python(*args: str) -> list[str]:
@@ -127,16 +130,16 @@ def _python(*args: str) -> list[str]:
 # ---- 1. the GPU tests ---------------------------------------------------------------------------
 def _tests_command(ctx: Context, limit_s: float) -> list[str] | str:
     if ctx.repo is None:
-        return f"tests not found ({GPU_TESTS} beside the package)"
+        return f"tests not found ({', '.join(map(str, GPU_TESTS))} beside the package)"
     import torch
 
     if not torch.cuda.is_available():  # --cpu on a machine without CUDA: every GPU test would skip
-        return (f"no CUDA device visible to torch: every GPU test would skip, so pytest is not run (the "
-                f"test suite collects {GPU_TESTS} and skips its tests the same way)")
+        return ("no CUDA device visible to torch: every GPU test would skip, so pytest is not run (the "
+                "test suite collects the GPU tests and skips them the same way)")
     return _python("-m", "pytest", "-q", "-m", "gpu", "-rs", "-p", "no:cacheprovider",
                    "-p", "no:xdist", "-p", "no:hypothesispytest",  # plugins the GPU tests do not use
                    f"--rootdir={ctx.repo}", f"--junitxml={ctx.steps_dir / 'tests.xml'}",
-                   str(ctx.repo / GPU_TESTS))
+                   *(str(ctx.repo / path) for path in GPU_TESTS))
 
 
 def _tests_read(ctx: Context, run: GroupRun) -> tuple[str, str, dict[str, float]]:
@@ -266,6 +269,8 @@ def _kernel_read(ctx: Context, run: GroupRun) -> tuple[str, str, dict[str, float
         figures[f"{k['kernel']}.fraction_of_copy"] = k["fraction_of_copy"]
         figures[f"{k['kernel']}.bandwidth_gb_s"] = k["bandwidth_gb_s"]
         figures[f"{k['kernel']}.error_over_bound"] = k["check"]["error_over_bound"]
+    figures["monitor_digest.bandwidth_gb_s"] = doc["monitor_digest"]["bandwidth_gb_s"]
+    figures["monitor_digest.fraction_of_copy"] = doc["monitor_digest"]["fraction_of_copy"]
     if doc["problems"] or run.returncode != 0:
         return "fail", "; ".join(doc["problems"]) or _last_line(run), figures
     judged = "" if doc["goal_judged"] else " (goal not judged on a CPU)"
@@ -274,7 +279,7 @@ def _kernel_read(ctx: Context, run: GroupRun) -> tuple[str, str, dict[str, float
 
 
 STEPS = (
-    Step("tests", "GPU tests (pytest -m gpu)", 150.0, _tests_command, _tests_read,
+    Step("tests", "GPU tests (pytest -m gpu)", 165.0, _tests_command, _tests_read,
          lambda c: c.steps_dir / "tests.xml"),
     Step("report", "engine on the device vs ground truth, every strategy", 90.0, _report_command,
          _report_read, lambda c: c.steps_dir / "report" / "equivalence.json"),

@@ -20,6 +20,11 @@ torch's kernels must lie within the one-step rounding bound of :mod:`zerosim.che
 same gradient on both sides: every float32 operation faithful). ``--perturb`` moves one element of
 the device's result past its bound: the check's own test that it can fail.
 
+Beside the kernels, the same way: zerosim.monitor's digest (:func:`zerosim.monitor.digest.tensor_digest`)
+of the parameter array, which reads its 4 bytes per element once and writes 16 bytes in all; its
+``bandwidth_gb_s`` counts the bytes read, so its ``fraction_of_copy`` near 1 is a digest that costs one
+read of the parameters at the rate the device moves bytes. Reported, not judged.
+
 Exit 0 when every kernel is correct and the goal is met where it applies, 1 otherwise, 2 bad input.
 """
 
@@ -142,6 +147,8 @@ def measure(device: str, n: int, repeats: int, perturb: bool) -> dict[str, Any]:
 
     from zerogpu.torch_kernels import OPTIMIZER_KERNELS
 
+    from ..monitor.digest import tensor_digest
+
     full_precision_float32()
     copy_s = copy_seconds(n, device, repeats)
     arrays = _arrays(n, device, seed=1)
@@ -153,6 +160,9 @@ def measure(device: str, n: int, repeats: int, perturb: bool) -> dict[str, Any]:
         check = check_kernel(kernel, device, perturb)
         kernels.append({"kernel": kernel, "seconds": seconds, "fraction_of_copy": copy_s / seconds,
                         "bandwidth_gb_s": n * BYTES_PER_ELEMENT / seconds / 1e9, "check": check})
+    digest_s = _median_seconds(lambda: tensor_digest(arrays["param"]), device, repeats)
+    digest = {"seconds": digest_s, "bandwidth_gb_s": n * 4 / digest_s / 1e9,
+              "fraction_of_copy": (n * 4 / digest_s) / (n * BYTES_PER_ELEMENT / copy_s)}
     judged = torch.device(device).type == "cuda"
     default = next(k for k in kernels if k["kernel"] == DEFAULT_KERNEL)
     problems = kernel_problems(kernels, judged)
@@ -162,6 +172,7 @@ def measure(device: str, n: int, repeats: int, perturb: bool) -> dict[str, Any]:
         "copy_bandwidth_gb_s": n * BYTES_PER_ELEMENT / copy_s / 1e9, "goal": GOAL,
         "goal_judged": judged, "default_kernel": DEFAULT_KERNEL,
         "default_fraction_of_copy": default["fraction_of_copy"], "kernels": kernels,
+        "monitor_digest": digest,
         "perturbed": perturb, "problems": problems, "passed": not problems,
     }
 
@@ -212,6 +223,9 @@ def main(args: Any) -> int:
         verdict = "pass" if k["check"]["passed"] else "FAIL"
         print(f"{k['kernel']:>10}: {k['bandwidth_gb_s']:.1f} GB/s = {k['fraction_of_copy']:.2f} of the copy; "
               f"{k['check']['comparison']} check {verdict}")
+    d = doc["monitor_digest"]
+    print(f"{'digest':>10}: {d['bandwidth_gb_s']:.1f} GB/s read = {d['fraction_of_copy']:.2f} of the copy "
+          "(zerosim.monitor's digest of the parameters)")
     for line in doc["problems"]:
         print(line, file=sys.stderr)
     return 0 if doc["passed"] else 1

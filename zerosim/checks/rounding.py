@@ -45,13 +45,22 @@ factor below 1 may apply (a rounded product on each side).
 
 SGD with momentum mu, dampening tau, weight decay wd (torch: d = g + wd p; buf = d on the first step,
 else mu buf + (1 - tau) d; direction e = d + mu buf (Nesterov), buf (momentum) or d; p -= lr e):
-dd = dg + wd dp + u(|g| + wd |p|); dbuf = mu dbuf + (1 - tau) dd + 2u|buf| (dd + 2u|buf| first);
-de = dd + mu dbuf + u|e| (Nesterov), dbuf (momentum), dd + 2u|d| (none);
-dp = dp + lr de + 2u(|p| + lr|e|).
+dd = dg + wd dp + u(|g| + wd |p|); dbuf = mu dbuf + (1 - tau) dd + 2 gamma_3 (|buf| + 2 (1 - tau) |d|)
+(dd + 2u|buf| first); de = dd + mu dbuf + u|e| (Nesterov), dbuf (momentum), dd + 2u|d| (none);
+dp = dp + lr de + 2 gamma_2 (|p_before| + lr|e|).
+
+Every local rounding term is taken at the scale of the terms an update adds, not of its result: where
+they cancel (a moment whose new gradient opposes it, a weight stepped towards zero) the result is far
+smaller than what each side rounded on the way, and implementations take different routes (torch's
+``lerp``, an FMA, a fused kernel that adds in float64 and rounds once). mu |buf_old| <= |buf| +
+(1 - tau) |d|, so |buf| + 2 (1 - tau) |d| bounds the momentum's terms; gamma_k counts the roundings on
+the way (a coefficient, a product, the sum).
 
 Adam / AdamW (AdamW: p *= 1 - lr wd, d = g; Adam: d = g + wd p as for SGD; m = b1 m + (1-b1) d;
 v = b2 v + (1-b2) d^2; p -= lr m^/(sqrt(v^) + eps), ^ the bias corrections of step t):
-dm = b1 dm + (1-b1) dd + 2u|m|, dv = b2 dv + (1-b2)(2|d| dd + dd^2) + 2u v. With s = sqrt(v^),
+dm = b1 dm + (1-b1) dd + 2 gamma_3 (|m| + 2 (1-b1) |d|) (the terms' scale, as for the momentum),
+dv = b2 dv + (1-b2)(2|d| dd + dd^2) + 2 gamma_4 v (v's terms are >= 0: its own scale; four roundings:
+the square, two coefficients, the sum). With s = sqrt(v^),
 ds = min(sqrt(dv^), dv^ / s) (|sqrt a - sqrt b| <= both) and s' = max(s - ds, 0) the smallest possible
 perturbed root, the direction r = m^/(s + eps) moves by at most
 
@@ -63,7 +72,7 @@ bounded: by Cauchy-Schwarz every Adam direction satisfies |r_t| <= R_t = (1-b1)/
 sqrt((1-b2^t)/(1-b2)) sqrt((1-q^t)/(1-q)), q = b1^2/b2 (R_1 = 1), whatever the gradients; computed
 with rounding, m carries at most 2t roundings, v 3t, the root and divisions 6 more, so
 |r| <= R_t (1 + gamma_(4t+6)) on each side and dr <= 2 R_t (1 + gamma_(4t+6)). Then
-dp = |1 - lr wd| dp + lr dr + 2u(|p| + lr|r|) (AdamW; Adam: dp + lr dr + ...).
+dp = |1 - lr wd| dp + lr dr + 2 gamma_3 (|1 - lr wd| |p_before| + lr|r|) (AdamW; Adam: decay 1).
 
 The bound of element i after step k is its dp (parameters) or the matching state bound; the grad
 norm's is dnorm, the clip factor's dc. Everything is computed from the reference's own values, the
@@ -315,6 +324,7 @@ class RoundingBound:
         lr, wd = h.lr, h.weight_decay
         dp_prev = self.dp or {n: np.zeros(np.shape(a)) for n, a in values.params.items()}
         coef = values.clip_coef
+        gamma2, gamma3, gamma4 = gamma(2, u), gamma(3, u), gamma(4, u)
         dp: dict[str, np.ndarray] = {}
         dstate: dict[str, dict[str, np.ndarray]] = {}
         for name, p_after in values.params.items():
@@ -332,8 +342,9 @@ class RoundingBound:
                     buf = np.abs(np.asarray(st.get("momentum_buffer", d), dtype=np.float64))
                     if t == 1:
                         dbuf = dd + 2 * u * buf
-                    else:
-                        dbuf = mu * prev.get("momentum_buffer", zeros) + (1 - tau) * dd + 2 * u * buf
+                    else:  # rounded at the terms' scale: mu |buf_old| <= |buf| + (1 - tau) |d|
+                        terms = buf + 2 * (1 - tau) * np.abs(d)
+                        dbuf = mu * prev.get("momentum_buffer", zeros) + (1 - tau) * dd + 2 * gamma3 * terms
                     if h.nesterov:
                         e = np.abs(d) + mu * buf
                         de = dd + mu * dbuf + u * e
@@ -342,7 +353,7 @@ class RoundingBound:
                 else:
                     e = np.abs(d)
                     de = dbuf = dd + 2 * u * e
-                dp[name] = dp_prev[name] + lr * de + 2 * u * (p + lr * e)
+                dp[name] = dp_prev[name] + lr * de + 2 * gamma2 * (np.abs(p_before) + lr * e)
                 dstate[name] = {"momentum_buffer": dbuf}
             else:
                 b1, b2 = h.betas
@@ -355,8 +366,12 @@ class RoundingBound:
                     decay = 1.0
                 m = np.abs(np.asarray(st["exp_avg"], dtype=np.float64))
                 v = np.asarray(st["exp_avg_sq"], dtype=np.float64)
-                dm = b1 * prev.get("exp_avg", zeros) + (1 - b1) * dd + 2 * u * m
-                dv = b2 * prev.get("exp_avg_sq", zeros) + (1 - b2) * (2 * np.abs(d) * dd + dd**2) + 2 * u * v
+                # each side rounds m at its terms' scale, b1 |m_old| + (1 - b1) |d| <= |m| + 2 (1 - b1) |d|
+                # (cancellation leaves |m| far below it), and v at v's (its terms are >= 0)
+                terms = m + 2 * (1 - b1) * np.abs(d)
+                dm = b1 * prev.get("exp_avg", zeros) + (1 - b1) * dd + 2 * gamma3 * terms
+                dv = (b2 * prev.get("exp_avg_sq", zeros) + (1 - b2) * (2 * np.abs(d) * dd + dd**2)
+                      + 2 * gamma4 * v)
                 bc1, bc2 = 1 - b1**t, 1 - b2**t
                 s = np.sqrt(v / bc2)
                 ds = np.minimum(np.sqrt(dv / bc2), np.where(s > 0, (dv / bc2) / s, np.inf))
@@ -367,7 +382,8 @@ class RoundingBound:
                 cap = 2 * adam_direction_bound(b1, b2, t) * (1 + gamma(4 * t + 6, u))
                 dr = np.fmin(dr, cap)  # fmin: a 0/0 (eps = 0, nothing moved) is the cap, not NaN
                 r = np.fmin(r, cap / 2)
-                dp[name] = abs(decay) * dp_prev[name] + lr * dr + 2 * u * (p + lr * r)
+                terms = abs(decay) * np.abs(p_before) + lr * r
+                dp[name] = abs(decay) * dp_prev[name] + lr * dr + 2 * gamma3 * terms
                 dstate[name] = {"exp_avg": dm, "exp_avg_sq": dv}
         self.dp, self.dstate, self._last = dp, dstate, values
         return StepBounds(dp, dstate, raw, dnorm, dc)

@@ -67,7 +67,7 @@ from ..model import init_params
 from ..observe import Holding, RankObservation, ShardValues, StepObservation, TrafficItem, digest
 from ..optim import make_optimizer
 from ..unit_state import UnitState
-from ..xp import ArrayNamespace
+from ..xp import ArrayNamespace, divide_
 from . import finite_vote, wire
 from .engine_run import EngineRun
 from .faults import EngineFault, Hook
@@ -347,7 +347,7 @@ class ZeroEngine:
     def finish_accumulation(self, acc: Any) -> None:
         """Divide the accumulated gradient by the number of micro-batches (bug class 2 forgets)."""
         if self.run.micro_batches > 1 and not self.corruption(Hook.ACCUMULATION_AVERAGE):
-            acc /= self.run.micro_batches
+            divide_(acc, self.run.micro_batches)
 
     def load_comm(self) -> Communicator:
         """The group the rank-0 load broadcasts over: the whole world (a fault uses the shard group, so
