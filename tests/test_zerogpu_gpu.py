@@ -123,15 +123,21 @@ def test_division_by_a_number_is_correctly_rounded_on_the_gpu() -> None:
             assert torch.equal(on_gpu, divide_(x.clone(), divisor)), (dtype, divisor)
 
 
-def test_offload_on_the_gpu_is_refused_in_one_line() -> None:
+def test_offload_on_the_gpu_is_refused_in_one_line(tmp_path: Path) -> None:
     """ZeroTrainer keeps the optimizer state on the model's device; offload's host tier cannot hold it
     there, so a GPU model with offload is refused before anything is built."""
+    import torch.distributed as dist
+
     from zerogpu.offload import OffloadConfig
     from zerogpu.trainer import ZeroTrainer
     from zerosim.errors import ConfigError
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)).cuda()
     refusal = r"invalid offload='cuda:0': parameter offload runs on the CPU only"
-    with pytest.raises(ConfigError, match=refusal):
-        ZeroTrainer(model, {"name": "adamw", "lr": 1e-3}, "zero3",
-                    offload=OffloadConfig(device_budget_bytes=1 << 20))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match=refusal):
+            ZeroTrainer(model, {"name": "adamw", "lr": 1e-3}, "zero3",
+                        offload=OffloadConfig(device_budget_bytes=1 << 20))
+    finally:
+        dist.destroy_process_group()

@@ -58,9 +58,13 @@ the way (a coefficient, a product, the sum).
 
 Adam / AdamW (AdamW: p *= 1 - lr wd, d = g; Adam: d = g + wd p as for SGD; m = b1 m + (1-b1) d;
 v = b2 v + (1-b2) d^2; p -= lr m^/(sqrt(v^) + eps), ^ the bias corrections of step t):
-dm = b1 dm + (1-b1) dd + 2 gamma_3 (|m| + 2 (1-b1) |d|) (the terms' scale, as for the momentum),
-dv = b2 dv + (1-b2)(2|d| dd + dd^2) + 2 gamma_4 v (v's terms are >= 0: its own scale; four roundings:
-the square, two coefficients, the sum). With s = sqrt(v^),
+dm = b1 dm + (1-b1) dd + 2 gamma_3 (|m| + 2 (1-b1) |d|) + 2u (|m| + |d|) (the terms' scale, as for the
+momentum), dv = b2 dv + (1-b2)(2|d| dd + dd^2) + 2 gamma_4 v + 2u (v + d^2) (v's terms are >= 0: its
+own scale; four roundings: the square, two coefficients, the sum). The last term of each is the
+coefficients': an implementation that holds beta in float32 and forms 1 - beta from it (torch's fused
+CUDA Adam does) weighs old and new by values up to u beta off, so m moves by u b1 (|m_old| + |d|) <=
+u (|m| + |d|) and v by u b2 (v_old + d^2) <= u (v + d^2); for beta2 = 0.999 that is a relative change
+of 1.3e-5 in the new gradient's weight, 200 ulps of a v made of it. With s = sqrt(v^),
 ds = min(sqrt(dv^), dv^ / s) (|sqrt a - sqrt b| <= both) and s' = max(s - ds, 0) the smallest possible
 perturbed root, the direction r = m^/(s + eps) moves by at most
 
@@ -368,10 +372,13 @@ class RoundingBound:
                 v = np.asarray(st["exp_avg_sq"], dtype=np.float64)
                 # each side rounds m at its terms' scale, b1 |m_old| + (1 - b1) |d| <= |m| + 2 (1 - b1) |d|
                 # (cancellation leaves |m| far below it), and v at v's (its terms are >= 0)
+                # and a beta held in the arithmetic's dtype moves both weights by up to u beta:
+                # u b1 (|m_old| + |d|) <= u (|m| + |d|), u b2 (v_old + d^2) <= u (v + d^2)
                 terms = m + 2 * (1 - b1) * np.abs(d)
-                dm = b1 * prev.get("exp_avg", zeros) + (1 - b1) * dd + 2 * gamma3 * terms
+                dm = (b1 * prev.get("exp_avg", zeros) + (1 - b1) * dd + 2 * gamma3 * terms
+                      + 2 * u * (m + np.abs(d)))
                 dv = (b2 * prev.get("exp_avg_sq", zeros) + (1 - b2) * (2 * np.abs(d) * dd + dd**2)
-                      + 2 * gamma4 * v)
+                      + 2 * gamma4 * v + 2 * u * (v + d**2))
                 bc1, bc2 = 1 - b1**t, 1 - b2**t
                 s = np.sqrt(v / bc2)
                 ds = np.minimum(np.sqrt(dv / bc2), np.where(s > 0, (dv / bc2) / s, np.inf))
