@@ -148,3 +148,44 @@ def test_the_working_weight_difference_is_the_cast_of_the_master_interval():
     assert bound.weight_spread(values) == 2.0**-10
     bound.dp = {"w": np.array([0.0, 0.0, 2.0**-10])}  # at 3.0 an ulp is 2^-9: nothing crosses a boundary
     assert bound.weight_spread(values) == 0.0
+
+
+def _adamw_in_float32(before: dict[str, np.ndarray], t: int, spec: dict[str, Any],
+                      betas: tuple[float, float] | None = None) -> dict[str, np.ndarray]:
+    """One AdamW step the way torch's fused CUDA kernel evaluates it (measured on an H100: it reproduces
+    that kernel's largest difference from zerosim's optimizer to the bit): every hyper-parameter, both
+    bias corrections and every operation in float32, ``1 - beta`` formed from float32 betas."""
+    f = np.float32
+    b1, b2 = (f(b) for b in (betas or spec["betas"]))
+    lr, wd, eps = f(spec["lr"]), f(spec["weight_decay"]), f(spec["eps"])
+    p, g, m, v = (before[k].copy() for k in ("param", "grad", "exp_avg", "exp_avg_sq"))
+    p = p - (lr * wd) * p
+    m = b1 * m + (f(1) - b1) * g
+    v = b2 * v + (f(1) - b2) * g * g
+    bc1, bc2 = f(1) - b1 ** f(t), f(1) - b2 ** f(t)
+    p = p - (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + eps)
+    return {"param": p, "exp_avg": m, "exp_avg_sq": v}
+
+
+@pytest.mark.parametrize("t", [1, 3, 10, 1000])
+def test_an_adamw_with_float32_coefficients_is_within_the_one_step_bound(t):
+    """C-ZERO-002's local terms cover an implementation that rounds its coefficients (betas, 1 - beta,
+    the bias corrections) to float32, not only its operations: the derived one-step bound holds it
+    against zerosim's optimizer, and the same implementation with beta2 off by 1e-4 exceeds it."""
+    from zerosim.bench import optimizer_bandwidth as ob
+
+    host = ob._arrays(ob.CHECK_ELEMENTS, "cpu", seed=7)
+    before = {k: a.numpy().copy() for k, a in host.items()}
+    ob._step("reference", "cpu", host, t)
+    want = {k: a.numpy() for k, a in host.items()}
+    bounds = ob.one_step_bound(before, want, t)
+
+    def worst(got: dict[str, np.ndarray]) -> float:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return max(float(np.max(np.where(d == 0, 0.0, d / bounds[k])))
+                       for k in got for d in [np.abs(got[k].astype(np.float64) - want[k])])
+
+    with np.errstate(all="ignore"):
+        assert 0 < worst(_adamw_in_float32(before, t, ob.SPEC)) <= 1
+        b1, b2 = ob.SPEC["betas"]
+        assert worst(_adamw_in_float32(before, t, ob.SPEC, betas=(b1, b2 - 1e-4))) > 1
