@@ -52,7 +52,7 @@ dp = dp + lr de + 2 gamma_2 (|p_before| + lr|e|).
 Every local rounding term is taken at the scale of the terms an update adds, not of its result: where
 they cancel (a moment whose new gradient opposes it, a weight stepped towards zero) the result is far
 smaller than what each side rounded on the way, and implementations take different routes (torch's
-``lerp``, an FMA, a fused kernel that adds in float64 and rounds once). mu |buf_old| <= |buf| +
+``lerp``, an FMA, a fused kernel with float32 coefficients). mu |buf_old| <= |buf| +
 (1 - tau) |d|, so |buf| + 2 (1 - tau) |d| bounds the momentum's terms; gamma_k counts the roundings on
 the way (a coefficient, a product, the sum).
 
