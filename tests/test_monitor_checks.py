@@ -404,6 +404,26 @@ def test_bench_monitor_ratios_are_against_the_neighbouring_runs_without_the_moni
     assert "invalid adapters='megatron'" in capsys.readouterr().err
     assert cli_main(["bench", "monitor", "--batch", "0"]) == 2
     assert "invalid batch=0" in capsys.readouterr().err
+    assert cli_main(["bench", "monitor", "--device", "tpu"]) == 2
+    assert "invalid device='tpu': must be cpu or cuda" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert cli_main(["bench", "monitor", "--device", "cuda"]) == 2
+        assert "invalid device='cuda': CUDA is not available here" in capsys.readouterr().err
+
+
+@pytest.mark.torchdist
+def test_bench_monitor_launches_its_ranks_and_reports_every_variant(tmp_path, capsys):
+    """The benchmark's own launch, at the smallest size: every variant timed against its neighbours
+    without the monitor, each monitored run a fault-free soak with no violation, the digest timed."""
+    assert cli_main(["bench", "monitor", "--adapters", "ddp", "--steps", "2", "--warmup", "1",
+                     "--rounds", "1", "--width", "16", "--depth", "1", "--batch", "4", "--digest-mb", "1",
+                     "--layout-world", "0", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_monitor.json").read_text())
+    table = {row["variant"]: row for row in report["table"]}
+    assert set(table) == {"off", "every=100", "every=1"} and report["settings"]["device"] == "cpu"
+    assert table["every=1"]["checks"] >= 2 and all(row["violations"] == 0 for row in table.values())
+    assert all(math.isfinite(row["ratio"]) and row["step_ms"] > 0 for row in table.values())
+    assert report["digest"]["digest_gb_s"] > 0 and "on cpu: digest" in capsys.readouterr().out
 
 
 def test_bench_monitor_names_why_a_deepspeed_adapter_is_skipped(monkeypatch, tmp_path, capsys):

@@ -10,6 +10,8 @@ neighbours without the monitor; per adapter and variant the median ratio over ``
 its min-max, and the ratio the monitor's own timed checks account for. Every monitored run is also a
 fault-free soak: its violations are counted (0 expected). In this process: the digest's
 throughput (:func:`zerosim.monitor.digest.tensor_digest`) against a plain copy of the same bytes.
+``--device cuda`` trains on the GPUs (one per rank over NCCL; ranks beyond the GPUs share them over
+gloo) and times the digest there.
 
 Writes ``bench_monitor.json`` into a new ``reports/bench-monitor-<timestamp>/`` (or ``--out``).
 """
@@ -36,36 +38,44 @@ DEFAULT_ADAPTERS = "ddp,zero-redundancy,fsdp2,zerogpu-zero3,deepspeed-1,deepspee
 DEFAULT_WIDTH, DEFAULT_DEPTH, DEFAULT_BATCH = 512, 4, 256
 
 
-def digest_throughput(megabytes: int, repeats: int = 9) -> dict[str, float]:
+def digest_throughput(megabytes: int, repeats: int = 9, device: str = "cpu") -> dict[str, float]:
     """GB/s of the digest and of a plain copy (``copy_`` into a buffer allocated beforehand, so neither
-    pays for fresh pages) over one float32 tensor of ``megabytes`` MB, the two timed alternately, best
-    of ``repeats`` each, and their ratio (digest time / copy time); on one thread, as each rank of the
-    launch runs (torchrun's ``OMP_NUM_THREADS=1``)."""
+    pays for fresh pages) over one float32 tensor of ``megabytes`` MB on ``device``, the two timed
+    alternately (the device synchronised around each), best of ``repeats`` each, and their ratio
+    (digest time / copy time); on the CPU on one thread, as each rank of the launch runs (torchrun's
+    ``OMP_NUM_THREADS=1``)."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _digest_and_copy(megabytes, repeats)
+        return _digest_and_copy(megabytes, repeats, torch.device(device))
     finally:
         torch.set_num_threads(threads)
 
 
-def _digest_and_copy(megabytes: int, repeats: int) -> dict[str, float]:
+def _digest_and_copy(megabytes: int, repeats: int, device: Any) -> dict[str, float]:
     import torch
 
     from ..monitor.digest import tensor_digest
 
-    x = torch.randn(megabytes * 2**20 // 4)
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    x = torch.randn(megabytes * 2**20 // 4).to(device)
     destination = torch.empty_like(x)
     tensor_digest(x)
     destination.copy_(x)
     digest_s = copy_s = float("inf")
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         tensor_digest(x)
+        sync()
         t1 = time.perf_counter()
         destination.copy_(x)
+        sync()
         t2 = time.perf_counter()
         digest_s, copy_s = min(digest_s, t1 - t0), min(copy_s, t2 - t1)
     gb = x.numel() * 4 / 1e9
@@ -129,6 +139,7 @@ def run(args: Any) -> int:
         "width": require_positive_int("width", _int("width", args.width)),
         "depth": require_positive_int("depth", _int("depth", args.depth)),
         "batch": require_positive_int("batch", _int("batch", args.batch)),
+        "device": _device(args.device),
     }
     for adapter in settings["adapters"]:
         if adapter not in monitor_rank.ADAPTERS:
@@ -151,7 +162,8 @@ def run(args: Any) -> int:
     table = summarize(measured["rows"], settings["steps"])
     report = {"world_size": measured["world_size"], "settings": settings, "table": table,
               "skipped": [{"adapter": a, "reason": why} for a, why in skipped.items()],
-              "rows": measured["rows"], "digest": digest_throughput(_int("digest-mb", args.digest_mb)),
+              "rows": measured["rows"],
+              "digest": digest_throughput(_int("digest-mb", args.digest_mb), device=settings["device"]),
               "collective": measured.get("collective"),
               "layout_check": layout_check_times(layout_world) if layout_world else None,
               "wall_s": round(time.monotonic() - started, 1)}
@@ -207,7 +219,8 @@ def _print(report: dict[str, Any]) -> None:
         print(f"one all-gather of {c['row_numbers']} int64 per rank: median {c['median_s'] * 1e3:.3f} ms, "
               f"least {c['min_s'] * 1e3:.3f} ms")
     d = report["digest"]
-    print(f"digest {d['digest_gb_s']:.2f} GB/s vs copy {d['copy_gb_s']:.2f} GB/s over {d['megabytes']} MB "
+    print(f"on {report['settings']['device']}: digest {d['digest_gb_s']:.2f} GB/s vs copy "
+          f"{d['copy_gb_s']:.2f} GB/s over {d['megabytes']} MB "
           f"(digest time / copy time {d['digest_over_copy']:.2f})")
     layout = report["layout_check"]
     if layout:
@@ -218,6 +231,18 @@ def _print(report: dict[str, Any]) -> None:
                 print(f"  {label}: {case['seconds']:.2f} s over {case['ranges']} ranges, "
                       f"{'PASS' if case['passed'] else 'FAIL'} ({case['layout']})"
                       + (f"; first: {case['violations'][0]}" if case["violations"] else ""))
+
+
+def _device(text: Any) -> str:
+    """``--device``: cpu, or cuda where torch sees a GPU."""
+    if text not in ("cpu", "cuda"):
+        raise ConfigError("device", text, "must be cpu or cuda")
+    if text == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device", text, "CUDA is not available here; use --device cpu")
+    return str(text)
 
 
 def _int(field: str, text: Any) -> int:

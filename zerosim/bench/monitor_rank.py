@@ -1,7 +1,10 @@
 """The rank side of ``zerosim bench monitor`` (under torchrun): one MLP trained by each adapter,
 without the monitor, with it at ``every=100`` and at ``every=1``, interleaved.
 
-argv: one JSON object (adapters, steps, warmup, rounds, width, depth, batch, result path). The adapters:
+argv: one JSON object (adapters, steps, warmup, rounds, width, depth, batch, device, result path). With
+``device`` "cuda" each rank trains on GPU ``LOCAL_RANK`` modulo the GPUs visible, over NCCL when every
+rank has a GPU of its own, else over gloo (ranks sharing a GPU), and the device is synchronised at
+both ends of a timed run. The adapters:
 DDP, ZeroRedundancyOptimizer, FSDP2, zerogpu ZeRO-3, and DeepSpeed ZeRO stages 1-3 (an engine configured
 as ``zerosim verify``'s deepspeed adapters; the monitor reads it as ``Monitor(engine)``). Per adapter and
 round: off, A, off, B, off (A and B the monitored variants, their order alternating by round), so each
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -54,9 +58,21 @@ class Stack(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.head(h), y)
 
 
-def build(adapter: str, width: int, depth: int) -> tuple[Any, Any, Any]:
-    """(what steps, what the monitor watches, the optimizer) for one adapter."""
-    model = Stack(width, depth)
+def rank_device(kind: str) -> torch.device:
+    """This rank's device: the CPU, or GPU ``LOCAL_RANK`` modulo the GPUs visible."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(adapter: str, width: int, depth: int, device: torch.device) -> tuple[Any, Any, Any]:
+    """(what steps, what the monitor watches, the optimizer) for one adapter, on ``device``."""
+    model = Stack(width, depth).to(device)
     if adapter.startswith("zerogpu-"):
         from zerogpu.trainer import ZeroTrainer
 
@@ -76,7 +92,7 @@ def build(adapter: str, width: int, depth: int) -> tuple[Any, Any, Any]:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -107,12 +123,13 @@ def _deepspeed_engine(model: torch.nn.Module, stage: int) -> tuple[Any, Any, Non
 
 
 def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, steps: int,
-          batch: int) -> None:
+          batch: int, device: torch.device) -> None:
     """``steps`` optimizer steps from step ``first``, each on ``batch`` rows per rank."""
     rank = dist.get_rank()
     for step in range(first, first + steps):
         gen = torch.Generator().manual_seed(step * 101 + rank)
-        x, y = torch.randn(batch, 16, generator=gen), torch.randn(batch, 16, generator=gen)
+        x = torch.randn(batch, 16, generator=gen).to(device)
+        y = torch.randn(batch, 16, generator=gen).to(device)
         norm = None
         if hasattr(stepper, "engine"):
             loss = stepper.step(x, y)
@@ -136,18 +153,21 @@ def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, ste
 def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any]:
     """One run: ``warmup`` untimed steps (with the monitor, so its first check, which gathers the layout
     and judges C-ZERO-001 once, is timed apart as ``first_check_s``), then ``steps`` timed ones."""
-    stepper, watched, optimizer = build(adapter, settings["width"], settings["depth"])
+    device = rank_device(settings["device"])
+    stepper, watched, optimizer = build(adapter, settings["width"], settings["depth"], device)
     every = VARIANTS[variant]
     monitor = None if every is None else Monitor(watched, optimizer, every=every, max_norm=MAX_NORM,
                                                  log=lambda line: None)
-    train(stepper, optimizer, monitor, 0, settings["warmup"], settings["batch"])
+    train(stepper, optimizer, monitor, 0, settings["warmup"], settings["batch"], device)
     first_check_s = monitor.seconds if monitor is not None else 0.0
     warm_checks = monitor.checks if monitor is not None else 0
+    synchronize(device)
     dist.barrier()
     start = time.perf_counter()
-    train(stepper, optimizer, monitor, settings["warmup"], settings["steps"], settings["batch"])
+    train(stepper, optimizer, monitor, settings["warmup"], settings["steps"], settings["batch"], device)
+    synchronize(device)
     dist.barrier()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     summary = monitor.close() if monitor is not None else {}
     if hasattr(stepper, "close"):
@@ -164,8 +184,8 @@ def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any
 def collective_seconds(width: int, repeats: int = 200) -> dict[str, float]:
     """Median and least seconds of one all-gather of an int64 row of ``width`` numbers (the size of the
     monitor's row for this benchmark's model), over ``repeats`` calls after 10 untimed ones."""
-    row = torch.zeros(width, dtype=torch.int64)
-    out = list(torch.zeros(dist.get_world_size(), width, dtype=torch.int64).unbind(0))
+    row = torch.zeros(width, dtype=torch.int64, device=_collective_device())
+    out = list(torch.zeros(dist.get_world_size(), width, dtype=torch.int64, device=row.device).unbind(0))
     times = []
     for i in range(repeats + 10):
         start = time.perf_counter()
@@ -176,9 +196,21 @@ def collective_seconds(width: int, repeats: int = 200) -> dict[str, float]:
     return {"row_numbers": width, "median_s": times[len(times) // 2], "min_s": times[0]}
 
 
+def _collective_device() -> torch.device:
+    """Where this process group's collectives take their tensors: the rank's GPU under NCCL."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def main() -> None:
     settings = json.loads(sys.argv[1])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    backend = "gloo"
+    if settings["device"] == "cuda":
+        torch.cuda.set_device(rank_device("cuda"))
+        if int(os.environ["WORLD_SIZE"]) <= torch.cuda.device_count():
+            backend = "nccl"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rows = []
     # per adapter, every round times each monitored variant right after and right before a run without
     # the monitor (off, A, off, B, off), the order of A and B alternating between rounds
