@@ -20,6 +20,7 @@ from zerosim.bench.gpu_check import (  # noqa: E402
     Context,
     Step,
     _tests_read,
+    _verify_read,
     run_step,
 )
 from zerosim.launching import GroupRun  # noqa: E402
@@ -48,7 +49,7 @@ def test_cpu_run_writes_every_step_with_finite_figures(cpu_run) -> None:
     assert [s["name"] for s in doc["steps"]] == list(STEP_NAMES)
     statuses = {s["name"]: s["status"] for s in doc["steps"]}
     assert statuses == {"tests": "pass" if CUDA else "skipped", "report": "pass", "trainer": "pass",
-                        "offload": "pass", "kernel": "pass"}, doc["steps"]
+                        "offload": "pass", "kernel": "pass", "verify": "pass"}, doc["steps"]
     for step in doc["steps"]:
         ran = bool(step["command"])  # without CUDA the GPU tests, which would all skip, are not run
         assert ran == (step["name"] != "tests" or CUDA), step
@@ -74,10 +75,15 @@ def test_cpu_run_writes_every_step_with_finite_figures(cpu_run) -> None:
     kernel = json.loads((out / "steps" / "kernel.json").read_text())
     assert {k["kernel"]: k["check"]["comparison"] for k in kernel["kernels"]}["reference"] == "bitwise"
     assert kernel["goal_judged"] is False
+    digest = kernel["monitor_digest"]
+    assert digest["fraction_of_copy"] > 0 < figures["kernel"]["monitor_digest.bandwidth_gb_s"]
+    verified = json.loads((out / "steps" / "verify.json").read_text())
+    assert [(r["case"], r["verdict"]) for r in verified["runs"]] == [("fsdp2", "pass")]
+    assert verified["runs"][0]["contracts"]["C-ZERO-002"] == "pass" and figures["verify"]["fsdp2.seconds"] > 0
     md = (out / "gpu-check.md").read_text()
     assert all(f"| {name} |" in md for name in STEP_NAMES) and "Overall: **PASS**" in md
     assert (out / "gpu-check.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert [line.split()[1] for line in run.stdout.splitlines()[:5]] == list(STEP_NAMES)
+    assert [line.split()[1] for line in run.stdout.splitlines()[:len(STEP_NAMES)]] == list(STEP_NAMES)
 
 
 @pytest.mark.skipif(CUDA, reason="this machine has CUDA")
@@ -161,6 +167,18 @@ def test_failed_gpu_tests_are_named(tmp_path: Path) -> None:
     status, reason, figures = _tests_read(ctx, GroupRun(1, "", "", False, 1.0))
     assert (status, reason) == ("fail", "1 failed: test_nccl")
     assert figures == {"passed": 1.0, "tests": 3.0, "failures": 1.0, "errors": 0.0, "skipped": 1.0}
+
+
+def test_a_failed_or_broken_verify_case_fails_the_step_naming_it(tmp_path: Path) -> None:
+    ctx = Context(tmp_path, "cuda", None, None)
+    ctx.steps_dir.mkdir()
+    runs = [{"case": "ddp", "verdict": "pass", "error": None, "seconds": 12.0},
+            {"case": "fsdp2-bf16", "verdict": "fail", "error": None, "seconds": 14.0},
+            {"case": "zerogpu-3", "verdict": "error", "error": "RankFailure: rank 0 raised", "seconds": 3.0}]
+    (ctx.steps_dir / "verify.json").write_text(json.dumps({"runs": runs}))
+    status, reason, figures = _verify_read(ctx, GroupRun(1, "", "", False, 1.0))
+    assert (status, reason) == ("fail", "fsdp2-bf16: fail; zerogpu-3: RankFailure: rank 0 raised")
+    assert figures == {"ddp.seconds": 12.0, "fsdp2-bf16.seconds": 14.0, "zerogpu-3.seconds": 3.0}
 
 
 def test_the_kernel_goal_is_judged_on_a_gpu_and_names_the_kernel() -> None:

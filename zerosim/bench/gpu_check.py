@@ -1,6 +1,6 @@
 """``zerosim gpu-check``: one prepared command that proves the CUDA paths on one GPU, within 8 minutes.
 
-Five steps, each in its own process group with its own wall-clock limit (killed whole when it outlives
+Six steps, each in its own process group with its own wall-clock limit (killed whole when it outlives
 it, :func:`zerosim.launching.run_process_group`), all within :data:`TOTAL_LIMIT_S`:
 
 1. ``tests``: the GPU tests (:data:`GPU_TESTS`, marker ``gpu``) under pytest;
@@ -12,7 +12,9 @@ it, :func:`zerosim.launching.run_process_group`), all within :data:`TOTAL_LIMIT_
 4. ``offload``: ``zerosim bench offload`` on the device (device peak against its budget, prefetch
    overlap as a fraction of copy time, step time with and without offload);
 5. ``kernel``: the AdamW update's throughput against the device's copy bandwidth
-   (:mod:`zerosim.bench.optimizer_bandwidth`).
+   (:mod:`zerosim.bench.optimizer_bandwidth`);
+6. ``verify``: ``zerosim verify`` on the device, the built-in peers at world 1
+   (:mod:`zerosim.bench.verify_devices`).
 
 Everything goes to one folder: ``gpu-check.json`` (every step's status, wall time, limit and figures,
 the device and versions), ``gpu-check.md``, ``gpu-check.png`` and ``steps/`` (each step's own output
@@ -21,7 +23,7 @@ and log). ``--cpu`` runs the same steps on the CPU at sizes that take seconds (w
 Exit status: 0 every step passed or was skipped for a stated reason; 1 a step failed (named on the
 last line); 124 a step outlived its limit (and none failed); 2 bad input or no CUDA without ``--cpu``.
 
-Why one module of this length: the five steps, their limits and sizes and the folder they fill are
+Why one module of this length: the six steps, their limits and sizes and the folder they fill are
 one prepared command; the steps' own work lives in the modules each step starts.
 """
 
@@ -60,11 +62,13 @@ SIZES: dict[str, dict[str, dict[str, Any]]] = {
     "cuda": {"report": {"model": "tiny", "steps": 2, "micro_batches": 2},
              "trainer": {"model": "gpt", "steps": 4},
              "offload": {"model": "gpt-50m", "steps": 4, "warmup": 1},
-             "kernel": {"elements": 1 << 26, "repeats": 10}},
+             "kernel": {"elements": 1 << 26, "repeats": 10},
+             "verify": {"steps": 8}},
     "cpu": {"report": {"model": "tiny", "steps": 1, "micro_batches": 1},
             "trainer": {"model": "gpt", "steps": 2},
             "offload": {"model": "gpt", "steps": 1, "warmup": 0},
-            "kernel": {"elements": 1 << 16, "repeats": 2}},
+            "kernel": {"elements": 1 << 16, "repeats": 2},
+            "verify": {"steps": 4}},
 }
 
 
@@ -278,17 +282,37 @@ def _kernel_read(ctx: Context, run: GroupRun) -> tuple[str, str, dict[str, float
                     f"bandwidth, goal {doc['goal']}{judged}; every kernel's result checked"), figures
 
 
+# ---- 6. zerosim verify on the device ---------------------------------------------------------------
+def _verify_command(ctx: Context, limit_s: float) -> list[str]:
+    return _python("-m", "zerosim.cli.gpu_check_steps", "verify_devices", "--device", ctx.device,
+                   "--steps", str(ctx.size("verify")["steps"]), "--out", str(ctx.steps_dir / "verify.json"))
+
+
+def _verify_read(ctx: Context, run: GroupRun) -> tuple[str, str, dict[str, float]]:
+    doc = _load(ctx.steps_dir / "verify.json")
+    if doc is None:
+        return "fail", f"no result (exit {run.returncode}): {_last_line(run)}", {}
+    figures = {f"{r['case']}.seconds": r["seconds"] for r in doc["runs"]}
+    failed = [f"{r['case']}: {r['error'] or r['verdict']}" for r in doc["runs"] if r["verdict"] != "pass"]
+    if failed or run.returncode != 0:
+        return "fail", "; ".join(failed) or _last_line(run), figures
+    cases = ", ".join(r["case"] for r in doc["runs"])
+    return "pass", f"verify at world 1 passed: {cases}", figures
+
+
 STEPS = (
-    Step("tests", "GPU tests (pytest -m gpu)", 165.0, _tests_command, _tests_read,
+    Step("tests", "GPU tests (pytest -m gpu)", 150.0, _tests_command, _tests_read,
          lambda c: c.steps_dir / "tests.xml"),
-    Step("report", "engine on the device vs ground truth, every strategy", 90.0, _report_command,
+    Step("report", "engine on the device vs ground truth, every strategy", 60.0, _report_command,
          _report_read, lambda c: c.steps_dir / "report" / "equivalence.json"),
-    Step("trainer", "ZeroTrainer on the device vs on the CPU, every strategy", 90.0, _trainer_command,
+    Step("trainer", "ZeroTrainer on the device vs on the CPU, every strategy", 60.0, _trainer_command,
          _trainer_read, lambda c: c.steps_dir / "trainer.json"),
-    Step("offload", "ZeRO-3 offload: peak vs budget, overlap, step time", 90.0, _offload_command,
+    Step("offload", "ZeRO-3 offload: peak vs budget, overlap, step time", 45.0, _offload_command,
          _offload_read, lambda c: c.steps_dir / "bench_offload.json"),
     Step("kernel", "AdamW update vs copy bandwidth", 45.0, _kernel_command, _kernel_read,
          lambda c: c.steps_dir / "kernel.json"),
+    Step("verify", "zerosim verify on the device, the built-in peers at world 1", 120.0, _verify_command,
+         _verify_read, lambda c: c.steps_dir / "verify.json"),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 

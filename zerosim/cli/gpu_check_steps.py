@@ -5,7 +5,9 @@ time limit, :mod:`zerosim.bench.gpu_check`).
 - ``trainer_devices``: ZeroTrainer on a device against the same run on the CPU
   (:mod:`zerosim.bench.trainer_devices`);
 - ``optimizer_bandwidth``: the AdamW update's throughput against the device's copy bandwidth
-  (:mod:`zerosim.bench.optimizer_bandwidth`).
+  (:mod:`zerosim.bench.optimizer_bandwidth`);
+- ``verify_devices``: ``zerosim verify`` on the device, the built-in peers at world 1
+  (:mod:`zerosim.bench.verify_devices`).
 
 Exit status: the step's own (0 pass, 1 a comparison failed, 2 bad input).
 """
@@ -16,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..bench import optimizer_bandwidth, trainer_devices
+from ..bench import optimizer_bandwidth, trainer_devices, verify_devices
 from ..errors import EXIT_BAD_INPUT
 
 
@@ -44,9 +46,19 @@ def optimizer_bandwidth_parser() -> argparse.ArgumentParser:
     return p
 
 
+def verify_devices_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m zerosim.cli.gpu_check_steps verify_devices",
+                                description="zerosim verify on the device: the built-in peers at world 1.")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default 8)")
+    p.add_argument("--out", type=Path, required=True, help="the JSON document to write")
+    return p
+
+
 STEPS = {
     "trainer_devices": (trainer_devices_parser, trainer_devices.main),
     "optimizer_bandwidth": (optimizer_bandwidth_parser, optimizer_bandwidth.main),
+    "verify_devices": (verify_devices_parser, verify_devices.main),
 }
 
 
