@@ -169,6 +169,19 @@ def test_failed_gpu_tests_are_named(tmp_path: Path) -> None:
     assert figures == {"passed": 1.0, "tests": 3.0, "failures": 1.0, "errors": 0.0, "skipped": 1.0}
 
 
+def test_offload_refused_on_the_device_is_a_skipped_step_any_other_error_a_failure(tmp_path: Path) -> None:
+    from zerosim.bench.gpu_check import _offload_read
+
+    ctx = Context(tmp_path, "cuda", None, None)
+    ctx.steps_dir.mkdir()
+    refused = ("error: invalid offload='cuda:0': parameter offload runs on the CPU only: on a GPU the engine "
+               "keeps the optimizer state on the device")
+    status, reason, _ = _offload_read(ctx, GroupRun(2, "", refused, False, 1.0))
+    assert (status, reason) == ("skipped", "not supported here: " + refused.removeprefix("error: "))
+    status, reason, _ = _offload_read(ctx, GroupRun(2, "", "error: invalid model='nope'", False, 1.0))
+    assert (status, reason) == ("fail", "no result (exit 2): error: invalid model='nope'")
+
+
 def test_a_failed_or_broken_verify_case_fails_the_step_naming_it(tmp_path: Path) -> None:
     ctx = Context(tmp_path, "cuda", None, None)
     ctx.steps_dir.mkdir()

@@ -58,6 +58,8 @@ from .module_units import UnitSpec, describe_module
 from .torch_kernels import OPTIMIZER_KERNELS
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "hybrid", "hybrid_zero2")
+#: how a refusal of parameter offload on a GPU begins (``zerosim gpu-check`` reports its offload step skipped)
+OFFLOAD_ON_DEVICE_REFUSED = "parameter offload runs on the CPU only"
 _DECLARED = {"no_shard": "ddp", "shard_optimizer": "zero1", "shard_grad_op": "zero2", "full_shard": "zero3"}
 
 
@@ -174,9 +176,9 @@ class ZeroTrainer:
         if offload is not None and described.device.type != "cpu":
             # the offload manager holds the optimizer state and master on the host tier, but the engine
             # keeps them, its gradient shard and the optimizer step on the model's device
-            raise ConfigError("offload", device, "parameter offload runs on the CPU only: on a GPU the "
-                              "engine keeps the optimizer state on the device, which offload's host tier "
-                              "cannot hold (move the model to the CPU, or train without offload)")
+            raise ConfigError("offload", device, f"{OFFLOAD_ON_DEVICE_REFUSED}: on a GPU the engine keeps "
+                              "the optimizer state on the device, which offload's host tier cannot hold "
+                              "(move the model to the CPU, or train without offload)")
         self.model = model
         self.strategy = plan_strategy
         self.partition_rule = rule.name

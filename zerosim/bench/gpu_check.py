@@ -231,7 +231,11 @@ def _offload_command(ctx: Context, limit_s: float) -> list[str]:
 
 
 def _offload_read(ctx: Context, run: GroupRun) -> tuple[str, str, dict[str, float]]:
+    from zerogpu.trainer import OFFLOAD_ON_DEVICE_REFUSED
+
     doc = _load(ctx.steps_dir / "bench_offload.json")
+    if doc is None and OFFLOAD_ON_DEVICE_REFUSED in _last_line(run):  # ZeroTrainer's refusal on this device
+        return "skipped", f"not supported here: {_last_line(run).removeprefix('error: ')}", {}
     if doc is None:
         return "fail", f"no result (exit {run.returncode}): {_last_line(run)}", {}
     perf, med = doc["performance_stats"], doc["median_step_s"]
