@@ -1,9 +1,11 @@
 """The MPI backend and the in-process simulator agree, run for run (same seed, model, strategy).
 
-Each case launches ``mpiexec -n N python -m zerosim.mpi simulate ... --save-observations`` (the real
-entry point; its own contract verdicts must pass) and compares every rank's observations with the
-simulator's: master weights, reduced gradients, optimizer state, gathered weights, loss, grad norm
-and the traffic counters.
+Each case is a ``zerosim.mpi simulate`` run whose own contract verdicts must pass, and every rank's
+observations are compared with the simulator's: master weights, reduced gradients, optimizer state,
+gathered weights, loss, grad norm and the traffic counters. The cases of one world size run in one
+``mpiexec`` launch (tests/mpi_programs/simulate_runs.py: the entry point's own steps, run after run, so
+the ranks start once); the world-8 case and the comparer's own test launch the real entry point,
+``mpiexec -n N python -m zerosim.mpi simulate ... --save-observations``.
 
 - Bitwise, where every reduction feeding the training state runs over at most
   ``BITWISE_MAX_GROUP`` (2) ranks: every strategy at world size 2, hybrid groups of 2 at 4.
@@ -13,6 +15,7 @@ and the traffic counters.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -51,16 +54,48 @@ def test_every_strategy_is_compared_at_2_and_4_ranks() -> None:
     assert any(w == 8 for w, _, _ in CASES)
 
 
+PROGRAM = str(Path(__file__).parent / "mpi_programs" / "simulate_runs.py")
+#: world sizes whose cases share one launch of PROGRAM; the others launch the entry point case by case
+SHARED_LAUNCH_WORLDS = (2, 4)
+
+
+def _options(strategy: str, extra: tuple[str, ...]) -> list[str]:
+    return ["--model", "tiny", "--strategy", strategy, "--steps", "2", "--micro-batches", "2", "--seed", "7",
+            "--observe", "full", "--timeout", "60", *extra]
+
+
+def _case_id(world: int, strategy: str, extra: tuple[str, ...]) -> str:
+    return f"{world}-{strategy}{''.join(extra)}"
+
+
 def run_mpi(tmp_path: Path, world: int, strategy: str, extra: tuple[str, ...]) -> list[Any]:
+    """One case through the real entry point, ``python -m zerosim.mpi simulate``."""
     saved = tmp_path / "observations.safetensors"
-    argv = ["-m", "zerosim.mpi", "simulate", "--model", "tiny", "--strategy", strategy, "--steps", "2",
-            "--micro-batches", "2", "--seed", "7", "--observe", "full", "--timeout", "60", "--json",
-            "--save-observations", str(saved), *extra]
+    argv = ["-m", "zerosim.mpi", "simulate", *_options(strategy, extra), "--json",
+            "--save-observations", str(saved)]
     result = run_mpiexec(world, argv, timeout_s=180)
     assert result.returncode == 0, (
         f"the MPI run's own contracts failed (exit {result.returncode}):\n{result.stderr}"
     )
     return datafile.load(saved, types=STORED_TYPES)
+
+
+@pytest.fixture(scope="module")
+def shared_launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every case of a SHARED_LAUNCH_WORLDS world run in one launch per world: case id -> saved file."""
+    tmp = tmp_path_factory.mktemp("mpi-runs")
+    saved: dict[str, Path] = {}
+    for world in SHARED_LAUNCH_WORLDS:
+        cases = [(_case_id(w, s, e), _options(s, e)) for w, s, e in CASES if w == world]
+        runs = [[options, str(tmp / f"{case}.safetensors")] for case, options in cases]
+        results = tmp / f"world{world}.jsonl"
+        launch = run_mpiexec(world, [PROGRAM, str(results), json.dumps(runs)], timeout_s=60 * len(runs) + 60)
+        assert launch.returncode == 0, f"world {world}: exit {launch.returncode}\n{launch.stderr[-3000:]}"
+        codes = {r["save"]: r["exit"] for r in map(json.loads, results.read_text().splitlines())}
+        for (case, _), (_, path) in zip(cases, runs, strict=True):
+            assert codes[path] == 0, f"{case}: the MPI run's own contracts failed (exit {codes[path]})"
+            saved[case] = Path(path)
+    return saved
 
 
 def sim_config(world: int, strategy: str, extra: tuple[str, ...]) -> RunConfig:
@@ -122,22 +157,26 @@ def compare(mpi: list[Any], sim: list[Any], bitwise: bool) -> int:
     return differing
 
 
-@pytest.mark.parametrize(("world", "strategy", "extra"), CASES,
-                         ids=[f"{w}-{s}{''.join(e)}" for w, s, e in CASES])
+@pytest.mark.parametrize(("world", "strategy", "extra"), CASES, ids=[_case_id(*c) for c in CASES])
 def test_mpi_run_agrees_with_the_simulator(
-    tmp_path: Path, world: int, strategy: str, extra: tuple[str, ...]
+    request: pytest.FixtureRequest, tmp_path: Path, world: int, strategy: str, extra: tuple[str, ...]
 ) -> None:
     cfg = sim_config(world, strategy, extra)
     run = cfg.validate()
     # every reduction that feeds the state: over the shard group (k) and the replicate group (world / k)
     bitwise = max(run.k, run.replicas) <= BITWISE_MAX_GROUP
-    mpi = run_mpi(tmp_path, world, strategy, extra)
+    if world in SHARED_LAUNCH_WORLDS:
+        saved = request.getfixturevalue("shared_launches")[_case_id(world, strategy, extra)]
+        mpi = datafile.load(saved, types=STORED_TYPES)
+    else:
+        mpi = run_mpi(tmp_path, world, strategy, extra)
     sim = simulate_observations(cfg)
     compare(mpi, sim, bitwise)
 
 
 def test_the_comparison_catches_a_different_run(tmp_path: Path) -> None:
-    """The comparer is not vacuous: the same MPI run against a simulator run with another seed fails."""
+    """The comparer is not vacuous: the same MPI run (through the real entry point) against a simulator
+    run with another seed fails."""
     mpi = run_mpi(tmp_path, 2, "zero2", ())
     other = simulate_observations(sim_config(2, "zero2", ()).replace(seed=8))
     with pytest.raises(AssertionError):
