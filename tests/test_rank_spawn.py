@@ -167,7 +167,7 @@ def test_a_forked_rank_sees_what_an_interpreter_of_its_own_sees(monkeypatch: pyt
 
 _TORCH_FREE_LAUNCHER = """import sys
 from zerogpu.launch import run_ranks
-rank = '''import os, time
+rank = '''import os, sys, time
 from datetime import timedelta
 from torch.distributed import TCPStore
 store = TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,
@@ -176,7 +176,7 @@ store.add('ranks', 1)
 give_up = time.monotonic() + 60
 while int(store.add('ranks', 0)) < 2 and time.monotonic() < give_up:
     time.sleep(0.02)
-print('met', int(store.add('ranks', 0)))'''
+sys.stdout.write(f"met {int(store.add('ranks', 0))}\\\\n")  # one write: the two ranks share a pipe'''
 result = run_ranks(2, ["-c", rank], 120.0)
 print(result.returncode, sorted((result.stdout or '').split()), 'torch' in sys.modules)
 """

@@ -138,3 +138,24 @@ def test_the_gpu_report_without_cuda_says_it_needs_cuda(capsys: pytest.CaptureFi
     assert main(["--out", "unused"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs CUDA" in err[0] and "--cpu" in err[0]
+
+
+def test_a_gloo_pair_closed_by_a_timeout_is_a_collective_timeout_naming_who_never_arrived() -> None:
+    """Under load gloo's own timeout can close the pair before the wait's expires; its error is still a
+    timeout, named the same way (the ranks that never arrived); a closed connection is not."""
+    from types import SimpleNamespace
+
+    from zerogpu.comm_watchdog import GroupWatch
+    from zerosim.errors import CollectiveTimeout
+
+    notes = {1: "not in any collective (4 entered on this group)"}
+    board = SimpleNamespace(board_key=lambda name, ranks: "world",
+                            survey=lambda key, call, ranks: ([1], notes))
+    watch = GroupWatch(SimpleNamespace(board=board, backend="gloo"), None, "world", 0, (0, 1), 2.0)
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:534] Application timeout caused pair closure")
+    err = watch.error("all_gather", 4, closed)
+    assert isinstance(err, CollectiveTimeout), err
+    assert "timed out after 2s; ranks that never arrived: [1]" in str(err) and notes[1] in str(err)
+    other = watch.error("all_gather", 4, RuntimeError("Connection closed by peer [127.0.0.1]:41234"))
+    assert not isinstance(other, CollectiveTimeout)
+    assert "gloo error on rank 0: Connection closed by peer" in str(other) and notes[1] in str(other)

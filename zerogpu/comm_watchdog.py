@@ -125,7 +125,10 @@ class GroupWatch:
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         missing, notes = self.job.board.survey(self.board_key, call, self.global_ranks)
         detail = "; ".join(f"rank {m}: {notes[m]}" for m in missing if m in notes)
-        timed_out = "timed out" in str(e).lower() or "timeout" in type(e).__name__.lower()
+        # "timed out" (the wait's own), or gloo's "Application timeout caused pair closure" (a pair closed
+        # by a timeout, which under load can fire before the wait's)
+        timed_out = any(word in str(e).lower() for word in ("timed out", "timeout")) \
+            or "timeout" in type(e).__name__.lower()
         if timed_out:
             err = CollectiveTimeout(collective, missing, self.timeout_s, self.group_name)
             err.args = (f"{err} ({detail})" if detail else str(err),)
