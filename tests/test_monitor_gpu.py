@@ -13,24 +13,19 @@
 
 from __future__ import annotations
 
-import json
 import warnings
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_monitor_live import FAULTS, PROGRAM, _caught, _fault_spec  # noqa: E402
+from test_monitor_live import FAULTS, _caught, _clean, _fault_free, _fault_spec, _launch  # noqa: E402
 
-from zerogpu.launch import run_ranks  # noqa: E402
 from zerosim.monitor.digest import IN_PLACE_BYTES, PieceDigests, tensor_digest  # noqa: E402
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [pytest.mark.gpu, pytest.mark.torchdist,
               pytest.mark.skipif(GPUS == 0, reason="needs CUDA (no GPU visible to torch)")]
-BOUND_S = 300.0
-STEPS, EVERY = 30, 1
 WORLD1_ADAPTERS = ("ddp", "zero-redundancy", "fsdp2", "zerogpu-zero2", "zerogpu-zero3")
 WORLD2_ADAPTERS = ("ddp", "zero-redundancy")
 WORLD2_FAULTS = {name: f for name, f in FAULTS.items() if f[0] in WORLD2_ADAPTERS}
@@ -87,35 +82,15 @@ def test_digesting_on_the_gpu_asks_nothing_of_the_host() -> None:
     assert syncs(control), "CUDA's sync debug mode reported no synchronisation for a host read"
 
 
-def _launch(tmp: Path, world: int, scenarios: list[str]) -> dict[str, dict]:
-    results = tmp / "results.jsonl"
-    run = run_ranks(world, [PROGRAM, str(results), str(tmp), *scenarios], BOUND_S,
-                    env={"PYTHONWARNINGS": "ignore", "MONITOR_DEVICE": "cuda"})
-    assert not run.timed_out and run.returncode == 0, run.stderr[-3000:]
-    return {r["name"]: r for r in map(json.loads, results.read_text().splitlines())}
-
-
-def _clean(adapters: tuple[str, ...]) -> list[str]:
-    return ([f"clean-{a}={a},{STEPS},{EVERY},1" for a in adapters]
-            + [f"plain-{a}={a},{STEPS},{EVERY},0" for a in adapters])
-
-
 @pytest.fixture(scope="module")
 def world1(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    return _launch(tmp_path_factory.mktemp("gpu-monitor1"), 1, _clean(WORLD1_ADAPTERS))
+    return _launch(tmp_path_factory.mktemp("gpu-monitor1"), 1, _clean(WORLD1_ADAPTERS), "cuda")
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     scenarios = _clean(WORLD2_ADAPTERS) + [_fault_spec(n, f) for n, f in WORLD2_FAULTS.items()]
-    return _launch(tmp_path_factory.mktemp("gpu-monitor2"), 2, scenarios)
-
-
-def _fault_free(results: dict[str, dict], adapter: str) -> None:
-    clean, plain = results[f"clean-{adapter}"], results[f"plain-{adapter}"]
-    assert clean["violations"] == [] and clean["summary"]["passed"], clean["violations"][:3]
-    assert clean["summary"]["checks"] == STEPS // EVERY
-    assert clean["params"] == plain["params"], "the monitor changed the training numbers"
+    return _launch(tmp_path_factory.mktemp("gpu-monitor2"), 2, scenarios, "cuda")
 
 
 @pytest.mark.parametrize("adapter", WORLD1_ADAPTERS)

@@ -59,22 +59,36 @@ def _fault_spec(name: str, fault: tuple, monitor: str = "1") -> str:
     return f"{name}={adapter},{FAULT_STEPS},{FAULT_EVERY},{monitor},{text}"
 
 
-def _launch(tmp: Path, world: int, scenarios: list[str]) -> dict[str, dict]:
+def _launch(tmp: Path, world: int, scenarios: list[str], device: str = "cpu") -> dict[str, dict]:
+    """One launch of PROGRAM at ``world`` running ``scenarios`` on ``device``: name -> its record."""
     reason = torch_unavailable_reason()
     if reason:
         pytest.skip(reason)
     results = tmp / "results.jsonl"
     run = run_ranks(world, [PROGRAM, str(results), str(tmp), *scenarios], BOUND_S,
-                       env={"PYTHONWARNINGS": "ignore"})
+                    env={"PYTHONWARNINGS": "ignore", "MONITOR_DEVICE": device})
     assert not run.timed_out and run.returncode == 0, run.stderr[-3000:]
     return {r["name"]: r for r in map(json.loads, results.read_text().splitlines())}
+
+
+def _clean(adapters: tuple[str, ...]) -> list[str]:
+    """Each adapter's fault-free run with the monitor (``clean-``) and without it (``plain-``)."""
+    return ([f"clean-{a}={a},{STEPS},{EVERY},1" for a in adapters]
+            + [f"plain-{a}={a},{STEPS},{EVERY},0" for a in adapters])
+
+
+def _fault_free(results: dict[str, dict], adapter: str) -> None:
+    """No violation, a check every EVERY steps, and the training numbers of the run without the monitor."""
+    clean, plain = results[f"clean-{adapter}"], results[f"plain-{adapter}"]
+    assert clean["violations"] == [] and clean["summary"]["passed"], clean["violations"][:3]
+    assert clean["summary"]["checks"] == STEPS // EVERY
+    assert clean["params"] == plain["params"], "the monitor changed the training numbers"
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     tmp = tmp_path_factory.mktemp("monitor2")
-    scenarios = [f"clean-{a}={a},{STEPS},{EVERY},1" for a in CLEAN_ADAPTERS]
-    scenarios += [f"plain-{a}={a},{STEPS},{EVERY},0" for a in CLEAN_ADAPTERS]
+    scenarios = _clean(CLEAN_ADAPTERS)
     scenarios += [f"sync-{a}={a},{STEPS},{EVERY},2" for a in SYNC_ADAPTERS]
     scenarios += [f"layout-change={LAYOUT_CHANGE},{LAYOUT_CHANGE_STEPS},1,1",
                   f"sync-layout-change={LAYOUT_CHANGE},{LAYOUT_CHANGE_STEPS},1,2"]
@@ -93,10 +107,8 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, di
 @pytest.mark.parametrize("adapter", CLEAN_ADAPTERS)
 def test_a_fault_free_run_has_no_violation_and_unchanged_parameters(world2, adapter):
     _, results = world2
-    clean, plain = results[f"clean-{adapter}"], results[f"plain-{adapter}"]
-    assert clean["violations"] == [] and clean["summary"]["passed"], clean["violations"][:3]
-    assert clean["summary"]["checks"] == STEPS // EVERY
-    assert clean["params"] == plain["params"], "the monitor changed the training numbers"
+    _fault_free(results, adapter)
+    plain = results[f"plain-{adapter}"]
     if adapter in SYNC_ADAPTERS:
         sync = results[f"sync-{adapter}"]
         assert sync["violations"] == [] and sync["summary"]["checks"] == STEPS // EVERY

@@ -22,19 +22,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zerogpu.comm_setup import resolve_device
 from zerogpu.rank import leave_rank  # os._exit after the teardown: a gloo finalizer can abort at exit
+from zerosim.bench.monitor_rank import rank_backend
 from zerosim.monitor import Monitor
 from zerosim.monitor.faults import LiveFault
 
 MAX_NORM = 1.0
 TIMEOUT_S = 120  # a collective that waits longer ends the run (a rank died or hung)
-DEVICE_TYPE = os.environ.get("MONITOR_DEVICE", "cpu")
-
-
-def device() -> torch.device:
-    if DEVICE_TYPE == "cpu":
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+DEVICE = torch.device(resolve_device(os.environ.get("MONITOR_DEVICE", "cpu")))
 
 
 class Tiny(torch.nn.Module):
@@ -57,12 +53,12 @@ class Tiny(torch.nn.Module):
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 6, generator=gen).to(device()), torch.randn(4, 3, generator=gen).to(device())
+    return torch.randn(4, 6, generator=gen).to(DEVICE), torch.randn(4, 3, generator=gen).to(DEVICE)
 
 
 def build(adapter: str) -> tuple[object, object, object]:
     """(what the loop steps, the monitor's model, the optimizer)."""
-    model = Tiny().to(device())
+    model = Tiny().to(DEVICE)
     world = dist.get_world_size()
     if adapter.startswith("zerogpu-"):
         from zerogpu.trainer import ZeroTrainer
@@ -87,9 +83,9 @@ def build(adapter: str) -> tuple[object, object, object]:
     from torch.distributed.fsdp import fully_shard
 
     if adapter == "hsdp":
-        mesh = init_device_mesh(DEVICE_TYPE, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(DEVICE.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     else:
-        mesh = init_device_mesh(DEVICE_TYPE, (world,), mesh_dim_names=("shard",))
+        mesh = init_device_mesh(DEVICE.type, (world,), mesh_dim_names=("shard",))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -163,11 +159,9 @@ def run(name: str, spec: str, out_root: Path) -> dict:
 
 def main() -> None:
     results, out_root, *scenarios = sys.argv[1:]
-    backend = "gloo"
-    if DEVICE_TYPE == "cuda":
-        torch.cuda.set_device(device())
-        if int(os.environ["WORLD_SIZE"]) <= torch.cuda.device_count():
-            backend = "nccl"
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)
+    backend = rank_backend(DEVICE, int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     for scenario in scenarios:
         name, spec = scenario.split("=", 1)

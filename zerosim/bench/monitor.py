@@ -58,10 +58,7 @@ def _digest_and_copy(megabytes: int, repeats: int, device: Any) -> dict[str, flo
     import torch
 
     from ..monitor.digest import tensor_digest
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    from .gpu_session import synchronize
 
     x = torch.randn(megabytes * 2**20 // 4).to(device)
     destination = torch.empty_like(x)
@@ -69,13 +66,13 @@ def _digest_and_copy(megabytes: int, repeats: int, device: Any) -> dict[str, flo
     destination.copy_(x)
     digest_s = copy_s = float("inf")
     for _ in range(repeats):
-        sync()
+        synchronize(device)
         t0 = time.perf_counter()
         tensor_digest(x)
-        sync()
+        synchronize(device)
         t1 = time.perf_counter()
         destination.copy_(x)
-        sync()
+        synchronize(device)
         t2 = time.perf_counter()
         digest_s, copy_s = min(digest_s, t1 - t0), min(copy_s, t2 - t1)
     gb = x.numel() * 4 / 1e9

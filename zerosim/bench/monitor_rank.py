@@ -29,9 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zerogpu.comm_setup import resolve_device
 from zerogpu.rank import leave_rank
 
 from ..monitor import Monitor
+from .gpu_session import synchronize
 
 VARIANTS = {"off": None, "every=100": 100, "every=1": 1}
 ADAPTERS = ("ddp", "zero-redundancy", "fsdp2", "zerogpu-zero3", "deepspeed-1", "deepspeed-2", "deepspeed-3")
@@ -58,16 +60,9 @@ class Stack(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.head(h), y)
 
 
-def rank_device(kind: str) -> torch.device:
-    """This rank's device: the CPU, or GPU ``LOCAL_RANK`` modulo the GPUs visible."""
-    if kind == "cpu":
-        return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def rank_backend(device: torch.device, world_size: int) -> str:
+    """NCCL where every rank has a GPU of its own; gloo on the CPU and for ranks sharing a GPU."""
+    return "nccl" if device.type == "cuda" and world_size <= torch.cuda.device_count() else "gloo"
 
 
 def build(adapter: str, width: int, depth: int, device: torch.device) -> tuple[Any, Any, Any]:
@@ -153,7 +148,7 @@ def train(stepper: Any, optimizer: Any, monitor: Monitor | None, first: int, ste
 def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any]:
     """One run: ``warmup`` untimed steps (with the monitor, so its first check, which gathers the layout
     and judges C-ZERO-001 once, is timed apart as ``first_check_s``), then ``steps`` timed ones."""
-    device = rank_device(settings["device"])
+    device = torch.device(resolve_device(settings["device"]))
     stepper, watched, optimizer = build(adapter, settings["width"], settings["depth"], device)
     every = VARIANTS[variant]
     monitor = None if every is None else Monitor(watched, optimizer, every=every, max_norm=MAX_NORM,
@@ -205,11 +200,10 @@ def _collective_device() -> torch.device:
 
 def main() -> None:
     settings = json.loads(sys.argv[1])
-    backend = "gloo"
-    if settings["device"] == "cuda":
-        torch.cuda.set_device(rank_device("cuda"))
-        if int(os.environ["WORLD_SIZE"]) <= torch.cuda.device_count():
-            backend = "nccl"
+    device = torch.device(resolve_device(settings["device"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = rank_backend(device, int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     rows = []
     # per adapter, every round times each monitored variant right after and right before a run without
