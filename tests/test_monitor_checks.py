@@ -404,6 +404,8 @@ def test_bench_monitor_ratios_are_against_the_neighbouring_runs_without_the_moni
     assert "invalid adapters='megatron'" in capsys.readouterr().err
     assert cli_main(["bench", "monitor", "--batch", "0"]) == 2
     assert "invalid batch=0" in capsys.readouterr().err
+    assert cli_main(["bench", "monitor", "--digest-mb", "-1"]) == 2  # refused before any launch
+    assert "invalid digest-mb='-1': must be 0 (skip) or a number of MB" in capsys.readouterr().err
     assert cli_main(["bench", "monitor", "--device", "tpu"]) == 2
     assert "invalid device='tpu': must be cpu or cuda" in capsys.readouterr().err
     if not torch.cuda.is_available():
@@ -424,6 +426,16 @@ def test_bench_monitor_launches_its_ranks_and_reports_every_variant(tmp_path, ca
     assert table["every=1"]["checks"] >= 2 and all(row["violations"] == 0 for row in table.values())
     assert all(math.isfinite(row["ratio"]) and row["step_ms"] > 0 for row in table.values())
     assert report["digest"]["digest_gb_s"] > 0 and "on cpu: digest" in capsys.readouterr().out
+
+
+def test_bench_monitor_with_nothing_to_time_writes_a_report_that_says_so(tmp_path, capsys):
+    """``--adapters ''`` times no training, ``--digest-mb 0`` skips the digest's throughput and
+    ``--layout-world 0`` the layout check: the report holds none of them, and prints no figure for them."""
+    assert cli_main(["bench", "monitor", "--adapters", "", "--digest-mb", "0", "--layout-world", "0",
+                     "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_monitor.json").read_text())
+    assert report["table"] == [] and report["digest"] is None and report["layout_check"] is None
+    assert "GB/s" not in capsys.readouterr().out
 
 
 def test_bench_monitor_names_why_a_deepspeed_adapter_is_skipped(monkeypatch, tmp_path, capsys):

@@ -146,6 +146,9 @@ def run(args: Any) -> int:
     layout_world = _int("layout-world", args.layout_world)
     if layout_world < 0:
         raise ConfigError("layout-world", args.layout_world, "must be 0 (skip) or a number of ranks")
+    digest_mb = _int("digest-mb", args.digest_mb)
+    if digest_mb < 0:
+        raise ConfigError("digest-mb", args.digest_mb, "must be 0 (skip) or a number of MB")
     reason = torch_unavailable_reason()
     if reason and settings["adapters"]:
         raise ConfigError("torch", "unavailable", reason)
@@ -160,7 +163,7 @@ def run(args: Any) -> int:
     report = {"world_size": measured["world_size"], "settings": settings, "table": table,
               "skipped": [{"adapter": a, "reason": why} for a, why in skipped.items()],
               "rows": measured["rows"],
-              "digest": digest_throughput(_int("digest-mb", args.digest_mb), device=settings["device"]),
+              "digest": digest_throughput(digest_mb, device=settings["device"]) if digest_mb else None,
               "collective": measured.get("collective"),
               "layout_check": layout_check_times(layout_world) if layout_world else None,
               "wall_s": round(time.monotonic() - started, 1)}
@@ -216,9 +219,10 @@ def _print(report: dict[str, Any]) -> None:
         print(f"one all-gather of {c['row_numbers']} int64 per rank: median {c['median_s'] * 1e3:.3f} ms, "
               f"least {c['min_s'] * 1e3:.3f} ms")
     d = report["digest"]
-    print(f"on {report['settings']['device']}: digest {d['digest_gb_s']:.2f} GB/s vs copy "
-          f"{d['copy_gb_s']:.2f} GB/s over {d['megabytes']} MB "
-          f"(digest time / copy time {d['digest_over_copy']:.2f})")
+    if d:
+        print(f"on {report['settings']['device']}: digest {d['digest_gb_s']:.2f} GB/s vs copy "
+              f"{d['copy_gb_s']:.2f} GB/s over {d['megabytes']} MB "
+              f"(digest time / copy time {d['digest_over_copy']:.2f})")
     layout = report["layout_check"]
     if layout:
         print(f"C-ZERO-001 layout check, Llama-like {layout['parameters'] / 1e9:.1f}B parameters "

@@ -194,7 +194,8 @@ def register_monitor(sub: Any) -> None:
     p.add_argument("--batch", default=str(bench_monitor.DEFAULT_BATCH),
                    help=f"rows per rank and step (default {bench_monitor.DEFAULT_BATCH}: a step of tens of "
                         "ms on an idle core; a check's cost is mostly fixed, so tiny steps overstate it)")
-    p.add_argument("--digest-mb", default="64", help="MB digested and copied for the throughput (default 64)")
+    p.add_argument("--digest-mb", default="64",
+                   help="MB digested and copied for the throughput (default 64; 0 skips it)")
     p.add_argument("--device", default="cpu",
                    help="cpu (gloo, default) or cuda (one GPU per rank over NCCL; ranks beyond the GPUs "
                         "share them over gloo); the digest is timed there too")
