@@ -13,6 +13,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
+
 
 def full_precision_float32() -> None:
     """Matrix products and convolutions in true float32 on CUDA: TF32 would round the inputs to 10 bits
@@ -36,6 +38,18 @@ def world_of_one(device: str, scratch: Path) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def require_device(text: Any, *, present: bool = False) -> str:
+    """A ``--device`` value: ``cpu`` or ``cuda``; with ``present``, ``cuda`` only where torch sees a GPU."""
+    if text not in ("cpu", "cuda"):
+        raise ConfigError("device", text, "must be cpu or cuda")
+    if present and text == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("device", text, "CUDA is not available here; use --device cpu")
+    return str(text)
 
 
 def synchronize(device: Any) -> None:

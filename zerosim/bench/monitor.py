@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import ConfigError, require_positive_int
 from ..outputs import output_dir, write_text
+from .gpu_session import require_device
 from .monitor_layout import layout_check_times
 
 DEFAULT_OUT = "a new reports/bench-monitor-<timestamp>/"
@@ -136,7 +137,7 @@ def run(args: Any) -> int:
         "width": require_positive_int("width", _int("width", args.width)),
         "depth": require_positive_int("depth", _int("depth", args.depth)),
         "batch": require_positive_int("batch", _int("batch", args.batch)),
-        "device": _device(args.device),
+        "device": require_device(args.device, present=True),
     }
     for adapter in settings["adapters"]:
         if adapter not in monitor_rank.ADAPTERS:
@@ -232,18 +233,6 @@ def _print(report: dict[str, Any]) -> None:
                 print(f"  {label}: {case['seconds']:.2f} s over {case['ranges']} ranges, "
                       f"{'PASS' if case['passed'] else 'FAIL'} ({case['layout']})"
                       + (f"; first: {case['violations'][0]}" if case["violations"] else ""))
-
-
-def _device(text: Any) -> str:
-    """``--device``: cpu, or cuda where torch sees a GPU."""
-    if text not in ("cpu", "cuda"):
-        raise ConfigError("device", text, "must be cpu or cuda")
-    if text == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("device", text, "CUDA is not available here; use --device cpu")
-    return str(text)
 
 
 def _int(field: str, text: Any) -> int:

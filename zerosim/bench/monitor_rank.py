@@ -33,6 +33,7 @@ from zerogpu.comm_setup import resolve_device
 from zerogpu.rank import leave_rank
 
 from ..monitor import Monitor
+from ..monitor.exchange import comm_device
 from .gpu_session import synchronize
 
 VARIANTS = {"off": None, "every=100": 100, "every=1": 1}
@@ -162,7 +163,7 @@ def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any
     train(stepper, optimizer, monitor, settings["warmup"], settings["steps"], settings["batch"], device)
     synchronize(device)
     dist.barrier()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=_collective_device())
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=comm_device())
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     summary = monitor.close() if monitor is not None else {}
     if hasattr(stepper, "close"):
@@ -179,7 +180,7 @@ def timed(adapter: str, variant: str, settings: dict[str, Any]) -> dict[str, Any
 def collective_seconds(width: int, repeats: int = 200) -> dict[str, float]:
     """Median and least seconds of one all-gather of an int64 row of ``width`` numbers (the size of the
     monitor's row for this benchmark's model), over ``repeats`` calls after 10 untimed ones."""
-    row = torch.zeros(width, dtype=torch.int64, device=_collective_device())
+    row = torch.zeros(width, dtype=torch.int64, device=comm_device())
     out = list(torch.zeros(dist.get_world_size(), width, dtype=torch.int64, device=row.device).unbind(0))
     times = []
     for i in range(repeats + 10):
@@ -189,13 +190,6 @@ def collective_seconds(width: int, repeats: int = 200) -> dict[str, float]:
             times.append(time.perf_counter() - start)
     times.sort()
     return {"row_numbers": width, "median_s": times[len(times) // 2], "min_s": times[0]}
-
-
-def _collective_device() -> torch.device:
-    """Where this process group's collectives take their tensors: the rank's GPU under NCCL."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def main() -> None:

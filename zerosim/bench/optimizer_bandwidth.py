@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError, require_positive_int
-from .gpu_session import full_precision_float32, synchronize, write_json
+from ..errors import EXIT_BAD_INPUT, ZeroSimError, require_positive_int
+from .gpu_session import full_precision_float32, require_device, synchronize, write_json
 
 GOAL = 0.7  #: the fraction of the copy bandwidth the engine's default kernel should reach on a GPU
 BYTES_PER_ELEMENT = 28  #: AdamW reads param, grad, exp_avg, exp_avg_sq and writes three of them (float32)
@@ -211,8 +211,7 @@ def main(args: Any) -> int:
     try:
         require_positive_int("elements", args.elements)
         require_positive_int("repeats", args.repeats)
-        if args.device not in ("cpu", "cuda"):
-            raise ConfigError("device", args.device, "must be cpu or cuda")
+        require_device(args.device)
         doc = measure(args.device, args.elements, args.repeats, args.perturb)
     except ZeroSimError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError, require_positive_int
-from .gpu_session import world_of_one, write_json
+from .gpu_session import require_device, world_of_one, write_json
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hybrid", "hybrid_zero2")
 #: AdamW as verify trains it; the weight decay is spelled out so the bound and the trainer read the same
@@ -47,8 +47,7 @@ def _validate(args: Any) -> list[str]:
 
     require_positive_int("steps", args.steps)
     require_model(args.model)
-    if args.device not in ("cpu", "cuda"):
-        raise ConfigError("device", args.device, "must be cpu or cuda")
+    require_device(args.device)
     names = [s.strip() for s in str(args.strategies).split(",") if s.strip()]
     unknown = [s for s in names if s not in STRATEGIES]
     if unknown or not names:

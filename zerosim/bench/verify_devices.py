@@ -21,8 +21,8 @@ import sys
 import time
 from typing import Any
 
-from ..errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError, require_positive_int
-from .gpu_session import write_json
+from ..errors import EXIT_BAD_INPUT, ZeroSimError, require_positive_int
+from .gpu_session import require_device, write_json
 
 #: (case name, target, verify options) per device
 CASES: dict[str, list[tuple[str, str, dict[str, Any]]]] = {
@@ -58,8 +58,7 @@ def main(args: Any) -> int:
     """The step, its options parsed by :func:`zerosim.cli.gpu_check_steps.verify_devices_parser`."""
     try:
         require_positive_int("steps", args.steps)
-        if args.device not in CASES:
-            raise ConfigError("device", args.device, "must be cpu or cuda")
+        require_device(args.device)
     except ZeroSimError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

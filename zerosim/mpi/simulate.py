@@ -60,14 +60,8 @@ def simulate_rank(load: Callable[[int], RankRun]) -> NoReturn:
     agreed by every rank before anything starts)."""
     from mpi4py import MPI
 
-    from ..comm.mpi import MpiCommunicator
-    from ..engine.run_output import render
-    from ..engine.run_result import evaluate
-    from ..engine.spmd import rank_program
-
     world = MPI.COMM_WORLD
-    rank = world.Get_rank()
-    record_pid(rank)
+    record_pid(world.Get_rank())
     job, error = None, None
     try:
         job = load(world.Get_size())
@@ -77,19 +71,28 @@ def simulate_rank(load: Callable[[int], RankRun]) -> NoReturn:
         error = e
     agree_on_config_error(world, error)
     assert job is not None  # every rank loaded it, or every rank has exited
+    run_rank(lambda: run_job(world, job))
+
+
+def run_job(world: Any, job: RankRun) -> int:
+    """One validated run on every rank of ``world``: the engine's SPMD program on an
+    :class:`~zerosim.comm.mpi.MpiCommunicator`, the observations gathered on rank 0, saved where the run
+    says and judged there; returns the exit status (0 every contract holds, 1 one failed), the same on
+    every rank."""
+    from ..comm.mpi import MpiCommunicator
+    from ..engine.run_output import render
+    from ..engine.run_result import evaluate
+    from ..engine.spmd import rank_program
+
     run, save = job.run, job.save_observations
-
-    def body() -> int:
-        mode = job.option("timeout_mode", os.environ.get(TIMEOUT_MODE_ENV, "abort"))
-        comm = MpiCommunicator(world, timeout_s=run.timeout_s, timeout_mode=mode)
-        observation = rank_program(comm, run)
-        observations = world.gather(observation, root=0)  # once per run, not the data path
-        code = 0
-        if rank == 0:
-            assert observations is not None  # gather's root holds every rank's
-            if save is not None:
-                datafile.save(save, observations)
-            code = render(evaluate(run, observations), job.json_output)
-        return int(world.bcast(code, root=0))
-
-    run_rank(body)
+    mode = job.option("timeout_mode", os.environ.get(TIMEOUT_MODE_ENV, "abort"))
+    comm = MpiCommunicator(world, timeout_s=run.timeout_s, timeout_mode=mode)
+    observation = rank_program(comm, run)
+    observations = world.gather(observation, root=0)  # once per run, not the data path
+    code = 0
+    if world.Get_rank() == 0:
+        assert observations is not None  # gather's root holds every rank's
+        if save is not None:
+            datafile.save(save, observations)
+        code = render(evaluate(run, observations), job.json_output)
+    return int(world.bcast(code, root=0))
