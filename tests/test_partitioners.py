@@ -223,7 +223,6 @@ def test_fsdp_rule_matches_torch_chunk(shape, ws):
         assert plan.shards[r].padded_numel == chunk0
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.distributed.optim imports torch.jit
 @settings(max_examples=40, deadline=None)
 @given(numels=st.lists(st.integers(0, 50), min_size=1, max_size=10), ws=st.integers(1, 6))
 def test_zero_redundancy_rule_matches_torch(numels, ws):
