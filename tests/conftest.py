@@ -141,6 +141,19 @@ def _remove_bytecode(made: list[Path]) -> None:
             pass  # a folder that holds files this session did not write
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under ``-n`` with xdist's default distribution, each module's tests run on one worker (xdist's
+    ``loadscope``): a module-scoped fixture (a shared launch of ranks, a report, a matrix) is then made
+    once, where per-test load balancing would make it again on every worker given some of the module's
+    tests. An explicit ``--dist`` other than ``load`` is left as it is."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    return LoadScopeScheduling(config, log)
+
+
 _FORK_SERVER = pytest.StashKey[object]()
 _BYTECODE = pytest.StashKey[list[Path]]()
 

@@ -12,7 +12,8 @@ argv: RESULTS_JSONL OUT_DIR SCENARIO...; a scenario is ``NAME=STAGE,STEPS,EVERY[
 * ``unmonitored``: no monitor at all.
 
 Without HOW, or with a fault: ``attach`` (observation files in OUT_DIR/NAME). Rank 0 appends one JSON line per
-scenario: the monitor's summary and a digest of the final parameters.
+scenario: the monitor's summary, a digest of the final parameters and, with ``$MONITOR_COMPARE_AFTER``
+= K below the run's steps, a digest of them after step K (``params_after``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import datetime
 import hashlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +35,8 @@ from zerosim.comm.fault_plan import LIVE_KINDS, FaultPlan
 from zerosim.monitor import Monitor
 from zerosim.monitor.deepspeed import attach
 from zerosim.verify.adapters.deepspeed_zero import _deepspeed, release_zero3_globals
+
+COMPARE_AFTER = int(os.environ.get("MONITOR_COMPARE_AFTER", "0"))
 
 
 class Tiny(torch.nn.Module):
@@ -70,6 +74,7 @@ def run(spec: str, out: Path) -> dict:
         monitor = attach(engine, every=int(every), out=out, log=lambda line: None)
     plan = FaultPlan.from_env(how.replace(";", ":")) if how.split(";")[0] in LIVE_KINDS else None
     rank = dist.get_rank()
+    params_after = None
     for step in range(int(steps)):
         gen = torch.Generator().manual_seed(1000 * step + rank)
         loss = engine(torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen))
@@ -85,13 +90,20 @@ def run(spec: str, out: Path) -> dict:
                 for value in state.values():
                     if isinstance(value, torch.Tensor):
                         value.zero_()
+        if step + 1 == COMPARE_AFTER < int(steps):
+            params_after = _digest(engine)
     summary = monitor.close() if monitor is not None else None
-    digest = hashlib.sha256(b"".join(safe_get_full_fp32_param(p).numpy().tobytes()
-                                     for p in engine.module.parameters())).hexdigest()
+    digest = _digest(engine)
     engine.destroy()
     if int(stage) == 3:
         release_zero3_globals(engine.module)
-    return {"summary": summary, "params": digest}
+    return {"summary": summary, "params": digest, "params_after": params_after}
+
+
+def _digest(engine) -> str:
+    """A digest of the full fp32 parameters (gathered from the partitions: every rank calls it)."""
+    return hashlib.sha256(b"".join(safe_get_full_fp32_param(p).numpy().tobytes()
+                                   for p in engine.module.parameters())).hexdigest()
 
 
 def _partition_norm(engine) -> float:

@@ -1,7 +1,7 @@
 """Under torchrun: a tiny Hugging Face ``Trainer`` run on the CPU (DDP over gloo) with
 zerosim.monitor.hf.ZeroMonitorCallback, for tests/test_monitor_frameworks.py.
 
-argv: RESULT_JSON OUT_DIR. Rank 0 writes the callback's summary.
+argv: RESULT_JSON OUT_DIR STEPS EVERY. Rank 0 writes the callback's summary.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from zerosim.monitor.hf import ZeroMonitorCallback
-
-STEPS, EVERY = 10, 5
 
 
 class Tiny(torch.nn.Module):
@@ -29,13 +27,13 @@ class Tiny(torch.nn.Module):
 
 
 def main() -> None:
-    result, out = sys.argv[1:]
+    result, out, steps, every = sys.argv[1:]
     gen = torch.Generator().manual_seed(0)
     data = [{"x": torch.randn(6, generator=gen), "labels": torch.randn(3, generator=gen)} for _ in range(64)]
-    args = TrainingArguments(output_dir=out + "/trainer", per_device_train_batch_size=2, max_steps=STEPS,
+    args = TrainingArguments(output_dir=out + "/trainer", per_device_train_batch_size=2, max_steps=int(steps),
                              logging_steps=1000, save_strategy="no", report_to=[], use_cpu=True,
                              ddp_backend="gloo", disable_tqdm=True, learning_rate=1e-2, max_grad_norm=1.0)
-    callback = ZeroMonitorCallback(every=EVERY, out=out + "/monitor", log=lambda line: None)
+    callback = ZeroMonitorCallback(every=int(every), out=out + "/monitor", log=lambda line: None)
     Trainer(model=Tiny(), args=args, train_dataset=data, callbacks=[callback]).train()
     import torch.distributed as dist
 

@@ -6,8 +6,9 @@ with ADAPTER one of ddp, zero-redundancy, fsdp2, hsdp, zerogpu-zero2, zerogpu-ze
 MONITOR 1, 2 or 0 (1: the monitor with its default overlap, 2: without overlap, 0: the same loop without a
 monitor, for the bitwise comparison); FAULT a live
 ``ZEROSIM_FAULT`` text with ``;`` for ``:``. Rank 0 appends one JSON line per scenario: the
-violations the monitor returned (step, contract, clause, ranks, tensor), its summary, and a digest of
-the final full parameters.
+violations the monitor returned (step, contract, clause, ranks, tensor), its summary, a digest of
+the final full parameters and, with ``$MONITOR_COMPARE_AFTER`` = K below the run's steps, a digest of
+them after step K (``params_after``: a long monitored run compared with a K-step run without it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from zerosim.monitor.faults import LiveFault
 MAX_NORM = 1.0
 TIMEOUT_S = 120  # a collective that waits longer ends the run (a rank died or hung)
 DEVICE = torch.device(resolve_device(os.environ.get("MONITOR_DEVICE", "cpu")))
+COMPARE_AFTER = int(os.environ.get("MONITOR_COMPARE_AFTER", "0"))
 
 
 class Tiny(torch.nn.Module):
@@ -119,6 +121,7 @@ def run(name: str, spec: str, out_root: Path) -> dict:
     monitor = (Monitor(watched, optimizer, every=int(every), out=out_root / name, max_norm=MAX_NORM,
                        log=lambda line: None, overlap=with_monitor == "1") if with_monitor != "0" else None)
     found = []
+    params_after = None
     for step in range(int(steps)):
         x, y = batch(rank, step)
         norm = None
@@ -146,6 +149,8 @@ def run(name: str, spec: str, out_root: Path) -> dict:
             for v in monitor.after_step(step, loss=loss, grad_norm=norm):
                 found.append({"step": v.step, "contract": v.contract, "clause": v.clause,
                               "ranks": list(v.ranks), "tensor": v.tensor, "text": str(v)})
+        if step + 1 == COMPARE_AFTER < int(steps):
+            params_after = full_digest(stepper)
     if monitor is not None:
         for v in monitor.flush():  # the last check's, when its exchange overlapped the loop's end
             found.append({"step": v.step, "contract": v.contract, "clause": v.clause,
@@ -154,7 +159,8 @@ def run(name: str, spec: str, out_root: Path) -> dict:
     digest = full_digest(stepper)
     if hasattr(stepper, "close"):
         stepper.close()
-    return {"name": name, "adapter": adapter, "violations": found, "summary": summary, "params": digest}
+    return {"name": name, "adapter": adapter, "violations": found, "summary": summary, "params": digest,
+            "params_after": params_after}
 
 
 def main() -> None:
