@@ -3,7 +3,7 @@
 One launch at world 2 runs every scenario of :data:`WORLD2` (tests/monitor_programs/monitor_run.py), one
 at world 4 those of :data:`WORLD4` (a 2-D HSDP mesh and zerogpu's hybrid strategy):
 
-- a fault-free run of every adapter, 200 steps checked at every one, gives zero violations, and the
+- a fault-free run of every world-2 adapter, 200 steps checked at every one, gives zero violations, and the
   same parameters after 30 steps, bit for bit, as the same loop without the monitor (with the
   monitor's exchange overlapping the next step, its default, and without);
 - every live fault (``ZEROSIM_FAULT`` bitflip, skip-step, grad, zero-state) is caught at the first check
