@@ -182,6 +182,58 @@ def test_deepspeed_stage_2_reducing_to_each_owner_sends_exactly_the_zero2_volume
         report.contracts["C-ZERO-005"].reason
 
 
+def test_deepspeed_zero3_refuses_float64_where_deepspeed_keeps_the_parameters_dtype() -> None:
+    """zero.Init keeps the parameters' dtype only on an accelerator with float16 (CUDA), and asserts on
+    float64 there; elsewhere it takes a half-precision dtype in its place and a float64 model trains."""
+    torch = pytest.importorskip("torch")
+    from zerosim.verify.adapters.deepspeed_zero import refuse_zero3_dtype
+
+    with pytest.raises(NotImplementedError, match="--dtype float32"):
+        refuse_zero3_dtype(torch.float64, fp16_supported=True)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        refuse_zero3_dtype(dtype, fp16_supported=True)
+    refuse_zero3_dtype(torch.float64, fp16_supported=False)
+
+
+ACCELERATOR_WITH_FP16 = """
+from deepspeed.accelerator import get_accelerator
+
+from zerosim.verify.adapters import deepspeed_zero
+
+get_accelerator().is_fp16_supported = lambda: True  # as DeepSpeed's CUDA accelerator answers
+if {unguarded}:
+    deepspeed_zero.refuse_zero3_dtype = lambda dtype, fp16_supported: None
+
+
+def make_trainer(model, optim):
+    return deepspeed_zero.make_stage3_trainer(model, optim)
+"""
+
+
+@pytest.mark.torchdist
+@pytest.mark.parametrize("unguarded", [False, True], ids=["refused", "deepspeed-asserts"])
+def test_deepspeed_zero3_of_a_float64_model_on_an_accelerator_with_float16(tmp_path: Path, monkeypatch,
+                                                                            unguarded: bool) -> None:
+    """On an accelerator that answers float16 supported, as CUDA's does: the adapter refuses a float64
+    model (verdict unsupported, exit 2, the way out named); without the refusal DeepSpeed's own
+    zero.Init assertion ends the run, so the refusal stands for what DeepSpeed really does."""
+    reason = missing_requirement("deepspeed-3")
+    if reason:
+        pytest.skip(reason)
+    from zerosim.verify import TrainerError, verify
+
+    (tmp_path / "zero3_fp16_accelerator.py").write_text(ACCELERATOR_WITH_FP16.format(unguarded=unguarded))
+    monkeypatch.chdir(tmp_path)
+    target = "zero3_fp16_accelerator:make_trainer"
+    if unguarded:
+        with pytest.raises(TrainerError, match="Invalid data type torch.float64"):
+            verify(target, world=1, steps=4, timeout_s=120, allow_world_1=True)
+        return
+    report = verify(target, world=1, steps=4, timeout_s=120, allow_world_1=True)
+    assert (report.verdict, report.exit_code) == ("unsupported", 2)
+    assert all("run with --dtype float32" in p["reason"] for p in report.phases), report.phases
+
+
 @pytest.mark.torchdist
 def test_closing_a_deepspeed_zero3_trainer_lets_the_process_free_it() -> None:
     """DeepSpeed ZeRO-3 keeps every engine reachable after destroy() (its root module in a module-level

@@ -857,6 +857,28 @@ def test_end_to_end_a_phase_the_trainer_does_not_support_is_skipped(tmp_path, mo
     assert report.contracts["C-ZERO-002"].details["state_compared"] == ["momentum_buffer"]
 
 
+@pytest.mark.torchdist
+def test_end_to_end_a_trainer_that_refuses_every_phase_is_unsupported_not_a_pass(tmp_path, monkeypatch):
+    """Nothing verified is no pass: the verdict is "unsupported" and the exit status 2, with each phase's
+    reason."""
+    (tmp_path / "refuses.py").write_text(textwrap.dedent("""
+        def make_trainer(model, optim):
+            raise NotImplementedError("no optimizer of verify's is supported here")
+    """))
+    monkeypatch.chdir(tmp_path)
+    report = verify("refuses:make_trainer", world=1, steps=4, timeout_s=60, allow_world_1=True)
+    assert (report.verdict, report.exit_code) == ("unsupported", 2)
+    assert [p["status"] for p in report.phases] == ["skipped", "skipped"]
+    reason = report.contracts["C-ZERO-002"].reason
+    assert reason.count("no optimizer of verify's is supported here") == 1, reason  # said once, not per phase
+    assert VerifyReport.from_json(report.to_json()).verdict == "unsupported"
+    from zerosim.testing.verify import failure_message
+
+    message = failure_message(report)  # what assert_trainer_verifies raises with
+    assert message.startswith("zerosim verify refuses:make_trainer: unsupported"), message
+    assert "skipped adamw: make_trainer raised NotImplementedError (no optimizer" in message, message
+
+
 def test_close_is_optional_called_when_present_and_must_be_a_method() -> None:
     """A trainer's close() runs once its phase is over; a trainer without one is fine; a close that is
     not callable is a protocol breach named with the rank."""

@@ -41,7 +41,8 @@ def _violation_line(v: dict[str, Any], reason: str = "") -> str:
 
 
 def failure_message(report: Any) -> str:
-    """The diagnostic of a failed :class:`~zerosim.verify.VerifyReport`, one line per fact."""
+    """The diagnostic of a :class:`~zerosim.verify.VerifyReport` that did not pass (failed, or unsupported:
+    every phase refused), one line per fact."""
     lines = [f"zerosim verify {report.target}: {report.verdict} (world {report.world}, {report.steps} steps, "
              f"{report.dtype})"]
     for cid, outcome in report.contracts.items():
@@ -59,6 +60,8 @@ def failure_message(report: Any) -> str:
                 lines.append(f"  ({count} violations in all)")
     for d in report.diagnosis:
         lines.append(f"likely bug: {d.bug_class}: {d.evidence}")
+    if report.verdict == "unsupported":  # nothing ran: each phase's refusal is the whole story
+        lines += [f"skipped {p['name']}: {p.get('reason', '')}" for p in report.phases]
     return "\n".join(lines)
 
 

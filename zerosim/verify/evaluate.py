@@ -301,7 +301,8 @@ def _add_skipped_and_resources(contracts: dict[str, ContractOutcome], phase_info
     """C-ZERO-001/002/003/008 "skipped" when no phase ran (``contracts`` holds none of them then), and
     C-ZERO-004/005 from ``resources`` or "skipped" where no phase declared a strategy."""
     if not contracts:
-        why = "every phase was skipped: " + "; ".join(p.get("reason", "") for p in phase_info)
+        reasons = (p.get("reason", "").removesuffix(f" for {p.get('name')}") for p in phase_info)
+        why = "every phase was skipped: " + "; ".join(dict.fromkeys(reasons))  # each reason once
         for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-008"):
             contracts[cid] = ContractOutcome("skipped", why)
     for cid in ("C-ZERO-004", "C-ZERO-005"):

@@ -145,7 +145,8 @@ class Diagnosis:
 @dataclass
 class VerifyReport:
     """The result of verifying one trainer: ``verdict`` is "fail" when any contract failed, or, with
-    ``strict``, when any contract has a finding."""
+    ``strict``, when any contract has a finding; "unsupported" when the trainer refused every phase
+    (``make_trainer`` raised NotImplementedError): nothing was verified, which is no pass."""
 
     target: str
     world: int
@@ -162,7 +163,10 @@ class VerifyReport:
     @property
     def verdict(self) -> str:
         failed = any(c.status == "fail" for c in self.contracts.values())
-        return "fail" if failed or (self.strict and self.findings) else "pass"
+        if failed or (self.strict and self.findings):
+            return "fail"
+        refused = self.phases and all(p.get("status") == "skipped" for p in self.phases)
+        return "unsupported" if refused else "pass"
 
     @property
     def findings(self) -> list[dict[str, Any]]:
@@ -172,7 +176,8 @@ class VerifyReport:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.verdict == "fail" else 0
+        """0 pass, 1 fail, 2 unsupported (the trainer refused every phase: the run was not possible)."""
+        return {"fail": 1, "unsupported": 2}.get(self.verdict, 0)
 
     def to_json(self) -> dict[str, Any]:
         return {"target": self.target, "world": self.world, "steps": self.steps, "dtype": self.dtype,

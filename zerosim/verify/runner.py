@@ -247,7 +247,7 @@ def _collect(result: Any, run_dir: Path, world: int, launch_s: float, log_dir: P
     """The report of a finished launch, or the error it ended with (a RankFailure names the rank's log
     and, when no rank said why, ends with the last lines of it)."""
     code = result.returncode
-    if code in (0, 1) and (run_dir / REPORT_FILE).exists():
+    if code in (0, 1, 2) and (run_dir / REPORT_FILE).exists():  # 2 with a report: verdict "unsupported"
         report = VerifyReport.from_json(json.loads((run_dir / REPORT_FILE).read_text()))
         report.extra["wall_s"] = round(result.elapsed_s, 2)
         return report

@@ -35,7 +35,8 @@ step on LayerNorm gains). The adapter writes the float32 values into the masters
 ``deepspeed.initialize`` (:meth:`DeepSpeedTrainer._restore_masters`), through DeepSpeed's own
 ``safe_set_full_fp32_param`` / ``safe_set_local_fp32_param``.
 What DeepSpeed cannot do is refused with its reason (NotImplementedError: the phase is reported
-unsupported): float16 on an accelerator without it (DeepSpeed's CPU accelerator), and loss scaling
+unsupported): float16 on an accelerator without it (DeepSpeed's CPU accelerator), a float64 model at
+stage 3 on an accelerator with float16 (CUDA: :func:`refuse_zero3_dtype`), and loss scaling
 with factors other than DeepSpeed's fixed 2 and 1/2, or an initial scale that is not a power of two.
 """
 
@@ -143,6 +144,23 @@ def refuse_unsupported_dtype(policy: MixedPolicy) -> None:
             "(DeepSpeed: 'Type fp16 is not supported on your device')")
 
 
+#: the parameter dtypes ``deepspeed.zero.Init`` accepts (DeepSpeed 0.19.8 asserts on any other)
+ZERO3_PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def refuse_zero3_dtype(dtype: torch.dtype, fp16_supported: bool) -> None:
+    """NotImplementedError when ZeRO-3 cannot partition parameters of ``dtype`` on this accelerator.
+
+    ZeRO-3 wraps the module in ``zero.Init`` with the parameters' dtype, and ``zero.Init`` keeps that
+    dtype only where the accelerator supports float16 (CUDA: a float64 model then fails its assertion);
+    on one without float16 (DeepSpeed's CPU accelerator) it takes a half-precision dtype in its place and
+    the float64 model trains, in float32 masters, as at every other stage."""
+    if fp16_supported and dtype not in ZERO3_PARAM_DTYPES:
+        raise NotImplementedError(
+            f"DeepSpeed ZeRO-3 partitions float16, bfloat16 and float32 parameters only on an accelerator "
+            f"with float16 (zero.Init asserts on {dtype}): run with --dtype float32")
+
+
 class DeepSpeedTrainer:
     memory_unobserved = (
         "DeepSpeed keeps gradients and fp32 masters in its optimizer's private flat "
@@ -170,6 +188,10 @@ class DeepSpeedTrainer:
         if policy is not None:
             refuse_unsupported_dtype(policy)
             self.wire_bytes = {"params": policy.param_dtype.itemsize, "grads": policy.reduce_dtype.itemsize}
+        if stage == 3:
+            from deepspeed.accelerator import get_accelerator
+
+            refuse_zero3_dtype(self.dtype, get_accelerator().is_fp16_supported())
         self.model = model
         config = deepspeed_config(stage, optim, dist.get_world_size())
         config["zero_optimization"].update(zero_overrides or {})
