@@ -117,7 +117,11 @@ def test_the_accumulation_column_runs_each_adapter_with_grad_accum_and_renders(
 
     def recording(adapter: str, **options: object) -> VerifyReport:
         seen.append((adapter, options.get("grad_accum"), options.get("world")))
-        return fake(adapter, **options)  # type: ignore[arg-type]
+        report = fake(adapter, **options)  # type: ignore[arg-type]
+        if adapter == "ddp":  # right values, traffic off the model: a pass that counts its finding
+            finding = {**_traffic_violation(2, 0), "clause": "ring_model"}
+            report.contracts["C-ZERO-005"] = ContractOutcome("finding", "traffic", [finding])
+        return report
 
     monkeypatch.setattr(verify_package, "verify", recording)
     result = matrix.run_matrix(["ddp", "torch-zero", "fsdp2"], optimizers=(), worlds=(),
@@ -128,7 +132,7 @@ def test_the_accumulation_column_runs_each_adapter_with_grad_accum_and_renders(
     assert matrix.matrix_exit_code(result) == 3
     text = matrix.render_markdown(result)
     assert "| adapter | accum 3 @ 4 |" in text
-    assert "| ddp | pass 1.0e-02 / norm - |" in text
+    assert "| ddp | pass 1.0e-02 / norm - (1 finding) |" in text
     assert "| torch-zero | fail 1.0e-02 / norm - (step 2, C-ZERO-005) |" in text
     assert "torch-zero accum 3 @ 4: C-ZERO-005 fail: traffic" in text
 

@@ -261,6 +261,9 @@ def test_resume_column_cells_files_and_exit_status(monkeypatch: pytest.MonkeyPat
             {"error_over_tolerance": 0.01, "round_trip_violations": 1 if lost else 0},
         )
         contracts = {"C-ZERO-002": ContractOutcome("pass"), "C-ZERO-007": c7}
+        if adapter == "ddp":  # right values, traffic off the model: the cell counts its finding
+            finding = {"contract": "C-ZERO-005", "clause": "ring_model", "step": 3, "rank": 0}
+            contracts["C-ZERO-005"] = ContractOutcome("finding", "traffic", [finding])
         phases = [{"name": "sgd", "status": "ran"}, {"name": "adamw", "status": "ran"}]
         return VerifyReport(adapter, world, 8, "float64", contracts, phases=phases)
 
@@ -275,7 +278,8 @@ def test_resume_column_cells_files_and_exit_status(monkeypatch: pytest.MonkeyPat
     paths = matrix.write_matrix(result, tmp_path)
     assert sorted(p.name for p in paths.values()) == ["verify-resume-matrix.json", "verify-resume-matrix.md"]
     text = paths["md"].read_text()
-    assert "| ddp | pass (C-ZERO-007 pass 1.0e-02) | pass (C-ZERO-007 pass 1.0e-02) |" in text
+    ddp = "pass (C-ZERO-007 pass 1.0e-02) (1 finding)"
+    assert f"| ddp | {ddp} | {ddp} |" in text, text
     assert "fail (C-ZERO-007 fail 1.0e-02) step 2, C-ZERO-007" in text
     assert "fsdp2 4 -> 2: RankFailure" in text
 

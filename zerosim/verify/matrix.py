@@ -140,6 +140,7 @@ def run_resume_cell(
         first_failing_step=failing[0] if failing else None,
         first_failing_contract=failing[1] if failing else None,
         phases={p["name"]: p.get("reason") or p.get("status") for p in report.phases},
+        findings=len(report.findings),
     )
     return cell
 
@@ -174,6 +175,7 @@ def run_accum_cell(
         first_failing_step=failing[0] if failing else None,
         first_failing_contract=failing[1] if failing else None,
         diagnosis=[d.bug_class for d in report.diagnosis],
+        findings=len(report.findings),
     )
     return cell
 
@@ -206,7 +208,7 @@ def _accum_label(cell: dict[str, Any]) -> str:
         return "error"
     figures = [f"{x:.1e}" if isinstance(x, (int, float)) else "-"
                for x in (cell.get("error_over_tolerance"), cell.get("logged_norm_over_tolerance"))]
-    text = f"{cell['verdict']} {figures[0]} / norm {figures[1]}"
+    text = f"{cell['verdict']} {figures[0]} / norm {figures[1]}{_findings_text(cell)}"
     if cell.get("first_failing_step") is not None:
         text += f" (step {cell['first_failing_step']}, {cell['first_failing_contract']})"
     return text
@@ -320,11 +322,17 @@ def _label(cell: dict[str, Any]) -> str:
     text = cell["verdict"]
     if ratio is not None:
         text += f" {ratio:.1e}"
-    if cell.get("findings"):
-        text += f" ({cell['findings']} finding{'s' if cell['findings'] != 1 else ''})"
+    text += _findings_text(cell)
     if cell.get("first_failing_step"):
         text += f" (step {cell['first_failing_step']}, {cell['first_failing_contract']})"
     return text
+
+
+def _findings_text(cell: dict[str, Any]) -> str:
+    """The suffix " (N findings)" of a cell whose run had findings (values right, traffic or memory off
+    the model's), else nothing."""
+    n = cell.get("findings")
+    return f" ({n} finding{'s' if n != 1 else ''})" if n else ""
 
 
 def _resume_label(cell: dict[str, Any]) -> str:
@@ -333,7 +341,7 @@ def _resume_label(cell: dict[str, Any]) -> str:
     text = f"{cell['verdict']} (C-ZERO-007 {cell['resumed']}"
     if cell.get("error_over_tolerance") is not None:
         text += f" {cell['error_over_tolerance']:.1e}"
-    text += ")"
+    text += ")" + _findings_text(cell)
     if cell.get("first_failing_step"):
         text += f" step {cell['first_failing_step']}, {cell['first_failing_contract']}"
     not_resumed = [name for name, status in (cell.get("phases") or {}).items() if status != "ran"]
