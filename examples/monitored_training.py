@@ -110,7 +110,7 @@ def main() -> None:
             with torch.no_grad():  # silent data corruption: one bit of one rank's copy
                 weight = dict(model.named_parameters())[f"module.{CORRUPTED}"]
                 weight.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << FLIPPED_BIT)
-        monitor.after_step(step, loss=loss.item(), grad_norm=norm.item())
+        monitor.after_step(step, loss=loss.detach(), grad_norm=norm)  # tensors: read on their device
 
     summary = monitor.close()  # judges the last check, writes OUT/summary.json on rank 0
     if rank == 0:

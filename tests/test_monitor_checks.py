@@ -151,6 +151,24 @@ def test_a_rank_s_row_counts_each_state_tensor_that_is_not_finite_and_no_finite_
     assert (s["step_min"], s["step_max"]) == (3, 3)
 
 
+def test_a_logged_loss_or_norm_given_as_a_tensor_enters_the_row_as_the_same_bits_as_a_number():
+    """A loop may log ``loss.detach()`` and ``clip_grad_norm_``'s tensor as they are: the row copies their
+    float64 bits where the tensor lives (no host read) and they equal the bits of the same value given
+    as a Python number, for a float32 and a bfloat16 tensor alike."""
+    from zerosim.monitor.exchange import summary_values
+    from zerosim.monitor.layouts import LiveLayout
+    from zerosim.monitor.row import RowBuilder
+
+    layout = LiveLayout("ddp", numels={"w": 2}, grads=[torch.tensor([3.0, 4.0])])
+    rows = RowBuilder(torch.device("cpu"))
+    loss, norm = torch.tensor(0.1234567), torch.tensor([2.5], dtype=torch.bfloat16)
+    from_tensors = rows.row(layout, 0, 7, 1, loss, norm)
+    from_numbers = rows.row(layout, 0, 7, 1, float(loss), float(norm))
+    assert torch.equal(from_tensors, from_numbers)
+    s = summary_values(from_tensors, 0)
+    assert (s["loss"], s["grad_norm"], s["has_loss"], s["has_norm"]) == (float(loss), 2.5, 1, 1)
+
+
 def test_grad_norm_bound_is_the_rounding_of_a_blocked_reduction():
     u32 = 2.0 ** -24
     assert norm_relative_bound(12, "float32") == pytest.approx(20 * u32, rel=1e-4)  # gamma_20: 12 adds + 8
@@ -185,6 +203,45 @@ def test_the_norm_counts_each_element_once():
     assert norm_contributors(sharded) == [0, 1]
     hsdp = [obs(r, owned={"w": [(0, 4)] if r % 2 == 0 else [(4, 8)]}) for r in range(4)]
     assert norm_contributors(hsdp) == [0, 1]
+
+
+def test_a_replicated_gradient_is_summed_in_slices_one_per_rank_and_a_wrong_slice_is_caught():
+    """DDP: every rank holds the whole reduced gradient and owns every element, and sums the squares of
+    its slice only (``grad_ranges``): every rank contributes, each element once, and the norm logged is
+    compared with the slices' sum; a rank that sums a slice of the wrong size misses the bound."""
+    from zerosim.monitor.layouts import _module_layout, gradient_slice
+
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 1))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 5)).sum().backward()
+    optimizer.step()
+    layouts = [_module_layout(model, optimizer, rank, 3) for rank in range(3)]
+    for name, p in model.named_parameters():
+        slices = [lay.grad_ranges[name] for lay in layouts]
+        covered = sorted(e for ranges in slices for a, b in ranges for e in range(a, b))
+        assert covered == list(range(p.numel())), (name, slices)
+        assert slices[1] == [gradient_slice(p.numel(), 1, 3)] or p.numel() < 3
+    squares = [sum(float(g.double().square().sum()) for g in lay.grads) for lay in layouts]
+    full = math.fsum(float(p.grad.double().square().sum()) for p in model.parameters())
+    assert math.isclose(sum(squares), full, rel_tol=1e-12)
+    assert [len(lay.held) for lay in layouts] == [8, 8, 8]  # the whole gradient is still digested
+    numels = {n: p.numel() for n, p in model.named_parameters()}
+    norm = math.sqrt(full)
+
+    def ranked(rank: int, grad_sq: float) -> MonitorObservation:
+        return MonitorObservation(rank=rank, world_size=3, step=1, adapter="ddp", numels=numels,
+                                  owned={n: [(0, k)] for n, k in numels.items()},
+                                  grad_ranges=layouts[rank].grad_ranges, grad_sq=grad_sq,
+                                  grad_numel=sum(g.numel() for g in layouts[rank].grads), grad_norm=norm)
+
+    split = [ranked(r, squares[r]) for r in range(3)]
+    assert norm_contributors(split) == [0, 1, 2]
+    assert check_step_equivalence(split).passed
+    assert MonitorObservation.from_json(json.loads(json.dumps(split[1].to_json()))) == split[1]
+    wrong = [ranked(r, squares[r] if r != 2 else 0.0) for r in range(3)]
+    verdict = check_step_equivalence(wrong)
+    assert not verdict.passed and {v.clause for v in verdict.violations} == {"grad_norm"}
+    assert "shards of ranks [0, 1, 2]" in str(verdict.violations[0])
 
 
 # ---- C-ZERO-001 on owned ranges ---------------------------------------------------------------------

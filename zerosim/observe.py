@@ -301,9 +301,11 @@ class MonitorObservation:
     ``state_nonfinite``: how many owned tensors lack state for an owned element / hold a non-finite
     state value, and the first one's name; ``step_counters``: the least and largest optimizer step
     counter over the rank's owned tensors and the first tensor holding the least (None: its optimizer
-    keeps none). ``grad_sq``: the sum of squares of the reduced gradient over the owned elements (each
+    keeps none). ``grad_sq``: the sum of squares of the reduced gradient over ``grad_ranges`` (each
     piece's norm accumulated in :func:`~zerosim.checks.tolerance.norm_accumulation` of ``grad_dtype``,
-    squared and summed in float64; None: no gradient held); ``grad_numel``: how many elements it sums;
+    squared and summed in float64; None: no gradient held); ``grad_ranges``: the flat ranges of each
+    tensor whose gradient it sums (None: the owned ranges; a replicated layout splits each tensor's
+    gradient among the ranks, each summing its slice); ``grad_numel``: how many elements it sums;
     ``grad_norm``: the norm the training loop logged, in ``grad_dtype``, computed before clipping at
     ``max_norm`` (None: no clipping).
     """
@@ -319,6 +321,7 @@ class MonitorObservation:
     state_nonfinite: tuple[int, str | None] = (0, None)
     step_counters: tuple[int, int, str | None] | None = None
     grad_sq: float | None = None
+    grad_ranges: dict[str, list[tuple[int, int]]] | None = None
     grad_numel: int = 0
     grad_norm: float | None = None
     grad_dtype: str = "float32"
@@ -333,7 +336,9 @@ class MonitorObservation:
             "numels": dict(self.numels),
             "state_missing": list(self.state_missing), "state_nonfinite": list(self.state_nonfinite),
             "step_counters": None if self.step_counters is None else list(self.step_counters),
-            "grad_sq": self.grad_sq, "grad_numel": self.grad_numel, "grad_norm": self.grad_norm,
+            "grad_sq": self.grad_sq, "grad_ranges": None if self.grad_ranges is None else
+            {k: [list(r) for r in v] for k, v in self.grad_ranges.items()},
+            "grad_numel": self.grad_numel, "grad_norm": self.grad_norm,
             "grad_dtype": self.grad_dtype, "max_norm": self.max_norm, "loss": self.loss,
         }
 
@@ -351,6 +356,8 @@ class MonitorObservation:
             state_nonfinite=(int(data["state_nonfinite"][0]), data["state_nonfinite"][1]),
             step_counters=None if counters is None else (int(counters[0]), int(counters[1]), counters[2]),
             grad_sq=None if data["grad_sq"] is None else float(data["grad_sq"]),
+            grad_ranges=None if data.get("grad_ranges") is None else
+            {str(k): [(int(a), int(b)) for a, b in v] for k, v in data["grad_ranges"].items()},
             grad_numel=int(data["grad_numel"]),
             grad_norm=None if data["grad_norm"] is None else float(data["grad_norm"]),
             grad_dtype=str(data["grad_dtype"]),

@@ -10,7 +10,7 @@ Per check (one step), over the ranks' :class:`~zerosim.observe.MonitorObservatio
   outside the majority is named);
 * ``grad_norm``: every rank logged the same global gradient norm (the rank outside the majority is
   named), and the gradient norm each rank logged equals the norm recomputed from the reduced
-  gradient's shards (each element counted once: the shards of the ranks whose owned ranges are
+  gradient's shards (each element counted once: the shards of the ranks whose gradient ranges are
   disjoint, lowest rank first), within :func:`norm_relative_bound` of the logged norm's dtype plus
   that of the recomputation's accumulation (:func:`norm_accumulation`).
   With ``max_norm`` the recomputed norm is that of the clipped gradient, so the logged norm is scaled
@@ -35,16 +35,18 @@ CLIP_EPS = 1e-6
 
 
 def norm_contributors(observations: Sequence[MonitorObservation]) -> list[int]:
-    """The ranks whose owned ranges are summed for the recomputed norm: lowest rank first, each rank
-    whose ranges meet no earlier contributor's (one replica of every shard)."""
+    """The ranks whose gradient ranges (``grad_ranges``, else the owned ranges) are summed for the
+    recomputed norm: lowest rank first, each rank whose ranges meet no earlier contributor's (one
+    replica of every shard; every rank where a replicated gradient is split among them)."""
     taken: dict[str, list[tuple[int, int]]] = {}
     out = []
     for obs in sorted(observations, key=lambda o: o.rank):
-        if any(a < d and c < b for name, ranges in obs.owned.items() for a, b in ranges
+        summed = obs.grad_ranges if obs.grad_ranges is not None else obs.owned
+        if any(a < d and c < b for name, ranges in summed.items() for a, b in ranges
                for c, d in taken.get(name, ())):
             continue
         out.append(obs.rank)
-        for name, ranges in obs.owned.items():
+        for name, ranges in summed.items():
             taken.setdefault(name, []).extend(ranges)
     return out
 

@@ -67,14 +67,30 @@ class Gather:
     """One all-gather of every rank's row, posted without waiting (``async_op``): :meth:`wait` gives the
     host table, one row per rank in rank order. Posted at the same point of every rank's sequence of
     collectives on the default group, it is matched with the other ranks' in that order, whatever
-    training collectives are posted after it."""
+    training collectives are posted after it.
+
+    On an accelerator the table is copied into page-locked host memory behind the gather, on the
+    current stream, and an event is recorded after the copy: :meth:`wait` waits for that event only,
+    not for the work queued after it (the next step's kernels), so a check completed one step later
+    finds the table there and the host does not give up its lead over the device."""
 
     def __init__(self, row: torch.Tensor):
         self.row = row  # kept alive (and unchanged) until the gather is complete
         self.out = torch.empty(dist.get_world_size(), row.numel(), dtype=row.dtype, device=row.device)
         self.work = dist.all_gather(list(self.out.unbind(0)), row, async_op=True)
+        self.host: torch.Tensor | None = None
+        self.done: Any = None
+        if row.device.type == "cuda":
+            self.work.wait()  # the current stream waits for the gather; the host does not
+            self.host = torch.empty(self.out.shape, dtype=self.out.dtype, pin_memory=True)
+            self.host.copy_(self.out, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
 
     def wait(self) -> np.ndarray:
+        if self.host is not None:
+            self.done.synchronize()
+            return self.host.numpy()
         self.work.wait()
         return self.out.cpu().numpy()
 
@@ -84,8 +100,9 @@ def start_gather(row: torch.Tensor) -> Gather:
     return Gather(row)
 
 
-def summary_values(row: torch.Tensor, width: int) -> dict[str, Any]:
-    """The summary fields of a gathered row whose digest part is ``width`` lanes long."""
+def summary_values(row: Any, width: int) -> dict[str, Any]:
+    """The summary fields of a gathered row (a numpy or torch int64 vector) whose digest part is
+    ``width`` lanes long."""
     values = row[width:].tolist()
     out: dict[str, Any] = dict(zip(SUMMARY, values, strict=True))
     for key in FLOAT_FIELDS:

@@ -52,6 +52,8 @@ class LiveLayout:
     owned: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     states: list[OwnedState] = field(default_factory=list)
     grads: list[torch.Tensor] | None = None  # None: the rank holds no gradient now
+    #: the flat ranges of each tensor whose gradient ``grads`` holds (None: the owned ranges)
+    grad_ranges: dict[str, list[tuple[int, int]]] | None = None
     grad_dtype: str = "float32"
     #: why the framework never shows the monitor its reduced gradient (None: it shows it, or not this step)
     grads_note: str | None = None
@@ -61,10 +63,13 @@ class LiveLayout:
 
     def keys(self) -> dict[str, Any]:
         """The layout without its values: what every rank exchanges once (and again when it changes)."""
-        return {"adapter": self.adapter, "numels": self.numels,
+        keys = {"adapter": self.adapter, "numels": self.numels,
                 "held": [[n, a, b] for n, a, b, _ in self.held],
                 "owned": {k: [list(r) for r in v] for k, v in self.owned.items()},
                 "names": list(self.numels)}
+        if self.grad_ranges is not None:
+            keys["grad_ranges"] = {k: [list(r) for r in v] for k, v in self.grad_ranges.items()}
+        return keys
 
 
 def read_layout(model: Any, optimizer: Any) -> LiveLayout:
@@ -80,6 +85,10 @@ def read_layout(model: Any, optimizer: Any) -> LiveLayout:
         return _zero_redundancy_layout(module, optimizer)
     if optimizer is None or not hasattr(optimizer, "state"):
         raise ConfigError("optimizer", type(optimizer).__name__, "must be a torch.optim optimizer")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return _module_layout(module, optimizer, dist.get_rank(), dist.get_world_size())
     return _module_layout(module, optimizer)
 
 
@@ -87,7 +96,13 @@ def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _local(t: Any) -> torch.Tensor:
+def local_tensor(t: Any) -> torch.Tensor:
+    """The tensor holding this rank's elements of ``t``: a DTensor's local tensor (read from the DTensor
+    without going through its operator dispatch, which costs more than the rest of a small check),
+    ``t`` itself otherwise. The monitor only reads it, never writes it."""
+    inner = getattr(t, "_local_tensor", None)
+    if inner is not None and type(inner) in (torch.Tensor, torch.nn.Parameter):
+        return inner
     return t.to_local() if hasattr(t, "to_local") else t
 
 
@@ -120,30 +135,53 @@ def _state_of(state: dict[str, Any] | None) -> dict[str, Any] | None:
     return dict(state) if state else None
 
 
-def _module_layout(module: torch.nn.Module, optimizer: Any) -> LiveLayout:
+def gradient_slice(numel: int, rank: int, world: int) -> tuple[int, int]:
+    """The flat range of a replicated gradient of ``numel`` elements whose squares ``rank`` of
+    ``world`` sums for the recomputed norm: contiguous near-equal slices, each element in one."""
+    return numel * rank // world, numel * (rank + 1) // world
+
+
+def _module_layout(module: torch.nn.Module, optimizer: Any, rank: int = 0, world: int = 1) -> LiveLayout:
+    """A torch module's layout on ``rank`` of ``world``. Where every parameter is plain (DDP), each rank
+    holds the whole reduced gradient, the same bytes as every other rank (C-ZERO-003 compares them),
+    so for the norm each rank sums only its :func:`gradient_slice` of each tensor: the ranks' slices
+    cover every element once and the gradient is read ``world`` times less. With DTensor parameters
+    (FSDP2, HSDP) a rank sums the gradient shard it owns."""
     from torch.distributed.tensor import DTensor
 
-    is_fsdp = any(isinstance(p, DTensor) for p in module.parameters())
+    params = list(module.named_parameters())
+    is_fsdp = any(isinstance(p, DTensor) for _, p in params)
     layout = LiveLayout("fsdp2" if is_fsdp else "ddp", numels={})
+    state = optimizer.state
     grads: list[torch.Tensor] = []
+    split: dict[str, list[tuple[int, int]]] | None = None if is_fsdp else {}
     has_grads = True
-    for name, p in module.named_parameters():
-        layout.numels[name] = p.numel()
-        start, stop = dtensor_range(p) if isinstance(p, DTensor) else (0, p.numel())
-        local = _local(p.detach())
+    for name, p in params:
+        numel = layout.numels[name] = p.numel()
+        if isinstance(p, DTensor):
+            (start, stop), local = dtensor_range(p), local_tensor(p)
+        else:
+            start, stop, local = 0, numel, p
         if stop > start:
             layout.held.append((name, start, stop, local))
             layout.owned[name] = [(start, stop)]
-            layout.states.append(OwnedState(name, stop - start, _state_of(optimizer.state.get(p))))
+            layout.states.append(OwnedState(name, stop - start, _state_of(state.get(p))))
         else:
             layout.owned[name] = []
-        if p.grad is None:
+        a, b = gradient_slice(numel, rank, world) if split is not None else (start, stop)
+        if split is not None:
+            split[name] = [(a, b)] if b > a else []
+        grad = p.grad
+        if grad is None:
             has_grads = has_grads and stop <= start
         elif stop > start:
-            grads.append(_local(p.grad))
-            layout.held.append((name + GRAD_SUFFIX, start, stop, _local(p.grad)))
-        layout.grad_dtype = dtype_name(local)
+            grad = local_tensor(grad)
+            layout.held.append((name + GRAD_SUFFIX, start, stop, grad))
+            grads.append(grad if split is None else grad.reshape(-1)[a:b])
+    if params:
+        layout.grad_dtype = dtype_name(local_tensor(params[-1][1]))
     layout.grads = grads if has_grads else None
+    layout.grad_ranges = split  # the same whether or not the gradient is held now
     return layout
 
 
@@ -156,21 +194,24 @@ def _zero_redundancy_layout(module: torch.nn.Module, optimizer: Any) -> LiveLayo
     layout = LiveLayout("zero-redundancy", numels={})
     grads: list[torch.Tensor] = []
     has_grads = True
-    for name, p in module.named_parameters():
-        layout.numels[name] = p.numel()
-        layout.held.append((name, 0, p.numel(), p.detach()))
-        layout.grad_dtype = dtype_name(p)
-        if p.grad is not None:
-            layout.held.append((name + GRAD_SUFFIX, 0, p.numel(), p.grad))
+    params = list(module.named_parameters())
+    for name, p in params:
+        numel = layout.numels[name] = p.numel()
+        grad = p.grad
+        layout.held.append((name, 0, numel, p))
+        if grad is not None:
+            layout.held.append((name + GRAD_SUFFIX, 0, numel, grad))
         if owner_of.get(p) != rank:
             layout.owned[name] = []
             continue
-        layout.owned[name] = [(0, p.numel())]
-        layout.states.append(OwnedState(name, p.numel(), _state_of(inner.get(p))))
-        if p.grad is None:
+        layout.owned[name] = [(0, numel)]
+        layout.states.append(OwnedState(name, numel, _state_of(inner.get(p))))
+        if grad is None:
             has_grads = False
         else:
-            grads.append(p.grad)
+            grads.append(grad)
+    if params:
+        layout.grad_dtype = dtype_name(params[-1][1])
     layout.grads = grads if has_grads else None
     return layout
 

@@ -4,7 +4,7 @@ One call in the training loop, after the optimizer step::
 
     monitor = Monitor(model, optimizer, every=100, out="monitor/")
     ...
-    monitor.after_step(step, loss=loss.item(), grad_norm=norm)
+    monitor.after_step(step, loss=loss.detach(), grad_norm=norm)
     monitor.close()  # writes the JSON summary
 
 At each check every rank reads its layout (:mod:`zerosim.monitor.layouts`), digests the pieces it holds
@@ -237,9 +237,8 @@ class Monitor:
                     self._note(f"a layout changed at step {pending.step}: that check compared the pieces "
                                f"its row had room for, every check after it compares them all")
         assert self._keys is not None
-        rows = torch.from_numpy(table)
         mismatched = self._mismatched_pieces(table, width, digested)
-        observations = [self._observation(r, self._keys[r], rows[r], width,
+        observations = [self._observation(r, self._keys[r], table[r], width,
                                           r == self.rank and self.out is not None, mismatched, digested)
                         for r in range(self.world)]
         if self._layout_verdict is None:
@@ -266,6 +265,9 @@ class Monitor:
         self._owned = [{k: [(int(a), int(b)) for a, b in v] for k, v in keys["owned"].items()}
                        for keys in self._keys]
         self._numels = [{k: int(v) for k, v in keys["numels"].items()} for keys in self._keys]
+        self._grad_ranges = [None if keys.get("grad_ranges") is None else
+                             {k: [(int(a), int(b)) for a, b in v] for k, v in keys["grad_ranges"].items()}
+                             for keys in self._keys]
         holders: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
         for rank, k in enumerate(self._keys):
             for i, (name, a, b) in enumerate(k["held"]):
@@ -277,6 +279,7 @@ class Monitor:
         self._pair_base = np.array([[r, i] for (r, i), _, _ in pairs], dtype=np.int64).reshape(-1, 2)
         self._pair_other = np.array([[r, i] for _, (r, i), _ in pairs], dtype=np.int64).reshape(-1, 2)
         self._pair_key = [key for _, _, key in pairs]
+        self._lanes: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._fingerprints = [zlib.crc32(json.dumps(k, separators=(",", ":")).encode()) for k in self._keys]
         self._layout_verdict = None
 
@@ -287,18 +290,30 @@ class Monitor:
         pieces the table's ``width`` lanes hold and both holders ``digested``."""
         if not len(self._pair_key):
             return set()
-        (br, bi), (orank, oi) = self._pair_base.T, self._pair_other.T
-        if 2 * max(int(bi.max()), int(oi.max())) + 1 >= width:  # a layout grew since the row was built
-            room = (2 * bi + 1 < width) & (2 * oi + 1 < width)
-            bi, oi = np.where(room, bi, 0), np.where(room, oi, 0)
-            br, orank = np.where(room, br, 0), np.where(room, orank, 0)
-        differ = ((table[br, 2 * bi] != table[orank, 2 * oi]) |
-                  (table[br, 2 * bi + 1] != table[orank, 2 * oi + 1]))
-        first, other = self._pair_base[:, 0], self._pair_other[:, 0]
+        flat = table.reshape(-1)
+        base, other = self._pair_lanes(width, table.shape[1])
+        differ = (flat[base] != flat[other]).reshape(-1, 2).any(axis=1)
+        first, second = self._pair_base[:, 0], self._pair_other[:, 0]
         return {self._pair_key[i] for i in np.flatnonzero(differ)
-                if digested(int(first[i]), self._pair_key[i]) and digested(int(other[i]), self._pair_key[i])}
+                if digested(int(first[i]), self._pair_key[i]) and digested(int(second[i]), self._pair_key[i])}
 
-    def _observation(self, rank: int, keys: dict[str, Any], row: torch.Tensor, width: int,
+    def _pair_lanes(self, width: int, row_length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where, in the flattened table (rows of ``row_length`` with ``width`` digest lanes), each
+        compared pair's two lanes sit: the first holder's and the other holder's, made once per table
+        shape and layout. A piece beyond the row's ``width`` (a layout grew since the row was built)
+        compares lane 0 of rank 0 with itself."""
+        found = self._lanes.get((width, row_length))
+        if found is None:
+            def lanes(pairs: np.ndarray) -> np.ndarray:
+                ranks, index = pairs[:, 0:1], pairs[:, 1:2]
+                at = ranks * row_length + 2 * index + np.arange(2)
+                room = (2 * self._pair_base[:, 1:2] + 1 < width) & (2 * self._pair_other[:, 1:2] + 1 < width)
+                return np.where(room, at, 0).reshape(-1)
+
+            found = self._lanes[(width, row_length)] = (lanes(self._pair_base), lanes(self._pair_other))
+        return found
+
+    def _observation(self, rank: int, keys: dict[str, Any], row: np.ndarray, width: int,
                      every_piece: bool | None, pieces: set[PieceKey],
                      digested: Callable[[int, PieceKey], bool]) -> MonitorObservation:
         """Rank ``rank``'s observation from its keys and row (``width`` digest lanes): with the digests
@@ -321,7 +336,8 @@ class Monitor:
                              names[s["nonfinite_idx"]] if s["nonfinite_idx"] >= 0 else None),
             step_counters=(int(s["step_min"]), int(s["step_max"]), names[s["step_min_idx"]])
             if s["has_counters"] else None,
-            grad_sq=s["grad_sq"] if s["has_grad"] else None, grad_numel=int(s["grad_numel"]),
+            grad_sq=s["grad_sq"] if s["has_grad"] else None, grad_ranges=self._grad_ranges[rank],
+            grad_numel=int(s["grad_numel"]),
             grad_norm=s["grad_norm"] if s["has_norm"] else None, grad_dtype=self._grad_dtype,
             max_norm=self.max_norm, loss=s["loss"] if s["has_loss"] else None,
         )
@@ -405,9 +421,11 @@ class _Pending:
     fingerprints: list[int]
 
 
-def _number(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return float(value.detach().float().item())
+def _number(value: Any) -> Any:
+    """A logged value as the row takes it: None, a float, or a one-element tensor left on its device
+    (read there, so that logging a loss or norm that is still a device tensor makes nobody wait)."""
+    if isinstance(value, torch.Tensor) and hasattr(value, "full_tensor"):
+        value = value.full_tensor()  # a DTensor norm (FSDP2's clip_grad_norm_): its value on every rank
+    if value is None or isinstance(value, torch.Tensor):
+        return value
     return float(value)

@@ -10,11 +10,17 @@ with a handful of fused operators whatever the number of tensors:
   piece no other rank holds has nothing to be compared with and is not read;
 * optimizer state present for every owned element (sizes compared, no data read), the step counters'
   least and largest value;
-* one ``_foreach_norm`` per device and dtype over the floating optimizer state (in its own dtype) and
-  one over the reduced gradient's owned pieces (accumulated as
-  :func:`~zerosim.checks.tolerance.norm_accumulation` says: float32, float64 for a float64 gradient),
-  read back in one host copy: the state is finite where its norm is (confirmed element by element
-  where a norm is not finite), the gradient's sum of squares is the float64 sum of its norms squared.
+* one ``_foreach_norm`` per device and dtype over the floating optimizer state and one over the
+  reduced gradient's owned pieces (accumulated as :func:`~zerosim.checks.tolerance.norm_accumulation`
+  says: float32, float64 for a float64 gradient): a state tensor is finite where its norm is, the
+  gradient's sum of squares is the float64 sum of its norms squared.
+
+What a summary field needs from a tensor on an accelerator is computed there and written into the
+row there: a check reads nothing back to the host, so it never makes the host wait for the device
+(the training loop keeps its lead over the GPU). On an accelerator the state's norm is its largest
+magnitude (finite exactly where every element is, and it cannot overflow); on the CPU, where that
+reduction is several times slower than the 2-norm, the 2-norm in the state's dtype, and a norm that is
+not finite is confirmed element by element (so an overflow of the squares is never reported).
 """
 
 from __future__ import annotations
@@ -24,17 +30,15 @@ import math
 import zlib
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..checks.tolerance import norm_accumulation
 from .digest import PieceDigests
 from .exchange import SUMMARY, float_bits
-from .layouts import LiveLayout
+from .layouts import LiveLayout, local_tensor
 
-
-def _local(t: Any) -> Any:
-    return t.to_local() if hasattr(t, "to_local") else t
+#: a summary value: an int known on the host, or a 0-dim int64 tensor computed where its data lives
+Field = int | torch.Tensor
 
 
 class RowBuilder:
@@ -47,6 +51,7 @@ class RowBuilder:
         self.fingerprint = 0
         self.keys: dict[str, Any] = {}
         self._chosen: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self._measured: dict[tuple[int, ...], torch.Tensor] = {}
 
     def _index(self, chosen: list[int]) -> torch.Tensor:
         """``chosen`` as an index tensor on the exchange's device (made again only when it changes)."""
@@ -59,7 +64,8 @@ class RowBuilder:
         again only when the layout's names, ranges or sizes differ from the last check's."""
         signature = (layout.adapter, tuple(layout.numels.items()),
                      tuple((n, a, b) for n, a, b, _ in layout.held),
-                     tuple((k, tuple(v)) for k, v in layout.owned.items()))
+                     tuple((k, tuple(v)) for k, v in layout.owned.items()),
+                     tuple((k, tuple(v)) for k, v in (layout.grad_ranges or {}).items()))
         if signature != self._signature:
             self._signature = signature
             self.keys = layout.keys()
@@ -72,11 +78,12 @@ class RowBuilder:
             self._digests = PieceDigests(pieces, self.device)
         return self._digests.compute(pieces)
 
-    def row(self, layout: LiveLayout, width: int, step: int, fingerprint: int, loss: float | None,
-            grad_norm: float | None, digested: list[bool] | None = None) -> torch.Tensor:
+    def row(self, layout: LiveLayout, width: int, step: int, fingerprint: int, loss: Any,
+            grad_norm: Any, digested: list[bool] | None = None) -> torch.Tensor:
         """This rank's row: ``width`` digest lanes (two per held piece, zeros after and for the pieces
         ``digested`` marks False: None digests every piece), then the summary
-        (:data:`~zerosim.monitor.exchange.SUMMARY`)."""
+        (:data:`~zerosim.monitor.exchange.SUMMARY`). ``loss`` and ``grad_norm``: None, a number, or a
+        one-element tensor (left where it is: its bits are copied into the row on the device)."""
         row = torch.zeros(width + len(SUMMARY), dtype=torch.int64, device=self.device)
         count = min(len(layout.held), width // 2)
         chosen = [i for i in range(count) if digested is None or digested[i]]
@@ -87,67 +94,103 @@ class RowBuilder:
                 target.copy_(lanes)
             else:
                 target[self._index(chosen)] = lanes
-        summary = {"fingerprint": fingerprint, "n_held": len(layout.held), "step": step,
-                   **_norm_summary(layout),
-                   "has_norm": int(grad_norm is not None), "grad_norm": float_bits(grad_norm or 0.0),
-                   "has_loss": int(loss is not None), "loss": float_bits(loss or 0.0)}
-        row[width:] = torch.from_numpy(np.fromiter((summary[k] for k in SUMMARY), np.int64, len(SUMMARY)))
+        fields: dict[str, Field] = {
+            "fingerprint": fingerprint, "n_held": len(layout.held), "step": step,
+            **_norm_summary(layout, self.device),
+            "has_norm": int(grad_norm is not None), "grad_norm": _bits(grad_norm),
+            "has_loss": int(loss is not None), "loss": _bits(loss)}
+        host = torch.tensor([v if isinstance(v, int) else 0 for v in (fields[k] for k in SUMMARY)],
+                            dtype=torch.int64)
+        row[width:].copy_(host, non_blocking=True)  # host to device: staged, the host does not wait
+        measured = [i for i, k in enumerate(SUMMARY) if isinstance(fields[k], torch.Tensor)]
+        if measured:
+            values = torch.stack([to_device(fields[SUMMARY[i]], self.device)  # type: ignore[arg-type]
+                                  for i in measured])
+            row[width:][self._positions(measured)] = values
         return row
 
+    def _positions(self, measured: list[int]) -> torch.Tensor:
+        """The summary positions of the fields measured on the device, as an index tensor (made again
+        only when they change)."""
+        key = tuple(measured)
+        found = self._measured.get(key)
+        if found is None:
+            found = self._measured[key] = to_device(torch.tensor(measured, dtype=torch.int64), self.device)
+        return found
 
-def _state_summary(layout: LiveLayout) -> tuple[dict[str, int], list[torch.Tensor], list[str]]:
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: without making the host wait where it goes from the host to an accelerator
+    (the copy is staged), and waiting for the data where it comes back to the host (a non-blocking copy
+    into host memory could be read before it lands)."""
+    return t.to(device, non_blocking=t.device.type == "cpu")
+
+
+def _bits(value: Any) -> Field:
+    """A float summary value as its float64 bits: a number's, or a host tensor's, on the host; an
+    accelerator tensor's on its device."""
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.device.type != "cpu":
+            return value.reshape(1).to(torch.float64).view(torch.int64).reshape(())
+    return float_bits(float(value))
+
+
+def _state_summary(layout: LiveLayout) -> tuple[dict[str, Field], list[torch.Tensor], list[int]]:
     """C-ZERO-002's state fields that need no data read: owned pieces without state for every element,
-    and the step counters (each with the index of the first tensor concerned); and the floating state
-    tensors (with their tensor's name) whose finiteness :func:`_norms` measures."""
-    names = layout.numels
-    missing_names: list[str] = []
-    step_values: list[Any] = []
-    step_names: list[str] = []
+    and the step counters (:func:`_counter_fields`); and the floating state tensors with the index of
+    their tensor's name, whose finiteness :func:`_finite_fields` measures."""
+    index = {n: i for i, n in enumerate(layout.numels)}
+    missing: list[int] = []
+    counters: list[tuple[Any, int]] = []
     tensors: list[torch.Tensor] = []
-    owners: list[str] = []
-    stateless: list[str] = []
+    owners: list[int] = []
+    stateless: list[int] = []
     for owned in layout.states:
+        name = index[owned.name]
         values = owned.values or {}
-        held = [_local(v) for k, v in values.items() if k != "step" and isinstance(v, torch.Tensor)]
+        held = [local_tensor(v) for k, v in values.items() if k != "step" and isinstance(v, torch.Tensor)]
         if not held:
-            stateless.append(owned.name)
+            stateless.append(name)
             continue
         if any(v.numel() != owned.numel for v in held):
-            missing_names.append(owned.name)
+            missing.append(name)
         if "step" in values:
-            step_values.append(_local(values["step"]))
-            step_names.append(owned.name)
+            counters.append((local_tensor(values["step"]), name))
         for value in held:
             if value.is_floating_point() or value.is_complex():
                 tensors.append(value)
-                owners.append(owned.name)
-    counters = list(zip(_scalars(step_values), step_names, strict=True))
+                owners.append(name)
     if stateless and len(stateless) < len(layout.states):  # some owned pieces keep state, these none
-        missing_names += stateless
-    index = {n: i for i, n in enumerate(names)}
-    low = min(counters, key=lambda c: c[0]) if counters else (0, "")  # the first tensor at the least
-    first_missing = min((index[n] for n in missing_names), default=-1)
-    return ({"missing": len(missing_names), "missing_idx": first_missing,
-             "has_counters": int(bool(counters)), "step_min": low[0],
-             "step_max": max(c for c, _ in counters) if counters else 0,
-             "step_min_idx": index[low[1]] if counters else -1}, tensors, owners)
+        missing += stateless
+    fields: dict[str, Field] = {"missing": len(missing), "missing_idx": min(missing, default=-1),
+                                "has_counters": int(bool(counters)), **_counter_fields(counters)}
+    return fields, tensors, owners
 
 
-def _scalars(values: list[Any]) -> list[int]:
-    """Step counters (Python numbers or one-element tensors) as ints: the tensors of one device and
-    dtype read back in one host copy."""
-    out: list[int] = [0] * len(values)
-    by_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor):
-            by_device.setdefault((v.device, v.dtype), []).append(i)
-        else:
-            out[i] = int(v)
-    for members in by_device.values():
-        read = torch.stack([values[i].reshape(()) for i in members]).tolist()
-        for i, v in zip(members, read, strict=True):
-            out[i] = int(v)
-    return out
+def _counter_fields(counters: list[tuple[Any, int]]) -> dict[str, Field]:
+    """``step_min``, ``step_max`` and ``step_min_idx`` (the name index of the first counter at the least)
+    of the step counters, each with its tensor's name index: read on the host where every counter is a
+    number or a CPU tensor, reduced on the device where one lives on an accelerator (a fused or
+    capturable optimizer keeps it there)."""
+    if not counters:
+        return {"step_min": 0, "step_max": 0, "step_min_idx": -1}
+    on_device = next((v.device for v, _ in counters
+                      if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
+    if on_device is None:
+        values = [(int(v), name) for v, name in counters]
+        low = min(values, key=lambda c: c[0])
+        return {"step_min": low[0], "step_max": max(v for v, _ in values), "step_min_idx": low[1]}
+    steps = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).to(on_device, torch.float64,
+                                                                               non_blocking=True)
+                         for v, _ in counters])
+    names = to_device(torch.tensor([name for _, name in counters], dtype=torch.int64), on_device)
+    least = steps.min()
+    first = torch.where(steps == least, torch.arange(len(counters), device=on_device), len(counters)).min()
+    return {"step_min": least.to(torch.int64), "step_max": steps.max().to(torch.int64),
+            "step_min_idx": names.gather(0, first.reshape(1)).reshape(())}  # indexed on the device
 
 
 def grad_accumulation(dtype: torch.dtype) -> torch.dtype:
@@ -156,48 +199,77 @@ def grad_accumulation(dtype: torch.dtype) -> torch.dtype:
     return getattr(torch, norm_accumulation(str(dtype).removeprefix("torch.")))
 
 
-def _norms(tensors: list[torch.Tensor], wide: int) -> list[float]:
-    """The 2-norm of every tensor, the first ``wide`` accumulated in their own dtype (enough to see a
-    non-finite element), the rest (gradient pieces) in :func:`grad_accumulation` of theirs: one
-    ``_foreach_norm`` per device, dtype and accumulation, one host copy per device."""
-    groups: dict[tuple[torch.device, torch.dtype, torch.dtype | None], list[int]] = {}
+def _groups(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """The positions of the non-empty ``tensors`` by device and dtype (one fused reduction each)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel():
-            groups.setdefault((t.device, t.dtype, grad_accumulation(t.dtype) if i >= wide else None),
-                              []).append(i)
-    norms = [0.0] * len(tensors)
-    by_device: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
-    for (device, _, accumulation), members in groups.items():
-        values = torch._foreach_norm([tensors[i] for i in members], 2, dtype=accumulation)
-        indices, found = by_device.setdefault(device, ([], []))
-        indices += members
-        found.append(torch.stack(values).to(torch.float64))
-    for indices, found in by_device.values():
-        for i, v in zip(indices, torch.cat(found).tolist(), strict=True):
-            norms[i] = v
-    return norms
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
 
 
-def _norm_summary(layout: LiveLayout) -> dict[str, int]:
-    """The state summary (:func:`_state_summary`) with its non-finite count, and the gradient's: the
-    norms of the state tensors (in their dtype) and the float64 norms of the owned gradient pieces,
-    read back together. A state tensor whose norm is not finite is confirmed element by element (so
-    an overflow of the squares is never reported); the gradient's float64 sum of squares is the sum of
-    its norms squared."""
-    fields, tensors, owners = _state_summary(layout)
-    grads = [_local(g) for g in layout.grads] if layout.grads is not None else []
-    norms = _norms(tensors + grads, len(tensors))
-    bad_names = {owners[i] for i, v in enumerate(norms[: len(tensors)])
-                 if not math.isfinite(v) and not bool(torch.isfinite(tensors[i]).all())}
-    index = {n: i for i, n in enumerate(layout.numels)}
-    bad = sorted(bad_names, key=index.__getitem__)
-    fields.update(nonfinite=len(bad), nonfinite_idx=index[bad[0]] if bad else -1)
+def _finite_fields(tensors: list[torch.Tensor], owners: list[int], names: int,
+                   device: torch.device) -> dict[str, Field]:
+    """``nonfinite`` (how many tensor names hold a non-finite state value) and ``nonfinite_idx`` (the
+    first such name's index, -1 if none): one ``_foreach_norm`` per device and dtype, read on the host
+    for tensors in host memory (the 2-norm, confirmed element by element where it is not finite) and
+    reduced on ``device`` for tensors on an accelerator (the largest magnitude; see the module
+    docstring)."""
+    bad: set[int] = set()
+    flags: list[torch.Tensor] = []
+    order: list[int] = []
+    for (dev, _), members in _groups(tensors).items():
+        group = [tensors[i] for i in members]
+        if dev.type == "cpu":
+            for i, norm in zip(members, torch.stack(torch._foreach_norm(group, 2)).tolist(), strict=True):
+                if not math.isfinite(norm) and not bool(torch.isfinite(tensors[i]).all()):
+                    bad.add(owners[i])
+        else:
+            flags.append(to_device(~torch.isfinite(torch.stack(torch._foreach_norm(group, math.inf))),
+                                   device))
+            order += members
+    if not flags:
+        return {"nonfinite": len(bad), "nonfinite_idx": min(bad, default=-1)}
+    owner = to_device(torch.tensor([owners[i] for i in order], dtype=torch.int64), device)
+    per_name = torch.zeros(names, dtype=torch.int64, device=device).scatter_reduce_(
+        0, owner, torch.cat(flags).to(torch.int64), "amax")
+    if bad:
+        per_name[to_device(torch.tensor(sorted(bad), dtype=torch.int64), device)] = 1
+    first = torch.where(per_name > 0, torch.arange(names, device=device), names).min()
+    return {"nonfinite": per_name.sum(), "nonfinite_idx": torch.where(first < names, first, -1)}
+
+
+def _grad_fields(layout: LiveLayout, device: torch.device) -> dict[str, Field]:
+    """``has_grad``, ``grad_sq`` (the float64 bits of the sum of squares of the owned gradient pieces:
+    each piece's norm accumulated as :func:`grad_accumulation` says, squared and summed in float64, on
+    the host for pieces in host memory and on ``device`` for pieces on an accelerator) and
+    ``grad_numel``."""
     if layout.grads is None and layout.grad_squares is not None:  # measured by the reader inside the step
         squares, numel = layout.grad_squares
-        fields.update(has_grad=1, grad_sq=float_bits(squares), grad_numel=numel)
-    elif layout.grads is None:
-        fields.update(has_grad=0, grad_sq=float_bits(0.0), grad_numel=0)
-    else:
-        grad_sq = math.fsum(v * v for v in norms[len(tensors):]) if grads else 0.0
-        fields.update(has_grad=1, grad_sq=float_bits(grad_sq), grad_numel=sum(g.numel() for g in grads))
+        return {"has_grad": 1, "grad_sq": float_bits(squares), "grad_numel": numel}
+    if layout.grads is None:
+        return {"has_grad": 0, "grad_sq": 0, "grad_numel": 0}
+    grads = [local_tensor(g) for g in layout.grads]
+    on_host = 0.0
+    measured: list[torch.Tensor] = []
+    for (dev, dtype), members in _groups(grads).items():
+        norms = torch.stack(torch._foreach_norm([grads[i] for i in members], 2,
+                                                dtype=grad_accumulation(dtype))).to(torch.float64)
+        if dev.type == "cpu":
+            on_host += math.fsum(v * v for v in norms.tolist())
+        else:
+            measured.append(to_device(norms.pow(2).sum(), device))
+    numel = sum(g.numel() for g in grads)
+    if not measured:
+        return {"has_grad": 1, "grad_sq": float_bits(on_host), "grad_numel": numel}
+    total = torch.stack(measured).sum() + on_host
+    return {"has_grad": 1, "grad_sq": total.reshape(1).view(torch.int64).reshape(()), "grad_numel": numel}
+
+
+def _norm_summary(layout: LiveLayout, device: torch.device) -> dict[str, Field]:
+    """The state summary (:func:`_state_summary`) with its non-finite fields (:func:`_finite_fields`) and
+    the gradient's (:func:`_grad_fields`)."""
+    fields, tensors, owners = _state_summary(layout)
+    fields.update(_finite_fields(tensors, owners, len(layout.numels), device))
+    fields.update(_grad_fields(layout, device))
     return fields
