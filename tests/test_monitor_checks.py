@@ -402,6 +402,23 @@ class _Engine:
         return 2
 
 
+def test_a_dtensor_sharded_on_another_dimension_turns_the_monitor_off_in_one_line(world_of_one):
+    """The monitor reads dim-0 shards and replicas; an FSDP2 model sharded on dim 1 is refused by name
+    when the layout is first read (the ranges are cached only for placements it reads)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from zerosim.monitor import Monitor
+
+    model = torch.nn.Linear(4, 6)
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    lines: list[str] = []
+    monitor = Monitor(model, torch.optim.AdamW(model.parameters()), log=lines.append)
+    assert not monitor.enabled and len(lines) == 1, lines
+    assert "placements" in lines[0] and "dim-0 shards and replicas only" in lines[0], lines
+
+
 def test_a_deepspeed_gradient_is_measured_inside_its_step_and_judged_against_the_logged_norm(world_of_one):
     from zerosim.monitor import Monitor
 

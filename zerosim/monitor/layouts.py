@@ -107,23 +107,27 @@ def local_tensor(t: Any) -> torch.Tensor:
 
 
 def dtensor_range(param: Any) -> tuple[int, int]:
-    """The flat element range of a DTensor's local piece: dim-0 shards and replicas only."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    for placement in param.placements:
-        if not (isinstance(placement, Replicate) or (isinstance(placement, Shard) and placement.dim == 0)):
-            raise ConfigError("placements", str(param.placements),
-                              "the monitor reads dim-0 shards and replicas only")
-    if param.dim() == 0:
-        return 0, 1
+    """The flat element range of a DTensor's local piece: dim-0 shards and replicas only (worked out
+    once per global shape, mesh and placements: a placement's type check alone costs more than the
+    rest of reading a parameter)."""
     key = (tuple(param.shape), param.device_mesh, tuple(param.placements))
     found = _RANGES.get(key)
     if found is None:
-        local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                                    param.placements)
-        row = param.numel() // param.shape[0] if param.shape[0] else 0
-        found = _RANGES[key] = (offset[0] * row, (offset[0] + local_shape[0]) * row)
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        for placement in param.placements:
+            dim_0 = isinstance(placement, Shard) and placement.dim == 0
+            if not (isinstance(placement, Replicate) or dim_0):
+                raise ConfigError("placements", str(param.placements),
+                                  "the monitor reads dim-0 shards and replicas only")
+        if param.dim() == 0:
+            found = _RANGES[key] = (0, 1)
+        else:
+            local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                                        param.placements)
+            row = param.numel() // param.shape[0] if param.shape[0] else 0
+            found = _RANGES[key] = (offset[0] * row, (offset[0] + local_shape[0]) * row)
     return found
 
 
