@@ -151,10 +151,21 @@ def test_a_layout_that_changes_on_one_rank_is_exchanged_again_without_a_false_al
 def test_hsdp_and_zerogpu_hybrid_at_world_4(world4):
     """A 2-D HSDP mesh (2 replicas x 2 shards) and zerogpu's hybrid strategy: the check before the fault
     finds nothing (``_caught``: no violation before the injection), the next one names rank and tensor."""
-    _, results = world4
+    tmp, results = world4
     for name, fault in FAULTS4.items():
         assert results[name]["summary"]["checks"] == 3
         _caught(results[name], fault)
+    # HSDP: the two replicas of each shard split its gradient for the norm, so the four ranks' slices
+    # cover every element of every tensor once and all four ranks contribute to the recomputed norm
+    from zerosim.checks.live_state import norm_contributors
+    from zerosim.observe import MonitorObservation
+
+    first = [MonitorObservation.from_json(json.loads(
+        (tmp / "flip-hsdp" / f"rank-{r:05d}.jsonl").read_text().splitlines()[0])) for r in range(4)]
+    assert norm_contributors(first) == [0, 1, 2, 3]
+    for name, numel in first[0].numels.items():
+        summed = sorted(r for obs in first for r in (obs.grad_ranges or {})[name])
+        assert [a for a, _ in summed] == [0] + [b for _, b in summed[:-1]] and summed[-1][1] == numel, summed
 
 
 def test_check_trace_judges_the_files_again(world2, capsys):

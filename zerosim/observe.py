@@ -304,8 +304,9 @@ class MonitorObservation:
     keeps none). ``grad_sq``: the sum of squares of the reduced gradient over ``grad_ranges`` (each
     piece's norm accumulated in :func:`~zerosim.checks.tolerance.norm_accumulation` of ``grad_dtype``,
     squared and summed in float64; None: no gradient held); ``grad_ranges``: the flat ranges of each
-    tensor whose gradient it sums (None: the owned ranges; a replicated layout splits each tensor's
-    gradient among the ranks, each summing its slice); ``grad_numel``: how many elements it sums;
+    tensor whose gradient it sums (None: the owned ranges; ranks that hold the same piece of the
+    reduced gradient, under DDP or in HSDP's replica groups, split it, each summing its slice);
+    ``grad_numel``: how many elements it sums;
     ``grad_norm``: the norm the training loop logged, in ``grad_dtype``, computed before clipping at
     ``max_norm`` (None: no clipping).
     """

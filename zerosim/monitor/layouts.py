@@ -107,32 +107,47 @@ def local_tensor(t: Any) -> torch.Tensor:
 
 
 def dtensor_range(param: Any) -> tuple[int, int]:
-    """The flat element range of a DTensor's local piece: dim-0 shards and replicas only (worked out
-    once per global shape, mesh and placements: a placement's type check alone costs more than the
-    rest of reading a parameter)."""
+    """The flat element range of a DTensor's local piece: dim-0 shards and replicas only."""
+    return _dtensor_place(param)[:2]
+
+
+def dtensor_replica(param: Any) -> tuple[int, int]:
+    """(this rank's index among the ranks holding the same piece of a DTensor, how many hold it): the
+    piece is replicated over every mesh dimension whose placement is ``Replicate`` (HSDP's replica
+    groups; every rank of a replicated DTensor)."""
+    return _dtensor_place(param)[2:]
+
+
+def _dtensor_place(param: Any) -> tuple[int, int, int, int]:
+    """``dtensor_range`` and ``dtensor_replica`` of ``param``, worked out once per global shape, mesh and
+    placements: a placement's type check alone costs more than the rest of reading a parameter."""
     key = (tuple(param.shape), param.device_mesh, tuple(param.placements))
-    found = _RANGES.get(key)
+    found = _PLACES.get(key)
     if found is None:
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        for placement in param.placements:
-            dim_0 = isinstance(placement, Shard) and placement.dim == 0
-            if not (isinstance(placement, Replicate) or dim_0):
+        mesh = param.device_mesh
+        coordinate = mesh.get_coordinate() or [0] * mesh.ndim
+        replica, replicas = 0, 1
+        for dim, placement in enumerate(param.placements):
+            if isinstance(placement, Replicate):
+                replica, replicas = replica * mesh.size(dim) + coordinate[dim], replicas * mesh.size(dim)
+            elif not (isinstance(placement, Shard) and placement.dim == 0):
                 raise ConfigError("placements", str(param.placements),
                                   "the monitor reads dim-0 shards and replicas only")
         if param.dim() == 0:
-            found = _RANGES[key] = (0, 1)
+            start, stop = 0, 1
         else:
-            local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                                        param.placements)
+            local_shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, param.placements)
             row = param.numel() // param.shape[0] if param.shape[0] else 0
-            found = _RANGES[key] = (offset[0] * row, (offset[0] + local_shape[0]) * row)
+            start, stop = offset[0] * row, (offset[0] + local_shape[0]) * row
+        found = _PLACES[key] = (start, stop, replica, replicas)
     return found
 
 
-#: a DTensor's flat range by (global shape, mesh, placements): what this rank holds of it never changes
-_RANGES: dict[tuple[Any, ...], tuple[int, int]] = {}
+#: a DTensor's flat range and replica index by (global shape, mesh, placements): never changes for a rank
+_PLACES: dict[tuple[Any, ...], tuple[int, int, int, int]] = {}
 
 
 def _state_of(state: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -146,11 +161,12 @@ def gradient_slice(numel: int, rank: int, world: int) -> tuple[int, int]:
 
 
 def _module_layout(module: torch.nn.Module, optimizer: Any, rank: int = 0, world: int = 1) -> LiveLayout:
-    """A torch module's layout on ``rank`` of ``world``. Where every parameter is plain (DDP), each rank
-    holds the whole reduced gradient, the same bytes as every other rank (C-ZERO-003 compares them),
-    so for the norm each rank sums only its :func:`gradient_slice` of each tensor: the ranks' slices
-    cover every element once and the gradient is read ``world`` times less. With DTensor parameters
-    (FSDP2, HSDP) a rank sums the gradient shard it owns."""
+    """A torch module's layout on ``rank`` of ``world``. A rank holds a piece of each parameter (all of a
+    plain one, its local shard of a DTensor) and the reduced gradient over it; where several ranks hold
+    the same piece (every rank for a plain parameter under DDP, the replica groups of an HSDP shard), they
+    hold the same gradient bytes (C-ZERO-003 compares them), so for the norm each sums only its
+    :func:`gradient_slice` of the piece (``grad_ranges``): the ranks' slices cover every element once and
+    the gradient is read as many times less as the piece has holders."""
     from torch.distributed.tensor import DTensor
 
     params = list(module.named_parameters())
@@ -158,34 +174,34 @@ def _module_layout(module: torch.nn.Module, optimizer: Any, rank: int = 0, world
     layout = LiveLayout("fsdp2" if is_fsdp else "ddp", numels={})
     state = optimizer.state
     grads: list[torch.Tensor] = []
-    split: dict[str, list[tuple[int, int]]] | None = None if is_fsdp else {}
+    summed: dict[str, list[tuple[int, int]]] = {}
     has_grads = True
     for name, p in params:
         numel = layout.numels[name] = p.numel()
         if isinstance(p, DTensor):
-            (start, stop), local = dtensor_range(p), local_tensor(p)
+            start, stop, replica, replicas = _dtensor_place(p)
+            local = local_tensor(p)
         else:
-            start, stop, local = 0, numel, p
+            start, stop, replica, replicas, local = 0, numel, rank, world, p
         if stop > start:
             layout.held.append((name, start, stop, local))
             layout.owned[name] = [(start, stop)]
             layout.states.append(OwnedState(name, stop - start, _state_of(state.get(p))))
         else:
             layout.owned[name] = []
-        a, b = gradient_slice(numel, rank, world) if split is not None else (start, stop)
-        if split is not None:
-            split[name] = [(a, b)] if b > a else []
+        a, b = gradient_slice(stop - start, replica, replicas)
+        summed[name] = [(start + a, start + b)] if b > a else []
         grad = p.grad
         if grad is None:
             has_grads = has_grads and stop <= start
         elif stop > start:
             grad = local_tensor(grad)
             layout.held.append((name + GRAD_SUFFIX, start, stop, grad))
-            grads.append(grad if split is None else grad.reshape(-1)[a:b])
+            grads.append(grad.reshape(-1)[a:b])
     if params:
         layout.grad_dtype = dtype_name(local_tensor(params[-1][1]))
     layout.grads = grads if has_grads else None
-    layout.grad_ranges = split  # the same whether or not the gradient is held now
+    layout.grad_ranges = summed  # the same whether or not the gradient is held now
     return layout
 
 
