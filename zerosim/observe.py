@@ -289,6 +289,11 @@ class TrainerStep(Protocol):
     def bounds(self) -> TensorValues: ...
 
 
+def ranges_from_json(data: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
+    """Flat element ranges by tensor name, as JSON gives them (lists), as tuples of ints."""
+    return {str(k): [(int(a), int(b)) for a, b in v] for k, v in data.items()}
+
+
 @dataclass
 class MonitorObservation:
     """One rank at one check of a live run (:mod:`zerosim.monitor`): what C-ZERO-001, -002 and -003 read
@@ -351,14 +356,13 @@ class MonitorObservation:
             rank=int(data["rank"]), world_size=int(data["world_size"]), step=int(data["step"]),
             adapter=str(data["adapter"]),
             held=[(str(n), int(a), int(b), str(d)) for n, a, b, d in data["held"]],
-            owned={str(k): [(int(a), int(b)) for a, b in v] for k, v in data["owned"].items()},
+            owned=ranges_from_json(data["owned"]),
             numels={str(k): int(v) for k, v in data["numels"].items()},
             state_missing=(int(data["state_missing"][0]), data["state_missing"][1]),
             state_nonfinite=(int(data["state_nonfinite"][0]), data["state_nonfinite"][1]),
             step_counters=None if counters is None else (int(counters[0]), int(counters[1]), counters[2]),
             grad_sq=None if data["grad_sq"] is None else float(data["grad_sq"]),
-            grad_ranges=None if data.get("grad_ranges") is None else
-            {str(k): [(int(a), int(b)) for a, b in v] for k, v in data["grad_ranges"].items()},
+            grad_ranges=None if data.get("grad_ranges") is None else ranges_from_json(data["grad_ranges"]),
             grad_numel=int(data["grad_numel"]),
             grad_norm=None if data["grad_norm"] is None else float(data["grad_norm"]),
             grad_dtype=str(data["grad_dtype"]),

@@ -106,20 +106,11 @@ def local_tensor(t: Any) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def dtensor_range(param: Any) -> tuple[int, int]:
-    """The flat element range of a DTensor's local piece: dim-0 shards and replicas only."""
-    return _dtensor_place(param)[:2]
-
-
-def dtensor_replica(param: Any) -> tuple[int, int]:
-    """(this rank's index among the ranks holding the same piece of a DTensor, how many hold it): the
-    piece is replicated over every mesh dimension whose placement is ``Replicate`` (HSDP's replica
-    groups; every rank of a replicated DTensor)."""
-    return _dtensor_place(param)[2:]
-
-
-def _dtensor_place(param: Any) -> tuple[int, int, int, int]:
-    """``dtensor_range`` and ``dtensor_replica`` of ``param``, worked out once per global shape, mesh and
+def dtensor_place(param: Any) -> tuple[int, int, int, int]:
+    """(start, stop, replica, replicas) of a DTensor's local piece: its flat element range (dim-0 shards
+    and replicas only), and this rank's index among the ranks holding the same piece and how many hold
+    it (the piece is replicated over every mesh dimension whose placement is ``Replicate``: HSDP's
+    replica groups, every rank of a replicated DTensor). Worked out once per global shape, mesh and
     placements: a placement's type check alone costs more than the rest of reading a parameter."""
     key = (tuple(param.shape), param.device_mesh, tuple(param.placements))
     found = _PLACES.get(key)
@@ -179,7 +170,7 @@ def _module_layout(module: torch.nn.Module, optimizer: Any, rank: int = 0, world
     for name, p in params:
         numel = layout.numels[name] = p.numel()
         if isinstance(p, DTensor):
-            start, stop, replica, replicas = _dtensor_place(p)
+            start, stop, replica, replicas = dtensor_place(p)
             local = local_tensor(p)
         else:
             start, stop, replica, replicas, local = 0, numel, rank, world, p

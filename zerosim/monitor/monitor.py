@@ -49,7 +49,7 @@ import torch.distributed as dist
 from ..checks.identity import check_replica_identity
 from ..checks.partition import check_partition_plan
 from ..errors import ConfigError
-from ..observe import MonitorObservation
+from ..observe import MonitorObservation, ranges_from_json
 from ..verdict import Verdict, Violation
 from .deepspeed_layout import DeepSpeedReader, is_deepspeed_engine
 from .digest import digest_text
@@ -262,12 +262,10 @@ class Monitor:
         self._keys = exchange_keys(keys, self.device)
         self._width = 2 * max(len(k["held"]) for k in self._keys)
         # each rank's owned ranges and element counts, converted once per layout (shared by every check)
-        self._owned = [{k: [(int(a), int(b)) for a, b in v] for k, v in keys["owned"].items()}
-                       for keys in self._keys]
+        self._owned = [ranges_from_json(keys["owned"]) for keys in self._keys]
         self._numels = [{k: int(v) for k, v in keys["numels"].items()} for keys in self._keys]
-        self._grad_ranges = [None if keys.get("grad_ranges") is None else
-                             {k: [(int(a), int(b)) for a, b in v] for k, v in keys["grad_ranges"].items()}
-                             for keys in self._keys]
+        self._grad_ranges = [ranges_from_json(keys["grad_ranges"]) if keys.get("grad_ranges") is not None
+                             else None for keys in self._keys]
         holders: dict[tuple[str, int, int], list[tuple[int, int]]] = {}
         for rank, k in enumerate(self._keys):
             for i, (name, a, b) in enumerate(k["held"]):
@@ -304,10 +302,10 @@ class Monitor:
         compares lane 0 of rank 0 with itself."""
         found = self._lanes.get((width, row_length))
         if found is None:
+            room = (2 * self._pair_base[:, 1:2] + 1 < width) & (2 * self._pair_other[:, 1:2] + 1 < width)
+
             def lanes(pairs: np.ndarray) -> np.ndarray:
-                ranks, index = pairs[:, 0:1], pairs[:, 1:2]
-                at = ranks * row_length + 2 * index + np.arange(2)
-                room = (2 * self._pair_base[:, 1:2] + 1 < width) & (2 * self._pair_other[:, 1:2] + 1 < width)
+                at = pairs[:, 0:1] * row_length + 2 * pairs[:, 1:2] + np.arange(2)
                 return np.where(room, at, 0).reshape(-1)
 
             found = self._lanes[(width, row_length)] = (lanes(self._pair_base), lanes(self._pair_other))

@@ -50,14 +50,17 @@ class RowBuilder:
         self._signature: Any = None
         self.fingerprint = 0
         self.keys: dict[str, Any] = {}
-        self._chosen: tuple[tuple[int, ...], torch.Tensor] | None = None
-        self._measured: dict[tuple[int, ...], torch.Tensor] = {}
+        #: index tensors on the exchange's device, by their values (the digested pieces, the summary
+        #: positions measured on the device): made once, not at every check
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def _index(self, chosen: list[int]) -> torch.Tensor:
-        """``chosen`` as an index tensor on the exchange's device (made again only when it changes)."""
-        if self._chosen is None or self._chosen[0] != tuple(chosen):
-            self._chosen = (tuple(chosen), torch.tensor(chosen, dtype=torch.int64, device=self.device))
-        return self._chosen[1]
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """``values`` as an index tensor on the exchange's device (made once per distinct list)."""
+        key = tuple(values)
+        found = self._indices.get(key)
+        if found is None:
+            found = self._indices[key] = to_device(torch.tensor(values, dtype=torch.int64), self.device)
+        return found
 
     def layout_keys(self, layout: LiveLayout) -> tuple[dict[str, Any], int]:
         """The layout's keys (names and ranges, :meth:`LiveLayout.keys`) and their fingerprint, computed
@@ -106,17 +109,8 @@ class RowBuilder:
         if measured:
             values = torch.stack([to_device(fields[SUMMARY[i]], self.device)  # type: ignore[arg-type]
                                   for i in measured])
-            row[width:][self._positions(measured)] = values
+            row[width:][self._index(measured)] = values
         return row
-
-    def _positions(self, measured: list[int]) -> torch.Tensor:
-        """The summary positions of the fields measured on the device, as an index tensor (made again
-        only when they change)."""
-        key = tuple(measured)
-        found = self._measured.get(key)
-        if found is None:
-            found = self._measured[key] = to_device(torch.tensor(measured, dtype=torch.int64), self.device)
-        return found
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
