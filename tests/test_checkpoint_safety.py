@@ -16,11 +16,10 @@ import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from zerosim.checkpoint import INDEX_NAME, inspect_checkpoint, read_index, reshard
-from zerosim.checkpoint.format import index_size_limit, read_full_state
+from zerosim.checkpoint.format import index_size_limit
 from zerosim.cli import main
 from zerosim.engine.config import RunConfig
 from zerosim.errors import EXIT_BAD_INPUT, EXIT_CHECKPOINT_CORRUPT, EXIT_OK, ConfigError, ZeroSimError
@@ -233,17 +232,42 @@ def test_a_reshard_into_a_full_destination_is_one_line_exit_2_and_leaves_nothing
 
 
 def test_a_failed_reshard_removes_only_what_it_created(saved, ck, tmp_path):
+    """An empty OUT the user made stays (empty); every file the failed run wrote is gone."""
     out = tmp_path / "out"
     out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    (out / ".tmp-1-someone-elses").write_text("not this run's")
     f = read_index(ck).files[-1]
     raw = bytearray((ck / f.name).read_bytes())
     raw[-1] ^= 0xFF  # the last data block of the last file: found after other files were written
     (ck / f.name).write_bytes(bytes(raw))
     with pytest.raises(ConfigError, match="checksum mismatch"):
         reshard(ck, 3, "zero3", None, out, chunk_elems=500)
-    assert sorted(os.listdir(out)) == [".tmp-1-someone-elses", "notes.txt"]
+    assert out.is_dir() and os.listdir(out) == []
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("held", ["checkpoint", "notes.txt", ".tmp-1-someone-elses", "subfolder"])
+def test_a_reshard_into_a_folder_holding_anything_is_refused_before_writing(saved, tmp_path, held):
+    """Another checkpoint (its index would have been replaced), a user's file, an interrupted write's
+    temporary or a folder: one line naming OUT and an entry, exit 2, OUT byte for byte as it was."""
+    out = tmp_path / "out"
+    if held == "checkpoint":
+        reshard(saved, 2, "zero1", None, out)
+    else:
+        out.mkdir()
+        (out / held).mkdir() if held == "subfolder" else (out / held).write_text("not this run's")
+    before, names = _tree(out), sorted(os.listdir(out))
+    rc, stdout, err = cli(
+        "checkpoint", "reshard", str(saved), str(out), "--world-size", "3", "--strategy", "zero3"
+    )
+    assert rc == EXIT_BAD_INPUT and stdout == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: invalid out={str(out)!r}: is not empty (it holds ")
+    assert any(repr(n) in err for n in names)
+    assert sorted(os.listdir(out)) == names and _tree(out) == before
+    if held == "checkpoint":
+        assert inspect_checkpoint(out).ok and read_index(out).world_size == 2
 
 
 # ---- names from a file are escaped --------------------------------------------------------------
@@ -262,7 +286,7 @@ def test_escape_sequences_in_names_are_printed_as_escapes(ck):
 # ---- leftovers of a killed reshard ---------------------------------------------------------------
 
 
-def test_a_killed_reshard_leaves_temporaries_that_the_next_command_names_and_keeps(saved, tmp_path):
+def test_a_killed_reshard_leaves_temporaries_that_the_next_reshard_refuses_to_write_next_to(saved, tmp_path):
     out = tmp_path / "out"
     code = (
         "import time, zerosim.checkpoint.format as fm\n"
@@ -290,22 +314,5 @@ def test_a_killed_reshard_leaves_temporaries_that_the_next_command_names_and_kee
     rc, _, err = cli(
         "checkpoint", "reshard", str(saved), str(out), "--world-size", "1", "--strategy", "zero1"
     )
-    assert rc == EXIT_OK and "interrupted or replaced write" in err and all(n in err for n in left)
-    assert set(left) <= set(os.listdir(out))  # nothing this command did not create was deleted
-    rc, _, err = cli("checkpoint", "inspect", str(out))
-    assert rc == EXIT_OK and all(n in err for n in left)
-    _, states = read_full_state(out)
-    _, want = read_full_state(saved)
-    assert all(np.array_equal(states[s], want[s]) for s in want)
-
-
-def test_a_reshard_over_an_older_checkpoint_keeps_its_files_and_names_them(saved, tmp_path):
-    out = tmp_path / "out"
-    reshard(saved, 2, "zero1", None, out)
-    old = {f.name for f in read_index(out).files}
-    rc, _, err = cli(
-        "checkpoint", "reshard", str(saved), str(out), "--world-size", "3", "--strategy", "zero3"
-    )
-    assert rc == EXIT_OK and all(n in err for n in old)  # replaced, not deleted: named on stderr
-    assert old <= set(os.listdir(out)) and not old & {f.name for f in read_index(out).files}
-    assert inspect_checkpoint(out).ok and sorted(inspect_checkpoint(out).leftovers) == sorted(old)
+    assert rc == EXIT_BAD_INPUT and "is not empty" in err and err.count("\n") == 1
+    assert sorted(os.listdir(out)) == left  # nothing written, nothing deleted

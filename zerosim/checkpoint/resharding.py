@@ -12,6 +12,7 @@ sha256, streamed).
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -41,11 +42,10 @@ from .ownership import writer_ranges
 
 @dataclass
 class ReshardResult:
-    """The new index, what was read, and the leftovers of earlier interrupted writes found in ``out``."""
+    """The new index and what was read to write it."""
 
     index: CheckpointIndex
     stats: ReadStats = field(default_factory=ReadStats)
-    leftovers: list[str] = field(default_factory=list)
 
 
 def reshard(
@@ -65,8 +65,9 @@ def reshard(
     every block as it is read). A write that fails for any reason (a bad source block, a full or
     read-only destination, Ctrl-C) removes every file this call created, and the directory ``out``
     if this call created it, before the error propagates; a destination problem (``OSError``) is a
-    ConfigError naming ``out``. Files already in ``out`` are never removed; the result lists those
-    no index names (``leftovers``: an interrupted write's, or a replaced checkpoint's shard files)."""
+    ConfigError naming ``out``. ``out`` must be new or an empty directory: one that holds anything
+    (another checkpoint, an interrupted write's leftovers, a user's file) is refused before anything
+    is written, so a reshard never replaces or strands files it did not create."""
     src = checkpoint_directory(path)
     if "\x00" in str(out):
         raise ConfigError("out", str(out), "a path cannot hold a NUL byte")
@@ -81,6 +82,7 @@ def reshard(
         raise ConfigError("out", str(dst), "is the checkpoint being read; write the resharded one elsewhere")
     if dst.is_symlink() or (dst.exists() and not dst.is_dir()):
         raise ConfigError("out", str(dst), "exists and is not a directory")
+    _require_nothing_inside(dst)
     block = block_bytes or index.block_bytes
     made_dir = not dst.exists()
     created: list[Path] = []
@@ -95,7 +97,21 @@ def reshard(
                 "out", str(dst), f"cannot write {where}: {e.strerror or e}; nothing was kept"
             ) from None
         raise
-    return ReshardResult(new, stats, leftover_files(dst, new))
+    return ReshardResult(new, stats)
+
+
+def _require_nothing_inside(dst: Path) -> None:
+    """ConfigError (``out``) when the directory ``dst`` exists and holds any entry, naming one of them."""
+    try:
+        with os.scandir(dst) as entries:
+            first = next(entries, None)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise ConfigError("out", str(dst), f"cannot be read: {e.strerror or e}") from None
+    if first is not None:
+        raise ConfigError("out", str(dst), f"is not empty (it holds {first.name!r}); a reshard writes only "
+                          "into a new or empty directory, never next to files it did not create")
 
 
 def _write_resharded(

@@ -7,12 +7,13 @@
   block checksum (each named); 2 (``EXIT_BAD_INPUT``): PATH holds no readable, valid index.
 * ``zerosim checkpoint reshard PATH OUT --world-size M --strategy S [--partitioner P]``: the
   checkpoint as ranks at world size M under S would have saved it, streamed (bounded memory). Exit
-  0: OUT holds the new checkpoint; 2: bad options, a source a load would refuse, or a destination
-  that cannot be written (full, read-only): one line, and nothing this run wrote is left in OUT.
+  0: OUT holds the new checkpoint; 2: bad options, a source a load would refuse, an OUT that holds
+  anything (refused before anything is written), or a destination that cannot be written (full,
+  read-only): one line, and nothing this run wrote is left in OUT.
 
-Both print a note on stderr when the directory holds leftovers of an interrupted write (``.tmp-*``
-temporaries, shard files no index names); neither deletes them. Everything printed that comes from a
-file goes through :func:`printable`.
+``inspect`` prints a note on stderr when the directory holds leftovers of an interrupted write
+(``.tmp-*`` temporaries, shard files no index names); it does not delete them. Everything printed
+that comes from a file goes through :func:`printable`.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def register(sub: Any) -> None:
         "partitioner would have saved it (streamed: bounded memory).",
     )
     rs.add_argument("path", metavar="PATH", help="the checkpoint directory to read")
-    rs.add_argument("out", metavar="OUT", help="the directory to write (created; must not be PATH)")
+    rs.add_argument("out", metavar="OUT",
+                    help="the directory to write (created, or an empty one; must not be PATH)")
     rs.add_argument("--world-size", "--world", dest="world_size",
                     type=int, required=True, metavar="M", help="the new world size")
     rs.add_argument(
@@ -122,7 +124,6 @@ def run_reshard(args: argparse.Namespace) -> int:
     res = reshard(args.path, args.world_size, args.strategy, args.partitioner, args.out)
     dt = time.perf_counter() - t0
     ix = res.index
-    _note_leftovers(args.out, res.leftovers)
     if args.json:
         json.dump(
             {
