@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .terminal_text import printable
+
 
 @dataclass(frozen=True)
 class Violation:
@@ -47,7 +49,8 @@ class Violation:
             parts.append(f"expected={self.expected!r} got={self.got!r}")
         if self.error is not None or self.tolerance is not None:
             parts.append(f"error={self.error!r} tolerance={self.tolerance!r}")
-        return " ".join(parts) + f": {self.message}"
+        # names and messages carry text from the run (tensor names): escaped so a terminal shows it
+        return printable(" ".join(parts) + f": {self.message}")
 
     def to_json(self) -> dict[str, Any]:
         out = {
