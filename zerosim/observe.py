@@ -29,6 +29,23 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .errors import ConfigError
+from .observation_fields import (
+    INT64_LIMIT,
+    MAX_WORLD,
+    Shown,
+    key_path,
+    need_count,
+    need_int,
+    need_key,
+    need_list,
+    need_object,
+    need_optional_number,
+    need_optional_str,
+    need_ranges,
+    need_str,
+)
+
 Piece = tuple[int, int, int]  # (global_start, global_end, position in the stored array)
 
 
@@ -289,9 +306,10 @@ class TrainerStep(Protocol):
     def bounds(self) -> TensorValues: ...
 
 
-def ranges_from_json(data: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
-    """Flat element ranges by tensor name, as JSON gives them (lists), as tuples of ints."""
-    return {str(k): [(int(a), int(b)) for a, b in v] for k, v in data.items()}
+def ranges_from_json(data: dict[str, Any], path: str = "ranges") -> dict[str, list[tuple[int, int]]]:
+    """Flat element ranges by tensor name, as JSON gives them (lists), as tuples of ints; ConfigError
+    naming ``path`` and the entry when one is not an integer pair."""
+    return need_ranges(data, path)
 
 
 @dataclass
@@ -349,26 +367,54 @@ class MonitorObservation:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> MonitorObservation:
-        """The observation of one JSON line (a KeyError, TypeError or ValueError on a malformed one)."""
-        counters = data["step_counters"]
+    def from_json(cls, data: Any) -> MonitorObservation:
+        """The observation of one JSON line, every field checked for its type and range
+        (:mod:`zerosim.observation_fields`); a ConfigError naming the field otherwise. Keys it does not
+        know (``monitor_s``) are left alone."""
+        record = need_object(data, "record")
+        rank = need_int(need_key(record, "rank"), "rank", 0, MAX_WORLD - 1)
+        world = need_int(need_key(record, "world_size"), "world_size", 1, MAX_WORLD)
+        if rank >= world:
+            raise ConfigError("rank", rank, f"must be below the world size ({world})")
+        held = []
+        for i, piece in enumerate(need_list(need_key(record, "held"), "held")):
+            name, a, b, dig = need_list(piece, f"held[{i}]", 4)
+            held.append((need_str(name, f"held[{i}][0]"), need_int(a, f"held[{i}][1]"),
+                         need_int(b, f"held[{i}][2]"), need_str(dig, f"held[{i}][3]")))
+        numels = {name: need_count(n, key_path("numels", name))
+                  for name, n in need_object(need_key(record, "numels"), "numels").items()}
+        if sum(numels.values()) >= INT64_LIMIT:
+            raise ConfigError("numels", Shown(sum(numels.values())), "the tensors' elements must total "
+                              "less than 2**63")
         return cls(
-            rank=int(data["rank"]), world_size=int(data["world_size"]), step=int(data["step"]),
-            adapter=str(data["adapter"]),
-            held=[(str(n), int(a), int(b), str(d)) for n, a, b, d in data["held"]],
-            owned=ranges_from_json(data["owned"]),
-            numels={str(k): int(v) for k, v in data["numels"].items()},
-            state_missing=(int(data["state_missing"][0]), data["state_missing"][1]),
-            state_nonfinite=(int(data["state_nonfinite"][0]), data["state_nonfinite"][1]),
-            step_counters=None if counters is None else (int(counters[0]), int(counters[1]), counters[2]),
-            grad_sq=None if data["grad_sq"] is None else float(data["grad_sq"]),
-            grad_ranges=None if data.get("grad_ranges") is None else ranges_from_json(data["grad_ranges"]),
-            grad_numel=int(data["grad_numel"]),
-            grad_norm=None if data["grad_norm"] is None else float(data["grad_norm"]),
-            grad_dtype=str(data["grad_dtype"]),
-            max_norm=None if data["max_norm"] is None else float(data["max_norm"]),
-            loss=None if data["loss"] is None else float(data["loss"]),
+            rank=rank, world_size=world, step=need_count(need_key(record, "step"), "step"),
+            adapter=need_str(need_key(record, "adapter"), "adapter"), held=held,
+            owned=ranges_from_json(need_key(record, "owned"), "owned"), numels=numels,
+            state_missing=_count_and_name(need_key(record, "state_missing"), "state_missing"),
+            state_nonfinite=_count_and_name(need_key(record, "state_nonfinite"), "state_nonfinite"),
+            step_counters=_counters(need_key(record, "step_counters")),
+            grad_sq=need_optional_number(need_key(record, "grad_sq"), "grad_sq", non_negative=True),
+            grad_ranges=None if record.get("grad_ranges") is None else
+            ranges_from_json(record["grad_ranges"], "grad_ranges"),
+            grad_numel=need_count(need_key(record, "grad_numel"), "grad_numel"),
+            grad_norm=need_optional_number(need_key(record, "grad_norm"), "grad_norm", non_negative=True),
+            grad_dtype=need_str(need_key(record, "grad_dtype"), "grad_dtype"),
+            max_norm=need_optional_number(need_key(record, "max_norm"), "max_norm", positive=True, nan=False),
+            loss=need_optional_number(need_key(record, "loss"), "loss"),
         )
+
+
+def _count_and_name(value: Any, path: str) -> tuple[int, str | None]:
+    count, name = need_list(value, path, 2)
+    return need_count(count, f"{path}[0]"), need_optional_str(name, f"{path}[1]")
+
+
+def _counters(value: Any) -> tuple[int, int, str | None] | None:
+    if value is None:
+        return None
+    least, most, name = need_list(value, "step_counters", 3)
+    return (need_int(least, "step_counters[0]"), need_int(most, "step_counters[1]"),
+            need_optional_str(name, "step_counters[2]"))
 
 
 def digest(array: np.ndarray) -> str:

@@ -198,6 +198,8 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
 
 
 def _register_trace(inner: Any) -> None:
+    from ..monitor.trace_reader import MAX_LINE_BYTES, MAX_TRACE_BYTES
+
     p = inner.add_parser(
         "trace", help="C-ZERO-001..003 on a monitored run's observation files (zerosim.monitor's out=DIR)",
         description=(
@@ -205,10 +207,17 @@ def _register_trace(inner: Any) -> None:
             "training run with the checks the live monitor ran: C-ZERO-001 (owned ranges cover every\n"
             "parameter), C-ZERO-002's live clauses (optimizer state present and finite, equal step\n"
             "counters, logged vs recomputed gradient norm), C-ZERO-003 (replicas hold identical bytes).\n"
-            "One line per violation; exit 1 on any violation, 0 when all hold, 2 on bad input."),
+            "Only checks every rank wrote are judged; one some ranks did not finish (a killed run) is\n"
+            "listed as incomplete. The folder is read as untrusted input: regular files only, lines of\n"
+            f"at most {MAX_LINE_BYTES:,} bytes, strict JSON, one consistent world.\n"
+            "One line per violation; exit 1 on any violation, 0 when all hold, 2 on bad input or when no\n"
+            "check is complete (nothing could be judged)."),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("directory", metavar="DIR", help="the monitor's out directory")
-    p.add_argument("--limit", type=int, default=50, help="violation lines to print (0 = all; default 50)")
+    p.add_argument("--limit", type=int, default=50,
+                   help="violation and incomplete-check lines to print (0 = all; default 50)")
+    p.add_argument("--max-bytes", type=int, default=MAX_TRACE_BYTES, metavar="N",
+                   help=f"the most bytes the rank files may hold together (default {MAX_TRACE_BYTES:,})")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(func=run_trace)
 
@@ -216,27 +225,40 @@ def _register_trace(inner: Any) -> None:
 @pipe_safe
 def run_trace(args: argparse.Namespace) -> int:
     from ..monitor.judge import judge, summary_line
-    from ..monitor.trace import read_trace
+    from ..monitor.trace_reader import read_trace
 
     limit = require_non_negative_int("limit", args.limit)
-    observations, notes = read_trace(args.directory)
-    verdicts = judge(observations)
+    max_bytes = require_positive_int("max-bytes", args.max_bytes)
+    trace = read_trace(args.directory, max_bytes=max_bytes)
+    if not trace.complete:
+        raise ConfigError("DIR", args.directory, f"holds {len(trace.incomplete)} check(s), none of them "
+                          f"written by all {trace.world_size} ranks: nothing to judge")
+    verdicts = judge(trace.observations())
     passed = all(v.passed for v in verdicts)
-    steps = sorted({o.step for o in observations})
-    ranks = sorted({o.rank for o in observations})
+    steps = sorted(trace.complete)
+    incomplete = sorted(trace.incomplete.items())
     if args.json:
-        json.dump({"passed": passed, "steps": len(steps), "ranks": ranks, "notes": notes,
-                   "verdicts": [v.to_json() for v in verdicts]}, sys.stdout, indent=2)
+        json.dump({"passed": passed, "world_size": trace.world_size, "checks_judged": len(steps),
+                   "steps": len(steps), "ranks": list(range(trace.world_size)),
+                   "incomplete": [{"step": step, "missing_ranks": ranks} for step, ranks in incomplete],
+                   "notes": trace.notes, "verdicts": [v.to_json() for v in verdicts]}, sys.stdout, indent=2)
         print()
         return 0 if passed else 1
     lines = [str(v) for verdict in verdicts for v in verdict.violations]
+    lines += [f"incomplete: step {step}: no line from rank(s) {_ranks(ranks)}, not judged"
+              for step, ranks in incomplete]
     for line in lines[: limit or None]:
         print(line)
     if limit and len(lines) > limit:
-        print(f"... {len(lines) - limit} more violations not shown (use --limit 0 or --json)")
-    for note in notes:
+        print(f"... {len(lines) - limit} more line(s) not shown (use --limit 0 or --json)")
+    for note in trace.notes:
         print(f"note: {note}")
-    span = f"steps {steps[0]}..{steps[-1]}" if steps else "no steps"
-    print(f"{'PASS' if passed else 'FAIL'} {len(steps)} check(s) ({span}) of {len(ranks)} rank(s): "
-          f"{summary_line(None, verdicts)}")
+    span = f"steps {steps[0]}..{steps[-1]}"
+    skipped = f", {len(incomplete)} incomplete check(s) not judged" if incomplete else ""
+    print(f"{'PASS' if passed else 'FAIL'} {len(steps)} check(s) judged ({span}) of {trace.world_size} "
+          f"rank(s){skipped}: {summary_line(None, verdicts)}")
     return 0 if passed else 1
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks[:8])) + (f",... ({len(ranks)} ranks)" if len(ranks) > 8 else "")

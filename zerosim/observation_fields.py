@@ -1,0 +1,134 @@
+"""Typed reading of an observation's JSON fields: each value checked for its type and range before a
+check sees it, every refusal a ConfigError naming the field (its path in the record) and the value.
+
+A monitor's trace (:meth:`zerosim.observe.MonitorObservation.from_json`) is input a user may have
+copied, cut or edited, and the checks it feeds do integer arithmetic in int64 and floating-point
+arithmetic that a negative sum of squares or a huge integer would break. So:
+
+* an integer field is a JSON integer (never a float such as ``0.9`` or ``Infinity``, never ``true``),
+  within the bounds its meaning gives (a rank below the world size, a count never negative, an element
+  index within a signed 64-bit integer, :data:`INT64_LIMIT`);
+* a number field is a JSON number (an integer or a float; ``NaN`` and ``Infinity`` where the writer
+  can legitimately write them, as a non-finite gradient does), within its sign;
+* a string field is a string, a range a pair of integers, a map of ranges an object of such lists.
+
+Shown values are cut to :data:`SHOWN_CHARS` characters of their ``repr`` (which escapes control and
+bidi characters), so an error line stays one short line whatever the record holds.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .errors import ConfigError
+
+INT64_LIMIT = 1 << 63  #: element indices, counts and steps lie in (-2**63, 2**63): numpy's int64
+MAX_WORLD = 1 << 20  #: the most ranks a run may have (a world size above it is not a real run's)
+SHOWN_CHARS = 60  #: characters of a refused value shown in the error line
+
+
+class Shown:
+    """A value as an error line shows it: its ``repr``, cut to SHOWN_CHARS characters."""
+
+    def __init__(self, value: Any):
+        text = repr(value)
+        self.text = text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def key_path(parent: str, key: Any) -> str:
+    """``parent[key]`` with the key shown as :class:`Shown` shows it (escaped and cut)."""
+    return f"{parent}[{Shown(key)!r}]"
+
+
+def fail(path: str, value: Any, reason: str) -> ConfigError:
+    return ConfigError(path, Shown(value), reason)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def need_int(value: Any, path: str, lo: int = -INT64_LIMIT + 1, hi: int = INT64_LIMIT - 1) -> int:
+    """``value`` as an integer in ``[lo, hi]``."""
+    if not is_int(value):
+        raise fail(path, value, "must be an integer")
+    if not lo <= value <= hi:
+        raise fail(path, value, f"must be an integer in [{lo}, {hi}]")
+    return int(value)
+
+
+def need_count(value: Any, path: str) -> int:
+    """``value`` as a non-negative integer below 2**63."""
+    return need_int(value, path, 0, INT64_LIMIT - 1)
+
+
+def need_number(value: Any, path: str, *, non_negative: bool = False, nan: bool = True,
+                positive: bool = False) -> float:
+    """``value`` (a JSON integer or float) as a float; ``non_negative``: refuses values below 0
+    (``-Infinity`` included); ``positive``: refuses 0 too; ``nan``: whether NaN is allowed."""
+    if not (is_int(value) or isinstance(value, float)):
+        raise fail(path, value, "must be a number")
+    number = float(value)
+    if math.isnan(number):
+        if not nan:
+            raise fail(path, value, "must be a number, not NaN")
+        return number
+    if positive and not number > 0:
+        raise fail(path, value, "must be a positive number")
+    if non_negative and number < 0:
+        raise fail(path, value, "must not be negative")
+    return number
+
+
+def need_optional_number(value: Any, path: str, **kwargs: bool) -> float | None:
+    return None if value is None else need_number(value, path, **kwargs)
+
+
+def need_str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise fail(path, value, "must be a string")
+    return value
+
+
+def need_optional_str(value: Any, path: str) -> str | None:
+    return None if value is None else need_str(value, path)
+
+
+def need_list(value: Any, path: str, length: int | None = None) -> list[Any]:
+    """``value`` as a JSON array (of exactly ``length`` items, where given)."""
+    if not isinstance(value, list):
+        raise fail(path, value, "must be a list")
+    if length is not None and len(value) != length:
+        raise fail(path, value, f"must be a list of {length} items")
+    return value
+
+
+def need_object(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise fail(path, value, "must be an object")
+    return value
+
+
+def need_key(data: dict[str, Any], key: str) -> Any:
+    """``data[key]``; a missing key is a ConfigError naming it."""
+    if key not in data:
+        raise ConfigError(key, None, "is missing")
+    return data[key]
+
+
+def need_ranges(value: Any, path: str) -> dict[str, list[tuple[int, int]]]:
+    """A map of tensor name -> list of ``[start, stop)`` element ranges (integer pairs in int64's range;
+    their order and bounds are C-ZERO-001's to judge)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name, ranges in need_object(value, path).items():
+        where = key_path(path, name)
+        pairs = []
+        for i, pair in enumerate(need_list(ranges, where)):
+            a, b = need_list(pair, f"{where}[{i}]", 2)
+            pairs.append((need_int(a, f"{where}[{i}][0]"), need_int(b, f"{where}[{i}][1]")))
+        out[name] = pairs
+    return out
