@@ -9,6 +9,12 @@ changed. When a collective times out or fails, the rank reads its peers' entries
 was doing instead. The store is also where failing ranks agree who prints the error
 (:meth:`ProgressBoard.claim_report`): the first to claim prints, the others stay quiet.
 
+The publishing thread is stopped and joined before the interpreter finalizes (an ``atexit`` hook, or
+:meth:`ProgressBoard.stop` earlier). A daemon thread still inside a store call when the interpreter
+finalizes is ended by CPython (``pthread_exit``) as it takes the GIL back inside the store binding,
+and that unwinding through the binding's C++ frames calls ``std::terminate``: the process aborts
+(``terminate called without an active exception``, SIGABRT) after the program succeeded.
+
 Serves the "a rank that never arrives raises CollectiveTimeout naming it" clause of the
 Communicator contract (:mod:`zerosim.comm.base`) and the "a failing rank ends the run, reported
 once" rule.
@@ -16,14 +22,20 @@ once" rule.
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any
 
 _PREFIX = "zerogpu/progress/"
 _FAILURES = "zerogpu/failures"
+#: how long stopping waits for the thread's store call in flight (milliseconds on a live store; a store
+#: that has not answered in this long is gone, and the process is leaving without it)
+STOP_WAIT_S = 5.0
+_RUNNING: weakref.WeakSet[ProgressBoard] = weakref.WeakSet()  # boards whose thread may be publishing
 
 
 class ProgressBoard:
@@ -50,6 +62,7 @@ class ProgressBoard:
         if store is not None and start_thread:
             self._thread = threading.Thread(target=self._run, name="zerogpu-progress", daemon=True)
             self._thread.start()
+            _RUNNING.add(self)
 
     # -- the data path: integers only -------------------------------------------------------------
     def board_key(self, name: str, members: tuple[int, ...]) -> str:
@@ -90,7 +103,18 @@ class ProgressBoard:
                 return
 
     def stop(self) -> None:
+        """Stop publishing and wait (at most :data:`STOP_WAIT_S`) for the thread's store call in flight,
+        so that no thread is inside the store binding when the interpreter finalizes."""
         self._stop.set()
+        _RUNNING.discard(self)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(STOP_WAIT_S)
+
+    @property
+    def publishing(self) -> bool:
+        """Is the publishing thread still running?"""
+        return self._thread is not None and self._thread.is_alive()
 
     # -- the error path ---------------------------------------------------------------------------
     def peer_state(self, rank: int) -> dict[str, Any] | None:
@@ -150,6 +174,16 @@ class ProgressBoard:
             return int(self.store.add(_FAILURES, 1)) == 1
         except Exception:  # noqa: BLE001 - when in doubt, report
             return True
+
+
+def stop_all_boards() -> None:
+    """Stop every board's publishing thread (registered with ``atexit``: the interpreter runs it
+    before it finalizes, while the threads can still leave their store calls)."""
+    for board in list(_RUNNING):
+        board.stop()
+
+
+atexit.register(stop_all_boards)
 
 
 def store_timeout(store: Any, seconds: float) -> None:
