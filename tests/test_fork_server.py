@@ -8,6 +8,7 @@ One server for the module; the rank programs are tiny ``python -c`` programs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -22,15 +23,16 @@ from zerosim.launching import run_process_group
 pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork server: Linux only")
 
+from zerogpu import fork_server_process  # noqa: E402
+from zerogpu.fork_protocol import LaunchRequest  # noqa: E402
 from zerogpu.fork_server import (  # noqa: E402
     FORK_SERVER_ENV,
     ForkServer,
     ServedZygote,
-    import_environment,
-    refusal,
     request_zygote,
     start_fork_server,
 )
+from zerogpu.fork_server_process import import_environment, refusal  # noqa: E402
 from zerogpu.spawn import RANK_START_ENV, RankSpawn  # noqa: E402
 
 GUARD_S = 120.0  # every launch here ends in seconds; reaching this is the failure (a hang)
@@ -179,25 +181,27 @@ def test_a_closed_connection_ends_the_served_zygote_and_its_session(server: Fork
 def test_refusal_names_what_would_differ(tmp_path: Path) -> None:
     """The rule (no launch): another python, an import variable, a module the folder would shadow."""
     env = dict(os.environ)
-    request = {"python": sys.executable, "env": env, "cwd": str(tmp_path), "argv": ["1", "--", "-c", "pass"]}
-    from zerogpu import fork_server
+    request = LaunchRequest(("1", "--", "-c", "pass"), 1, env, str(tmp_path), sys.executable)
 
-    saved = dict(fork_server._BASE_ENV)
-    fork_server._BASE_ENV.clear()
-    fork_server._BASE_ENV.update(env)
+    def changed(**fields: object) -> LaunchRequest:
+        return dataclasses.replace(request, **fields)  # type: ignore[arg-type]
+
+    saved = dict(fork_server_process._BASE_ENV)
+    fork_server_process._BASE_ENV.clear()
+    fork_server_process._BASE_ENV.update(env)
     try:
         assert refusal(request) is None
-        assert refusal({**request, "python": "/usr/bin/python3-other"}) == (
+        assert refusal(changed(python="/usr/bin/python3-other")) == (
             f"python /usr/bin/python3-other is not {sys.executable}")
-        assert refusal({**request, "env": {**env, "MKL_NUM_THREADS": "9"}}) == "$MKL_NUM_THREADS differs"
-        assert refusal({**request, "env": {**env, "ZEROSIM_FAULT": "x", "TMPDIR": "/x"}}) is None
+        assert refusal(changed(env={**env, "MKL_NUM_THREADS": "9"})) == "$MKL_NUM_THREADS differs"
+        assert refusal(changed(env={**env, "ZEROSIM_FAULT": "x", "TMPDIR": "/x"})) is None
         # set by DeepSpeed's import in a process that made it, read by torch only where CUDA is asked for
-        assert refusal({**request, "env": {**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}}) is None
+        assert refusal(changed(env={**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})) is None
         (tmp_path / "torch.py").write_text("")
         assert refusal(request) == f"{tmp_path / 'torch.py'} shadows the imported torch"
     finally:
-        fork_server._BASE_ENV.clear()
-        fork_server._BASE_ENV.update(saved)
+        fork_server_process._BASE_ENV.clear()
+        fork_server_process._BASE_ENV.update(saved)
     assert set(import_environment({"PYTHONPATH": "x", "TORCHELASTIC_USE_AGENT_STORE": "True",
                                    "TORCH_HOME": "/t", "LD_PRELOAD": "y", "PATH": "/bin"})) == {"TORCH_HOME",
                                                                                                 "LD_PRELOAD"}
