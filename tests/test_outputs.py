@@ -148,11 +148,16 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly_with_141(argv: list
 
 
 def clone_like(tmp_path: Path) -> Path:
-    """A git repository holding this one's .gitignore and committed reports/."""
+    """A git repository holding this one's .gitignore and the committed files of reports/ (only those:
+    the checkout may also hold ignored report folders that earlier commands wrote)."""
     clone = tmp_path / "clone"
     clone.mkdir()
     shutil.copy(ROOT / ".gitignore", clone / ".gitignore")
-    shutil.copytree(ROOT / "reports", clone / "reports")
+    listed = subprocess.run(["git", "ls-files", "-z", "reports"], cwd=ROOT, capture_output=True, check=True)
+    for relative in filter(None, listed.stdout.decode().split("\0")):
+        target = clone / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / relative, target)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
     subprocess.run([*git, "init", "-q"], cwd=clone, check=True)
     subprocess.run([*git, "add", "-A"], cwd=clone, check=True)

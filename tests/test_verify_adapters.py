@@ -182,27 +182,38 @@ def test_deepspeed_stage_2_reducing_to_each_owner_sends_exactly_the_zero2_volume
         report.contracts["C-ZERO-005"].reason
 
 
-def test_deepspeed_zero3_refuses_float64_where_deepspeed_keeps_the_parameters_dtype() -> None:
-    """zero.Init keeps the parameters' dtype only on an accelerator with float16 (CUDA), and asserts on
-    float64 there; elsewhere it takes a half-precision dtype in its place and a float64 model trains."""
+def test_deepspeed_zero3_partitions_a_float64_model_as_float32_and_keeps_every_other_dtype() -> None:
+    """zero.Init asserts on float64 wherever DeepSpeed's accelerator reports float16 support (CUDA, and
+    its CPU accelerator on processors with AVX512-FP16): the adapter hands it float32 instead."""
     torch = pytest.importorskip("torch")
-    from zerosim.verify.adapters.deepspeed_zero import refuse_zero3_dtype
+    from zerosim.verify.adapters.deepspeed_zero import zero3_param_dtype
 
-    with pytest.raises(NotImplementedError, match="--dtype float32"):
-        refuse_zero3_dtype(torch.float64, fp16_supported=True)
+    assert zero3_param_dtype(torch.float64) == torch.float32
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        refuse_zero3_dtype(dtype, fp16_supported=True)
-    refuse_zero3_dtype(torch.float64, fp16_supported=False)
+        assert zero3_param_dtype(dtype) == dtype
 
 
-ACCELERATOR_WITH_FP16 = """
-from deepspeed.accelerator import get_accelerator
+def test_deepspeed_fp16_answer_can_be_told_and_a_bad_value_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("deepspeed")
+    from deepspeed.accelerator import get_accelerator
 
+    from zerosim.errors import ConfigError
+    from zerosim.verify.adapters import deepspeed_zero
+
+    accelerator = get_accelerator()
+    monkeypatch.setattr(accelerator, "is_fp16_supported", accelerator.is_fp16_supported)  # restored after
+    for told, answer in (("1", True), ("0", False)):
+        monkeypatch.setenv(deepspeed_zero.FP16_ANSWER_ENV, told)
+        assert deepspeed_zero.deepspeed_fp16_supported() is answer
+    monkeypatch.setenv(deepspeed_zero.FP16_ANSWER_ENV, "yes")
+    with pytest.raises(ConfigError, match="ZEROSIM_DEEPSPEED_FP16='yes'"):
+        deepspeed_zero.deepspeed_fp16_supported()
+
+
+UNCAST_ZERO3 = """
 from zerosim.verify.adapters import deepspeed_zero
 
-get_accelerator().is_fp16_supported = lambda: True  # as DeepSpeed's CUDA accelerator answers
-if {unguarded}:
-    deepspeed_zero.refuse_zero3_dtype = lambda dtype, fp16_supported: None
+deepspeed_zero.zero3_param_dtype = lambda dtype: dtype  # hand zero.Init the model's own dtype
 
 
 def make_trainer(model, optim):
@@ -211,27 +222,29 @@ def make_trainer(model, optim):
 
 
 @pytest.mark.torchdist
-@pytest.mark.parametrize("unguarded", [False, True], ids=["refused", "deepspeed-asserts"])
-def test_deepspeed_zero3_of_a_float64_model_on_an_accelerator_with_float16(tmp_path: Path, monkeypatch,
-                                                                            unguarded: bool) -> None:
-    """On an accelerator that answers float16 supported, as CUDA's does: the adapter refuses a float64
-    model (verdict unsupported, exit 2, the way out named); without the refusal DeepSpeed's own
-    zero.Init assertion ends the run, so the refusal stands for what DeepSpeed really does."""
+@pytest.mark.parametrize("cast", [True, False], ids=["cast-to-float32", "deepspeed-asserts"])
+def test_deepspeed_zero3_of_a_float64_model_where_deepspeed_reports_float16(tmp_path: Path, monkeypatch,
+                                                                            cast: bool) -> None:
+    """With DeepSpeed's accelerator answering float16 supported (as CUDA's and an AVX512-FP16 Xeon's
+    do), a float64 model at stage 3 trains in float32 and passes, judged in float32 arithmetic; handed
+    to zero.Init as float64, DeepSpeed's own assertion ends the run, so the cast stands for what
+    DeepSpeed really does."""
     reason = missing_requirement("deepspeed-3")
     if reason:
         pytest.skip(reason)
     from zerosim.verify import TrainerError, verify
+    from zerosim.verify.adapters.deepspeed_zero import FP16_ANSWER_ENV
 
-    (tmp_path / "zero3_fp16_accelerator.py").write_text(ACCELERATOR_WITH_FP16.format(unguarded=unguarded))
-    monkeypatch.chdir(tmp_path)
-    target = "zero3_fp16_accelerator:make_trainer"
-    if unguarded:
+    monkeypatch.setenv(FP16_ANSWER_ENV, "1")
+    if not cast:
+        (tmp_path / "uncast_zero3.py").write_text(UNCAST_ZERO3)
+        monkeypatch.chdir(tmp_path)
         with pytest.raises(TrainerError, match="Invalid data type torch.float64"):
-            verify(target, world=1, steps=4, timeout_s=120, allow_world_1=True)
+            verify("uncast_zero3:make_trainer", world=1, steps=4, timeout_s=120, allow_world_1=True)
         return
-    report = verify(target, world=1, steps=4, timeout_s=120, allow_world_1=True)
-    assert (report.verdict, report.exit_code) == ("unsupported", 2)
-    assert all("run with --dtype float32" in p["reason"] for p in report.phases), report.phases
+    report = verify("deepspeed-3", world=1, steps=4, timeout_s=120, allow_world_1=True)
+    assert (report.verdict, report.exit_code) == ("pass", 0), report.phases
+    assert [p.get("arithmetic") for p in report.phases] == ["float32", "float32"], report.phases
 
 
 @pytest.mark.torchdist

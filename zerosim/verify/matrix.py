@@ -12,8 +12,8 @@ log10(max error / tolerance), each cell labelled with its verdict and first fail
 The resume column: for each pair (N, M) of :data:`RESUME_PAIRS` (2 -> 3, 4 -> 2), every adapter runs
 both phases at N ranks, each phase interrupted after step :data:`RESUME_AT` and resumed from its own
 checkpoint on M fresh ranks (``verify(..., resume_at=, resume_world=)``); the cell shows the run's
-verdict and C-ZERO-007. ``--resume-matrix`` runs this column alone (``verify-resume-matrix.json``
-and ``.md``).
+verdict and C-ZERO-007. ``--resume-matrix`` runs this column alone: ``verify-resume-matrix.json``
+and ``.md`` in ``--out DIR`` or a new ``reports/verify-resume-matrix-<timestamp>/``.
 
 The mesh column: every hybrid adapter (:data:`zerosim.verify.adapters.HYBRID_ADAPTERS`) once more at
 world 4 on the degenerate mesh (4, 1) (``--mesh 4x1``: four replicas of one unsharded rank, where
@@ -302,14 +302,45 @@ def _environment() -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "machine": platform.machine(),
-        "processor": platform.processor(),
+        "processor": _cpu_model() or platform.processor(),
     }
     for package in ("torch", "deepspeed"):
         try:
             env[package] = md.version(package)
         except md.PackageNotFoundError:
             env[package] = None
+    env["deepspeed_fp16"] = None
+    if env["deepspeed"] is not None:
+        from .adapters.deepspeed_zero import deepspeed_fp16_supported
+
+        env["deepspeed_fp16"] = deepspeed_fp16_supported()
     return env
+
+
+def _cpu_model() -> str:
+    """The processor's model name as the kernel reports it (``/proc/cpuinfo``), or ""."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _processor_line(env: dict[str, Any]) -> str:
+    """Which processor the matrix ran on, and what DeepSpeed's fp16 answer there changes."""
+    where = f"Processor: {env.get('processor') or 'unknown'}."
+    answer = env.get("deepspeed_fp16")
+    if answer is None:
+        return where
+    said = "supported" if answer else "not supported"
+    other = ("DeepSpeed's fp16 cells would read unsupported" if answer
+             else "DeepSpeed's fp16 cells would run and be judged")
+    return (f"{where} DeepSpeed's accelerator reported float16 {said}; on a processor that answers "
+            f"the other way (AVX512-FP16 decides on a CPU) {other}; every other cell is the same, "
+            "ZeRO-3 in float64 included (it partitions a float64 model as float32 either way).")
 
 
 # ---- output ------------------------------------------------------------------------------------------
@@ -403,6 +434,8 @@ def render_markdown(matrix: dict[str, Any]) -> str:
             "",
             f"Generated {matrix['generated_utc']} with torch {env.get('torch')}, deepspeed "
             f"{env.get('deepspeed')}, Python {env.get('python')} on {env.get('machine')}.",
+            "",
+            _processor_line(env),
         ]
         tail = []
         if matrix.get("not_installed"):
@@ -422,6 +455,8 @@ def render_markdown(matrix: dict[str, Any]) -> str:
         f"deepspeed {env.get('deepspeed')}, "
         f"Python {env.get('python')} on {env.get('machine')}. Cell: verdict, max error / tolerance of "
         "C-ZERO-002 (below 1 passes), and the first failing step and contract.",
+        "",
+        _processor_line(env),
         "",
         "| adapter | " + " | ".join([*(f"{o} @ {w}" for o, w in cols),
                                        *(f"{o} @ {w}, mesh {w}x1" for o, w in mesh_cols)]) + " |",

@@ -34,10 +34,14 @@ from the cast weights: they start bfloat16-rounded, not from the float32 values 
 step on LayerNorm gains). The adapter writes the float32 values into the masters after
 ``deepspeed.initialize`` (:meth:`DeepSpeedTrainer._restore_masters`), through DeepSpeed's own
 ``safe_set_full_fp32_param`` / ``safe_set_local_fp32_param``.
+ZeRO-3 partitions a float64 model's parameters as float32 (:func:`zero3_param_dtype`): ``zero.Init``
+asserts on float64 wherever DeepSpeed's accelerator reports float16 support, which its CPU accelerator
+does on some processors (AVX512-FP16) and not on others, so the adapter casts first and the verdict is
+the same on every processor.
 What DeepSpeed cannot do is refused with its reason (NotImplementedError: the phase is reported
-unsupported): float16 on an accelerator without it (DeepSpeed's CPU accelerator), a float64 model at
-stage 3 on an accelerator with float16 (CUDA: :func:`refuse_zero3_dtype`), and loss scaling
-with factors other than DeepSpeed's fixed 2 and 1/2, or an initial scale that is not a power of two.
+unsupported): float16 where DeepSpeed's accelerator reports no support for it (its CPU accelerator on a
+processor without AVX512-FP16), and loss scaling with factors other than DeepSpeed's fixed 2 and 1/2,
+or an initial scale that is not a power of two.
 """
 
 from __future__ import annotations
@@ -70,7 +74,40 @@ def _deepspeed() -> Any:
     compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
     if isinstance(compatible, dict):
         compatible[SHM_COMM_OP] = False
+    _answer_fp16_as_told()
     return deepspeed
+
+
+#: set to 1 or 0, DeepSpeed's accelerator answers that it supports float16 (or not) whatever the
+#: processor says: what a run on the other kind of processor would do, on this one
+FP16_ANSWER_ENV = "ZEROSIM_DEEPSPEED_FP16"
+
+
+def _answer_fp16_as_told() -> None:
+    """Make DeepSpeed's accelerator answer ``is_fp16_supported()`` as ``ZEROSIM_DEEPSPEED_FP16`` says.
+
+    DeepSpeed's CPU accelerator asks oneDNN, which says yes on processors with AVX512-FP16 (recent
+    Intel Xeons) and no on others (AMD EPYC); ZeRO-3's parameter dtype and whether fp16 runs follow
+    that answer. The variable lets one machine run what the other kind would; a bad value is refused."""
+    import os
+
+    told = os.environ.get(FP16_ANSWER_ENV)
+    if told is None or told == "":
+        return
+    if told not in ("0", "1"):
+        raise ConfigError(FP16_ANSWER_ENV, told, "0 or 1")
+    from deepspeed.accelerator import get_accelerator
+
+    answer = told == "1"
+    get_accelerator().is_fp16_supported = lambda: answer
+
+
+def deepspeed_fp16_supported() -> bool:
+    """Whether DeepSpeed's accelerator here runs float16 (its own answer, or ``ZEROSIM_DEEPSPEED_FP16``)."""
+    _deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
 
 
 def deepspeed_config(stage: int, optim: dict[str, Any], world: int) -> dict[str, Any]:
@@ -148,17 +185,17 @@ def refuse_unsupported_dtype(policy: MixedPolicy) -> None:
 ZERO3_PARAM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def refuse_zero3_dtype(dtype: torch.dtype, fp16_supported: bool) -> None:
-    """NotImplementedError when ZeRO-3 cannot partition parameters of ``dtype`` on this accelerator.
+def zero3_param_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the adapter gives a model's parameters before ZeRO-3 partitions them: the model's own
+    where ``zero.Init`` accepts it, float32 otherwise (a float64 model).
 
-    ZeRO-3 wraps the module in ``zero.Init`` with the parameters' dtype, and ``zero.Init`` keeps that
-    dtype only where the accelerator supports float16 (CUDA: a float64 model then fails its assertion);
-    on one without float16 (DeepSpeed's CPU accelerator) it takes a half-precision dtype in its place and
-    the float64 model trains, in float32 masters, as at every other stage."""
-    if fp16_supported and dtype not in ZERO3_PARAM_DTYPES:
-        raise NotImplementedError(
-            f"DeepSpeed ZeRO-3 partitions float16, bfloat16 and float32 parameters only on an accelerator "
-            f"with float16 (zero.Init asserts on {dtype}): run with --dtype float32")
+    ``zero.Init`` keeps the parameters' dtype only where DeepSpeed's accelerator answers that it
+    supports float16 (CUDA, and the CPU accelerator on a processor with AVX512-FP16), and asserts on
+    float64 there; elsewhere it takes a half-precision dtype in its place. DeepSpeed trains in
+    float32 masters at every stage whatever the model's dtype, so a float64 model cast to float32
+    first is trained exactly as stages 1 and 2 train it, on every processor, and verify judges it
+    with the float32 bound (its parameters are float32-representable from the first step)."""
+    return dtype if dtype in ZERO3_PARAM_DTYPES else torch.float32
 
 
 class DeepSpeedTrainer:
@@ -188,10 +225,9 @@ class DeepSpeedTrainer:
         if policy is not None:
             refuse_unsupported_dtype(policy)
             self.wire_bytes = {"params": policy.param_dtype.itemsize, "grads": policy.reduce_dtype.itemsize}
-        if stage == 3:
-            from deepspeed.accelerator import get_accelerator
-
-            refuse_zero3_dtype(self.dtype, get_accelerator().is_fp16_supported())
+        if stage == 3 and zero3_param_dtype(self.dtype) != self.dtype:
+            model.to(zero3_param_dtype(self.dtype))
+            self.wire_bytes["params"] = zero3_param_dtype(self.dtype).itemsize
         self.model = model
         config = deepspeed_config(stage, optim, dist.get_world_size())
         config["zero_optimization"].update(zero_overrides or {})
@@ -280,15 +316,34 @@ class DeepSpeedTrainer:
         from deepspeed.utils import safe_get_full_optimizer_state
 
         out: dict[str, dict[str, torch.Tensor]] = {}
+        kept = self._state_keys_kept()
         for name, p in self._named:
             state = {}
-            for key in _STATE_NAMES[self.optim_name]:
+            for key in kept:
                 value = safe_get_full_optimizer_state(p, key)
                 if value is not None:
                     state[key] = value.to(self.dtype)
             if state:
                 out[name] = state
         return out
+
+    def _state_keys_kept(self) -> tuple[str, ...]:
+        """The optimizer's state entries DeepSpeed keeps now, the same on every rank (collective).
+
+        An entry exists only once the wrapped torch optimizer has stepped: under fp16 a step whose
+        gradients overflow is skipped before the optimizer runs, so after it SGD keeps no
+        ``momentum_buffer`` yet, as the reference's ``torch.optim.SGD`` keeps none after the same
+        skipped step. DeepSpeed's accessors cannot answer that: stages 1 and 2 link their state
+        fragments after the first real step (a read before it fails inside ``tensor_fragment``),
+        stage 3 looks the key up in the flat partition's state (a ``KeyError`` before it). So every
+        rank looks at its own flat partitions' state, and an entry is read only where every rank
+        has it (an all-reduce of one flag per entry, which keeps the accessors' collectives in step)."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        states = list(getattr(inner, "state", {}).values())
+        wanted = _STATE_NAMES[self.optim_name]
+        present = torch.tensor([float(any(key in st for st in states)) for key in wanted])
+        dist.all_reduce(present, op=dist.ReduceOp.MIN)
+        return tuple(key for key, flag in zip(wanted, present.tolist(), strict=True) if flag == 1.0)
 
     def save_checkpoint(self, directory: Any) -> None:
         """DeepSpeed's own ``save_checkpoint`` (collective: every rank writes its partitions), plus the
