@@ -53,17 +53,37 @@ from ..observe import MonitorObservation, ranges_from_json
 from ..verdict import Verdict, Violation
 from .deepspeed_layout import DeepSpeedReader, is_deepspeed_engine
 from .digest import digest_text
-from .exchange import FINGERPRINT, Gather, comm_device, exchange_keys, start_gather, summary_values
+from .exchange import (
+    CHECK,
+    CLOSING,
+    FINGERPRINT,
+    OFF,
+    PHASE,
+    STEP,
+    ExchangeFailed,
+    Gather,
+    comm_device,
+    exchange_keys,
+    monitor_group,
+    start_gather,
+    summary_values,
+)
 from .judge import CONTRACTS, judge, summary_line
 from .layouts import LiveLayout, read_layout
 from .row import RowBuilder
-from .trace import append_line, rank_file, write_summary
+from .trace import append_line, rank_file, touch_regular, write_summary
 
 ON_VIOLATION = ("log", "raise")
 #: a held piece: (tensor, start, stop) of its flat element range
 PieceKey = tuple[str, int, int]
-#: violations kept in the JSON summary (the rest are counted)
+#: violations (and skipped checks) kept in the JSON summary (the rest are counted)
 SUMMARY_LISTED = 50
+#: the seconds a call that is not a check step waits for the other ranks' rows of the check before it,
+#: once per check: in a loop whose step synchronises the ranks they have sent them by then; a rank that
+#: skipped that check sends a row at its next check step, where the wait is bounded by ``timeout``
+GRACE_S = 2.0
+#: the default bound on any one wait for the other ranks' part of a monitor exchange (seconds)
+DEFAULT_TIMEOUT_S = 120.0
 
 
 class MonitorViolation(RuntimeError):
@@ -88,15 +108,20 @@ class Monitor:
     (``ZeroRedundancyOptimizer`` included; None for a ZeroTrainer or a DeepSpeed engine). ``max_norm``:
     the ``clip_grad_norm_`` bound, when the logged norm is the one before clipping (not used for a
     DeepSpeed engine, whose gradient is measured before it clips). ``log``: where the per-check lines
-    go (default: rank 0's stderr). ``overlap`` (default True): each check's all-gather completes, and
-    the check is judged, at the next :meth:`after_step` call (or :meth:`flush`, :meth:`close`), so that
-    no rank waits at a check for the others to reach it; False: judged within the call that observed it.
+    go (default: rank 0's stderr; a rank's own failures go to its own stderr). ``overlap`` (default
+    True): each check's all-gather completes, and the check is judged, at the next :meth:`after_step`
+    call (or :meth:`flush`, :meth:`close`), so that no rank waits at a check for the others to reach
+    it; False: judged within the call that observed it. ``timeout``: the seconds the monitor waits at
+    most for the other ranks' part of one of its exchanges (its process group's own timeout).
+
+    Construction is collective: every rank makes the monitor's process group and exchanges its layout.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, every: Any = 100, out: Any = None,
                  on_violation: str = "log", max_norm: float | None = None,
                  log: Callable[[str], None] | None = None,
-                 layout_reader: Callable[[], LiveLayout] | None = None, overlap: bool = True):
+                 layout_reader: Callable[[], LiveLayout] | None = None, overlap: bool = True,
+                 timeout: Any = DEFAULT_TIMEOUT_S):
         self.model = model
         self.overlap = bool(overlap)
         self._pending: _Pending | None = None
@@ -108,53 +133,91 @@ class Monitor:
         self.enabled = False
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._log = log if log is not None else (_stderr if self.rank == 0 else (lambda line: None))
+        #: where this rank's own failures go: every rank reports its own, once
+        self._own_log = log if log is not None else _stderr
         self._read = layout_reader or (lambda: read_layout(self.model, self.optimizer))
         self.every = every
         self.on_violation = on_violation
+        self.timeout = timeout
         self.out: Path | None = None
+        self._trace: Path | None = None
         self.checks = 0
         self.seconds = 0.0
         self.violations: list[Violation] = []
         self.violation_count = 0
         self.steps: list[int] = []
+        self.skipped: list[dict[str, Any]] = []
+        self.skipped_count = 0
         self.adapter = "?"
         self.notes: list[str] = []
+        self.off_reason: str | None = None
+        self._floor: int | None = None
+        self._group: Any = None
         self._keys: list[dict[str, Any]] | None = None
         self._fingerprints: list[int] = []
         self._shared: frozenset[PieceKey] = frozenset()
         self._layout_verdict: Verdict | None = None
-        problem = self._validate(every, on_violation)
+        self._farewell: Gather | None = None
+        problem = self._validate(every, on_violation, timeout)
         if problem is not None:
             self._log(f"zerosim.monitor: off: {problem}")
             return
         self.device = comm_device()
         self.world = dist.get_world_size()
         self._rows = RowBuilder(self.device)
+        try:
+            self._group = monitor_group(float(timeout))
+        except Exception as err:  # noqa: BLE001 - its own failure: logged, the monitor off
+            self._log(f"zerosim.monitor: off: cannot make the monitor's process group: {err}")
+            return
+        keys: dict[str, Any]
+        try:
+            layout = self._read()
+            self.adapter = layout.adapter
+            keys, _ = self._rows.layout_keys(layout)
+        except (ConfigError, AttributeError, KeyError, TypeError, RuntimeError) as err:
+            keys = {"off": f"cannot read the layout of {type(self.model).__name__}: {err}"}
         if out is not None:
-            try:
-                self.out = Path(out)
-                self.out.mkdir(parents=True, exist_ok=True)
-                path = rank_file(self.out, self.rank)
-                with open(path, "a"):
-                    pass
-            except OSError as err:
-                self._log(f"zerosim.monitor: invalid out={str(out)!r}: {err.strerror or err}; "
-                          "checking without observation files")
-                self.out = None
+            self._open_out(out)
+        try:
+            everyone = exchange_keys(keys, self.device, self._group, float(timeout))
+        except Exception as err:  # noqa: BLE001
+            self._own_log(f"zerosim.monitor: off on rank {self.rank}: the layout exchange failed: {err}")
+            return
+        refused = [(r, k["off"]) for r, k in enumerate(everyone) if "off" in k]
+        if refused:
+            if "off" in keys:
+                self._own_log(f"zerosim.monitor: off: {keys['off']}")
+            if self.rank != refused[0][0]:
+                self._log(f"zerosim.monitor: off: rank {refused[0][0]}: {refused[0][1]}")
+            return
+        self._adopt(everyone, room_for_gradients=True)
         self.enabled = True
 
-    def _validate(self, every: Any, on_violation: Any) -> str | None:
+    def _validate(self, every: Any, on_violation: Any, timeout: Any) -> str | None:
         if not (dist.is_available() and dist.is_initialized()):
             return "no torch.distributed process group (call init_process_group, e.g. under torchrun)"
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             return f"invalid every={every!r}: must be a positive integer (steps between checks)"
         if on_violation not in ON_VIOLATION:
             return f"invalid on_violation={on_violation!r}: must be one of {', '.join(ON_VIOLATION)}"
-        try:
-            self.adapter = self._read().adapter
-        except (ConfigError, AttributeError, KeyError, TypeError, RuntimeError) as err:
-            return f"cannot read the layout of {type(self.model).__name__}: {err}"
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < 1e7:
+            return f"invalid timeout={timeout!r}: must be a number of seconds above 0"
         return None
+
+    def _open_out(self, out: Any) -> None:
+        """Make ``out`` and this rank's observation file there (a regular file only: opening it never
+        blocks); on failure one line on this rank and the checks go on without its file."""
+        try:
+            self.out = Path(out)
+            self.out.mkdir(parents=True, exist_ok=True)
+            touch_regular(rank_file(self.out, self.rank))
+            self._trace = rank_file(self.out, self.rank)
+        except (OSError, ValueError) as err:
+            self._own_log(f"zerosim.monitor: invalid out={str(out)!r} on rank {self.rank}: "
+                          f"{getattr(err, 'strerror', None) or err}; checking without observation files")
+            if self.out is not None and not self.out.is_dir():
+                self.out = None
 
     # ---- the check ----------------------------------------------------------------------------------
     def after_step(self, step: int, loss: Any = None, grad_norm: Any = None) -> list[Violation]:
@@ -162,12 +225,40 @@ class Monitor:
         of the checks completed by this call (also logged; raised as :class:`MonitorViolation` with
         ``on_violation="raise"``, on every rank at this same call). Without ``overlap`` that is this
         step's check; with it, the check observed at the previous check step, whose exchange went on
-        while this step trained (its violations name the step they were observed at)."""
+        while this step trained (its violations name the step they were observed at). Nothing else is
+        raised: an error of the monitor's own is logged once on its rank and turns the monitor off."""
         if not self.enabled:
             return []
-        found = self._complete() if self._pending is not None else []
-        if int(step) % self.every:
+        try:
+            return self._after_step(step, loss, grad_norm)
+        except MonitorViolation:
+            raise
+        except Exception as err:  # noqa: BLE001 - the monitor's own failure never reaches the loop
+            self._give_up(err)
+            return []
+
+    def _after_step(self, step: Any, loss: Any, grad_norm: Any) -> list[Violation]:
+        step = int(step)
+        checking = step % self.every == 0
+        found: list[Violation] = []
+        if self._pending is not None:
+            # the rows of the check before: waited for GRACE_S at the first call after it, only asked
+            # about at later ones (a rank that skipped it sends its row at its next check step)
+            found = self._complete(0.0 if self._pending.waited else GRACE_S)
+        if not checking or not self.enabled:
             return found
+        if self._pending is not None:
+            return found  # one exchange in flight at most: this step's row is not sent (that check skips)
+        if self._floor is not None and step <= self._floor:
+            return found  # another rank's row for this step was gathered already, and that check skipped
+        self._floor = None
+        self._post(step, loss, grad_norm)
+        if not self.overlap:
+            found = found + self._complete(GRACE_S)
+        return found
+
+    def _post(self, step: int, loss: Any, grad_norm: Any) -> None:
+        """Observe this rank's state at ``step`` and post its row's all-gather."""
         t0 = time.perf_counter()
         layout = self._read()
         self.adapter = layout.adapter
@@ -176,17 +267,25 @@ class Monitor:
             self._note(f"C-ZERO-002 grad_norm: the logged norm is compared across ranks only, not with "
                        f"a norm recomputed from the gradient ({layout.grads_note})")
         keys, fingerprint = self._rows.layout_keys(layout)
-        if self._keys is None:
-            self._exchange(keys)
-        values = (int(step), fingerprint, _number(loss), _number(grad_norm))
+        values = (step, fingerprint, _number(loss), _number(grad_norm))
         row = self._rows.row(layout, self._width, *values, digested=self._digested(layout, fingerprint))
-        self._pending = _Pending(int(step), keys, self._width, start_gather(row),
+        self._pending = _Pending(step, keys, self._width, start_gather(row, self._group),
                                  None if self.overlap else (layout, values),
                                  time.perf_counter() - t0, self._shared, self._fingerprints)
-        if not self.overlap:
-            found = self._complete()
-        return found
 
+    def _give_up(self, err: BaseException) -> None:
+        """The monitor's own failure: one line on this rank, the monitor off. Unless its exchange is what
+        failed, this rank's last row says so (``OFF``), so that every other rank stops at the same
+        check rather than wait for rows this rank will not send."""
+        what = str(err) or type(err).__name__
+        self.off_reason = f"{type(err).__name__}: {what}"
+        self._own_log(f"zerosim.monitor: off on rank {self.rank}: {self.off_reason}; training goes on")
+        self.enabled = False
+        if not isinstance(err, ExchangeFailed) and hasattr(self, "_width") and self._group is not None:
+            try:
+                self._farewell = start_gather(self._rows.marker(self._width, OFF), self._group)
+            except Exception:  # noqa: BLE001 - the group itself is broken: the others time out
+                self._farewell = None
     def _digested(self, layout: LiveLayout, fingerprint: int) -> list[bool] | None:
         """Which of its held pieces this rank digests: those another rank holds too, by the layouts
         exchanged last; every piece (None) when its own layout has changed since, which the other ranks
@@ -205,19 +304,38 @@ class Monitor:
         return lambda rank, key: whole[rank] or key in shared
 
     def flush(self) -> list[Violation]:
-        """Complete the check still exchanging (with ``overlap``), if any: its violations (raised as
-        :class:`MonitorViolation` with ``on_violation="raise"``). :meth:`close` calls it."""
+        """Complete the check still exchanging (with ``overlap``), if any, waiting at most ``timeout``
+        for the other ranks' rows: its violations (raised as :class:`MonitorViolation` with
+        ``on_violation="raise"``). :meth:`close` calls it."""
         if not self.enabled or self._pending is None:
             return []
-        return self._complete()
+        try:
+            found = self._complete(self.timeout)
+            if self._pending is not None:
+                raise ExchangeFailed(f"the other ranks sent no row for the check of step "
+                                     f"{self._pending.step} within {self.timeout:g} s")
+            return found
+        except MonitorViolation:
+            raise
+        except Exception as err:  # noqa: BLE001
+            self._give_up(err)
+            return []
 
-    def _complete(self) -> list[Violation]:
-        """Wait for the pending check's all-gather, judge every rank's observation, record and report."""
-        pending, self._pending = self._pending, None
+    def _complete(self, bound: float) -> list[Violation]:
+        """Judge the pending check if every rank's row arrives within ``bound`` seconds (else leave it
+        pending): every rank's observation judged, recorded and reported. A table whose rows are not all
+        one step's check is not judged: the check is recorded as skipped (:meth:`_skip`)."""
+        pending = self._pending
         assert pending is not None
         t0 = time.perf_counter()
         width = pending.width
-        table = pending.gather.wait()
+        table = pending.gather.wait(bound)
+        if table is None:
+            pending.waited = True
+            return []
+        self._pending = None
+        if not self._agreed(table, width):
+            return []
         fingerprints = table[:, width + FINGERPRINT].tolist()
         digested = self._digest_rule(fingerprints, pending.shared, pending.fingerprints)
         if fingerprints != self._fingerprints:  # a rank's layout changed: every rank sees it here
@@ -228,7 +346,10 @@ class Monitor:
                 step, fingerprint, loss, norm = values
                 row = self._rows.row(layout, width, step, fingerprint, loss, norm,
                                      digested=self._digested(layout, fingerprint))
-                table = start_gather(row).wait()
+                table = start_gather(row, self._group).wait(self.timeout)
+                if table is None:
+                    raise ExchangeFailed(f"the other ranks sent no row for step {step} within "
+                                         f"{self.timeout:g} s")
                 self._fingerprints = table[:, width + FINGERPRINT].tolist()
                 digested = self._digest_rule(self._fingerprints, self._shared, self._fingerprints)
             else:
@@ -239,7 +360,7 @@ class Monitor:
         assert self._keys is not None
         mismatched = self._mismatched_pieces(table, width, digested)
         observations = [self._observation(r, self._keys[r], table[r], width,
-                                          r == self.rank and self.out is not None, mismatched, digested)
+                                          r == self.rank and self._trace is not None, mismatched, digested)
                         for r in range(self.world)]
         if self._layout_verdict is None:
             self._layout_verdict = check_partition_plan(observations)
@@ -258,9 +379,50 @@ class Monitor:
             raise MonitorViolation(found)
         return found
 
+    def _agreed(self, table: np.ndarray, width: int) -> bool:
+        """Whether ``table`` holds every rank's row of one check at one step. Otherwise: a rank whose
+        monitor is off stops it on every rank (:data:`OFF`); rows of other steps, or of ranks closing,
+        make the check skipped (:meth:`_skip`)."""
+        phases = table[:, width + PHASE].tolist()
+        if OFF in phases:
+            off = phases.index(OFF)
+            self.off_reason = f"rank {off}'s monitor turned itself off"
+            self._log(f"zerosim.monitor: off: {self.off_reason}; every rank stops checking")
+            self.enabled = False
+            return False
+        steps = table[:, width + STEP].tolist()
+        if phases.count(CHECK) == len(phases) and len(set(steps)) == 1:
+            return True
+        self._skip([int(s) if p == CHECK else None for s, p in zip(steps, phases, strict=True)])
+        return False
+
+    def _skip(self, steps: list[int | None]) -> None:
+        """Record a check not judged because the ranks' rows were not of one step (``steps``: each rank's
+        step, None for a rank that was closing the monitor). A rank's later check at a step up to the
+        latest here is not posted (its row for it, or a later one, has been gathered already): that
+        brings the ranks' sequences of rows back in line."""
+        checked = [s for s in steps if s is not None]
+        if not checked:
+            return
+        self._floor = max([*checked, *([] if self._floor is None else [self._floor])])
+        self.skipped_count += 1
+        if len(self.skipped) < SUMMARY_LISTED:
+            self.skipped.append({"steps": steps})
+        where = ", ".join(f"rank {r}: " + ("closed" if s is None else f"step {s}")
+                          for r, s in enumerate(steps))
+        self._log(f"zerosim.monitor: a check skipped, not judged: the ranks' rows were not of one step "
+                  f"({where})")
+
     def _exchange(self, keys: dict[str, Any]) -> None:
-        self._keys = exchange_keys(keys, self.device)
-        self._width = 2 * max(len(k["held"]) for k in self._keys)
+        """Gather every rank's layout ``keys`` over the monitor's group and adopt them."""
+        self._adopt(exchange_keys(keys, self.device, self._group, float(self.timeout)))
+
+    def _adopt(self, everyone: list[dict[str, Any]], room_for_gradients: bool = False) -> None:
+        """Every rank's layout keys: what each check's rows are read by. ``room_for_gradients``: the
+        rows leave a gradient piece's room beside each held piece (the keys exchanged at construction,
+        before any gradient exists, are replaced at the first check)."""
+        self._keys = everyone
+        self._width = 2 * max(len(k["held"]) for k in self._keys) * (2 if room_for_gradients else 1)
         # each rank's owned ranges and element counts, converted once per layout (shared by every check)
         self._owned = [ranges_from_json(keys["owned"]) for keys in self._keys]
         self._numels = [{k: int(v) for k, v in keys["numels"].items()} for keys in self._keys]
@@ -342,14 +504,17 @@ class Monitor:
 
     # ---- what the run keeps ---------------------------------------------------------------------------
     def _record(self, mine: MonitorObservation, elapsed: float) -> None:
-        if self.out is None:
+        """Append this rank's observation to its file; a write that fails is one line on this rank,
+        once, and the rank's file is not written again (the checks go on)."""
+        if self._trace is None:
             return
         try:
-            append_line(rank_file(self.out, self.rank), {**mine.to_json(), "monitor_s": elapsed})
+            append_line(self._trace, {**mine.to_json(), "monitor_s": elapsed})
         except OSError as err:
-            self._log(f"zerosim.monitor: cannot append to {rank_file(self.out, self.rank)}: "
-                      f"{err.strerror or err}; checking without observation files")
-            self.out = None
+            self._own_log(f"zerosim.monitor: rank {self.rank} cannot append to {self._trace}: "
+                          f"{err.strerror or err}; its observation file is not written any more, the "
+                          f"checks go on")
+            self._trace = None
 
     def _report(self, step: int, verdicts: list[Verdict], found: list[Violation], elapsed: float) -> None:
         self.violation_count += sum(v.details.get("violation_count", len(v.violations)) for v in verdicts)
@@ -374,32 +539,61 @@ class Monitor:
                 "steps_checked": [self.steps[0], self.steps[-1]] if self.steps else None,
                 "passed": self.violation_count == 0, "violation_count": self.violation_count,
                 "listed_by_contract": by_contract, "violations": [v.to_json() for v in self.violations],
-                "monitor_seconds": self.seconds, "enabled": self.enabled, "notes": list(self.notes)}
+                "skipped_count": self.skipped_count, "skipped": list(self.skipped),
+                "monitor_seconds": self.seconds, "enabled": self.enabled, "off_reason": self.off_reason,
+                "notes": list(self.notes)}
 
     def close(self) -> dict[str, Any]:
-        """Complete the check still exchanging, write ``out/summary.json`` (rank 0) and return the
-        summary; with ``on_violation="raise"`` a violation that check found is raised after the summary
-        is written."""
+        """Complete the check still exchanging, agree with every rank that the monitor is closing (a
+        rank's check the others did not send a row for is recorded as skipped), write
+        ``out/summary.json`` (rank 0) and return the summary; with ``on_violation="raise"`` a violation
+        that check found is raised after the summary is written. Waits at most ``timeout`` for each of
+        the other ranks' rows; nothing but that violation is raised."""
         raised: MonitorViolation | None = None
+        was_enabled = self.enabled
         try:
             self.flush()
         except MonitorViolation as err:
             raised = err
+        if self.enabled:
+            try:
+                self._close_exchange()
+            except Exception as err:  # noqa: BLE001
+                self._give_up(err)
         summary = self.summary()
-        if self.enabled and self.out is not None and self.rank == 0:
+        if was_enabled and self.out is not None and self.rank == 0:
             try:
                 write_summary(self.out, summary)
             except OSError as err:
-                self._log(f"zerosim.monitor: cannot write {self.out / 'summary.json'}: "
-                          f"{err.strerror or err}")
+                self._own_log(f"zerosim.monitor: rank {self.rank} cannot write "
+                              f"{self.out / 'summary.json'}: {err.strerror or err}")
         if hasattr(self._read, "close"):
-            self._read.close()  # a DeepSpeed reader takes its wrappers off the optimizer
-        if self.enabled:
+            try:
+                self._read.close()  # a DeepSpeed reader takes its wrappers off the optimizer
+            except Exception as err:  # noqa: BLE001
+                self._own_log(f"zerosim.monitor: rank {self.rank} cannot restore the optimizer: {err}")
+        if was_enabled:
             self._log(f"zerosim.monitor summary: {self.checks} check(s), "
-                      f"{self.violation_count} violation(s), {self.seconds:.3f} s in checks")
+                      f"{self.violation_count} violation(s), {self.skipped_count} skipped, "
+                      f"{self.seconds:.3f} s in checks")
+        self.enabled = False
         if raised is not None:
             raise raised
         return summary
+
+    def _close_exchange(self) -> None:
+        """Send ``CLOSING`` rows until a table holds nothing else: a rank still checking (it called
+        after_step on steps this rank did not) gets its check matched with this rank's closing row and
+        recorded as skipped, on every rank."""
+        while self.enabled:
+            gather = start_gather(self._rows.marker(self._width, CLOSING), self._group)
+            table = gather.wait(self.timeout)
+            if table is None:
+                raise ExchangeFailed(f"the other ranks did not close the monitor within {self.timeout:g} s")
+            phases = table[:, self._width + PHASE].tolist()
+            if phases.count(CLOSING) == len(phases):
+                return
+            self._agreed(table, self._width)  # the others' checks recorded as skipped, or an OFF seen
 
 
 @dataclass
@@ -417,6 +611,8 @@ class _Pending:
     #: the pieces shared and the layout fingerprints exchanged when the row was built (what it digested)
     shared: frozenset[PieceKey]
     fingerprints: list[int]
+    #: the table did not arrive within the grace of a call that was not a check step
+    waited: bool = False
 
 
 def _number(value: Any) -> Any:

@@ -34,7 +34,7 @@ import torch
 
 from ..checks.tolerance import norm_accumulation
 from .digest import PieceDigests
-from .exchange import SUMMARY, float_bits
+from .exchange import CHECK, PHASE, SUMMARY, float_bits
 from .layouts import LiveLayout, local_tensor
 
 #: a summary value: an int known on the host, or a 0-dim int64 tensor computed where its data lives
@@ -98,7 +98,7 @@ class RowBuilder:
             else:
                 target[self._index(chosen)] = lanes
         fields: dict[str, Field] = {
-            "fingerprint": fingerprint, "n_held": len(layout.held), "step": step,
+            "fingerprint": fingerprint, "n_held": len(layout.held), "step": step, "phase": CHECK,
             **_norm_summary(layout, self.device),
             "has_norm": int(grad_norm is not None), "grad_norm": _bits(grad_norm),
             "has_loss": int(loss is not None), "loss": _bits(loss)}
@@ -111,6 +111,14 @@ class RowBuilder:
                                   for i in measured])
             row[width:][self._index(measured)] = values
         return row
+
+
+    def marker(self, width: int, phase: int) -> torch.Tensor:
+        """A row that carries no check, only ``phase`` (:data:`~zerosim.monitor.exchange.CLOSING` or
+        :data:`~zerosim.monitor.exchange.OFF`): what a rank sends where the others may send a check."""
+        row = torch.zeros(width + len(SUMMARY), dtype=torch.int64)
+        row[width + PHASE] = phase
+        return to_device(row, self.device)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
