@@ -17,14 +17,14 @@ from zerosim.verify.run_value import VerifyRun
 @pytest.mark.parametrize(
     "args, needles",
     [
-        (["ddp", "--world", "2", "--precision", "fp8"], ["precision='fp8'", "bf16 or fp16"]),
+        (["ddp", "--world", "2", "--precision", "fp8"], ["precision='fp8'", "bf16 (bfloat16) or fp16 (float16)"]),
         (["ddp", "--world", "2", "--precision", "fp16", "--dtype", "float64"],
          ["dtype='float64'", "master dtype is float32"]),
         (["ddp", "--world", "2", "--precision", "bf16", "--dtype", "float64"],
          ["dtype='float64'", "master dtype is float32"]),
         (["ddp", "--world", "2", "--reduce-dtype", "bfloat16"], ["reduce_dtype='bfloat16'", "--precision"]),
         (["ddp", "--world", "2", "--precision", "bf16", "--reduce-dtype", "float64"],
-         ["reduce_dtype='float64'", "float32, bfloat16, float16"]),
+         ["reduce_dtype='float64'", "float32 (fp32), bfloat16 (bf16), float16 (fp16)"]),
         (["ddp", "--world", "2", "--precision", "bf16", "--reduce-dtype", "int8"], ["reduce_dtype='int8'"]),
     ],
     ids=["fp8", "fp16-float64", "bf16-float64", "reduce-without-precision", "reduce-float64", "reduce-int8"],

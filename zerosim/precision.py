@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .dtypes import itemsize
+from .dtypes import SHORT_NAMES, itemsize, precision_name
 from .errors import ConfigError
 from .xp import ArrayNamespace, get_namespace, namespace_of
 
@@ -30,8 +30,7 @@ _PRECISIONS = {
     "bf16": ("bfloat16", "bfloat16"),
     "fp16": ("float16", "float16"),
 }
-_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-            "mixed-bf16": "bf16", "mixed-fp16": "fp16"}
+_ALIASES = {"mixed-bf16": "bf16", "mixed-fp16": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -45,13 +44,12 @@ class Precision:
 
     @classmethod
     def parse(cls, name: str | Precision) -> Precision:
-        """"fp32" | "bf16" | "fp16" (aliases float32 / bfloat16 / float16)."""
+        """"fp32" | "bf16" | "fp16", in either spelling (float32 / bfloat16 / float16:
+        :func:`zerosim.dtypes.precision_name`), or mixed-bf16 / mixed-fp16."""
         if isinstance(name, Precision):
             return name
-        key = str(name).lower()
-        key = _ALIASES.get(key, key)
-        if key not in _PRECISIONS:
-            raise ConfigError("precision", name, f"unknown precision; known: {', '.join(_PRECISIONS)}")
+        text = str(name).strip().lower()
+        key = _ALIASES.get(text) or precision_name(name, "precision", PRECISION_NAMES)
         param, grad = _PRECISIONS[key]
         return cls(key, param, grad)
 
@@ -63,7 +61,7 @@ class Precision:
         key = str(dtype).removeprefix("torch.")
         if key == "float64":
             return cls("fp64", "float64", "float64", "float64")
-        if key not in _ALIASES:
+        if key not in SHORT_NAMES:
             raise ConfigError("dtype", dtype, "a ZeRO model's parameters must be float64, float32, bfloat16 "
                               "or float16")
         return cls.parse(key)

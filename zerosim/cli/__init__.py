@@ -20,6 +20,7 @@ from ..errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, ZeroSim
 from ..outputs import describe_os_error
 from ..owned_processes import OWNER_ENV, end_owned, new_owner_token, with_owner_token
 from ..stop_signals import StopSignal, stop_signals_handled
+from ._parser import OneLineParser
 from ._stdout import GuardedStdout, StdoutError, silence_stdout
 
 COMMAND_MODULES = ("plan", "check", "simulate", "mutants", "memory", "comm", "report", "bench", "verify",
@@ -30,7 +31,7 @@ _STOP_GRACE_S = 3.0  # how long a process this command started has to go after S
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The ``zerosim`` parser with every command, or only ``command`` when that names one (the command
     a run parses needs no other command's module: importing them all costs a launch about 0.4 s of CPU)."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="zerosim",
         description="Verify and measure ZeRO-style sharded data-parallel training.",
     )

@@ -93,8 +93,6 @@ def register_check(sub: Any) -> None:
 
 def register_peers(sub: Any) -> None:
     """``zerosim bench peers``: its options; the work is :func:`zerosim.bench.peers.run`."""
-    from ..cli.memory import one_line_errors
-
     p = sub.add_parser(
         "peers",
         help="one optimizer step under every installed adapter (ddp, torch-zero, fsdp2*, deepspeed-*, "
@@ -102,7 +100,6 @@ def register_peers(sub: Any) -> None:
         description=bench_peers.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    one_line_errors(p)
     p.add_argument("--models", default=",".join(bench_peers.DEFAULT_MODELS),
                    help=f"verify model presets (default {','.join(bench_peers.DEFAULT_MODELS)})")
     p.add_argument("--adapters", default=None,

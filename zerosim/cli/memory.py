@@ -45,18 +45,7 @@ def non_negative_int(field: str, text: Any) -> int:
     return value
 
 
-def one_line_errors(p) -> None:
-    """argparse's own errors (a missing value, an unknown option) as one line and exit status 2."""
-
-    def error(message: str) -> None:
-        print(f"error: {p.prog}: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-    p.error = error
-
-
 def add_model_args(p) -> None:
-    one_line_errors(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--params", help="parameter count, e.g. 7.5e9 or 7.5B (no block structure)")
     src.add_argument("--model", help="a preset: tiny, sim-10m, gpt2-small, ..., gpt-7.5b, gpt3-175b")

@@ -16,13 +16,11 @@ import sys
 from typing import Any
 
 from ..outputs import output_dir
-from .memory import one_line_errors
 
 
 def register(sub: Any) -> None:
     p = sub.add_parser("mutants", help="run every deliberately broken variant; print what caught each",
                        description=__doc__.split("\n\n")[0])
-    one_line_errors(p)
     p.add_argument("--backend", default="sim", choices=("sim", "mpi", "torch"),
                    help="sim: in this process (default); mpi / torch: one launched run per mutant")
     p.add_argument("--only", default=None, metavar="NAME[,NAME...]", help="run only these mutants")

@@ -14,13 +14,12 @@ from ..cost.shard_sizes import parse_param_count
 from ..errors import ConfigError, require_output_dir
 from ..presets import PRESETS, require_simulator_preset, simulator_presets
 from ..report.config import check_measured_world_sizes
-from .memory import one_line_errors, positive_int
+from .memory import positive_int
 
 
 def register(sub) -> None:
     p = sub.add_parser("report", help="figures + JSON + index.md: memory and traffic, model vs measured",
                        description=__doc__.split("\n\n")[0])
-    one_line_errors(p)
     p.add_argument("--out", default=None, help="output folder (default reports/report-<timestamp>)")
     p.add_argument("--model", default="tiny",
                    help=f"the simulator preset measured (default tiny): {', '.join(simulator_presets())}")

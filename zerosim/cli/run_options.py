@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..comm.sim import SCHEDULES
+from ..dtypes import precision_name
 from ..engine.config import XP_NAMES, RunConfig
 from ..engine.fault_catalog import FAULTS
 from ..engine.run_file import BACKEND_OPTIONS, RankRun
@@ -53,7 +54,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--micro-batches", type=int, default=1, metavar="M", help="gradient accumulation steps (default 1)"
     )
-    g.add_argument("--precision", default="fp32", choices=PRECISION_NAMES, help="default fp32")
+    g.add_argument("--precision", default="fp32", metavar="{fp32,bf16,fp16}",
+                   help="fp32 (default), bf16 or fp16; float32, bfloat16 and float16 spell the same")
     g.add_argument("--ranks-per-node", type=int, default=None, metavar="R",
                    help="ranks per node (topology; the hybrid shard group size by default)")
     g.add_argument("--seed", type=int, default=0)
@@ -125,7 +127,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         strategy=args.strategy,
         partitioner=args.partitioner,
         optimizer=args.optimizer,
-        precision=args.precision,
+        precision=precision_name(args.precision, "precision", PRECISION_NAMES),
         steps=args.steps,
         micro_batches=args.micro_batches,
         seed=args.seed,

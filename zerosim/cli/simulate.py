@@ -32,10 +32,10 @@ from .run_options import add_run_arguments, config_from_args
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "simulate",
-        help="train on N simulated ranks with the reference ZeRO engine and check C-ZERO-002..005",
+        help="train on N simulated ranks with the reference ZeRO engine and check C-ZERO-001..005",
         description="Train the simulator model with the reference ZeRO engine on N ranks (in this process, "
-        "or under mpiexec with --backend mpi) and check the step contracts C-ZERO-002..005 "
-        "against ground truth, the plan and the ring communication model.",
+        "or under mpiexec with --backend mpi) and check the plan (C-ZERO-001), then the step contracts "
+        "C-ZERO-002..005 against ground truth, the plan and the ring communication model.",
     )
     add_run_arguments(p)
     p.add_argument("--write-config", default=None, metavar="FILE",

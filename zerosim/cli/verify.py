@@ -5,8 +5,8 @@ MODULE:FACTORY (``make_trainer(model, optim) -> Trainer``; the current directory
 importable on every rank). Starts the ranks itself (torch.distributed: gloo on the CPU, NCCL with
 ``--device cuda``). Exit status: 0 every contract holds, 1 a contract failed, 2 bad input, 3 a rank
 failed or hung. ``--all``: every installed adapter x {sgd, adamw} x world {2, 4}, plus resumes
-2 -> 3 and 4 -> 2, under reports/. ``--resume-at K --resume-world M``: save after step K of each
-phase, resume on M fresh ranks, check C-ZERO-007.
+2 -> 3 and 4 -> 2 (:mod:`zerosim.verify.matrix` says what it writes where). ``--resume-at K
+--resume-world M``: save after step K of each phase, resume on M fresh ranks, check C-ZERO-007.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import sys
 from typing import Any
 
 from ..errors import ConfigError, ZeroSimError
-from .memory import one_line_errors
 
 EXIT_RANK_FAILED = 3
 
@@ -26,10 +25,9 @@ def register(sub: Any) -> None:
     p = sub.add_parser(
         "verify",
         help="check a live sharded trainer (FSDP2, ZeroRedundancyOptimizer, DeepSpeed, "
-        "yours) against C-ZERO-001..005",
+        "yours) against C-ZERO-001..005 and 008 (007 with --resume-at)",
         description=__doc__.split("\n\n")[0],
     )
-    one_line_errors(p)
     p.add_argument("target", nargs="?", default=None, help="built-in adapter name or MODULE:FACTORY")
     p.add_argument(
         "--world", "--world-size", dest="world", default=None,
@@ -54,17 +52,19 @@ def register(sub: Any) -> None:
         "--steps", default=None, help="optimizer steps over both phases (default 24: 12 SGD + 12 AdamW)"
     )
     p.add_argument("--dtype", default=None,
-                   help="float64 (default) or float32; under --precision the master dtype, float32")
+                   help="float64 / fp64 (default) or float32 / fp32; under --precision bf16|fp16 the master "
+                   "dtype, float32")
     p.add_argument(
-        "--precision", default=None, metavar="bf16|fp16",
-        help="mixed precision: the trainer computes in bfloat16 / float16 with float32 master weights "
-        "and optimizer state (optim['mixed_precision']; fp16 adds dynamic loss scaling); default: "
+        "--precision", default=None, metavar="bf16|fp16|fp32|fp64",
+        help="bf16 / bfloat16 or fp16 / float16: mixed precision, the trainer computes in that dtype with "
+        "float32 master weights and optimizer state (optim['mixed_precision']; fp16 adds dynamic loss "
+        "scaling); fp32 / float32 or fp64 / float64: everything in that dtype (as --dtype); default: "
         "everything in --dtype",
     )
     p.add_argument(
         "--reduce-dtype", default=None, metavar="float32|bfloat16|float16",
-        help="under --precision: the dtype gradients are reduced in (default float32); a reduction in "
-        "another dtype fails C-ZERO-005",
+        help="under --precision bf16|fp16: the dtype gradients are reduced in (default float32; fp32, bf16 "
+        "and fp16 also spell them); a reduction in another dtype fails C-ZERO-005",
     )
     p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
     p.add_argument(
@@ -100,14 +100,16 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--all",
         action="store_true",
-        help="every installed adapter x {sgd, adamw} x world {2, 4}, plus a resume column (2->3, 4->2): "
-        "markdown + JSON + PNG heat map under reports/",
+        help="every installed adapter x {sgd, adamw} x world {2, 4}, plus the resume, mesh, accumulation "
+        "and bf16/fp16 columns: verify-matrix.md, .json and .png in --out DIR or a new "
+        "reports/verify-matrix-<timestamp>/",
     )
     p.add_argument(
         "--resume-matrix",
         action="store_true",
         help="only the resume column of --all: every installed adapter saved at world 2 and 4, resumed "
-        "at 3 and 2 (reports/verify-resume-matrix.md and .json)",
+        "at 3 and 2: verify-resume-matrix.md and .json in --out DIR or a new "
+        "reports/verify-resume-matrix-<timestamp>/",
     )
     p.set_defaults(func=run)
 
@@ -140,6 +142,7 @@ def run(args: Any) -> int:
         from ..verify import matrix
 
         try:
+            args.dtype = dtype_option(args)  # fp32 / fp64 as float32 / float64, like a single run
             return int(matrix.run_cli(args, _seconds(args.timeout)))
         except ZeroSimError as e:
             print(f"error: {e}", file=sys.stderr)
@@ -230,21 +233,33 @@ def _mesh(text: Any) -> tuple[int, int] | None:
 
 
 def precision_options(args: Any) -> tuple[str, str, str]:
-    """(precision, reduce_dtype, dtype) from ``--precision``, ``--reduce-dtype`` and ``--dtype``: the
-    dtype defaults to float32 (the master dtype) under --precision; ``--reduce-dtype`` without
-    ``--precision`` is a ConfigError."""
+    """(precision, reduce_dtype, dtype) from ``--precision``, ``--reduce-dtype`` and ``--dtype``, each in
+    either spelling (bf16 or bfloat16, fp32 or float32, ...; :func:`zerosim.dtypes.precision_name`):
+    ``--precision fp32`` / ``fp64`` is full precision in that dtype; the dtype defaults to float32 (the
+    master dtype) under bf16 / fp16; ``--reduce-dtype`` without them is a ConfigError."""
     from ..verify.mixed_precision import (
         DEFAULT_REDUCE_DTYPE,
         FULL,
+        precision_option,
+        reduce_dtype_option,
         require_reduce_dtype_option,
         resolve_dtype,
     )
 
-    precision = getattr(args, "precision", None)
-    reduce_dtype = getattr(args, "reduce_dtype", None)
+    precision, dtype = precision_option(getattr(args, "precision", None), dtype_option(args))
+    reduce_dtype = reduce_dtype_option(getattr(args, "reduce_dtype", None))
     require_reduce_dtype_option(precision, reduce_dtype)
-    dtype = resolve_dtype(precision, getattr(args, "dtype", None))
+    dtype = resolve_dtype(precision, dtype)
     return (precision or FULL), (reduce_dtype or DEFAULT_REDUCE_DTYPE), dtype
+
+
+def dtype_option(args: Any) -> str | None:
+    """``--dtype`` in either spelling (float32 or fp32, float64 or fp64), canonical; None when not given."""
+    from ..dtypes import canonical_dtype
+    from ..verify.run_value import DTYPES
+
+    text = getattr(args, "dtype", None)
+    return None if text is None else canonical_dtype(text, "dtype", allowed=DTYPES)
 
 
 def _grad_accum(args: Any) -> int:

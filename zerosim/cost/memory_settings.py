@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..dtypes import SHORT_NAMES
 from ..errors import ConfigError, require_non_negative_int
 from ..strategy import ShardingStrategy
 from .comm_model import ZERO1_GRAD_REDUCE
@@ -79,8 +80,12 @@ ENGINE_PRECISION = {"fp32": "fp32", "bf16": "bf16-fp32grads", "fp16": "fp16-fp32
 
 
 def canonical_precision(name: str) -> str:
+    """A recipe of :data:`PRECISIONS` by its name or an alias; a plain dtype in either spelling (bfloat16
+    or bf16, float32 or fp32: :func:`zerosim.dtypes.precision_name`) names the engine's policy of it."""
     key = str(name).strip().lower().replace("_", "-")
     key = _PRECISION_ALIASES.get(key, key)
+    if key not in PRECISIONS and key in SHORT_NAMES:
+        key = _PRECISION_ALIASES.get(SHORT_NAMES[key], SHORT_NAMES[key])
     if key not in PRECISIONS:
         raise ConfigError("precision", name, f"unknown precision; known: {', '.join(PRECISIONS)}")
     return key

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from zerosim.dtypes import canonical_dtype, precision_name
 from zerosim.errors import ConfigError
 
 FULL = "full"
@@ -49,6 +50,32 @@ def policy(precision: str, reduce_dtype: str = DEFAULT_REDUCE_DTYPE) -> dict[str
     if precision == "fp16":
         out["loss_scale"] = dict(LOSS_SCALE)
     return out
+
+
+def precision_option(text: str | None, dtype: str | None) -> tuple[str | None, str | None]:
+    """``--precision`` in either spelling -> (precision, dtype). bf16 / bfloat16 and fp16 / float16 name
+    the mixed policies (``dtype`` unchanged: the master's); fp32 / float32 and fp64 / float64 name full
+    precision in that dtype (a ``dtype`` given too must be the same); ``full`` is everything in ``dtype``;
+    None (no option) stays None."""
+    if text is None or str(text).strip().lower() == FULL:
+        return (None if text is None else FULL), dtype
+    try:
+        short = precision_name(text, "precision", allowed=("bf16", "fp16", "fp32", "fp64"))
+    except ConfigError:
+        raise ConfigError("precision", text, "must be bf16 (bfloat16) or fp16 (float16) for mixed precision, "
+                          "or fp32 (float32), fp64 (float64) or full for everything in one dtype") from None
+    if short in PARAM_DTYPES:
+        return short, dtype
+    whole = canonical_dtype(short)
+    if dtype is not None and dtype != whole:
+        raise ConfigError("dtype", dtype, f"--precision {text} trains everything in {whole}: drop --dtype "
+                          f"or give {whole}")
+    return FULL, whole
+
+
+def reduce_dtype_option(text: str | None) -> str | None:
+    """``--reduce-dtype`` in either spelling (bfloat16 or bf16, ...) -> the canonical dtype name."""
+    return None if text is None else canonical_dtype(text, "reduce_dtype", allowed=REDUCE_DTYPES)
 
 
 def resolve_dtype(precision: str | None, dtype: str | None) -> str:
