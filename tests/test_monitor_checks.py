@@ -19,7 +19,8 @@ from zerosim.cli import main as cli_main
 from zerosim.comm.fault_plan import FaultPlan
 from zerosim.errors import ConfigError
 from zerosim.monitor.digest import CHUNKS, tensor_digest
-from zerosim.monitor.trace import append_line, rank_file, read_trace
+from zerosim.monitor.trace import append_line, rank_file
+from zerosim.monitor.trace_reader import read_trace
 from zerosim.observe import MonitorObservation
 
 NUMELS = {"w": 8, "b": 4}
