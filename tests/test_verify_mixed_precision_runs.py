@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("torch")
 
 from zerosim.verify import verify  # noqa: E402
+from zerosim.verify.render import render_text  # noqa: E402
 
 HERE = "tests.mixed_precision_trainers"
 
@@ -24,6 +25,11 @@ def test_a_correct_handwritten_bf16_trainer_passes_and_received_the_policy() -> 
     assert report.phases[0]["status"] == "ran"
     assert report.extra["mixed_precision"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
     assert 0 <= report.contracts["C-ZERO-002"].details["error_over_tolerance"] < 1
+    header, *rest = render_text(report).splitlines()
+    assert "bf16 compute (bfloat16 parameters and gradients), float32 master weights, gradients reduced in " \
+        "float32" in header, header
+    closest = next(line for line in rest if line.startswith("C-ZERO-002: "))
+    assert "normwise" in closest and "median update error" in closest and " -" not in closest, closest
 
 
 @pytest.mark.parametrize(

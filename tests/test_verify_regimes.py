@@ -243,3 +243,18 @@ def test_mesh_text_and_world_one():
     assert VerifyRun.from_json(run.to_json() | {"mesh": [2, 2]}) == run
     with pytest.raises(ConfigError, match="mesh"):
         VerifyRun.from_json(run.to_json() | {"mesh": "2x2"})
+
+
+def test_the_header_names_accumulation_the_mesh_and_the_precision_policy():
+    """What evaluate records in ``extra`` for --grad-accum, --mesh and --precision appears in the first line,
+    and a full-precision run says its dtype alone."""
+    outcome = ContractOutcome("pass", "", [], {"max_error": 1e-16, "tolerance": 1e-15, "worst": "step 2"})
+    report = VerifyReport("fsdp2-hybrid", 4, 8, "float32", {"C-ZERO-002": outcome})
+    report.extra.update(grad_accum=3, mesh=[4, 1], mixed_precision={"param_dtype": "float16",
+                        "reduce_dtype": "bfloat16", "loss_scale": {"init": 65536.0}})
+    header = render_text(report).splitlines()[0]
+    assert "world 4, 3 micro-batches per step, mesh 4x1 (4 replicas of 1 shard rank)" in header, header
+    assert "fp16 compute (float16 parameters and gradients), float32 master weights, gradients reduced in " \
+        "bfloat16, dynamic loss scaling" in header, header
+    plain = render_text(VerifyReport("ddp", 2, 8, "float64", {"C-ZERO-002": outcome})).splitlines()[0]
+    assert ", float64, model gpt" in plain and "micro-batches" not in plain and "mesh" not in plain, plain
