@@ -35,7 +35,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zerosim.engine.run_file import RUN_FILE_NAME, RankRun, write_rank_run
-from zerosim.errors import EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError, require_positive_int
+from zerosim.errors import (
+    EXIT_LAUNCH_TIMEOUT,
+    EXIT_RUN_FAILED,
+    ConfigError,
+    install_hint,
+    require_positive_int,
+)
 from zerosim.launching import (
     finish_launch,
     launch_timeout_from_env,
@@ -136,7 +142,7 @@ def torch_missing_reason() -> str | None:
     torch.distributed is :func:`torch_unavailable_reason`'s (asked before the ranks start when this
     process opens the job's store, else by the process that forks the ranks)."""
     if importlib.util.find_spec("torch") is None:
-        return "torch is not installed (No module named 'torch'); pip install 'zerosim[torch]'"
+        return f"torch is not installed (No module named 'torch'); {install_hint('torch')}"
     return None
 
 

@@ -74,7 +74,9 @@ def torch_distributed_unavailable() -> str | None:
     try:
         import torch.distributed as dist
     except ImportError as e:
-        return f"torch is not installed ({e}); pip install 'zerosim[torch]'"
+        from zerosim.errors import install_hint
+
+        return f"torch is not installed ({e}); {install_hint('torch')}"
     if not dist.is_available():
         return "this torch build has no torch.distributed"
     return None

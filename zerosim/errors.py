@@ -24,6 +24,13 @@ EXIT_INTERRUPTED = 130     #: Ctrl-C
 EXIT_BROKEN_PIPE = 141     #: stdout closed by its reader (`| head`): 128 + SIGPIPE, as a shell tool exits
 
 
+def install_hint(extra: str) -> str:
+    """How to install the optional extra ``extra``, in the README's words (an editable install from the
+    checkout); DeepSpeed's with ``DS_BUILD_OPS=0`` (no C++/CUDA ops compiled at install)."""
+    prefix = "DS_BUILD_OPS=0 " if extra == "deepspeed" else ""
+    return f'{prefix}pip install -e ".[{extra}]" in the zerosim checkout'
+
+
 class ZeroSimError(Exception):
     """Base class of every error zerosim raises on purpose."""
 

@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from .dtypes import canonical_dtype
-from .errors import ConfigError
+from .errors import ConfigError, install_hint
 
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 #: numpy is an array-API namespace of its own (2023.12: numpy 2.1 and later)
@@ -62,7 +62,7 @@ def _torch():
         import torch
     except ImportError:  # pragma: no cover - depends on the environment
         raise ConfigError(
-            "array_namespace", "torch", "torch is not installed (pip install 'zerosim[torch]')"
+            "array_namespace", "torch", f"torch is not installed ({install_hint('torch')})"
         ) from None
     return torch
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..dtypes import canonical_dtype, itemsize
-from ..errors import ConfigError
+from ..errors import ConfigError, install_hint
 from .engine_state import _agree
 
 #: safetensors dtype codes -> canonical dtype names
@@ -106,7 +106,7 @@ class SafetensorsReader:
             from safetensors import safe_open
         except ImportError as e:
             raise ConfigError("checkpoint", str(path), "reading safetensors needs the safetensors package "
-                              "(pip install 'zerosim[torch]')") from e
+                              f"({install_hint('torch')})") from e
         self.where = str(path)
         try:
             self._file: Any = safe_open(str(path), framework="numpy")

@@ -17,7 +17,7 @@ from ..cost.memory_model import MemoryEstimate, all_strategies, memory_per_rank
 from ..cost.memory_settings import OFFLOAD_CHOICES, OPTIMIZER_STATES, PRECISIONS, MemorySettings
 from ..cost.shard_sizes import parse_param_count
 from ..cost.units import UNITS, format_value, parse_unit
-from ..errors import ConfigError
+from ..errors import ConfigError, install_hint
 from ..layout import ParamLayout
 from ..strategy import ShardingStrategy, StrategyKind, Topology
 
@@ -292,7 +292,7 @@ def run_deepspeed_compare(args, unit: str) -> int:
     topology = resolve_topology(args)
     if not deepspeed_available():
         print("note: deepspeed is not installed; showing the restated formula only "
-              "(DS_BUILD_OPS=0 pip install deepspeed for the real estimator)", file=sys.stderr)
+              f"({install_hint('deepspeed')} for the real estimator)", file=sys.stderr)
     depth = non_negative_int("prefetch-depth", args.prefetch_depth)
     report = compare_with_deepspeed(layout, topology.rpn, topology.num_nodes, depth)
     if args.json:

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..engine.run_file import RankRun, write_rank_run
 from ..engine.run_output import render
-from ..errors import EXIT_RUN_FAILED, CollectiveError, ConfigError, NonFiniteGradientError
+from ..errors import EXIT_RUN_FAILED, CollectiveError, ConfigError, NonFiniteGradientError, install_hint
 from .run_options import add_run_arguments, config_from_args
 
 
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             launcher = importlib.import_module(module_name)
         except ImportError as e:
             raise ConfigError("backend", backend, f"the {backend} backend is not available here ({e}); "
-                              f"pip install 'zerosim[{extra}]'") from None
+                              f"{install_hint(extra)}") from None
         job = rank_run(args)
         resolved = job.run.validate()  # bad input fails here, before the launcher starts
         if args.write_config is not None:

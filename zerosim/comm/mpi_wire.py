@@ -22,13 +22,13 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, install_hint
 from .base import REDUCE_OPS
 
 try:
     from mpi4py import MPI
 except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ConfigError("backend", "mpi", "needs mpi4py and an MPI library: pip install 'zerosim[mpi]'") from e
+    raise ConfigError("backend", "mpi", f"needs mpi4py and an MPI library: {install_hint('mpi')}") from e
 
 MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
 

@@ -31,7 +31,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, require_non_negative_int, require_positive_int
+from ..errors import ConfigError, install_hint, require_non_negative_int, require_positive_int
 from ..layout import ParamLayout
 from ..strategy import ShardingStrategy, StrategyKind, Topology
 from .memory_model import memory_per_rank
@@ -203,7 +203,7 @@ def compare_with_deepspeed(layout: ParamLayout, num_gpus_per_node: int = 8, num_
             row["ds_real"] = None
     elif use_real:
         ds_note = ("deepspeed is not installed: only the formula restated by zerosim is shown "
-                   "(DS_BUILD_OPS=0 pip install deepspeed for the real estimator)")
+                   f"({install_hint('deepspeed')} for the real estimator)")
     else:
         ds_note = "real DeepSpeed estimator not requested"
     return {

@@ -32,7 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine.run_file import RUN_FILE_NAME, RankRun, write_rank_run
-from ..errors import EXIT_BAD_INPUT, EXIT_LAUNCH_TIMEOUT, EXIT_RUN_FAILED, ConfigError, require_positive_int
+from ..errors import (
+    EXIT_BAD_INPUT,
+    EXIT_LAUNCH_TIMEOUT,
+    EXIT_RUN_FAILED,
+    ConfigError,
+    install_hint,
+    require_positive_int,
+)
 from ..launching import (
     death_line,
     finish_launch,
@@ -64,14 +71,14 @@ def find_mpiexec() -> list[str]:
         "mpiexec",
         None,
         f"no mpiexec next to {sys.executable} or on PATH; install the MPI extra "
-        "(pip install 'zerosim[mpi]', which brings the mpich wheel) or set ZEROSIM_MPIEXEC",
+        f"({install_hint('mpi')}, which brings the mpich wheel) or set ZEROSIM_MPIEXEC",
     )
 
 
 def mpi_unavailable_reason() -> str | None:
     """Why MPI runs cannot happen here (no mpi4py, no mpiexec), or None when they can. For test skips."""
     if importlib.util.find_spec("mpi4py") is None:
-        return "mpi4py is not installed (pip install 'zerosim[mpi]')"
+        return f"mpi4py is not installed ({install_hint('mpi')})"
     try:
         find_mpiexec()
     except ConfigError as e:
@@ -82,7 +89,7 @@ def mpi_unavailable_reason() -> str | None:
 def require_mpi4py() -> None:
     """ConfigError unless mpi4py is importable (checked without initialising MPI in this process)."""
     if importlib.util.find_spec("mpi4py") is None:
-        raise ConfigError("backend", "mpi", "needs mpi4py: pip install 'zerosim[mpi]'")
+        raise ConfigError("backend", "mpi", f"needs mpi4py: {install_hint('mpi')}")
 
 
 @dataclass

@@ -4,7 +4,7 @@
   sharded trainer from your test suite; raises AssertionError with the diagnostic on failure. Needs
   torch only when called.
 * hypothesis strategies (``zerosim.testing.strategies``): importing them needs hypothesis
-  (``pip install zerosim[test]``); importing ``zerosim`` itself never does.
+  (``pip install -e ".[test]"`` in the checkout); importing ``zerosim`` itself never does.
 """
 
 from .verify import assert_trainer_verifies

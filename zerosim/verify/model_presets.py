@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zerosim.errors import ConfigError
+from zerosim.errors import ConfigError, install_hint
 
 HF_MODEL = "hf-gpt2"
-HF_INSTALL = "pip install 'zerosim[hf]'"
+HF_INSTALL = install_hint("hf")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ import importlib.metadata
 import importlib.util
 import re
 
+from zerosim.errors import install_hint
+
 _HERE = __name__
 
 ADAPTERS: dict[str, str] = {
@@ -47,9 +49,9 @@ HYBRID_ADAPTERS = ("fsdp2-hybrid", "zerogpu-hybrid", "zerogpu-hybrid-native")
 
 #: the Python package each adapter needs beyond torch, and how to install it
 REQUIRES: dict[str, tuple[str, str]] = {
-    "deepspeed-1": ("deepspeed", "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"),
-    "deepspeed-2": ("deepspeed", "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"),
-    "deepspeed-3": ("deepspeed", "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"),
+    "deepspeed-1": ("deepspeed", install_hint("deepspeed")),
+    "deepspeed-2": ("deepspeed", install_hint("deepspeed")),
+    "deepspeed-3": ("deepspeed", install_hint("deepspeed")),
 }
 
 #: modules an adapter's ranks import on the CPU on top of every rank's (``zerosim.verify.RANK_IMPORTS``),
@@ -67,7 +69,7 @@ def missing_requirement(name: str) -> str | None:
     need = REQUIRES.get(name)
     if need is None:
         if not importlib.util.find_spec("torch"):
-            return "torch is not installed: pip install 'zerosim[torch]'"
+            return f"torch is not installed: {install_hint('torch')}"
         if name.startswith("fsdp2") and not _torch_has_fsdp2_by_version():
             try:
                 from torch.distributed.fsdp import fully_shard  # noqa: F401

@@ -52,12 +52,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerosim.errors import ConfigError
+from zerosim.errors import ConfigError, install_hint
 
 from ._mixed_precision import MixedPolicy, mixed_policy
 from ._torch_optim import build_optimizer
 
-INSTALL = "DS_BUILD_OPS=0 pip install 'zerosim[deepspeed]'"
+INSTALL = install_hint("deepspeed")
 _TAG = "resume"  # the checkpoint tag verify's resume uses
 _STATE_NAMES = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
 SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory allreduce op, left unbuilt
