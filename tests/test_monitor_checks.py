@@ -105,6 +105,23 @@ def test_identity_names_the_rank_whose_copy_differs():
     assert check_replica_identity(sharded).passed and check_replica_identity(sharded).checked == 0
 
 
+def test_two_ranks_that_differ_are_said_to_disagree_and_neither_is_named():
+    """With no majority (two ranks, two copies) the judge cannot know which copy is wrong: one violation
+    naming both ranks as disagreeing, never one rank as the odd one out."""
+    pair = [obs(0), obs(1, held=[("w", 0, 8, "aa"), ("b", 0, 4, "XX")])]
+    [v] = check_replica_identity(pair).violations
+    assert v.ranks == (0, 1) and v.tensor == "b" and "ranks 0 and 1 disagree on b[0:4]" in v.message, v
+    assert "differs bitwise from" not in v.message
+    [v] = check_step_equivalence([obs(0), obs(1, step_counters=(10, 10, "w"))]).violations
+    assert v.clause == "step_counter" and v.ranks == (0, 1) and "ranks 0, 1 disagree" in v.message, v
+    # the logged norms disagree; the norm recomputed from the gradient (rank 0's slice holds it all
+    # here) is the evidence that names rank 1
+    disagree, named = check_step_equivalence([obs(0, grad_sq=6.25, grad_norm=2.5), obs(1, grad_sq=0.0)]
+                                             ).violations
+    assert disagree.ranks == (0, 1) and "ranks 0, 1 disagree on the logged gradient norm" in disagree.message
+    assert named.ranks == (1,) and "recomputed from the shards" in named.message, named
+
+
 # ---- C-ZERO-002's live clauses -----------------------------------------------------------------------
 def test_live_state_passes_a_consistent_step_and_fails_each_wrong_one():
     assert check_step_equivalence([obs(0), obs(1)]).passed
@@ -112,7 +129,7 @@ def test_live_state_passes_a_consistent_step_and_fails_each_wrong_one():
         "state_present": [obs(0), obs(1, state_missing=(1, "b"))],
         "state_finite": [obs(0), obs(1, state_nonfinite=(2, "w"))],
         "step_counter": [obs(0), obs(1, step_counters=(10, 10, "w")), obs(2)],
-        "grad_norm": [obs(0), obs(1, grad_norm=2.5)],
+        "grad_norm": [obs(0), obs(1, grad_norm=2.5), obs(2)],
     }
     for clause, rows in cases.items():
         verdict = check_step_equivalence(rows)
@@ -271,7 +288,8 @@ def test_check_trace_exit_codes(tmp_path, capsys):
     _write(bad, [obs(0), obs(1, held=[("w", 0, 8, "zz"), ("b", 0, 4, "bb")])])
     assert cli_main(["check", "trace", str(bad)]) == 1
     out = capsys.readouterr().out
-    assert "C-ZERO-003 identical step=10 rank=1 tensor=w range=[0, 8)" in out
+    assert "C-ZERO-003 identical step=10 rank=0,1 tensor=w range=[0, 8): ranks 0 and 1 disagree on w[0:8]" \
+        in out
     with open(rank_file(bad, 1), "a") as f:
         f.write('{"rank": 1, "step"')  # a run killed while writing its last line
     assert cli_main(["check", "trace", str(bad)]) == 1

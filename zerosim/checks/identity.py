@@ -10,7 +10,9 @@
   the bit pattern most of them hold.
 * **Monitored runs** (:class:`~zerosim.observe.MonitorObservation`): every rank that holds a piece of a
   tensor (the same flat element range) holds a piece with the same digest (clause ``identical``), the
-  odd rank out named the same way; pieces held by one rank only are not compared.
+  odd rank out named the same way; where no copy is held by more ranks than every other (two ranks
+  that differ), the ranks are said to disagree and none is named; pieces held by one rank only are not
+  compared.
 """
 
 from __future__ import annotations
@@ -224,6 +226,12 @@ def _trainer_identity(records: Sequence[TrainerStep], contract: str) -> Verdict:
     return out.listed_verdict(checked=checked, max_error=max_abs, tolerance=0.0)
 
 
+def _and(ranks: Sequence[int]) -> str:
+    """``0 and 1``, ``0, 1 and 2``: ranks named in a sentence."""
+    text = [str(r) for r in ranks]
+    return text[0] if len(text) == 1 else ", ".join(text[:-1]) + " and " + text[-1]
+
+
 def _digest_identity(observations: Sequence[MonitorObservation], contract: str) -> Verdict:
     """C-ZERO-003 on a monitored run: per step, the ranks holding one piece (tensor, flat range) hold one
     digest; each rank outside the majority is named with the tensor and the range. An empty digest (a
@@ -244,6 +252,16 @@ def _digest_identity(observations: Sequence[MonitorObservation], contract: str) 
                 continue
             compared += 1
             if len(by_digest) == 1:
+                continue
+            sizes = sorted((len(m) for m in by_digest.values()), reverse=True)
+            if sizes[0] == sizes[1]:  # no majority: which copy is wrong is not known, so none is named
+                copies = "; ".join(f"rank(s) {_and(sorted(m))}: digest {d}" for d, m in by_digest.items())
+                out.add(
+                    "identical",
+                    f"ranks {_and(holders)} disagree on {name}[{start}:{stop}]: {len(by_digest)} different "
+                    f"copies ({copies})",
+                    step=step, ranks=tuple(holders), tensor=name, interval=(start, stop),
+                )
                 continue
             majority = max(by_digest.values(), key=lambda members: (len(members), -min(members)))
             for dig, members in by_digest.items():

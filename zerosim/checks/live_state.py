@@ -7,7 +7,7 @@ Per check (one step), over the ranks' :class:`~zerosim.observe.MonitorObservatio
 * ``state_present``: every rank keeps optimizer state for every element it owns;
 * ``state_finite``: every state value is finite;
 * ``step_counter``: every owned tensor's optimizer step counter is the same, on every rank (the rank
-  outside the majority is named);
+  outside the majority is named; with no majority, as with two ranks, the ranks are said to disagree);
 * ``grad_norm``: every rank logged the same global gradient norm (the rank outside the majority is
   named), and the gradient norm each rank logged equals the norm recomputed from the reduced
   gradient's shards (each element counted once: the shards of the ranks whose gradient ranges are
@@ -88,6 +88,13 @@ def _step_counters(rows: list[MonitorObservation], step: int, out: ViolationColl
         values.setdefault(obs.step_counters[1], []).append(obs.rank)  # type: ignore[index]
     if len(values) < 2:
         return
+    sizes = sorted((len(r) for r in values.values()), reverse=True)
+    if sizes[0] == sizes[1]:  # no majority: the ranks disagree, none is named
+        ranks = sorted(r for members in values.values() for r in members)
+        out.add("step_counter", f"ranks {', '.join(map(str, ranks))} disagree on the optimizer step counter ("
+                + "; ".join(f"rank(s) {','.join(map(str, m))}: {v}" for v, m in sorted(values.items())) + ")",
+                step=step, ranks=tuple(ranks), tensor=counted[0].step_counters[2])  # type: ignore[index]
+        return
     majority = max(values, key=lambda v: (len(values[v]), -min(values[v])))
     for value, ranks in sorted(values.items()):
         if value == majority:
@@ -108,11 +115,21 @@ def _same_logged_norm(logged: list[MonitorObservation], step: int, out: Violatio
         return
     majority = max(values, key=lambda v: (len(values[v]), -min(values[v])))
     n = max(o.grad_numel for o in logged) * len(logged)
-    for value, ranks in sorted(values.items(), key=lambda kv: min(kv[1])):
-        rel = 2 * norm_relative_bound(n, logged[0].grad_dtype)
-        if value == majority or (math.isfinite(value) and math.isfinite(majority)
-                                 and abs(value - majority) <= rel * max(abs(value), abs(majority))):
-            continue
+    rel = 2 * norm_relative_bound(n, logged[0].grad_dtype)
+    differ = {value: ranks for value, ranks in values.items()
+              if not (value == majority or (math.isfinite(value) and math.isfinite(majority)
+                                            and abs(value - majority) <= rel * max(abs(value), abs(majority))))}
+    if not differ:
+        return
+    if any(len(ranks) == len(values[majority]) for ranks in differ.values()):  # no majority: none named
+        ranks = sorted(r for members in (values[majority], *differ.values()) for r in members)
+        shown = "; ".join(f"rank(s) {','.join(map(str, m))}: {v!r}"
+                          for v, m in sorted(((majority, values[majority]), *differ.items()),
+                                             key=lambda kv: min(kv[1])))
+        out.add("grad_norm", f"ranks {', '.join(map(str, ranks))} disagree on the logged gradient norm "
+                f"({shown})", step=step, ranks=tuple(ranks))
+        return
+    for value, ranks in sorted(differ.items(), key=lambda kv: min(kv[1])):
         for rank in ranks:
             out.add("grad_norm", f"rank {rank} logged gradient norm {value!r}, rank(s) "
                     f"{','.join(map(str, values[majority]))} logged {majority!r}",

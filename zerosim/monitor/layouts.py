@@ -36,11 +36,15 @@ GRAD_SUFFIX = ".grad"
 @dataclass
 class OwnedState:
     """The optimizer state of one owned piece: ``values`` by state name (None: no state kept for it);
-    ``numel``: the elements it must cover."""
+    ``numel``: the elements it must cover. ``stepped``: the optimizer steps the piece now (it is in one
+    of its parameter groups, needs a gradient and has one), so it must keep state and its step counter
+    counts; a frozen parameter, one no group holds yet, or one without a gradient at this step is
+    neither expected to keep state nor counted."""
 
     name: str
     numel: int
     values: dict[str, Any] | None
+    stepped: bool = True
 
 
 @dataclass
@@ -145,6 +149,14 @@ def _state_of(state: dict[str, Any] | None) -> dict[str, Any] | None:
     return dict(state) if state else None
 
 
+def stepped_by(optimizer: Any) -> Any:
+    """Whether ``optimizer`` steps a parameter now: one of its parameter groups holds it, it needs a
+    gradient and has one (torch's optimizers skip a parameter whose gradient is None)."""
+    groups = getattr(optimizer, "param_groups", None) or []
+    members = {id(p) for group in groups for p in group.get("params", ())}
+    return lambda p: id(p) in members and bool(p.requires_grad) and p.grad is not None
+
+
 def gradient_slice(numel: int, rank: int, world: int) -> tuple[int, int]:
     """The flat range of a replicated gradient of ``numel`` elements whose squares ``rank`` of
     ``world`` sums for the recomputed norm: contiguous near-equal slices, each element in one."""
@@ -164,9 +176,9 @@ def _module_layout(module: torch.nn.Module, optimizer: Any, rank: int = 0, world
     is_fsdp = any(isinstance(p, DTensor) for _, p in params)
     layout = LiveLayout("fsdp2" if is_fsdp else "ddp", numels={})
     state = optimizer.state
+    stepped = stepped_by(optimizer)
     grads: list[torch.Tensor] = []
     summed: dict[str, list[tuple[int, int]]] = {}
-    has_grads = True
     for name, p in params:
         numel = layout.numels[name] = p.numel()
         if isinstance(p, DTensor):
@@ -177,21 +189,21 @@ def _module_layout(module: torch.nn.Module, optimizer: Any, rank: int = 0, world
         if stop > start:
             layout.held.append((name, start, stop, local))
             layout.owned[name] = [(start, stop)]
-            layout.states.append(OwnedState(name, stop - start, _state_of(state.get(p))))
+            layout.states.append(OwnedState(name, stop - start, _state_of(state.get(p)), stepped(p)))
         else:
             layout.owned[name] = []
         a, b = gradient_slice(stop - start, replica, replicas)
         summed[name] = [(start + a, start + b)] if b > a else []
         grad = p.grad
-        if grad is None:
-            has_grads = has_grads and stop <= start
-        elif stop > start:
+        if grad is not None and stop > start:
             grad = local_tensor(grad)
             layout.held.append((name + GRAD_SUFFIX, start, stop, grad))
             grads.append(grad.reshape(-1)[a:b])
     if params:
         layout.grad_dtype = dtype_name(local_tensor(params[-1][1]))
-    layout.grads = grads if has_grads else None
+    # a parameter without a gradient (frozen, or unused this step) adds nothing to the norm, as in
+    # clip_grad_norm_; a rank holding no gradient at all (freed before the check) has none to compare
+    layout.grads = grads if any(p.grad is not None for _, p in params) else None
     layout.grad_ranges = summed  # the same whether or not the gradient is held now
     return layout
 
@@ -204,7 +216,6 @@ def _zero_redundancy_layout(module: torch.nn.Module, optimizer: Any) -> LiveLayo
     inner = optimizer.optim.state
     layout = LiveLayout("zero-redundancy", numels={})
     grads: list[torch.Tensor] = []
-    has_grads = True
     params = list(module.named_parameters())
     for name, p in params:
         numel = layout.numels[name] = p.numel()
@@ -216,14 +227,13 @@ def _zero_redundancy_layout(module: torch.nn.Module, optimizer: Any) -> LiveLayo
             layout.owned[name] = []
             continue
         layout.owned[name] = [(0, numel)]
-        layout.states.append(OwnedState(name, numel, _state_of(inner.get(p))))
-        if grad is None:
-            has_grads = False
-        else:
+        layout.states.append(OwnedState(name, numel, _state_of(inner.get(p)),
+                                        bool(p.requires_grad) and grad is not None))
+        if grad is not None:
             grads.append(grad)
     if params:
         layout.grad_dtype = dtype_name(params[-1][1])
-    layout.grads = grads if has_grads else None
+    layout.grads = grads if any(p.grad is not None for _, p in params) else None
     return layout
 
 

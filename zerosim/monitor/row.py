@@ -47,6 +47,7 @@ class RowBuilder:
     def __init__(self, device: torch.device):
         self.device = device
         self._digests: PieceDigests | None = None
+        self.counters = StepCounters()
         self._signature: Any = None
         self.fingerprint = 0
         self.keys: dict[str, Any] = {}
@@ -99,7 +100,7 @@ class RowBuilder:
                 target[self._index(chosen)] = lanes
         fields: dict[str, Field] = {
             "fingerprint": fingerprint, "n_held": len(layout.held), "step": step, "phase": CHECK,
-            **_norm_summary(layout, self.device),
+            **_norm_summary(layout, self.device, self.counters),
             "has_norm": int(grad_norm is not None), "grad_norm": _bits(grad_norm),
             "has_loss": int(loss is not None), "loss": _bits(loss)}
         host = torch.tensor([v if isinstance(v, int) else 0 for v in (fields[k] for k in SUMMARY)],
@@ -140,59 +141,99 @@ def _bits(value: Any) -> Field:
     return float_bits(float(value))
 
 
-def _state_summary(layout: LiveLayout) -> tuple[dict[str, Field], list[torch.Tensor], list[int]]:
-    """C-ZERO-002's state fields that need no data read: owned pieces without state for every element,
-    and the step counters (:func:`_counter_fields`); and the floating state tensors with the index of
-    their tensor's name, whose finiteness :func:`_finite_fields` measures."""
+def _state_summary(layout: LiveLayout, counters: StepCounters) -> tuple[dict[str, Field], list[torch.Tensor],
+                                                                       list[int]]:
+    """C-ZERO-002's state fields that need no data read: owned pieces the optimizer steps
+    (:attr:`OwnedState.stepped`) without state for every element, and the step counters of those it
+    steps, each counted from when it joined (:class:`StepCounters`); and the floating state tensors
+    with the index of their tensor's name, whose finiteness :func:`_finite_fields` measures."""
     index = {n: i for i, n in enumerate(layout.numels)}
     missing: list[int] = []
-    counters: list[tuple[Any, int]] = []
+    counted: list[tuple[Any, str, int]] = []
     tensors: list[torch.Tensor] = []
     owners: list[int] = []
     stateless: list[int] = []
+    expected = 0
     for owned in layout.states:
         name = index[owned.name]
         values = owned.values or {}
+        expected += owned.stepped
         held = [local_tensor(v) for k, v in values.items() if k != "step" and isinstance(v, torch.Tensor)]
         if not held:
-            stateless.append(name)
+            if owned.stepped:
+                stateless.append(name)
             continue
-        if any(v.numel() != owned.numel for v in held):
+        if owned.stepped and any(v.numel() != owned.numel for v in held):
             missing.append(name)
-        if "step" in values:
-            counters.append((local_tensor(values["step"]), name))
+        if owned.stepped and "step" in values:
+            counted.append((local_tensor(values["step"]), owned.name, name))
         for value in held:
             if value.is_floating_point() or value.is_complex():
                 tensors.append(value)
                 owners.append(name)
-    if stateless and len(stateless) < len(layout.states):  # some owned pieces keep state, these none
+    if stateless and len(stateless) < expected:  # some stepped pieces keep state, these none
         missing += stateless
     fields: dict[str, Field] = {"missing": len(missing), "missing_idx": min(missing, default=-1),
-                                "has_counters": int(bool(counters)), **_counter_fields(counters)}
+                                "has_counters": int(bool(counted)), **counters.fields(counted)}
     return fields, tensors, owners
 
 
-def _counter_fields(counters: list[tuple[Any, int]]) -> dict[str, Field]:
-    """``step_min``, ``step_max`` and ``step_min_idx`` (the name index of the first counter at the least)
-    of the step counters, each with its tensor's name index: read on the host where every counter is a
-    number or a CPU tensor, reduced on the device where one lives on an accelerator (a fused or
-    capturable optimizer keeps it there)."""
-    if not counters:
-        return {"step_min": 0, "step_max": 0, "step_min_idx": -1}
-    on_device = next((v.device for v, _ in counters
-                      if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
-    if on_device is None:
-        values = [(int(v), name) for v, name in counters]
+class StepCounters:
+    """The step counters of the owned tensors the optimizer steps, each counted from when it joined, so
+    that tensors stepped since different steps (a parameter group added, a layer unfrozen) compare
+    equal when each has been stepped at every step since: a tensor's counter plus its shift, the shift
+    fixed when it is first seen (or seen again after a check without it) so that it equals the
+    largest shifted counter of the tensors this rank already counted (0 where none). A counter that
+    falls behind or resets after it joined still shows (C-ZERO-002 ``step_counter``). Host counters
+    are read on the host; counters on an accelerator are shifted there (no host read)."""
+
+    def __init__(self) -> None:
+        self.shift: dict[str, Any] = {}
+
+    def fields(self, counters: list[tuple[Any, str, int]]) -> dict[str, Field]:
+        """``step_min``, ``step_max`` and ``step_min_idx`` (the name index of the first tensor at the least)
+        of the shifted ``counters`` (value, tensor name, name index)."""
+        present = {name for _, name, _ in counters}
+        self.shift = {n: v for n, v in self.shift.items() if n in present}
+        if not counters:
+            return {"step_min": 0, "step_max": 0, "step_min_idx": -1}
+        on_device = next((v.device for v, _, _ in counters
+                          if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
+        if on_device is None:
+            return self._on_host(counters)
+        return self._on_device(counters, on_device)
+
+    def _on_host(self, counters: list[tuple[Any, str, int]]) -> dict[str, Field]:
+        known = [int(v) + self.shift[n] for v, n, _ in counters if n in self.shift]
+        reference = max(known) if known else None
+        for v, n, _ in counters:
+            if n not in self.shift:
+                self.shift[n] = 0 if reference is None else reference - int(v)
+        values = [(int(v) + self.shift[n], i) for v, n, i in counters]
         low = min(values, key=lambda c: c[0])
         return {"step_min": low[0], "step_max": max(v for v, _ in values), "step_min_idx": low[1]}
-    steps = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).to(on_device, torch.float64,
-                                                                               non_blocking=True)
-                         for v, _ in counters])
-    names = to_device(torch.tensor([name for _, name in counters], dtype=torch.int64), on_device)
-    least = steps.min()
-    first = torch.where(steps == least, torch.arange(len(counters), device=on_device), len(counters)).min()
-    return {"step_min": least.to(torch.int64), "step_max": steps.max().to(torch.int64),
-            "step_min_idx": names.gather(0, first.reshape(1)).reshape(())}  # indexed on the device
+
+    def _on_device(self, counters: list[tuple[Any, str, int]], device: torch.device) -> dict[str, Field]:
+        steps = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()).to(device, torch.float64,
+                                                                                   non_blocking=True)
+                             for v, _, _ in counters])
+        known = [i for i, (_, n, _) in enumerate(counters) if n in self.shift]
+        fresh = [i for i, (_, n, _) in enumerate(counters) if n not in self.shift]
+        if known:
+            shifts = torch.stack([self.shift[counters[i][1]] for i in known])
+            reference = (steps[known] + shifts).max()
+        else:
+            reference = None
+        for i in fresh:
+            self.shift[counters[i][1]] = torch.zeros((), dtype=torch.float64, device=device) \
+                if reference is None else reference - steps[i]
+        shifted = steps + torch.stack([self.shift[n] for _, n, _ in counters])
+        names = to_device(torch.tensor([i for _, _, i in counters], dtype=torch.int64), device)
+        least = shifted.min()
+        first = torch.where(shifted == least, torch.arange(len(counters), device=device),
+                            len(counters)).min()
+        return {"step_min": least.to(torch.int64), "step_max": shifted.max().to(torch.int64),
+                "step_min_idx": names.gather(0, first.reshape(1)).reshape(())}  # indexed on the device
 
 
 def grad_accumulation(dtype: torch.dtype) -> torch.dtype:
@@ -268,10 +309,10 @@ def _grad_fields(layout: LiveLayout, device: torch.device) -> dict[str, Field]:
     return {"has_grad": 1, "grad_sq": total.reshape(1).view(torch.int64).reshape(()), "grad_numel": numel}
 
 
-def _norm_summary(layout: LiveLayout, device: torch.device) -> dict[str, Field]:
+def _norm_summary(layout: LiveLayout, device: torch.device, counters: StepCounters) -> dict[str, Field]:
     """The state summary (:func:`_state_summary`) with its non-finite fields (:func:`_finite_fields`) and
     the gradient's (:func:`_grad_fields`)."""
-    fields, tensors, owners = _state_summary(layout)
+    fields, tensors, owners = _state_summary(layout, counters)
     fields.update(_finite_fields(tensors, owners, len(layout.numels), device))
     fields.update(_grad_fields(layout, device))
     return fields
