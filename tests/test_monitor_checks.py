@@ -545,3 +545,35 @@ def test_bench_monitor_names_why_a_deepspeed_adapter_is_skipped(monkeypatch, tmp
     report = json.loads((tmp_path / "bench_monitor.json").read_text())
     assert [r["adapter"] for r in report["skipped"]] == ["deepspeed-1", "deepspeed-3"]
     assert report["table"] == [] and report["settings"]["adapters"] == []
+
+
+def test_a_fifo_or_a_failing_write_is_one_line_on_its_rank_and_never_blocks(world_of_one, tmp_path):
+    """A FIFO where the rank's file goes is refused at Monitor() without being opened (opening it for
+    writing would block until a reader came); a rank file that stops being writable mid-run is reported
+    once, on its rank, and the checks go on; summary.json is still written."""
+    import os
+    import time
+
+    from zerosim.monitor import Monitor
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    out = tmp_path / "fifo"
+    out.mkdir()
+    os.mkfifo(out / "rank-00000.jsonl")
+    lines: list[str] = []
+    t0 = time.monotonic()
+    monitor = Monitor(model, optimizer, every=1, out=out, log=lines.append)
+    assert time.monotonic() - t0 < 30 and monitor.enabled, lines
+    assert len(lines) == 1 and "is not a regular file" in lines[0] and "rank 0" in lines[0], lines
+    _train(model, optimizer, monitor, 2)
+    assert monitor.close()["checks"] == 2 and (out / "summary.json").is_file()
+    lines = []
+    monitor = Monitor(model, optimizer, every=1, out=tmp_path / "gone", log=lines.append)
+    (tmp_path / "gone" / "rank-00000.jsonl").unlink()
+    (tmp_path / "gone" / "rank-00000.jsonl").mkdir()  # no longer a file the rank can append to
+    _train(model, optimizer, monitor, 4)
+    summary = monitor.close()
+    failures = [line for line in lines if "cannot append" in line]
+    assert len(failures) == 1 and "rank 0" in failures[0], lines
+    assert summary["checks"] == 4 and summary["passed"] and (tmp_path / "gone" / "summary.json").is_file()
