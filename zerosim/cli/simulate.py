@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..engine.run_file import RankRun, write_rank_run
@@ -42,6 +43,10 @@ def register(sub: Any) -> None:
                    help="with --backend mpi|torch: validate the run, write it to FILE (JSON) and exit, "
                         "for ranks started by hand (python -m zerosim.mpi simulate --config FILE, "
                         "torchrun ... -m zerogpu simulate --config FILE)")
+    p.add_argument("--save-checkpoint", default=None, metavar="DIR",
+                   help="after the last step the ranks save their state (master weights, optimizer state, "
+                        "step) to DIR as a sharded checkpoint, for zerosim checkpoint inspect|reshard; DIR "
+                        "must be new or empty (simulated ranks only)")
     p.set_defaults(func=run)
 
 
@@ -51,6 +56,9 @@ LAUNCHERS = {"mpi": ("zerosim.mpi.launch", "mpi"), "torch": ("zerogpu.launch", "
 
 def run(args: argparse.Namespace) -> int:
     backend = getattr(args, "backend", "sim")
+    save_to = getattr(args, "save_checkpoint", None)
+    if save_to is not None:
+        require_new_checkpoint_dir(save_to, backend)
     if backend in LAUNCHERS:
         module_name, extra = LAUNCHERS[backend]
         try:
@@ -77,13 +85,31 @@ def run(args: argparse.Namespace) -> int:
     run_: Any = cfg.validate()  # a ResolvedRun: run_simulated takes it as it is
     try:
         if args.json or not sys.stderr.isatty():
-            result = run_simulated(run_)
+            result = run_simulated(run_, save_to=save_to)
         else:
-            result = _run_with_progress(run_)
+            result = _run_with_progress(run_, save_to)
     except (NonFiniteGradientError, CollectiveError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_RUN_FAILED
-    return render(result, args.json)
+    code = render(result, args.json)
+    if save_to is not None:
+        where = sys.stderr if args.json else sys.stdout  # --json: stdout holds the one JSON document
+        print(f"checkpoint after step {run_.steps} saved in {save_to} ({run_.world_size} ranks); read it "
+              f"with zerosim checkpoint inspect {save_to}", file=where)
+    return code
+
+
+def require_new_checkpoint_dir(path: str, backend: str) -> None:
+    """ConfigError unless ``--save-checkpoint`` names a directory that does not exist yet or is empty (a
+    checkpoint never lands among other files), on the simulated ranks (the backend this process runs)."""
+    if backend != "sim":
+        raise ConfigError("save_checkpoint", path, f"is saved by simulated ranks; --backend {backend} "
+                          "launches ranks that do not save (drop --backend or --save-checkpoint)")
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError("save_checkpoint", path, "exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()):
+        raise ConfigError("save_checkpoint", path, "exists and is not empty: give a new or empty directory")
 
 
 def rank_run(args: argparse.Namespace) -> RankRun:
@@ -107,7 +133,7 @@ def _write_config(job: RankRun, path: str) -> int:
     return 0
 
 
-def _run_with_progress(run_: Any) -> Any:
+def _run_with_progress(run_: Any, save_to: str | None = None) -> Any:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -126,4 +152,4 @@ def _run_with_progress(run_: Any) -> Any:
                 progress.update(check, completed=done, visible=True,
                                 description=f"checking {phase}" if phase != "done" else "checked")
 
-        return run_simulated(run_, progress=on_progress)
+        return run_simulated(run_, progress=on_progress, save_to=save_to)

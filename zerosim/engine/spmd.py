@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from ..comm.base import Communicator
 from ..comm.sim import run_spmd
@@ -34,11 +35,15 @@ __all__ = ["rank_program", "run_simulated", "simulate_observations"]
 
 
 def rank_program(comm: Communicator, cfg: RunConfig | ResolvedRun,
-                 on_step: Callable[[int], None] | None = None, device: str = "cpu") -> RankObservation:
+                 on_step: Callable[[int], None] | None = None, device: str = "cpu",
+                 save_to: str | Path | None = None) -> RankObservation:
     """The per-rank SPMD program: build the engine for ``cfg`` on ``comm`` and train ``cfg.steps`` steps.
 
     ``device`` places the engine's torch arrays (``cfg.xp == "torch"``): ``"cpu"``, or ``"cuda:<i>"``
     under NCCL. Observations are host numpy either way, so every backend is checked the same way.
+    ``save_to``: after the last step every rank saves the engine's state there as a sharded checkpoint
+    (:func:`zerosim.checkpoint.engine_state.save_engine_state`, collective; what ``zerosim checkpoint``
+    inspects and reshards).
     """
     run = resolve_run(cfg)
     xp = numpy_namespace() if run.cfg.xp == "numpy" else torch_namespace(device)
@@ -47,6 +52,10 @@ def rank_program(comm: Communicator, cfg: RunConfig | ResolvedRun,
         engine.step(s)
         if on_step is not None:
             on_step(s)
+    if save_to is not None:
+        from ..checkpoint.engine_state import save_engine_state
+
+        save_engine_state(engine, save_to)
     obs = engine.obs
     obs.memory_timeline = engine.tracker.timeline_json()
     obs.init_peak_bytes = dict(engine.tracker.init_peak_by_location)
@@ -54,9 +63,10 @@ def rank_program(comm: Communicator, cfg: RunConfig | ResolvedRun,
 
 
 def simulate_observations(
-    cfg: RunConfig | ResolvedRun, progress: ProgressFn | None = None
+    cfg: RunConfig | ResolvedRun, progress: ProgressFn | None = None, save_to: str | Path | None = None
 ) -> list[RankObservation]:
-    """Run ``rank_program`` on ``world_size`` simulated ranks in this process."""
+    """Run ``rank_program`` on ``world_size`` simulated ranks in this process (``save_to``: the ranks save
+    a checkpoint there after the last step)."""
     run = resolve_run(cfg)
 
     def program(comm: Communicator) -> RankObservation:
@@ -64,13 +74,15 @@ def simulate_observations(
         if progress is not None and comm.rank == 0:
             def tick(s: int) -> None:
                 progress("train", s + 1, run.steps)
-        return rank_program(comm, run, tick)
+        return rank_program(comm, run, tick, save_to=save_to)
 
     return run_spmd(run.world_size, program, timeout_s=run.cfg.timeout_s, schedule=run.cfg.schedule)
 
 
-def run_simulated(cfg: RunConfig, progress: ProgressFn | None = None) -> RunResult:
-    """Validate, run on the in-process simulator, evaluate every step contract.
+def run_simulated(cfg: RunConfig, progress: ProgressFn | None = None,
+                  save_to: str | Path | None = None) -> RunResult:
+    """Validate, run on the in-process simulator, evaluate every step contract; ``save_to``: a sharded
+    checkpoint of the trained state is written there after the last step (by the same ranks).
 
     Where it pays (:meth:`ReferenceJob.worth_it`: many ranks, a small model) the unsharded
     references are computed in a child process while the ranks train, on the core the serially
@@ -87,7 +99,7 @@ def run_simulated(cfg: RunConfig, progress: ProgressFn | None = None) -> RunResu
             job = None
     t = time.perf_counter()
     try:
-        obs = simulate_observations(run, progress)
+        obs = simulate_observations(run, progress, save_to)
     except BaseException:
         if job is not None:
             job.cancel()
