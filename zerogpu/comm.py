@@ -62,6 +62,7 @@ from .comm_decompose import (
 from .comm_groups import split_group
 from .comm_setup import (
     DIST_BACKENDS,
+    Job,
     check_timeout,
     current_job,
     job,
@@ -156,6 +157,11 @@ class TorchCommunicator:
     def __repr__(self) -> str:
         return (f"TorchCommunicator(group={self.group_name!r}, rank={self.rank}/{self.world_size}, "
                 f"device={self.device!r})")
+
+    @property
+    def job(self) -> Job:
+        """The process's shared communicator state this communicator uses."""
+        return self._job
 
     @property
     def process_group(self) -> Any:

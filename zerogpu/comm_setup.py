@@ -6,7 +6,9 @@ one line that names the field. :class:`Job` is what every communicator of one pr
 progress board the watchdog reads (:mod:`zerogpu.progress`), the test-only fault counter
 (``ZEROSIM_FAULT``, :mod:`zerosim.comm.fault_plan`), whether the backend has a native
 reduce-scatter, and the gloo control group for object collectives. It is rebuilt when a new default
-process group appears. :func:`pg_count` and :func:`name_hash` serve ``split``'s group naming.
+process group appears, and retired when the last trainer holding it is closed (:func:`hold_job`,
+:func:`release_job`: its board's thread stopped and joined, so nothing of zerogpu's runs after
+``ZeroTrainer.close()``). :func:`pg_count` and :func:`name_hash` serve ``split``'s group naming.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Job:
         self.board = ProgressBoard(store, self.world_rank)
         self.fault = FaultCounter(FaultPlan.from_env(), self.world_rank)
         self.native_reduce_scatter: bool | None = None  # None: not tried yet
+        self.holders = 0  # open trainers using this job (hold_job / release_job)
         # object collectives (control path, not traffic-accounted) run on CPU tensors: gloo
         self.control_group: Any = (dist.group.WORLD if "gloo" in self.backend
                                    else dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)))
@@ -55,6 +58,24 @@ def job(timeout_s: float) -> Job:
             _JOB.board.stop()
         _JOB = Job(timeout_s)
     return _JOB
+
+
+def hold_job(held: Job) -> None:
+    """One more open trainer uses ``held``: the job stays until it is released."""
+    held.holders += 1
+
+
+def release_job(held: Job) -> None:
+    """One open trainer less. The last one stops the board's publishing thread (joined, see
+    :meth:`zerogpu.progress.ProgressBoard.stop`) and retires the job, so the next communicator starts
+    a fresh one; communicators still holding the retired job keep working, without publishing."""
+    global _JOB
+    held.holders = max(0, held.holders - 1)
+    if held.holders:
+        return
+    held.board.stop()
+    if _JOB is held:
+        _JOB = None
 
 
 def current_job() -> Job | None:

@@ -52,6 +52,7 @@ from zerosim.strategy import ShardingStrategy
 from zerosim.xp import torch_namespace
 
 from .comm import TorchCommunicator
+from .comm_setup import hold_job, release_job
 from .module_engine import LossFn, module_engine
 from .module_run import ModuleRun
 from .module_units import UnitSpec, describe_module
@@ -212,6 +213,8 @@ class ZeroTrainer:
         #: a master shard apart from the parameters (ZeRO-1/2, mixed precision): one buffer more in C-ZERO-004
         self.master_copy = not (e.master is e.param_shard or e.master is e.params_full)
         self._steps = 0
+        hold_job(self.comm.job)  # released by close()
+        self._closed = False
 
     # ---- training ---------------------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> float:
@@ -246,10 +249,15 @@ class ZeroTrainer:
         return norm
 
     def close(self) -> None:
-        """Detach from the model: every hook the engine registered on it is removed (the parameters
-        stay views of the engine's buffers). Dropping the trainer does the same when the engine is
-        collected; ``close`` does it now."""
+        """End the trainer: every hook the engine registered on the model is removed (the parameters
+        stay views of the engine's buffers; dropping the trainer does the same when the engine is
+        collected), and the last open trainer of the process stops the thread that publishes the
+        ranks' collective progress (joined, :func:`zerogpu.comm_setup.release_job`). Not collective;
+        call it on every rank before ``dist.destroy_process_group()``. A second call does nothing."""
         self.schedule.remove_hooks()
+        if not self._closed:
+            self._closed = True
+            release_job(self.comm.job)
 
     # ---- the verify protocol: full values, shards, resident bytes ----------------------------------
     @torch.no_grad()
