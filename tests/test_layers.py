@@ -51,7 +51,7 @@ LAYERS: dict[str, int] = {
     "zerosim.rank_logs": 3, "zerogpu.module_run": 3, "zerogpu.fork_server": 3, "zerosim.monitor.*": 3,
     # 4: interface
     "zerosim": 4, "zerosim.__main__": 4, "zerosim.cli.*": 4, "zerosim.report.*": 4, "zerosim.bench.*": 4,
-    "zerosim.verify.*": 4, "zerosim.testing.*": 4, "zerosim.mutants": 4,
+    "zerosim.verify.*": 4, "zerosim.testing.*": 4, "zerosim.mutants": 4, "zerosim.zoo.*": 4,
     # the backends' command lines: they parse options with zerosim.cli, then call the rank entry point
     "zerosim.mpi.__main__": 4, "zerogpu.__main__": 4, "zerogpu.gpu_report": 4,
 }

@@ -24,7 +24,7 @@ from ._parser import OneLineParser
 from ._stdout import GuardedStdout, StdoutError, silence_stdout
 
 COMMAND_MODULES = ("plan", "check", "simulate", "mutants", "memory", "comm", "report", "bench", "verify",
-                   "checkpoint", "gpu_check")
+                   "checkpoint", "gpu_check", "zoo")
 _STOP_GRACE_S = 3.0  # how long a process this command started has to go after SIGTERM, before SIGKILL
 
 

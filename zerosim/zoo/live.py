@@ -1,0 +1,202 @@
+"""The zoo's live variant: each mechanism inside a monitored training loop, judged by ``zerosim.monitor``.
+
+Every rank runs ``python -m zerosim.zoo.live RESULTS OUT MECHANISM [MECHANISM...]`` under torchrun (gloo
+on the CPU; :func:`zerogpu.launch.run_ranks` in the runner). For each mechanism it trains a small
+float64 MLP twice, with the bug and as the fixed twin, in the loop a hand-written data-parallel job
+has: local backward per micro-batch, the gradient averaged over ranks, accumulated, clipped by its
+norm, AdamW, with :class:`zerosim.monitor.Monitor` checking every step (``every=1``) into
+``OUT/<mechanism>/<broken|fixed>/``. Rank 0 appends one JSON line per run to RESULTS: the mechanism,
+whether the bug was on, the monitor's checks and violations (contract, clause, step, ranks). The
+offline judge (``zerosim check trace``) reads the same folders afterwards (:mod:`zerosim.zoo.runner`).
+
+The mechanisms mirror :mod:`zerosim.zoo.bugs` on this model: ``blocks.1`` plays the experts, ``norm``
+the router and the replicated layer norm; a "shard" of the replicated model is every other parameter.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .bugs import BROKEN_RANK, FAULT_STEP, FLIPPED_GRAD_BIT, FLIPPED_WEIGHT_BIT, NARROW
+
+STEPS = 6  #: optimizer steps per run, each checked by the monitor
+MAX_NORM = 0.5  #: the clip threshold (binds on this model's first steps)
+ACCUMULATING = {"last_micro_batch_only", "unscaled_accumulation", "double_scaled_accumulation",
+                "partial_sums_in_reduce_dtype"}
+EXPERTS, ROUTER = "blocks.1.", "norm."
+VIOLATION_FIELDS = ("contract", "clause", "step", "ranks", "tensor")
+Grads = dict[str, torch.Tensor]
+
+
+class LiveModel(torch.nn.Module):
+    def __init__(self, width: int = 24):
+        super().__init__()
+        self.embed = torch.nn.Linear(8, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(width, width) for _ in range(2)])
+        self.head = torch.nn.Linear(width, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(torch.tanh(self.embed(x)))
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(h)
+
+
+class Loop:
+    """One monitored run of ``mechanism`` (``bug``: on, else its fixed twin)."""
+
+    def __init__(self, mechanism: str, bug: bool):
+        self.mechanism, self.bug = mechanism, bug
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        self.model = LiveModel().double()
+        self.params = dict(self.model.named_parameters())
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.step_index = 0
+        self.previous: Grads | None = None
+
+    def on(self, name: str) -> bool:
+        return self.bug and self.mechanism == name
+
+    # ---- the step's parts, each with the mechanisms that change it --------------------------------
+    def loss_factor(self, count: int) -> float:
+        if self.on("unscaled_accumulation"):
+            return 1.0
+        if self.on("double_scaled_accumulation"):
+            return 1.0 / count**2
+        return 1.0 / count
+
+    def local_gradient(self) -> Grads:
+        grads = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
+        if self.on("gradient_bit_flip") and self.rank == BROKEN_RANK and self.step_index == FAULT_STEP:
+            grads["blocks.0.weight"].view(-1)[:1].view(torch.int64).bitwise_xor_(1 << FLIPPED_GRAD_BIT)
+        if self.on("stale_gather_in_grad_buffer") and self.step_index > 1:
+            grads = {n: g + self.params[n].detach() for n, g in grads.items()}
+        return grads
+
+    def reduce(self, grads: Grads) -> Grads:
+        out: Grads = {}
+        for name, g in grads.items():
+            local = g.clone()
+            if self.on("reduces_in_narrow_dtype"):
+                narrow = g.to(NARROW)
+                dist.all_reduce(narrow)
+                mean = narrow.to(g.dtype) / self.world
+            else:
+                dist.all_reduce(g)
+                mean = g / self.world
+            if self.on("replicas_not_reduced") or (self.on("router_not_reduced") and name.startswith(ROUTER)):
+                mean = local
+            if self.on("expert_gradients_summed") and name.startswith(EXPERTS):
+                mean = mean * self.world
+            if self.on("layer_norm_replica_drift") and self.rank == BROKEN_RANK and name.startswith(ROUTER):
+                mean = mean.to(torch.float32).to(mean.dtype)
+            out[name] = mean
+        return out
+
+    def accumulate(self, total: Grads | None, reduced: Grads) -> Grads:
+        if total is None or self.on("last_micro_batch_only"):
+            return {n: g.clone() for n, g in reduced.items()}
+        if self.on("partial_sums_in_reduce_dtype"):
+            return {n: (total[n].to(NARROW) + g.to(NARROW)).to(g.dtype) for n, g in reduced.items()}
+        return {n: total[n] + g for n, g in reduced.items()}
+
+    def norms(self, grads: Grads) -> tuple[float, float]:
+        """(the norm the clip uses, the norm the loop logs)."""
+        names = list(grads)
+        if self.on("local_clip_norm"):
+            names = names[self.rank::self.world]  # this rank's shard of the parameters
+        if self.on("experts_out_of_norm"):
+            names = [n for n in names if not n.startswith(EXPERTS)]
+        squares = sum(float((grads[n] * grads[n]).sum()) for n in names)
+        norm = math.sqrt(squares)
+        if self.on("logged_norm_over_shards"):
+            return norm, norm / self.world
+        if self.on("logged_norm_squares_averaged"):
+            return norm, math.sqrt(squares / self.world)
+        return norm, norm
+
+    def after_update(self) -> None:
+        with torch.no_grad():
+            if self.on("weights_in_narrow_dtype"):
+                for p in self.params.values():
+                    p.copy_(p.to(NARROW).to(p.dtype))
+            if self.on("optimizer_state_in_narrow_dtype"):
+                for state in self.optimizer.state.values():
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key].copy_(state[key].to(NARROW).to(state[key].dtype))
+            if self.on("weight_bit_flip") and self.rank == BROKEN_RANK and self.step_index == FAULT_STEP:
+                word = self.params["blocks.0.weight"].view(-1)[:1].view(torch.int64)
+                word.bitwise_xor_(1 << FLIPPED_WEIGHT_BIT)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def run(self, out: Path) -> dict:
+        from ..monitor import Monitor
+
+        monitor = Monitor(self.model, self.optimizer, every=1, out=str(out), max_norm=MAX_NORM)
+        count = 2 if self.mechanism in ACCUMULATING else 1
+        data = torch.Generator().manual_seed(1 + self.rank)
+        for step in range(STEPS):
+            self.step_index = step + 1
+            current = {n: p.detach().clone() for n, p in self.params.items()}
+            stale = self.previous if self.on("forward_on_previous_weights") else None
+            total: Grads | None = None
+            loss = torch.zeros((), dtype=torch.float64)
+            for _ in range(count):
+                x = torch.randn(16, 8, generator=data, dtype=torch.float64)
+                y = torch.randn(16, 3, generator=data, dtype=torch.float64)
+                if stale is not None:
+                    self._load(stale)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.mse_loss(self.model(x), y)
+                (loss * self.loss_factor(count)).backward()
+                if stale is not None:
+                    self._load(current)
+                total = self.accumulate(total, self.reduce(self.local_gradient()))
+            assert total is not None
+            clip_norm, logged = self.norms(total)
+            coefficient = min(MAX_NORM / (clip_norm + 1e-6), 1.0)
+            for name, p in self.params.items():
+                p.grad = total[name] * coefficient
+            self.optimizer.step()
+            self.previous = current
+            self.after_update()
+            monitor.after_step(step, loss=loss.detach(), grad_norm=logged)
+        return monitor.close()
+
+    def _load(self, values: Grads) -> None:
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(values[name])
+
+
+def main(argv: list[str]) -> int:
+    results, out, mechanisms = Path(argv[0]), Path(argv[1]), argv[2:]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank = dist.get_rank()
+    for mechanism in mechanisms:
+        for bug in (True, False):
+            folder = out / mechanism / ("broken" if bug else "fixed")
+            summary = Loop(mechanism, bug).run(folder)
+            if rank == 0:
+                record = {"mechanism": mechanism, "bug": bug, "folder": str(folder),
+                          "checks": summary["checks"], "violation_count": summary["violation_count"],
+                          "violations": [{k: v.get(k) for k in VIOLATION_FIELDS}
+                                         for v in summary["violations"]]}
+                with results.open("a") as fh:
+                    fh.write(json.dumps(record) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
