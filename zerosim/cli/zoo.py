@@ -5,7 +5,8 @@ and, where the bug can happen inside a live run, through a monitored training lo
 ``zerosim.monitor`` and ``zerosim check trace`` (world 2 on the CPU). Writes ``zoo.{json,md,png}`` into
 a new ``reports/zoo-<timestamp>/`` (or ``--out DIR``). Exit status: 0 every outcome the catalogue
 expects holds (every recorded catch, finding and known miss, and a pass for every twin), 1 one does
-not (a lost catch or a new false alarm), 2 bad input (an unknown ``--only`` id).
+not (a lost catch or a new false alarm), 2 bad input (an unknown ``--only`` id), 3 the launch of the
+monitored loops failed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import sys
 from typing import Any
 
+from ..errors import EXIT_RUN_FAILED
 from ..outputs import output_dir
 
 
@@ -29,12 +31,17 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..verify.errors import RankFailure
     from ..zoo import report, runner
 
     entries = runner.select(args.only)
     out = output_dir(args.out, "zoo")  # made (or refused) before anything runs
     progress = None if args.json or not sys.stderr.isatty() else _progress
-    matrix = runner.run_zoo(entries, progress=progress)
+    try:
+        matrix = runner.run_zoo(entries, progress=progress)
+    except RankFailure as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     paths = report.write_report(matrix, out)
     if args.json:
         json.dump(matrix, sys.stdout, indent=1)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..verify.errors import RankFailure
 from .catalogue import BY_ID, CATCH, ENTRIES, FINDING, MISS, VERIFY_STEPS, WORLD, Entry
 
 PASS, FALSE_ALARM, ERROR = "pass", "false alarm", "error"
@@ -53,7 +54,7 @@ def _verify_outcome(report: Any) -> tuple[str, int | None, list[str]]:
 def run_verify(entry: Entry) -> dict[str, Any]:
     """The entry's bug and twin through verify: their outcomes, first step, contracts and wall time."""
     from ..verify import verify
-    from ..verify.errors import RankFailure, TrainerError
+    from ..verify.errors import TrainerError
 
     assert entry.verify is not None
     out: dict[str, Any] = {}
@@ -85,8 +86,7 @@ def run_live(entries: Sequence[Entry], work: Path) -> dict[str, dict[str, Any]]:
     wall = time.perf_counter() - started
     if run.timed_out or run.returncode != 0:
         tail = (run.stderr or "")[-800:].strip().replace("\n", " | ")
-        raise ConfigError("live launch", f"exit {run.returncode}",
-                          f"the monitored loops did not finish: {tail}")
+        raise RankFailure(-1, f"the monitored loops did not finish (exit {run.returncode}): {tail}")
     out: dict[str, dict[str, Any]] = {}
     for record in map(json.loads, results.read_text().splitlines()):
         kind = "broken" if record["bug"] else "fixed"
