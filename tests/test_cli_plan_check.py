@@ -127,7 +127,7 @@ def test_check_partition_correct_impl_exit_0(capsys):
     assert "1170 cases" in out
 
 
-def test_check_partition_buggy_impl_one_line_per_violation_exit_1(capsys):
+def test_check_partition_buggy_impl_limit_0_lists_every_case_under_its_kind_exit_1(capsys):
     code, out, _ = run(
         capsys,
         "check",
@@ -143,10 +143,36 @@ def test_check_partition_buggy_impl_one_line_per_violation_exit_1(capsys):
     )
     assert code == 1
     lines = out.strip().splitlines()
-    violations = [line for line in lines if line.startswith("C-ZERO-001 balance")]
-    assert len(violations) == len(lines) - 1 > 0
-    assert "C-ZERO-001 balance world_size=4 total=10 rank=3 expected=2 got=4" in out
+    cases = [line for line in lines if line.startswith("  C-ZERO-001 balance ")]
+    assert lines[0] == (f"C-ZERO-001 balance: {len(cases)} violations alike (shard holds # elements, not "
+                        "within # of total // world_size = #)")
+    assert len(lines) == len(cases) + 2 and f"{len(cases)} violations (balance x{len(cases)})" in lines[-1]
+    assert "  C-ZERO-001 balance world_size=4 total=10 rank=3 expected=2 got=4" in out
     assert "violated" in lines[-1]
+
+
+def test_check_partition_groups_violations_by_kind_with_the_first_cases(capsys, tmp_path, monkeypatch):
+    """Two kinds of failure (an overlap at world 2, the last rank's remainder elsewhere): one line each
+    with its count, its first three cases, how many more; the counts add up to the summary's."""
+    (tmp_path / "two_kinds.py").write_text(
+        "def split(rank, world_size, total):\n"
+        "    base = total // world_size\n"
+        "    if world_size == 2:\n"
+        "        return (0, total) if rank == 0 else (total // 2, total)\n"
+        "    start = rank * base\n"
+        "    return (start, total if rank == world_size - 1 else start + base)\n")
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(capsys, "check", "partition", "--impl", "two_kinds.py:split", "--world-sizes", "1..8",
+                       "--totals", "10,11")
+    assert code == 1
+    lines = out.strip().splitlines()
+    heads = [line for line in lines if not line.startswith("  ")]
+    assert heads[0] == "C-ZERO-001 disjoint: 2 violations alike (# elements owned by ranks # and #)"
+    assert heads[1].startswith("C-ZERO-001 balance: 11 violations alike (shard holds # elements")
+    assert "13 violations (balance x11, disjoint x2)" in heads[2] and len(heads) == 3
+    balance = lines[lines.index(heads[1]) + 1:-1]
+    assert len(balance) == 4 and balance[-1].startswith("  ... and 8 more like it"), balance
+    assert all(line.startswith("  C-ZERO-001 balance world_size=") for line in balance[:3])
 
 
 def test_check_partition_json(capsys):

@@ -26,7 +26,9 @@ from ..errors import ConfigError, require_non_negative_int, require_positive_int
 from ..layout import ParamLayout
 from ..partition import PARTITIONERS, get_partitioner
 from ..presets import PRESETS
+from ..verdict import Violation
 from ._args import parse_int_list, pipe_safe
+from .violation_groups import DEFAULT_CASES_PER_KIND, grouped_lines
 
 
 def register(sub: Any) -> None:
@@ -69,7 +71,9 @@ def _register_partition(inner: Any) -> None:
     p.add_argument("--call-timeout", default=None, metavar="S",
                    help="--impl: seconds one call (or the import) may take "
                         f"(default {DEFAULT_CALL_TIMEOUT_S:g})")
-    p.add_argument("--limit", type=int, default=50, help="violation lines to print (0 = all; default 50)")
+    p.add_argument("--limit", type=int, default=DEFAULT_CASES_PER_KIND,
+                   help="violations are grouped by kind (clause and message, one line each with its count); "
+                        f"cases listed under each kind (0 = every case; default {DEFAULT_CASES_PER_KIND})")
     p.add_argument("--json", action="store_true", help="machine-readable report on stdout")
     p.set_defaults(func=run_partition)
 
@@ -120,7 +124,7 @@ def run_partition(args: argparse.Namespace) -> int:
             json.dump(report.to_json(), sys.stdout, indent=2)
             print()
         else:
-            for line in report.lines(limit or None):
+            for line in grouped_lines(report.violations, limit or None, report.suppressed):
                 print(line)
             print(report.summary())
         return 0 if report.passed else 1
@@ -145,7 +149,7 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
     # the same bounds as an --impl sweep (a rank's shard per rank per case), before the first case
     check_sweep_size(world_sizes or DEFAULT_WORLD_SIZES, len(layouts), "rank shards")
     cases: list[dict[str, Any]] = []
-    lines: list[str] = []
+    violations: list[Violation] = []
     n_violations = 0
     for layout in layouts:
         for ws in world_sizes or DEFAULT_WORLD_SIZES:
@@ -156,7 +160,7 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
             t2 = time.perf_counter()
             n = sum(verdict.details.get("violations_by_clause", {}).values())
             n_violations += n
-            lines += [str(v) for v in verdict.violations]
+            violations += verdict.violations
             cases.append(
                 {
                     "model": layout.name,
@@ -178,10 +182,8 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
                    "total_violations": n_violations, "cases": cases}, sys.stdout, indent=2)
         print()
         return 0 if passed else 1
-    for line in lines[: limit or None]:
+    for line in grouped_lines(violations, limit or None, n_violations - len(violations)):
         print(line)
-    if limit and len(lines) > limit:
-        print(f"... {len(lines) - limit} more violations not shown (use --limit 0 or --json)")
     check_ms = [c["check_ms"] for c in cases]
     build_ms = [c["build_ms"] for c in cases]
     models = sorted({c["model"] for c in cases})
