@@ -32,7 +32,8 @@ from .errors import ConfigError
 
 READ_CHUNK = 1 << 20  #: bytes per read call of a bounded read
 MAX_INT_DIGITS = 20  #: an integer longer than this cannot be a size, offset or count (2**64 has 20)
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_ESCAPE = re.compile(rb"\\.", re.DOTALL)  #: a backslash and the byte it escapes
+_NOT_STRUCTURAL = bytes(set(range(256)) - set(b'"[]{}'))
 
 
 def plain_name_problem(name: str, place: str) -> str | None:
@@ -134,7 +135,10 @@ def read_bounded(fh: BinaryIO, size: int, limit: int, field: str, what: str) -> 
 def json_depth(raw: bytes) -> int:
     """The deepest nesting of arrays and objects in the JSON text ``raw`` (strings skipped), in linear
     time and without recursion."""
-    skeleton = _STRING.sub(b"", raw).translate(None, delete=bytes(set(range(256)) - set(b"[]{}")))
+    # with escaped pairs gone every quote opens or closes a string: the brackets outside strings are
+    # the even-numbered pieces between quotes (all of it in C, about 10 ms a megabyte)
+    kept = _ESCAPE.sub(b"", raw).translate(None, delete=_NOT_STRUCTURAL)
+    skeleton = b"".join(kept.split(b'"')[0::2])
     if not skeleton:
         return 0
     steps = np.frombuffer(skeleton, np.uint8)
