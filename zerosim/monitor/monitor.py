@@ -8,11 +8,10 @@ One call in the training loop, after the optimizer step::
     monitor.close()  # writes the JSON summary
 
 At each check every rank reads its layout (:mod:`zerosim.monitor.layouts`), digests the pieces it holds
-that another rank holds too where they live, in one fused pass per device
-(:mod:`zerosim.monitor.digest`), summarises its optimizer
-state and gradient on its device with fused reductions (:mod:`zerosim.monitor.row`), and contributes
-one small int64 row to the check's one all-gather (:mod:`zerosim.monitor.exchange`); the layout's keys
-are gathered again, and C-ZERO-001 judged again, only when a rank's layout changes. Every
+that another rank holds too where they live, in one fused pass per device (:mod:`zerosim.monitor.digest`),
+summarises its optimizer state and gradient on its device (:mod:`zerosim.monitor.row`), and contributes
+one small int64 row to the check's one all-gather over the monitor's own process group
+(:mod:`zerosim.monitor.exchange`); the layout's keys are gathered again only when a layout changes. Every
 rank then judges the same observations with the same checks (:mod:`zerosim.monitor.judge`), so with
 ``on_violation="raise"`` every rank raises at the same call. With ``overlap`` (the default) the
 all-gather is posted without waiting and completed, and the check judged, at the next ``after_step``
@@ -25,11 +24,11 @@ Why one module of this length: a check is observed at one call and completed at 
 ends read the same exchanged state (every rank's layout keys and fingerprints, the pieces shared, the
 rule the rows were digested by); split, each half would reach into the other's fields.
 
-The monitor reads, never writes, the training state: parameters, gradients and optimizer state keep
-their bits. Bad input (no process group, ``every`` not a positive integer, an unknown
-``on_violation``, a layout it cannot read) is one line on stderr and the monitor turns itself off; an
-``out`` it cannot write is one line and the checks go on without files.
-"""
+The monitor reads, never writes, the training state. Bad input (no process group, ``every`` or
+``timeout`` out of range, an unknown ``on_violation``, a layout it cannot read) is one line and the
+monitor turns itself off; so is any error of its own later (never raised into the loop); an ``out``
+it cannot write is one line on the rank concerned and the checks go on without its file. A rank whose
+rows are not of the others' step makes that check skipped and recorded, never waited on for long."""
 
 from __future__ import annotations
 
@@ -43,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from ..checks.identity import check_replica_identity
@@ -70,7 +68,7 @@ from .exchange import (
 )
 from .judge import CONTRACTS, judge, summary_line
 from .layouts import LiveLayout, read_layout
-from .row import RowBuilder
+from .row import RowBuilder, logged_number
 from .trace import append_line, rank_file, touch_regular, write_summary
 
 ON_VIOLATION = ("log", "raise")
@@ -206,8 +204,7 @@ class Monitor:
         return None
 
     def _open_out(self, out: Any) -> None:
-        """Make ``out`` and this rank's observation file there (a regular file only: opening it never
-        blocks); on failure one line on this rank and the checks go on without its file."""
+        """Make ``out`` and this rank's (regular) file there; on failure one line on this rank."""
         try:
             self.out = Path(out)
             self.out.mkdir(parents=True, exist_ok=True)
@@ -267,16 +264,15 @@ class Monitor:
             self._note(f"C-ZERO-002 grad_norm: the logged norm is compared across ranks only, not with "
                        f"a norm recomputed from the gradient ({layout.grads_note})")
         keys, fingerprint = self._rows.layout_keys(layout)
-        values = (step, fingerprint, _number(loss), _number(grad_norm))
+        values = (step, fingerprint, logged_number(loss), logged_number(grad_norm))
         row = self._rows.row(layout, self._width, *values, digested=self._digested(layout, fingerprint))
         self._pending = _Pending(step, keys, self._width, start_gather(row, self._group),
                                  None if self.overlap else (layout, values),
                                  time.perf_counter() - t0, self._shared, self._fingerprints)
 
     def _give_up(self, err: BaseException) -> None:
-        """The monitor's own failure: one line on this rank, the monitor off. Unless its exchange is what
-        failed, this rank's last row says so (``OFF``), so that every other rank stops at the same
-        check rather than wait for rows this rank will not send."""
+        """Its own failure: one line on this rank, the monitor off; unless the exchange failed, a last
+        ``OFF`` row makes every other rank stop at the same check instead of waiting for rows."""
         what = str(err) or type(err).__name__
         self.off_reason = f"{type(err).__name__}: {what}"
         self._own_log(f"zerosim.monitor: off on rank {self.rank}: {self.off_reason}; training goes on")
@@ -304,9 +300,8 @@ class Monitor:
         return lambda rank, key: whole[rank] or key in shared
 
     def flush(self) -> list[Violation]:
-        """Complete the check still exchanging (with ``overlap``), if any, waiting at most ``timeout``
-        for the other ranks' rows: its violations (raised as :class:`MonitorViolation` with
-        ``on_violation="raise"``). :meth:`close` calls it."""
+        """Complete the check still exchanging, waiting at most ``timeout``: its violations (raised as
+        :class:`MonitorViolation` with ``on_violation="raise"``). :meth:`close` calls it."""
         if not self.enabled or self._pending is None:
             return []
         try:
@@ -322,9 +317,8 @@ class Monitor:
             return []
 
     def _complete(self, bound: float) -> list[Violation]:
-        """Judge the pending check if every rank's row arrives within ``bound`` seconds (else leave it
-        pending): every rank's observation judged, recorded and reported. A table whose rows are not all
-        one step's check is not judged: the check is recorded as skipped (:meth:`_skip`)."""
+        """Judge the pending check if every rank's row arrives within ``bound`` s (else keep it pending):
+        every observation judged, recorded and reported; rows not of one step's check are not judged."""
         pending = self._pending
         assert pending is not None
         t0 = time.perf_counter()
@@ -380,9 +374,8 @@ class Monitor:
         return found
 
     def _agreed(self, table: np.ndarray, width: int) -> bool:
-        """Whether ``table`` holds every rank's row of one check at one step. Otherwise: a rank whose
-        monitor is off stops it on every rank (:data:`OFF`); rows of other steps, or of ranks closing,
-        make the check skipped (:meth:`_skip`)."""
+        """Whether ``table`` is every rank's row of one step's check; else an ``OFF`` row stops the
+        monitor, other steps' or closing rows make the check skipped (:meth:`_skip`)."""
         phases = table[:, width + PHASE].tolist()
         if OFF in phases:
             off = phases.index(OFF)
@@ -397,10 +390,8 @@ class Monitor:
         return False
 
     def _skip(self, steps: list[int | None]) -> None:
-        """Record a check not judged because the ranks' rows were not of one step (``steps``: each rank's
-        step, None for a rank that was closing the monitor). A rank's later check at a step up to the
-        latest here is not posted (its row for it, or a later one, has been gathered already): that
-        brings the ranks' sequences of rows back in line."""
+        """Record a check not judged, its rows not of one step (``steps``: each rank's, None: closing);
+        no row is sent for a step up to the latest here (gathered already): the rows come back in line."""
         checked = [s for s in steps if s is not None]
         if not checked:
             return
@@ -414,13 +405,11 @@ class Monitor:
                   f"({where})")
 
     def _exchange(self, keys: dict[str, Any]) -> None:
-        """Gather every rank's layout ``keys`` over the monitor's group and adopt them."""
         self._adopt(exchange_keys(keys, self.device, self._group, float(self.timeout)))
 
     def _adopt(self, everyone: list[dict[str, Any]], room_for_gradients: bool = False) -> None:
-        """Every rank's layout keys: what each check's rows are read by. ``room_for_gradients``: the
-        rows leave a gradient piece's room beside each held piece (the keys exchanged at construction,
-        before any gradient exists, are replaced at the first check)."""
+        """Every rank's layout keys; ``room_for_gradients``: rows with room for a gradient piece beside
+        each held one (the keys of ``Monitor()``, before any gradient, are replaced at the first check)."""
         self._keys = everyone
         self._width = 2 * max(len(k["held"]) for k in self._keys) * (2 if room_for_gradients else 1)
         # each rank's owned ranges and element counts, converted once per layout (shared by every check)
@@ -504,8 +493,7 @@ class Monitor:
 
     # ---- what the run keeps ---------------------------------------------------------------------------
     def _record(self, mine: MonitorObservation, elapsed: float) -> None:
-        """Append this rank's observation to its file; a write that fails is one line on this rank,
-        once, and the rank's file is not written again (the checks go on)."""
+        """Append this rank's observation; a failed write is one line on this rank, once, and no more."""
         if self._trace is None:
             return
         try:
@@ -544,11 +532,9 @@ class Monitor:
                 "notes": list(self.notes)}
 
     def close(self) -> dict[str, Any]:
-        """Complete the check still exchanging, agree with every rank that the monitor is closing (a
-        rank's check the others did not send a row for is recorded as skipped), write
-        ``out/summary.json`` (rank 0) and return the summary; with ``on_violation="raise"`` a violation
-        that check found is raised after the summary is written. Waits at most ``timeout`` for each of
-        the other ranks' rows; nothing but that violation is raised."""
+        """Complete the check still exchanging, close with every rank (:meth:`_close_exchange`), write
+        ``out/summary.json`` (rank 0), return the summary; waits at most ``timeout`` for each table.
+        Only a violation that check found is raised (``on_violation="raise"``), after the summary."""
         raised: MonitorViolation | None = None
         was_enabled = self.enabled
         try:
@@ -582,9 +568,8 @@ class Monitor:
         return summary
 
     def _close_exchange(self) -> None:
-        """Send ``CLOSING`` rows until a table holds nothing else: a rank still checking (it called
-        after_step on steps this rank did not) gets its check matched with this rank's closing row and
-        recorded as skipped, on every rank."""
+        """Send ``CLOSING`` rows until a table holds nothing else (a check another rank sent meanwhile
+        is recorded as skipped, on every rank)."""
         while self.enabled:
             gather = start_gather(self._rows.marker(self._width, CLOSING), self._group)
             table = gather.wait(self.timeout)
@@ -613,13 +598,3 @@ class _Pending:
     fingerprints: list[int]
     #: the table did not arrive within the grace of a call that was not a check step
     waited: bool = False
-
-
-def _number(value: Any) -> Any:
-    """A logged value as the row takes it: None, a float, or a one-element tensor left on its device
-    (read there, so that logging a loss or norm that is still a device tensor makes nobody wait)."""
-    if isinstance(value, torch.Tensor) and hasattr(value, "full_tensor"):
-        value = value.full_tensor()  # a DTensor norm (FSDP2's clip_grad_norm_): its value on every rank
-    if value is None or isinstance(value, torch.Tensor):
-        return value
-    return float(value)

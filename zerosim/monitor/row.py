@@ -316,3 +316,13 @@ def _norm_summary(layout: LiveLayout, device: torch.device, counters: StepCounte
     fields.update(_finite_fields(tensors, owners, len(layout.numels), device))
     fields.update(_grad_fields(layout, device))
     return fields
+
+
+def logged_number(value: Any) -> Any:
+    """A logged value as the row takes it: None, a float, or a one-element tensor left on its device
+    (read there, so that logging a loss or norm that is still a device tensor makes nobody wait)."""
+    if isinstance(value, torch.Tensor) and hasattr(value, "full_tensor"):
+        value = value.full_tensor()  # a DTensor norm (FSDP2's clip_grad_norm_): its value on every rank
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    return float(value)
