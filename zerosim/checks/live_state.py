@@ -117,8 +117,8 @@ def _same_logged_norm(logged: list[MonitorObservation], step: int, out: Violatio
     n = max(o.grad_numel for o in logged) * len(logged)
     rel = 2 * norm_relative_bound(n, logged[0].grad_dtype)
     differ = {value: ranks for value, ranks in values.items()
-              if not (value == majority or (math.isfinite(value) and math.isfinite(majority)
-                                            and abs(value - majority) <= rel * max(abs(value), abs(majority))))}
+              if not (value == majority or (math.isfinite(value) and math.isfinite(majority) and
+                                            abs(value - majority) <= rel * max(abs(value), abs(majority))))}
     if not differ:
         return
     if any(len(ranks) == len(values[majority]) for ranks in differ.values()):  # no majority: none named
@@ -174,7 +174,19 @@ def _grad_norm(rows: list[MonitorObservation], step: int, out: ViolationCollecto
         if err > allowed:
             out.add("grad_norm", f"rank {obs.rank} logged gradient norm {norm!r}"
                     + (f" (clipped to {expected!r})" if expected != norm else "")
-                    + f", recomputed from the shards of ranks {sorted(contributors)} {recomputed!r}",
+                    + f", recomputed from the shards of ranks {sorted(contributors)} {recomputed!r}"
+                    + _likely_cause(norm, recomputed, obs.max_norm),
                     step=step, ranks=(obs.rank,), expected=recomputed, got=expected, error=err,
                     tolerance=allowed)
     return worst
+
+
+def _likely_cause(logged: float, recomputed: float, max_norm: float | None) -> str:
+    """The usual reason a logged norm exceeds the norm of the gradient the optimizer stepped with: the
+    loop clips, so the gradient read is the clipped one while the logged norm is the one before clipping,
+    and the monitor was given no ``max_norm`` to undo it with. Empty when the figures do not fit that."""
+    if max_norm is not None or not logged > recomputed > 0:
+        return ""
+    return (f"; the logged norm is the larger: if the loop clips (clip_grad_norm_ to about "
+            f"{recomputed:.3g}), the logged norm is the pre-clip norm and the gradient the clipped one: pass "
+            "the threshold as Monitor(..., max_norm=...)")
