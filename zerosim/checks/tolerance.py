@@ -132,8 +132,9 @@ class ErrorModel:
     def __init__(
         self, optim: dict[str, Any], dtype: str, cfg: ModelSizes, world: int, *, rounded_start: bool = False
     ):
-        # the live-trainer reference runs torch.optim.SGD for "sgd" and torch.optim.AdamW for anything else
-        name = "sgd" if optim["name"] == "sgd" else "adamw"
+        # the live-trainer reference runs torch.optim.SGD for "sgd", torch.optim.Adam for "adam" (L2 weight
+        # decay) and torch.optim.AdamW for "adamw"; matrix optimizers have an estimated bound instead
+        name = optim["name"] if optim["name"] in ("sgd", "adam") else "adamw"
         self.optim = optim
         self.dtype = dtype
         self.u = unit_roundoff(dtype)

@@ -38,7 +38,8 @@ from ..untrusted_files import lstat_problem, open_regular, parse_json_strict
 from .trace import RANK_FILE
 
 MAX_LINE_BYTES = 64 << 20  #: one observation line (a model of 100,000 tensors writes about 20 MB)
-MAX_TRACE_BYTES = 1 << 30  #: every rank file of a folder together, unless the caller allows more
+MAX_TRACE_BYTES = 256 << 20  #: every rank file of a folder together, unless the caller allows more (memory:
+#: about 20 bytes per byte read, so near 5 GB at this bound)
 MAX_LINE_DEPTH = 16  #: nesting of arrays/objects a line may use (the monitor writes 4)
 _PLACE = "trace folder"
 _MISSING = "disappeared while the folder was read"

@@ -2,7 +2,9 @@
 
 For every phase that ran, the reference (:mod:`zerosim.verify.reference`) replays the phase from the
 same initial model on the global batches, the error model (:mod:`zerosim.checks.tolerance`) derives
-each step's per-element bound in the trainer's arithmetic dtype (float32 when the run is float32,
+each step's per-element bound in the trainer's arithmetic dtype (for a matrix optimizer, Adafactor,
+Muon or a user's, the per-tensor bound estimated from a perturbed twin of the reference,
+:mod:`zerosim.verify.estimated_bound`) (float32 when the run is float32,
 or when the trainer keeps float32 master weights of a float64 model: every parameter exactly
 float32-representable after every step), and the contracts' checks (:mod:`zerosim.checks`:
 C-ZERO-001 :func:`~zerosim.checks.partition.check_partition_plan`, C-ZERO-002
@@ -34,9 +36,11 @@ from zerosim.checks.traffic import check_communication
 from zerosim.observe import TrainerObservation
 from zerosim.verdict import Verdict
 
+from .estimated_bound import TwinBound
 from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, policy
 from .model_source import model_source
 from .observation import StepRecord
+from .optimizers import is_elementwise
 from .outcome import ContractOutcome, VerifyReport, mark_findings, violation_json
 from .reference import Reference
 from .resume import ResumeRun, resume_outcome
@@ -55,6 +59,7 @@ def build_records(
     seed: int,
     resume: ResumeRun | None = None,
     grad_accum: int = 1,
+    device: str = "cpu",
 ) -> list[StepRecord]:
     """Reference and bounds beside every observed step; notes per phase the arithmetic dtype judged
     and the steps where the clip bound, in ``phase_info``. With ``resume``, the reference's batches
@@ -84,7 +89,15 @@ def build_records(
             source=source,
         )
         bound_world = max(world, resume.world_after) if resume else world
-        model = ErrorModel(phase.optim, arithmetic, cfg, bound_world * grad_accum, rounded_start=masters32)
+        model: ErrorModel | TwinBound
+        if is_elementwise(phase.name):
+            model = ErrorModel(phase.optim, arithmetic, cfg, bound_world * grad_accum,
+                               rounded_start=masters32)
+        else:  # a matrix optimizer: the bound is estimated from a perturbed twin of the reference
+            model = TwinBound(base, phase.optim, arithmetic, cfg, world, source=source, phase=phase.name,
+                              data_offset=phase.data_offset, resume=ref.resume, grad_accum=grad_accum,
+                              bound_world=bound_world, device=device)
+            info[phase.name]["bound"] = "estimated"
         binds = []
         for s, ranks in zip(phase.step_numbers, steps, strict=True):
             ref_step = ref.step(s)
@@ -92,6 +105,8 @@ def build_records(
                 binds.append(s)
             records.append(StepRecord(ref_step, model.step(ref_step), ranks, dict(phase.optim)))
         info[phase.name]["arithmetic"] = arithmetic
+        if isinstance(model, TwinBound) and model.bf16_twin is not None:
+            info[phase.name]["bf16_twin_from_step"] = model.bf16_from
         if masters32:
             info[phase.name]["master_dtype"] = "float32"
         if phase.optim.get("max_grad_norm") is not None:
@@ -181,6 +196,7 @@ def evaluate(
         seed=seed,
         resume=resume,
         grad_accum=grad_accum,
+        device=device,
     )
     contracts: dict[str, ContractOutcome] = {}
     if records:

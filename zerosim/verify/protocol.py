@@ -9,7 +9,8 @@ Required: ``step(inputs, targets) -> float`` (one optimizer step on this rank's 
 global gradient is the mean over ranks) and ``full_parameters() -> dict[str, Tensor]`` (every
 parameter, full and unsharded, keyed by its name in ``model.named_parameters()``; collective).
 Optional: ``full_optimizer_state() -> dict[str, dict[str, Tensor]]`` (torch.optim's state names
-``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``, ``step``) and ``local_shards() -> dict[str,
+``momentum_buffer``, ``exp_avg``, ``exp_avg_sq``, ``step``; Adafactor's ``row_var``, ``col_var``,
+``variance``) and ``local_shards() -> dict[str,
 list[tuple[int, int]]]`` (half-open ranges of each flattened parameter whose optimizer state this
 rank owns; C-ZERO-001 is checked from them).
 
@@ -40,31 +41,37 @@ naming the method, the parameter and the rank (bad input, exit 2).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
 from .errors import TrainerError
+from .optimizers import STATE_NAMES as STATE_NAMES
+from .optimizers import state_names, state_shape
 
 REQUIRED_METHODS = ("step", "full_parameters")
 OPTIONAL_METHODS = ("full_optimizer_state", "local_shards", "save_checkpoint", "load_checkpoint", "close",
                     "step_accumulated", "last_grad_norm")
 RESUME_METHODS = ("save_checkpoint", "load_checkpoint")
-STATE_NAMES = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq", "step")}
 
 
 class OptimConfig(TypedDict, total=False):
-    """What ``make_trainer`` receives as ``optim``. ``momentum`` for sgd; ``betas`` and ``eps`` for adamw.
-    ``max_grad_norm``: None or clip with ``torch.nn.utils.clip_grad_norm_`` on the full averaged gradient."""
+    """What ``make_trainer`` receives as ``optim``. ``name``: sgd, adam, adamw, adafactor, muon or a
+    user's ``MODULE:FACTORY``; each optimizer's own hyper-parameters beside it (``momentum`` for sgd;
+    ``betas`` and ``eps`` for adam / adamw; muon's AdamW ones as ``adamw_*``; a user's optimizer: its
+    ``defaults``). ``make_optimizer(params)``: the phase's optimizer over exactly those tensors, treating
+    them as the reference treats the whole model's (:mod:`zerosim.verify.optimizers`). ``max_grad_norm``:
+    None or clip with ``torch.nn.utils.clip_grad_norm_`` on the full averaged gradient."""
 
-    name: Literal["sgd", "adamw"]
+    name: str
     lr: float
     momentum: float
     betas: tuple[float, float]
     eps: float
     weight_decay: float
     max_grad_norm: float | None
+    make_optimizer: Callable[[Iterable[Any]], Any]
 
 
 @runtime_checkable
@@ -161,7 +168,9 @@ def validate_optimizer_state(
     finite: bool = True,
 ) -> None:
     """TrainerError unless ``state`` maps parameter names to dicts of torch.optim state arrays of the
-    parameter's shape (``step``: a scalar). Names a trainer does not expose are allowed to be absent."""
+    shape torch gives them (:func:`zerosim.verify.optimizers.state_shape`: the parameter's, Adafactor's
+    row and column statistics; ``step``: a scalar). Names a trainer does not expose are allowed to be
+    absent; a user's optimizer's entries are checked for finiteness only."""
     if not isinstance(state, Mapping):
         raise TrainerError(
             f"full_optimizer_state() on rank {rank} returned {type(state).__name__}, "
@@ -176,9 +185,13 @@ def validate_optimizer_state(
                 "expected a dict of state tensors"
             )
         shape, dtype = expected[name]
+        names = state_names(optim)
         for key, arr in entry.items():
-            if key not in STATE_NAMES.get(optim, ()):
+            if names is not None and key not in names:
                 continue  # a peer's extra bookkeeping; only torch.optim's names are compared
+            if not isinstance(arr, np.ndarray):
+                raise TrainerError(f"full_optimizer_state() on rank {rank}: {name!r}[{key!r}] is "
+                                   f"{type(arr).__name__}, not a tensor")
             if key == "step":
                 if arr.size != 1 or not np.isfinite(arr).all():
                     raise TrainerError(
@@ -186,10 +199,11 @@ def validate_optimizer_state(
                         f"one finite number, got shape {tuple(arr.shape)}"
                     )
                 continue
-            if tuple(arr.shape) != tuple(shape):
+            want = state_shape(optim, key, tuple(shape))
+            if want is not None and tuple(arr.shape) != want:
                 raise TrainerError(
                     f"full_optimizer_state() on rank {rank}: {name!r}[{key!r}] has shape "
-                    f"{tuple(arr.shape)}, expected {tuple(shape)}"
+                    f"{tuple(arr.shape)}, expected {want}"
                 )
             if finite and not np.isfinite(arr).all():
                 raise TrainerError(

@@ -3,9 +3,11 @@
 The reference starts from the trainer's initial model (cast to float64, exactly: float32 values are
 float64 values), builds every rank's micro-batch (:class:`zerosim.verify.model_source.ModelSource`:
 the built-in model's :func:`zerosim.verify.model.micro_batch`, or the user's ``make_batch``),
-concatenates them in rank order and takes one ``torch.optim.SGD`` / ``torch.optim.AdamW`` step
-(``foreach=False``) on the mean loss of that global batch, after ``clip_grad_norm_`` when the phase
-clips. With equal local batches this is the protocol's "mean over ranks of the local mean losses".
+concatenates them in rank order and takes one step of the phase's optimizer
+(:mod:`zerosim.verify.optimizers`: ``torch.optim.SGD`` / ``Adam`` / ``AdamW`` / ``Adafactor``, the Muon
+recipe or a user's factory; ``foreach=False`` where torch offers it) on the mean loss of that global
+batch, after ``clip_grad_norm_`` when the phase clips. With equal local batches this is the
+protocol's "mean over ranks of the local mean losses".
 Under gradient accumulation (``grad_accum`` K) the global batch is all K x world micro-batches, in
 (rank, micro-batch) order: the mean gradient over every micro-batch of every rank.
 
@@ -17,6 +19,7 @@ local gradients (the terms a sharded trainer adds up), the global norm and the c
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +27,7 @@ import numpy as np
 import torch
 
 from .model_source import ModelSource
+from .optimizers import build_optimizer
 
 
 @dataclass
@@ -49,24 +53,9 @@ class ReferenceStep:
         return self.clip_coef < 1.0
 
 
-def make_optimizer(params: Any, optim: dict[str, Any]) -> torch.optim.Optimizer:
-    """torch.optim for an :class:`~zerosim.verify.protocol.OptimConfig` (single-tensor code path)."""
-    if optim["name"] == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=optim["lr"],
-            momentum=optim.get("momentum", 0.0),
-            weight_decay=optim.get("weight_decay", 0.0),
-            foreach=False,
-        )
-    return torch.optim.AdamW(
-        params,
-        lr=optim["lr"],
-        betas=tuple(optim.get("betas", (0.9, 0.999))),
-        eps=optim.get("eps", 1e-8),
-        weight_decay=optim.get("weight_decay", 0.0),
-        foreach=False,
-    )
+def make_optimizer(params: Any, optim: dict[str, Any]) -> Any:
+    """The phase's optimizer (:func:`zerosim.verify.optimizers.build_optimizer`, single-tensor code path)."""
+    return build_optimizer(params, optim, single_tensor=True)
 
 
 class Reference:
@@ -85,8 +74,13 @@ class Reference:
         resume: tuple[int, int] | None = None,
         grad_accum: int = 1,
         source: ModelSource | None = None,
+        gradient_perturbation: Callable[[int, dict[str, torch.Tensor], dict[str, np.ndarray]], None]
+        | None = None,
     ):
         self.source = source if source is not None else ModelSource(model_name, seed)
+        # another valid run's gradient (zerosim.verify.estimated_bound): called with the step, the mean
+        # gradients by name (changed in place) and the mean |local gradient| terms, before the clip
+        self.gradient_perturbation = gradient_perturbation
         self.data_offset = data_offset
         self.grad_accum = grad_accum
         # (last global step before a resume, the world size after it): later steps average that many
@@ -177,6 +171,12 @@ class Reference:
             for n, p in zip(self.names, self.params, strict=True)
             if p.grad is not None
         }
+        if self.gradient_perturbation is not None:
+            self.gradient_perturbation(
+                step,
+                {n: p.grad for n, p in zip(self.names, self.params, strict=True) if p.grad is not None},
+                terms,
+            )
         max_norm = self.optim.get("max_grad_norm")
         if max_norm is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=False))

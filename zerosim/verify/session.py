@@ -36,6 +36,7 @@ from zerosim.outputs import OutputError, write_text
 from .errors import TrainerError
 from .mixed_precision import is_mixed, policy
 from .model_source import model_source, to_device
+from .optimizers import describe_user_optimizer, is_user_optimizer, trainer_config
 from .protocol import (
     close_trainer,
     finite_loss,
@@ -74,6 +75,11 @@ class RankSession:
         self.arrivals = ArrivalCounter(comm)
         self.where = "start"
         self.factory = self.agree(self._local(resolve_factory, settings.target))
+        for phase in self.phases:  # a user's optimizer: its defaults (lr, weight_decay, ...) beside its name
+            if is_user_optimizer(phase.name):
+                self.where = f"importing the optimizer {phase.name}"
+                defaults = self.agree(self._local(describe_user_optimizer, phase.name))
+                phase.optim.update({k: v for k, v in defaults.items() if k not in phase.optim})
         self.observations: dict[int, list[TrainerObservation]] = {}
         self.started = time.monotonic()
 
@@ -366,7 +372,7 @@ class RankSession:
     def _make(self, model: Any, phase: Phase) -> tuple[Any, str | None]:
         name = self.settings.target
         try:
-            optim = dict(phase.optim)
+            optim = trainer_config(phase.optim)
             if self.settings.mesh is not None:
                 optim["mesh"] = tuple(self.settings.mesh)
             mixed = policy(self.settings.precision, self.settings.reduce_dtype)

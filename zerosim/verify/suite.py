@@ -1,4 +1,4 @@
-"""The default verification suite: an SGD-with-momentum phase, then an AdamW phase whose clip binds.
+"""The verification suite: by default an SGD-with-momentum phase, then an AdamW phase whose clip binds.
 
 Why two phases: Adam divides by the root of its second moment, so a gradient summed instead of
 averaged (a constant factor) hides from Adam; SGD shows it in the first update. The SGD phase
@@ -6,7 +6,9 @@ therefore runs without a clip (a binding clip would normalise the scale too). Th
 with a threshold chosen from the reference's own gradient norms
 (:func:`zerosim.verify.reference.choose_clip`) so that it binds in at least one step, where the
 data allow not in the first: a divergence that starts at the first binding step points at the clip.
-Each phase builds a fresh trainer from the same initial model; steps are numbered globally.
+Each phase builds a fresh trainer from the same initial model; steps are numbered globally. Other
+phases (``adam``, ``adafactor``, ``muon``, a user's ``MODULE:FACTORY``) run unclipped with the
+hyper-parameters of :mod:`zerosim.verify.optimizers`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,13 @@ from typing import Any
 
 from zerosim.errors import ConfigError
 
+from .optimizers import BUILT_IN, PHASE_CONFIGS, phase_config, require_optimizer_name
+
+__all__ = ["DEFAULT_STEPS", "MAX_STEPS", "OPTIMIZERS", "PHASE_CONFIGS", "Phase", "build_phases",
+           "require_optimizers"]
+
+#: the default phases (``--optimizers`` takes any of :data:`zerosim.verify.optimizers.BUILT_IN` and
+#: ``MODULE:FACTORY``)
 OPTIMIZERS = ("sgd", "adamw")
 # 12 steps per phase: a bug that starts late in a phase (a rank that stops updating after a few
 # steps, a counter that wraps) shows under the defaults
@@ -24,19 +33,6 @@ DEFAULT_STEPS = 24
 # rank 0 keeps every rank's full parameters and optimizer state of every step for the evaluation:
 # 1,000 steps at world 4 on the built-in GPT is over 1.2 GB, and about 70 s of training on 2 cores
 MAX_STEPS = 1000
-PHASE_CONFIGS: dict[str, dict[str, Any]] = {
-    "sgd": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01, "max_grad_norm": None},
-    "adamw": {
-        "name": "adamw",
-        "lr": 1e-2,
-        "betas": (0.9, 0.999),
-        "eps": 1e-8,
-        "weight_decay": 0.1,
-        "max_grad_norm": None,
-    },  # the threshold is chosen per run, see the module docstring
-}
-
-
 @dataclass
 class Phase:
     name: str
@@ -55,11 +51,12 @@ def require_optimizers(optimizers: Sequence[str] | str) -> tuple[str, ...]:
     names = (
         tuple(o.strip() for o in optimizers.split(",")) if isinstance(optimizers, str) else tuple(optimizers)
     )
-    if not names or any(o not in OPTIMIZERS for o in names) or len(set(names)) != len(names):
-        raise ConfigError(
-            "optimizers", ",".join(map(str, names)), f"a non-empty selection of {', '.join(OPTIMIZERS)}"
-        )
-    return tuple(o for o in OPTIMIZERS if o in names)
+    if not names or len(set(names)) != len(names):
+        raise ConfigError("optimizers", ",".join(map(str, names)),
+                          f"a non-empty selection without repeats of {', '.join(BUILT_IN)}, MODULE:FACTORY")
+    for name in names:
+        require_optimizer_name(name)
+    return tuple(o for o in BUILT_IN if o in names) + tuple(o for o in names if o not in BUILT_IN)
 
 
 def build_phases(optimizers: Sequence[str] | str = OPTIMIZERS, steps: int | None = None) -> list[Phase]:
@@ -85,6 +82,6 @@ def build_phases(optimizers: Sequence[str] | str = OPTIMIZERS, steps: int | None
     first = 1
     for i, name in enumerate(names):
         n = total // len(names) + (1 if i < total % len(names) else 0)
-        phases.append(Phase(name, dict(PHASE_CONFIGS[name]), first, n))
+        phases.append(Phase(name, phase_config(name), first, n))
         first += n
     return phases
