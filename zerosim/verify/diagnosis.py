@@ -9,6 +9,8 @@ specific first (the fixed vocabulary :data:`zerosim.verify.outcome.BUG_CLASSES`)
   while the reference moved them beyond the bound (a remainder with no owner).
 * ``gradient-scale``: the first SGD update equals the reference's gradient step times a constant
   factor (world: summed, not averaged; 1/world: averaged twice).
+* ``matrix-optimizer-on-shard``: a matrix optimizer (Adafactor, Muon, a user's) stepped on slices
+  of its tensors (:mod:`zerosim.verify.diagnosis_matrix`).
 * ``permuted-shards``: the values are the reference's, in the wrong places (a gather in the wrong order).
 * ``clip-norm``: the divergence starts at a step where the clip binds, the phase's first such step
   (or the failing phase is the only one whose clip binds): a norm over the wrong set of elements, or,
@@ -61,6 +63,7 @@ import numpy as np
 
 from zerosim.observe import TrainerObservation
 
+from .diagnosis_matrix import matrix_optimizer_on_shard
 from .observation import StepRecord
 from .outcome import ContractOutcome, Diagnosis
 
@@ -145,6 +148,7 @@ def diagnose(
     found += _accumulation(records)
     found += _gradient_scale(records)
     if first_bad is not None:
+        found += matrix_optimizer_on_shard(first_bad)
         found += _permuted(first_bad)
         found += _replicas_not_reduced(first_bad, mesh)
         found += _clip(records, first_bad)
