@@ -110,11 +110,10 @@ def run_rank(body: Callable[[], int]) -> NoReturn:
 
 def leave_rank(code: int) -> NoReturn:
     """Exit a torchrun rank: flush, then ``os._exit``. There is no teardown that could block on a
-    dead peer, and none after a normal end, whose process group is already torn down. A normal
-    interpreter exit finalizes the gloo process-group objects that modules and communicators still
-    reference; with torch 2.13 that aborted the process now and then (``terminate called without
-    an active exception``, SIGABRT) after everything had passed, turning status 0 into a failed
-    rank."""
+    dead peer, and none after a normal end, whose process group is already torn down. (A normal
+    interpreter exit is safe too since the progress board's thread is stopped and joined before the
+    interpreter finalizes, :mod:`zerogpu.progress`: a thread left inside a store call aborted the
+    process now and then, ``terminate called without an active exception``.)"""
     _flush()
     os._exit(code)
 
