@@ -203,6 +203,33 @@ def _shared_log_range(values: list[float], tolerance: float) -> tuple[float, flo
     return bottom, top
 
 
+#: how far apart, in steps, the markers of neighbouring curves sit at one step
+DODGE = 0.07
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def draw_error_curves(ax: Any, series: dict[str, list[float]], bottom: float) -> None:
+    """One curve per distinct error series on ``ax`` (series with identical errors drawn once, named
+    together). Curves whose errors nearly coincide (world 2 and world 8 within 0.1%) would still hide
+    each other, so each curve sits a little to the side of its step (``DODGE`` apart), with its own
+    marker and line style, and each later curve's marker is smaller than the one before; an exact 0
+    sits on the bottom edge with a hollow marker."""
+    curves: dict[tuple[float, ...], list[str]] = {}
+    for name, errors in series.items():
+        curves.setdefault(tuple(errors), []).append(name if name.startswith("world ") else short_name(name))
+    for i, (errs, names) in enumerate(curves.items()):
+        label = ", ".join(names) + (" (identical)" if len(names) > 1 else "")
+        shift = (i - (len(curves) - 1) / 2) * DODGE
+        xs = [step + shift for step in range(1, len(errs) + 1)]
+        line, = ax.plot(xs, [max(e, bottom) for e in errs], marker=MARKERS[i % len(MARKERS)],
+                        markersize=max(9 - 1.2 * i, 4), alpha=0.85, linestyle=LINESTYLES[i % len(LINESTYLES)],
+                        label="\n".join(textwrap.wrap(label, 44)))
+        zeros = [x for x, e in zip(xs, errs, strict=True) if e == 0]
+        if zeros:
+            ax.scatter(zeros, [bottom] * len(zeros), s=90, facecolors="white",
+                       edgecolors=line.get_color(), zorder=5)
+
+
 def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
     """C-ZERO-002's relative master error per step, per backend, on one shared log range with the verdict's
     tolerance drawn; an exact 0 (bit-identical) sits on the bottom edge with a hollow marker."""
@@ -215,19 +242,7 @@ def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
     for ax, backend in zip(axes[0], backends, strict=False):
         series = data["backends"][backend]["series"]
         steps_max = max((len(e) for e in series.values()), default=1)
-        # strategies with identical errors would hide each other: draw each distinct curve once, naming all
-        curves: dict[tuple[float, ...], list[str]] = {}
-        for name, errs in series.items():
-            curves.setdefault(tuple(errs), []).append(name if name.startswith("world ") else short_name(name))
-        for i, (errs, names) in enumerate(curves.items()):
-            label = ", ".join(names) + (" (identical)" if len(names) > 1 else "")
-            xs = range(1, len(errs) + 1)
-            line, = ax.plot(xs, [max(e, bottom) for e in errs], marker=MARKERS[i % len(MARKERS)],
-                            markersize=6, alpha=0.85, label="\n".join(textwrap.wrap(label, 44)))
-            zeros = [x for x, e in zip(xs, errs, strict=True) if e == 0]
-            if zeros:
-                ax.scatter(zeros, [bottom] * len(zeros), s=90, facecolors="white",
-                           edgecolors=line.get_color(), zorder=5)
+        draw_error_curves(ax, series, bottom)
         ax.axhline(tolerance, color="black", linestyle="--", linewidth=1.2,
                    label=f"C-ZERO-002 tolerance ({data['precision']}): {tolerance:g}")
         ax.set_yscale("log")
@@ -238,9 +253,11 @@ def plot_equivalence_error(data: dict[str, Any], path: Path) -> Path:
         _title(ax, f"MEASURED on {backend}: {data['backends'][backend]['title']}", 60)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="center right")
+    notes = ["each curve's markers sit a little to the side of their step, so curves that coincide stay "
+             "visible"]
     if any(e == 0 for e in values):
-        fig.text(0.01, 0.01, "hollow marker on the bottom edge: 0 (bit-identical to the ground truth)",
-                 fontsize=7)
+        notes.append("hollow marker on the bottom edge: 0 (bit-identical to the ground truth)")
+    fig.text(0.01, 0.01, "; ".join(notes), fontsize=7)
     if not backends:
         axes[0][0].text(0.5, 0.5, "no backend produced measurements", ha="center")
     return _save(fig, path)
