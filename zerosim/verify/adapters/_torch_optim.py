@@ -1,7 +1,8 @@
 """The torch.optim optimizer and clipping an adapter applies, built from the protocol's ``optim`` dict.
 
-Every built-in adapter steps the same optimizer the reference uses (``torch.optim.SGD`` with momentum,
-``torch.optim.AdamW``), so a difference the contracts find is the peer's sharding, not our optimizer.
+Every built-in adapter steps the same optimizer the reference uses (:mod:`zerosim.verify.optimizers`:
+``torch.optim.SGD`` with momentum, ``Adam``, ``AdamW``, ``Adafactor``, the Muon recipe), so a difference
+the contracts find is the peer's sharding, not our optimizer.
 """
 
 from __future__ import annotations
@@ -13,29 +14,23 @@ import torch
 
 from zerosim.errors import ConfigError
 
+from ..optimizers import build_optimizer as build_phase_optimizer
+from ..optimizers import is_user_optimizer, optimizer_class
+
 
 def optimizer_kwargs(optim: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """(torch.optim class, its keyword arguments) for the protocol's optim config (C-ZERO-002's step)."""
+    """(torch.optim class, its keyword arguments) for the protocol's optim config (C-ZERO-002's step):
+    one class for the whole model (sgd, adam, adamw, adafactor; ``ZeroRedundancyOptimizer`` takes one)."""
     name = optim.get("name")
-    if name == "sgd":
-        return torch.optim.SGD, {
-            "lr": optim["lr"],
-            "momentum": optim.get("momentum", 0.0),
-            "weight_decay": optim.get("weight_decay", 0.0),
-        }
-    if name == "adamw":
-        return torch.optim.AdamW, {
-            "lr": optim["lr"],
-            "betas": tuple(optim.get("betas", (0.9, 0.999))),
-            "eps": optim.get("eps", 1e-8),
-            "weight_decay": optim.get("weight_decay", 0.0),
-        }
-    raise ConfigError("optim.name", name, "the built-in adapters support 'sgd' and 'adamw'")
+    if name in ("muon",) or not isinstance(name, str) or is_user_optimizer(name):
+        raise ConfigError("optim.name", name, "one torch.optim class for every tensor: sgd, adam, adamw or "
+                          "adafactor (muon is two: Muon for 2-D tensors, AdamW for the rest)")
+    return optimizer_class(optim)
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], optim: dict[str, Any]) -> torch.optim.Optimizer:
-    cls, kwargs = optimizer_kwargs(optim)
-    return cls(params, **kwargs)
+def build_optimizer(params: Iterable[torch.nn.Parameter], optim: dict[str, Any]) -> Any:
+    """The phase's optimizer over ``params`` (:func:`zerosim.verify.optimizers.build_optimizer`)."""
+    return build_phase_optimizer(params, optim)
 
 
 def clip_gradients(params: Iterable[torch.nn.Parameter], optim: dict[str, Any]) -> float:

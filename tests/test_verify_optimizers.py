@@ -1,0 +1,90 @@
+"""``zerosim verify --optimizers`` beyond SGD/AdamW: adam, adafactor, muon and a user's MODULE:FACTORY.
+
+The whole-tensor trainer (``tests/verify_trainers/whole_tensor.py``) passes every phase; the trainers
+that step Muon / Adafactor on row blocks or flat slices fail C-ZERO-002 at the phase's first step by
+orders of magnitude and are diagnosed ``matrix-optimizer-on-shard``; the built-in adapters pass Adam.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from zerosim.errors import ConfigError  # noqa: E402
+from zerosim.verify import verify  # noqa: E402
+from zerosim.verify.optimizers import (  # noqa: E402
+    ParameterSplitOptimizer,
+    build_optimizer,
+    phase_config,
+    state_shape,
+)
+from zerosim.verify.suite import build_phases  # noqa: E402
+
+LAUNCH_TIMEOUT_S = 300
+USER = "tests.verify_trainers.whole_tensor:sgd_with_nesterov"
+
+
+def test_phases_take_built_in_names_in_their_order_and_a_user_factory_last() -> None:
+    phases = build_phases(f"muon,{USER},adam,adafactor", 16)
+    assert [p.name for p in phases] == ["adam", "adafactor", "muon", USER]
+    assert [p.steps for p in phases] == [4, 4, 4, 4]
+    assert phases[3].optim == {"name": USER, "max_grad_norm": None}
+
+
+@pytest.mark.parametrize("bad", ["lion", "adam,adam", "os:", ":system", "a b:c"])
+def test_a_bad_optimizer_name_is_one_config_error(bad: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_phases(bad, 12)
+    assert "optimizers" in str(info.value)
+
+
+def test_muon_is_muon_on_matrices_and_adamw_on_the_rest() -> None:
+    matrix = torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    vector = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    optimizer = build_optimizer([matrix, vector], phase_config("muon"))
+    assert isinstance(optimizer, ParameterSplitOptimizer)
+    assert [type(part) for part in optimizer.parts] == [torch.optim.Muon, torch.optim.AdamW]
+    matrix.grad, vector.grad = torch.randn_like(matrix), torch.randn_like(vector)
+    optimizer.step()
+    assert set(optimizer.state[matrix]) == {"momentum_buffer"}
+    assert set(optimizer.state[vector]) == {"exp_avg", "exp_avg_sq", "step"}
+
+
+def test_adafactor_state_shapes_are_torch_s_factored_ones() -> None:
+    p = torch.nn.Parameter(torch.randn(5, 3, dtype=torch.float64))
+    optimizer = build_optimizer([p], phase_config("adafactor"))
+    p.grad = torch.randn_like(p)
+    optimizer.step()
+    for key in ("row_var", "col_var"):
+        assert tuple(optimizer.state[p][key].shape) == state_shape("adafactor", key, (5, 3))
+
+
+def test_whole_tensor_owners_pass_adam_adafactor_muon_and_a_user_optimizer() -> None:
+    report = verify("tests.verify_trainers.whole_tensor:whole_tensor", world=2, steps=48,
+                    optimizers=f"adam,adafactor,muon,{USER}", timeout_s=LAUNCH_TIMEOUT_S)
+    assert report.verdict == "pass", report.to_json()
+    assert [p["name"] for p in report.phases if p["status"] == "ran"] == ["adam", "adafactor", "muon", USER]
+    assert report.contracts["C-ZERO-002"].details["error_over_tolerance"] < 1.0
+    bounds = {p["name"]: p.get("bound") for p in report.phases}
+    assert bounds == {"adam": None, "adafactor": "estimated", "muon": "estimated", USER: "estimated"}
+
+
+@pytest.mark.parametrize(("trainer", "optimizer"), [("muon_on_row_blocks", "muon"),
+                                                    ("optimizer_on_flat_slices", "muon"),
+                                                    ("optimizer_on_flat_slices", "adafactor")])
+def test_a_matrix_optimizer_on_slices_fails_at_its_first_step(trainer: str, optimizer: str) -> None:
+    report = verify(f"tests.verify_trainers.whole_tensor:{trainer}", world=2, steps=4, optimizers=optimizer,
+                    timeout_s=LAUNCH_TIMEOUT_S)
+    outcome = report.contracts["C-ZERO-002"]
+    assert outcome.status == "fail"
+    first = outcome.violations[0]
+    assert (first["phase"], first["step"]) == (optimizer, 1)
+    assert outcome.details["error_over_tolerance"] > 1e6  # orders of magnitude, not a rounding
+    assert report.diagnosis[0].bug_class == "matrix-optimizer-on-shard"
+
+
+@pytest.mark.parametrize("adapter", ["ddp", "fsdp2", "torch-zero"])
+def test_built_in_adapters_pass_adam(adapter: str) -> None:
+    report = verify(adapter, world=2, steps=4, optimizers="adam", timeout_s=LAUNCH_TIMEOUT_S)
+    assert report.verdict == "pass", report.to_json()
