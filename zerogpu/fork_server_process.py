@@ -27,6 +27,11 @@ second): every served zygote's session gets SIGTERM, then SIGKILL, and once they
 server removes its socket (and, with ``--remove-folder``, the socket's folder, made for it by
 :func:`zerogpu.fork_server.start_fork_server`). Serves the "nothing outlives the launch; ranks see what
 an interpreter of their own sees; a launch runs once" rule.
+
+Why one module of this length: the rule that refuses a launch, the child that becomes its zygote and
+the loop that forks it share one state, the server's imports (``_BASE_ENV``, ``_SET_BY_IMPORTS``,
+``_BASE_PATH``): the rule compares a launch with them and the child restores the launch's view of
+them, so each change to one is a change to the others.
 """
 
 from __future__ import annotations

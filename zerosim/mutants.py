@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +34,7 @@ from typing import Any
 from .engine.fault_catalog import FAULTS, Fault, Touched
 from .engine.run_result import CONTRACTS
 from .errors import ConfigError
+from .launching import run_process_group
 from .outputs import output_dir, save_figure, write_text
 
 BACKENDS = ("sim", "mpi", "torch")
@@ -132,6 +133,10 @@ def _verify_line(contract: str, v: dict[str, Any]) -> str:
     return f"{contract} {where}{span}: {v.get('message', '')}"
 
 
+#: how long a launched run has, once asked to stop, to stop its own ranks (zerogpu's launcher gives
+#: them 5 s after SIGTERM, then 5 s after SIGKILL) and remove its temporary files, before SIGKILL
+_RUN_STOP_GRACE_S = 20.0
+
 def _verdicts(fault: Fault, cfg: Any, backend: str, timeout_s: float) -> tuple[dict[str, Any], str | None]:
     """Every contract's verdict as JSON data, or the error that ended the run instead."""
     if backend == "sim":
@@ -144,15 +149,16 @@ def _verdicts(fault: Fault, cfg: Any, backend: str, timeout_s: float) -> tuple[d
             return {}, f"the run failed: {e}"
     cmd = [sys.executable, "-m", "zerosim", "simulate", "--backend", backend, "--json", "--fault", fault.name,
            *fault.example_flags().split()]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
+    # in a session of its own, ended (SIGTERM, then SIGKILL after a grace) when this process is
+    # interrupted: the run stops its ranks and removes its temporary files itself
+    proc = run_process_group(cmd, timeout_s, dict(os.environ), capture=True, kill_grace_s=_RUN_STOP_GRACE_S)
+    if proc.returncode is None:
         return {}, f"no result within {timeout_s:g} s"
     if proc.returncode not in (0, 1):
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        tail = ((proc.stderr or "").strip().splitlines() or ["(no output)"])[-1]
         return {}, f"exit status {proc.returncode}: {tail}"
     try:
-        return json.loads(proc.stdout)["verdicts"], None
+        return json.loads(proc.stdout or "")["verdicts"], None
     except (ValueError, KeyError):
         return {}, "the run printed no JSON result"
 

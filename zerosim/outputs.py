@@ -8,6 +8,11 @@
   read-only folder) leaves the destination as it was and no partial file behind.
 * :class:`OutputError`: any OSError while writing, as one line naming the path and the OS error
   (the command line turns it into exit status 2).
+* :func:`remove_unused_output_dirs`: the folders this process made for its outputs (each one
+  :func:`output_dir`, :func:`output_file` or :func:`fresh_run_dir` created, parents included) that
+  still hold nothing, removed when a command ends without finishing (interrupted, or an error).
+  Only folders made in this run, and only empty ones: a folder that exists already, or that holds
+  anything (written by the command or by anyone else), stays.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 from .errors import ZeroSimError
 
 DEFAULT_ROOT = Path("reports")
+_MADE: list[Path] = []  # the folders this process created for its outputs, in the order made
 
 
 class OutputError(ZeroSimError):
@@ -47,7 +53,7 @@ def fresh_run_dir(name: str, root: str | Path = DEFAULT_ROOT, now: _dt.datetime 
     stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
     root = Path(root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        _mkdir_recorded(root)
     except OSError as e:
         raise OutputError(root, e) from None
     for n in range(1, 1000):
@@ -58,6 +64,7 @@ def fresh_run_dir(name: str, root: str | Path = DEFAULT_ROOT, now: _dt.datetime 
             continue
         except OSError as e:
             raise OutputError(path, e) from None
+        _MADE.append(path)
         return path
     raise OutputError(root / f"{name}-{stamp}", "999 folders of that name exist already")
 
@@ -70,9 +77,37 @@ def _make_folder(path: Path) -> None:
                 raise OutputError(part, "exists and is not a directory")
             break
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        _mkdir_recorded(path)
     except OSError as e:
         raise OutputError(path, e) from None
+
+
+def _mkdir_recorded(path: Path) -> None:
+    """``mkdir -p path``, noting in :data:`_MADE` each folder of it that this call created."""
+    for part in reversed([p for p in (path, *path.parents) if not p.exists()]):
+        try:
+            part.mkdir()
+        except FileExistsError:
+            continue  # made by someone else meanwhile (or a file in the way: the next line says so)
+        except OSError:
+            break
+        _MADE.append(part)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def remove_unused_output_dirs() -> list[Path]:
+    """Remove every folder this process made for its outputs that is still empty, the last made
+    first (so a made parent of a made folder goes too); returns those removed. ``os.rmdir`` refuses a
+    folder that holds anything, so nothing written into one, by anyone, is lost."""
+    removed = []
+    for path in reversed(_MADE):
+        try:
+            path.rmdir()
+        except OSError:
+            continue
+        removed.append(path)
+    _MADE.clear()
+    return removed
 
 
 def output_dir(out: str | Path | None, name: str) -> Path:

@@ -5,7 +5,8 @@ Each subcommand lives in its own module ``zerosim.cli.<name>`` exposing
 A ZeroSimError or an OSError anywhere becomes ``error: <message>`` on stderr and exit status 2
 (:func:`main`). SIGINT, SIGTERM and SIGHUP end the command and every process it started
 (:mod:`zerosim.stop_signals`, :mod:`zerosim.owned_processes`) with one line and exit status 130, 143
-or 129.
+or 129. A command that does not finish (interrupted, or an error) removes the output folders it
+made and left empty (:func:`zerosim.outputs.remove_unused_output_dirs`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import sys
 
 from ..errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, ZeroSimError
-from ..outputs import describe_os_error
+from ..outputs import describe_os_error, remove_unused_output_dirs
 from ..owned_processes import OWNER_ENV, end_owned, new_owner_token, with_owner_token
 from ..stop_signals import StopSignal, stop_signals_handled
 from ._parser import OneLineParser
@@ -60,11 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     real_stdout = sys.stdout
     guarded = GuardedStdout(real_stdout)
     sys.stdout = guarded
+    finished = False
     try:
         with stop_signals_handled():
             try:
                 code = int(args.func(args) or 0)
                 sys.stdout.flush()  # a full or closed stdout fails here, inside the handlers, not at exit
+                finished = True
                 return code
             except KeyboardInterrupt as e:  # Ctrl-C, or StopSignal (SIGTERM, SIGHUP, SIGINT)
                 end_owned(token, _STOP_GRACE_S)  # whatever no launch has ended yet (a plain subprocess)
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_BROKEN_PIPE
         raise
     finally:
+        if not finished:  # interrupted or failed: the output folders it made and left empty go
+            remove_unused_output_dirs()
         sys.stdout = real_stdout
         if guarded.broken_pipe:  # whoever caught it, the unwritten rest must not be flushed at exit
             silence_stdout()
