@@ -133,3 +133,14 @@ def test_memory_reads_bfloat16_as_bf16(capsys: Any) -> None:
         assert main(["memory", "--model", "tiny", "--world", "4", "--precision", spelling, "--json"]) == 0
         tables.append(json.loads(capsys.readouterr().out))
     assert tables[0] == tables[1]
+
+
+def test_bench_peers_reads_fp64_as_float64(capsys: Any, tmp_path: Any) -> None:
+    """The dtype is accepted in its short spelling: the run goes on to the next check, the world size."""
+    code = main(["bench", "peers", "--dtype", "fp64", "--world", "0", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: invalid world=0"), err
+    code = main(["bench", "peers", "--dtype", "bf16", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    expected = "error: invalid dtype='bf16': must be one of float32 (fp32), float64 (fp64)"
+    assert code == 2 and err == expected, err

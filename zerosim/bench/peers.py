@@ -59,6 +59,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..dtypes import canonical_dtype
 from ..errors import EXIT_RUN_FAILED, ConfigError, require_positive_int
 from ..outputs import output_dir, write_text
 from .peers_run import (  # noqa: F401 (the command's settings and their checks, used as peers.X)
@@ -472,7 +473,7 @@ def options(args: Any) -> dict[str, Any]:
         "warmup": parse_int("warmup", args.warmup),
         "rounds": parse_int("rounds", args.rounds),
         "min_time_s": parse_seconds("min_time", args.min_time, allow_zero=True),
-        "dtype": args.dtype,
+        "dtype": canonical_dtype(args.dtype, "dtype", allowed=DTYPES),  # fp32 / fp64 spell them too
         "device": args.device,
         "optimizer": args.optimizer,
         "timeout_s": parse_seconds("timeout", args.timeout),

@@ -117,7 +117,7 @@ def register_peers(sub: Any) -> None:
                    help="per adapter and round, time more steps until they add up to about this many "
                    f"seconds (at most {bench_peers.MAX_TIMED_STEPS}; 0: exactly --steps; "
                    f"default {bench_peers.DEFAULT_MIN_TIME_S:g})")
-    p.add_argument("--dtype", default="float32", help="float32 (default) or float64")
+    p.add_argument("--dtype", default="float32", help="float32 / fp32 (default) or float64 / fp64")
     p.add_argument("--device", default="cpu", help="cpu (gloo, default) or cuda (NCCL, one rank per GPU)")
     p.add_argument("--optimizer", default="adamw", help="adamw (default) or sgd (momentum 0.9)")
     p.add_argument("--timeout", default=str(bench_peers.DEFAULT_TIMEOUT_S),
