@@ -62,3 +62,15 @@ def test_sigint_of_mutants_on_torch_leaves_nothing_in_tmpdir_and_no_out_folder(t
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted", err
     assert sorted(os.listdir(tmpdir)) == [], "left in TMPDIR"
     assert not out.exists(), "the --out folder the command made stayed, empty"
+
+
+def test_a_verify_or_report_out_folder_made_by_the_command_is_taken_back_when_left_empty(tmp_path: Path) -> None:
+    """verify and report check their --out with require_output_dir, which notes what it made: an
+    interrupted run takes back the folder it created, never one the user had."""
+    had = tmp_path / "had"
+    had.mkdir()
+    assert outputs.require_output_dir(had) == had
+    made = outputs.require_output_dir(tmp_path / "new" / "out")
+    assert made.is_dir()
+    assert sorted(outputs.remove_unused_output_dirs()) == sorted([made, made.parent])
+    assert had.is_dir()

@@ -9,8 +9,6 @@ The exit statuses every command and every backend launcher ends with are defined
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 EXIT_OK = 0                #: every contract holds
@@ -105,16 +103,3 @@ def require_rank(rank: Any, world_size: int, field: str = "rank") -> int:
     if not 0 <= rank < world_size:
         raise ConfigError(field, rank, f"must be in [0, {world_size}) for world_size={world_size}")
     return rank
-
-
-def require_output_dir(out: Any, field: str = "out") -> None:
-    """ConfigError unless ``out`` is (or can become) a writable directory; creates it."""
-    path = Path(out)
-    if path.exists() and not path.is_dir():
-        raise ConfigError(field, str(out), "exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(field, str(out), f"cannot create the directory: {e.strerror or e}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(field, str(out), "the directory is not writable")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .errors import ZeroSimError
+from .errors import ConfigError, ZeroSimError
 
 DEFAULT_ROOT = Path("reports")
 _MADE: list[Path] = []  # the folders this process created for its outputs, in the order made
@@ -93,6 +93,21 @@ def _mkdir_recorded(path: Path) -> None:
             break
         _MADE.append(part)
     path.mkdir(parents=True, exist_ok=True)
+
+
+def require_output_dir(out: str | Path, field: str = "out") -> Path:
+    """``out`` as a writable folder, created if missing (each folder made noted, so that
+    :func:`remove_unused_output_dirs` can take it back); ConfigError naming ``field`` otherwise."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(field, str(out), "exists and is not a directory")
+    try:
+        _mkdir_recorded(path)
+    except OSError as e:
+        raise ConfigError(field, str(out), f"cannot create the directory: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(field, str(out), "the directory is not writable")
+    return path
 
 
 def remove_unused_output_dirs() -> list[Path]:

@@ -11,7 +11,8 @@ import datetime as _dt
 from pathlib import Path
 
 from ..cost.shard_sizes import parse_param_count
-from ..errors import ConfigError, require_output_dir
+from ..errors import ConfigError
+from ..outputs import require_output_dir
 from ..presets import PRESETS, require_simulator_preset, simulator_presets
 from ..report.config import check_measured_world_sizes
 from .memory import positive_int

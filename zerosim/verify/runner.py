@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from zerosim.errors import ConfigError, ZeroSimError, require_output_dir
-from zerosim.outputs import publish_files, write_text
+from zerosim.errors import ConfigError, ZeroSimError
+from zerosim.outputs import publish_files, require_output_dir, write_text
 
 from .blame import rank_verdict
 from .errors import RankFailure, TrainerError
