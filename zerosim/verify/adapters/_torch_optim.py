@@ -12,19 +12,18 @@ from typing import Any
 
 import torch
 
-from zerosim.errors import ConfigError
-
 from ..optimizers import build_optimizer as build_phase_optimizer
 from ..optimizers import is_user_optimizer, optimizer_class
 
 
 def optimizer_kwargs(optim: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """(torch.optim class, its keyword arguments) for the protocol's optim config (C-ZERO-002's step):
-    one class for the whole model (sgd, adam, adamw, adafactor; ``ZeroRedundancyOptimizer`` takes one)."""
+    one class for the whole model (sgd, adam, adamw, adafactor; ``ZeroRedundancyOptimizer`` takes one):
+    NotImplementedError (the phase is skipped) for muon and a user's factory."""
     name = optim.get("name")
-    if name in ("muon",) or not isinstance(name, str) or is_user_optimizer(name):
-        raise ConfigError("optim.name", name, "one torch.optim class for every tensor: sgd, adam, adamw or "
-                          "adafactor (muon is two: Muon for 2-D tensors, AdamW for the rest)")
+    if name == "muon" or (isinstance(name, str) and is_user_optimizer(name)):
+        raise NotImplementedError(f"{name} is not one torch.optim class for every tensor (muon: Muon for 2-D "
+                                  "tensors, AdamW for the rest); this adapter takes one class")
     return optimizer_class(optim)
 
 
