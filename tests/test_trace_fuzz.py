@@ -206,6 +206,10 @@ def _mutate_file(folder: Path, path: Path, data: st.DataObject) -> None:
         rank = data.draw(st.one_of(st.integers(0, 12), st.sampled_from([99999, 10**6, 10**20])))
         target = folder / f"rank-{rank:05d}.jsonl"
         if target != path:
+            if target.is_dir() and not target.is_symlink():
+                target.rmdir()  # an earlier mutation made it a directory (empty)
+            elif target.is_symlink() or target.exists():
+                target.unlink()  # a link, a FIFO or a file: replaced by the copy
             shutil.copyfile(path, target)
             if how == "rename":
                 path.unlink()
