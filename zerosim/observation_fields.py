@@ -132,3 +132,53 @@ def need_ranges(value: Any, path: str) -> dict[str, list[tuple[int, int]]]:
             pairs.append((need_int(a, f"{where}[{i}][0]"), need_int(b, f"{where}[{i}][1]")))
         out[name] = pairs
     return out
+
+
+def monitor_observation_fields(data: Any) -> dict[str, Any]:
+    """The fields of a :class:`~zerosim.observe.MonitorObservation` read from one JSON record, each
+    checked for its type and range; a ConfigError naming the first field that is not. Keys it does not
+    know (``monitor_s``) are left alone."""
+    record = need_object(data, "record")
+    rank = need_int(need_key(record, "rank"), "rank", 0, MAX_WORLD - 1)
+    world = need_int(need_key(record, "world_size"), "world_size", 1, MAX_WORLD)
+    if rank >= world:
+        raise ConfigError("rank", rank, f"must be below the world size ({world})")
+    held = []
+    for i, piece in enumerate(need_list(need_key(record, "held"), "held")):
+        name, a, b, dig = need_list(piece, f"held[{i}]", 4)
+        held.append((need_str(name, f"held[{i}][0]"), need_int(a, f"held[{i}][1]"),
+                     need_int(b, f"held[{i}][2]"), need_str(dig, f"held[{i}][3]")))
+    numels = {name: need_count(n, key_path("numels", name))
+              for name, n in need_object(need_key(record, "numels"), "numels").items()}
+    if sum(numels.values()) >= INT64_LIMIT:
+        raise ConfigError("numels", Shown(sum(numels.values())), "the tensors' elements must total "
+                          "less than 2**63")
+    return dict(
+        rank=rank, world_size=world, step=need_count(need_key(record, "step"), "step"),
+        adapter=need_str(need_key(record, "adapter"), "adapter"), held=held,
+        owned=need_ranges(need_key(record, "owned"), "owned"), numels=numels,
+        state_missing=_count_and_name(need_key(record, "state_missing"), "state_missing"),
+        state_nonfinite=_count_and_name(need_key(record, "state_nonfinite"), "state_nonfinite"),
+        step_counters=_counters(need_key(record, "step_counters")),
+        grad_sq=need_optional_number(need_key(record, "grad_sq"), "grad_sq", non_negative=True),
+        grad_ranges=None if record.get("grad_ranges") is None else
+        need_ranges(record["grad_ranges"], "grad_ranges"),
+        grad_numel=need_count(need_key(record, "grad_numel"), "grad_numel"),
+        grad_norm=need_optional_number(need_key(record, "grad_norm"), "grad_norm", non_negative=True),
+        grad_dtype=need_str(need_key(record, "grad_dtype"), "grad_dtype"),
+        max_norm=need_optional_number(need_key(record, "max_norm"), "max_norm", positive=True, nan=False),
+        loss=need_optional_number(need_key(record, "loss"), "loss"),
+    )
+
+
+def _count_and_name(value: Any, path: str) -> tuple[int, str | None]:
+    count, name = need_list(value, path, 2)
+    return need_count(count, f"{path}[0]"), need_optional_str(name, f"{path}[1]")
+
+
+def _counters(value: Any) -> tuple[int, int, str | None] | None:
+    if value is None:
+        return None
+    least, most, name = need_list(value, "step_counters", 3)
+    return (need_int(least, "step_counters[0]"), need_int(most, "step_counters[1]"),
+            need_optional_str(name, "step_counters[2]"))
