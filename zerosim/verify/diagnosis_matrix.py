@@ -8,7 +8,9 @@ Muon's orthogonalisation on its partitions). The signature, at the first step C-
 such a phase:
 
 * with ``local_shards()``: every tensor beyond the bound is split among ranks (some rank owns part of
-  it, not all), and every tensor one rank owns whole is within it;
+  it, not all), and every tensor one rank owns whole is within it; or, where the layout cuts tensors
+  but tensors held whole are off too, a flat buffer's partitions stepped each as one 1-D tensor (ZeRO-1
+  and 2 with a client optimizer);
 * without: (Muon) every tensor beyond the bound is 2-D, Muon's, while every other tensor (AdamW's,
   elementwise, so any split is exact) is within it.
 """
@@ -66,7 +68,17 @@ def matrix_optimizer_on_shard(first_bad: StepRecord) -> list[Diagnosis]:
     if split is not None:
         whole = [n for n in first_bad.ref.params if n not in split]
         if not set(failing) <= split:
-            return []
+            if not split:
+                return []
+            # a flat-buffer layout (ZeRO-1/2 partitions of one concatenated buffer): the optimizer steps
+            # each rank's partition as one 1-D tensor, so tensors it holds whole are off too (Adafactor
+            # scales a tensor's step by that tensor's RMS, which is the partition's there)
+            listed = ", ".join(failing[:3]) + (f" and {len(failing) - 3} more" if len(failing) > 3 else "")
+            return [Diagnosis("matrix-optimizer-on-shard",
+                              f"{where} {len(failing)} tensor(s) are beyond the bound ({listed}) and the "
+                              f"layout cuts {len(split)} tensor(s) among ranks (local_shards): a flat "
+                              "partition stepped as one tensor changes the update of every tensor in it; "
+                              f"{advice}")]
         listed = ", ".join(failing[:3]) + (f" and {len(failing) - 3} more" if len(failing) > 3 else "")
         tail = f"; the {len(whole)} tensor(s) one rank owns whole match" if whole else ""
         return [Diagnosis("matrix-optimizer-on-shard",

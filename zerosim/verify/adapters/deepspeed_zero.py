@@ -1,7 +1,10 @@
 """``deepspeed-1``, ``deepspeed-2``, ``deepspeed-3``: DeepSpeed's ZeRO stages 1, 2 and 3 (optional extra).
 
-SGD runs as a client ``torch.optim.SGD`` (``zero_allow_untested_optimizer``); AdamW as DeepSpeed's
-own ``AdamW`` with ``torch_adam`` (torch's implementation, no extension to build); clipping as
+AdamW runs as DeepSpeed's own ``AdamW`` with ``torch_adam`` (torch's implementation, no extension to
+build); SGD, Adam, Adafactor and a user's optimizer as a client torch optimizer
+(``zero_allow_untested_optimizer``), which ZeRO steps on its flat float32 partitions, so Adafactor
+sees 1-D tensors there and keeps no factored statistics; Muon is not mapped (DeepSpeed's own
+``MuonWithAuxAdam`` is another recipe); clipping as
 ``gradient_clipping`` (a global norm over the partitioned gradients). Full values come from
 DeepSpeed's accessors, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``, which are
 collective: every rank calls them for every parameter, in the same order.
@@ -54,12 +57,12 @@ import torch.distributed as dist
 
 from zerosim.errors import ConfigError, install_hint
 
+from ..optimizers import state_names
 from ._mixed_precision import MixedPolicy, mixed_policy
 from ._torch_optim import build_optimizer
 
 INSTALL = install_hint("deepspeed")
 _TAG = "resume"  # the checkpoint tag verify's resume uses
-_STATE_NAMES = {"sgd": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq")}
 SHM_COMM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory allreduce op, left unbuilt
 
 
@@ -235,7 +238,13 @@ class DeepSpeedTrainer:
             config.update(mixed_precision_config(policy))
         arrived = ({name: p.detach().clone() for name, p in model.named_parameters()}
                    if policy is not None else None)
-        client = build_optimizer(model.parameters(), optim) if optim["name"] == "sgd" else None
+        if optim["name"] == "muon":
+            raise NotImplementedError(
+                "DeepSpeed's Muon (MuonWithAuxAdam) is its own recipe, with its own Newton-Schulz kernels "
+                "built at import, not torch.optim.Muon + AdamW: not mapped by this adapter")
+        # AdamW: DeepSpeed's own; every other optimizer as a client torch.optim optimizer, which ZeRO
+        # steps on its flat float32 partitions (1-D: a matrix optimizer sees no matrix there)
+        client = build_optimizer(model.parameters(), optim) if optim["name"] != "adamw" else None
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=client,
@@ -339,9 +348,13 @@ class DeepSpeedTrainer:
         rank looks at its own flat partitions' state, and an entry is read only where every rank
         has it (an all-reduce of one flag per entry, which keeps the accessors' collectives in step)."""
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        states = list(getattr(inner, "state", {}).values())
-        wanted = _STATE_NAMES[self.optim_name]
-        present = torch.tensor([float(any(key in st for st in states)) for key in wanted])
+        states = list(getattr(inner, "state", {}).items())
+        wanted = state_names(self.optim_name) or tuple(sorted({k for _, st in states for k in st}))
+        # DeepSpeed's accessors serve the entries shaped as the flat partition (per-element state);
+        # a scalar ``step`` or a factored statistic is not among them
+        present = torch.tensor([
+            float(any(torch.is_tensor(st.get(key)) and st[key].shape == flat.shape for flat, st in states))
+            for key in wanted])
         dist.all_reduce(present, op=dist.ReduceOp.MIN)
         return tuple(key for key, flag in zip(wanted, present.tolist(), strict=True) if flag == 1.0)
 
