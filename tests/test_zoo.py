@@ -2,7 +2,8 @@
 
 The subset runs through the command line as CI runs the whole zoo: a bug verify and the monitor both
 catch (a flipped bit in one rank's weights, at the step it flips), one the monitor is known to miss
-(ZeRO-2 keeping the last micro-batch's gradient), one out of reach (Muon), each twin passing.
+(ZeRO-2 keeping the last micro-batch's gradient), one out of reach (an MoE's all-to-all), each twin
+passing.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from zerosim.cli import main as cli_main
 from zerosim.zoo import bugs, runner
 from zerosim.zoo.catalogue import BY_ID, CATCH, ENTRIES, MISS, OUTCOMES
 
-SUBSET = ("sdc-weight-bitflip", "open-instruct-1498", "deepspeed-8443")
+SUBSET = ("sdc-weight-bitflip", "open-instruct-1498", "pytorch-160285")
 
 
 def test_catalogue_entries_are_complete():
@@ -46,11 +47,23 @@ def test_a_lost_catch_or_a_false_alarm_breaks_the_expectation():
     caught = {"outcome": CATCH, "first_step": 2}
     quiet = {"outcome": MISS, "first_step": None}
     for bug, twin, holds in ((caught, quiet, True), (quiet, quiet, False), (caught, caught, False)):
+        # the monitor's plan expects a catch here: a lost catch, or a false alarm, fails it too
         row = {"verify_run": {"broken": bug, "fixed": twin}, "live_run": {"broken": caught, "fixed": quiet}}
         verdicts = runner._verdicts(row, entry)
         assert verdicts["verify"]["holds"] is holds
         matrix = runner._matrix([{"id": entry.id, "verdicts": verdicts}], 0.0)
         assert runner.exit_code(matrix) == (0 if holds else 1)
+
+
+def test_a_known_miss_now_caught_holds_and_is_listed():
+    entry = BY_ID["open-instruct-1498"]  # the monitor is expected to miss it
+    caught = {"outcome": CATCH, "first_step": 1}
+    quiet = {"outcome": MISS, "first_step": None}
+    row = {"verify_run": {"broken": caught, "fixed": quiet}, "live_run": {"broken": caught, "fixed": quiet}}
+    verdicts = runner._verdicts(row, entry)
+    assert verdicts["monitor"]["holds"] and verdicts["monitor"]["gained"]
+    matrix = runner._matrix([{"id": entry.id, "verdicts": verdicts}], 0.0)
+    assert runner.exit_code(matrix) == 0 and matrix["catches_gained"] == [entry.id]
 
 
 def test_unknown_entry_is_one_line_naming_it(capsys, tmp_path):
@@ -71,10 +84,14 @@ def test_fast_subset_runs_and_every_expectation_holds(capsys, tmp_path):
     assert flip["verify"]["bug"] == CATCH and flip["verify"]["first_step"] == bugs.FAULT_STEP
     assert flip["monitor"]["bug"] == CATCH and flip["monitor"]["first_step"] == bugs.FAULT_STEP
     accumulation = rows["open-instruct-1498"]
-    assert accumulation["verify"]["bug"] == CATCH and accumulation["monitor"]["bug"] == MISS
+    assert accumulation["verify"]["bug"] == CATCH and accumulation["monitor"]["expected"] == MISS
+    # a known miss holds as a miss, or as a catch a new monitor check gained (then listed as such)
+    gained = accumulation["monitor"]["bug"] == CATCH
+    assert accumulation["monitor"]["gained"] is gained
+    assert (matrix["catches_gained"] == ["open-instruct-1498"]) is gained
     assert all(v["twin"] == "pass" for e in ("sdc-weight-bitflip", "open-instruct-1498")
                for v in rows[e].values())
-    assert rows["deepspeed-8443"]["verify"]["expected"] is None  # out of reach: skipped, not run
+    assert rows["pytorch-160285"]["verify"]["expected"] is None  # out of reach: skipped, not run
     assert matrix["verify"] == {**matrix["verify"], "reach": 2, "caught": 2, "false_alarms": 0}
-    assert matrix["monitor"] == {**matrix["monitor"], "reach": 2, "caught": 1, "false_alarms": 0}
+    assert matrix["monitor"] == {**matrix["monitor"], "reach": 2, "caught": 1 + gained, "false_alarms": 0}
     assert {p.name for p in Path(out).iterdir()} >= {"zoo.json", "zoo.md", "zoo.png"}

@@ -4,9 +4,9 @@ Each catalogued bug (:mod:`zerosim.zoo.catalogue`) and its fixed twin run throug
 and, where the bug can happen inside a live run, through a monitored training loop judged by
 ``zerosim.monitor`` and ``zerosim check trace`` (world 2 on the CPU). Writes ``zoo.{json,md,png}`` into
 a new ``reports/zoo-<timestamp>/`` (or ``--out DIR``). Exit status: 0 every outcome the catalogue
-expects holds (every recorded catch, finding and known miss, and a pass for every twin), 1 one does
-not (a lost catch or a new false alarm), 2 bad input (an unknown ``--only`` id), 3 the launch of the
-monitored loops failed.
+expects holds (every recorded catch, finding and known miss, and a pass for every twin; a known miss
+a judge now catches is listed, not failed), 1 one does not (a lost catch or a new false alarm), 2 bad
+input (an unknown ``--only`` id), 3 the launch of the monitored loops failed.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ def _print_summary(matrix: dict[str, Any]) -> None:
         pct = "n/a" if rate["rate"] is None else f"{100 * rate['rate']:.0f}%"
         print(f"{judge}: {rate['caught']} of {rate['reach']} in reach caught ({pct}), "
               f"{rate['false_alarms']} false alarm(s) on {rate['twins']} twins")
+    if matrix["catches_gained"]:
+        gained = ", ".join(matrix["catches_gained"])
+        print(f"known misses now caught (record them in the catalogue): {gained}")
     broken = matrix["expectations_broken"]
     print(f"wall time {matrix['wall_s']:.0f} s; expectations "
           + (f"BROKEN for {', '.join(broken)}" if broken else "all hold"))

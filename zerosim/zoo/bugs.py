@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .matrix_bugs import MuonPerMicroBatch
 from .trainer import CHECKPOINT_FILE, ZooTrainer
 
 BROKEN_RANK = 1  #: the rank a single-rank fault (a flipped bit, a drifting replica) happens on
@@ -376,7 +377,7 @@ class StaleSecondaryAfterLoad(ZooTrainer):
 
 
 #: the mechanism's name (``broken_<name>`` / ``fixed_<name>``) -> its class
-MECHANISMS: dict[str, type[ZooTrainer]] = {
+MECHANISMS: dict[str, type[ZooTrainer] | type[MuonPerMicroBatch]] = {
     "last_micro_batch_only": LastMicroBatchOnly,
     "unscaled_accumulation": UnscaledAccumulation,
     "double_scaled_accumulation": DoubleScaledAccumulation,
@@ -402,14 +403,15 @@ MECHANISMS: dict[str, type[ZooTrainer]] = {
     "canonical_shard_offsets": CanonicalShardOffsets,
     "resumes_from_scratch": ResumesFromScratch,
     "stale_secondary_after_load": StaleSecondaryAfterLoad,
+    "muon_per_micro_batch": MuonPerMicroBatch,
 }
 
 
-def factory(mechanism: str, bug: bool) -> Callable[[torch.nn.Module, dict], ZooTrainer]:
+def factory(mechanism: str, bug: bool) -> Callable[[torch.nn.Module, dict], Any]:
     """The ``make_trainer`` of one mechanism: the bug (``bug``) or its fixed twin."""
     cls = MECHANISMS[mechanism]
 
-    def make_trainer(model: torch.nn.Module, optim: dict) -> ZooTrainer:
+    def make_trainer(model: torch.nn.Module, optim: dict) -> Any:
         return cls(model, optim, bug=bug)
 
     make_trainer.__name__ = f"{'broken' if bug else 'fixed'}_{mechanism}"

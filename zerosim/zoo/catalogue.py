@@ -100,12 +100,13 @@ ENTRIES: tuple[Entry, ...] = (
           gap=_NO_ACCOUNTING,
           source_note="the thread reports the symptom without a root cause; the double division is the "
                       "accelerate/DeepSpeed interplay transformers PR #35808 describes"),
-    Entry("deepspeed-8443", "DeepSpeed #8443", "DeepSpeed ZeRO-3", "ZeRO-3, Muon, accumulation",
+    Entry("deepspeed-8443", "DeepSpeed #8443", "DeepSpeed ZeRO-3",
+          "ZeRO-3, Muon, accumulation of 2 micro-batches (modelled on replicated parameters)",
           "ZeRO-3 applies Muon's Newton-Schulz once per micro-batch inside the gradient reduce, so momentum "
           "advances K times per step on partial gradients.",
-          None, None,
-          verify_reason="verify judges SGD and AdamW only (Muon and Adafactor are being added to verify)",
-          live_reason="needs Muon; the monitor's state checks hold for it, the update recompute is planned"),
+          VerifyPlan("muon_per_micro_batch", {"optimizers": "muon", "grad_accum": 2}), None,
+          live_reason="the live loop trains with AdamW; under Muon every rank would apply the same K "
+                      "updates, which only an update recompute (planned) would see"),
     Entry("pytorch-170862", "pytorch #170862", "PyTorch FSDP2", "FSDP2, clip_grad_norm_",
           "clip_grad_norm_ on FSDP2's sharded gradients returns the norm of this rank's shard and clips by "
           "it, not by the norm over every parameter.",

@@ -46,7 +46,8 @@ def _cell(judge: dict[str, Any]) -> str:
     if judge["expected"] is None:
         return "out of reach"
     step = f" @ {judge['first_step']}" if judge["first_step"] is not None and judge["bug"] != MISS else ""
-    mark = "" if judge["holds"] else " **(expected " + str(judge["expected"]) + ")**"
+    mark = " (a known miss, now caught)" if judge.get("gained") else \
+        "" if judge["holds"] else " **(expected " + str(judge["expected"]) + ")**"
     return f"{judge['bug']}{step}{mark}"
 
 
@@ -56,7 +57,8 @@ def render_markdown(matrix: dict[str, Any]) -> str:
         "# zerosim zoo: reported silent-correctness bugs, reproduced",
         "",
         f"{matrix['total']} entries; wall time {matrix['wall_s']:.0f} s (world 2, every run on the CPU). "
-        f"Expectations broken: {', '.join(matrix['expectations_broken']) or 'none'}.",
+        f"Expectations broken: {', '.join(matrix['expectations_broken']) or 'none'}. Known misses now "
+        f"caught: {', '.join(matrix.get('catches_gained', [])) or 'none'}.",
         "",
         "| judge | in reach | caught | detection rate | false alarms on twins "
         "| first detection (median / max step) |",
