@@ -134,6 +134,92 @@ def need_ranges(value: Any, path: str) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
+#: the step checks' fields of a monitor's trace line and the field names their findings carry
+UPDATE_NUMBERS = ("expected", "got", "bound")
+REPLAY_NUMBERS = ("contributed", "first", "second", "bound")
+
+
+def _numbers(value: Any, path: str) -> list[float]:
+    return [need_number(v, f"{path}[{i}]") for i, v in enumerate(need_list(value, path))]
+
+
+def _accounting(value: Any) -> dict[str, Any]:
+    data = need_object(value, "accounting")
+    tensors = [need_str(n, f"accounting.tensors[{i}]")
+               for i, n in enumerate(need_list(need_key(data, "tensors"), "accounting.tensors"))]
+    rows = {}
+    for key in ("local", "consumed"):
+        table = need_list(need_key(data, key), f"accounting.{key}", len(tensors))
+        rows[key] = [_numbers(row, f"accounting.{key}[{i}]") for i, row in enumerate(table)]
+        if any(len(row) < 3 or len(row) != len(rows[key][0]) for row in rows[key]):
+            raise fail(f"accounting.{key}", table, "must hold rows of one length, at least 3 numbers")
+    if rows["local"] and len(rows["local"][0]) != len(rows["consumed"][0]):
+        raise fail("accounting.consumed", data["consumed"], "must have rows as long as accounting.local's")
+    return {"tensors": tensors, **rows, "dtype": need_str(need_key(data, "dtype"), "accounting.dtype"),
+            "max_grad_norm": need_optional_number(need_key(data, "max_grad_norm"), "accounting.max_grad_norm",
+                                                  positive=True, nan=False)}
+
+
+def _finding(value: Any, path: str, numbers: tuple[str, ...], counts: tuple[str, ...]) -> dict[str, Any]:
+    data = need_object(value, path)
+    out: dict[str, Any] = dict(data)
+    for key in counts:
+        out[key] = need_count(need_key(data, key), f"{path}.{key}")
+    out["tensor"] = need_optional_str(need_key(data, "tensor"), f"{path}.tensor")
+    for key in numbers:
+        out[key] = need_optional_number(data.get(key), f"{path}.{key}")
+    return out
+
+
+def _samples(value: Any) -> list[dict[str, Any]]:
+    samples = []
+    for i, s in enumerate(need_list(value, "update_samples")):
+        where = f"update_samples[{i}]"
+        s = need_object(s, where)
+        grad = _numbers(need_key(s, "grad"), f"{where}.grad")
+        parts = {}
+        for key in ("pre", "post"):
+            entries = need_object(need_key(s, key), f"{where}.{key}")
+            parts[key] = {e: None if v is None else _numbers(v, f"{where}.{key}.{e}")
+                          for e, v in entries.items()}
+            if any(v is not None and len(v) != len(grad) for v in parts[key].values()):
+                raise fail(f"{where}.{key}", entries, "must hold as many values per entry as grad")
+        if "param" not in parts["pre"] or "param" not in parts["post"]:
+            raise fail(where, s, "must hold the parameter before and after the step")
+        hp = need_object(need_key(s, "hp"), f"{where}.hp")
+        for key, v in hp.items():
+            if key == "betas":
+                need_list(v, f"{where}.hp.betas", 2)
+                hp[key] = [need_number(b, f"{where}.hp.betas") for b in v]
+            elif not isinstance(v, bool):
+                hp[key] = need_number(v, f"{where}.hp.{key}")
+        samples.append({"tensor": need_str(need_key(s, "tensor"), f"{where}.tensor"), "hp": hp,
+                        "step": need_number(need_key(s, "step"), f"{where}.step", non_negative=True),
+                        "grad": grad, **parts})
+    return samples
+
+
+def step_check_fields(record: dict[str, Any]) -> dict[str, Any]:
+    """The step checks' fields of a trace line (absent: None), each checked for its type."""
+    out: dict[str, Any] = {}
+    if record.get("accounting") is not None:
+        out["accounting"] = _accounting(record["accounting"])
+    if record.get("update") is not None:
+        update = _finding(record["update"], "update", UPDATE_NUMBERS, ("checked", "bad"))
+        update["optimizer"] = need_str(need_key(update, "optimizer"), "update.optimizer")
+        update["worst_ratio"] = need_number(need_key(update, "worst_ratio"), "update.worst_ratio",
+                                            non_negative=True)
+        out["update"] = update
+    if record.get("update_samples") is not None:
+        out["update_samples"] = _samples(record["update_samples"])
+    if record.get("replay") is not None:
+        replay = _finding(record["replay"], "replay", REPLAY_NUMBERS, ("checked", "step"))
+        out["replay"] = replay
+    if record.get("step_checks_off") is not None:
+        out["step_checks_off"] = need_str(record["step_checks_off"], "step_checks_off")
+    return out
+
+
 def monitor_observation_fields(data: Any) -> dict[str, Any]:
     """The fields of a :class:`~zerosim.observe.MonitorObservation` read from one JSON record, each
     checked for its type and range; a ConfigError naming the first field that is not. Keys it does not
@@ -168,6 +254,7 @@ def monitor_observation_fields(data: Any) -> dict[str, Any]:
         grad_dtype=need_str(need_key(record, "grad_dtype"), "grad_dtype"),
         max_norm=need_optional_number(need_key(record, "max_norm"), "max_norm", positive=True, nan=False),
         loss=need_optional_number(need_key(record, "loss"), "loss"),
+        **step_check_fields(record),
     )
 
 

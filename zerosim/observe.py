@@ -316,7 +316,15 @@ class MonitorObservation:
     reduced gradient, under DDP or in HSDP's replica groups, split it, each summing its slice);
     ``grad_numel``: how many elements it sums;
     ``grad_norm``: the norm the training loop logged, in ``grad_dtype``, computed before clipping at
-    ``max_norm`` (None: no clipping).
+    ``max_norm`` (None: no clipping). The step checks (C-ZERO-002 ``grad_accounting``, ``update``,
+    ``replay``; None where off): ``accounting``: ``tensors`` (names), per tensor the ``local`` row
+    [projections..., L1, micro-batches] and the ``consumed`` row [projections..., L1, sum of squares]
+    (NaN: none that step), ``dtype``, ``max_grad_norm``; ``update``: the finding of the rank's sampled
+    update (``optimizer``, ``dtype``, ``checked``, ``bad``, the first bad ``tensor``, ``entry``,
+    ``expected``, ``got``, ``bound``, ``worst_ratio``) and ``update_samples``: the samples it is
+    recomputed from (the rank's own file only); ``replay``: the replay finding (``step``, ``checked``,
+    the first mismatching ``tensor`` with its ``contributed``, ``first``, ``second`` projections and
+    ``bound``); ``step_checks_off``: which of them are off for this framework, and why.
     """
 
     rank: int
@@ -336,6 +344,11 @@ class MonitorObservation:
     grad_dtype: str = "float32"
     max_norm: float | None = None
     loss: float | None = None
+    accounting: dict[str, Any] | None = None
+    update: dict[str, Any] | None = None
+    update_samples: list[dict[str, Any]] | None = None
+    replay: dict[str, Any] | None = None
+    step_checks_off: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -349,6 +362,9 @@ class MonitorObservation:
             {k: [list(r) for r in v] for k, v in self.grad_ranges.items()},
             "grad_numel": self.grad_numel, "grad_norm": self.grad_norm,
             "grad_dtype": self.grad_dtype, "max_norm": self.max_norm, "loss": self.loss,
+            **{k: v for k, v in (("accounting", self.accounting), ("update", self.update),
+                                 ("update_samples", self.update_samples), ("replay", self.replay),
+                                 ("step_checks_off", self.step_checks_off)) if v is not None},
         }
 
     @classmethod

@@ -11,8 +11,9 @@
 * **Monitored runs** (:class:`~zerosim.observe.MonitorObservation`): every rank that holds a piece of a
   tensor (the same flat element range) holds a piece with the same digest (clause ``identical``), the
   odd rank out named the same way; where no copy is held by more ranks than every other (two ranks
-  that differ), the ranks are said to disagree and none is named; pieces held by one rank only are not
-  compared.
+  that differ), the ranks are said to disagree and none is named, unless some of them (not all) have
+  an update that departs from their own optimizer's formula (C-ZERO-002 ``update``): those are named;
+  pieces held by one rank only are not compared.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .mismatch import (
     step_clauses,
     step_verdict,
 )
+from .update_formula import departs
 
 CONTRACT = "C-ZERO-003"
 
@@ -239,6 +241,7 @@ def _digest_identity(observations: Sequence[MonitorObservation], contract: str) 
     out = ViolationCollector(contract, total=MAX_LISTED)
     compared = 0
     pieces: dict[int, dict[tuple[str, int, int], dict[str, list[int]]]] = {}
+    departed = {(obs.step, obs.rank) for obs in observations if departs(obs)}
     for obs in observations:
         at = pieces.setdefault(obs.step, {})
         for name, start, stop, dig in obs.held:
@@ -254,6 +257,16 @@ def _digest_identity(observations: Sequence[MonitorObservation], contract: str) 
             if len(by_digest) == 1:
                 continue
             sizes = sorted((len(m) for m in by_digest.values()), reverse=True)
+            evidence = [r for r in holders if (step, r) in departed]
+            if sizes[0] == sizes[1] and evidence and len(evidence) < len(holders):
+                # no majority, but these ranks' own updates depart from their optimizer's formula
+                others = [r for r in holders if r not in evidence]
+                for rank in evidence:
+                    out.add("identical", f"rank {rank}'s copy of {name}[{start}:{stop}] differs bitwise from "
+                            f"rank(s) {','.join(map(str, others))}, and rank {rank}'s update departs from "
+                            "its optimizer's formula (C-ZERO-002 update)",
+                            step=step, ranks=(rank,), tensor=name, interval=(start, stop))
+                continue
             if sizes[0] == sizes[1]:  # no majority: which copy is wrong is not known, so none is named
                 copies = "; ".join(f"rank(s) {_and(sorted(m))}: digest {d}" for d, m in by_digest.items())
                 out.add(

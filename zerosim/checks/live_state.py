@@ -14,7 +14,13 @@ Per check (one step), over the ranks' :class:`~zerosim.observe.MonitorObservatio
   disjoint, lowest rank first), within :func:`norm_relative_bound` of the logged norm's dtype plus
   that of the recomputation's accumulation (:func:`norm_accumulation`).
   With ``max_norm`` the recomputed norm is that of the clipped gradient, so the logged norm is scaled
-  by torch's clip coefficient ``min(1, max_norm / (norm + 1e-6))`` first.
+  by torch's clip coefficient ``min(1, max_norm / (norm + 1e-6))`` first;
+* ``grad_accounting``: the consumed gradient is the mean of the ranks' local gradients times one clip
+  coefficient, tensor by tensor (:mod:`zerosim.checks.grad_accounting`);
+* ``update``: each rank's step equals its optimizer's formula on sampled elements
+  (:mod:`zerosim.checks.update_formula`);
+* ``replay``: each rank's contributed local gradient is the one its computation gives again, a
+  mismatch classified ``transient`` or ``persistent`` (:mod:`zerosim.checks.replay`).
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ from collections.abc import Sequence
 from ..observe import MonitorObservation
 from ..verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
+from .grad_accounting import accounting_violations
+from .replay import replay_violations
 from .rounding import UNIT_ROUNDOFF, gamma
 from .tolerance import norm_accumulation, norm_relative_bound
+from .update_formula import update_violations
 
 CONTRACT = "C-ZERO-002"
-CLAUSES = ("state_present", "state_finite", "step_counter", "grad_norm")
+CLAUSES = ("state_present", "state_finite", "step_counter", "grad_norm", "grad_accounting", "update",
+           "replay")
 #: torch's clip_grad_norm_ adds this to the norm before dividing max_norm by it
 CLIP_EPS = 1e-6
 
@@ -58,7 +68,8 @@ def _monitor_state(observations: Sequence[MonitorObservation]) -> Verdict:
     for obs in observations:
         by_step.setdefault(obs.step, []).append(obs)
     checked = 0
-    max_error = 0.0
+    max_error = accounting = update = 0.0
+    replayed = 0
     for step in sorted(by_step):
         rows = sorted(by_step[step], key=lambda o: o.rank)
         checked += len(rows)
@@ -73,7 +84,11 @@ def _monitor_state(observations: Sequence[MonitorObservation]) -> Verdict:
                         "tensor(s)", step=step, ranks=(obs.rank,), tensor=first)
         _step_counters(rows, step, out)
         max_error = max(max_error, _grad_norm(rows, step, out))
-    return out.listed_verdict(checked=checked, steps=len(by_step), max_grad_norm_error=max_error)
+        accounting = max(accounting, accounting_violations(rows, step, out))
+        update = max(update, update_violations(rows, step, out))
+        replayed += replay_violations(rows, step, out)
+    return out.listed_verdict(checked=checked, steps=len(by_step), max_grad_norm_error=max_error,
+                              grad_accounting_ratio=accounting, update_ratio=update, replayed=replayed)
 
 
 def _step_counters(rows: list[MonitorObservation], step: int, out: ViolationCollector) -> None:

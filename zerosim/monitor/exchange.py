@@ -177,7 +177,7 @@ def start_gather(row: torch.Tensor, group: Any = None) -> Gather:
 def summary_values(row: Any, width: int) -> dict[str, Any]:
     """The summary fields of a gathered row (a numpy or torch int64 vector) whose digest part is
     ``width`` lanes long."""
-    values = row[width:].tolist()
+    values = row[width: width + len(SUMMARY)].tolist()
     out: dict[str, Any] = dict(zip(SUMMARY, values, strict=True))
     for key in FLOAT_FIELDS:
         out[key] = bits_float(out[key])

@@ -20,10 +20,6 @@ and the verdict still names the step observed. Each rank appends its own observa
 one JSON line to ``out/rank-NNNNN.jsonl`` (flushed and fsynced per line); rank 0 logs one line per
 check and writes ``out/summary.json`` at :meth:`Monitor.close`.
 
-Why one module of this length: a check is observed at one call and completed at the next, and both
-ends read the same exchanged state (every rank's layout keys and fingerprints, the pieces shared, the
-rule the rows were digested by); split, each half would reach into the other's fields.
-
 The monitor reads, never writes, the training state. Bad input (no process group, ``every`` or
 ``timeout`` out of range, an unknown ``on_violation``, a layout it cannot read) is one line and the
 monitor turns itself off; so is any error of its own later (never raised into the loop); an ``out``
@@ -42,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from ..checks.identity import check_replica_identity
@@ -58,24 +55,26 @@ from .exchange import (
     OFF,
     PHASE,
     STEP,
+    SUMMARY,
     ExchangeFailed,
     Gather,
     comm_device,
     exchange_keys,
+    float_bits,
     monitor_group,
     start_gather,
     summary_values,
 )
-from .judge import CONTRACTS, judge, summary_line
+from .judge import judge
 from .layouts import LiveLayout, read_layout
+from .records import SUMMARY_LISTED, RunRecords
 from .row import RowBuilder, logged_number
-from .trace import append_line, rank_file, touch_regular, write_summary
+from .step_probe import StepProbe, invalid_option
+from .trace import rank_file, touch_regular, write_summary
 
 ON_VIOLATION = ("log", "raise")
 #: a held piece: (tensor, start, stop) of its flat element range
 PieceKey = tuple[str, int, int]
-#: violations (and skipped checks) kept in the JSON summary (the rest are counted)
-SUMMARY_LISTED = 50
 #: the seconds a call that is not a check step waits for the other ranks' rows of the check before it,
 #: once per check: in a loop whose step synchronises the ranks they have sent them by then; a rank that
 #: skipped that check sends a row at its next check step, where the wait is bounded by ``timeout``
@@ -97,7 +96,7 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-class Monitor:
+class Monitor(RunRecords):
     """Checks the contracts on a live run every ``every`` steps (see the module docstring).
 
     ``model``: the module being trained (plain, DDP or FSDP2), a ``zerogpu`` ``ZeroTrainer`` or a
@@ -105,21 +104,23 @@ class Monitor:
     DeepSpeed's step count, ``engine.global_steps - 1``); ``optimizer``: its torch.optim optimizer
     (``ZeroRedundancyOptimizer`` included; None for a ZeroTrainer or a DeepSpeed engine). ``max_norm``:
     the ``clip_grad_norm_`` bound, when the logged norm is the one before clipping (not used for a
-    DeepSpeed engine, whose gradient is measured before it clips). ``log``: where the per-check lines
+    DeepSpeed engine, whose gradient is measured before it clips). ``max_grad_norm``: the clip
+    threshold the loop uses (None: it does not clip; ``max_norm`` stands for it where only that is
+    given), against which the consumed gradient is accounted (:mod:`zerosim.monitor.step_probe`).
+    ``replay_every``: replay a due step's backward (:meth:`replay_check`; None: never). ``log``: where
+    the per-check lines
     go (default: rank 0's stderr; a rank's own failures go to its own stderr). ``overlap`` (default
     True): each check's all-gather completes, and the check is judged, at the next :meth:`after_step`
     call (or :meth:`flush`, :meth:`close`), so that no rank waits at a check for the others to reach
     it; False: judged within the call that observed it. ``timeout``: the seconds the monitor waits at
-    most for the other ranks' part of one of its exchanges (its process group's own timeout).
-
-    Construction is collective: every rank makes the monitor's process group and exchanges its layout.
+    most for the other ranks' part of one of its exchanges (its own process group's). Collective.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, every: Any = 100, out: Any = None,
                  on_violation: str = "log", max_norm: float | None = None,
                  log: Callable[[str], None] | None = None,
                  layout_reader: Callable[[], LiveLayout] | None = None, overlap: bool = True,
-                 timeout: Any = DEFAULT_TIMEOUT_S):
+                 timeout: Any = DEFAULT_TIMEOUT_S, max_grad_norm: Any = None, replay_every: Any = None):
         self.model = model
         self.overlap = bool(overlap)
         self._pending: _Pending | None = None
@@ -156,7 +157,10 @@ class Monitor:
         self._shared: frozenset[PieceKey] = frozenset()
         self._layout_verdict: Verdict | None = None
         self._farewell: Gather | None = None
-        problem = self._validate(every, on_violation, timeout)
+        self._probe: StepProbe | None = None
+        self._taken: dict[str, Any] = {}
+        self.replay_every, self.max_grad_norm = replay_every, max_grad_norm if max_grad_norm else max_norm
+        problem = invalid_option(every, on_violation, timeout, self.max_grad_norm, replay_every)
         if problem is not None:
             self._log(f"zerosim.monitor: off: {problem}")
             return
@@ -177,6 +181,13 @@ class Monitor:
             keys = {"off": f"cannot read the layout of {type(self.model).__name__}: {err}"}
         if out is not None:
             self._open_out(out)
+        if "off" not in keys:
+            try:
+                self._probe = StepProbe(model, optimizer, self.adapter, every, replay_every,
+                                        self.max_grad_norm)
+                keys = {**keys, "step_len": self._probe.length()}
+            except Exception as err:  # noqa: BLE001 - the step checks' own failure: those checks off
+                self._own_log(f"zerosim.monitor: the step checks are off on rank {self.rank}: {err}")
         try:
             everyone = exchange_keys(keys, self.device, self._group, float(timeout))
         except Exception as err:  # noqa: BLE001
@@ -189,19 +200,11 @@ class Monitor:
             if self.rank != refused[0][0]:
                 self._log(f"zerosim.monitor: off: rank {refused[0][0]}: {refused[0][1]}")
             return
+        self._step_len = max(int(k.get("step_len", 0)) for k in everyone)
+        if self._probe is not None and self._probe.off:
+            self._note(f"C-ZERO-002 step checks off for {self.adapter}: {self._probe.off}")
         self._adopt(everyone, room_for_gradients=True)
         self.enabled = True
-
-    def _validate(self, every: Any, on_violation: Any, timeout: Any) -> str | None:
-        if not (dist.is_available() and dist.is_initialized()):
-            return "no torch.distributed process group (call init_process_group, e.g. under torchrun)"
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            return f"invalid every={every!r}: must be a positive integer (steps between checks)"
-        if on_violation not in ON_VIOLATION:
-            return f"invalid on_violation={on_violation!r}: must be one of {', '.join(ON_VIOLATION)}"
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < 1e7:
-            return f"invalid timeout={timeout!r}: must be a number of seconds above 0"
-        return None
 
     def _open_out(self, out: Any) -> None:
         """Make ``out`` and this rank's (regular) file there; on failure one line on this rank."""
@@ -227,15 +230,31 @@ class Monitor:
         if not self.enabled:
             return []
         try:
-            return self._after_step(step, loss, grad_norm)
+            step = int(step)
+            self._taken = self._probe.take(step) if self._probe is not None else {}
+            found = self._after_step(step, loss, grad_norm)
+            if self._probe is not None and self.enabled:
+                self._probe.arm(step + 1)
+            return found
         except MonitorViolation:
+            self._probe.arm(step + 1) if self._probe is not None and self.enabled else None
             raise
         except Exception as err:  # noqa: BLE001 - the monitor's own failure never reaches the loop
             self._give_up(err)
             return []
 
-    def _after_step(self, step: Any, loss: Any, grad_norm: Any) -> list[Violation]:
-        step = int(step)
+    def replay_check(self, step: int, closure: Callable[[], Any]) -> None:
+        """After ``loss.backward()``, before ``optimizer.step()``: on a step due for replay, ``closure()``
+        (the same micro-batch's loss) and its backward again, unreduced, ``.grad`` untouched, compared
+        with what this rank contributed (C-ZERO-002 ``replay``). Returns at once on other steps."""
+        if not self.enabled or self._probe is None or self.replay_every is None:
+            return
+        try:
+            self._probe.replay(int(step), closure)
+        except Exception as err:  # noqa: BLE001
+            self._give_up(err)
+
+    def _after_step(self, step: int, loss: Any, grad_norm: Any) -> list[Violation]:
         checking = step % self.every == 0
         found: list[Violation] = []
         if self._pending is not None:
@@ -265,10 +284,24 @@ class Monitor:
                        f"a norm recomputed from the gradient ({layout.grads_note})")
         keys, fingerprint = self._rows.layout_keys(layout)
         values = (step, fingerprint, logged_number(loss), logged_number(grad_norm))
-        row = self._rows.row(layout, self._width, *values, digested=self._digested(layout, fingerprint))
+        row = self._row(layout, self._width, values, self._digested(layout, fingerprint))
         self._pending = _Pending(step, keys, self._width, start_gather(row, self._group),
                                  None if self.overlap else (layout, values),
-                                 time.perf_counter() - t0, self._shared, self._fingerprints)
+                                 time.perf_counter() - t0, self._shared, self._fingerprints, self._taken)
+
+    def _row(self, layout: LiveLayout, width: int, values: tuple[int, int, Any, Any], digested: Any) -> Any:
+        """This rank's row: the digests and summary (:class:`RowBuilder`), then the step checks'
+        section (:meth:`StepProbe.encode`)."""
+        step, fingerprint, loss, norm = values
+        row = self._rows.row(layout, width, step, fingerprint, loss, norm, digested=digested)
+        return torch.cat([row, self._section(self._taken)])
+
+    def _section(self, fields: dict[str, Any]) -> Any:  # the row's step-check part
+        nan = torch.full((self._step_len,), float_bits(float("nan")), dtype=torch.int64)
+        return (nan if self._probe is None else self._probe.encode(fields, self._step_len)).to(self.device)
+
+    def _marker(self, phase: int) -> Any:
+        return torch.cat([self._rows.marker(self._width, phase), self._section({})])
 
     def _give_up(self, err: BaseException) -> None:
         """Its own failure: one line on this rank, the monitor off; unless the exchange failed, a last
@@ -279,7 +312,7 @@ class Monitor:
         self.enabled = False
         if not isinstance(err, ExchangeFailed) and hasattr(self, "_width") and self._group is not None:
             try:
-                self._farewell = start_gather(self._rows.marker(self._width, OFF), self._group)
+                self._farewell = start_gather(self._marker(OFF), self._group)
             except Exception:  # noqa: BLE001 - the group itself is broken: the others time out
                 self._farewell = None
     def _digested(self, layout: LiveLayout, fingerprint: int) -> list[bool] | None:
@@ -338,8 +371,8 @@ class Monitor:
                 layout, values = pending.now
                 width = self._width
                 step, fingerprint, loss, norm = values
-                row = self._rows.row(layout, width, step, fingerprint, loss, norm,
-                                     digested=self._digested(layout, fingerprint))
+                row = self._row(layout, width, (step, fingerprint, loss, norm),
+                                self._digested(layout, fingerprint))
                 table = start_gather(row, self._group).wait(self.timeout)
                 if table is None:
                     raise ExchangeFailed(f"the other ranks sent no row for step {step} within "
@@ -354,7 +387,8 @@ class Monitor:
         assert self._keys is not None
         mismatched = self._mismatched_pieces(table, width, digested)
         observations = [self._observation(r, self._keys[r], table[r], width,
-                                          r == self.rank and self._trace is not None, mismatched, digested)
+                                          r == self.rank and self._trace is not None, mismatched, digested,
+                                          pending.taken)
                         for r in range(self.world)]
         if self._layout_verdict is None:
             self._layout_verdict = check_partition_plan(observations)
@@ -464,7 +498,7 @@ class Monitor:
 
     def _observation(self, rank: int, keys: dict[str, Any], row: np.ndarray, width: int,
                      every_piece: bool | None, pieces: set[PieceKey],
-                     digested: Callable[[int, PieceKey], bool]) -> MonitorObservation:
+                     digested: Callable[[int, PieceKey], bool], mine: dict[str, Any]) -> MonitorObservation:
         """Rank ``rank``'s observation from its keys and row (``width`` digest lanes): with the digests
         of every piece it holds (``every_piece``: this rank's own, for its file) or of those in
         ``pieces`` only; a piece it did not digest (no other rank holds it) has an empty digest."""
@@ -489,47 +523,8 @@ class Monitor:
             grad_numel=int(s["grad_numel"]),
             grad_norm=s["grad_norm"] if s["has_norm"] else None, grad_dtype=self._grad_dtype,
             max_norm=self.max_norm, loss=s["loss"] if s["has_loss"] else None,
-        )
-
-    # ---- what the run keeps ---------------------------------------------------------------------------
-    def _record(self, mine: MonitorObservation, elapsed: float) -> None:
-        """Append this rank's observation; a failed write is one line on this rank, once, and no more."""
-        if self._trace is None:
-            return
-        try:
-            append_line(self._trace, {**mine.to_json(), "monitor_s": elapsed})
-        except OSError as err:
-            self._own_log(f"zerosim.monitor: rank {self.rank} cannot append to {self._trace}: "
-                          f"{err.strerror or err}; its observation file is not written any more, the "
-                          f"checks go on")
-            self._trace = None
-
-    def _report(self, step: int, verdicts: list[Verdict], found: list[Violation], elapsed: float) -> None:
-        self.violation_count += sum(v.details.get("violation_count", len(v.violations)) for v in verdicts)
-        self.violations.extend(found[: max(0, SUMMARY_LISTED - len(self.violations))])
-        self._log(f"zerosim.monitor {summary_line(step, verdicts)}; {elapsed * 1e3:.1f} ms")
-        for v in found[:5]:
-            self._log(f"zerosim.monitor violation: {v}")
-
-    def _note(self, text: str) -> None:
-        """Keep ``text`` for the summary and log it, once per run."""
-        if text not in self.notes:
-            self.notes.append(text)
-            self._log(f"zerosim.monitor note: {text}")
-
-    def summary(self) -> dict[str, Any]:
-        """What the run's checks found so far (the JSON summary's content)."""
-        by_contract = dict.fromkeys(CONTRACTS, 0)
-        for v in self.violations:
-            by_contract[v.contract] = by_contract.get(v.contract, 0) + 1
-        return {"adapter": self.adapter, "world_size": getattr(self, "world", None), "every": self.every,
-                "checks": self.checks,
-                "steps_checked": [self.steps[0], self.steps[-1]] if self.steps else None,
-                "passed": self.violation_count == 0, "violation_count": self.violation_count,
-                "listed_by_contract": by_contract, "violations": [v.to_json() for v in self.violations],
-                "skipped_count": self.skipped_count, "skipped": list(self.skipped),
-                "monitor_seconds": self.seconds, "enabled": self.enabled, "off_reason": self.off_reason,
-                "notes": list(self.notes)}
+            **(mine if rank == self.rank else self._probe.decode(row[width + len(SUMMARY):])
+               if self._probe is not None else {}))
 
     def close(self) -> dict[str, Any]:
         """Complete the check still exchanging, close with every rank (:meth:`_close_exchange`), write
@@ -553,6 +548,8 @@ class Monitor:
             except OSError as err:
                 self._own_log(f"zerosim.monitor: rank {self.rank} cannot write "
                               f"{self.out / 'summary.json'}: {err.strerror or err}")
+        if self._probe is not None:
+            self._probe.close()
         if hasattr(self._read, "close"):
             try:
                 self._read.close()  # a DeepSpeed reader takes its wrappers off the optimizer
@@ -571,7 +568,7 @@ class Monitor:
         """Send ``CLOSING`` rows until a table holds nothing else (a check another rank sent meanwhile
         is recorded as skipped, on every rank)."""
         while self.enabled:
-            gather = start_gather(self._rows.marker(self._width, CLOSING), self._group)
+            gather = start_gather(self._marker(CLOSING), self._group)
             table = gather.wait(self.timeout)
             if table is None:
                 raise ExchangeFailed(f"the other ranks did not close the monitor within {self.timeout:g} s")
@@ -596,5 +593,8 @@ class _Pending:
     #: the pieces shared and the layout fingerprints exchanged when the row was built (what it digested)
     shared: frozenset[PieceKey]
     fingerprints: list[int]
+    #: this rank's step-check fields observed for the check (:meth:`StepProbe.take`)
+    taken: dict[str, Any]
     #: the table did not arrive within the grace of a call that was not a check step
     waited: bool = False
+

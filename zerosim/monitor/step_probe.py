@@ -1,0 +1,526 @@
+"""What one rank observes of its training step for C-ZERO-002's step clauses (``grad_accounting``,
+``update``, ``replay``; the checks are in :mod:`zerosim.checks.grad_accounting`,
+:mod:`zerosim.checks.update_formula`, :mod:`zerosim.checks.replay`), and the part of the check's row
+that carries it.
+
+* **Local gradients.** On a step whose check is due, a hook on every parameter that needs a gradient
+  (``Tensor.register_hook``: it sees each micro-batch's local gradient before DDP's reducer takes it)
+  adds the gradient's projections on k shared random +-1 vectors, its L1 norm and a micro-batch count;
+  the last micro-batch's projections are kept for replay. The hooks are registered after the check
+  before a due step and removed at its ``optimizer.step()``: a step that is not due runs no hook.
+* **The consumed gradient.** ``register_step_pre_hook`` on the optimizer: the projections, L1 norm and
+  sum of squares of every parameter's ``.grad`` as the optimizer takes it.
+* **The update.** ``register_step_pre_hook`` / ``register_step_post_hook`` on the optimizer that steps
+  the parameters (ZeroRedundancyOptimizer's local one): at a fixed sample of elements per tensor, the
+  parameter, gradient and state before and the parameter and state after, so that what the loop does
+  outside the step is not counted; the finding is recomputed in float64 on the host (on an
+  accelerator this copies the samples to the host: a wait for the device at due steps only).
+* **Replay** (:meth:`StepProbe.replay`): the same micro-batch's backward again, without reducing
+  (``no_sync``, DDP's forward buffer sync off) and without touching ``.grad`` (``torch.autograd.grad``).
+
+What it cannot see: FSDP2 reduce-scatters inside its own post-backward and a ZeroTrainer or a
+DeepSpeed engine inside its step, so no local gradient is seen before the reduction there
+(``grad_accounting`` and ``replay`` off); a DDP communication hook (compression) changes the reduction
+the bound assumes (``grad_accounting`` off); the update is recomputed for torch.optim's SGD, Adam and
+AdamW (and their subclasses), off for other optimizers. Each off clause is named in the rank's file
+(``step_checks_off``) and in the summary's notes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checks.grad_accounting import BLOCK
+from ..checks.update_formula import ENTRIES, FORMULAS, recompute_update
+
+#: random +-1 vectors each gradient is projected on
+PROJECTIONS = 2
+#: elements of each tensor whose update is recomputed
+SAMPLED = 8
+#: the gradient dtypes a row can name
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+#: the row's head: accounting, update finding, replay finding (float64 values)
+HEAD = (
+    "acc_has",
+    "n_tensors",
+    "max_grad_norm",
+    "dtype",
+    "upd_has",
+    "upd_optimizer",
+    "upd_checked",
+    "upd_bad",
+    "upd_tensor",
+    "upd_entry",
+    "upd_expected",
+    "upd_got",
+    "upd_bound",
+    "upd_worst",
+    "rep_has",
+    "rep_step",
+    "rep_checked",
+    "rep_tensor",
+    "rep_contributed",
+    "rep_first",
+    "rep_second",
+    "rep_bound",
+)
+PER_TENSOR = 2 * (PROJECTIONS + 2)
+HYPER = (
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "maximize",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "decoupled_weight_decay",
+)
+
+
+def _formula(optimizer: Any) -> str | None:
+    """The torch.optim class whose formula ``optimizer`` follows (a subclass follows its base's)."""
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in FORMULAS and cls.__module__.startswith("torch.optim"):
+            return cls.__name__
+    return None
+
+
+def _nan(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _none(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+class StepProbe:
+    """One rank's observation of its due steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        adapter: str,
+        every: int,
+        replay_every: int | None,
+        max_grad_norm: float | None,
+    ):
+        from torch.distributed.tensor import DTensor
+
+        self.model, self.every, self.replay_every = model, every, replay_every
+        self.max_grad_norm = max_grad_norm
+        module = getattr(model, "module", model) if isinstance(model, torch.nn.Module) else None
+        params = list(module.named_parameters()) if module is not None else []
+        self.names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        off = []
+        self.accounting = adapter in ("ddp", "zero-redundancy") and not any(
+            isinstance(p, DTensor) for p in self.params
+        )
+        if not self.accounting:
+            off.append(
+                f"grad_accounting and replay: {adapter} reduces the gradient inside its own step or "
+                "post-backward, no local gradient is seen before the reduction"
+            )
+        elif getattr(model, "_comm_hooks", None):
+            self.accounting = False
+            off.append("grad_accounting: a DDP communication hook changes the reduction the bound assumes")
+        if not self.accounting:
+            self.names, self.params, self.index = [], [], {}
+        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps with its local one
+        self.formula = _formula(inner) if inner is not None else None
+        if self.formula is None:
+            off.append(f"update: no formula recomputed for {type(inner).__name__} (SGD, Adam, AdamW are)")
+        self.off = "; ".join(off) or None
+        self.dtype = str(self.params[0].dtype).removeprefix("torch.") if self.params else "float32"
+        self._hooks: list[Any] = []
+        self._grad_hooks: list[Any] = []
+        if self.accounting and optimizer is not None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._consume))
+        if self.formula is not None:
+            self._sample_names = {id(p): n for n, p in (module.named_parameters() if module else [])}
+            self._hooks.append(inner.register_step_pre_hook(self._before_update))
+            self._hooks.append(inner.register_step_post_hook(self._after_update))
+        self._signs: dict[Any, torch.Tensor] = {}
+        self._samples: dict[tuple[int, Any], torch.Tensor] = {}
+        self.pending_replay: dict[str, Any] | None = None
+        self.replaying = False
+        self.arm(None)
+
+    # ---- arming --------------------------------------------------------------------------------------
+    def _due(self, step: int | None) -> bool:
+        return (
+            step is None
+            or step % self.every == 0
+            or bool(self.replay_every and step % self.replay_every == 0)
+        )
+
+    def arm(self, step: int | None) -> None:
+        """Prepare to observe ``step`` (None: the first step, whatever its number) if a check or a
+        replay is due there: the local-gradient hooks registered, the accumulators emptied."""
+        self._remove_grad_hooks()
+        self.expected = step
+        self.local: dict[int, torch.Tensor] = {}
+        self.last: dict[int, torch.Tensor] = {}
+        self.consumed: dict[int, torch.Tensor] = {}
+        self.update: dict[str, Any] | None = None
+        self.update_samples: list[dict[str, Any]] | None = None
+        self._pre: list[tuple[Any, dict[str, Any], torch.Tensor, dict[str, torch.Tensor]]] = []
+        self.armed = self._due(step)
+        if self.armed and self.accounting:
+            for i, p in enumerate(self.params):
+                if p.requires_grad:
+                    self._grad_hooks.append(p.register_hook(lambda g, i=i: self._local(i, g)))
+
+    def _remove_grad_hooks(self) -> None:
+        for handle in self._grad_hooks:
+            handle.remove()
+        self._grad_hooks = []
+
+    def close(self) -> None:
+        self._remove_grad_hooks()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # ---- measuring -----------------------------------------------------------------------------------
+    def _sign_vectors(self, n: int, device: torch.device) -> torch.Tensor:
+        """k shared random +-1 vectors (int8, the same on every rank: a fixed seed), as long as the
+        largest parameter (fixed at construction, so a tensor's vectors never change)."""
+        found = self._signs.get(device)
+        if found is None:
+            gen = torch.Generator().manual_seed(0x5EED)
+            length = max([n, *(p.numel() for p in self.params)])
+            signs = torch.randint(0, 2, (PROJECTIONS, length), generator=gen, dtype=torch.int8) * 2 - 1
+            found = self._signs[device] = signs.to(device)
+        if found.shape[1] < n:
+            raise ValueError(f"a gradient of {n} elements is longer than every parameter")
+        return found
+
+    def project(self, g: torch.Tensor) -> torch.Tensor:
+        """[projections..., L1 norm, sum of squares] of ``g`` in float64: blocks of :data:`BLOCK`
+        elements summed in its dtype, the blocks in float64."""
+        flat = g.detach().reshape(-1)
+        n = flat.numel()
+        signs = self._sign_vectors(n, flat.device)[:, :n]
+        parts = torch.cat(
+            [flat.unsqueeze(0) * signs.to(flat.dtype), flat.abs().unsqueeze(0), (flat * flat).unsqueeze(0)]
+        )
+        whole = n // BLOCK * BLOCK
+        sums = parts[:, :whole].reshape(parts.shape[0], -1, BLOCK).sum(-1).to(torch.float64).sum(-1)
+        return sums + parts[:, whole:].to(torch.float64).sum(-1)
+
+    def _local(self, i: int, g: torch.Tensor) -> None:
+        if self.replaying or not self.armed:
+            return
+        measured = self.project(g)
+        self.last[i] = measured[:PROJECTIONS]
+        row = torch.cat([measured[: PROJECTIONS + 1], measured.new_ones(1)])
+        self.local[i] = row if i not in self.local else self.local[i] + row
+
+    def _consume(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.armed:
+            return
+        self._remove_grad_hooks()  # the local gradients of this step are all in
+        for i, p in enumerate(self.params):
+            if p.grad is not None:
+                self.consumed[i] = self.project(p.grad)
+
+    def _sample_index(self, n: int, device: torch.device) -> torch.Tensor:
+        found = self._samples.get((n, device))
+        if found is None:
+            gen = torch.Generator().manual_seed(n)
+            found = self._samples[(n, device)] = torch.randint(0, n, (min(SAMPLED, n),), generator=gen).to(
+                device
+            )
+        return found
+
+    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not (self.armed and self._due_check()):
+            return
+        from .layouts import local_tensor
+
+        for group in optimizer.param_groups:
+            hp = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k in HYPER}
+            for p in group["params"]:
+                if p.grad is None or not p.requires_grad or id(p) not in self._sample_names:
+                    continue
+                local = local_tensor(p).detach().reshape(-1)
+                if not local.numel() or not local.is_floating_point():
+                    continue
+                at = self._sample_index(local.numel(), local.device)
+                state = {
+                    k: local_tensor(v).detach().reshape(-1)[at].clone()
+                    for k, v in optimizer.state.get(p, {}).items()
+                    if k in ENTRIES and isinstance(v, torch.Tensor) and v.numel() == p.numel()
+                }
+                step = optimizer.state.get(p, {}).get("step", 0)
+                self._pre.append(
+                    (
+                        p,
+                        {"tensor": self._sample_names[id(p)], "hp": hp, "step": float(step)},
+                        local_tensor(p.grad).detach().reshape(-1)[at].clone(),
+                        {"param": local[at].clone(), **state},
+                    )
+                )
+
+    def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._pre:
+            return
+        from .layouts import local_tensor
+
+        samples = []
+        for p, head, grad, pre in self._pre:
+            at = self._sample_index(local_tensor(p).numel(), local_tensor(p).device)
+            post = {"param": local_tensor(p).detach().reshape(-1)[at]}
+            post.update(
+                {
+                    k: local_tensor(v).detach().reshape(-1)[at]
+                    for k, v in optimizer.state.get(p, {}).items()
+                    if k in ENTRIES and isinstance(v, torch.Tensor) and v.numel() == p.numel()
+                }
+            )
+            samples.append(
+                {
+                    **head,
+                    "grad": grad.double().tolist(),
+                    "pre": {k: v.double().tolist() for k, v in pre.items()},
+                    "post": {k: v.double().tolist() for k, v in post.items()},
+                }
+            )
+        self._pre = []
+        dtype = str(self._pre_dtype(samples)).removeprefix("torch.")
+        self.update_samples = samples
+        self.update = {**recompute_update(self.formula or "AdamW", samples, dtype), "dtype": dtype}
+
+    def _pre_dtype(self, samples: list[dict[str, Any]]) -> Any:
+        return next((p.dtype for p in self.params), "float32") if samples else "float32"
+
+    def _due_check(self) -> bool:
+        return self.expected is None or self.expected % self.every == 0
+
+    # ---- replay --------------------------------------------------------------------------------------
+    def replay(self, step: int, closure: Any) -> None:
+        """On a due replay step: the same micro-batch's local gradient computed again and compared, by its
+        projections, with the one contributed; a mismatch computed a third time (see
+        :mod:`zerosim.checks.replay`). The finding is carried by the next check's row."""
+        if not (self.replay_every and self.accounting and step % self.replay_every == 0 and self.last):
+            return
+        if self.expected is not None and self.expected != step:
+            return
+        trained = [i for i in self.last if self.params[i].requires_grad]
+        first = self._recompute(closure, trained)
+        differs = [
+            (i, j)
+            for i in trained
+            for j in range(PROJECTIONS)
+            if float(first[i][j]) != float(self.last[i][j])
+        ]
+        finding: dict[str, Any] = {
+            "step": step,
+            "checked": len(trained),
+            "tensor": None,
+            "contributed": None,
+            "first": None,
+            "second": None,
+            "bound": 0.0,
+        }
+        if differs:
+            i, j = differs[0]
+            second = self._recompute(closure, [i])
+            finding.update(
+                tensor=self.names[i],
+                contributed=float(self.last[i][j]),
+                first=float(first[i][j]),
+                second=float(second[i][j]),
+            )
+        if self.pending_replay is None or self.pending_replay["tensor"] is None:
+            self.pending_replay = finding
+
+    def _recompute(self, closure: Any, which: list[int]) -> dict[int, torch.Tensor]:
+        model = self.model
+        sync = getattr(model, "no_sync", None)
+        saved = getattr(model, "require_forward_param_sync", None)
+        self.replaying = True
+        try:
+            with sync() if sync is not None else contextlib.nullcontext():
+                if saved is not None:
+                    model.require_forward_param_sync = False  # no buffer broadcast: no collective
+                with torch.enable_grad():
+                    loss = closure()
+                    grads = torch.autograd.grad(loss, [self.params[i] for i in which], allow_unused=True)
+        finally:
+            self.replaying = False
+            if saved is not None:
+                model.require_forward_param_sync = saved
+        return {
+            i: self.project(g)[:PROJECTIONS]
+            if g is not None
+            else torch.zeros(PROJECTIONS, dtype=torch.float64)
+            for i, g in zip(which, grads, strict=True)
+        }
+
+    # ---- the row -------------------------------------------------------------------------------------
+    def length(self) -> int:
+        return len(HEAD) + PER_TENSOR * len(self.names)
+
+    def take(self, step: int) -> dict[str, Any]:
+        """This rank's step-check fields for a check at ``step`` (the observation's fields): what was
+        observed if the probe was armed for this step; the replay finding waiting for a check."""
+        mine = self.expected is None or self.expected == step
+        fields: dict[str, Any] = {"step_checks_off": self.off}
+        if mine and self.consumed and self.local is not None and step % self.every == 0:
+            nan = [math.nan] * (PROJECTIONS + 2)
+            fields["accounting"] = {
+                "tensors": list(self.names),
+                "local": [
+                    self.local[i].tolist()
+                    if i in self.local
+                    else ([0.0] * (PROJECTIONS + 1) + [1.0] if i in self.consumed else nan)
+                    for i in range(len(self.names))
+                ],
+                "consumed": [
+                    self.consumed[i].tolist() if i in self.consumed else nan for i in range(len(self.names))
+                ],
+                "dtype": self.dtype,
+                "max_grad_norm": self.max_grad_norm,
+            }
+        if mine and self.update is not None and step % self.every == 0:
+            fields["update"], fields["update_samples"] = self.update, self.update_samples
+        if step % self.every == 0 and self.pending_replay is not None:
+            fields["replay"], self.pending_replay = self.pending_replay, None
+        return fields
+
+    def encode(self, fields: dict[str, Any], length: int) -> torch.Tensor:
+        """``fields`` (:meth:`take`) as the row's float64 section of ``length`` values, int64 bits."""
+        head = dict.fromkeys(HEAD, math.nan)
+        values = np.full(length, np.nan)
+        acc = fields.get("accounting")
+        head["acc_has"] = float(acc is not None)
+        head["n_tensors"] = len(self.names)
+        head["max_grad_norm"] = _nan(self.max_grad_norm)
+        head["dtype"] = DTYPES.index(self.dtype) if self.dtype in DTYPES else 0
+        if acc is not None:
+            for t in range(len(self.names)):
+                at = len(HEAD) + PER_TENSOR * t
+                values[at : at + PER_TENSOR] = acc["local"][t] + acc["consumed"][t]
+        upd = fields.get("update")
+        head["upd_has"] = float(upd is not None)
+        if upd is not None:
+            head.update(
+                upd_optimizer=FORMULAS.index(upd["optimizer"]),
+                upd_checked=upd["checked"],
+                upd_bad=upd["bad"],
+                upd_worst=upd["worst_ratio"],
+                upd_tensor=self._name_index(upd["tensor"]),
+                upd_entry=-1 if upd["entry"] is None else ENTRIES.index(upd["entry"]),
+                upd_expected=_nan(upd["expected"]),
+                upd_got=_nan(upd["got"]),
+                upd_bound=_nan(upd["bound"]),
+            )
+        rep = fields.get("replay")
+        head["rep_has"] = float(rep is not None)
+        if rep is not None:
+            head.update(
+                rep_step=rep["step"],
+                rep_checked=rep["checked"],
+                rep_tensor=self._name_index(rep["tensor"]),
+                rep_contributed=_nan(rep["contributed"]),
+                rep_first=_nan(rep["first"]),
+                rep_second=_nan(rep["second"]),
+                rep_bound=rep["bound"],
+            )
+        values[: len(HEAD)] = [head[k] for k in HEAD]
+        return torch.from_numpy(values).view(torch.int64)
+
+    def _name_index(self, name: str | None) -> int:
+        return -1 if name is None else self.all_names().index(name)
+
+    def all_names(self) -> list[str]:
+        """The names a finding's tensor index refers to (every parameter of the module)."""
+        if not hasattr(self, "_all"):
+            self._all = list(self._sample_names.values()) if self.formula is not None else []
+            self._all += [n for n in self.names if n not in self._all]
+        return self._all
+
+    def decode(self, section: np.ndarray) -> dict[str, Any]:
+        """Another rank's step-check fields from its row's section (int64 bits of float64 values)."""
+        values = np.ascontiguousarray(section).view(np.float64)
+        head = dict(zip(HEAD, values[: len(HEAD)].tolist(), strict=True))
+        fields: dict[str, Any] = {"step_checks_off": self.off}
+        names = self.all_names()
+        if head["acc_has"] == 1 and int(head["n_tensors"]) == len(self.names):
+            rows = [
+                values[len(HEAD) + PER_TENSOR * t : len(HEAD) + PER_TENSOR * (t + 1)].tolist()
+                for t in range(len(self.names))
+            ]
+            half = PER_TENSOR // 2
+            fields["accounting"] = {
+                "tensors": list(self.names),
+                "local": [r[:half] for r in rows],
+                "consumed": [r[half:] for r in rows],
+                "dtype": DTYPES[int(head["dtype"])],
+                "max_grad_norm": _none(head["max_grad_norm"]),
+            }
+        if head["upd_has"] == 1:
+            t, e = int(head["upd_tensor"]), int(head["upd_entry"])
+            fields["update"] = {
+                "optimizer": FORMULAS[int(head["upd_optimizer"])],
+                "checked": int(head["upd_checked"]),
+                "bad": int(head["upd_bad"]),
+                "tensor": names[t] if 0 <= t < len(names) else None,
+                "entry": ENTRIES[e] if e >= 0 else None,
+                "expected": _none(head["upd_expected"]),
+                "got": _none(head["upd_got"]),
+                "bound": _none(head["upd_bound"]),
+                "worst_ratio": head["upd_worst"],
+            }
+        if head["rep_has"] == 1:
+            t = int(head["rep_tensor"])
+            fields["replay"] = {
+                "step": int(head["rep_step"]),
+                "checked": int(head["rep_checked"]),
+                "tensor": names[t] if 0 <= t < len(names) else None,
+                "contributed": _none(head["rep_contributed"]),
+                "first": _none(head["rep_first"]),
+                "second": _none(head["rep_second"]),
+                "bound": head["rep_bound"],
+            }
+        return fields
+
+
+def invalid_option(
+    every: Any, on_violation: Any, timeout: Any, max_grad_norm: Any, replay_every: Any
+) -> str | None:
+    """One line naming the first bad ``Monitor`` option (or a missing process group), else None."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return "no torch.distributed process group (call init_process_group, e.g. under torchrun)"
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        return f"invalid every={every!r}: must be a positive integer (steps between checks)"
+    if on_violation not in ("log", "raise"):
+        return f"invalid on_violation={on_violation!r}: must be one of log, raise"
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < 1e7:
+        return f"invalid timeout={timeout!r}: must be a number of seconds above 0"
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool)
+        or not isinstance(max_grad_norm, int | float)
+        or not 0 < max_grad_norm < math.inf
+    ):
+        return (
+            f"invalid max_grad_norm={max_grad_norm!r}: must be a positive number (the clip threshold) or None"
+        )
+    if replay_every is not None and (
+        isinstance(replay_every, bool) or not isinstance(replay_every, int) or replay_every < 1
+    ):
+        return f"invalid replay_every={replay_every!r}: must be a positive integer (steps between replays)"
+    return None
