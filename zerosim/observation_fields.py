@@ -180,9 +180,9 @@ def _samples(value: Any) -> list[dict[str, Any]]:
         parts = {}
         for key in ("pre", "post"):
             entries = need_object(need_key(s, key), f"{where}.{key}")
-            parts[key] = {e: None if v is None else _numbers(v, f"{where}.{key}.{e}")
-                          for e, v in entries.items()}
-            if any(v is not None and len(v) != len(grad) for v in parts[key].values()):
+            # the monitor writes every entry it has as a list (an entry it lacks is left out)
+            parts[key] = {e: _numbers(v, f"{where}.{key}.{e}") for e, v in entries.items()}
+            if any(len(v) != len(grad) for v in parts[key].values()):
                 raise fail(f"{where}.{key}", entries, "must hold as many values per entry as grad")
         if "param" not in parts["pre"] or "param" not in parts["post"]:
             raise fail(where, s, "must hold the parameter before and after the step")
