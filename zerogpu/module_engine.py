@@ -108,9 +108,11 @@ def _remove_handles(handles: list[Any]) -> None:
 
 
 def module_engine(comm: Communicator, run: ModuleRun, xp: ArrayNamespace, described: ModuleUnits,
-                  loss_fn: LossFn, offload: Any = None) -> tuple[ZeroEngine, ModuleSchedule]:
+                  loss_fn: LossFn, offload: Any = None,
+                  optimizer: Any = None) -> tuple[ZeroEngine, ModuleSchedule]:
     """One rank's engine over a torch module and the schedule that drives it (the engine holds the
-    schedule; the schedule holds the engine weakly, so dropping the engine frees both at once)."""
+    schedule; the schedule holds the engine weakly, so dropping the engine frees both at once).
+    ``optimizer``: what steps the master shard (default: the run's flat optimizer of its kernel)."""
     from .torch_kernels import make_step_optimizer
 
     schedule = ModuleSchedule(described, loss_fn, run, offload)
@@ -119,8 +121,9 @@ def module_engine(comm: Communicator, run: ModuleRun, xp: ArrayNamespace, descri
     layout = run.layout
     initial = ModuleFlat([described.parameters[t.name] for t in layout.tensors], layout.offsets,
                          layout.total_numel, xp.dtype(run.precision.master_dtype))
-    engine = ZeroEngine(comm, run, xp, schedule,
-                        optimizer=make_step_optimizer(run.spec, xp, run.optimizer_kernel), initial=initial)
+    if optimizer is None:
+        optimizer = make_step_optimizer(run.spec, xp, run.optimizer_kernel)
+    engine = ZeroEngine(comm, run, xp, schedule, optimizer=optimizer, initial=initial)
     return engine, schedule
 
 

@@ -57,6 +57,16 @@ from .module_engine import LossFn, module_engine
 from .module_run import ModuleRun
 from .module_units import UnitSpec, describe_module
 from .torch_kernels import OPTIMIZER_KERNELS
+from .whole_tensor import (
+    DEFAULT_WHOLE_TENSOR_PARTITIONER,
+    OwnedTensor,
+    WholeTensorOptimizer,
+    choose_layout,
+    optimizer_factory,
+    owned_tensors,
+    tensor_owners,
+    whole_tensor_spec,
+)
 
 STRATEGY_NAMES = ("ddp", "zero1", "zero2", "zero3", "hybrid", "hybrid_zero2")
 #: how a refusal of parameter offload on a GPU begins (``zerosim gpu-check`` reports its offload step skipped)
@@ -119,6 +129,17 @@ def resolve_strategy(strategy: Any, mesh: Any, world: int) -> ShardingStrategy:
     return parsed
 
 
+def _owned_tensors(layout: Any, unit_plan: Any, strategy: ShardingStrategy,
+                   partitioner: str) -> list[OwnedTensor]:
+    """The tensors this rank steps whole (every one when the optimizer state is replicated); ConfigError
+    when the partitioner splits a tensor between the ranks of a shard group."""
+    if not strategy.shards_optimizer or unit_plan.k == 1:
+        return owned_tensors(layout, ((0, layout.total_numel, 0),))
+    tensor_owners(layout, unit_plan.shard_plan, partitioner)
+    local = dist.get_rank() % unit_plan.k
+    return owned_tensors(layout, tuple(unit_plan.owned_global(local)))
+
+
 def _mesh_shape(mesh: Any) -> tuple[int, int] | None:
     if mesh is None:
         return None
@@ -140,8 +161,13 @@ class ZeroTrainer:
     ``optimizer_kernel``: ``"reference"`` (zerosim's exact optimizer: bitwise equal to the simulator on
     every CPU kernel), ``"torch"`` (torch.optim's default kernel for the device, what a peer's
     ``torch.optim`` optimizer runs) or ``"fused"`` (torch's fused kernel); see
-    :mod:`zerogpu.torch_kernels`.
+    :mod:`zerogpu.torch_kernels`. ``layout``: ``"auto"`` (the flat even split for torch.optim's SGD,
+    Adam and AdamW, whole tensors for any other optimizer), ``"flat"`` or ``"whole-tensor"``; the
+    whole-tensor layout's default partitioner is ``zero-redundancy`` (:mod:`zerogpu.whole_tensor`).
     """
+
+    #: every rank's shard of a unit is padded to the shard group's largest (C-ZERO-004 plans it so)
+    packed_shards = True
 
     def __init__(
         self,
@@ -149,7 +175,8 @@ class ZeroTrainer:
         optim: Any,
         strategy: str | ShardingStrategy = "zero3",
         *,
-        partitioner: str = "fsdp",
+        partitioner: str | None = None,
+        layout: str = "auto",
         mesh: Any = None,
         offload: Any = None,
         units: UnitSpec = None,
@@ -163,8 +190,14 @@ class ZeroTrainer:
                               "call torch.distributed.init_process_group (e.g. under torchrun) first")
         described = describe_module(model, units)
         world = dist.get_world_size()
-        spec = optimizer_spec(optim)
+        #: "flat" (the even flat split, elementwise optimizers) or "whole-tensor" (zerogpu.whole_tensor)
+        self.layout = choose_layout(layout, optim)
+        whole = self.layout == "whole-tensor"
+        spec = whole_tensor_spec(optim) if whole else optimizer_spec(optim)
+        factory = optimizer_factory(optim) if whole else None
         plan_strategy = resolve_strategy(strategy, mesh, world)
+        if partitioner is None:
+            partitioner = DEFAULT_WHOLE_TENSOR_PARTITIONER if whole else "fsdp"
         rule = get_partitioner(partitioner)
         require_non_negative_int("prefetch", prefetch)
         if optimizer_kernel not in OPTIMIZER_KERNELS:
@@ -185,9 +218,16 @@ class ZeroTrainer:
         self.partition_rule = rule.name
         self.declared_strategy = _declared(plan_strategy, world)
         self.comm = TorchCommunicator(device=device, timeout_s=timeout_s)
+        unit_plan = build_unit_plan(described.layout, plan_strategy, rule, world)
+        whole_optimizer = None
+        if factory is not None:
+            whole_optimizer = WholeTensorOptimizer(factory, _owned_tensors(described.layout, unit_plan,
+                                                                           plan_strategy, rule.name))
+        #: the whole-tensor layout's optimizer (each owned tensor whole, with its state), else None
+        self.whole_optimizer = whole_optimizer
         run = ModuleRun(
             layout=described.layout,
-            unit_plan=build_unit_plan(described.layout, plan_strategy, rule, world),
+            unit_plan=unit_plan,
             strategy=plan_strategy,
             world_size=world,
             precision=Precision.of_model_dtype(str(described.dtype)),
@@ -207,7 +247,7 @@ class ZeroTrainer:
         self.offload = manager
         #: the ZeRO engine (the simulator's, state and step) and its autograd-hook schedule over the model
         self.engine, self.schedule = module_engine(self.comm, run, torch_namespace(device), described,
-                                                   loss_fn or default_loss, manager)
+                                                   loss_fn or default_loss, manager, whole_optimizer)
         self.described = described
         e = self.engine
         #: a master shard apart from the parameters (ZeRO-1/2, mixed precision): one buffer more in C-ZERO-004
@@ -269,6 +309,8 @@ class ZeroTrainer:
     @torch.no_grad()
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """torch.optim-named state of every parameter, full (collective when the state is sharded)."""
+        if self.whole_optimizer is not None:
+            return self._whole_tensor_state()
         e = self.engine
         arrays = {}
         for name in e.run.spec.state_names:
@@ -286,12 +328,33 @@ class ZeroTrainer:
             out[t.name] = state
         return out
 
+    def _whole_tensor_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every tensor's state from its owner (collective over the world: each rank contributes the
+        state of the tensors it steps; replicas of an owner hold the same values)."""
+        assert self.whole_optimizer is not None
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.whole_optimizer.tensor_state())
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for held in gathered:
+            for name, state in held.items():
+                out.setdefault(name, state)
+        device = self.described.device
+        return {t.name: {k: v.to(device) for k, v in out.get(t.name, {}).items()}
+                for t in self.engine.layout.tensors}
+
     # ---- checkpoints ------------------------------------------------------------------------------
+    def _refuse_whole_tensor_checkpoint(self) -> None:
+        if self.whole_optimizer is not None:
+            raise NotImplementedError(
+                "ZeroTrainer's checkpoints hold the flat layout's optimizer state; the whole-tensor layout "
+                "keeps each tensor's state in its owner's torch optimizer, which they do not save")
+
     def save_checkpoint(self, directory: Any) -> Any:
         """Write the engine's master weights, optimizer state and step counter as a sharded checkpoint
-        (:func:`zerosim.checkpoint.save_engine_state`; collective, between steps)."""
+        (:func:`zerosim.checkpoint.save_engine_state`; collective, between steps). The flat layout only."""
         from zerosim.checkpoint import save_engine_state
 
+        self._refuse_whole_tensor_checkpoint()
         return save_engine_state(self.engine, directory)
 
     def load_checkpoint(self, directory: Any, *, strict: bool = True) -> Any:
@@ -300,6 +363,7 @@ class ZeroTrainer:
         loaded values; the step counter resumes from the checkpoint's."""
         from zerosim.checkpoint import load_engine_state
 
+        self._refuse_whole_tensor_checkpoint()
         result = load_engine_state(self.engine, directory, strict=strict)
         self._steps = int(self.engine.opt_state["step"])
         return result
@@ -318,10 +382,11 @@ class ZeroTrainer:
         """Bytes of parameters, gradients and optimizer state this rank keeps (C-ZERO-004's measured side):
         the engine's live arrays, plus any ZeRO-3 unit buffer allocated right now (none between steps)."""
         held = self.engine.holdings()
+        whole_state = self.whole_optimizer.state_nbytes() if self.whole_optimizer is not None else 0
         return {
             "params": held["params"].nbytes + self.schedule.unit_resident_bytes(),
             "grads": held["grads"].nbytes,
-            "optimizer": held["optimizer"].nbytes,
+            "optimizer": held["optimizer"].nbytes + whole_state,
         }
 
     def memory_stats(self) -> dict[str, Any]:

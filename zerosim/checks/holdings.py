@@ -28,11 +28,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..cost.memory_settings import OPTIMIZER_STATES
+from ..cost.optimizer_state import is_elementwise, owned_whole_tensors, state_numel
 from ..cost.shard_sizes import shard_sizes
 from ..errors import ConfigError
+from ..flat_buffers import build_unit_plan
 from ..intervals import first_difference
 from ..layout import ParamLayout
 from ..observe import RankObservation
+from ..partition import get_partitioner
 from ..strategy import ShardingStrategy
 from ..verdict import Verdict
 from .collect import ViolationCollector
@@ -69,6 +72,9 @@ class ResidentPlan:
     optim: Mapping[str, Any] = field(default_factory=dict)
     partitioner: str | None = None
     master_copy: bool = False
+    #: the trainer pads every rank's shard of a unit to the group's largest (zerosim's engine packs each
+    #: unit so its collectives move equal sizes): the stored shard is the unit plan's, not the rule's own
+    packed_shards: bool = False
 
 
 @judges(CONTRACT)
@@ -239,6 +245,9 @@ def planned_bytes(
     states_per_element: int,
     partitioner: str | None = None,
     master_copy: bool = False,
+    *,
+    stored: int | None = None,
+    optimizer_state: int | None = None,
 ) -> dict[str, int]:
     """C-ZERO-004's plan for one rank: bytes of params, grads and optimizer state the strategy lets it keep.
 
@@ -247,21 +256,53 @@ def planned_bytes(
     The optimizer keeps ``states_per_element`` buffers per element; no separate master copy unless the
     trainer declares one (``master_copy = True``: DeepSpeed and zerogpu's ZeRO-1/2 step a master shard
     of their own and gather it into replicated parameters), which adds one buffer to the optimizer.
+    ``stored``: the elements the rank stores of a sharded state when the trainer's packing says so
+    (default: the partitioner's own sizes); ``optimizer_state``: elements of optimizer state planned
+    tensor by tensor (a whole-tensor layout, :func:`whole_tensor_state_numel`) instead of
+    ``states_per_element`` buffers per element.
     """
     full = layout.total_numel
-    shard = stored_numel(layout, strategy, world, rank, partitioner)
-    buffers = states_per_element + (1 if master_copy else 0)
+    shard = stored_numel(layout, strategy, world, rank, partitioner) if stored is None else stored
+    held = shard if strategy.shards_optimizer else full
+    if optimizer_state is None:
+        optimizer = held * (states_per_element + (1 if master_copy else 0))
+    else:
+        optimizer = optimizer_state + (held if master_copy else 0)
     return {
         "params": (shard if strategy.shards_params else full) * dtype_bytes,
         "grads": (shard if strategy.shards_grads else full) * dtype_bytes,
-        "optimizer": (shard if strategy.shards_optimizer else full) * dtype_bytes * buffers,
+        "optimizer": optimizer * dtype_bytes,
     }
 
 
+def packed_stored_numel(layout: ParamLayout, strategy: ShardingStrategy, world: int,
+                        partitioner: str | None) -> int:
+    """Elements every rank stores of one sharded state when each unit is packed to the shard group's
+    largest share (:func:`zerosim.flat_buffers.build_unit_plan`'s chunks, padding included)."""
+    if strategy.shard_group_size(world) == 1:
+        return layout.total_numel
+    return build_unit_plan(layout, strategy, partitioner or "fsdp", world).shard_numel
+
+
+def whole_tensor_state_numel(layout: ParamLayout, strategy: ShardingStrategy, world: int, rank: int,
+                             optim: Mapping[str, Any], partitioner: str | None) -> int | None:
+    """Elements of optimizer state ``rank`` keeps in a whole-tensor layout: the per-tensor state
+    (:func:`zerosim.cost.optimizer_state.state_numel`) of every tensor it owns whole under the
+    partitioner's plan (every tensor when the state is replicated); None when the state is unknown."""
+    k = strategy.shard_group_size(world)
+    if strategy.shards_optimizer and k > 1:
+        plan = get_partitioner(partitioner or "zero-redundancy")(layout, k)
+        tensors = owned_whole_tensors(layout, plan, rank % k)
+    else:
+        tensors = list(layout.tensors)
+    sizes = [state_numel(optim, tuple(t.shape)) for t in tensors]
+    return None if any(n is None for n in sizes) else sum(n or 0 for n in sizes)
+
+
 def states_per_element(optim: Mapping[str, Any]) -> int:
-    """Optimizer state buffers per element: AdamW 2 (m, v); SGD 1 with momentum, else 0."""
-    if optim.get("name") == "adamw":
-        return OPTIMIZER_STATES["adamw"]
+    """Optimizer state buffers per element: Adam and AdamW 2 (m, v); SGD 1 with momentum, else 0."""
+    if optim.get("name") in ("adam", "adamw"):
+        return OPTIMIZER_STATES[str(optim.get("name"))]
     return OPTIMIZER_STATES["sgd-momentum"] if optim.get("momentum") else OPTIMIZER_STATES["sgd"]
 
 
@@ -289,12 +330,21 @@ def _resident_bytes(per_rank_memory: Sequence[Mapping[str, int]], resident: Resi
     partitioner, dtype_bytes, world = resident.partitioner, resident.dtype_bytes, resident.world
     master_copy = resident.master_copy
     rule = partitioner or "even split"
+    whole = not is_elementwise(resident.optim) and bool(resident.optim)
+    stored = packed_stored_numel(lay, strategy, world, partitioner) if resident.packed_shards else None
     out = ViolationCollector(CONTRACT)
     rows: list[dict[str, Any]] = []
+    unjudged: list[str] = []
     for rank, measured in enumerate(per_rank_memory):
-        plan = planned_bytes(lay, strategy, world, rank, dtype_bytes, n_states, partitioner, master_copy)
+        state = (whole_tensor_state_numel(lay, strategy, world, rank, resident.optim, partitioner)
+                 if whole else None)
+        plan = planned_bytes(lay, strategy, world, rank, dtype_bytes, n_states, partitioner, master_copy,
+                             stored=stored, optimizer_state=state)
         rows.append({"rank": rank, "measured": dict(measured), "planned": plan})
         for kind in MEMORY_KINDS:
+            if kind == "optimizer" and whole and state is None:
+                unjudged = [f"optimizer: the state of {resident.optim.get('name')} is not known"]
+                continue
             got = int(measured.get(kind, 0))
             if got > plan[kind]:
                 out.add(
@@ -308,6 +358,7 @@ def _resident_bytes(per_rank_memory: Sequence[Mapping[str, int]], resident: Resi
     return out.verdict(
         checked=len(rows) * len(MEMORY_KINDS),
         strategy=strategy.name, partitioner=partitioner, dtype_bytes=dtype_bytes, ranks=rows,
+        optimizer_layout="whole-tensor" if whole else "flat", unjudged=unjudged,
     )
 
 

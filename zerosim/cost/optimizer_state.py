@@ -1,0 +1,62 @@
+"""How much optimizer state each tensor carries, and which tensors a rank steps in a whole-tensor layout.
+
+The memory model of an elementwise optimizer (SGD, Adam, AdamW) is a number of state buffers per
+element (:data:`zerosim.cost.memory_settings.OPTIMIZER_STATES`). A matrix optimizer's state follows
+each tensor's shape instead, so C-ZERO-004 plans it tensor by tensor, over the tensors the rank
+owns whole (:func:`owned_whole_tensors`):
+
+* ``muon`` (torch's recipe): ``momentum_buffer`` (the tensor's shape) on 2-D tensors, AdamW's
+  ``exp_avg`` and ``exp_avg_sq`` on the others;
+* ``adafactor``: ``row_var`` (every dimension but the last, times 1) and ``col_var`` (every dimension
+  but the second to last, times 1) for a tensor of two or more dimensions, ``variance`` (the tensor's
+  shape) for the others.
+
+torch's 0-dimensional ``step`` counters are not per-element state and are left out, as the flat
+layout's integer step is. A user's optimizer has no known state: :func:`state_numel` gives None.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ..layout import ParamLayout, TensorSpec
+from ..partition.base import ShardPlan
+
+#: optimizers whose update of an element depends on that element alone (any flat split is correct)
+ELEMENTWISE = ("sgd", "adam", "adamw")
+
+
+def is_elementwise(optim: Mapping[str, Any]) -> bool:
+    """True for the phases ``sgd``, ``adam`` and ``adamw``."""
+    return str(optim.get("name")) in ELEMENTWISE
+
+
+def state_numel(optim: Mapping[str, Any], shape: tuple[int, ...]) -> int | None:
+    """Elements of per-element optimizer state torch keeps for one tensor of ``shape`` under ``optim``
+    (see the module docstring); None for an optimizer whose state is not known (a user's)."""
+    name = str(optim.get("name"))
+    numel = math.prod(shape)
+    if name in ("adam", "adamw"):
+        return 2 * numel
+    if name == "sgd":
+        return numel if optim.get("momentum") else 0
+    if name == "muon":
+        return numel if len(shape) == 2 else 2 * numel
+    if name == "adafactor":
+        if len(shape) < 2:
+            return numel
+        return math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]
+    return None
+
+
+def owned_whole_tensors(layout: ParamLayout, plan: ShardPlan, local: int) -> list[TensorSpec]:
+    """The tensors that shard-group rank ``local`` owns whole under ``plan`` (a tensor split between
+    ranks belongs to none: a whole-tensor plan has no such tensor)."""
+    intervals = plan.shard(local).intervals
+    out = []
+    for t, g0 in zip(layout.tensors, layout.offsets, strict=True):
+        if t.numel and any(s <= g0 and g0 + t.numel <= e for s, e in intervals):
+            out.append(t)
+    return out
