@@ -70,7 +70,8 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--model",
         default="gpt",
-        help="gpt (default), gpt-tied, hf-gpt2 (transformers' GPT-2, random weights; the [hf] extra), or "
+        help="gpt (default), gpt-tied, moe (top-2 of 7 routed experts), hf-gpt2 (transformers' GPT-2, random "
+        "weights; the [hf] extra), or "
         "MODULE:FACTORY: factory(seed) -> (model, make_batch), make_batch(step, rank, world, micro) -> "
         "(inputs, targets), model(inputs, targets) -> scalar loss",
     )

@@ -14,6 +14,7 @@ from typing import Any
 from zerosim.errors import ConfigError, install_hint
 
 HF_MODEL = "hf-gpt2"
+MOE_MODEL = "moe"  # the built-in mixture of experts (zerosim.verify.model_moe)
 HF_INSTALL = install_hint("hf")
 
 
@@ -41,7 +42,7 @@ PRESETS = {
     "gpt-50m": GPTConfig(vocab=24571, block=65, d_model=511, n_head=7, d_mlp=2047, n_layer=8, batch=2,
                          small_tensors=False),
 }
-BUILT_IN_MODELS = (*PRESETS, HF_MODEL)
+BUILT_IN_MODELS = (*PRESETS, MOE_MODEL, HF_MODEL)
 
 
 def require_model(name: str) -> GPTConfig:

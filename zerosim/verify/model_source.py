@@ -1,12 +1,14 @@
 """The model ``zerosim verify`` trains: a built-in name or a user's ``MODULE:FACTORY``, as one source.
 
 ``--model`` is a built-in preset (``gpt``, ``gpt-tied``, ``gpt-50m``: :mod:`zerosim.verify.model`),
-``hf-gpt2`` (a small GPT-2 built from ``transformers``' ``GPT2Config`` / ``GPT2LMHeadModel`` with random
-weights, no download; the optional ``[hf]`` extra), or ``MODULE:FACTORY``: a callable
-``factory(seed) -> (model, make_batch)`` where ``model(inputs, targets)`` returns the scalar loss and
-``make_batch(step, rank, world, micro) -> (inputs, targets)`` gives rank ``rank``'s micro-batch
-``micro`` (0-based) of global step ``step`` (1-based) in a world of ``world`` ranks. The factory is
-called on every rank and by the reference with the same seed and must build the same model each time.
+``moe`` (a top-k routed mixture of experts: :mod:`zerosim.verify.model_moe`, built through its factory
+like a user's), ``hf-gpt2`` (a small GPT-2 built from ``transformers``' ``GPT2Config`` /
+``GPT2LMHeadModel`` with random weights, no download; the optional ``[hf]`` extra), or
+``MODULE:FACTORY``: a callable ``factory(seed) -> (model, make_batch)`` where ``model(inputs, targets)``
+returns the scalar loss and ``make_batch(step, rank, world, micro) -> (inputs, targets)`` gives rank
+``rank``'s micro-batch ``micro`` (0-based) of global step ``step`` (1-based) in a world of ``world``
+ranks. The factory is called on every rank and by the reference with the same seed and must build the
+same model each time.
 
 :func:`model_source` resolves the name once; a :class:`ModelSource` builds the model in a dtype, gives
 every micro-batch, and the sizes the rounding model of C-ZERO-002 needs (:class:`ModelSizes`).
@@ -28,7 +30,8 @@ from zerosim.dotted import import_dotted
 from zerosim.errors import ConfigError, ZeroSimError
 
 from .model import PRESETS, build_model, micro_batch, torch_dtype
-from .model_presets import BUILT_IN_MODELS, HF_INSTALL, HF_MODEL, require_model_name
+from .model_moe import MOE_CONFIG, moe_factory
+from .model_presets import BUILT_IN_MODELS, HF_INSTALL, HF_MODEL, MOE_MODEL, require_model_name
 
 __all__ = ["BUILT_IN_MODELS", "HF_INSTALL", "HF_MODEL", "ModelSizes", "ModelSource", "batch_signature",
            "hf_gpt2_factory", "model_sizes_of", "model_source", "to_device"]
@@ -130,6 +133,8 @@ class ModelSource:
         """The sizes the rounding model needs: the preset's own, or :func:`model_sizes_of`."""
         if self.built_in:
             return PRESETS[self.name]
+        if self.name == MOE_MODEL:
+            return MOE_CONFIG
         if self._sizes is None:
             model = self.build("float64")
             inputs, _ = self.batch(0, 1)
@@ -200,6 +205,8 @@ class ModelSource:
         if self._factory is None:
             if self.name == HF_MODEL:
                 self._factory = hf_gpt2_factory
+            elif self.name == MOE_MODEL:
+                self._factory = moe_factory
             else:
                 try:
                     self._factory = import_dotted(self.name, "model")
