@@ -2,8 +2,8 @@
 
 The subset runs through the command line as CI runs the whole zoo: a bug verify and the monitor both
 catch (a flipped bit in one rank's weights, at the step it flips), one the monitor is known to miss
-(ZeRO-2 keeping the last micro-batch's gradient), one out of reach (an MoE's all-to-all), each twin
-passing.
+(accumulated micro-batch losses never divided by their count), one out of reach (an MoE's
+all-to-all), each twin passing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from zerosim.cli import main as cli_main
 from zerosim.zoo import bugs, runner
 from zerosim.zoo.catalogue import BY_ID, CATCH, ENTRIES, MISS, OUTCOMES
 
-SUBSET = ("sdc-weight-bitflip", "open-instruct-1498", "pytorch-160285")
+SUBSET = ("sdc-weight-bitflip", "deepspeed-6550", "pytorch-160285")
 
 
 def test_catalogue_entries_are_complete():
@@ -56,7 +56,7 @@ def test_a_lost_catch_or_a_false_alarm_breaks_the_expectation():
 
 
 def test_a_known_miss_now_caught_holds_and_is_listed():
-    entry = BY_ID["open-instruct-1498"]  # the monitor is expected to miss it
+    entry = BY_ID["deepspeed-6550"]  # the monitor is expected to miss it
     caught = {"outcome": CATCH, "first_step": 1}
     quiet = {"outcome": MISS, "first_step": None}
     row = {"verify_run": {"broken": caught, "fixed": quiet}, "live_run": {"broken": caught, "fixed": quiet}}
@@ -83,13 +83,13 @@ def test_fast_subset_runs_and_every_expectation_holds(capsys, tmp_path):
     flip = rows["sdc-weight-bitflip"]
     assert flip["verify"]["bug"] == CATCH and flip["verify"]["first_step"] == bugs.FAULT_STEP
     assert flip["monitor"]["bug"] == CATCH and flip["monitor"]["first_step"] == bugs.FAULT_STEP
-    accumulation = rows["open-instruct-1498"]
+    accumulation = rows["deepspeed-6550"]
     assert accumulation["verify"]["bug"] == CATCH and accumulation["monitor"]["expected"] == MISS
     # a known miss holds as a miss, or as a catch a new monitor check gained (then listed as such)
     gained = accumulation["monitor"]["bug"] == CATCH
     assert accumulation["monitor"]["gained"] is gained
-    assert (matrix["catches_gained"] == ["open-instruct-1498"]) is gained
-    assert all(v["twin"] == "pass" for e in ("sdc-weight-bitflip", "open-instruct-1498")
+    assert (matrix["catches_gained"] == ["deepspeed-6550"]) is gained
+    assert all(v["twin"] == "pass" for e in ("sdc-weight-bitflip", "deepspeed-6550")
                for v in rows[e].values())
     assert rows["pytorch-160285"]["verify"]["expected"] is None  # out of reach: skipped, not run
     assert matrix["verify"] == {**matrix["verify"], "reach": 2, "caught": 2, "false_alarms": 0}

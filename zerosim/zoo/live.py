@@ -19,6 +19,7 @@ import datetime
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -141,7 +142,8 @@ class Loop:
     def run(self, out: Path) -> dict:
         from ..monitor import Monitor
 
-        monitor = Monitor(self.model, self.optimizer, every=1, out=str(out), max_norm=MAX_NORM)
+        monitor = Monitor(self.model, self.optimizer, every=1, out=str(out), max_norm=MAX_NORM,
+                          max_grad_norm=MAX_NORM, replay_every=1)
         count = 2 if self.mechanism in ACCUMULATING else 1
         data = torch.Generator().manual_seed(1 + self.rank)
         for step in range(STEPS):
@@ -150,7 +152,7 @@ class Loop:
             stale = self.previous if self.on("forward_on_previous_weights") else None
             total: Grads | None = None
             loss = torch.zeros((), dtype=torch.float64)
-            for _ in range(count):
+            for index in range(count):
                 x = torch.randn(16, 8, generator=data, dtype=torch.float64)
                 y = torch.randn(16, 3, generator=data, dtype=torch.float64)
                 if stale is not None:
@@ -160,6 +162,8 @@ class Loop:
                 (loss * self.loss_factor(count)).backward()
                 if stale is not None:
                     self._load(current)
+                if index == count - 1:  # the step's last micro-batch, backward again on the same data
+                    monitor.replay_check(step, self._replay(x, y, count))
                 total = self.accumulate(total, self.reduce(self.local_gradient()))
             assert total is not None
             clip_norm, logged = self.norms(total)
@@ -171,6 +175,14 @@ class Loop:
             self.after_update()
             monitor.after_step(step, loss=loss.detach(), grad_norm=logged)
         return monitor.close()
+
+    def _replay(self, x: torch.Tensor, y: torch.Tensor, count: int) -> Callable[[], torch.Tensor]:
+        """The loss of micro-batch (x, y) as the loop backpropagated it, for the monitor's replay."""
+
+        def loss() -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.model(x), y) * self.loss_factor(count)
+
+        return loss
 
     def _load(self, values: Grads) -> None:
         with torch.no_grad():
