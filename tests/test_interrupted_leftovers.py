@@ -64,7 +64,7 @@ def test_sigint_of_mutants_on_torch_leaves_nothing_in_tmpdir_and_no_out_folder(t
     assert not out.exists(), "the --out folder the command made stayed, empty"
 
 
-def test_a_verify_or_report_out_folder_made_by_the_command_is_taken_back_when_left_empty(tmp_path: Path) -> None:
+def test_an_out_folder_verify_or_report_made_is_taken_back_when_left_empty(tmp_path: Path) -> None:
     """verify and report check their --out with require_output_dir, which notes what it made: an
     interrupted run takes back the folder it created, never one the user had."""
     had = tmp_path / "had"

@@ -17,7 +17,8 @@ from zerosim.verify.run_value import VerifyRun
 @pytest.mark.parametrize(
     "args, needles",
     [
-        (["ddp", "--world", "2", "--precision", "fp8"], ["precision='fp8'", "bf16 (bfloat16) or fp16 (float16)"]),
+        (["ddp", "--world", "2", "--precision", "fp8"],
+         ["precision='fp8'", "bf16 (bfloat16) or fp16 (float16)"]),
         (["ddp", "--world", "2", "--precision", "fp16", "--dtype", "float64"],
          ["dtype='float64'", "master dtype is float32"]),
         (["ddp", "--world", "2", "--precision", "bf16", "--dtype", "float64"],
