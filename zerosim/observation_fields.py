@@ -139,6 +139,13 @@ UPDATE_NUMBERS = ("expected", "got", "bound")
 REPLAY_NUMBERS = ("contributed", "first", "second", "bound")
 
 
+def _finite(value: Any, path: str) -> float:
+    number = need_number(value, path, nan=False)
+    if not math.isfinite(number):
+        raise fail(path, value, "must be a finite number")
+    return number
+
+
 def _numbers(value: Any, path: str) -> list[float]:
     return [need_number(v, f"{path}[{i}]") for i, v in enumerate(need_list(value, path))]
 
@@ -187,15 +194,22 @@ def _samples(value: Any) -> list[dict[str, Any]]:
         if "param" not in parts["pre"] or "param" not in parts["post"]:
             raise fail(where, s, "must hold the parameter before and after the step")
         hp = need_object(need_key(s, "hp"), f"{where}.hp")
+        need_key(hp, "lr")
         for key, v in hp.items():
-            if key == "betas":
+            if key == "betas":  # each in [0, 1): a bias correction 1 - beta**t stays positive
                 need_list(v, f"{where}.hp.betas", 2)
-                hp[key] = [need_number(b, f"{where}.hp.betas") for b in v]
+                hp[key] = [_finite(b, f"{where}.hp.betas[{j}]") for j, b in enumerate(v)]
+                if not all(0 <= b < 1 for b in hp[key]):
+                    raise fail(f"{where}.hp.betas", v, "must be two numbers in [0, 1)")
             elif not isinstance(v, bool):
-                hp[key] = need_number(v, f"{where}.hp.{key}")
+                hp[key] = _finite(v, f"{where}.hp.{key}")
+        if "eps" in hp and not hp["eps"] > 0:
+            raise fail(f"{where}.hp.eps", hp["eps"], "must be a positive number")
+        step = need_number(need_key(s, "step"), f"{where}.step", non_negative=True, nan=False)
+        if not step < 2**53:  # a count of steps: a whole number a float holds exactly
+            raise fail(f"{where}.step", step, "must be below 2**53")
         samples.append({"tensor": need_str(need_key(s, "tensor"), f"{where}.tensor"), "hp": hp,
-                        "step": need_number(need_key(s, "step"), f"{where}.step", non_negative=True),
-                        "grad": grad, **parts})
+                        "step": step, "grad": grad, **parts})
     return samples
 
 
@@ -212,6 +226,11 @@ def step_check_fields(record: dict[str, Any]) -> dict[str, Any]:
         out["update"] = update
     if record.get("update_samples") is not None:
         out["update_samples"] = _samples(record["update_samples"])
+        if out.get("update", {}).get("optimizer", "SGD") != "SGD":  # the Adam family's formula needs both
+            for i, sample in enumerate(out["update_samples"]):
+                for key in ("eps", "betas"):
+                    if key not in sample["hp"]:
+                        raise ConfigError(f"update_samples[{i}].hp.{key}", None, "is missing")
     if record.get("replay") is not None:
         replay = _finding(record["replay"], "replay", REPLAY_NUMBERS, ("checked", "step"))
         out["replay"] = replay
