@@ -136,7 +136,8 @@ def _clip_coefficient(
     rank: int, acc: dict[str, Any], coef: float, coef_err: float, u: float, step: int, out: ViolationCollector
 ) -> None:
     """The one coefficient every tensor shares against the clip the loop declared (``max_grad_norm``)."""
-    squares = math.fsum(row[-1] for row in acc["consumed"] if all(math.isfinite(v) for v in row))
+    # the clip's norm: every gradient held, those the optimizer does not take included (projections NaN)
+    squares = math.fsum(row[-1] for row in acc["consumed"] if math.isfinite(row[-1]))
     consumed_norm = math.sqrt(squares)
     n = len(acc["consumed"])
     tol = coef_err + 4 * u + gamma(BLOCK + n + 2, u)

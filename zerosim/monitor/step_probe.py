@@ -175,10 +175,12 @@ class StepProbe:
         self.update_samples: list[dict[str, Any]] | None = None
         self._pre: list[tuple[Any, dict[str, Any], torch.Tensor, dict[str, torch.Tensor]]] = []
         self.armed = self._due(step)
+        self.hooked: set[int] = set()  # a parameter that needed no gradient when armed has no local one
         if self.armed and self.accounting:
             for i, p in enumerate(self.params):
                 if p.requires_grad:
                     self._grad_hooks.append(p.register_hook(lambda g, i=i: self._local(i, g)))
+                    self.hooked.add(i)
 
     def _remove_grad_hooks(self) -> None:
         for handle in self._grad_hooks:
@@ -230,9 +232,13 @@ class StepProbe:
         if not self.armed:
             return
         self._remove_grad_hooks()  # the local gradients of this step are all in
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for i, p in enumerate(self.params):
-            if p.grad is not None:
-                self.consumed[i] = self.project(p.grad)
+            if p.grad is not None:  # one it does not take counts in the clip's norm only
+                measured = self.project(p.grad)
+                if id(p) not in stepped:
+                    measured[: PROJECTIONS + 1] = math.nan
+                self.consumed[i] = measured
 
     def _sample_index(self, n: int, device: torch.device) -> torch.Tensor:
         found = self._samples.get((n, device))
@@ -384,7 +390,7 @@ class StepProbe:
                 "local": [
                     self.local[i].tolist()
                     if i in self.local
-                    else ([0.0] * (PROJECTIONS + 1) + [1.0] if i in self.consumed else nan)
+                    else ([0.0] * (PROJECTIONS + 1) + [1.0] if i in self.hooked else nan)
                     for i in range(len(self.names))
                 ],
                 "consumed": [
