@@ -8,7 +8,10 @@ specific first (the fixed vocabulary :data:`zerosim.verify.outcome.BUG_CLASSES`)
 * ``unowned-elements``: elements that no rank owns (C-ZERO-001), or that never moved over a phase
   while the reference moved them beyond the bound (a remainder with no owner).
 * ``gradient-scale``: the first SGD update equals the reference's gradient step times a constant
-  factor (world: summed, not averaged; 1/world: averaged twice).
+  factor (world: summed, not averaged; 1/world: averaged twice); or the update of one group of
+  tensors does (the experts of a mixture of experts), named (:mod:`zerosim.verify.diagnosis_groups`).
+* ``gradient-not-reduced``: one group of replicated tensors stepped with each rank's own gradient
+  (:mod:`zerosim.verify.diagnosis_groups`; checked before ``replicas-not-reduced``).
 * ``matrix-optimizer-on-shard``: a matrix optimizer (Adafactor, Muon, a user's) stepped on slices
   of its tensors (:mod:`zerosim.verify.diagnosis_matrix`).
 * ``permuted-shards``: the values are the reference's, in the wrong places (a gather in the wrong order).
@@ -63,6 +66,8 @@ import numpy as np
 
 from zerosim.observe import TrainerObservation
 
+from .diagnosis_groups import common_factor as _common_factor
+from .diagnosis_groups import group_gradient_scale, group_logged_norm, group_not_reduced
 from .diagnosis_matrix import matrix_optimizer_on_shard
 from .observation import StepRecord
 from .outcome import ContractOutcome, Diagnosis
@@ -137,7 +142,9 @@ def diagnose(
     found: list[Diagnosis] = []
     own = contracts.get("C-ZERO-001")
     found += _overlap(own)
-    logged = _logged_norm(records, contracts.get("C-ZERO-008"))  # last: a wrong gradient explains it
+    norm = contracts.get("C-ZERO-008")
+    # last: a wrong gradient explains it
+    logged = group_logged_norm(records, norm) or _logged_norm(records, norm)
     if not records:
         return found + logged
     first_bad = next((r for r in records if _record_fails(r)), None)
@@ -147,10 +154,13 @@ def diagnose(
         return disagree + logged
     found += _accumulation(records)
     found += _gradient_scale(records)
+    first_sgd = _first_sgd_update(records)
+    if first_sgd is not None:  # one group of tensors scaled (diagnosis_groups)
+        found += group_gradient_scale(*first_sgd, _majority(first_sgd[0]).params)
     if first_bad is not None:
         found += matrix_optimizer_on_shard(first_bad)
         found += _permuted(first_bad)
-        found += _replicas_not_reduced(first_bad, mesh)
+        found += group_not_reduced(first_bad) or _replicas_not_reduced(first_bad, mesh)
         found += _clip(records, first_bad)
         found += _rank_local(first_bad)
         found += _late(records, first_bad)
@@ -263,17 +273,6 @@ def _first_sgd_update(records: Sequence[StepRecord]) -> tuple[StepRecord, np.nda
     return rec, np.concatenate(got)
 
 
-def _common_factor(g: np.ndarray, r: np.ndarray) -> tuple[float, float] | None:
-    """(the factor f with g = f r on the large elements of r, the share of them within 1% of it), or None
-    when r has fewer than three large elements."""
-    big = np.abs(r) > 0.1 * np.max(np.abs(r))
-    if big.sum() < 3:
-        return None
-    ratio = g[big] / r[big]
-    factor = float(np.median(ratio))
-    return factor, float(np.mean(np.abs(ratio - factor) <= 0.01 * abs(factor)))
-
-
 def _flat(grads: dict[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
     return np.concatenate([grads[n].reshape(-1) for n in names])
 
@@ -360,10 +359,13 @@ def _gradient_scale(records: Sequence[StepRecord]) -> list[Diagnosis]:
 
 
 def _sgd_lr(rec: StepRecord) -> float | None:
-    # lr from the reference's own step: p_before - p_after = lr (g + wd p_before) at SGD's first step
+    # lr from the reference's own step: p_before - p_after = lr (g + wd p_before) at SGD's first step;
+    # a tensor without a gradient (an expert no token reached) is not stepped, decay included
     num = den = 0.0
     wd = _sgd_wd(rec)
     for n, before in rec.ref.params_before.items():
+        if not np.any(rec.ref.grad[n]):
+            continue
         d = before.reshape(-1) - rec.ref.params[n].reshape(-1)
         s = rec.ref.grad[n].reshape(-1) + wd * before.reshape(-1)
         num += float(d @ s)

@@ -25,7 +25,8 @@ FINDING = "finding"  # a contract's status when only efficiency clauses broke an
 BUG_CLASSES = ("gradient-scale", "clip-norm", "unowned-elements", "overlapping-shards", "rank-local",
                "ranks-disagree", "ranks-agree-wrong", "permuted-shards", "late-divergence",
                "replicas-not-reduced", "accumulation-sum", "accumulation-dropped", "logged-norm",
-               "no-fp32-master", "reduce-dtype", "loss-scale", "matrix-optimizer-on-shard")
+               "no-fp32-master", "reduce-dtype", "loss-scale", "matrix-optimizer-on-shard",
+               "gradient-not-reduced")
 
 
 @dataclass
