@@ -59,12 +59,11 @@ from .module_units import UnitSpec, describe_module
 from .torch_kernels import OPTIMIZER_KERNELS
 from .whole_tensor import (
     DEFAULT_WHOLE_TENSOR_PARTITIONER,
-    OwnedTensor,
     WholeTensorOptimizer,
     choose_layout,
+    gather_tensor_state,
     optimizer_factory,
-    owned_tensors,
-    tensor_owners,
+    rank_tensors,
     whole_tensor_spec,
 )
 
@@ -127,17 +126,6 @@ def resolve_strategy(strategy: Any, mesh: Any, world: int) -> ShardingStrategy:
         raise ConfigError("strategy", strategy,
                           f"the shard group size does not divide the world size {world}")
     return parsed
-
-
-def _owned_tensors(layout: Any, unit_plan: Any, strategy: ShardingStrategy,
-                   partitioner: str) -> list[OwnedTensor]:
-    """The tensors this rank steps whole (every one when the optimizer state is replicated); ConfigError
-    when the partitioner splits a tensor between the ranks of a shard group."""
-    if not strategy.shards_optimizer or unit_plan.k == 1:
-        return owned_tensors(layout, ((0, layout.total_numel, 0),))
-    tensor_owners(layout, unit_plan.shard_plan, partitioner)
-    local = dist.get_rank() % unit_plan.k
-    return owned_tensors(layout, tuple(unit_plan.owned_global(local)))
 
 
 def _mesh_shape(mesh: Any) -> tuple[int, int] | None:
@@ -221,8 +209,9 @@ class ZeroTrainer:
         unit_plan = build_unit_plan(described.layout, plan_strategy, rule, world)
         whole_optimizer = None
         if factory is not None:
-            whole_optimizer = WholeTensorOptimizer(factory, _owned_tensors(described.layout, unit_plan,
-                                                                           plan_strategy, rule.name))
+            mine = rank_tensors(described.layout, unit_plan, plan_strategy.shards_optimizer, rule.name,
+                                dist.get_rank())
+            whole_optimizer = WholeTensorOptimizer(factory, mine)
         #: the whole-tensor layout's optimizer (each owned tensor whole, with its state), else None
         self.whole_optimizer = whole_optimizer
         run = ModuleRun(
@@ -310,7 +299,7 @@ class ZeroTrainer:
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """torch.optim-named state of every parameter, full (collective when the state is sharded)."""
         if self.whole_optimizer is not None:
-            return self._whole_tensor_state()
+            return gather_tensor_state(self.whole_optimizer, self.engine.layout, self.described.device)
         e = self.engine
         arrays = {}
         for name in e.run.spec.state_names:
@@ -327,20 +316,6 @@ class ZeroTrainer:
                 state["step"] = step.clone()
             out[t.name] = state
         return out
-
-    def _whole_tensor_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Every tensor's state from its owner (collective over the world: each rank contributes the
-        state of the tensors it steps; replicas of an owner hold the same values)."""
-        assert self.whole_optimizer is not None
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.whole_optimizer.tensor_state())
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        for held in gathered:
-            for name, state in held.items():
-                out.setdefault(name, state)
-        device = self.described.device
-        return {t.name: {k: v.to(device) for k, v in out.get(t.name, {}).items()}
-                for t in self.engine.layout.tensors}
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def _refuse_whole_tensor_checkpoint(self) -> None:

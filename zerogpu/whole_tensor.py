@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from zerosim.errors import ConfigError
+from zerosim.flat_buffers import UnitPlan
 from zerosim.layout import ParamLayout
 from zerosim.optim import OptimizerSpec, _real
 from zerosim.partition.base import ShardPlan
@@ -179,6 +181,29 @@ def owned_tensors(layout: ParamLayout, owned_pieces: tuple[tuple[int, int, int],
                 out.append(OwnedTensor(t.name, tuple(t.shape), pos + g0 - a, t.numel))
                 break
     return out
+
+
+def rank_tensors(layout: ParamLayout, unit_plan: UnitPlan, shards_optimizer: bool, partitioner: str,
+                 rank: int) -> list[OwnedTensor]:
+    """The tensors world rank ``rank`` steps whole (every one when the optimizer state is replicated);
+    ConfigError when the partitioner splits a tensor between the ranks of a shard group."""
+    if not shards_optimizer or unit_plan.k == 1:
+        return owned_tensors(layout, ((0, layout.total_numel, 0),))
+    tensor_owners(layout, unit_plan.shard_plan, partitioner)
+    return owned_tensors(layout, tuple(unit_plan.owned_global(rank % unit_plan.k)))
+
+
+def gather_tensor_state(optimizer: WholeTensorOptimizer, layout: ParamLayout,
+                        device: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Every tensor's torch-named state from its owner, on every rank (collective over the world:
+    each rank contributes the tensors it steps; replicas of an owner hold the same values)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, optimizer.tensor_state())
+    merged: dict[str, dict[str, torch.Tensor]] = {}
+    for held in gathered:
+        for name, state in held.items():
+            merged.setdefault(name, state)
+    return {t.name: {k: v.to(device) for k, v in merged.get(t.name, {}).items()} for t in layout.tensors}
 
 
 class WholeTensorOptimizer:
