@@ -184,3 +184,14 @@ def test_zerogpu_passes_verify_with_a_matrix_optimizer(adapter: str, optimizer: 
     assert [p["name"] for p in report.phases if p["status"] == "ran"] == [optimizer]
     for contract in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-004", "C-ZERO-005"):
         assert report.contracts[contract].status == "pass", (contract, report.to_json())
+
+
+def test_hybrid_sharding_refuses_the_whole_tensor_layout_and_keeps_the_flat_one() -> None:
+    """The whole-tensor layout under hybrid sharding was measured off the unsharded step at its first
+    Adafactor step on a 2x1 mesh: refused (the phase is unsupported), while AdamW on the flat layout of
+    the same trainer still passes."""
+    report = verify("zerogpu-hybrid", world=2, steps=4, optimizers="adamw,muon", timeout_s=LAUNCH_TIMEOUT_S)
+    assert report.verdict == "pass", report.to_json()
+    ran = {p["name"]: p["status"] for p in report.phases}
+    assert ran["adamw"] == "ran" and ran["muon"] != "ran", report.phases
+    assert any("hybrid sharding" in p.get("reason", "") for p in report.phases), report.phases
