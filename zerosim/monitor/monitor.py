@@ -20,6 +20,9 @@ and the verdict still names the step observed. Each rank appends its own observa
 one JSON line to ``out/rank-NNNNN.jsonl`` (flushed and fsynced per line); rank 0 logs one line per
 check and writes ``out/summary.json`` at :meth:`Monitor.close`.
 
+Why one module of this length: a check is observed at one call and completed at the next, and both
+ends read the same exchanged state (layout keys, fingerprints, the pieces shared, the digest rule).
+
 The monitor reads, never writes, the training state. Bad input (no process group, ``every`` or
 ``timeout`` out of range, an unknown ``on_violation``, a layout it cannot read) is one line and the
 monitor turns itself off; so is any error of its own later (never raised into the loop); an ``out``
@@ -75,9 +78,8 @@ from .trace import rank_file, touch_regular, write_summary
 ON_VIOLATION = ("log", "raise")
 #: a held piece: (tensor, start, stop) of its flat element range
 PieceKey = tuple[str, int, int]
-#: the seconds a call that is not a check step waits for the other ranks' rows of the check before it,
-#: once per check: in a loop whose step synchronises the ranks they have sent them by then; a rank that
-#: skipped that check sends a row at its next check step, where the wait is bounded by ``timeout``
+#: the seconds a call that is not a check step waits, once per check, for the rows of the check before
+#: it (sent by then where the step synchronises the ranks; a rank that skipped it sends at its next check)
 GRACE_S = 2.0
 #: the default bound on any one wait for the other ranks' part of a monitor exchange (seconds)
 DEFAULT_TIMEOUT_S = 120.0
@@ -157,8 +159,7 @@ class Monitor(RunRecords):
         self._shared: frozenset[PieceKey] = frozenset()
         self._layout_verdict: Verdict | None = None
         self._farewell: Gather | None = None
-        self._probe: StepProbe | None = None
-        self._taken: dict[str, Any] = {}
+        self._probe: StepProbe | None = None; self._taken: dict[str, Any] = {}  # noqa: E702
         self.replay_every, self.max_grad_norm = replay_every, max_grad_norm if max_grad_norm else max_norm
         problem = invalid_option(every, on_violation, timeout, self.max_grad_norm, replay_every)
         if problem is not None:
@@ -202,7 +203,7 @@ class Monitor(RunRecords):
             return
         self._step_len = max(int(k.get("step_len", 0)) for k in everyone)
         if self._probe is not None and self._probe.off:
-            self._note(f"C-ZERO-002 step checks off for {self.adapter}: {self._probe.off}")
+            self.notes.append(f"C-ZERO-002 step checks off for {self.adapter}: {self._probe.off}")
         self._adopt(everyone, room_for_gradients=True)
         self.enabled = True
 
@@ -300,7 +301,7 @@ class Monitor(RunRecords):
         nan = torch.full((self._step_len,), float_bits(float("nan")), dtype=torch.int64)
         return (nan if self._probe is None else self._probe.encode(fields, self._step_len)).to(self.device)
 
-    def _marker(self, phase: int) -> Any:
+    def _marker(self, phase: int) -> Any:  # a closing or off row, the same length as a check's
         return torch.cat([self._rows.marker(self._width, phase), self._section({})])
 
     def _give_up(self, err: BaseException) -> None:
@@ -548,8 +549,7 @@ class Monitor(RunRecords):
             except OSError as err:
                 self._own_log(f"zerosim.monitor: rank {self.rank} cannot write "
                               f"{self.out / 'summary.json'}: {err.strerror or err}")
-        if self._probe is not None:
-            self._probe.close()
+        self._probe.close() if self._probe is not None else None  # its hooks taken off
         if hasattr(self._read, "close"):
             try:
                 self._read.close()  # a DeepSpeed reader takes its wrappers off the optimizer

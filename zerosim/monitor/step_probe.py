@@ -24,6 +24,9 @@ DeepSpeed engine inside its step, so no local gradient is seen before the reduct
 the bound assumes (``grad_accounting`` off); the update is recomputed for torch.optim's SGD, Adam and
 AdamW (and their subclasses), off for other optimizers. Each off clause is named in the rank's file
 (``step_checks_off``) and in the summary's notes.
+
+Why one module of this length: the hooks, the replay and the row's section read and reset the same
+per-step accumulators (what was armed, the local and consumed projections, the samples).
 """
 
 from __future__ import annotations
