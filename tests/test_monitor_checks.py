@@ -453,9 +453,9 @@ def test_a_deepspeed_gradient_is_measured_inside_its_step_and_judged_against_the
         engine.optimizer.step()
         engine.global_steps += 1
         found[step] = monitor.after_step(engine.global_steps - 1, grad_norm=float(norm) * factor)
-    # the one note: the step checks DeepSpeed's step hides (its reduction and optimizer are internal)
-    assert monitor.checks == 3 and not found[0] and not found[2], (found, lines)
-    assert [n.split(":")[0] for n in monitor.notes] == ["C-ZERO-002 step checks off for deepspeed-2"], monitor.notes
+    assert monitor.checks == 3 and not found[0] and not found[2] and monitor.notes == [], (found, lines)
+    # the step checks DeepSpeed's step hides (its reduction and optimizer are internal) are named apart
+    assert monitor.summary()["step_checks_off"].startswith("C-ZERO-002 step checks off for deepspeed-2: ")
     assert [(v.clause, v.step, v.ranks) for v in found[4]] == [("grad_norm", 4, (0,))], found[4]
     assert "recomputed from the shards" in found[4][0].message
     # a loop counting steps other than DeepSpeed does checks after a step DeepSpeed did not measure

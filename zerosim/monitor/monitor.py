@@ -203,7 +203,7 @@ class Monitor(RunRecords):
             return
         self._step_len = max(int(k.get("step_len", 0)) for k in everyone)
         if self._probe is not None and self._probe.off:
-            self.notes.append(f"C-ZERO-002 step checks off for {self.adapter}: {self._probe.off}")
+            self.step_checks_off = f"C-ZERO-002 step checks off for {self.adapter}: {self._probe.off}"
         self._adopt(everyone, room_for_gradients=True)
         self.enabled = True
 

@@ -73,5 +73,5 @@ class RunRecords:
                 "listed_by_contract": by_contract, "violations": [v.to_json() for v in self.violations],
                 "skipped_count": self.skipped_count, "skipped": list(self.skipped),
                 "monitor_seconds": self.seconds, "enabled": self.enabled, "off_reason": self.off_reason,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "step_checks_off": getattr(self, "step_checks_off", None)}
 
