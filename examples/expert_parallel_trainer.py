@@ -96,14 +96,13 @@ class ExpertParallelTrainer:
         arrived_experts = experts.new_empty(sum(recv))
         dist.all_to_all_single(arrived_experts, experts[order].contiguous(), recv, send)
         arrived = Exchange.apply(rows[order], send, recv)
-        # start from arrived * 0: the dispatch stays in the autograd graph on a rank that received no
-        # row, so every rank's backward runs both exchanges (they are collectives)
+        # start from arrived * 0: the dispatch stays in the autograd graph on a rank that owns no expert
+        # (world > 7), so every rank's backward runs both exchanges (they are collectives)
         out = arrived * 0.0
         experts_here: Any = layer.experts
-        for e in self.mine:
+        for e in self.mine:  # every own expert runs, on no row too: its gradient is then zeros, not None
             picked = torch.nonzero(arrived_experts == e).reshape(-1)
-            if picked.numel():
-                out = out.index_copy(0, picked, experts_here[e](arrived.index_select(0, picked)))
+            out = out.index_copy(0, picked, experts_here[e](arrived.index_select(0, picked)))
         returned = Exchange.apply(out, recv, send)
         return returned.index_select(0, torch.argsort(order))
 
