@@ -160,6 +160,9 @@ def _accounting(value: Any) -> dict[str, Any]:
         rows[key] = [_numbers(row, f"accounting.{key}[{i}]") for i, row in enumerate(table)]
         if any(len(row) < 3 or len(row) != len(rows[key][0]) for row in rows[key]):
             raise fail(f"accounting.{key}", table, "must hold rows of one length, at least 3 numbers")
+        for i, row in enumerate(rows[key]):  # an L1 norm, then a count or a sum of squares (NaN: none)
+            if any(v < 0 for v in row[-2:]):
+                raise fail(f"accounting.{key}[{i}]", row[-2:], "must end in two non-negative numbers")
     if rows["local"] and len(rows["local"][0]) != len(rows["consumed"][0]):
         raise fail("accounting.consumed", data["consumed"], "must have rows as long as accounting.local's")
     return {"tensors": tensors, **rows, "dtype": need_str(need_key(data, "dtype"), "accounting.dtype"),
