@@ -142,8 +142,7 @@ def diagnose(
     found: list[Diagnosis] = []
     own = contracts.get("C-ZERO-001")
     found += _overlap(own)
-    norm = contracts.get("C-ZERO-008")
-    # last: a wrong gradient explains it
+    norm = contracts.get("C-ZERO-008")  # its diagnosis comes last: a wrong gradient explains it
     logged = group_logged_norm(records, norm) or _logged_norm(records, norm)
     if not records:
         return found + logged
@@ -360,7 +359,7 @@ def _gradient_scale(records: Sequence[StepRecord]) -> list[Diagnosis]:
 
 def _sgd_lr(rec: StepRecord) -> float | None:
     # lr from the reference's own step: p_before - p_after = lr (g + wd p_before) at SGD's first step;
-    # a tensor without a gradient (an expert no token reached) is not stepped, decay included
+    # a tensor whose gradient was None is left out: torch.optim does not step it, decay included
     num = den = 0.0
     wd = _sgd_wd(rec)
     for n, before in rec.ref.params_before.items():
