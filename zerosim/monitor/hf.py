@@ -34,7 +34,8 @@ class _ZeroOptimizerEngine:
 
 
 class ZeroMonitorCallback(TrainerCallback):
-    """See the module docstring; ``options`` go to the Monitor (``on_violation``, ``max_norm``, ``log``)."""
+    """See the module docstring; ``options`` go to the Monitor (``on_violation``, ``max_norm``, ``log``);
+    ``max_grad_norm`` defaults to the Trainer's own (``TrainingArguments.max_grad_norm``)."""
 
     def __init__(self, every: Any = 100, out: Any = None, **options: Any):
         self.every = every
@@ -46,6 +47,9 @@ class ZeroMonitorCallback(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        **kwargs: Any) -> None:
         inner = getattr(optimizer, "optimizer", None)  # transformers/accelerate wrap the optimizer
+        clip = getattr(args, "max_grad_norm", None)  # the Trainer clips at it when it is above 0
+        if "max_grad_norm" not in self.options and isinstance(clip, int | float) and clip > 0:
+            self.options = {**self.options, "max_grad_norm": float(clip)}
         if inner is not None and (hasattr(inner, "single_partition_of_fp32_groups")
                                   or hasattr(inner, "fp32_partitioned_groups_flat")):
             from .deepspeed_layout import deepspeed_layout
