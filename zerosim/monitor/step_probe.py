@@ -136,6 +136,13 @@ class StepProbe:
         elif getattr(model, "_comm_hooks", None):
             self.accounting = False
             off.append("grad_accounting: a DDP communication hook changes the reduction the bound assumes")
+        device = self.params[0].device.type if self.params else "cpu"
+        # replay compares bitwise: only where a recomputation gives the same bits (the CPU's kernels, or
+        # deterministic algorithms asked for), so that it never flags a healthy step
+        self.replay_ok = device == "cpu" or torch.are_deterministic_algorithms_enabled()
+        if self.accounting and replay_every and not self.replay_ok:
+            off.append(f"replay: {device} kernels may round a recomputed gradient differently; "
+                       "torch.use_deterministic_algorithms(True) turns it on")
         if not self.accounting:
             self.names, self.params, self.index = [], [], {}
         inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps with its local one
@@ -321,7 +328,8 @@ class StepProbe:
         """On a due replay step: the same micro-batch's local gradient computed again and compared, by its
         projections, with the one contributed; a mismatch computed a third time (see
         :mod:`zerosim.checks.replay`). The finding is carried by the next check's row."""
-        if not (self.replay_every and self.accounting and step % self.replay_every == 0 and self.last):
+        if not (self.replay_every and self.accounting and self.replay_ok and step % self.replay_every == 0
+                and self.last):
             return
         if self.expected is not None and self.expected != step:
             return
