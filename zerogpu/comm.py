@@ -16,6 +16,10 @@ replicate groups. Its concerns live beside it, as the MPI backend's do:
   it (ring attribution, :func:`zerosim.comm.base.ring_bytes`), so C-ZERO-005 and the communication
   model mean the same thing under ``torchrun`` as in one process.
 
+Why one module of this length: it is the Communicator interface's one implementation on
+torch.distributed, each method a thin wrapper that waits through the watchdog and records traffic;
+split further, each piece would hold one method.
+
 Arithmetic (what makes a run comparable with the simulator, bit for bit where possible):
 
 - ``sum`` is ``ReduceOp.SUM`` in the tensor's dtype; ``avg`` is that sum divided in place by the
