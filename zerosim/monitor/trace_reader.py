@@ -170,7 +170,8 @@ def _observation(line: bytes, where: str) -> MonitorObservation:
     try:
         return MonitorObservation.from_json(data)
     except ConfigError as e:
-        raise ConfigError(f"{where} field {e.field}", e.value, e.reason) from None
+        # a field's path may hold a key of the line (a tensor name): escaped like every name printed
+        raise ConfigError(f"{where} field {printable(e.field)}", e.value, printable(e.reason)) from None
 
 
 def _grouped(root: Path, world: int, by_rank: dict[int, dict[int, MonitorObservation]],
