@@ -9,7 +9,7 @@ from tests.test_monitor_checks import obs
 from zerosim.checks.equivalence import check_step_equivalence
 from zerosim.checks.live_state import CLIP_EPS
 
-HINT = "pass the threshold as Monitor(..., max_norm=...)"
+HINT = "pass the threshold as Monitor(..., max_grad_norm=...)"
 MAX_NORM, PRE_CLIP = 0.1, 0.45
 #: the squared norm of the gradient clip_grad_norm_(max_norm=0.1) leaves of one whose norm was 0.45
 CLIPPED_SQ = (PRE_CLIP * MAX_NORM / (PRE_CLIP + CLIP_EPS)) ** 2

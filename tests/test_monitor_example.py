@@ -1,6 +1,7 @@
 """``examples/monitored_training.py`` as its docstring runs it (two ranks, what torchrun starts): a clean
-FSDP2 run passes live and offline; a bit flipped on rank 1 of a DDP run is named by the first check at
-or after the flip and by ``zerosim check trace``, and training still ends with status 0."""
+FSDP2 run passes live and offline; a bit flipped on rank 1 of a DDP run is found by the first check at
+or after the flip and by ``zerosim check trace`` (two copies: both ranks named as disagreeing), and
+training still ends with status 0; each ``--fault`` is named by its step check."""
 
 from __future__ import annotations
 
@@ -44,7 +45,28 @@ def test_a_clean_fsdp2_run_passes_live_and_offline(tmp_path, capsys) -> None:
 def test_a_flipped_bit_is_named_at_the_first_check_after_it_and_training_goes_on(tmp_path, capsys) -> None:
     stdout, log = _run("--corrupt-at", "7", "--steps", "16", "--every", "5", "--out", str(tmp_path / "ddp"))
     assert "4 checks, 2 violation(s)" in stdout, stdout  # the checks at steps 10 and 15
-    assert "violation: C-ZERO-003 identical step=10 rank=1 tensor=blocks.0.weight" in log, log
+    # two copies and no majority: the check says the ranks disagree instead of guessing which one is off
+    assert "violation: C-ZERO-003 identical step=10 rank=0,1 tensor=blocks.0.weight" in log, log
+    assert "ranks 0 and 1 disagree on blocks.0.weight" in log, log
     found = _violations(capsys, tmp_path / "ddp", 1)
-    assert found == [(10, "C-ZERO-003", "identical", [1], "blocks.0.weight"),
-                     (15, "C-ZERO-003", "identical", [1], "blocks.0.weight")], found
+    assert found == [(10, "C-ZERO-003", "identical", [0, 1], "blocks.0.weight"),
+                     (15, "C-ZERO-003", "identical", [0, 1], "blocks.0.weight")], found
+
+
+@pytest.mark.parametrize(("fault", "clause", "ranks", "tensor"), [
+    (["--fault", "lr-spike"], "update", [0, 1], "embed.weight"),
+    (["--fault", "halve-head-grad"], "grad_accounting", [0, 1], "head.weight"),
+    (["--fault", "grad-bitflip", "--replay-every", "1"], "replay", [1], "blocks.0.weight"),
+], ids=["lr-spike", "halve-head-grad", "grad-bitflip"])
+def test_a_fault_every_replica_agrees_on_is_named_by_its_step_check(tmp_path, capsys, fault, clause, ranks,
+                                                                     tensor) -> None:
+    """The example's --fault choices: every replica holds the same bytes after each of them, so only the
+    step checks see them, at the fault's step (7), naming the tensor, live and offline alike."""
+    out = tmp_path / "fault"
+    stdout, _ = _run(*fault, "--steps", "9", "--every", "1", "--out", str(out))
+    assert "9 checks" in stdout, stdout
+    found = _violations(capsys, out, 1)
+    named = sorted({r for step, contract, kind, rs, t in found if (step, contract, kind, t)
+                    == (7, "C-ZERO-002", clause, tensor) for r in rs})
+    assert named == ranks, found
+    assert {step for step, *_ in found} == {7}, found

@@ -204,4 +204,4 @@ def _likely_cause(logged: float, recomputed: float, max_norm: float | None) -> s
         return ""
     return (f"; the logged norm is the larger: if the loop clips (clip_grad_norm_ to about "
             f"{recomputed:.3g}), the logged norm is the pre-clip norm and the gradient the clipped one: pass "
-            "the threshold as Monitor(..., max_norm=...)")
+            "the threshold as Monitor(..., max_grad_norm=...)")

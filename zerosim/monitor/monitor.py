@@ -104,18 +104,16 @@ class Monitor(RunRecords):
     ``model``: the module being trained (plain, DDP or FSDP2), a ``zerogpu`` ``ZeroTrainer`` or a
     DeepSpeed engine of ZeRO stage 1-3 (:mod:`zerosim.monitor.deepspeed_layout`; ``after_step`` with
     DeepSpeed's step count, ``engine.global_steps - 1``); ``optimizer``: its torch.optim optimizer
-    (``ZeroRedundancyOptimizer`` included; None for a ZeroTrainer or a DeepSpeed engine). ``max_norm``:
-    the ``clip_grad_norm_`` bound, when the logged norm is the one before clipping (not used for a
-    DeepSpeed engine, whose gradient is measured before it clips). ``max_grad_norm``: the clip
-    threshold the loop uses (None: it does not clip; ``max_norm`` stands for it where only that is
-    given), against which the consumed gradient is accounted (:mod:`zerosim.monitor.step_probe`).
-    ``replay_every``: replay a due step's backward (:meth:`replay_check`; None: never). ``log``: where
-    the per-check lines
-    go (default: rank 0's stderr; a rank's own failures go to its own stderr). ``overlap`` (default
-    True): each check's all-gather completes, and the check is judged, at the next :meth:`after_step`
-    call (or :meth:`flush`, :meth:`close`), so that no rank waits at a check for the others to reach
-    it; False: judged within the call that observed it. ``timeout``: the seconds the monitor waits at
-    most for the other ranks' part of one of its exchanges (its own process group's). Collective.
+    (``ZeroRedundancyOptimizer`` included; None for a ZeroTrainer or a DeepSpeed engine).
+    ``max_grad_norm`` (or its older name ``max_norm``): the loop's clip threshold (None: no clip), for
+    the consumed gradient (:mod:`zerosim.monitor.step_probe`) and the logged pre-clip norm (not for
+    DeepSpeed, whose gradient is measured before it clips). ``replay_every``: replay a due step's
+    backward (:meth:`replay_check`; None: never). ``log``: where the per-check lines go (default: rank
+    0's stderr; a rank's own failures go to its own). ``overlap`` (default True): each check's
+    all-gather completes, and the check is judged, at the next :meth:`after_step` call (or
+    :meth:`flush`, :meth:`close`), so that no rank waits at a check for the others to reach it; False:
+    judged within the call that observed it. ``timeout``: the seconds the monitor waits at most for
+    the other ranks' part of one of its exchanges (its own process group's). Collective.
     """
 
     def __init__(self, model: Any, optimizer: Any = None, *, every: Any = 100, out: Any = None,
@@ -127,10 +125,11 @@ class Monitor(RunRecords):
         self.overlap = bool(overlap)
         self._pending: _Pending | None = None
         self.optimizer = optimizer
-        if layout_reader is None and is_deepspeed_engine(model):
-            # DeepSpeed's gradient is measured inside its step, before it clips: no clip to undo
+        deepspeed = layout_reader is None and is_deepspeed_engine(model)
+        if deepspeed:  # DeepSpeed's gradient is measured inside its step, before it clips: none to undo
             layout_reader, max_norm = DeepSpeedReader(model, every), None
-        self.max_norm = max_norm
+        # a loop that clips logs the pre-clip norm: its clip threshold undoes that
+        self.max_norm = max_norm if max_norm is not None or deepspeed else max_grad_norm
         self.enabled = False
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self._log = log if log is not None else (_stderr if self.rank == 0 else (lambda line: None))
@@ -160,7 +159,8 @@ class Monitor(RunRecords):
         self._layout_verdict: Verdict | None = None
         self._farewell: Gather | None = None
         self._probe: StepProbe | None = None; self._taken: dict[str, Any] = {}  # noqa: E702
-        self.replay_every, self.max_grad_norm = replay_every, max_grad_norm if max_grad_norm else max_norm
+        self.replay_every = replay_every
+        self.max_grad_norm = max_grad_norm if max_grad_norm is not None else max_norm
         problem = invalid_option(every, on_violation, timeout, self.max_grad_norm, replay_every)
         if problem is not None:
             self._log(f"zerosim.monitor: off: {problem}")
