@@ -149,7 +149,10 @@ def _mutate_field(path: Path, data: st.DataObject) -> None:
         record = json.loads(lines[i])
     except ValueError:  # an earlier mutation broke this line already
         return
-    where = data.draw(st.sampled_from(_nodes(record)[1:]))
+    inner = _nodes(record)[1:]
+    if not inner:  # an earlier mutation left a bare number or an empty object there
+        return
+    where = data.draw(st.sampled_from(inner))
     parent = record
     for key in where[:-1]:
         parent = parent[key]
