@@ -247,11 +247,16 @@ def test_bad_options_are_one_clear_line(world_of_one, kwargs: dict, pattern: str
 
 
 def test_a_torch_optimizer_it_cannot_reproduce_is_refused(world_of_one) -> None:
+    """On the flat layout zerosim's own kernel steps SGD, Adam and AdamW only: anything else is refused
+    there, and by default steps whole tensors with the user's own optimizer instead."""
     from zerogpu.trainer import ZeroTrainer
 
     model = _gpt()
-    with pytest.raises(ConfigError, match=r"invalid optim='RMSprop'"):
-        ZeroTrainer(model, torch.optim.RMSprop(model.parameters()), "zero3")
+    with pytest.raises(ConfigError, match=r"layout"):
+        ZeroTrainer(model, torch.optim.RMSprop(model.parameters()), "zero3", layout="flat")
+    trainer = ZeroTrainer(model, torch.optim.RMSprop(model.parameters()), "zero3")
+    assert trainer.layout == "whole-tensor"
+    trainer.close()
     with pytest.raises(ConfigError, match=r"optim.amsgrad=True"):
         ZeroTrainer(model, torch.optim.Adam(model.parameters(), amsgrad=True), "zero3")
 
