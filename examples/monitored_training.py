@@ -16,8 +16,8 @@ one mantissa bit of one element of rank 1's copy of ``blocks.0.weight`` after th
 moves by about 5e-4 of itself), as silent data corruption would: training goes on (the monitor logs
 by default), and the first check at or after that step names the tensor and the range, as does
 ``zerosim check trace`` (at two ranks there is no majority, so it says ranks 0 and 1 disagree; from
-three ranks on the majority names rank 1). Under FSDP2 on a 1-D mesh each shard has one copy only, so a flipped bit
-has nothing to be compared with: the option needs DDP.
+three ranks on the majority names rank 1). Under FSDP2 on a 1-D mesh each shard has one copy
+only, so a flipped bit has nothing to be compared with: the option needs DDP.
 
 ``--fault`` injects a fault every replica agrees on, which only the step checks see (DDP; at step
 ``--fault-at``, default 7): ``lr-spike`` (an AdamW whose step uses 3x the learning rate its param group
