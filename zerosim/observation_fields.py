@@ -178,6 +178,11 @@ def _finding(value: Any, path: str, numbers: tuple[str, ...], counts: tuple[str,
     out["tensor"] = need_optional_str(need_key(data, "tensor"), f"{path}.tensor")
     for key in numbers:
         out[key] = need_optional_number(data.get(key), f"{path}.{key}")
+    for key in set(data) - set(counts) - set(numbers) - {"tensor"}:  # names, flags, ratios: one value each
+        if not (data[key] is None or isinstance(data[key], (str, bool, int, float))):
+            raise fail(f"{path}.{key}", data[key], "must be a string or a number")
+    if "dtype" in data:
+        out["dtype"] = need_str(data["dtype"], f"{path}.dtype")
     return out
 
 
