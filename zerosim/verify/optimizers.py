@@ -22,9 +22,6 @@ ranks, into reports) is plain JSON; the callable is added on the rank that build
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -33,6 +30,7 @@ import torch
 from zerosim.errors import ConfigError
 
 from .errors import TrainerError
+from .targets import import_callable
 
 #: the built-in phases in the order a run takes them
 BUILT_IN = ("sgd", "adam", "adamw", "adafactor", "muon")
@@ -98,21 +96,7 @@ def resolve_user_factory(name: str) -> Callable[..., Any]:
     """The callable ``MODULE:FACTORY`` names, imported with the current directory first on ``sys.path``;
     TrainerError (one line) when it cannot be imported or is not callable."""
     module_name, _, attr = require_optimizer_name(name).partition(":")
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - the user's module raised or is missing
-        raise TrainerError(
-            f"optimizer {name!r}: importing {module_name!r} failed: {type(e).__name__}: {e}") from None
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise TrainerError(f"optimizer {name!r}: module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TrainerError(f"optimizer {name!r}: {attr!r} is a {type(obj).__name__}, not callable")
-    return obj
+    return import_callable(module_name, attr, f"optimizer {name!r}")
 
 
 def describe_user_optimizer(name: str) -> dict[str, Any]:

@@ -62,6 +62,13 @@ def resolve_factory(target: str) -> Callable[..., Any]:
     """The ``make_trainer`` callable TARGET names. TrainerError if its module or attribute is missing, the
     module raises on import, or the attribute is not callable."""
     module_name, attr = target_parts(target)
+    return import_callable(module_name, attr, f"target {target!r}")
+
+
+def import_callable(module_name: str, attr: str, what: str) -> Callable[..., Any]:
+    """``module_name``'s (dotted) attribute ``attr``, imported with the current directory first on
+    ``sys.path``; TrainerError, one line starting with ``what``, if the module is missing or raises on
+    import, or the attribute is missing or not callable."""
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)
@@ -70,21 +77,21 @@ def resolve_factory(target: str) -> Callable[..., Any]:
     except ModuleNotFoundError as e:
         if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise TrainerError(
-                f"target {target!r}: module {module_name!r} not found (looked in the current "
+                f"{what}: module {module_name!r} not found (looked in the current "
                 "directory and PYTHONPATH)"
             ) from None
         raise TrainerError(
-            f"target {target!r}: importing {module_name!r} failed: {type(e).__name__}: {e}"
+            f"{what}: importing {module_name!r} failed: {type(e).__name__}: {e}"
         ) from None
     except Exception as e:  # noqa: BLE001 - the user's module raised while importing
         raise TrainerError(
-            f"target {target!r}: importing {module_name!r} failed: {type(e).__name__}: {e}"
+            f"{what}: importing {module_name!r} failed: {type(e).__name__}: {e}"
         ) from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise TrainerError(f"target {target!r}: module {module_name!r} has no attribute {attr!r}")
+            raise TrainerError(f"{what}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise TrainerError(f"target {target!r}: {attr!r} is a {type(obj).__name__}, not callable")
+        raise TrainerError(f"{what}: {attr!r} is a {type(obj).__name__}, not callable")
     return obj
