@@ -250,7 +250,10 @@ def _send_raw(address: str, body: bytes, length: int | None = None) -> str:
     try:
         with _connect(address) as conn:
             socket.send_fds(conn, [struct.pack("!I", len(body) if length is None else length)], fds)
-            conn.sendall(body)
+            try:
+                conn.sendall(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the server may refuse on the header alone and close before the body arrives
             return _line(conn)
     finally:
         for fd in fds:
