@@ -68,6 +68,7 @@ The manager is not thread-safe; one training loop drives it.
 
 Why one module of this length: the tiers, the LRU order, the budget accounting and the statistics
 are one state machine that every method reads and updates.
+The configuration and the budget error live in :mod:`zerogpu.offload_config` (re-exported here).
 """
 
 from __future__ import annotations
@@ -75,57 +76,19 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from zerosim.errors import ConfigError, require_non_negative_int, require_positive_int
+from zerosim.errors import ConfigError, require_positive_int
 from zerosim.unit_state import UnitState
 
-DEVICE_BUDGET_FIELD = "offload.device_budget_bytes"
-HOST_BUDGET_FIELD = "offload.host_budget_bytes"
+from .offload_config import DEVICE_BUDGET_FIELD, HOST_BUDGET_FIELD, OffloadBudgetError, OffloadConfig
+
+__all__ = ["DEVICE_BUDGET_FIELD", "HOST_BUDGET_FIELD", "OffloadBudgetError", "OffloadConfig",
+           "OffloadManager"]
+
 _SHOWN_NAMES = 6  # registered names listed in an unknown-name message
-
-
-class OffloadBudgetError(ConfigError):
-    """A budget cannot hold what the registered units need. Names the unit, its bytes and the budget."""
-
-    def __init__(self, field: str, value: Any, reason: str, *, unit: str | None = None,
-                 needed_bytes: int | None = None):
-        self.unit = unit
-        self.needed_bytes = needed_bytes
-        super().__init__(field, value, reason)
-
-
-@dataclass(frozen=True)
-class OffloadConfig:
-    """What the offload manager may hold and how far ahead it copies; every field validated on creation.
-
-    ``device_budget_bytes`` is C-ZERO-004's bound for the device tier; ``host_budget_bytes`` (None:
-    unlimited) bounds the host tier; ``prefetch_depth`` units are copied ahead of the one in use;
-    ``async_prefetch`` issues prefetch copies on a side CUDA stream (bookkeeping only on CPU);
-    ``pin_memory`` pins host shards when the device is CUDA (ignored on CPU).
-    """
-
-    device_budget_bytes: int
-    host_budget_bytes: int | None = None
-    prefetch_depth: int = 1
-    async_prefetch: bool = True
-    pin_memory: bool = True
-
-    def __post_init__(self) -> None:
-        require_positive_int(DEVICE_BUDGET_FIELD, self.device_budget_bytes)
-        if self.host_budget_bytes is not None:
-            if isinstance(self.host_budget_bytes, bool) or not isinstance(self.host_budget_bytes, int) \
-                    or self.host_budget_bytes <= 0:
-                raise ConfigError(HOST_BUDGET_FIELD, self.host_budget_bytes,
-                                  "must be a positive integer or None (unlimited)")
-        require_non_negative_int("offload.prefetch_depth", self.prefetch_depth)
-        for field in ("async_prefetch", "pin_memory"):
-            value = getattr(self, field)
-            if not isinstance(value, bool):
-                raise ConfigError(f"offload.{field}", value, "must be True or False")
 
 
 class _Unit:
