@@ -19,19 +19,17 @@ import pytest
 
 pytest.importorskip("torch")
 
-from zerosim.bench.peers import (  # noqa: E402
-    COLUMNS,
-    MAX_TIMED_STEPS,
+from zerosim.bench.peers_method import (  # noqa: E402
     STAGES,
     is_peer,
     merge_rounds,
     sequence,
     stage_from_strategy,
     stage_of,
-    summarize,
-    table_rows,
     timed_steps,
 )
+from zerosim.bench.peers_report import COLUMNS, summarize, table_rows  # noqa: E402
+from zerosim.bench.peers_run import MAX_TIMED_STEPS  # noqa: E402
 from zerosim.cli import main  # noqa: E402
 from zerosim.verify.adapters import ADAPTERS  # noqa: E402
 
@@ -52,7 +50,7 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_stage_table_names_every_adapter_in_the_table() -> None:
     unstaged = [name for name in ADAPTERS if name not in STAGES]
-    assert not unstaged, f"adapters without a ZeRO stage in zerosim.bench.peers.STAGES: {unstaged}"
+    assert not unstaged, f"adapters without a ZeRO stage in zerosim.bench.peers_method.STAGES: {unstaged}"
     assert all(stage in (0, 1, 2, 3, "hybrid") for stage in STAGES.values())
 
 

@@ -16,7 +16,7 @@ import weakref
 
 import torch.distributed as dist
 
-from zerosim.bench.peers import optim_config
+from zerosim.bench.peers_method import optim_config
 from zerosim.verify.model import build_model, micro_batch
 from zerosim.verify.protocol import close_trainer
 from zerosim.verify.targets import resolve_factory

@@ -14,12 +14,12 @@ Add ``--device cuda`` on GPU nodes (NCCL, ``cuda:<LOCAL_RANK>``). There, an adap
 the whole job (exit 3, ``rank R failed: ...``) instead of being recorded and skipped.
 
 For each model the seeded weights are built once per rank. The adapters run ``--rounds`` times, the
-list forwards then backwards (:func:`zerosim.bench.peers.sequence`); each time a fresh copy of the
+list forwards then backwards (:func:`zerosim.bench.peers_method.sequence`); each time a fresh copy of the
 weights goes to ``make_trainer(model, optim)``. Each step: a barrier, then
 ``trainer.step(inputs, targets)`` timed alone on this rank's micro-batch of that step (the same
 batches for every adapter; on CUDA between two device synchronisations). ``--warmup`` steps are
 discarded, then ``--steps`` are timed, then more until they add up to about ``--min-time`` seconds
-(the ranks agree on the count: :func:`zerosim.bench.peers.timed_steps`). After each run of an adapter
+(the ranks agree on the count: :func:`zerosim.bench.peers_method.timed_steps`). After each run of an adapter
 rank 0 gathers every rank's times; a step's time is the slowest rank's. A watchdog ends the rank (exit 3,
 one line) when a trainer's construction or a step outlives ``--timeout``; collectives are bounded by
 the same timeout (the process group's). Exit status: 0 done, 2 bad input, 3 a rank failed.
@@ -42,7 +42,7 @@ from typing import Any, NoReturn
 
 from zerosim.errors import EXIT_RUN_FAILED, ConfigError, ZeroSimError
 
-from . import peers
+from . import peers, peers_method, peers_report
 from .peers_run import PeersRun, read_peers_run
 
 
@@ -123,7 +123,7 @@ def _body(args: PeersRun) -> int:
     device = "cpu" if args.device == "cpu" else f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     comm = init_distributed("gloo" if device == "cpu" else "nccl", device, args.timeout_s)
     watchdog = CallWatchdog(args.timeout_s)
-    meta = {"kind": "meta", "machine": peers.environment(args.device), "world": comm.world_size,
+    meta = {"kind": "meta", "machine": peers_method.environment(args.device), "world": comm.world_size,
             "backend": "gloo" if device == "cpu" else "nccl"}
     if comm.rank == 0:
         _emit(args, meta)
@@ -134,7 +134,7 @@ def _body(args: PeersRun) -> int:
             torch.cuda.synchronize(device)
 
     skip = set(args.skip)
-    order = peers.sequence(list(args.adapters), args.rounds)
+    order = peers_method.sequence(list(args.adapters), args.rounds)
     for model_name in args.models:
         base = _build_base(model_name, args)
         for position, (round_index, adapter) in enumerate(order):
@@ -149,12 +149,12 @@ def _body(args: PeersRun) -> int:
         del base
         gc.collect()
     if comm.rank == 0 and args.results is None:
-        report = peers.build_report(rows, models=list(args.models), adapters=list(args.adapters), meta=meta,
-                                    settings=args.settings(comm.world_size))
+        report = peers_report.build_report(rows, models=list(args.models), adapters=list(args.adapters),
+                                           meta=meta, settings=args.settings(comm.world_size))
         report["wall_s"] = round(time.monotonic() - started, 1)
         report["load_average"] = {"before": load_before, "after": peers.load_average()}
-        json_path, md_path = peers.write_report(report, None if args.out is None else Path(args.out))
-        peers.print_report(report)
+        json_path, md_path = peers_report.write_report(report, None if args.out is None else Path(args.out))
+        peers_report.print_report(report)
         print(f"wrote {json_path} and {md_path}", flush=True)
     return agree_on_exit(comm, 0)
 
@@ -177,7 +177,7 @@ def _measure(comm: Any, watchdog: CallWatchdog, base: Any, model_name: str, adap
     comm.barrier()
     with watchdog.limit(f"{adapter} on {model_name}: make_trainer"):
         t0 = time.perf_counter()
-        trainer = factory(model, peers.optim_config(args.optimizer))
+        trainer = factory(model, peers_method.optim_config(args.optimizer))
         sync()
         init_s = time.perf_counter() - t0
     declared = getattr(trainer, "declared_strategy", None)
@@ -209,7 +209,7 @@ def _measure(comm: Any, watchdog: CallWatchdog, base: Any, model_name: str, adap
     if comm.rank != 0:
         return None
     assert gathered is not None
-    stage, source = peers.stage_of(adapter, mine["declared"])
+    stage, source = peers_method.stage_of(adapter, mine["declared"])
     return {
         "kind": "result",
         "model": model_name,
@@ -230,7 +230,7 @@ def _agreed_steps(comm: Any, args: PeersRun, samples: list[float]) -> int:
     """The number of timed steps every rank runs: the largest any rank wants (outside the timing)."""
     import torch
 
-    wanted = peers.timed_steps(args.steps, args.min_time_s, samples)
+    wanted = peers_method.timed_steps(args.steps, args.min_time_s, samples)
     if args.min_time_s <= 0:
         return wanted
     agreed = comm.all_reduce(torch.tensor([float(wanted)], dtype=torch.float64), "max")

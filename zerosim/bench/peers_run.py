@@ -202,7 +202,7 @@ class PeersRun:
         select_adapters(list(self.adapters))
 
     def settings(self, world: int) -> dict[str, Any]:
-        """The settings a report states (:func:`zerosim.bench.peers.build_report`)."""
+        """The settings a report states (:func:`zerosim.bench.peers_report.build_report`)."""
         return {"device": self.device, "world": world, "dtype": self.dtype, "optimizer": self.optimizer,
                 "steps": self.steps, "warmup": self.warmup, "rounds": self.rounds,
                 "min_time_s": self.min_time_s, "timeout_s": self.timeout_s}

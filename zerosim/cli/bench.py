@@ -16,6 +16,7 @@ from ..bench import monitor as bench_monitor
 from ..bench import mpi as bench_mpi
 from ..bench import offload as bench_offload
 from ..bench import peers as bench_peers
+from ..bench import peers_report
 from ..bench import scale as bench_scale
 from ..bench import sim as bench_sim
 from ..comm.sim import SCHEDULES
@@ -124,7 +125,7 @@ def register_peers(sub: Any) -> None:
                    help="seconds a trainer construction, step or collective may take "
                    f"(default {bench_peers.DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--out", default=None,
-                   help=f"directory for {bench_peers.JSON_NAME} and {bench_peers.MD_NAME} "
+                   help=f"directory for {peers_report.JSON_NAME} and {peers_report.MD_NAME} "
                    f"(default {bench_peers.DEFAULT_OUT})")
     p.set_defaults(func=bench_peers.run)
 
