@@ -115,16 +115,16 @@ def test_a_broken_engine_makes_the_report_fail_and_name_the_violation(tmp_path, 
     """The report checks what it measures: observations from a broken engine fail it (exit 1)."""
     import dataclasses
 
-    import zerosim.report.build as build
+    import zerosim.report.runs as runs
 
-    honest = build.simulate_observations
+    honest = runs.simulate_observations
 
     def from_a_broken_engine(run):
         if run.strategy.name != "full_shard" or run.world_size < 2:
             return honest(run)
         return honest(dataclasses.replace(run.cfg, fault="sum-instead-of-avg").resolve())
 
-    monkeypatch.setattr(build, "simulate_observations", from_a_broken_engine)
+    monkeypatch.setattr(runs, "simulate_observations", from_a_broken_engine)
     code = main(small_report_argv(tmp_path / "r"))
     out = capsys.readouterr().out
     assert code == 1
