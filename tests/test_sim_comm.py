@@ -10,12 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from zerosim.comm.sim import (
-    CollectiveAbandoned,
-    CollectiveMismatch,
-    SimulatedWorld,
-    run_spmd,
-)
+from zerosim.comm.rendezvous import CollectiveAbandoned, CollectiveMismatch
+from zerosim.comm.sim import run_spmd
+from zerosim.comm.sim_world import SimulatedWorld
 from zerosim.errors import CollectiveTimeout, ConfigError, NonFiniteGradientError
 
 SCHEDULES = ("serial", "parallel")
