@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench import check as bench_check
+from ..bench import host_adam as bench_host_adam
 from ..bench import monitor as bench_monitor
 from ..bench import mpi as bench_mpi
 from ..bench import offload as bench_offload
@@ -21,7 +22,7 @@ from ..bench import scale as bench_scale
 from ..bench import sim as bench_sim
 from ..comm.sim import SCHEDULES
 
-BENCH_MODULES = ("sim", "mpi", "check", "peers", "scale", "offload", "monitor")
+BENCH_MODULES = ("sim", "mpi", "check", "peers", "scale", "offload", "host_adam", "monitor")
 
 
 def register(sub: Any) -> None:
@@ -170,10 +171,26 @@ def register_offload(sub: Any) -> None:
     p.set_defaults(func=bench_offload.run)
 
 
+def register_host_adam(sub: Any) -> None:
+    """``zerosim bench host-adam``: its options; the work is :func:`zerosim.bench.host_adam.run`."""
+    p = sub.add_parser("host-adam", help="the offload host tier's AdamW kernels on one flat shard against "
+                                         "torch.optim.AdamW (for-loop, foreach) and zerosim's reference",
+                       description=bench_host_adam.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--elements", type=int, default=bench_host_adam.DEFAULT_ELEMENTS,
+                   help=f"float32 elements of the shard (default {bench_host_adam.DEFAULT_ELEMENTS:,}: "
+                        "gpt-50m's parameters)")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds, every kernel once each (default 7)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's own)")
+    p.add_argument("--out", default=None, help=f"JSON report (default {bench_host_adam.DEFAULT_OUT})")
+    p.set_defaults(func=bench_host_adam.run)
+
+
 def register_monitor(sub: Any) -> None:
     """``zerosim bench monitor``: its options; the work is :func:`zerosim.bench.monitor.run`."""
-    p = sub.add_parser("monitor", help="step time with and without zerosim.monitor (every=1, every=100), "
-                                       "per adapter, and the digest's throughput (launches torchrun)",
+    p = sub.add_parser("monitor", help="step time with and without zerosim.monitor (every=1, every=100, "
+                                       "with and without the step checks), per adapter, and the digest's "
+                                       "throughput (launches torchrun)",
                        description=bench_monitor.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--adapters", default=bench_monitor.DEFAULT_ADAPTERS,
@@ -181,6 +198,11 @@ def register_monitor(sub: Any) -> None:
                         "deepspeed-2, deepspeed-3 (default all; the deepspeed ones skipped, with the reason, "
                         "where DeepSpeed is not installed; '' times no training)")
     p.add_argument("--world", "--world-size", dest="world", default="2", help="ranks (default 2)")
+    p.add_argument("--variants", default=",".join(v for v in bench_monitor.VARIANTS if v != "off"),
+                   help="comma-separated monitored variants, each timed between runs without the monitor: "
+                        "every=100, every=1 (without the step checks), every=100+step-checks, "
+                        "every=1+step-checks (grad_accounting, update and replay at every check); "
+                        "default all")
     p.add_argument("--steps", default="120",
                    help="timed steps per run (default 120: every=100 checks at 0 and 100)")
     p.add_argument("--warmup", default="5", help="untimed steps first (default 5)")
@@ -201,6 +223,9 @@ def register_monitor(sub: Any) -> None:
                    help="ranks of the C-ZERO-001 layout check timed on a Llama-like 70B model "
                         "(default 1024; 0 skips it)")
     p.add_argument("--timeout", default="600", help="seconds the launch may take (default 600)")
+    p.add_argument("--trace", action="store_true",
+                   help="monitored runs write their observation files, each judged again offline as "
+                        "'zerosim check trace' judges it, beside the live verdict (slows the checks)")
     p.add_argument("--out", default=None, help=f"directory for {bench_monitor.JSON_NAME} "
                    f"(default {bench_monitor.DEFAULT_OUT})")
     p.set_defaults(func=bench_monitor.run)
