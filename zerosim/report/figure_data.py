@@ -2,6 +2,9 @@
 strategy, memory against the data-parallel degree, communication volume, equivalence error and the
 ZeRO-3 offload timeline. Each function reads the measured runs (:mod:`zerosim.report.runs`) and the
 closed-form models, and returns a :class:`Figure`; :mod:`zerosim.report.figures` draws it.
+
+Why one module of this length: five figures, one function each, all reading the same runs and
+the same models; a reader looking for a figure's numbers finds every figure here by its name.
 """
 
 from __future__ import annotations
