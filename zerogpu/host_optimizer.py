@@ -92,6 +92,24 @@ class HostOptimizer:
         if kernel == "fused" and n > 0:
             self._require_fused(tdtype)
 
+    @classmethod
+    def over(cls, spec: OptimizerSpec, master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], *,
+             kernel: str = "fused") -> HostOptimizer:
+        """A host optimizer over buffers the caller already holds (no copy): ``master`` and ``grad``
+        flat CPU tensors of one dtype, ``state`` a dict as :meth:`zerosim.optim` ``init_state`` makes."""
+        for field, t in (("master", master), ("grad", grad)):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dim() != 1:
+                raise ConfigError(f"host_optimizer.{field}", type(t).__name__,
+                                  "must be a flat CPU torch.Tensor")
+        dtype = "float64" if master.dtype == torch.float64 else "float32"
+        host = cls(spec, 0, kernel=kernel, dtype=dtype)
+        host.master, host.grad, host.state = master, grad, state
+        host.pinned = bool(master.is_pinned())
+        if kernel == "fused":
+            host._require_fused(master.dtype)
+        host._check_flat("grad", grad)
+        return host
+
     def _require_fused(self, dtype: torch.dtype) -> None:
         """Refuse, before training, a torch without a fused CPU kernel for this optimizer."""
         probe = make_step_optimizer(self.spec, torch_namespace("cpu"), "fused")

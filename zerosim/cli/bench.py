@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bench import check as bench_check
+from ..bench import host_adam as bench_host_adam
 from ..bench import monitor as bench_monitor
 from ..bench import mpi as bench_mpi
 from ..bench import offload as bench_offload
@@ -21,7 +22,7 @@ from ..bench import scale as bench_scale
 from ..bench import sim as bench_sim
 from ..comm.sim import SCHEDULES
 
-BENCH_MODULES = ("sim", "mpi", "check", "peers", "scale", "offload", "monitor")
+BENCH_MODULES = ("sim", "mpi", "check", "peers", "scale", "offload", "host_adam", "monitor")
 
 
 def register(sub: Any) -> None:
@@ -168,6 +169,21 @@ def register_offload(sub: Any) -> None:
     p.add_argument("--out", default=None,
                    help=f"JSON report (default {bench_offload.DEFAULT_OUT})")
     p.set_defaults(func=bench_offload.run)
+
+
+def register_host_adam(sub: Any) -> None:
+    """``zerosim bench host-adam``: its options; the work is :func:`zerosim.bench.host_adam.run`."""
+    p = sub.add_parser("host-adam", help="the offload host tier's AdamW kernels on one flat shard against "
+                                         "torch.optim.AdamW (for-loop, foreach) and zerosim's reference",
+                       description=bench_host_adam.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--elements", type=int, default=bench_host_adam.DEFAULT_ELEMENTS,
+                   help=f"float32 elements of the shard (default {bench_host_adam.DEFAULT_ELEMENTS:,}: "
+                        "gpt-50m's parameters)")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds, every kernel once each (default 7)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's own)")
+    p.add_argument("--out", default=None, help=f"JSON report (default {bench_host_adam.DEFAULT_OUT})")
+    p.set_defaults(func=bench_host_adam.run)
 
 
 def register_monitor(sub: Any) -> None:
