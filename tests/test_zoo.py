@@ -1,9 +1,11 @@
 """``zerosim zoo``: the catalogue's shape, a fast subset of real runs, and what breaks an expectation.
 
 The subset runs through the command line as CI runs the whole zoo: a bug verify and the monitor both
-catch (a flipped bit in one rank's weights, at the step it flips), one the monitor is known to miss
-(accumulated micro-batch losses never divided by their count), one out of reach (an MoE's
-all-to-all), each twin passing.
+catch (a flipped bit in one rank's weights, at the step it flips; expert gradients EP times too large
+on the MoE, at the first step, named by verify as a gradient scale), an expert-parallel MoE bug verify
+catches and the monitor is known to miss (the token all-gather's backward without its reduce-scatter),
+one out of the monitor's reach (K gradient reductions a step: right values, a traffic finding), each
+twin passing.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ import torch
 from zerogpu.launch import torch_unavailable_reason
 from zerosim.cli import main as cli_main
 from zerosim.zoo import bugs, runner
-from zerosim.zoo.catalogue import BY_ID, CATCH, ENTRIES, MISS, OUTCOMES
+from zerosim.zoo.catalogue import BY_ID, CATCH, ENTRIES, FINDING, MISS, OUTCOMES
 
-SUBSET = ("sdc-weight-bitflip", "deepspeed-6550", "pytorch-160285")
+SUBSET = ("sdc-weight-bitflip", "pytorch-160285", "nemo-automodel-1260", "cosmos-161")
 
 
 def test_catalogue_entries_are_complete():
@@ -83,15 +85,25 @@ def test_fast_subset_runs_and_every_expectation_holds(capsys, tmp_path):
     flip = rows["sdc-weight-bitflip"]
     assert flip["verify"]["bug"] == CATCH and flip["verify"]["first_step"] == bugs.FAULT_STEP
     assert flip["monitor"]["bug"] == CATCH and flip["monitor"]["first_step"] == bugs.FAULT_STEP
-    accumulation = rows["deepspeed-6550"]
-    assert accumulation["verify"]["bug"] == CATCH and accumulation["monitor"]["expected"] == MISS
+    doubled = rows["pytorch-160285"]
+    assert doubled["verify"]["bug"] == CATCH and doubled["monitor"]["bug"] == CATCH
+    assert doubled["verify"]["first_step"] == doubled["monitor"]["first_step"] == 1
+    runs = {r["id"]: r for r in matrix["entries"]}["pytorch-160285"]
+    assert runs["verify_run"]["broken"]["bug_classes"][0] == "gradient-scale"
+    assert runs["live_run"]["broken"]["contracts"] == ["C-ZERO-002 grad_accounting"]
+    gather = rows["nemo-automodel-1260"]
+    assert gather["verify"]["bug"] == CATCH and gather["verify"]["first_step"] == 1
+    assert gather["monitor"]["expected"] == MISS
     # a known miss holds as a miss, or as a catch a new monitor check gained (then listed as such)
-    gained = accumulation["monitor"]["bug"] == CATCH
-    assert accumulation["monitor"]["gained"] is gained
-    assert (matrix["catches_gained"] == ["deepspeed-6550"]) is gained
-    assert all(v["twin"] == "pass" for e in ("sdc-weight-bitflip", "deepspeed-6550")
+    gained = gather["monitor"]["bug"] == CATCH
+    assert gather["monitor"]["gained"] is gained
+    assert (matrix["catches_gained"] == ["nemo-automodel-1260"]) is gained
+    assert all(v["twin"] == "pass" for e in ("sdc-weight-bitflip", "pytorch-160285", "nemo-automodel-1260")
                for v in rows[e].values())
-    assert rows["pytorch-160285"]["verify"]["expected"] is None  # out of reach: skipped, not run
-    assert matrix["verify"] == {**matrix["verify"], "reach": 2, "caught": 2, "false_alarms": 0}
-    assert matrix["monitor"] == {**matrix["monitor"], "reach": 2, "caught": 1 + gained, "false_alarms": 0}
+    traffic = rows["cosmos-161"]
+    assert traffic["verify"]["bug"] == FINDING and traffic["verify"]["twin"] == "pass"
+    assert traffic["monitor"]["expected"] is None  # out of the monitor's reach: skipped, not run
+    assert matrix["verify"] == {**matrix["verify"], "reach": 4, "caught": 4, "false_alarms": 0}
+    assert matrix["monitor"] == {**matrix["monitor"], "reach": 3, "caught": 2 + gained, "false_alarms": 0}
     assert {p.name for p in Path(out).iterdir()} >= {"zoo.json", "zoo.md", "zoo.png"}
+

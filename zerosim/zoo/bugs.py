@@ -7,6 +7,8 @@ with the flag off is the fixed twin. ``zerosim verify zerosim.zoo.bugs:broken_<n
 
 On the built-in GPT a dense model stands in where a report needs a mixture of experts: block 1's MLP
 plays the experts (:data:`EXPERT_PARAMS`), block 1's second norm the router (:data:`ROUTER_PARAMS`).
+The two mechanisms that exist only inside an expert-parallel exchange run on ``--model moe`` with the
+repository's expert-parallel trainer (:mod:`zerosim.zoo.moe_bugs`).
 The runs are float64; where a report rounds to bfloat16 the bug rounds to bfloat16 too, which verify's
 float64 bound sees as it sees a float32 master rounded to bfloat16.
 
@@ -376,8 +378,20 @@ class StaleSecondaryAfterLoad(ZooTrainer):
             ZooTrainer.load_into_model(self, before)
 
 
-#: the mechanism's name (``broken_<name>`` / ``fixed_<name>``) -> its class
-MECHANISMS: dict[str, type[ZooTrainer] | type[MuonPerMicroBatch]] = {
+def _moe(name: str) -> Callable[..., Any]:
+    """The class ``name`` of :mod:`zerosim.zoo.moe_bugs`, imported when it is built (that module needs
+    the expert-parallel trainer of the checkout's ``examples/``)."""
+
+    def build(model: torch.nn.Module, optim: dict, bug: bool = False) -> Any:
+        from . import moe_bugs
+
+        return getattr(moe_bugs, name)(model, optim, bug=bug)
+
+    return build
+
+
+#: the mechanism's name (``broken_<name>`` / ``fixed_<name>``) -> its class (or what builds it)
+MECHANISMS: dict[str, Callable[..., Any]] = {
     "last_micro_batch_only": LastMicroBatchOnly,
     "unscaled_accumulation": UnscaledAccumulation,
     "double_scaled_accumulation": DoubleScaledAccumulation,
@@ -404,6 +418,8 @@ MECHANISMS: dict[str, type[ZooTrainer] | type[MuonPerMicroBatch]] = {
     "resumes_from_scratch": ResumesFromScratch,
     "stale_secondary_after_load": StaleSecondaryAfterLoad,
     "muon_per_micro_batch": MuonPerMicroBatch,
+    "expert_divide_factor_skipped": _moe("ExpertDivideFactorSkipped"),
+    "token_gather_without_reduce_scatter": _moe("TokenGatherWithoutReduceScatter"),
 }
 
 

@@ -69,6 +69,12 @@ class Entry:
 
 _ACCUM = {"grad_accum": 2}
 _RESUME_OTHER_WORLD = {"resume_at": 1, "resume_world": 3}
+_MOE = {"model": "moe"}
+_SAME_WRONG_TOKEN_GRADIENT = (
+    "the token gradient is wrong inside each rank's backward, before any reduction, and the same code "
+    "computes it again on replay: the local gradients grad_accounting averages and the replayed ones "
+    "carry the same omission, every rank ends with the same averaged gradient, so only a recompute of "
+    "the layer without the exchange (verify's unsharded reference) would see it")
 _CHECKPOINT_ONLY = "a checkpoint save or load: no live run holds both sides of it"
 _LOSS_DIVISOR = ("the loss is divided by the wrong count before backward, so the local gradients the "
                  "monitor's grad_accounting projects carry the same factor as the consumed one: only a check "
@@ -132,10 +138,13 @@ ENTRIES: tuple[Entry, ...] = (
           VerifyPlan("expert_gradients_summed"), LivePlan("expert_gradients_summed")),
     Entry("pytorch-160285", "pytorch #160285", "torchtitan-style EP MoE", "expert parallel 2, MoE",
           "With EP=2 every expert gradient is exactly twice its size; the loss curves look the same.",
-          None, None,
-          verify_reason="needs an MoE model whose experts are reached through an all-to-all (not built yet): "
-                        "the doubling comes from the all-to-all's backward, which a dense model cannot make",
-          live_reason="needs an MoE model (not built yet)"),
+          VerifyPlan("expert_divide_factor_skipped", _MOE), LivePlan("expert_divide_factor_skipped"),
+          source_note="the thread reports the symptom without a root cause; pytorch PR #167178 reports it "
+                      "in the same configuration (torchtitan, EP degree equal to the world size: expert "
+                      "gradients world-size times too large) with its cause, reproduced here: the "
+                      "all-to-all's backward sums every rank's tokens into the expert gradient, and "
+                      "fully_shard skips its gradient divide factor on an expert-data-parallel group of "
+                      "one rank"),
     Entry("transformers-48687", "transformers #48687", "transformers EP (batched_mm)",
           "expert parallel, router (dense stand-in)",
           "Under expert parallelism the router receives the wrong gradient (only this rank's experts' part, "
@@ -144,10 +153,8 @@ ENTRIES: tuple[Entry, ...] = (
     Entry("nemo-automodel-1260", "NeMo Automodel PR #1260", "NeMo Automodel GroupedExperts", "EP, MoE",
           "The input all-gather across EP ranks has no reduce-scatter in its backward, so each token's "
           "gradient misses the other ranks' experts' contributions.",
-          None, None,
-          verify_reason="needs an MoE model with an all-gather of the tokens across expert ranks "
-                        "(not built yet)",
-          live_reason="needs an MoE model (not built yet)"),
+          VerifyPlan("token_gather_without_reduce_scatter", _MOE),
+          LivePlan("token_gather_without_reduce_scatter", MISS), gap=_SAME_WRONG_TOKEN_GRADIENT),
     Entry("rocm-megatron-63", "ROCm/Megatron-LM PR #63", "Megatron-LM (ROCm)", "resume at another world size",
           "A fused SwiGLU projection saved in its per-rank [gate; up] layout is read back with the new rank "
           "count, so at another GPU count its chunks land in the wrong rows.",

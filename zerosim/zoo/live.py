@@ -11,6 +11,12 @@ offline judge (``zerosim check trace``) reads the same folders afterwards (:mod:
 
 The mechanisms mirror :mod:`zerosim.zoo.bugs` on this model: ``blocks.1`` plays the experts, ``norm``
 the router and the replicated layer norm; a "shard" of the replicated model is every other parameter.
+The two mixture-of-experts mechanisms (:data:`MOE`) train verify's MoE model (``--model moe``) instead,
+its experts run through an expert-parallel exchange (:mod:`zerosim.zoo.moe_bugs`): each expert runs on
+its owner rank only, reached by the all-to-all (or the token all-gather), while every rank keeps a
+copy of every expert's weights, so that the monitor sees replicas. An expert's local gradient is then
+the sum over every rank's tokens on its owner and zeros elsewhere, and the all-reduce divided by the
+world size gives the mean, as for every other tensor.
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ MAX_NORM = 0.5  #: the clip threshold (binds on this model's first steps)
 ACCUMULATING = {"last_micro_batch_only", "unscaled_accumulation", "double_scaled_accumulation",
                 "partial_sums_in_reduce_dtype"}
 EXPERTS, ROUTER = "blocks.1.", "norm."
+#: the MoE mechanisms -> the class of :mod:`zerosim.zoo.moe_bugs` whose expert dispatch the loop runs
+MOE = {"expert_divide_factor_skipped": "ExpertDivideFactorSkipped",
+       "token_gather_without_reduce_scatter": "TokenGatherWithoutReduceScatter"}
+MOE_EXPERTS = "moe.experts."
 VIOLATION_FIELDS = ("contract", "clause", "step", "ranks", "tensor")
 Grads = dict[str, torch.Tensor]
 
@@ -58,7 +68,18 @@ class Loop:
         self.mechanism, self.bug = mechanism, bug
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(0)
-        self.model = LiveModel().double()
+        self.model: torch.nn.Module = LiveModel().double()
+        self.make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] = self._mlp_batch
+        if mechanism in MOE:
+            from ..verify.model_moe import moe_factory
+            from . import moe_bugs
+
+            self.model, make_batch = moe_factory(0)
+            self.make_batch = lambda step, index: make_batch(step, self.rank, self.world, index)
+            # the expert dispatch only: the experts' gradients are reduced and stepped by this loop
+            moe_bugs.runner_only(getattr(moe_bugs, MOE[mechanism]), self.model,
+                                 self.on("token_gather_without_reduce_scatter"))
+        self.data = torch.Generator().manual_seed(1 + self.rank)
         self.params = dict(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
         self.step_index = 0
@@ -75,8 +96,19 @@ class Loop:
             return 1.0 / count**2
         return 1.0 / count
 
+    def _mlp_batch(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(16, 8, generator=self.data, dtype=torch.float64)
+        return x, torch.randn(16, 3, generator=self.data, dtype=torch.float64)
+
+    def loss_of(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.mechanism in MOE:
+            return self.model(x, y)
+        return torch.nn.functional.mse_loss(self.model(x), y)
+
     def local_gradient(self) -> Grads:
-        grads = {n: p.grad.detach().clone() for n, p in self.params.items() if p.grad is not None}
+        # an expert that runs on another rank has no gradient here: it contributes zeros
+        grads = {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                 for n, p in self.params.items()}
         if self.on("gradient_bit_flip") and self.rank == BROKEN_RANK and self.step_index == FAULT_STEP:
             grads["blocks.0.weight"].view(-1)[:1].view(torch.int64).bitwise_xor_(1 << FLIPPED_GRAD_BIT)
         if self.on("stale_gather_in_grad_buffer") and self.step_index > 1:
@@ -96,8 +128,9 @@ class Loop:
                 mean = g / self.world
             if self.on("replicas_not_reduced") or (self.on("router_not_reduced") and name.startswith(ROUTER)):
                 mean = local
-            if self.on("expert_gradients_summed") and name.startswith(EXPERTS):
-                mean = mean * self.world
+            if (self.on("expert_gradients_summed") and name.startswith(EXPERTS)) or \
+                    (self.on("expert_divide_factor_skipped") and name.startswith(MOE_EXPERTS)):
+                mean = mean * self.world  # the sum over the ranks, not divided
             if self.on("layer_norm_replica_drift") and self.rank == BROKEN_RANK and name.startswith(ROUTER):
                 mean = mean.to(torch.float32).to(mean.dtype)
             out[name] = mean
@@ -145,7 +178,6 @@ class Loop:
         monitor = Monitor(self.model, self.optimizer, every=1, out=str(out), max_norm=MAX_NORM,
                           max_grad_norm=MAX_NORM, replay_every=1)
         count = 2 if self.mechanism in ACCUMULATING else 1
-        data = torch.Generator().manual_seed(1 + self.rank)
         for step in range(STEPS):
             self.step_index = step + 1
             current = {n: p.detach().clone() for n, p in self.params.items()}
@@ -153,12 +185,11 @@ class Loop:
             total: Grads | None = None
             loss = torch.zeros((), dtype=torch.float64)
             for index in range(count):
-                x = torch.randn(16, 8, generator=data, dtype=torch.float64)
-                y = torch.randn(16, 3, generator=data, dtype=torch.float64)
+                x, y = self.make_batch(step, index)
                 if stale is not None:
                     self._load(stale)
                 self.optimizer.zero_grad(set_to_none=True)
-                loss = torch.nn.functional.mse_loss(self.model(x), y)
+                loss = self.loss_of(x, y)
                 (loss * self.loss_factor(count)).backward()
                 if stale is not None:
                     self._load(current)
@@ -180,7 +211,7 @@ class Loop:
         """The loss of micro-batch (x, y) as the loop backpropagated it, for the monitor's replay."""
 
         def loss() -> torch.Tensor:
-            return torch.nn.functional.mse_loss(self.model(x), y) * self.loss_factor(count)
+            return self.loss_of(x, y) * self.loss_factor(count)
 
         return loss
 
