@@ -72,7 +72,7 @@ def test_the_reference_kernel_is_zerosims_own_optimizer() -> None:
     spec = OptimizerSpec("adamw", lr=1e-3)
     xp = torch_namespace("cpu")
     assert type(make_step_optimizer(spec, xp, "reference")) is type(make_optimizer(spec, xp))
-    assert OPTIMIZER_KERNELS == ("reference", "torch", "fused")
+    assert OPTIMIZER_KERNELS == ("reference", "torch", "fused", "compiled")
 
 
 def test_an_unknown_kernel_is_one_clear_line() -> None:

@@ -26,8 +26,10 @@ from zerosim.errors import ConfigError
 from zerosim.optim import OptimizerSpec, make_optimizer
 from zerosim.xp import ArrayNamespace
 
-#: ``optimizer_kernel`` values: zerosim's exact emulation, torch.optim's default kernel, torch's fused kernel
-OPTIMIZER_KERNELS = ("reference", "torch", "fused")
+#: ``optimizer_kernel`` values: zerosim's exact emulation, torch.optim's default kernel, torch's fused
+#: kernel, the reference's operations compiled into one device pass (the exact reference on the CPU:
+#: :mod:`zerogpu.compiled_kernel`)
+OPTIMIZER_KERNELS = ("reference", "torch", "fused", "compiled")
 #: elements per call of the single-tensor kernel on CPU (512 KiB of float32 per array: cache-resident)
 CPU_CHUNK = 1 << 17
 
@@ -108,4 +110,8 @@ def make_step_optimizer(spec: OptimizerSpec, xp: ArrayNamespace, kernel: str) ->
         raise ConfigError("optimizer_kernel", kernel, f"must be one of {', '.join(OPTIMIZER_KERNELS)}")
     if kernel == "reference":
         return make_optimizer(spec, xp)
+    if kernel == "compiled":
+        from .compiled_kernel import make_compiled_optimizer
+
+        return make_compiled_optimizer(spec, xp)
     return TorchKernelOptimizer(spec, xp, fused=kernel == "fused")

@@ -53,9 +53,11 @@ MIN_STEP_S = 5.0  #: a step that would get less than this of the total is not st
 PERTURB_ENV = "ZEROSIM_GPU_CHECK_PERTURB"  #: a step name: that step's comparison sees a perturbed value
 PERTURBABLE = ("trainer", "kernel")
 #: the GPU tests: the engine, NCCL and the report; the offload manager's pinned copies on a side stream;
-#: the monitor's digest and live runs on the device
+#: the monitor's digest and live runs on the device; the host optimizer stepping a gradient copied
+#: down into pinned memory; the compiled optimizer kernel against the rounding bound
 GPU_TESTS = (Path("tests") / "test_zerogpu_gpu.py", Path("tests") / "test_zerogpu_offload.py",
-             Path("tests") / "test_monitor_gpu.py")
+             Path("tests") / "test_monitor_gpu.py", Path("tests") / "test_zerogpu_host_optimizer.py",
+             Path("tests") / "test_zerogpu_compiled_kernel.py")
 
 #: each step's size on a GPU (realistic) and on the CPU (seconds on two cores)
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
