@@ -185,12 +185,6 @@ class ZeroTrainer:
         spec = whole_tensor_spec(optim) if whole else optimizer_spec(optim)
         factory = optimizer_factory(optim) if whole else None
         plan_strategy = resolve_strategy(strategy, mesh, world)
-        if whole and plan_strategy.is_hybrid:
-            # measured: Adafactor and Muon off the unsharded step from their first step on a 2x1 mesh
-            named = optim.get("name") if isinstance(optim, Mapping) else type(optim).__name__
-            raise NotImplementedError(
-                f"the whole-tensor layout (for {named}) does not yet match the unsharded "
-                f"step under hybrid sharding ({plan_strategy.name}): use zero1, zero2 or zero3")
         if partitioner is None:
             partitioner = DEFAULT_WHOLE_TENSOR_PARTITIONER if whole else "fsdp"
         rule = get_partitioner(partitioner)

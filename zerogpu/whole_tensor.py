@@ -186,10 +186,15 @@ def owned_tensors(layout: ParamLayout, owned_pieces: tuple[tuple[int, int, int],
 def rank_tensors(layout: ParamLayout, unit_plan: UnitPlan, shards_optimizer: bool, partitioner: str,
                  rank: int) -> list[OwnedTensor]:
     """The tensors world rank ``rank`` steps whole (every one when the optimizer state is replicated);
-    ConfigError when the partitioner splits a tensor between the ranks of a shard group."""
-    if not shards_optimizer or unit_plan.k == 1:
+    ConfigError when the partitioner splits a tensor between the ranks of a shard group.
+
+    Positions are read from the unit plan whenever the optimizer state is sharded, a shard group of
+    one rank included (hybrid on an ``(R, 1)`` mesh): the shard stores unit after unit, in the units'
+    order, which under ZeRO-3 and hybrid is not the global flat order (the root unit first)."""
+    if not shards_optimizer:
         return owned_tensors(layout, ((0, layout.total_numel, 0),))
-    tensor_owners(layout, unit_plan.shard_plan, partitioner)
+    if unit_plan.k > 1:
+        tensor_owners(layout, unit_plan.shard_plan, partitioner)
     return owned_tensors(layout, tuple(unit_plan.owned_global(rank % unit_plan.k)))
 
 

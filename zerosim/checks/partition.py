@@ -9,6 +9,12 @@ Clauses (each a separate ``Violation.clause``):
 * ``balance``: max - min real elements per rank <= the partitioner's ``balance_bound``; when the plan
   carries ``balance_target`` / ``balance_tolerance`` (the seed's rule), every shard is also within
   the tolerance of the target (``total // world_size``).
+* ``whole_tensor`` (a plan of a whole-tensor partitioner, ``zero-redundancy``, ``round-robin`` or
+  ``contiguous``, for the optimizer state of a StatePlan, which knows the tensors; and a live
+  trainer's ranges in a non-elementwise optimizer's phase): every tensor is owned whole by one rank of
+  its shard group, the tensor named where it is not. Such a plan's ``balance`` is its partitioner's
+  own bound (the largest tensor for ``zero-redundancy``, whole blocks for the block maps), not a flat
+  even split's.
 * ``padding``: padding never counts as data: no interval reaches outside ``[0, total)``, padding
   counts are non-negative, and when the plan declares ``padded_shard_numel`` every rank stores
   exactly that many elements (real + padding), as its collectives require.
@@ -37,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cost.optimizer_state import WHOLE_TENSOR_PARTITIONERS, split_tensors
 from ..intervals import clip, first_difference, outside, sweep, sweep_arrays
 from ..observe import MonitorObservation
 from ..partition.base import RankShard, ShardPlan, ShardTable
@@ -46,7 +53,7 @@ from .judges import judges
 from .partition_ranges import _monitor_layout, _owned_ranges
 
 CONTRACT = "C-ZERO-001"
-CLAUSES = ("well_formed", "coverage", "disjoint", "balance", "padding", "replicas")
+CLAUSES = ("well_formed", "coverage", "disjoint", "balance", "padding", "replicas", "whole_tensor")
 
 
 def _is_int(x: Any) -> bool:
@@ -281,9 +288,11 @@ def _state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
     sharded = {"params": strategy.shards_params, "grads": strategy.shards_grads,
                "optimizer": strategy.shards_optimizer}
     ranks = state_plan.ranks
+    whole = sharded["optimizer"] and base.partitioner in WHOLE_TENSOR_PARTITIONERS
     if (isinstance(ranks, RankStates) and ranks.derived(base) and len(ranks) == topo.world_size
             and ranks.flags == tuple(sharded[k] for k in STATE_KINDS)
-            and topo.world_size % base.world_size == 0):
+            and topo.world_size % base.world_size == 0
+            and not (whole and split_tensors(state_plan.layout, base))):
         fast = _check_derived(state_plan, sharded, limit)
         if fast is not None:
             return fast
@@ -310,6 +319,10 @@ def _state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
             for x in v.violations:
                 out.add_violation(dataclasses.replace(_to_global(x, members), context={**x.context, **ctx}))
             checked += v.checked
+            if whole and kind == "optimizer":
+                shards = tuple(RankShard(local, h.intervals, h.padding) for local, h in enumerate(held))
+                group_plan = ShardPlan(base.partitioner, len(members), total, shards, base.balance_bound)
+                _split_findings(state_plan.layout, group_plan, members, out, ctx)
         if not sharded[kind]:
             replicate_groups = [list(range(topo.world_size))]
         elif topo.world_size > base.world_size:
@@ -330,6 +343,19 @@ def _state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
                     ranks=(members[0], r), interval=diff, context={"state": kind})
     return out.verdict(checked, strategy=strategy.name, world_size=topo.world_size, total=total,
                        partitioner=base.partitioner, shard_group_size=base.world_size)
+
+
+def _split_findings(layout: Any, plan: ShardPlan, members: list[int], out: ViolationCollector,
+                    ctx: dict[str, Any]) -> None:
+    """Clause ``whole_tensor``: one finding, naming the tensor, for every tensor no rank of the shard
+    group ``members`` owns whole under a whole-tensor partitioner's ``plan``."""
+    for t, local in split_tensors(layout, plan):
+        held = [members[r] for r in local]
+        who = (f"ranks {held} each own part of it" if len(held) > 1
+               else f"rank {held[0]} owns only part of it" if held else "no rank owns it")
+        out.add("whole_tensor", f"tensor {t.name!r} {tuple(t.shape)} is not whole on one rank under the "
+                f"whole-tensor partitioner {plan.partitioner!r}: {who}", ranks=tuple(held) or (members[0],),
+                tensor=t.name, context=ctx)
 
 
 def _check_derived(state_plan: Any, sharded: dict[str, bool], limit: int) -> Verdict | None:

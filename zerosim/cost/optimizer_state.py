@@ -26,6 +26,13 @@ from ..partition.base import ShardPlan
 
 #: optimizers whose update of an element depends on that element alone (any flat split is correct)
 ELEMENTWISE = ("sgd", "adam", "adamw")
+#: optimizers known to combine the elements of a tensor (a slice gets another update): they need a
+#: whole-tensor layout; a user's optimizer is assumed neither way
+NON_ELEMENTWISE = ("muon", "adafactor")
+#: registered partitioners that place every tensor whole on one rank: a whole-tensor layout
+#: (``zero-redundancy``: largest first to the least loaded rank; the seed's block maps ``round-robin``
+#: and ``contiguous``: whole blocks), each judged by its own balance bound
+WHOLE_TENSOR_PARTITIONERS = ("zero-redundancy", "round-robin", "contiguous")
 
 
 def is_elementwise(optim: Mapping[str, Any]) -> bool:
@@ -59,4 +66,29 @@ def owned_whole_tensors(layout: ParamLayout, plan: ShardPlan, local: int) -> lis
     for t, g0 in zip(layout.tensors, layout.offsets, strict=True):
         if t.numel and any(s <= g0 and g0 + t.numel <= e for s, e in intervals):
             out.append(t)
+    return out
+
+
+def split_tensors(layout: ParamLayout, plan: ShardPlan) -> list[tuple[TensorSpec, tuple[int, ...]]]:
+    """Every tensor no single rank of ``plan`` owns whole, with the ranks that own part of it (none when
+    no rank owns any of it), in layout order: O((tensors + intervals) log intervals)."""
+    import bisect
+
+    pieces = sorted((s, e, r) for r in range(plan.world_size) for s, e in plan.shard(r).intervals if e > s)
+    starts = [p[0] for p in pieces]
+    out = []
+    for t, g0 in zip(layout.tensors, layout.offsets, strict=True):
+        if not t.numel:
+            continue
+        g1 = g0 + t.numel
+        covered: dict[int, int] = {}
+        # intervals that start before g1; the ones that also end after g0 meet the tensor
+        i = bisect.bisect_left(starts, g1) - 1
+        while i >= 0 and (pieces[i][1] > g0 or pieces[i][0] >= g0):
+            s, e, r = pieces[i]
+            if e > g0:
+                covered[r] = covered.get(r, 0) + min(e, g1) - max(s, g0)
+            i -= 1
+        if not any(n >= t.numel for n in covered.values()) or len(covered) != 1:
+            out.append((t, tuple(sorted(covered))))
     return out
