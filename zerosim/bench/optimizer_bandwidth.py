@@ -3,7 +3,9 @@
 ``python -m zerosim.cli.gpu_check_steps optimizer_bandwidth --device cuda --elements N --out FILE``: one flat
 float32 shard of ``N`` elements (parameter, gradient, ``exp_avg``, ``exp_avg_sq``) on the device,
 stepped by each kernel the engine can run (:data:`zerogpu.torch_kernels.OPTIMIZER_KERNELS`:
-``reference``, zerosim's exact optimizer and ZeroTrainer's default; ``torch``; ``fused``), and a
+``reference``, zerosim's exact optimizer and ZeroTrainer's default; ``torch``; ``fused``;
+``compiled``, the reference's operations fused into one pass by torch.compile, the exact reference
+on a CPU), and a
 device-to-device copy that moves the same bytes, timed the same way (device synchronised before and
 after each call, median of ``--repeats`` after one untimed call).
 
