@@ -10,7 +10,12 @@ it). Per optimizer step ``s`` (0-based, the ``step`` of :func:`~zerosim.model.sy
    by the model in ``grad_dtype`` and upcast to float32;
 4. global norm over all gradient elements (float64 sum of squares); clipping with it when
    ``spec.max_grad_norm`` is set;
-5. the full optimizer steps the float32 master.
+5. the full optimizer steps the float32 master (Muon and Adafactor: every tensor whole,
+   :func:`zerosim.optim_matrix.layout_optimizer`).
+
+``perturb`` (the estimated bound of the matrix optimizers, :mod:`zerosim.engine.matrix_bound`):
+``perturb(step, grad, terms)`` changes each step's float32 mean gradient in place before the norm,
+``terms`` the recorded mean of the local gradients' magnitudes.
 
 Because every micro-batch has the same number of tokens, the mean over the concatenation equals the
 average of per-micro-batch means, which is what data parallelism with gradient accumulation
@@ -31,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +46,8 @@ from .errors import ConfigError, require_non_negative_int, require_positive_int
 from .flat import flatten, unflatten
 from .layout import ParamLayout
 from .model import BlockModel, SimModelConfig, init_params, sim_layout, synthetic_batch
-from .optim import OptimizerSpec, apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
+from .optim import OptimizerSpec, apply_clip_, clip_coefficient, global_norm_from_sumsq
+from .optim_matrix import layout_optimizer
 from .precision import Precision
 from .xp import ArrayNamespace, get_namespace
 
@@ -146,7 +152,8 @@ def local_gradients(model: BlockModel, params: dict[str, Any], precision: Precis
 
 def train_ground_truth(cfg: SimModelConfig, spec: OptimizerSpec, precision: Precision | str, world_size: int,
                        micro_batches: int, steps: int, seed: int, xp: ArrayNamespace | str | None = None,
-                       grad_mode: str = "concat", record_terms: bool = False) -> GroundTruth:
+                       grad_mode: str = "concat", record_terms: bool = False,
+                       perturb: Callable[[int, Any, np.ndarray | None], None] | None = None) -> GroundTruth:
     """Train unsharded for ``steps`` steps and snapshot after each (see the module docstring)."""
     if not isinstance(cfg, SimModelConfig):
         raise ConfigError("cfg", cfg, "expected a SimModelConfig")
@@ -164,7 +171,7 @@ def train_ground_truth(cfg: SimModelConfig, spec: OptimizerSpec, precision: Prec
     model = BlockModel(cfg, ns)
     initial = flatten(init_params(cfg, seed), layout)
     master = ns.from_numpy(initial, copy=True)
-    opt = make_optimizer(spec, ns)
+    opt = layout_optimizer(spec, layout, ns)
     state = opt.init_state(layout.total_numel)
     gt = GroundTruth(
         cfg, spec, precision, world_size, micro_batches, seed, layout, initial.copy(), grad_mode=grad_mode
@@ -185,6 +192,8 @@ def train_ground_truth(cfg: SimModelConfig, spec: OptimizerSpec, precision: Prec
         if not (math.isfinite(loss) and ns.isfinite_all(grad)):
             gt.diverged_at = s
             break
+        if perturb is not None:
+            perturb(s, grad, terms)
         norm = global_norm_from_sumsq(ns.sum_of_squares(grad))
         unclipped = ns.to_numpy(grad, copy=True) if record_terms else None
         coef = 1.0

@@ -43,7 +43,17 @@ import numpy as np
 from .errors import ConfigError, require_non_negative_int
 from .xp import ArrayNamespace, divide_, get_namespace, namespace_of
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "muon", "adafactor")
+#: the optimizers whose update of an element depends on that element's gradient and state alone
+ELEMENTWISE = ("sgd", "adam", "adamw")
+#: torch 2.13's constructor defaults of the matrix optimizers, for the fields a spec shares with the
+#: others (``OptimizerSpec.parse`` fills them where not given)
+MATRIX_DEFAULTS: dict[str, dict[str, Any]] = {
+    "muon": {"lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "eps": 1e-7},
+    "adafactor": {"lr": 1e-2, "weight_decay": 0.0, "eps": 1e-3},
+}
+#: Muon's learning-rate adjustments (torch's ``adjust_lr_fn``; None is "original")
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6)
 CHUNK = 1 << 15  # elements per update chunk on CPU (float64 temporaries of 256 KiB: cache-resident)
 
@@ -75,8 +85,16 @@ def _real(field: str, value: Any) -> float:
 class OptimizerSpec:
     """Which optimizer and its hyper-parameters; validated like torch.optim's constructors.
 
-    ``weight_decay`` defaults to torch's default for the optimizer: 0.01 for AdamW, 0 otherwise.
-    ``max_grad_norm`` (None = no clipping) turns on global-norm clipping before the step.
+    ``weight_decay`` defaults to torch's default for the optimizer: 0.01 for AdamW, 0.1 for Muon, 0
+    otherwise. ``max_grad_norm`` (None = no clipping) turns on global-norm clipping before the step.
+
+    The matrix optimizers (not elementwise: :mod:`zerosim.optim_matrix` steps them on whole tensors)
+    read the shared fields as torch's constructors name them: Muon ``lr``, ``weight_decay``,
+    ``momentum``, ``nesterov``, ``eps`` and its own ``ns_coefficients``, ``ns_steps``,
+    ``adjust_lr_fn``, with the AdamW that steps its tensors that are not 2-D configured by
+    ``adamw_lr`` (None: ``lr``), ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay``; Adafactor
+    ``lr``, ``weight_decay``, ``eps`` (torch's ``eps[1]``) and its own ``eps1`` (torch's ``eps[0]``;
+    None: the dtype's machine epsilon), ``beta2_decay`` and ``d``.
     """
 
     name: str
@@ -88,6 +106,16 @@ class OptimizerSpec:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     max_grad_norm: float | None = None
+    beta2_decay: float = -0.8
+    eps1: float | None = None
+    d: float = 1.0
+    ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+    ns_steps: int = 5
+    adjust_lr_fn: str | None = None
+    adamw_lr: float | None = None
+    adamw_betas: tuple[float, float] = (0.9, 0.999)
+    adamw_eps: float = 1e-8
+    adamw_weight_decay: float = 0.01
 
     def __post_init__(self) -> None:
         name = str(self.name).lower()
@@ -95,7 +123,7 @@ class OptimizerSpec:
             raise ConfigError("optimizer", self.name, f"unknown optimizer; known: {', '.join(OPTIMIZERS)}")
         object.__setattr__(self, "name", name)
         if self.weight_decay is None:
-            object.__setattr__(self, "weight_decay", 1e-2 if name == "adamw" else 0.0)
+            object.__setattr__(self, "weight_decay", {"adamw": 1e-2, "muon": 0.1}.get(name, 0.0))
         for f in ("lr", "momentum", "dampening", "weight_decay", "eps"):
             v = _real(f, getattr(self, f))
             if v < 0:
@@ -107,12 +135,15 @@ class OptimizerSpec:
             raise ConfigError(
                 "nesterov", self.nesterov, "Nesterov momentum requires momentum > 0 and dampening = 0"
             )
-        if name != "sgd":
+        if name not in ("sgd", "muon"):
             for f in ("momentum", "dampening"):
                 if getattr(self, f) != 0:
                     raise ConfigError(f, getattr(self, f), f"is an SGD option; {name} has no {f}")
             if self.nesterov:
                 raise ConfigError("nesterov", self.nesterov, f"is an SGD option; {name} has no nesterov")
+        if name == "muon" and self.dampening != 0:
+            raise ConfigError("dampening", self.dampening, "is an SGD option; muon has no dampening")
+        _validate_matrix_options(self)
         given: Any = self.betas
         if isinstance(given, str):
             given = [b for b in given.replace(" ", "").split(",") if b]
@@ -137,24 +168,103 @@ class OptimizerSpec:
 
     @classmethod
     def parse(cls, name: str, **overrides: Any) -> OptimizerSpec:
-        """``OptimizerSpec.parse("adamw", lr=3e-4, max_grad_norm=1.0)``; unknown fields are rejected."""
+        """``OptimizerSpec.parse("adamw", lr=3e-4, max_grad_norm=1.0)``; unknown fields are rejected.
+        Muon and Adafactor take torch's defaults (:data:`MATRIX_DEFAULTS`) for the fields not given."""
         known = {f.name for f in fields(cls)} - {"name"}
         for key in overrides:
             if key not in known:
                 raise ConfigError(key, overrides[key], f"unknown optimizer option; known: {sorted(known)}")
-        return cls(name, **{k: v for k, v in overrides.items() if v is not None or k == "max_grad_norm"})
+        given = {k: v for k, v in overrides.items()
+                 if v is not None or k in ("max_grad_norm", "eps1", "adjust_lr_fn", "adamw_lr")}
+        defaults = MATRIX_DEFAULTS.get(str(name).lower(), {})
+        return cls(name, **{**defaults, **given})
+
+    @property
+    def elementwise(self) -> bool:
+        """Whether any split of a flat vector gives the same update (sgd, adam, adamw): a flat shard
+        may then be stepped alone; Muon and Adafactor need each tensor whole."""
+        return self.name in ELEMENTWISE
 
     @property
     def state_names(self) -> tuple[str, ...]:
-        """Names of the per-element fp32 state arrays (torch's names)."""
+        """Names of the per-element state arrays (torch's names). Muon's recipe holds Muon's
+        ``momentum_buffer`` on its 2-D tensors and AdamW's moments on the others; Adafactor's
+        factored ``row_var`` / ``col_var`` (matrices) and ``variance`` (vectors) are held expanded,
+        one value per element (:mod:`zerosim.optim_matrix`), so every state shards like the parameters."""
         if self.name == "sgd":
             return ("momentum_buffer",) if self.momentum != 0 else ()
+        if self.name == "muon":
+            return ("momentum_buffer", "exp_avg", "exp_avg_sq")
+        if self.name == "adafactor":
+            return ("row_var", "col_var", "variance")
         return ("exp_avg", "exp_avg_sq")
 
     def to_dict(self) -> dict[str, Any]:
+        """The spec as JSON-native values; the matrix optimizers' own fields only for those."""
         d = asdict(self)
         d["betas"] = list(self.betas)
+        own = {"muon": _MUON_FIELDS, "adafactor": _ADAFACTOR_FIELDS}.get(self.name, ())
+        for key in _MUON_FIELDS + _ADAFACTOR_FIELDS:
+            if key not in own:
+                d.pop(key, None)
+        for key in ("ns_coefficients", "adamw_betas"):
+            if key in d:
+                d[key] = list(d[key])
         return d
+
+
+_MUON_FIELDS = ("ns_coefficients", "ns_steps", "adjust_lr_fn", "adamw_lr", "adamw_betas", "adamw_eps",
+                "adamw_weight_decay")
+_ADAFACTOR_FIELDS = ("beta2_decay", "eps1", "d")
+
+
+def _numbers(spec: OptimizerSpec, field_name: str, count: int) -> tuple[float, ...]:
+    given: Any = getattr(spec, field_name)
+    try:
+        values = tuple(given)
+    except TypeError:
+        raise ConfigError(field_name, given, f"must be {count} numbers") from None
+    if len(values) != count:
+        raise ConfigError(field_name, given, f"must be {count} numbers")
+    return tuple(_real(field_name, v) for v in values)
+
+
+def _validate_matrix_options(spec: OptimizerSpec) -> None:
+    """The matrix optimizers' own fields, validated as torch's constructors validate them (and given
+    only to the optimizer that reads them)."""
+    defaults = {f.name: f.default for f in fields(OptimizerSpec)}
+    own = {"muon": _MUON_FIELDS, "adafactor": _ADAFACTOR_FIELDS}.get(spec.name, ())
+    for key in _MUON_FIELDS + _ADAFACTOR_FIELDS:
+        value = getattr(spec, key)
+        if key not in own and value != defaults[key] and not (isinstance(value, list)
+                                                              and tuple(value) == defaults[key]):
+            raise ConfigError(key, value, f"is not an option of {spec.name}")
+    set_ = object.__setattr__
+    set_(spec, "ns_coefficients", _numbers(spec, "ns_coefficients", 3))
+    betas = _numbers(spec, "adamw_betas", 2)
+    for i, x in enumerate(betas):
+        if not 0.0 <= x < 1.0:
+            raise ConfigError(f"adamw_betas[{i}]", x, "must be in [0, 1)")
+    set_(spec, "adamw_betas", betas)
+    if isinstance(spec.ns_steps, bool) or not isinstance(spec.ns_steps, int) or not 0 < spec.ns_steps < 100:
+        raise ConfigError("ns_steps", spec.ns_steps, "must be an integer in [1, 100) (torch's limit)")
+    if spec.adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ConfigError("adjust_lr_fn", spec.adjust_lr_fn, "must be none, original or match_rms_adamw")
+    for key in ("adamw_eps", "adamw_weight_decay", "d", "beta2_decay"):
+        set_(spec, key, _real(key, getattr(spec, key)))
+    for key in ("adamw_lr", "eps1"):
+        if getattr(spec, key) is not None:
+            v = _real(key, getattr(spec, key))
+            if v < 0:
+                raise ConfigError(key, getattr(spec, key), "must be >= 0")
+            set_(spec, key, v)
+    if spec.adamw_eps < 0 or spec.adamw_weight_decay < 0:
+        key = "adamw_eps" if spec.adamw_eps < 0 else "adamw_weight_decay"
+        raise ConfigError(key, getattr(spec, key), "must be >= 0")
+    if spec.beta2_decay > 0:
+        raise ConfigError("beta2_decay", spec.beta2_decay, "must be <= 0")
+    if spec.d < 1:
+        raise ConfigError("d", spec.d, "must be >= 1 (Adafactor's clipping threshold)")
 
 
 class _Optimizer:
@@ -417,6 +527,9 @@ def make_optimizer(spec: OptimizerSpec, xp: ArrayNamespace | str | None = None) 
     """The optimizer for ``spec`` on namespace ``xp`` (default numpy)."""
     if not isinstance(spec, OptimizerSpec):
         raise ConfigError("optimizer", spec, "expected an OptimizerSpec (use OptimizerSpec.parse)")
+    if not spec.elementwise:
+        raise ConfigError("optimizer", spec.name, "is not elementwise: it steps whole tensors; build it "
+                          "over the tensors it steps with zerosim.optim_matrix.layout_optimizer")
     cls = {"sgd": SGD, "adam": Adam, "adamw": AdamW}[spec.name]
     return cls(spec, xp)
 

@@ -45,9 +45,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="how shards are cut (default fsdp): fsdp, deepspeed, deepspeed-zero3, seed, "
                         "zero-redundancy, round-robin, contiguous")
     g.add_argument(
-        "--optimizer", default="adamw", metavar="O", help="sgd (momentum 0.9) | adam | adamw (default)"
-    )
-    g.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3)")
+        "--optimizer", default="adamw", metavar="O",
+        help="sgd (momentum 0.9) | adam | adamw (default) | muon (torch's recipe: Muon on 2-D tensors, "
+             "AdamW on the others) | adafactor; muon and adafactor are not elementwise: each tensor is "
+             "stepped whole by one owner rank (the default partitioner fsdp becomes zero-redundancy; "
+             "round-robin and contiguous also keep tensors whole)")
+    g.add_argument("--matrix-layout", default=None, choices=("whole-tensor", "flat-slices"),
+                   help="muon / adafactor: whole tensors per owner (default), or flat-slices, the "
+                        "deliberately wrong layout (each rank steps its slices as if they were tensors: "
+                        "C-ZERO-002 fails)")
+    g.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3; adafactor 1e-2)")
     g.add_argument("--max-grad-norm", default="1.0", metavar="X",
                    help="global-norm clipping threshold, or 'none' (default 1.0)")
     g.add_argument("--steps", type=int, default=3, metavar="K", help="optimizer steps (default 3)")
@@ -146,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         load=getattr(args, "load", "seed"),
         reshard_at=getattr(args, "reshard_at", None),
         zero1_grad_reduce=getattr(args, "zero1_reduce", "all_reduce"),
+        extra={} if getattr(args, "matrix_layout", None) is None else {"matrix_layout": args.matrix_layout},
     )
 
 

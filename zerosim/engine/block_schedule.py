@@ -31,6 +31,7 @@ from ..xp import ArrayNamespace
 from . import wire
 from .engine_run import EngineRun
 from .faults import EngineFault, Hook
+from .matrix_layout import engine_optimizer
 from .zero import BEFORE_REDUCTION, ZeroEngine
 
 
@@ -47,8 +48,10 @@ def tree_nbytes(xp: ArrayNamespace, obj: Any) -> int:
 
 def block_engine(comm: Communicator, run: EngineRun, xp: ArrayNamespace,
                  fault: EngineFault | None = None) -> ZeroEngine:
-    """One rank's engine driven by the block model's schedule (what ``zerosim simulate`` runs)."""
-    return ZeroEngine(comm, run, xp, BlockSchedule(), fault=fault)
+    """One rank's engine driven by the block model's schedule (what ``zerosim simulate`` runs); a matrix
+    optimizer (Muon, Adafactor) steps the tensors the rank owns whole (:mod:`.matrix_layout`)."""
+    optimizer = engine_optimizer(run, comm.rank, xp)
+    return ZeroEngine(comm, run, xp, BlockSchedule(), fault=fault, optimizer=optimizer)
 
 
 class BlockSchedule:

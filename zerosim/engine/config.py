@@ -29,6 +29,7 @@ from ..plan import StatePlan, build_plan
 from ..precision import Precision
 from ..presets import PRESETS, require_simulator_preset, simulator_presets
 from ..strategy import ShardingStrategy, StrategyKind, Topology
+from . import matrix_layout as whole_tensor
 from .fault_catalog import FAULTS, refusal
 from .injection import NanInjection, resolve_injection
 
@@ -229,6 +230,8 @@ class ResolvedRun:
         self.partition_rule: RegisteredPartitioner = get_partitioner(cfg.partitioner)  # unknown: ConfigError
         self.partitioner = cfg.partitioner
         self.spec = _optimizer_spec(cfg)
+        #: Muon / Adafactor: "whole-tensor" (or the deliberately wrong "flat-slices"); None: elementwise
+        self.matrix_layout = whole_tensor.matrix_layout(cfg.extra, self.spec, cfg.xp)
         self.precision = Precision.parse(cfg.precision)
         if cfg.offload and not self.strategy.shards_params:
             raise ConfigError(
@@ -251,10 +254,13 @@ class ResolvedRun:
         self.replicas = self.world_size // self.k
         if self.strategy.shards_optimizer and self.layout.total_numel < 1:
             raise ConfigError("model", cfg.model, "has no parameters")
+        whole = whole_tensor.needs_whole_tensors(self.spec, self.strategy, self.k, self.matrix_layout)
+        self.partitioner, self.partition_rule = whole_tensor.resolve_partitioner(self.partitioner, whole)
         # unit plan last: it runs the partitioner (cheap; O(tensors * ranks))
         self.unit_plan: UnitPlan = build_unit_plan(
             self.layout, self.strategy, self.partitioner, self.world_size
         )
+        whole_tensor.check_whole_tensors(self.layout, self.unit_plan, whole)
         if self.fault is not None:
             why_not = refusal(FAULTS[self.fault], self)
             if why_not:
@@ -326,6 +332,7 @@ class ResolvedRun:
             "zero1_grad_reduce": self.zero1_grad_reduce,
             "packed_numel": self.unit_plan.packed_numel,
             "units": len(self.unit_plan.units),
+            **({"matrix_layout": self.matrix_layout} if self.matrix_layout is not None else {}),
         }
 
 
@@ -382,12 +389,12 @@ def _optimizer_spec(cfg: RunConfig) -> OptimizerSpec:
         overrides["lr"] = cfg.lr
     if not isinstance(cfg.optimizer, str):
         raise ConfigError(
-            "optimizer", cfg.optimizer, "expected a name (sgd, adam, adamw) or an OptimizerSpec"
+            "optimizer", cfg.optimizer, "expected a name (sgd, adam, adamw, muon, adafactor) or a spec"
         )
     name = cfg.optimizer.lower()
     if name == "sgd" and "momentum" not in cfg.extra:
         overrides["momentum"] = 0.9
-    for key in ("momentum", "weight_decay", "betas", "eps", "nesterov", "dampening"):
+    for key in whole_tensor.EXTRA_OPTIONS:
         if key in cfg.extra:
             overrides[key] = cfg.extra[key]
     return OptimizerSpec.parse(name, **overrides)

@@ -22,8 +22,6 @@ Both run in one process on numpy, never sharded, never through a communicator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from ..checks.rounding import UNDERFLOW, UNIT_ROUNDOFF, OptimizerHyper, RoundingBound, StepBounds, StepValues
@@ -32,36 +30,15 @@ from ..flat import flatten, unflatten
 from ..groundtruth import GroundTruth, local_gradients, mean_gradient, train_ground_truth
 from ..layout import ParamLayout
 from ..model import BlockModel, init_params
-from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
+from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq
+from ..optim_matrix import layout_optimizer
 from ..xp import numpy_namespace
 from .config import ResolvedRun
+from .matrix_bound import matrix_independent_reference
+from .reference_steps import Reference, ReferenceStep, reduction_length
 
-
-@dataclass
-class ReferenceStep:
-    """Full (unsharded) state after step ``step`` (0-based), as float32 numpy arrays."""
-
-    step: int
-    master: np.ndarray
-    state: dict[str, np.ndarray]
-    optimizer_step: int
-    loss: float
-    grad_norm: float
-    clip_coef: float
-    grads: np.ndarray | None = None       # the clipped gradient the optimizer consumed (ordered only)
-    params: np.ndarray | None = None      # working params after the step (param dtype)
-    #: per-element rounding bounds (independent only), flat float64 by kind: "master",
-    #: "optimizer.<state name>"; and the bounds of the grad norm and the clip factor
-    bounds: dict[str, np.ndarray] | None = None
-    grad_norm_bound: float | None = None
-    clip_coef_bound: float | None = None
-
-
-@dataclass
-class Reference:
-    name: str
-    steps: list[ReferenceStep] = field(default_factory=list)
-    diverged_at: int | None = None  # the 0-based step at which it went non-finite (no ReferenceStep)
+__all__ = ["Reference", "ReferenceStep", "independent_reference", "ordered_reference", "reduction_length",
+           "rounding_bound"]
 
 
 def independent_reference(run: ResolvedRun) -> Reference:
@@ -71,7 +48,10 @@ def independent_reference(run: ResolvedRun) -> Reference:
     nothing shared with the engine but the model). bf16/fp16: ``grad_mode="micro"`` (per micro-batch
     gradients rounded to 16 bits, then averaged in float32), because that *is* the data-parallel
     computation; the concatenated batch rounds the mean gradient to 16 bits once and differs by
-    16-bit rounding, which Adam's normalisation turns into O(lr) parameter differences."""
+    16-bit rounding, which Adam's normalisation turns into O(lr) parameter differences. Muon and
+    Adafactor are not elementwise: their bound is estimated (:mod:`zerosim.engine.matrix_bound`)."""
+    if not run.spec.elementwise:  # Muon, Adafactor: an estimated per-tensor bound
+        return matrix_independent_reference(run)
     mode = "micro" if run.precision.is_mixed else "concat"
     gt = train_ground_truth(run.model_cfg, run.spec, run.precision, run.world_size, run.micro_batches,
                             run.steps, run.seed, grad_mode=mode, record_terms=True)
@@ -85,16 +65,6 @@ def independent_reference(run: ResolvedRun) -> Reference:
             bounds=flat_bounds(b, gt.layout, kinds), grad_norm_bound=b.grad_norm, clip_coef_bound=b.clip_coef,
         ))
     return ref
-
-
-def reduction_length(run: ResolvedRun) -> int:
-    """A bound on the additions along any gradient element's chain: the global batch's tokens, the
-    local gradients added across ranks and micro-batches, and 4 (layers + 1) dot products of at most
-    the widest dimension (vocabulary, width or MLP width) each."""
-    cfg = run.model_cfg
-    local = run.world_size * run.micro_batches
-    widest = max(cfg.vocab_size, cfg.d_model, cfg.d_ff)
-    return local * cfg.tokens_per_micro_batch + local + 4 * (cfg.n_layer + 1) * widest
 
 
 def rounding_bound(run: ResolvedRun, grad_mode: str | None = None) -> RoundingBound:
@@ -174,7 +144,7 @@ def ordered_reference(run: ResolvedRun) -> Reference:
     xp = numpy_namespace()
     layout, cfg, prec = run.layout, run.model_cfg, run.precision
     model = BlockModel(cfg, xp)
-    opt = make_optimizer(run.spec, xp)
+    opt = layout_optimizer(run.spec, layout, xp)
     master = flatten(init_params(cfg, run.seed), layout).astype(np.float32)
     state = opt.init_state(layout.total_numel)
     n, k, r, m_count = run.world_size, run.k, run.replicas, run.micro_batches
