@@ -9,7 +9,8 @@ the ranks start once); the world-8 case and the comparer's own test launch the r
 
 - Bitwise, where every reduction feeding the training state runs over at most
   ``BITWISE_MAX_GROUP`` (2) ranks: every strategy at world size 2, hybrid groups of 2 at 4.
-- Otherwise within ``CROSS_BACKEND_RTOL`` / ``CROSS_BACKEND_ATOL`` (MPI picks its own reduction order).
+- Otherwise every element within its derived bound (MPI picks its own reduction order):
+  :mod:`zerosim.checks.agreement`.
 - Traffic: always identical, call for call and byte for byte.
 """
 
@@ -19,12 +20,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from zerosim import datafile
+from zerosim.backend_agreement import agreement_bounds
+from zerosim.checks.agreement import bitwise_expected, compare_backends
 from zerosim.engine.spmd import RunConfig, simulate_observations
-from zerosim.mpi import BITWISE_MAX_GROUP, CROSS_BACKEND_ATOL, CROSS_BACKEND_RTOL
 from zerosim.mpi.launch import mpi_unavailable_reason, run_mpiexec
 from zerosim.observe import STORED_TYPES
 
@@ -106,55 +107,13 @@ def sim_config(world: int, strategy: str, extra: tuple[str, ...]) -> RunConfig:
                      zero1_grad_reduce=opts.get("--zero1-reduce", "all_reduce"))
 
 
-def state_arrays(step: Any) -> dict[str, np.ndarray]:
-    out = {"master": step.master.values}
-    if step.grads is not None:
-        out["grads"] = step.grads.values
-    for name, values in step.optimizer.items():
-        out[f"optimizer.{name}"] = values.values
-    if step.gathered is not None:
-        out["gathered"] = step.gathered
-    return out
-
-
-def compare(mpi: list[Any], sim: list[Any], bitwise: bool) -> int:
+def compare(mpi: list[Any], sim: list[Any], run: Any, bitwise: bool) -> int:
     """Assert agreement; return how many state elements differ in any bit (0 when bitwise)."""
-    differing = 0
-    assert [o.rank for o in mpi] == [o.rank for o in sim]
-    for m, s in zip(mpi, sim, strict=True):
-        assert (m.backend, s.backend) == ("mpi", "sim")
-        assert m.groups == s.groups
-        assert len(m.steps) == len(s.steps)
-        for ms, ss in zip(m.steps, s.steps, strict=True):
-            where = f"rank {m.rank} step {ms.step}"
-            assert ms.traffic == ss.traffic, f"{where}: traffic differs"
-            assert ms.holdings == ss.holdings, f"{where}: holdings differ"
-            np.testing.assert_allclose(
-                [ms.loss, ms.grad_norm, ms.clip_coef],
-                [ss.loss, ss.grad_norm, ss.clip_coef],
-                rtol=CROSS_BACKEND_RTOL,
-                atol=CROSS_BACKEND_ATOL,
-                err_msg=where,
-            )
-            mine, theirs = state_arrays(ms), state_arrays(ss)
-            assert mine.keys() == theirs.keys(), where
-            for name in theirs:
-                a, b = mine[name], theirs[name]
-                assert a.dtype == b.dtype and a.shape == b.shape, f"{where} {name}"
-                bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
-                n_diff = int(np.count_nonzero(a.view(bits) != b.view(bits)))
-                differing += n_diff
-                if bitwise:
-                    assert n_diff == 0, f"{where} {name}: {n_diff} of {a.size} elements differ in some bit"
-                else:
-                    np.testing.assert_allclose(
-                        a.astype(np.float64),
-                        b.astype(np.float64),
-                        rtol=CROSS_BACKEND_RTOL,
-                        atol=CROSS_BACKEND_ATOL,
-                        err_msg=f"{where} {name}",
-                    )
-    return differing
+    assert all(m.backend == "mpi" for m in mpi) and all(o.backend == "sim" for o in sim)
+    bounds = None if bitwise else agreement_bounds(run, same_local_arithmetic=True)
+    summary = compare_backends(mpi, sim, bitwise=bitwise, bounds=bounds)
+    assert summary["agrees"], summary
+    return int(summary["elements_differing"])
 
 
 @pytest.mark.parametrize(("world", "strategy", "extra"), CASES, ids=[_case_id(*c) for c in CASES])
@@ -164,14 +123,14 @@ def test_mpi_run_agrees_with_the_simulator(
     cfg = sim_config(world, strategy, extra)
     run = cfg.validate()
     # every reduction that feeds the state: over the shard group (k) and the replicate group (world / k)
-    bitwise = max(run.k, run.replicas) <= BITWISE_MAX_GROUP
+    bitwise = bitwise_expected(run.k, run.replicas, same_local_arithmetic=True)
     if world in SHARED_LAUNCH_WORLDS:
         saved = request.getfixturevalue("shared_launches")[_case_id(world, strategy, extra)]
         mpi = datafile.load(saved, types=STORED_TYPES)
     else:
         mpi = run_mpi(tmp_path, world, strategy, extra)
     sim = simulate_observations(cfg)
-    compare(mpi, sim, bitwise)
+    compare(mpi, sim, run, bitwise)
 
 
 def test_the_comparison_catches_a_different_run(tmp_path: Path) -> None:
@@ -180,4 +139,4 @@ def test_the_comparison_catches_a_different_run(tmp_path: Path) -> None:
     mpi = run_mpi(tmp_path, 2, "zero2", ())
     other = simulate_observations(sim_config(2, "zero2", ()).replace(seed=8))
     with pytest.raises(AssertionError):
-        compare(mpi, other, bitwise=False)
+        compare(mpi, other, sim_config(2, "zero2", ()).validate(), bitwise=False)

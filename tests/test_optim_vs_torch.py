@@ -48,6 +48,7 @@ from optim_rounding import (
     teacher_forced_run,
 )
 
+from zerosim.checks.rounding import UNDERFLOW, UNIT_ROUNDOFF
 from zerosim.errors import ConfigError
 from zerosim.optim import OptimizerSpec, apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
 from zerosim.xp import numpy_namespace
@@ -314,8 +315,6 @@ def test_optimizer_rejects_mismatched_shapes():
 MIXED = {"bf16": "bfloat16", "fp16": "float16"}
 
 
-MANTISSA_BITS = {"bf16": 7, "fp16": 10}
-MIN_SPACING = {"bf16": 2.0**-133, "fp16": 2.0**-24}  # spacing of the subnormals
 
 
 def _spacing16(x: np.ndarray, precision: str) -> np.ndarray:
@@ -323,7 +322,8 @@ def _spacing16(x: np.ndarray, precision: str) -> np.ndarray:
     ax = np.abs(x.astype(np.float64))
     with np.errstate(divide="ignore"):
         exp = np.floor(np.log2(np.where(ax > 0, ax, 1.0)))
-    return np.maximum(2.0 ** (exp - MANTISSA_BITS[precision]), MIN_SPACING[precision])
+    dtype = MIXED[precision]  # an ulp at 2^exp is 2 u 2^exp; the subnormals' spacing twice the underflow
+    return np.maximum(2.0 ** exp * 2 * UNIT_ROUNDOFF[dtype], 2 * UNDERFLOW[dtype])
 
 
 @pytest.mark.parametrize("precision", sorted(MIXED))

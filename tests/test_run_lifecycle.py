@@ -291,24 +291,24 @@ def _launch_result(rank_status: dict[int, int], exits: list[tuple[int, int]], st
 
 
 def test_the_verdict_tells_a_rank_that_left_from_one_the_launcher_stopped(tmp_path: Path) -> None:
-    from zerosim.verify.blame import rank_verdict
+    from zerosim.verify.blame import blame_rank
 
     for r in (0, 1):
         (tmp_path / f"rank{r}.log").write_text("")
     reset = {"rank": 1, "reporter": 0, "kind": "peer",
              "message": "dropped its connection while rank 0 waited",
              "saw": "connection reset by peer during step 3", "last_in": {"1": "step 3 (sgd): step()"}}
-    left = rank_verdict(_launch_result({0: 3}, [(1, 0), (0, 3)]), 2, tmp_path, [reset], 60.0)
+    left = blame_rank(_launch_result({0: 3}, [(1, 0), (0, 3)]), 2, tmp_path, [reset], 60.0)
     assert left.rank == 1
     assert left.message.startswith("exited with status 0 mid-run without a message (it was last in step 3")
     assert "rank 0 then saw: connection reset by peer during step 3" in left.message
     # the same rank stopped by the launcher's SIGTERM after rank 0 failed did not leave on its own
     ended = _launch_result({0: 3}, [(0, 3), (1, -15)], stopped=(1,))
-    stopped = rank_verdict(ended, 2, tmp_path, [reset], 60.0)
+    stopped = blame_rank(ended, 2, tmp_path, [reset], 60.0)
     assert "mid-run" not in stopped.message and stopped.message.startswith("dropped its connection")
     # a rank that never started (no log) did not leave mid-run either
     (tmp_path / "rank1.log").unlink()
-    assert "mid-run" not in rank_verdict(_launch_result({0: 3}, [(1, 0), (0, 3)]), 2, tmp_path, [reset],
+    assert "mid-run" not in blame_rank(_launch_result({0: 3}, [(1, 0), (0, 3)]), 2, tmp_path, [reset],
                                          60.0).message
-    timed_out = rank_verdict(_launch_result({}, [], timed_out=True), 2, tmp_path, [], 60.0)
+    timed_out = blame_rank(_launch_result({}, [], timed_out=True), 2, tmp_path, [], 60.0)
     assert (timed_out.rank, timed_out.message.split(";")[0]) == (-1, "the run did not finish within 60s")

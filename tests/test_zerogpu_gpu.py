@@ -85,7 +85,11 @@ def test_a_broken_engine_on_the_gpu_fails_its_contract() -> None:
 
 
 def test_the_gpu_report_writes_json_and_markdown(tmp_path: Path) -> None:
-    from zerogpu.gpu_report import main
+    from zerogpu.gpu_report import report
+    from zerosim.cli.gpu import report_parser
+
+    def main(argv: list[str]) -> int:
+        return report(report_parser().parse_args(argv))
 
     assert main(["--out", str(tmp_path), "--world-size", str(min(GPUS, 2))]) == 0
     doc = json.loads((tmp_path / "equivalence.json").read_text())

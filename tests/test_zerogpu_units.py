@@ -22,24 +22,25 @@ from zerosim.engine.run_file import RankRun  # noqa: E402
 from zerosim.engine.spmd import RunConfig, simulate_observations  # noqa: E402
 from zerosim.errors import EXIT_RUN_FAILED, ConfigError  # noqa: E402
 
+RUN = RunConfig(model="tiny", world_size=2, strategy="zero2", steps=1, seed=7, observe="full")
+
 
 @pytest.fixture(scope="module")
 def sim_run() -> list:
-    return simulate_observations(RunConfig(model="tiny", world_size=2, strategy="zero2", steps=1, seed=7,
-                                           observe="full"))
+    return simulate_observations(RUN)
 
 
 def test_the_comparison_accepts_the_same_run_bitwise(sim_run: list) -> None:
     again = simulate_observations(RunConfig(model="tiny", world_size=2, strategy="zero2", steps=1, seed=7,
                                             observe="full"))
-    summary = compare_with_simulator(again, sim_run, bitwise=True)
+    summary = compare_with_simulator(again, sim_run, run=RUN.validate(), bitwise=True)
     assert summary["agrees"] and summary["bitwise_equal"] and summary["elements_compared"] > 0, summary
 
 
 def test_the_comparison_catches_another_run(sim_run: list) -> None:
     other = simulate_observations(RunConfig(model="tiny", world_size=2, strategy="zero2", steps=1, seed=8,
                                             observe="full"))
-    summary = compare_with_simulator(other, sim_run, bitwise=False)
+    summary = compare_with_simulator(other, sim_run, run=RUN.validate(), bitwise=False)
     assert not summary["agrees"] and summary["max_abs_diff"] > 1e-3 and summary["problems"], summary
 
 
@@ -48,8 +49,8 @@ def test_the_bitwise_comparison_catches_one_ulp(sim_run: list) -> None:
                                               observe="full"))
     master = tweaked[1].steps[0].master.values
     master[3] = np.nextafter(master[3], np.float32(np.inf))
-    assert compare_with_simulator(tweaked, sim_run, bitwise=False)["agrees"]  # one ulp is within tolerance
-    summary = compare_with_simulator(tweaked, sim_run, bitwise=True)
+    assert compare_with_simulator(tweaked, sim_run, run=RUN.validate(), bitwise=False)["agrees"]  # one ulp
+    summary = compare_with_simulator(tweaked, sim_run, run=RUN.validate(), bitwise=True)
     assert not summary["agrees"] and summary["elements_differing"] == 1
     assert "rank 1 step 0 master: 1 of" in summary["problems"][0]
 
@@ -131,7 +132,11 @@ def test_bad_input_names_the_field_before_any_process_group(monkeypatch: pytest.
 def test_the_gpu_report_without_cuda_says_it_needs_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 
-    from zerogpu.gpu_report import main
+    from zerogpu.gpu_report import report
+    from zerosim.cli.gpu import report_parser
+
+    def main(argv: list[str]) -> int:
+        return report(report_parser().parse_args(argv))
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

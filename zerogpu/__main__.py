@@ -63,9 +63,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
         args = parse_once(equivalence_parser(), rest)
         equivalence_rank(args, lambda: torch_rank_run(args))
     elif command in ("report", "report-gpu"):
-        from .gpu_report import main as report_gpu
+        from zerosim.cli.gpu import report_parser
 
-        sys.exit(report_gpu(rest))
+        from .gpu_report import report
+
+        sys.exit(report(report_parser().parse_args(rest)))
     elif command in ("-h", "--help"):
         print(__doc__.strip())
         sys.exit(0)

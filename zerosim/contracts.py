@@ -28,6 +28,9 @@ else:  # pragma: no cover - Python 3.10 reads TOML with the tomli backport (a de
 
 CONTRACTS_ENV = "ZEROSIM_CONTRACTS_DIR"
 REQUIRED_KEYS = ("id", "title", "statement", "applies_to", "check", "tolerance")
+#: the contracts every training run is judged by: C-ZERO-001 on the run's plan, 002-005 on what its ranks
+#: observed step by step (006-008 judge checkpoints, state-dict loads and logged norms, where those occur)
+STEP_CONTRACTS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
 
 
 @dataclass(frozen=True)

@@ -179,13 +179,14 @@ class StepValues:
 @dataclass
 class StepBounds:
     """Per-element bounds after one step: parameters and optimizer state (torch.optim names), the
-    unclipped gradient, and the grad norm and clip factor."""
+    unclipped and the clipped gradient, and the grad norm and clip factor."""
 
     params: dict[str, np.ndarray]
     state: dict[str, dict[str, np.ndarray]]
     grad: dict[str, np.ndarray] = field(default_factory=dict)
     grad_norm: float = 0.0
     clip_coef: float = 0.0
+    clipped_grad: dict[str, np.ndarray] = field(default_factory=dict)  # the gradient the optimizer consumed
 
 
 def exact_clip_coefficient(max_norm: float) -> Callable[[float], float]:
@@ -234,6 +235,13 @@ class RoundingBound:
         self.dstate: dict[str, dict[str, np.ndarray]] = {}
         self.kappa = 0.0
         self._last: StepValues | None = None
+
+    def with_reduction_length(self, n: int) -> RoundingBound:
+        """A fresh bound (nothing propagated yet) with every setting of this one but the reduction
+        length ``n``: the same model applied to a chain of ``n`` reordered additions."""
+        return RoundingBound(self.hyper, u=self.u, n=n, working_cast=self.working_cast,
+                             grad_roundoff=self.grad_roundoff, grad_floor=self.grad_floor,
+                             clip_function=self.clip_function, probe=self.probe)
 
     # ---- gradient ---------------------------------------------------------------------------------
     def _secant(self, values: StepValues) -> None:
@@ -411,4 +419,4 @@ class RoundingBound:
                 dp[name] = abs(decay) * dp_prev[name] + lr * dr + 2 * gamma3 * terms
                 dstate[name] = {"exp_avg": dm, "exp_avg_sq": dv}
         self.dp, self.dstate, self._last = dp, dstate, values
-        return StepBounds(dp, dstate, raw, dnorm, dc)
+        return StepBounds(dp, dstate, raw, dnorm, dc, dg)

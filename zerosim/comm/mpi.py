@@ -16,7 +16,8 @@ Arithmetic (what makes a run comparable with the simulator, bit for bit where po
   commutative addition (``x0 + x1 == x1 + x0`` in IEEE arithmetic), so results are **bitwise equal**
   to the simulator's rank-order sum. Over more ranks MPICH / Open MPI pick recursive doubling,
   Rabenseifner or ring algorithms by message size (``(x0+x1)+(x2+x3)`` ...) while the simulator sums
-  ``((x0+x1)+x2)+x3``: results then agree to a few ulps (``zerosim.mpi.CROSS_BACKEND_RTOL`` / ``_ATOL``).
+  ``((x0+x1)+x2)+x3``: results then agree within the summation bound of
+  :func:`zerosim.checks.agreement.reordered_sum_bound`.
   ``max``, integer sums, ``all_gather`` and ``broadcast`` are exact at every size.
 - ``bfloat16`` (ml_dtypes), ``float16`` and ``bool`` have no portable MPI reduction datatype: they
   are reduced in ``float32`` and rounded back **once**, then ``avg`` divides in the 16-bit dtype like

@@ -1,7 +1,7 @@
 """What the one failure line of a ``zerosim verify`` launch says: which rank, and what happened to it.
 
 On a failing rank, :func:`failure_record` writes what that rank knows; after the launch,
-:func:`rank_verdict` weighs it with what the launcher knows. What is known after a launch that left
+:func:`blame_rank` weighs it with what the launcher knows. What is known after a launch that left
 no report, from the most to the least telling:
 
 * the failure records the ranks wrote (``failure-rank<R>.json``, :meth:`RankSession.record_failure`):
@@ -37,7 +37,7 @@ _KIND_ORDER = {"raised": 0, "hang": 1, "peer": 2}
 
 
 @dataclass(frozen=True)
-class Verdict:
+class RankBlame:
     """The rank to blame (-1: none could be named) and what happened to it, in one line."""
 
     rank: int
@@ -66,18 +66,18 @@ def _where(record: dict[str, Any] | None, rank: int) -> str:
     return f" (it was last in {last})" if last else ""
 
 
-def rank_verdict(result: Any, world: int, log_dir: Path, records: list[dict[str, Any]],
-                 launch_s: float) -> Verdict:
-    """The one verdict for a launch that ended without a report (see the module docstring)."""
+def blame_rank(result: Any, world: int, log_dir: Path, records: list[dict[str, Any]],
+                 launch_s: float) -> RankBlame:
+    """The rank to blame for a launch that ended without a report (see the module docstring)."""
     from zerogpu.spawn import SUMMARY_HEADING, diagnose_rank_death
 
     logs = f"rank output: {log_dir}"
     if result.timed_out:
-        return Verdict(-1, f"the run did not finish within {launch_s:g}s; killed every rank ({logs})")
+        return RankBlame(-1, f"the run did not finish within {launch_s:g}s; killed every rank ({logs})")
     records = sorted(records, key=lambda r: (_KIND_ORDER.get(str(r.get("kind")), 3), r.get("time", 0.0)))
     raised = [r for r in records if r.get("kind") == "raised"]
     if raised:
-        return Verdict(int(raised[0]["rank"]), f"{raised[0]['message']} ({logs})")
+        return RankBlame(int(raised[0]["rank"]), f"{raised[0]['message']} ({logs})")
     witness = records[0] if records else None
     saw = f"; rank {witness['reporter']} then saw: {witness['saw']}" if witness and "saw" in witness else ""
     early = left_mid_run(result, world, log_dir)
@@ -85,19 +85,19 @@ def rank_verdict(result: Any, world: int, log_dir: Path, records: list[dict[str,
         rank, status = next(iter(early.items()))
         others = [r for r in early if r != rank]
         also = f" (so did rank {', '.join(map(str, others))})" if others else ""
-        return Verdict(rank, f"exited with status {status} mid-run without a message{_where(witness, rank)}"
+        return RankBlame(rank, f"exited with status {status} mid-run without a message{_where(witness, rank)}"
                              f"{also}{saw} ({logs})")
     death = diagnose_rank_death(result.exits, said_why=bool(records))
     if death is not None and "killed by" in death:
         rank_text, _, how = death.partition(" failed: ")
         rank = int(rank_text.split()[1]) if rank_text.split()[1].isdigit() else -1
-        return Verdict(rank, f"{how}{_where(witness, rank)}{saw} ({logs})")
+        return RankBlame(rank, f"{how}{_where(witness, rank)}{saw} ({logs})")
     if witness is not None:
-        return Verdict(int(witness["rank"]), f"{witness['message']} ({logs})")
+        return RankBlame(int(witness["rank"]), f"{witness['message']} ({logs})")
     for rank in range(world):
         for line in failure_lines(rank_log_path(log_dir, rank)):
             rank_text = line.split()[1]
-            return Verdict(int(rank_text) if rank_text.isdigit() else -1,
+            return RankBlame(int(rank_text) if rank_text.isdigit() else -1,
                            f"{line.split(' failed: ', 1)[1]} ({logs})")
     tails = [(r, log_tail(rank_log_path(log_dir, r))) for r in range(world)]
     said = [(r, t) for r, t in tails if t]
@@ -105,7 +105,7 @@ def rank_verdict(result: Any, world: int, log_dir: Path, records: list[dict[str,
     launcher = [ln for ln in before_summary.splitlines() if ln.strip()][-3:]
     tail = " | ".join(said[0][1] if said else launcher) or "no output"
     where = f"rank {said[0][0]}'s output ends: " if said else ("the launch's output ends: " * bool(launcher))
-    return Verdict(-1, f"the ranks ended with status {result.returncode} without a report "
+    return RankBlame(-1, f"the ranks ended with status {result.returncode} without a report "
                        f"({where}{tail}; {logs})")
 
 

@@ -40,11 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checks.rounding import UNIT_ROUNDOFF
 from .reference import make_optimizer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# mantissa bits (with the implicit one) of the compute dtypes: half an ulp relative is 2^-bits
-MANTISSA_BITS = {"bfloat16": 8, "float16": 11}
 # a taken step whose gradients overflow at the trainer's scale is compared at the largest finite scale below
 MAX_SCALE_HALVINGS = 40
 
@@ -163,7 +162,7 @@ def policy_step_finite(
 
 def _perturb_copy(master: torch.nn.Module, compute: torch.nn.Module, param_dtype: str, seed: int) -> None:
     """Round each master to ``param_dtype`` after a relative change of +-half an ulp (seeded signs)."""
-    half_ulp = 2.0 ** -MANTISSA_BITS[param_dtype]
+    half_ulp = UNIT_ROUNDOFF[param_dtype]  # half an ulp, relative
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for (_, p32), (_, p) in zip(master.named_parameters(), compute.named_parameters(), strict=True):

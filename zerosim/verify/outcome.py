@@ -17,7 +17,6 @@ from typing import Any
 
 from zerosim.verdict import Verdict, Violation
 
-CONTRACT_IDS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
 #: the clauses that judge efficiency against the declared strategy's model, not the values: memory
 #: above the plan (C-ZERO-004 ``bytes``), traffic outside the ring model (C-ZERO-005 ``ring_model``)
 EFFICIENCY_CLAUSES = frozenset({"bytes", "ring_model"})

@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 from zerosim.errors import ConfigError, ZeroSimError
 from zerosim.outputs import publish_files, require_output_dir, write_text
 
-from .blame import rank_verdict
+from .blame import blame_rank
 from .errors import RankFailure, TrainerError
 from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, require_reduce_dtype_option, resolve_dtype
 from .outcome import VerifyReport
@@ -256,8 +256,8 @@ def _collect(result: Any, run_dir: Path, world: int, launch_s: float, log_dir: P
         if err.get("kind") == "config" and "field" in err:
             raise ConfigError(err["field"], err["value"], err["reason"])
         raise TrainerError(err["message"])
-    verdict = rank_verdict(result, world, log_dir, _failure_records(run_dir), launch_s)
-    raise RankFailure(verdict.rank, verdict.message)
+    blame = blame_rank(result, world, log_dir, _failure_records(run_dir), launch_s)
+    raise RankFailure(blame.rank, blame.message)
 
 
 def _failure_records(run_dir: Path) -> list[dict[str, Any]]:
