@@ -46,6 +46,7 @@ def _run(name: str, kw: dict, kernel: str, steps: int, n: int = N) -> dict[str, 
 
 @pytest.mark.parametrize("name,kw", SPECS)
 def test_fused_host_kernel_is_bitwise_the_reference_with_fma(name, kw):
+    """N is a multiple of the vector width: every element goes through the kernel's vector loop."""
     if not fused_kernel_is_exact():
         pytest.skip(f"torch's CPU capability here is {torch.backends.cpu.get_cpu_capability()} (no FMA)")
     want = _run(name, kw, "reference", 3)
@@ -157,3 +158,77 @@ def test_pinned_host_optimizer_steps_a_gradient_copied_down_from_the_gpu():
     plain.step()
     assert pinned.master.is_pinned()
     assert torch.equal(pinned.master, plain.master)
+
+
+#: piece boundaries: at odd offsets and lengths (the reference), at multiples of 16 elements (the fused
+#: kernel: its vector loop then covers every piece, as it covers the whole shard)
+ODD_CUTS = [0, 7, 1000, 1013, 50_001, 99_999, 100_003]
+VECTOR_CUTS = [0, 16, 1008, 1024, 50_000, 99_984, 100_000]
+
+
+@pytest.mark.parametrize("kernel,cuts", [("reference", ODD_CUTS), ("fused", VECTOR_CUTS)])
+@pytest.mark.parametrize("name,kw", SPECS[:3])
+def test_a_step_taken_unit_by_unit_is_the_whole_shards_step(kernel, cuts, name, kw):
+    """The schedule steps each unit's piece once its gradient has landed, pieces in backward order:
+    the same bits as the whole shard's step."""
+    if kernel == "fused" and not fused_kernel_is_exact():
+        pytest.skip(f"torch's CPU capability here is {torch.backends.cpu.get_cpu_capability()} (no FMA)")
+    n = cuts[-1]
+    spec = OptimizerSpec.parse(name, **kw)
+    whole, pieces = HostOptimizer(spec, n, kernel=kernel), HostOptimizer(spec, n, kernel=kernel)
+    gen = torch.Generator().manual_seed(2)
+    master = torch.randn(n, generator=gen)
+    whole.load_master(master)
+    pieces.load_master(master)
+    for _ in range(3):
+        grad = 1e-2 * torch.randn(n, generator=gen)
+        whole.receive_grad(grad)
+        whole.step()
+        pieces.receive_grad(grad)
+        for lo, hi in reversed(list(zip(cuts, cuts[1:], strict=False))):
+            pieces.step_piece(lo, hi)
+        pieces.finish_step()
+    assert pieces.state["step"] == whole.state["step"] == 3
+    assert torch.equal(pieces.master, whole.master)
+    for k in spec.state_names:
+        assert torch.equal(pieces.state[k], whole.state[k])
+
+
+@pytest.mark.parametrize("name,kw", SPECS[:3])
+def test_the_fused_kernels_scalar_tails_stay_within_the_rounding_bound(name, kw):
+    """Pieces of odd lengths end in the fused kernel's scalar tail (the last elements of a call that
+    fill no vector), which forms the state update with unrounded coefficients: from the second step
+    on some of those elements differ from the reference, each within its one-step bound."""
+    spec = OptimizerSpec.parse(name, **kw)
+    opt = HostOptimizer(spec, ODD_CUTS[-1], kernel="fused")
+    gen = torch.Generator().manual_seed(4)
+    opt.load_master(torch.randn(opt.numel, generator=gen))
+    before: dict[str, np.ndarray] = {}
+    for _ in range(3):
+        opt.receive_grad(1e-2 * torch.randn(opt.numel, generator=gen))
+        before = {"before_param": opt.master.numpy().copy(), "before_grad": opt.grad.numpy().copy(),
+                  **{f"before_{k}": opt.state[k].numpy().copy() for k in spec.state_names}}
+        for lo, hi in zip(ODD_CUTS, ODD_CUTS[1:], strict=False):
+            opt.step_piece(lo, hi)
+        opt.finish_step()
+    got = {**before, "after_param": opt.master.numpy().copy(),
+           **{f"after_{k}": opt.state[k].numpy().copy() for k in spec.state_names}}
+    want = _reference_step_from(spec, got)
+    bounds = _one_step_bound(name, kw, want, t=3)
+    for k, bound in bounds.items():
+        a, b = got[f"after_{k}"].astype(np.float64), want[f"after_{k}"].astype(np.float64)
+        assert np.all(np.abs(a - b) <= bound), (k, float(np.max(np.abs(a - b) - bound)))
+
+
+def test_pieces_must_tile_the_shard_once():
+    opt = HostOptimizer(OptimizerSpec.parse("adamw", lr=1e-3), 10)
+    opt.step_piece(0, 4)
+    opt.step_piece(3, 10)
+    with pytest.raises(ConfigError, match="overlap at 3"):
+        opt.finish_step()
+    opt = HostOptimizer(OptimizerSpec.parse("adamw", lr=1e-3), 10)
+    opt.step_piece(0, 4)
+    with pytest.raises(ConfigError, match=r"covered up to 4"):
+        opt.finish_step()
+    with pytest.raises(ConfigError, match="0 <= lo <= hi <= 10"):
+        opt.step_piece(5, 11)

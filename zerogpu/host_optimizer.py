@@ -22,7 +22,12 @@ whether a multiply-add is rounded once or twice: the reference rounds ``a * b + 
 ``lerp`` / ``addcmul`` / ``add(alpha=)`` on a CPU with FMA), and the fused kernel's vector loop also
 rounds it once where torch's CPU build runs with FMA (``ATEN_CPU_CAPABILITY`` ``avx2`` or
 ``avx512``), so the two are bitwise equal there (tests/test_zerogpu_host_optimizer.py checks this for
-SGD, Adam and AdamW over three steps). On the scalar build (``ATEN_CPU_CAPABILITY=default``) the
+SGD, Adam and AdamW over three steps) on every element the kernel's vector loop handles: all but the
+last ``n mod W`` of each call (W = 16 floats on AVX-512, 8 on AVX2; a shard, or a piece stepped by
+:meth:`HostOptimizer.step_piece`, whose length is a multiple of 16 has no such tail). The scalar tail
+forms the state update with unrounded (double) coefficients: from the second step on (once
+``exp_avg_sq`` is not zero) some tail elements differ from the reference, each within the bound
+below (tested on pieces of odd lengths). On the scalar build (``ATEN_CPU_CAPABILITY=default``) the
 product is rounded before the addition: each multiply-add then has two roundings, each faithful
 (``|error| <= u |result|``, u = 2^-24), which is inside the per-operation model C-ZERO-002's bound is
 derived from (:mod:`zerosim.checks.rounding`: every float32 operation faithful, the multiply-adds
@@ -51,7 +56,7 @@ FMA_CAPABILITIES = ("AVX2", "AVX512")
 
 def fused_kernel_is_exact() -> bool:
     """Whether torch's CPU kernels here run with fused multiply-adds, where ``"fused"`` is bitwise the
-    reference (``ATEN_CPU_CAPABILITY`` avx2 or avx512, on a CPU that has them)."""
+    reference on its vector loop (``ATEN_CPU_CAPABILITY`` avx2 or avx512, on a CPU that has them)."""
     return str(torch.backends.cpu.get_cpu_capability()).upper() in FMA_CAPABILITIES
 
 
@@ -86,6 +91,7 @@ class HostOptimizer:
         self._optimizer = make_step_optimizer(spec, torch_namespace("cpu"), kernel)
         self.master = _host_tensor(n, tdtype, pin_memory)
         self.grad = _host_tensor(n, tdtype, pin_memory)
+        self._pieces: list[tuple[int, int]] = []  # stepped by step_piece in the step under way
         self.state: dict[str, Any] = {"step": 0}
         for name in spec.state_names:
             self.state[name] = _host_tensor(n, tdtype, pin_memory)
@@ -151,6 +157,36 @@ class HostOptimizer:
     def step(self) -> None:
         """One optimizer step of :attr:`master` and :attr:`state` with :attr:`grad`, in place."""
         self._optimizer.step(self.master, self.grad, self.state)
+
+    def step_piece(self, lo: int, hi: int) -> None:
+        """Step elements ``[lo, hi)`` (one unit's piece of the shard, once its gradient has landed)
+        with the step count this step will have; :meth:`finish_step` ends the step after every piece.
+
+        The kernels are elementwise, so pieces stepped in any order give the whole shard's bits: for
+        the reference by construction, at any offsets; for the fused kernel where every piece's length
+        is a multiple of 16 (its vector loop then covers every element; an odd length ends in the
+        scalar tail, within the rounding bound but not bitwise: see the module docstring)."""
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= self.numel):
+            raise ConfigError("host_optimizer.piece", (lo, hi), f"must satisfy 0 <= lo <= hi <= {self.numel}")
+        piece = {"step": int(self.state["step"]), **{k: self.state[k][lo:hi] for k in self.spec.state_names}}
+        if hi > lo:
+            self._optimizer.step(self.master[lo:hi], self.grad[lo:hi], piece)
+        self._pieces.append((lo, hi))
+
+    def finish_step(self) -> None:
+        """End a step taken piece by piece: the pieces must cover the shard exactly once."""
+        covered = 0
+        for lo, hi in sorted(self._pieces):
+            if lo != covered:
+                gap = "overlap" if lo < covered else "gap"
+                raise ConfigError("host_optimizer.pieces", sorted(self._pieces),
+                                  f"must tile [0, {self.numel}) once ({gap} at {min(lo, covered)})")
+            covered = hi
+        if covered != self.numel:
+            raise ConfigError("host_optimizer.pieces", sorted(self._pieces),
+                              f"must tile [0, {self.numel}) once (covered up to {covered})")
+        self._pieces = []
+        self.state["step"] = int(self.state["step"]) + 1
 
     def _check_flat(self, field: str, t: Any) -> None:
         if not isinstance(t, torch.Tensor):
