@@ -25,10 +25,12 @@ rounds it once where torch's CPU build runs with FMA (``ATEN_CPU_CAPABILITY`` ``
 SGD, Adam and AdamW over three steps) on every element the kernel's vector loop handles: all but the
 last ``n mod W`` of each call (W = 16 floats on AVX-512, 8 on AVX2; a shard, or a piece stepped by
 :meth:`HostOptimizer.step_piece`, whose length is a multiple of 16 has no such tail). The scalar tail
-forms the state update with unrounded (double) coefficients: from the second step on (once
-``exp_avg_sq`` is not zero) some tail elements differ from the reference, each within the bound
-below (tested on pieces of odd lengths). On the scalar build (``ATEN_CPU_CAPABILITY=default``) the
-product is rounded before the addition: each multiply-add then has two roundings, each faithful
+computes the state update in double with unrounded coefficients and rounds once at the end (for
+AdamW's ``exp_avg_sq`` that formula matched all of 7 tail elements, the reference's 6): from the
+second step on (once ``exp_avg_sq`` is not zero) some tail elements differ from the reference, each
+within the bound below (tested on pieces of odd lengths). On the scalar build
+(``ATEN_CPU_CAPABILITY=default``) the product is rounded before the addition: each multiply-add then
+has two roundings, each faithful
 (``|error| <= u |result|``, u = 2^-24), which is inside the per-operation model C-ZERO-002's bound is
 derived from (:mod:`zerosim.checks.rounding`: every float32 operation faithful, the multiply-adds
 counted as a product and a sum); the test runs that build in a subprocess and compares it with
