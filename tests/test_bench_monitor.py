@@ -94,12 +94,12 @@ def test_bench_monitor_accounts_the_step_checks_time_and_projects_each_every():
 
 
 def test_bench_monitor_times_every_step_probe_method_it_names():
-    """The timed probe wraps methods StepProbe still has (a rename would leave a kind at zero), one
-    entry per kind the report lists."""
+    """The timed probe classes wrap at least one method the probe still has for every kind (a rename
+    would leave that kind at zero), one entry per kind the report lists."""
     from zerosim.bench import monitor_probe
     from zerosim.bench.monitor import STEP_KINDS
 
-    assert monitor_probe.missing_methods() == []
+    assert monitor_probe.missing_kinds() == []
     assert monitor_probe.KINDS == STEP_KINDS
 
 

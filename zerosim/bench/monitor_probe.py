@@ -7,7 +7,8 @@ projected), in the optimizer's step pre- and post-hooks (the consumed gradient p
 samples before and after, recomputed in float64), in :meth:`Monitor.replay_check` (a second forward and
 backward) and in :meth:`StepProbe.take` (the fields read back for the row). ``Monitor.seconds`` does not
 hold them, so the benchmark makes the monitor build :class:`TimedStepProbe` instead
-(:func:`timing_step_checks`) and adds :data:`SPENT` to what the monitor accounts. The row's encoding and
+(:func:`timing_step_checks`; the update's hooks in their own class where the probe keeps them there)
+and adds :data:`SPENT` to what the monitor accounts. The row's encoding and
 the judging of the step clauses run inside the monitor's timed calls and are counted there.
 
 ``without_step_checks`` takes a monitor's probe away (its hooks removed; its rows carry an empty
@@ -23,14 +24,18 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..monitor import monitor as monitor_module
+from ..monitor import step_probe as step_probe_module
 from ..monitor.step_probe import StepProbe
 
-#: check kind -> the StepProbe methods whose time it is
-TIMED = {
-    "grad_accounting": ("_local", "_consume"),
-    "update": ("_before_update", "_after_update"),
-    "replay": ("replay",),
-    "fields": ("take",),
+#: check kind -> the probe methods whose time it is, as (class, method): the class is StepProbe or, where
+#: the update's observation is a class of its own, that class (``UpdateProbe``); a method a class does not
+#: have is not timed, and a kind none of whose methods exists is named by :func:`missing_kinds`
+TIMED: dict[str, tuple[tuple[str, str], ...]] = {
+    "grad_accounting": (("StepProbe", "_local"), ("StepProbe", "_consume")),
+    "update": (("StepProbe", "_before_update"), ("StepProbe", "_after_update"),
+               ("UpdateProbe", "_before"), ("UpdateProbe", "_after")),
+    "replay": (("StepProbe", "replay"),),
+    "fields": (("StepProbe", "take"),),
 }
 KINDS = tuple(TIMED)
 #: seconds spent per kind since the last :func:`reset` (one run at a time per rank process)
@@ -66,14 +71,8 @@ def _timed(kind: str, method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def missing_methods() -> list[str]:
-    """The timed method names :class:`StepProbe` no longer has (the timing would silently miss them)."""
-    return [name for names in TIMED.values() for name in names
-            if not callable(getattr(StepProbe, name, None))]
-
-
 class TimedStepProbe(StepProbe):
-    """:class:`StepProbe` with every method of :data:`TIMED` timed into :data:`SPENT`, and the findings
+    """:class:`StepProbe` with its methods of :data:`TIMED` timed into :data:`SPENT`, and the findings
     each check's fields carry counted into :data:`CARRIED`."""
 
     def take(self, step: int) -> dict[str, Any]:
@@ -84,22 +83,38 @@ class TimedStepProbe(StepProbe):
         return fields
 
 
-for _kind, _names in TIMED.items():
-    for _name in _names:
-        if callable(getattr(TimedStepProbe, _name, None)):
-            setattr(TimedStepProbe, _name, _timed(_kind, getattr(TimedStepProbe, _name)))
+#: the probe classes the monitor builds (by the name it builds them under) and their timed subclasses
+CLASSES: dict[str, tuple[type, type]] = {"StepProbe": (StepProbe, TimedStepProbe)}
+if isinstance(getattr(step_probe_module, "UpdateProbe", None), type):
+    _update = step_probe_module.UpdateProbe
+    CLASSES["UpdateProbe"] = (_update, type("TimedUpdateProbe", (_update,), {}))
+for _kind, _methods in TIMED.items():
+    for _class, _name in _methods:
+        if _class in CLASSES and callable(getattr(CLASSES[_class][0], _name, None)):
+            _timed_class = CLASSES[_class][1]
+            setattr(_timed_class, _name, _timed(_kind, getattr(_timed_class, _name)))
+
+
+def missing_kinds() -> list[str]:
+    """The kinds none of whose timed methods the probe classes have (their time would read 0)."""
+    return [kind for kind, methods in TIMED.items()
+            if not any(c in CLASSES and callable(getattr(CLASSES[c][0], n, None)) for c, n in methods)]
 
 
 @contextmanager
 def timing_step_checks() -> Iterator[None]:
-    """Within it, a ``Monitor`` built in this process observes its steps with :class:`TimedStepProbe`
-    (the monitor module's name for the probe class, restored on leaving)."""
-    original = monitor_module.StepProbe
-    monitor_module.StepProbe = TimedStepProbe  # type: ignore[misc]
+    """Within it, a ``Monitor`` built in this process observes its steps with the timed probe classes
+    (the names the monitor and the step probe build them under, restored on leaving: the instances
+    built meanwhile keep their timed class)."""
+    homes = {"StepProbe": monitor_module, "UpdateProbe": step_probe_module}
+    saved = {name: getattr(homes[name], name) for name in CLASSES}
+    for name, (_, timed_class) in CLASSES.items():
+        setattr(homes[name], name, timed_class)
     try:
         yield
     finally:
-        monitor_module.StepProbe = original  # type: ignore[misc]
+        for name, original in saved.items():
+            setattr(homes[name], name, original)
 
 
 def without_step_checks(monitor: Any) -> None:
