@@ -100,8 +100,8 @@ def try_flag_allocation(total: int, mem: dict[str, int]) -> dict[str, Any]:
 
 
 def run(args: Any) -> int:
-    from ..cli._args import parse_int_expr, parse_int_list
     from ..cost.units import format_bytes
+    from ..int_text import parse_int_expr, parse_int_list
 
     total = parse_int_expr(str(args.total), "total")
     if total < 0:

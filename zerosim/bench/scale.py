@@ -161,7 +161,7 @@ def _exponents(points: list[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def run(args: Any) -> int:
-    from ..cli._args import parse_int_list
+    from ..int_text import parse_int_list
 
     series = [s.strip() for s in str(args.series).split(",") if s.strip()]
     for s in series:

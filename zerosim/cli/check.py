@@ -23,11 +23,12 @@ from ..check_impl import (
 )
 from ..checks.partition import CONTRACT, check_partition_plan
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
+from ..int_text import parse_int_list
 from ..layout import ParamLayout
 from ..partition import PARTITIONERS, get_partitioner
 from ..presets import PRESETS
 from ..verdict import Violation
-from ._args import parse_int_list, pipe_safe
+from ._args import pipe_safe
 from .violation_groups import DEFAULT_CASES_PER_KIND, grouped_lines
 
 
