@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
 import zerosim.verify as verify_package  # noqa: E402
 from zerosim.verify import matrix  # noqa: E402
 from zerosim.verify.errors import RankFailure  # noqa: E402
-from zerosim.verify.outcome import ContractOutcome, VerifyReport  # noqa: E402
+from zerosim.verify.outcome import ContractOutcome, Diagnosis, VerifyReport  # noqa: E402
 
 
 def _traffic_violation(step: int, rank: int) -> dict:
@@ -177,3 +177,63 @@ def test_a_precision_cell_where_no_phase_ran_reads_unsupported_not_pass() -> Non
     assert precision_label(cell) == "unsupported: sgd, adamw"
     cell["phases"]["adamw"] = "ran"
     assert precision_label(cell) == "pass; unsupported: sgd"
+
+
+_REFUSAL = ("FSDP2 cannot step adafactor on its DTensor shards: RuntimeError: aten.pow_.Scalar: "
+            "in-place operations that require placement changes are not supported.")
+_FSDP2_ADAFACTOR = f"make_trainer raised NotImplementedError ({_REFUSAL}) for adafactor"
+
+
+def test_the_optimizer_and_model_columns_run_each_adapter_once_per_column_and_show_refusals(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """One cell per (adapter, optimizer column) with that optimizer alone at its world, one per (adapter,
+    model column) with the default phases on that model; a phase the framework refuses is a cell
+    ``unsupported`` carrying the framework's words (no error, exit status unaffected), a failing
+    phase keeps its diagnosis and evidence."""
+    seen = []
+
+    def fake_verify(adapter: str, *, world: int, **options: object) -> VerifyReport:
+        seen.append((adapter, options.get("optimizers"), options.get("model"), world, options.get("steps")))
+        report = _report(adapter, world, [])
+        optimizers = options.get("optimizers") or ("sgd", "adamw")
+        report.phases = [{"name": o, "status": "ran"} for o in optimizers]  # type: ignore[union-attr]
+        if adapter == "fsdp2" and optimizers == ("adafactor",):  # every phase refused: "unsupported"
+            report.phases = [{"name": "adafactor", "status": "skipped", "reason": _FSDP2_ADAFACTOR}]
+        if adapter == "fsdp2" and optimizers == ("muon",):
+            report.contracts["C-ZERO-002"] = ContractOutcome(
+                "fail", "off", [{**_traffic_violation(1, 0), "contract": "C-ZERO-002"}],
+                details={"error_over_tolerance": 1.1e8})
+            report.diagnosis = [Diagnosis("muon-rounding-order", "0.05 from whole, 0.61 from row blocks")]
+        return report
+
+    monkeypatch.setattr(verify_package, "verify", fake_verify)
+    result = matrix.run_matrix(["ddp", "fsdp2"], optimizers=(), worlds=(),
+                               optimizer_pairs=matrix.OPTIMIZER_CELLS, model_pairs=matrix.MODEL_CELLS)
+    steps = matrix.PHASE_STEPS
+    assert seen == [run for a in ("ddp", "fsdp2")
+                    for run in [*((a, (o,), None, 2, steps) for o in ("adam", "adafactor", "muon")),
+                                (a, None, "moe", 2, 2 * steps)]]
+    cells = {(c["adapter"], c["optimizer"]): c for c in result["optimizer_cells"]}
+    assert cells[("fsdp2", "adafactor")]["verdict"] == "unsupported"
+    assert cells[("fsdp2", "muon")]["diagnosis"] == ["muon-rounding-order"]
+    assert [c["model"] for c in result["model_cells"]] == ["moe", "moe"]
+    assert matrix.matrix_exit_code(result) == 1  # the failing muon cell; the refusal is no error
+    text = matrix.render_markdown(result)
+    assert text.startswith("# Peers' optimizer and model matrix (float64, cpu,")
+    assert "| adapter | adam @ 2 | adafactor @ 2 | muon @ 2 | --model moe @ 2 | wall s |" in text, text
+    assert (f"| fsdp2 | pass 1.0e-02 | unsupported: {_REFUSAL} | "
+            "fail 1.1e+08 (step 1, C-ZERO-002); muon-rounding-order | pass 1.0e-02 |") in text, text
+    assert "- fsdp2 muon @ 2: diagnosis muon-rounding-order: 0.05 from whole, 0.61 from row blocks" in text
+    assert f"- fsdp2 adafactor @ 2: unsupported: {_FSDP2_ADAFACTOR}" in text
+    paths = matrix.write_matrix(result, tmp_path)
+    assert paths["md"].name == "verify-columns-matrix.md"
+    written = json.loads(paths["json"].read_text())
+    assert written["optimizer_pairs"] == [["adam", 2], ["adafactor", 2], ["muon", 2]]
+
+
+def test_verify_all_runs_the_optimizer_and_model_columns_by_default() -> None:
+    import inspect
+
+    defaults = inspect.signature(matrix.run_all).parameters
+    assert defaults["optimizer_pairs"].default == (("adam", 2), ("adafactor", 2), ("muon", 2))
+    assert defaults["model_pairs"].default == (("moe", 2),)

@@ -194,8 +194,8 @@ def _describe(name: str, spec: _Wrapped, args: tuple[Any, ...], kwargs: dict[str
         tensors = list(second or ())
     elif spec.payload == "second_list_times_n":  # all_gather_coalesced(output_lists, input_list)
         tensors = list(second or ()) * len(ranks)
-    else:  # input_times_n: all_gather(tensor_list, tensor)
-        tensors = [second] * len(ranks)
+    else:  # input_times_n: all_gather(tensor_list, tensor), positional or by keyword (DeepSpeed's comm)
+        tensors = [second if second is not None else kwargs.get("tensor")] * len(ranks)
     present = [t for t in tensors if t is not None]
     dtype = dtype_name(present[0]) if present else ""
     nbytes = sum(_nbytes(t) for t in tensors)

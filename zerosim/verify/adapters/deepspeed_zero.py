@@ -127,6 +127,10 @@ def deepspeed_config(stage: int, optim: dict[str, Any], world: int) -> dict[str,
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if optim["name"] == "muon":
+        config["optimizer"] = deepspeed_muon_optimizer(optim)
+        if stage == 3:  # ZeRO-3 refuses Muon with its reduce-scatter ("cannot be used together")
+            config["zero_optimization"]["reduce_scatter"] = False
     if optim["name"] == "adamw":
         config["optimizer"] = {
             "type": "AdamW",
@@ -139,6 +143,35 @@ def deepspeed_config(stage: int, optim: dict[str, Any], world: int) -> dict[str,
             },
         }
     return config
+
+
+#: torch.optim.Muon's settings DeepSpeed's Muon (MuonWithAuxAdam) has fixed: Nesterov momentum, five
+#: Newton-Schulz steps with these coefficients, the step scaled by sqrt(max(1, rows / cols))
+DEEPSPEED_MUON_FIXED = {"nesterov": True, "ns_steps": 5, "ns_coefficients": (3.4445, -4.775, 2.0315),
+                        "adjust_lr_fn": None}
+
+
+def deepspeed_muon_optimizer(optim: dict[str, Any]) -> dict[str, Any]:
+    """The config section of DeepSpeed's own Muon for the protocol's ``muon`` phase: DeepSpeed tags
+    every parameter of two or more dimensions (unless its name holds "embed" or "lm_head") for Muon,
+    the others for an AdamW (``torch_adam``: torch.optim.AdamW); ``ns_method: "standard"`` is the
+    bfloat16 Newton-Schulz iteration torch.optim.Muon runs (DeepSpeed's default "gram" runs another
+    iteration, in float16 where the accelerator has it). NotImplementedError where the phase asks for
+    what DeepSpeed's Muon fixes otherwise, or for two weight decays (DeepSpeed shares one)."""
+    for key, fixed in DEEPSPEED_MUON_FIXED.items():
+        value = optim.get(key, fixed)
+        if (tuple(value) if isinstance(value, (list, tuple)) else value) != fixed:
+            raise NotImplementedError(f"DeepSpeed's Muon fixes {key} = {fixed}; the phase asks for {value}")
+    if optim.get("weight_decay") != optim.get("adamw_weight_decay"):
+        raise NotImplementedError(
+            "DeepSpeed's Muon applies one weight decay to both halves; the phase asks for "
+            f"{optim.get('weight_decay')} (Muon) and {optim.get('adamw_weight_decay')} (AdamW)")
+    return {"type": "Muon", "params": {
+        "muon_lr": optim["lr"], "momentum": optim.get("momentum", 0.95), "ns_method": "standard",
+        "weight_decay": optim.get("weight_decay", 0.0), "adam_lr": optim.get("adamw_lr", 1e-2),
+        "betas": list(optim.get("adamw_betas", (0.9, 0.999))), "eps": optim.get("adamw_eps", 1e-8),
+        "torch_adam": True,
+    }}
 
 
 _DS_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -238,13 +271,10 @@ class DeepSpeedTrainer:
             config.update(mixed_precision_config(policy))
         arrived = ({name: p.detach().clone() for name, p in model.named_parameters()}
                    if policy is not None else None)
-        if optim["name"] == "muon":
-            raise NotImplementedError(
-                "DeepSpeed's Muon (MuonWithAuxAdam) is its own recipe, with its own Newton-Schulz kernels "
-                "built at import, not torch.optim.Muon + AdamW: not mapped by this adapter")
-        # AdamW: DeepSpeed's own; every other optimizer as a client torch.optim optimizer, which ZeRO
-        # steps on its flat float32 partitions (1-D: a matrix optimizer sees no matrix there)
-        client = build_optimizer(model.parameters(), optim) if optim["name"] != "adamw" else None
+        # AdamW and Muon: DeepSpeed's own; every other optimizer as a client torch.optim optimizer,
+        # which ZeRO steps on its flat float32 partitions (1-D: a matrix optimizer sees no matrix there)
+        own = optim["name"] in ("adamw", "muon")
+        client = build_optimizer(model.parameters(), optim) if not own else None
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=client,
@@ -326,15 +356,34 @@ class DeepSpeedTrainer:
 
         out: dict[str, dict[str, torch.Tensor]] = {}
         kept = self._state_keys_kept()
-        for name, p in self._named:
-            state = {}
-            for key in kept:
-                value = safe_get_full_optimizer_state(p, key)
-                if value is not None:
-                    state[key] = value.to(self.dtype)
-            if state:
-                out[name] = state
-        return out
+        pairs = [(name, p, key) for name, p in self._named for key in kept]
+        if self.optim_name == "muon":  # Muon's half keeps a momentum buffer, the AdamW half exp_avg, ...
+            pairs = self._linked([(name, p, key) for name, p, key in pairs
+                                  if (key == "momentum_buffer") == bool(getattr(p, "use_muon", False))])
+        for name, p, key in pairs:
+            value = safe_get_full_optimizer_state(p, key)
+            if value is not None:
+                out.setdefault(name, {})[key] = value.to(self.dtype)
+        return {name: state for name, state in out.items() if state}
+
+    @staticmethod
+    def _linked(pairs: list[tuple[str, Any, str]]) -> list[tuple[str, Any, str]]:
+        """The (name, parameter, key) of ``pairs`` whose state entry DeepSpeed's accessor can read on
+        every rank (collective: one all-reduce of a flag per pair).
+
+        Under DeepSpeed's Muon, stages 1 and 2 link a parameter's state fragment to its flat partition's
+        state when the optimizer first steps; the Muon half's parameters are linked to their momentum
+        buffer, the AdamW half's to nothing (measured: an empty fragment after the step, where
+        ``safe_get_full_optimizer_state`` raises), so the AdamW half's moments cannot be read."""
+        flags = []
+        for _, p, key in pairs:
+            mapping = getattr(p, "_hp_mapping", None)
+            fragment = getattr(mapping, "optim_fragment", None) if mapping is not None else None
+            # a rank holding no fragment of the parameter (no mapping) contributes zeros: no objection
+            flags.append(1.0 if mapping is None or key in (fragment or {}) else 0.0)
+        present = torch.tensor(flags or [1.0])
+        dist.all_reduce(present, op=dist.ReduceOp.MIN)
+        return [pair for pair, flag in zip(pairs, present.tolist(), strict=False) if flag == 1.0]
 
     def _state_keys_kept(self) -> tuple[str, ...]:
         """The optimizer's state entries DeepSpeed keeps now, the same on every rank (collective).

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from ..optimizers import is_elementwise
 from ..resources import storage_bytes
 from ._full_tensors import full_tensors
 from ._mixed_precision import MixedPolicy, loss_scale_of, mixed_optimizer_step, mixed_policy
@@ -67,6 +68,30 @@ def apply_fully_shard(
             for block in module:
                 fully_shard(block, **options)
     fully_shard(model, **options)
+
+
+def refuse_if_optimizer_raises_on_shards(params: list[Any], optim: dict[str, Any]) -> None:
+    """Step the phase's optimizer once on copies of FSDP2's sharded parameters (same DTensor shapes and
+    placements, zero gradients, on every rank: collective) and raise NotImplementedError with the
+    framework's own error when it cannot (``torch.optim.Adafactor`` raises inside DTensor); the
+    parameters themselves are left untouched."""
+    copies = []
+    for p in params:
+        copy = torch.nn.Parameter(p.detach().clone())
+        copy.grad = torch.zeros_like(copy)
+        copies.append(copy)
+    try:
+        build_optimizer(copies, optim).step()
+    except NotImplementedError as e:
+        raise NotImplementedError(f"FSDP2 cannot step {optim.get('name')} on its DTensor shards: "
+                                  f"{_first_line(e)}") from e
+    except (RuntimeError, ValueError, TypeError, AssertionError) as e:
+        raise NotImplementedError(f"FSDP2 cannot step {optim.get('name')} on its DTensor shards: "
+                                  f"{type(e).__name__}: {_first_line(e)}") from e
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def owned_range(param: Any) -> list[tuple[int, int]]:
@@ -103,6 +128,8 @@ class FSDP2Trainer:
         self.policy = mixed_policy(optim)
         self.loss_scale = loss_scale_of(self.policy)
         apply_fully_shard(model, self.mesh, reshard_after_forward, self.policy)
+        if not is_elementwise(str(optim.get("name"))):
+            refuse_if_optimizer_raises_on_shards(list(model.parameters()), optim)
         self.optimizer = build_optimizer(model.parameters(), optim)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
