@@ -3,8 +3,11 @@
 AdamW runs as DeepSpeed's own ``AdamW`` with ``torch_adam`` (torch's implementation, no extension to
 build); SGD, Adam, Adafactor and a user's optimizer as a client torch optimizer
 (``zero_allow_untested_optimizer``), which ZeRO steps on its flat float32 partitions, so Adafactor
-sees 1-D tensors there and keeps no factored statistics; Muon is not mapped (DeepSpeed's own
-``MuonWithAuxAdam`` is another recipe); clipping as
+sees 1-D tensors there and keeps no factored statistics; Muon as DeepSpeed's own ``MuonWithAuxAdam``
+(:func:`deepspeed_muon_optimizer`: torch.optim.Muon's formulas, its bfloat16 Newton-Schulz iteration,
+a torch AdamW for the other half; ZeRO-3 with ``reduce_scatter`` off, which it refuses with Muon),
+whose AdamW half's moments DeepSpeed's accessors cannot read at stages 1 and 2 (only its momentum
+buffers are compared there); clipping as
 ``gradient_clipping`` (a global norm over the partitioned gradients). Full values come from
 DeepSpeed's accessors, ``safe_get_full_fp32_param`` and ``safe_get_full_optimizer_state``, which are
 collective: every rank calls them for every parameter, in the same order.
