@@ -38,6 +38,10 @@ def test_offload_bench_reports_the_budget_held_and_bitwise_equal_training(tmp_pa
     assert perf["hits"] + perf["misses"] == perf["fetches"] > 0
     assert perf["evictions"] > 0  # the budget holds two of the three units
     assert len(report["samples_s"]["plain"]) == len(report["samples_s"]["offload"]) == 2
+    plan = report["schedule_plan"]
+    assert 0 < plan["device_peak"] <= plan["budget"] == report["device_budget_bytes"]
+    assert plan["bytes_device_to_host"] == sum(report["unit_shard_bytes"])  # every gradient shard, once
+    assert 0 < plan["ahead_fraction"] < 1
     med = report["median_step_s"]
     assert report["offload_over_plain"] == med["offload"] / med["plain"]
     assert "bitwise equal to the run without offload: yes" in run.stdout

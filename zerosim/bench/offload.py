@@ -10,7 +10,10 @@ benchmark reports:
 * the device tier's peak against its budget (the budget is C-ZERO-004's bound for that tier);
 * the offload manager's statistics: prefetch hits and misses, evictions, bytes and seconds copied,
   and the overlap fraction (on a CPU-only machine copies overlap nothing: 0 by construction);
-* whether the two runs stayed bitwise equal (they must: offload moves bits, it computes nothing).
+* whether the two runs stayed bitwise equal (they must: offload moves bits, it computes nothing);
+* the schedule a GPU step with the optimizer on the host would follow for the same units and budget
+  (:func:`zerogpu.offload_plan.plan_step`: its device peak with gradient shards counted, bytes each
+  way per step, and the share of copied bytes issued ahead of use).
 
 It runs on one rank in this process (a one-rank gloo group) unless torch.distributed is already
 initialised, as under ``torchrun ... -m zerosim bench offload`` (then every rank runs it and rank 0
@@ -82,6 +85,7 @@ def measure(args: Any) -> dict[str, Any]:
     import torch.distributed as dist
 
     from zerogpu.offload import OffloadConfig
+    from zerogpu.offload_plan import plan_step
     from zerogpu.trainer import ZeroTrainer
 
     from ..verify.model import build_model, micro_batch, parameter_count
@@ -118,6 +122,8 @@ def measure(args: Any) -> dict[str, Any]:
     assert manager is not None
     memory, perf = manager.memory_stats(), manager.performance_stats()
     medians = {k: statistics.median(v) for k, v in times.items()}
+    plan = plan_step([(u.name, u.chunk * itemsize) for u in plain.engine.units.units], budget,
+                     prefetch_depth=args.prefetch)
     return {
         "benchmark": "offload", "rank": rank, "world": world, "model": args.model,
         "parameters": parameter_count(plain.model), "device": str(device or "cpu"),
@@ -125,6 +131,7 @@ def measure(args: Any) -> dict[str, Any]:
         "device_peak_bytes": memory["device"]["peak"], "host_peak_bytes": memory["host"]["peak"],
         "median_step_s": medians, "offload_over_plain": medians["offload"] / medians["plain"],
         "samples_s": times, "bitwise_equal": equal, "memory_stats": memory, "performance_stats": perf,
+        "schedule_plan": plan.to_dict(),
         "prefetch_depth": args.prefetch, "machine": {"python": platform.python_version(),
                                                     "cpus": os.cpu_count(), "torch": torch.__version__},
     }
@@ -150,5 +157,10 @@ def _print(report: dict[str, Any], out: Path) -> None:
           f"resident hits, {perf['misses']} misses; {perf['evictions']} evictions; "
           f"{perf['bytes_host_to_device']:,} B copied in {perf['seconds_copying'] * 1e3:.1f} ms; "
           f"overlap {perf['overlap_fraction']:.2f}")
+    plan = report["schedule_plan"]
+    print(f"  the GPU schedule for these units and budget (zerogpu.offload_plan, gradient shards copied "
+          f"down): device peak {plan['device_peak']:,} B, {plan['bytes_host_to_device']:,} B up and "
+          f"{plan['bytes_device_to_host']:,} B down a step, {plan['ahead_fraction']:.2f} of it issued ahead "
+          f"of use")
     print(f"  bitwise equal to the run without offload: {'yes' if report['bitwise_equal'] else 'NO'}")
     print(f"  written: {out}")
