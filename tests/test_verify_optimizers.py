@@ -145,3 +145,30 @@ def test_fsdp2_muon_is_diagnosed_as_whole_tensor_muon_rounded_in_another_order()
     first = report.diagnosis[0]
     assert first.bug_class == "muon-rounding-order", report.to_json()
     assert "from Muon of each whole tensor" in first.evidence and "row block" in first.evidence
+
+
+def _muon_record(off: str):
+    """A muon step's record, stood in for: a 2-D tensor ``w`` cut in row blocks and a 1-D ``b`` (Muon's
+    AdamW half) cut in halves; the tensor ``off`` is 0.01 from the reference, the other exact."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from zerosim.observe import TrainerObservation
+    from zerosim.verify.observation import StepRecord
+
+    ref = {"w": np.zeros((4, 3)), "b": np.zeros(4)}
+    got = {n: v + (0.01 if n == off else 0.0) for n, v in ref.items()}
+    shards = [{"w": [(0, 6)], "b": [(0, 2)]}, {"w": [(6, 12)], "b": [(2, 4)]}]
+    ranks = [TrainerObservation("muon", 1, r, 0.0, got, None, shards[r]) for r in range(2)]
+    reference = SimpleNamespace(phase="muon", step=1, params=ref, state={})
+    bounds = SimpleNamespace(params={n: np.full(np.shape(v), 1e-12) for n, v in ref.items()})
+    return StepRecord(reference, bounds, ranks, optim=phase_config("muon"))  # type: ignore[arg-type]
+
+
+def test_muon_on_shard_is_named_for_split_matrices_never_for_the_adamw_half_alone() -> None:
+    from zerosim.verify.diagnosis_matrix import matrix_optimizer_on_shard
+
+    named = [d.bug_class for d in matrix_optimizer_on_shard(_muon_record("w"))]
+    assert named == ["matrix-optimizer-on-shard"]
+    assert matrix_optimizer_on_shard(_muon_record("b")) == []

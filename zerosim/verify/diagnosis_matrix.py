@@ -14,6 +14,9 @@ such a phase:
 * without: (Muon) every tensor beyond the bound is 2-D, Muon's, while every other tensor (AdamW's,
   elementwise, so any split is exact) is within it.
 
+A Muon phase in which only tensors of the AdamW half are off (none 2-D) is never this class: the
+AdamW half is elementwise, so no split explains it.
+
 A Muon phase whose off tensors are split can also be right up to rounding: a trainer that runs the
 Newton-Schulz iteration on whole tensors whose pieces live on several ranks (DTensor's matmuls)
 rounds its bfloat16 iteration in another order than the reference. :func:`muon_update_origin` tells
@@ -72,6 +75,8 @@ def matrix_optimizer_on_shard(first_bad: StepRecord) -> list[Diagnosis]:
     failing = _failing_tensors(first_bad, obs)
     if not failing:
         return []
+    if optimizer == "muon" and not any(np.ndim(first_bad.ref.params[n]) == 2 for n in failing):
+        return []  # only tensors of Muon's AdamW half (elementwise: exact under any split) are off
     where = f"at step {first_bad.step} ({optimizer})"
     advice = (f"{optimizer} combines the elements of each tensor, so a slice stepped as if it were the "
               "tensor gets another update: give each tensor, with its optimizer state, whole to one rank")
