@@ -286,26 +286,3 @@ def test_a_flat_partitioner_s_plan_is_not_held_to_whole_tensors() -> None:
     seed = build_plan(layout, ShardingStrategy.parse("zero2"), "seed", Topology(2))
     assert split_tensors(layout, seed.shard_plan)  # the flat split does cut tensors
     assert check_partition_plan(seed).passed
-
-
-def test_c_zero_001_names_the_tensor_a_matrix_optimizer_s_live_ranges_split() -> None:
-    """Live ranges in a Muon phase where rank 1 holds the first element of a rank-0 tensor: clause
-    ``whole_tensor`` names that tensor and both ranks; the same ranges in an AdamW phase (elementwise:
-    any split is right) pass."""
-    layout = _layout()
-    numels = {t.name: t.numel for t in layout.tensors}
-    owners = tensor_owners(layout, get_partitioner("zero-redundancy")(layout, 2), "zero-redundancy")
-    name = next(n for n, r in owners.items() if r == 0 and numels[n] > 1)
-
-    def records(phase: str) -> list[_Step]:
-        ranks = []
-        for rank in range(2):
-            shards = {n: [(0, numels[n])] if owners[n] == rank else [] for n in numels}
-            shards[name] = [(1, numels[name])] if rank == 0 else [(0, 1)]
-            ranks.append(TrainerObservation(phase, 1, rank, 0.0, {}, shards=shards))
-        return [_Step(1, phase, ranks)]
-
-    verdict = check_partition_plan(records("muon"), numels=numels)
-    assert [(v.clause, v.tensor) for v in verdict.violations] == [("whole_tensor", name)]
-    assert "muon is not elementwise" in verdict.violations[0].message
-    assert check_partition_plan(records("adamw"), numels=numels).passed

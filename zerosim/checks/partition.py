@@ -9,12 +9,11 @@ Clauses (each a separate ``Violation.clause``):
 * ``balance``: max - min real elements per rank <= the partitioner's ``balance_bound``; when the plan
   carries ``balance_target`` / ``balance_tolerance`` (the seed's rule), every shard is also within
   the tolerance of the target (``total // world_size``).
-* ``whole_tensor`` (a plan of a whole-tensor partitioner, ``zero-redundancy``, ``round-robin`` or
-  ``contiguous``, for the optimizer state of a StatePlan, which knows the tensors; and a live
-  trainer's ranges in a non-elementwise optimizer's phase): every tensor is owned whole by one rank of
-  its shard group, the tensor named where it is not. Such a plan's ``balance`` is its partitioner's
-  own bound (the largest tensor for ``zero-redundancy``, whole blocks for the block maps), not a flat
-  even split's.
+* ``whole_tensor`` (the optimizer state of a StatePlan, which knows the tensors, under a
+  whole-tensor partitioner: ``zero-redundancy``, ``round-robin`` or ``contiguous``): every tensor is
+  owned whole by one rank of its shard group, the tensor named where it is not. Such a plan's
+  ``balance`` is its partitioner's own bound (the largest tensor for ``zero-redundancy``, whole
+  blocks for the block maps), not a flat even split's.
 * ``padding``: padding never counts as data: no interval reaches outside ``[0, total)``, padding
   counts are non-negative, and when the plan declares ``padded_shard_numel`` every rank stores
   exactly that many elements (real + padding), as its collectives require.

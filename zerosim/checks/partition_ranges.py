@@ -5,11 +5,11 @@ observed ranges instead of a plan.
 
 Every element of every parameter is owned (clause ``coverage``), no rank lists an element twice and no
 two ranks share one (``disjoint``), and the most and least loaded ranks differ by at most the largest
-tensor (``balance``: the bound greedy placement of whole tensors guarantees, so a whole-tensor layout
-is judged by its own rule, and the message then names that tensor). In a phase of an optimizer known
-not to be elementwise (Muon, Adafactor; a user's optimizer is assumed neither way) the layout must
-be whole-tensor: a rank that owns part of a tensor, not all of it, fails clause ``whole_tensor``
-naming the tensor and the ranks that share it. A hybrid layout (every element owned by the same
+tensor, which the message names (``balance``: the bound greedy placement of whole tensors guarantees,
+so a whole-tensor layout is judged by its own rule, and a flat split by a looser one than its own).
+Whether a matrix optimizer (Muon, Adafactor) got whole tensors is left to the values (C-ZERO-002 and
+the ``matrix-optimizer-on-shard`` diagnosis): a trainer may keep a tensor's state sharded and still
+compute on the whole tensor, as FSDP2's DTensor does. A hybrid layout (every element owned by the same
 number k > 1 of ranks) holds when ranks whose ranges meet own identical ranges (replicas of one
 shard), each such group has k members, and one rank of each group covers every element exactly once
 (``replicas``). The layout is inferred from the ranges alone; given a mesh (R replicas of S shard
@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from ..cost.optimizer_state import NON_ELEMENTWISE
 from ..observe import MonitorObservation, TrainerStep
 from ..verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
@@ -98,7 +97,6 @@ def _ranges_layout(
     owners = {n: np.zeros(numels[n], dtype=object if len(ranks) > 62 else np.int64) for n in numels}
     count = {n: np.zeros(numels[n], dtype=np.int64) for n in numels}
     owned = dict.fromkeys(ranks, 0)
-    held: dict[str, dict[int, int]] = {n: {} for n in numels}  # tensor -> rank -> elements it owns
     phase, step = rec.phase, rec.step
     for o in rec.ranks:
         bit = 1 << o.rank
@@ -120,8 +118,7 @@ def _ranges_layout(
                 mine[start:stop] = True
             owners[name][mine] |= bit
             count[name][mine] += 1
-            held[name][o.rank] = int(mine.sum())
-            owned[o.rank] += held[name][o.rank]
+            owned[o.rank] += int(mine.sum())
     all_counts = np.concatenate([c for c in count.values()]) if count else np.zeros(0, dtype=np.int64)
     for name, c in count.items():
         if (c == 0).any():
@@ -158,11 +155,8 @@ def _ranges_layout(
             )
     if mesh is not None:
         _follows_mesh(rec, mesh, k, owners, out)
-    whole = phase in NON_ELEMENTWISE
-    if whole:
-        _whole_tensors(rec, numels, held, out)
     largest = max(numels.values()) if numels else 0
-    biggest = f"{max(numels, key=lambda n: numels[n])!r}, " if whole and numels else ""
+    biggest = f"{max(numels, key=lambda n: numels[n])!r}, " if numels else ""
     if k <= 1:
         loads = [owned[r] for r in ranks]
         if loads and max(loads) - min(loads) > largest:
@@ -249,26 +243,6 @@ def _ranges_layout(
             tolerance=largest,
         )
     return f"hybrid: {len(groups)} shard(s) x {k} replicas"
-
-
-def _whole_tensors(rec: TrainerStep, numels: dict[str, int], held: dict[str, dict[int, int]],
-                   out: ViolationCollector) -> None:
-    """Clause ``whole_tensor``: in a non-elementwise optimizer's phase no rank owns part of a tensor
-    (it owns all of it, with its state, or none of it)."""
-    for name, numel in numels.items():
-        partial = sorted(r for r, n in held[name].items() if 0 < n < numel)
-        if not partial:
-            continue
-        sharing = sorted(r for r, n in held[name].items() if n > 0)
-        out.add(
-            "whole_tensor",
-            f"whole_tensor: {rec.phase} is not elementwise, so each tensor needs one owner per shard "
-            f"group holding all of it, but tensor {name!r} ({numel} elements) is split: rank "
-            f"{partial[0]} owns {held[name][partial[0]]} of its elements (ranks {sharing} share it)",
-            {"ranks": sharing},
-            phase=rec.phase, step=rec.step, ranks=(partial[0],), tensor=name, interval=(0, numel),
-            expected=numel, got=held[name][partial[0]],
-        )
 
 
 def _follows_mesh(

@@ -26,9 +26,6 @@ from ..partition.base import ShardPlan
 
 #: optimizers whose update of an element depends on that element alone (any flat split is correct)
 ELEMENTWISE = ("sgd", "adam", "adamw")
-#: optimizers known to combine the elements of a tensor (a slice gets another update): they need a
-#: whole-tensor layout; a user's optimizer is assumed neither way
-NON_ELEMENTWISE = ("muon", "adafactor")
 #: registered partitioners that place every tensor whole on one rank: a whole-tensor layout
 #: (``zero-redundancy``: largest first to the least loaded rank; the seed's block maps ``round-robin``
 #: and ``contiguous``: whole blocks), each judged by its own balance bound
