@@ -36,7 +36,8 @@ def register(sub: Any) -> None:
         help="train on N simulated ranks with the reference ZeRO engine and check C-ZERO-001..005",
         description="Train the simulator model with the reference ZeRO engine on N ranks (in this process, "
         "or under mpiexec with --backend mpi) and check the plan (C-ZERO-001), then the step contracts "
-        "C-ZERO-002..005 against ground truth, the plan and the ring communication model.",
+        "C-ZERO-002..005 against ground truth, the plan and the ring communication model. "
+        "--optimizer muon|adafactor (not elementwise) steps each tensor whole on one owner rank.",
     )
     add_run_arguments(p)
     p.add_argument("--write-config", default=None, metavar="FILE",
