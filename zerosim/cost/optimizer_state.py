@@ -21,6 +21,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from ..layout import ParamLayout, TensorSpec
 from ..partition.base import ShardPlan
 
@@ -68,24 +70,35 @@ def owned_whole_tensors(layout: ParamLayout, plan: ShardPlan, local: int) -> lis
 
 def split_tensors(layout: ParamLayout, plan: ShardPlan) -> list[tuple[TensorSpec, tuple[int, ...]]]:
     """Every tensor no single rank of ``plan`` owns whole, with the ranks that own part of it (none when
-    no rank owns any of it), in layout order: O((tensors + intervals) log intervals)."""
-    import bisect
+    no rank owns any of it), in layout order.
 
-    pieces = sorted((s, e, r) for r in range(plan.world_size) for s, e in plan.shard(r).intervals if e > s)
-    starts = [p[0] for p in pieces]
+    Array arithmetic over the plan's intervals sorted by start, O((tensors + intervals) log
+    intervals), without a RankShard per rank (a plan of 2^20 ranks is a few arrays): a tensor is
+    whole when the last interval starting at or before it covers it and no other interval starts
+    inside it (overlapping intervals are the ``disjoint`` clause's finding, not this one's).
+    """
+    table = plan.table
+    if table is not None:
+        starts, ends, owners = table.starts, table.ends, table.owners()
+    else:
+        rows = [(s, e, r) for r in range(plan.world_size) for s, e in plan.shard(r).intervals]
+        starts, ends, owners = (np.array([row[i] for row in rows], dtype=object if rows else np.int64)
+                                for i in range(3))
+    keep = ends > starts
+    order = np.argsort(starts[keep], kind="stable")
+    s, e, o = starts[keep][order], ends[keep][order], owners[keep][order]
+    numels = np.array([t.numel for t in layout.tensors], dtype=np.int64)
+    g0 = np.array(layout.offsets, dtype=np.int64)
+    g1 = g0 + numels
+    if s.dtype == object:  # values beyond int64: compare as Python ints
+        g0, g1 = g0.astype(object), g1.astype(object)
+    last = np.searchsorted(s, g0, side="right") - 1
+    inside = np.searchsorted(s, g1, side="left") - np.searchsorted(s, g0, side="right")
+    at = np.clip(last, 0, max(len(s) - 1, 0))
+    covered = (last >= 0) & (e[at] >= g1) if len(s) else np.zeros(len(g0), dtype=bool)
+    bad = np.flatnonzero((numels > 0) & ~(covered & (inside == 0)))
     out = []
-    for t, g0 in zip(layout.tensors, layout.offsets, strict=True):
-        if not t.numel:
-            continue
-        g1 = g0 + t.numel
-        covered: dict[int, int] = {}
-        # intervals that start before g1; the ones that also end after g0 meet the tensor
-        i = bisect.bisect_left(starts, g1) - 1
-        while i >= 0 and (pieces[i][1] > g0 or pieces[i][0] >= g0):
-            s, e, r = pieces[i]
-            if e > g0:
-                covered[r] = covered.get(r, 0) + min(e, g1) - max(s, g0)
-            i -= 1
-        if not any(n >= t.numel for n in covered.values()) or len(covered) != 1:
-            out.append((t, tuple(sorted(covered))))
+    for i in bad:
+        meet = (s < g1[i]) & (e > g0[i])
+        out.append((layout.tensors[i], tuple(sorted({int(r) for r in o[meet]}))))
     return out
