@@ -286,3 +286,22 @@ def test_a_flat_partitioner_s_plan_is_not_held_to_whole_tensors() -> None:
     seed = build_plan(layout, ShardingStrategy.parse("zero2"), "seed", Topology(2))
     assert split_tensors(layout, seed.shard_plan)  # the flat split does cut tensors
     assert check_partition_plan(seed).passed
+
+
+def test_c_zero_001_holds_a_whole_tensor_plan_to_its_partitioner_s_balance_bound() -> None:
+    """A zero-redundancy StatePlan whose optimizer state gives rank 1 only the smallest tensor keeps
+    every tensor whole (no ``whole_tensor`` finding) but is further apart than the largest tensor,
+    zero-redundancy's bound: ``balance`` fails with both ranks and the bound."""
+    layout = ParamLayout.from_config("tiny")
+    state = build_plan(layout, ShardingStrategy.parse("zero2"), "zero-redundancy", Topology(2))
+    smallest = min((t for t in layout.tensors if t.numel), key=lambda t: t.numel)
+    g0, g1 = layout.tensor_range(smallest.name)
+    rest = tuple(iv for iv in ((0, g0), (g1, layout.total_numel)) if iv[1] > iv[0])
+    ranks = list(state.ranks)
+    ranks[0] = dataclasses.replace(ranks[0], optimizer=RankShard(0, rest))
+    ranks[1] = dataclasses.replace(ranks[1], optimizer=RankShard(1, ((g0, g1),)))
+    verdict = check_partition_plan(dataclasses.replace(state, ranks=tuple(ranks)))
+    assert [v.clause for v in verdict.violations] == ["balance"], verdict.violations
+    bound = max(t.numel for t in layout.tensors)
+    assert verdict.violations[0].expected == bound and verdict.violations[0].got > bound
+    assert set(verdict.violations[0].ranks) == {0, 1}
