@@ -178,3 +178,29 @@ def test_c_zero_007_resumes_whole_tensor_state_bitwise(tmp_path, optimizer):
     uninterrupted = train_and_save(here, 4, None)
     same(uninterrupted[0], [s for s, _ in load_and_snapshot(here, saved, continue_steps=(2, 4))], here.layout,
          "resume")
+
+
+def test_c_zero_001_judges_the_whole_tensor_state_plan():
+    """The simulator's plan check of a Muon run includes the StatePlan's whole_tensor clause: a plan
+    that calls itself zero-redundancy but cuts tensors (fsdp's split under that name) fails it,
+    naming a tensor."""
+    import dataclasses
+
+    from zerosim.engine.run_result import plan_verdict
+    from zerosim.partition import get_partitioner
+    from zerosim.partition.base import RegisteredPartitioner
+    from zerosim.plan import build_plan
+
+    run = RunConfig(optimizer="muon", strategy="zero3", world_size=4).resolve()
+    correct = plan_verdict(run)
+    assert correct.passed
+    assert correct.checked > plan_verdict(RunConfig(strategy="zero3", world_size=4,
+                                                    partitioner="zero-redundancy").resolve()).checked
+    fsdp = get_partitioner("fsdp")
+    posing = RegisteredPartitioner(
+        "zero-redundancy", "fsdp's split under another name",
+        lambda layout, ws: dataclasses.replace(fsdp(layout, ws), partitioner="zero-redundancy"))
+    run.__dict__["state_plan"] = build_plan(run.layout, run.strategy, posing, run.topology)
+    broken = plan_verdict(run)
+    whole = [v for v in broken.violations if v.clause == "whole_tensor"]
+    assert whole and all(v.tensor for v in whole)

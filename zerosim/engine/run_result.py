@@ -69,9 +69,14 @@ class RunResult:
 
 
 def plan_verdict(run: ResolvedRun) -> Verdict:
-    """C-ZERO-001 on the partition the run trains with: one shard group's plan (every group has it)."""
-    return check_partition_plan(run.unit_plan.shard_plan, context={"partitioner": run.unit_plan.partitioner,
-                                                                   "shard_group_size": run.k})
+    """C-ZERO-001 on the partition the run trains with: one shard group's plan (every group has it); a
+    matrix optimizer's whole-tensor layout also on the run's StatePlan, whose ``whole_tensor`` clause
+    holds every tensor's optimizer state whole on one rank of each shard group."""
+    context = {"partitioner": run.unit_plan.partitioner, "shard_group_size": run.k}
+    verdict = check_partition_plan(run.unit_plan.shard_plan, context=context)
+    if getattr(run, "matrix_layout", None) == "whole-tensor" and run.strategy.shards_optimizer:
+        verdict.extend(check_partition_plan(run.state_plan))
+    return verdict
 
 
 def plan_refused_result(run: ResolvedRun, verdict: Verdict) -> RunResult:
