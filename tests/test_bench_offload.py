@@ -42,6 +42,8 @@ def test_offload_bench_reports_the_budget_held_and_bitwise_equal_training(tmp_pa
     assert 0 < plan["device_peak"] <= plan["budget"] == report["device_budget_bytes"]
     assert plan["bytes_device_to_host"] == sum(report["unit_shard_bytes"])  # every gradient shard, once
     assert 0 < plan["ahead_fraction"] < 1
+    for row in report["schedule_sweep"]:  # budgets of 2, 3 and every unit, prefetch depths 1 and 2
+        assert 0 < row["device_peak"] <= row["budget"] and row["prefetch_depth"] in (1, 2)
     med = report["median_step_s"]
     assert report["offload_over_plain"] == med["offload"] / med["plain"]
     assert "bitwise equal to the run without offload: yes" in run.stdout

@@ -25,6 +25,12 @@ or *blocking* (a miss, the last gradient copy). ``ahead_fraction`` = ahead bytes
 what the schedule allows to overlap with compute: the measured overlap on a GPU can reach it only if
 each copy is no longer than the compute it runs beside.
 
+A unit's gradient is taken as ready right after its own backward compute, in ``backward_order``.
+A unit whose gradients complete later than its parameters are gathered (a root unit holding both the
+embedding, whose gradient comes last, and the head, used first) is modelled by its place in
+``backward_order``: the default order (registration order reversed) puts such a root last, where its
+gradient completes; the fetches it needs earlier are then counted as a later fetch.
+
 The plan raises :class:`zerogpu.offload_config.OffloadBudgetError` when the budget cannot hold what
 one event needs (a unit in use and, with ``offload_optimizer``, two gradient shards).
 tests/test_zerogpu_offload_plan.py replays every plan through a real OffloadManager on the CPU and

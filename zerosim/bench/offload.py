@@ -13,7 +13,8 @@ benchmark reports:
 * whether the two runs stayed bitwise equal (they must: offload moves bits, it computes nothing);
 * the schedule a GPU step with the optimizer on the host would follow for the same units and budget
   (:func:`zerogpu.offload_plan.plan_step`: its device peak with gradient shards counted, bytes each
-  way per step, and the share of copied bytes issued ahead of use).
+  way per step, and the share of copied bytes issued ahead of use), and the same for budgets of the 2,
+  3 and all largest units at prefetch depths 1 and 2.
 
 It runs on one rank in this process (a one-rank gloo group) unless torch.distributed is already
 initialised, as under ``torchrun ... -m zerosim bench offload`` (then every rank runs it and rank 0
@@ -122,8 +123,10 @@ def measure(args: Any) -> dict[str, Any]:
     assert manager is not None
     memory, perf = manager.memory_stats(), manager.performance_stats()
     medians = {k: statistics.median(v) for k, v in times.items()}
-    plan = plan_step([(u.name, u.chunk * itemsize) for u in plain.engine.units.units], budget,
-                     prefetch_depth=args.prefetch)
+    units = [(u.name, u.chunk * itemsize) for u in plain.engine.units.units]
+    plan = plan_step(units, budget, prefetch_depth=args.prefetch)
+    sweep = [{"budget_units": k, "prefetch_depth": d, **plan_step(units, sum(chunks[-k:]), prefetch_depth=d)
+              .to_dict()} for k in sorted({2, 3, len(chunks)}) if k <= len(chunks) for d in (1, 2)]
     return {
         "benchmark": "offload", "rank": rank, "world": world, "model": args.model,
         "parameters": parameter_count(plain.model), "device": str(device or "cpu"),
@@ -131,7 +134,7 @@ def measure(args: Any) -> dict[str, Any]:
         "device_peak_bytes": memory["device"]["peak"], "host_peak_bytes": memory["host"]["peak"],
         "median_step_s": medians, "offload_over_plain": medians["offload"] / medians["plain"],
         "samples_s": times, "bitwise_equal": equal, "memory_stats": memory, "performance_stats": perf,
-        "schedule_plan": plan.to_dict(),
+        "schedule_plan": plan.to_dict(), "schedule_sweep": sweep,
         "prefetch_depth": args.prefetch, "machine": {"python": platform.python_version(),
                                                     "cpus": os.cpu_count(), "torch": torch.__version__},
     }
