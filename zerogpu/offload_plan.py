@@ -26,8 +26,8 @@ what the schedule allows to overlap with compute: the measured overlap on a GPU 
 each copy is no longer than the compute it runs beside.
 
 A unit's gradient is taken as ready right after its own backward compute, in ``backward_order``.
-A unit whose gradients complete later than its parameters are gathered (a root unit holding both the
-embedding, whose gradient comes last, and the head, used first) is modelled by its place in
+A unit whose gradients complete later than its parameters are gathered (a root unit holding the
+embedding, whose gradient comes last, and parameters used first in backward) is modelled by its place in
 ``backward_order``: the default order (registration order reversed) puts such a root last, where its
 gradient completes; the fetches it needs earlier are then counted as a later fetch.
 
