@@ -87,6 +87,7 @@ def test_bench_monitor_accounts_the_step_checks_time_and_projects_each_every():
     hundred = table["every=100+step-checks"]
     assert hundred["projected"] == pytest.approx(1 + 13.0 / (100 * 10.0))
     assert hundred["projected_from"] == "every=1+step-checks"
+    assert hundred["step_check_ms"] is None and hundred["all_check_ms"] is None  # no check step observed
     assert table["every=1"]["projected"] == pytest.approx(1 + 2.0 / 10.0)
     support = step_check_support(summarize(rows, steps=10))
     assert support == [{"adapter": "ddp", "variant": "every=1+step-checks", **carried,

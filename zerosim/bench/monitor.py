@@ -102,8 +102,8 @@ def summarize(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
     over the step time without it (the ratio the checks alone explain, free of the step time's noise),
     the step checks' hooks and replay included (``step_check_s``). With step checks, also
     ``step_check_carried`` (the check steps the probe observed in the timed steps, and per kind those
-    whose fields carried its finding), ``step_check_ms`` (per kind, ms per observed check step) and
-    ``all_check_ms`` (``check_ms`` plus them).
+    whose fields carried its finding), ``step_check_ms`` (per kind, ms per observed check step; None
+    where none was observed) and ``all_check_ms`` (``check_ms`` plus them).
     ``off`` rows: ratio 1 and the spread of the runs without the monitor around their median.
     Then :func:`project`."""
     out = []
@@ -142,10 +142,13 @@ def summarize(rows: list[dict[str, Any]], steps: int) -> list[dict[str, Any]]:
             if "step_check_s" in runs[0]:
                 carried = {k: sum(r["step_check_carried"].get(k, 0) for r in runs)
                            for k in ("observed", *STEP_KINDS[:-1])}
-                row["step_check_ms"] = {
-                    k: 1e3 * sum(r["step_check_s"].get(k, 0.0) for r in runs) / max(1, carried["observed"])
+                # per check step observed; none observed (an every=100 run too short to hold one): no
+                # figure per check, the seconds of the steps not due still count in accounted
+                row["step_check_ms"] = None if not carried["observed"] else {
+                    k: 1e3 * sum(r["step_check_s"].get(k, 0.0) for r in runs) / carried["observed"]
                     for k in STEP_KINDS}
-                row["all_check_ms"] = row["check_ms"] + sum(row["step_check_ms"].values())
+                row["all_check_ms"] = None if row["step_check_ms"] is None else \
+                    row["check_ms"] + sum(row["step_check_ms"].values())
                 row["step_check_carried"] = carried
                 row["step_checks_off"] = runs[0].get("step_checks_off")
             out.append(row)
@@ -164,7 +167,8 @@ def project(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if spec is None:
             continue
         family = [r for r in table if r["adapter"] == row["adapter"] and VARIANTS[r["variant"]] is not None
-                  and VARIANTS[r["variant"]][1] == spec[1] and r["checks"] > 0]  # type: ignore[index]
+                  and VARIANTS[r["variant"]][1] == spec[1] and r["checks"] > 0  # type: ignore[index]
+                  and r.get("step_check_ms", {}) is not None]
         if not family:
             row["projected"] = row["projected_from"] = None
             continue
@@ -305,7 +309,7 @@ def _print(report: dict[str, Any]) -> None:
               f"{'violations':>10}")
     for row in report["table"]:
         projected = row.get("projected")
-        extra = row["all_check_ms"] - row["check_ms"] if "all_check_ms" in row else None
+        extra = row["all_check_ms"] - row["check_ms"] if row.get("all_check_ms") is not None else None
         print(f"{row['adapter']:<16} {row['variant']:<21} {row['step_ms']:>8.3f} {row['ratio']:>6.3f} "
               f"{row['ratio_min']:>5.3f}-{row['ratio_max']:<5.3f} {row['accounted']:>9.4f} "
               f"{'' if projected is None else f'{projected:.4f}':>9} "
