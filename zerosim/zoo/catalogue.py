@@ -109,9 +109,8 @@ ENTRIES: tuple[Entry, ...] = (
           "ZeRO-3, Muon, accumulation of 2 micro-batches (modelled on replicated parameters)",
           "ZeRO-3 applies Muon's Newton-Schulz once per micro-batch inside the gradient reduce, so momentum "
           "advances K times per step on partial gradients.",
-          VerifyPlan("muon_per_micro_batch", {"optimizers": "muon", "grad_accum": 2}), None,
-          live_reason="the live loop trains with AdamW; under Muon every rank would apply the same K "
-                      "updates, which only an update recompute (planned) would see"),
+          VerifyPlan("muon_per_micro_batch", {"optimizers": "muon", "grad_accum": 2}),
+          LivePlan("muon_per_micro_batch")),
     Entry("pytorch-170862", "pytorch #170862", "PyTorch FSDP2", "FSDP2, clip_grad_norm_",
           "clip_grad_norm_ on FSDP2's sharded gradients returns the norm of this rank's shard and clips by "
           "it, not by the norm over every parameter.",

@@ -4,7 +4,8 @@ Every rank runs ``python -m zerosim.zoo.live RESULTS OUT MECHANISM [MECHANISM...
 on the CPU; :func:`zerogpu.launch.run_ranks` in the runner). For each mechanism it trains a small
 float64 MLP twice, with the bug and as the fixed twin, in the loop a hand-written data-parallel job
 has: local backward per micro-batch, the gradient averaged over ranks, accumulated, clipped by its
-norm, AdamW, with :class:`zerosim.monitor.Monitor` checking every step (``every=1``) into
+norm, AdamW (the Muon entry: Muon on the matrices, AdamW on the rest, the Monitor given the Muon
+optimizer), with :class:`zerosim.monitor.Monitor` checking every step (``every=1``) into
 ``OUT/<mechanism>/<broken|fixed>/``. Rank 0 appends one JSON line per run to RESULTS: the mechanism,
 whether the bug was on, the monitor's checks and violations (contract, clause, step, ranks). The
 offline judge (``zerosim check trace``) reads the same folders afterwards (:mod:`zerosim.zoo.runner`).
@@ -36,7 +37,8 @@ from .bugs import BROKEN_RANK, FAULT_STEP, FLIPPED_GRAD_BIT, FLIPPED_WEIGHT_BIT,
 STEPS = 6  #: optimizer steps per run, each checked by the monitor
 MAX_NORM = 0.5  #: the clip threshold (binds on this model's first steps)
 ACCUMULATING = {"last_micro_batch_only", "unscaled_accumulation", "double_scaled_accumulation",
-                "partial_sums_in_reduce_dtype"}
+                "partial_sums_in_reduce_dtype", "muon_per_micro_batch"}
+MUON = "muon_per_micro_batch"  #: the mechanism that trains with the Muon recipe
 EXPERTS, ROUTER = "blocks.1.", "norm."
 #: the MoE mechanisms -> the class of :mod:`zerosim.zoo.moe_bugs` whose expert dispatch the loop runs
 MOE = {"expert_divide_factor_skipped": "ExpertDivideFactorSkipped",
@@ -82,6 +84,11 @@ class Loop:
         self.data = torch.Generator().manual_seed(1 + self.rank)
         self.params = dict(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        self.muon: torch.optim.Optimizer | None = None
+        self.matrices = [n for n, p in self.params.items() if p.ndim == 2]
+        if mechanism == MUON:  # the Muon recipe: Muon on the matrices, AdamW on the rest
+            self.muon = torch.optim.Muon([self.params[n] for n in self.matrices], lr=1e-2)
+            self.optimizer = torch.optim.AdamW([p for n, p in self.params.items() if p.ndim != 2], lr=1e-2)
         self.step_index = 0
         self.previous: Grads | None = None
 
@@ -175,7 +182,7 @@ class Loop:
     def run(self, out: Path) -> dict:
         from ..monitor import Monitor
 
-        monitor = Monitor(self.model, self.optimizer, every=1, out=str(out), max_norm=MAX_NORM,
+        monitor = Monitor(self.model, self.muon or self.optimizer, every=1, out=str(out), max_norm=MAX_NORM,
                           max_grad_norm=MAX_NORM, replay_every=1)
         count = 2 if self.mechanism in ACCUMULATING else 1
         for step in range(STEPS):
@@ -183,29 +190,42 @@ class Loop:
             current = {n: p.detach().clone() for n, p in self.params.items()}
             stale = self.previous if self.on("forward_on_previous_weights") else None
             total: Grads | None = None
+            shares: list[Grads] = []
             loss = torch.zeros((), dtype=torch.float64)
             for index in range(count):
                 x, y = self.make_batch(step, index)
                 if stale is not None:
                     self._load(stale)
-                self.optimizer.zero_grad(set_to_none=True)
+                self.model.zero_grad(set_to_none=True)
                 loss = self.loss_of(x, y)
                 (loss * self.loss_factor(count)).backward()
                 if stale is not None:
                     self._load(current)
                 if index == count - 1:  # the step's last micro-batch, backward again on the same data
                     monitor.replay_check(step, self._replay(x, y, count))
-                total = self.accumulate(total, self.reduce(self.local_gradient()))
+                shares.append(self.reduce(self.local_gradient()))
+                total = self.accumulate(total, shares[-1])
             assert total is not None
             clip_norm, logged = self.norms(total)
             coefficient = min(MAX_NORM / (clip_norm + 1e-6), 1.0)
-            for name, p in self.params.items():
-                p.grad = total[name] * coefficient
-            self.optimizer.step()
+            self.step_optimizers(total, shares, coefficient)
             self.previous = current
             self.after_update()
             monitor.after_step(step, loss=loss.detach(), grad_norm=logged)
         return monitor.close()
+
+    def step_optimizers(self, total: Grads, shares: list[Grads], coefficient: float) -> None:
+        """The clipped step. The Muon recipe steps Muon on the matrices once on the step's gradient; with
+        the bug once per micro-batch on that micro-batch's share, all at the same weights (momentum
+        advances K times, Newton-Schulz orthogonalises each partial gradient)."""
+        for name, p in self.params.items():
+            p.grad = total[name] * coefficient
+        if self.muon is not None:
+            for part in shares if self.on(MUON) else [total]:
+                for name in self.matrices:
+                    self.params[name].grad = part[name] * coefficient
+                self.muon.step()
+        self.optimizer.step()
 
     def _replay(self, x: torch.Tensor, y: torch.Tensor, count: int) -> Callable[[], torch.Tensor]:
         """The loss of micro-batch (x, y) as the loop backpropagated it, for the monitor's replay."""
