@@ -136,6 +136,8 @@ def need_ranges(value: Any, path: str) -> dict[str, list[tuple[int, int]]]:
 
 #: the step checks' fields of a monitor's trace line and the field names their findings carry
 UPDATE_NUMBERS = ("expected", "got", "bound")
+#: the optimizers whose update formula a trace may name (zerosim.checks.update_formula.FORMULAS)
+UPDATE_FORMULAS = ("SGD", "Adam", "AdamW", "Adafactor", "Muon")
 REPLAY_NUMBERS = ("contributed", "first", "second", "bound")
 
 
@@ -186,38 +188,104 @@ def _finding(value: Any, path: str, numbers: tuple[str, ...], counts: tuple[str,
     return out
 
 
-def _samples(value: Any) -> list[dict[str, Any]]:
+#: the formulas whose samples are whole tensors, and each one's hyperparameters that are not numbers
+_WHOLE = ("Adafactor", "Muon")
+
+
+def _hyper(hp: dict[str, Any], where: str, optimizer: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, v in hp.items():
+        path = f"{where}.hp.{key}"
+        if key == "betas":  # each in [0, 1): a bias correction 1 - beta**t stays positive
+            need_list(v, path, 2)
+            out[key] = [_finite(b, f"{path}[{j}]") for j, b in enumerate(v)]
+            if not all(0 <= b < 1 for b in out[key]):
+                raise fail(path, v, "must be two numbers in [0, 1)")
+        elif key == "eps" and isinstance(v, list):  # Adafactor's (eps1 or null, eps2)
+            need_list(v, path, 2)
+            out[key] = [None if e is None and j == 0 else _finite(e, f"{path}[{j}]") for j, e in enumerate(v)]
+            if any(e is not None and e < 0 for e in out[key]):
+                raise fail(path, v, "must hold numbers that are not negative")
+        elif key == "ns_coefficients":
+            need_list(v, path, 3)
+            out[key] = [_finite(c, f"{path}[{j}]") for j, c in enumerate(v)]
+        elif key == "adjust_lr_fn":
+            out[key] = None if v is None else need_str(v, path)
+        elif isinstance(v, bool):
+            out[key] = v
+        else:
+            out[key] = _finite(v, path)
+    need_key(out, "lr")
+    if optimizer in ("Adam", "AdamW"):  # the Adam family's formula needs both
+        for key in ("eps", "betas"):
+            if key not in out:
+                raise fail(f"{where}.hp.{key}", None, "is missing")
+    if isinstance(out.get("eps"), float) and not out["eps"] > 0:
+        raise fail(f"{where}.hp.eps", out["eps"], "must be a positive number")
+    if optimizer == "Adafactor":
+        if not out.get("d", 1.0) >= 1:
+            raise fail(f"{where}.hp.d", out["d"], "must be at least 1")
+        if not out.get("beta2_decay", -0.8) <= 0:
+            raise fail(f"{where}.hp.beta2_decay", out["beta2_decay"], "must be at most 0")
+    steps = out.get("ns_steps", 5)
+    if optimizer == "Muon" and not (0 <= steps < 100 and float(steps).is_integer()):
+        raise fail(f"{where}.hp.ns_steps", out["ns_steps"], "must be a whole number below 100")
+    return out
+
+
+def _sizes(shape: list[int], optimizer: str) -> dict[str, int]:
+    """How many values each entry of a whole-tensor sample of ``shape`` holds."""
+    n = math.prod(shape)
+    if optimizer == "Adafactor" and len(shape) >= 2:
+        return {"row_var": n // shape[-1], "col_var": n // shape[-2]}
+    return {}
+
+
+def _update_samples(value: Any, optimizer: str) -> list[dict[str, Any]]:
+    """The update samples of a trace line, each field checked: finite numbers, betas in [0, 1) (a bias
+    correction stays positive), the Adam family's eps positive and present with its betas; a whole-tensor
+    sample (Adafactor, Muon) with a ``shape`` of positive sizes whose entries hold as many values as it
+    gives (Adafactor's ``row_var`` / ``col_var`` one per row / column), Adafactor's ``d`` at least 1 and
+    ``beta2_decay`` at most 0, Muon's matrix 2-D and its ``ns_steps`` a count below 100 (as torch
+    requires), its twins' ``ns_spread`` a non-negative number."""
     samples = []
     for i, s in enumerate(need_list(value, "update_samples")):
         where = f"update_samples[{i}]"
         s = need_object(s, where)
         grad = _numbers(need_key(s, "grad"), f"{where}.grad")
+        out: dict[str, Any] = {}
+        sizes: dict[str, int] = {}
+        if optimizer in _WHOLE:
+            shape = need_list(need_key(s, "shape"), f"{where}.shape")
+            if (not shape or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)
+                    or math.prod(shape) != len(grad) or (optimizer == "Muon" and len(shape) != 2)):
+                count = "two" if optimizer == "Muon" else "any number of"
+                raise fail(f"{where}.shape", shape, f"must be {count} positive sizes whose product is grad's "
+                           f"length ({len(grad)})")
+            out["shape"] = list(shape)
+            sizes = _sizes(shape, optimizer)
+            if s.get("ns_spread") is not None:
+                out["ns_spread"] = _finite(s["ns_spread"], f"{where}.ns_spread")
+                if out["ns_spread"] < 0:
+                    raise fail(f"{where}.ns_spread", s["ns_spread"], "must not be negative")
         parts = {}
         for key in ("pre", "post"):
             entries = need_object(need_key(s, key), f"{where}.{key}")
             # the monitor writes every entry it has as a list (an entry it lacks is left out)
             parts[key] = {e: _numbers(v, f"{where}.{key}.{e}") for e, v in entries.items()}
-            if any(len(v) != len(grad) for v in parts[key].values()):
-                raise fail(f"{where}.{key}", entries, "must hold as many values per entry as grad")
+            for e, v in parts[key].items():
+                want = sizes.get(e, len(grad))
+                if len(v) != want:
+                    raise fail(f"{where}.{key}.{e}", entries[e], f"must hold {want} values (as many as grad, "
+                               "or one per row / column of the tensor)")
         if "param" not in parts["pre"] or "param" not in parts["post"]:
             raise fail(where, s, "must hold the parameter before and after the step")
-        hp = need_object(need_key(s, "hp"), f"{where}.hp")
-        need_key(hp, "lr")
-        for key, v in hp.items():
-            if key == "betas":  # each in [0, 1): a bias correction 1 - beta**t stays positive
-                need_list(v, f"{where}.hp.betas", 2)
-                hp[key] = [_finite(b, f"{where}.hp.betas[{j}]") for j, b in enumerate(v)]
-                if not all(0 <= b < 1 for b in hp[key]):
-                    raise fail(f"{where}.hp.betas", v, "must be two numbers in [0, 1)")
-            elif not isinstance(v, bool):
-                hp[key] = _finite(v, f"{where}.hp.{key}")
-        if "eps" in hp and not hp["eps"] > 0:
-            raise fail(f"{where}.hp.eps", hp["eps"], "must be a positive number")
+        hp = _hyper(need_object(need_key(s, "hp"), f"{where}.hp"), where, optimizer)
         step = need_number(need_key(s, "step"), f"{where}.step", non_negative=True, nan=False)
         if not step < 2**53:  # a count of steps: a whole number a float holds exactly
             raise fail(f"{where}.step", step, "must be below 2**53")
         samples.append({"tensor": need_str(need_key(s, "tensor"), f"{where}.tensor"), "hp": hp,
-                        "step": step, "grad": grad, **parts})
+                        "step": step, "grad": grad, **parts, **out})
     return samples
 
 
@@ -229,16 +297,15 @@ def step_check_fields(record: dict[str, Any]) -> dict[str, Any]:
     if record.get("update") is not None:
         update = _finding(record["update"], "update", UPDATE_NUMBERS, ("checked", "bad"))
         update["optimizer"] = need_str(need_key(update, "optimizer"), "update.optimizer")
+        if update["optimizer"] not in UPDATE_FORMULAS:
+            raise fail("update.optimizer", update["optimizer"],
+                       f"must be one of {', '.join(UPDATE_FORMULAS)}")
         update["worst_ratio"] = need_number(need_key(update, "worst_ratio"), "update.worst_ratio",
                                             non_negative=True)
         out["update"] = update
     if record.get("update_samples") is not None:
-        out["update_samples"] = _samples(record["update_samples"])
-        if out.get("update", {}).get("optimizer", "SGD") != "SGD":  # the Adam family's formula needs both
-            for i, sample in enumerate(out["update_samples"]):
-                for key in ("eps", "betas"):
-                    if key not in sample["hp"]:
-                        raise ConfigError(f"update_samples[{i}].hp.{key}", None, "is missing")
+        optimizer = out.get("update", {}).get("optimizer", "SGD")
+        out["update_samples"] = _update_samples(record["update_samples"], optimizer)
     if record.get("replay") is not None:
         replay = _finding(record["replay"], "replay", REPLAY_NUMBERS, ("checked", "step"))
         out["replay"] = replay

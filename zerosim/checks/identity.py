@@ -11,9 +11,10 @@
 * **Monitored runs** (:class:`~zerosim.observe.MonitorObservation`): every rank that holds a piece of a
   tensor (the same flat element range) holds a piece with the same digest (clause ``identical``), the
   odd rank out named the same way; where no copy is held by more ranks than every other (two ranks
-  that differ), the ranks are said to disagree and none is named, unless some of them (not all) have
-  an update that departs from their own optimizer's formula (C-ZERO-002 ``update``): those are named;
-  pieces held by one rank only are not compared.
+  that differ), the ranks are said to disagree and none is named; either way, a rank whose own update
+  departs from its optimizer's formula (C-ZERO-002 ``update``) and whose copy no rank with a sound
+  update holds is named instead, as the evidence outranks a count; pieces held by one rank only are
+  not compared.
 """
 
 from __future__ import annotations
@@ -257,16 +258,24 @@ def _digest_identity(observations: Sequence[MonitorObservation], contract: str) 
             if len(by_digest) == 1:
                 continue
             sizes = sorted((len(m) for m in by_digest.values()), reverse=True)
-            evidence = [r for r in holders if (step, r) in departed]
-            if sizes[0] == sizes[1] and evidence and len(evidence) < len(holders):
-                # no majority, but these ranks' own updates depart from their optimizer's formula
+            digest_of = {r: d for d, members in by_digest.items() for r in members}
+            sound = {digest_of[r] for r in holders if (step, r) not in departed}
+            # ranks whose own update departs from their optimizer's formula and whose copy no rank with a
+            # sound update holds: named, with a majority or without one (a majority can be wrong)
+            evidence = [r for r in holders if (step, r) in departed and digest_of[r] not in sound]
+            if evidence and sound:
                 others = [r for r in holders if r not in evidence]
                 for rank in evidence:
                     out.add("identical", f"rank {rank}'s copy of {name}[{start}:{stop}] differs bitwise from "
                             f"rank(s) {','.join(map(str, others))}, and rank {rank}'s update departs from "
                             "its optimizer's formula (C-ZERO-002 update)",
                             step=step, ranks=(rank,), tensor=name, interval=(start, stop))
-                continue
+                # the sound ranks' copies are compared among themselves as below
+                by_digest = {d: m for d, m in by_digest.items() if d in sound}
+                holders = sorted(r for ranks in by_digest.values() for r in ranks)
+                if len(by_digest) == 1:
+                    continue
+                sizes = sorted((len(m) for m in by_digest.values()), reverse=True)
             if sizes[0] == sizes[1]:  # no majority: which copy is wrong is not known, so none is named
                 copies = "; ".join(f"rank(s) {_and(sorted(m))}: digest {d}" for d, m in by_digest.items())
                 out.add(

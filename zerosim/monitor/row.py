@@ -8,8 +8,9 @@ with a handful of fused operators whatever the number of tensors:
 * the digests of the held pieces another rank holds too (one copy of the small pieces into a word
   buffer and one row reduction per chunk length and device; large pieces reduced where they sit): a
   piece no other rank holds has nothing to be compared with and is not read;
-* optimizer state present for every owned element (sizes compared, no data read), the step counters'
-  least and largest value;
+* optimizer state present for every owned element (sizes compared, no data read: an entry of the
+  piece's size, or factors whose shapes broadcast to it, as Adafactor's row and column statistics),
+  the step counters' least and largest value;
 * one ``_foreach_norm`` per device and dtype over the floating optimizer state and one over the
   reduced gradient's owned pieces (accumulated as :func:`~zerosim.checks.tolerance.norm_accumulation`
   says: float32, float64 for a float64 gradient): a state tensor is finite where its norm is, the
@@ -163,7 +164,7 @@ def _state_summary(layout: LiveLayout, counters: StepCounters) -> tuple[dict[str
             if owned.stepped:
                 stateless.append(name)
             continue
-        if owned.stepped and any(v.numel() != owned.numel for v in held):
+        if owned.stepped and not _covers([v for v in held if v.numel() != owned.numel], owned.numel):
             missing.append(name)
         if owned.stepped and "step" in values:
             counted.append((local_tensor(values["step"]), owned.name, name))
@@ -176,6 +177,18 @@ def _state_summary(layout: LiveLayout, counters: StepCounters) -> tuple[dict[str
     fields: dict[str, Field] = {"missing": len(missing), "missing_idx": min(missing, default=-1),
                                 "has_counters": int(bool(counted)), **counters.fields(counted)}
     return fields, tensors, owners
+
+
+def _covers(odd: list[torch.Tensor], numel: int) -> bool:
+    """Whether state entries not of the piece's size still cover it: none, or factors whose shapes
+    broadcast to the piece's size (Adafactor's row and column statistics of a matrix)."""
+    if not odd:
+        return True
+    try:
+        shape = torch.broadcast_shapes(*(v.shape for v in odd))
+    except RuntimeError:
+        return False
+    return len(odd) > 1 and math.prod(shape) == numel
 
 
 class StepCounters:

@@ -10,20 +10,18 @@ that carries it.
   before a due step and removed at its ``optimizer.step()``: a step that is not due runs no hook.
 * **The consumed gradient.** ``register_step_pre_hook`` on the optimizer: the projections, L1 norm and
   sum of squares of every parameter's ``.grad`` as the optimizer takes it.
-* **The update.** ``register_step_pre_hook`` / ``register_step_post_hook`` on the optimizer that steps
-  the parameters (ZeroRedundancyOptimizer's local one): at a fixed sample of elements per tensor, the
-  parameter, gradient and state before and the parameter and state after, so that what the loop does
-  outside the step is not counted; the finding is recomputed in float64 on the host (on an
-  accelerator this copies the samples to the host: a wait for the device at due steps only).
+* **The update.** :class:`~zerosim.monitor.update_probe.UpdateProbe`: the step pre- and post-hooks of
+  the optimizer that steps the parameters, at sampled elements or whole sampled tensors.
 * **Replay** (:meth:`StepProbe.replay`): the same micro-batch's backward again, without reducing
   (``no_sync``, DDP's forward buffer sync off) and without touching ``.grad`` (``torch.autograd.grad``).
 
 What it cannot see: FSDP2 reduce-scatters inside its own post-backward and a ZeroTrainer or a
 DeepSpeed engine inside its step, so no local gradient is seen before the reduction there
 (``grad_accounting`` and ``replay`` off); a DDP communication hook (compression) changes the reduction
-the bound assumes (``grad_accounting`` off); the update is recomputed for torch.optim's SGD, Adam and
-AdamW (and their subclasses), off for other optimizers. Each off clause is named in the rank's file
-(``step_checks_off``) and in the summary's notes.
+the bound assumes (``grad_accounting`` off); the update is recomputed for torch.optim's SGD, Adam,
+AdamW, Adafactor and Muon (and their subclasses), off for other optimizers and where no torch.optim
+optimizer is handed to the monitor (a ZeroTrainer, a DeepSpeed engine). Each off clause is named in
+the rank's file (``step_checks_off``) and in the summary's notes.
 
 Why one module of this length: the hooks, the replay and the row's section read and reset the same
 per-step accumulators (what was armed, the local and consumed projections, the samples).
@@ -39,12 +37,11 @@ import numpy as np
 import torch
 
 from ..checks.grad_accounting import BLOCK
-from ..checks.update_formula import ENTRIES, FORMULAS, recompute_update
+from ..checks.update_formula import ENTRIES, FORMULAS
+from .update_probe import UpdateProbe
 
 #: random +-1 vectors each gradient is projected on
 PROJECTIONS = 2
-#: elements of each tensor whose update is recomputed
-SAMPLED = 8
 #: the gradient dtypes a row can name
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 #: the row's head: accounting, update finding, replay finding (float64 values)
@@ -73,28 +70,6 @@ HEAD = (
     "rep_bound",
 )
 PER_TENSOR = 2 * (PROJECTIONS + 2)
-HYPER = (
-    "lr",
-    "betas",
-    "eps",
-    "weight_decay",
-    "amsgrad",
-    "maximize",
-    "momentum",
-    "dampening",
-    "nesterov",
-    "decoupled_weight_decay",
-)
-
-
-def _formula(optimizer: Any) -> str | None:
-    """The torch.optim class whose formula ``optimizer`` follows (a subclass follows its base's)."""
-    for cls in type(optimizer).__mro__:
-        if cls.__name__ in FORMULAS and cls.__module__.startswith("torch.optim"):
-            return cls.__name__
-    return None
-
-
 def _nan(value: Any) -> float:
     return math.nan if value is None else float(value)
 
@@ -146,21 +121,17 @@ class StepProbe:
         if not self.accounting:
             self.names, self.params, self.index = [], [], {}
         inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps with its local one
-        self.formula = _formula(inner) if inner is not None else None
-        if self.formula is None:
-            off.append(f"update: no formula recomputed for {type(inner).__name__} (SGD, Adam, AdamW are)")
+        self.updates = UpdateProbe(module, inner, adapter)
+        self.formula = self.updates.formula
+        off += [self.updates.off] if self.updates.off else []
         self.off = "; ".join(off) or None
         self.dtype = str(self.params[0].dtype).removeprefix("torch.") if self.params else "float32"
         self._hooks: list[Any] = []
         self._grad_hooks: list[Any] = []
         if self.accounting and optimizer is not None:
             self._hooks.append(optimizer.register_step_pre_hook(self._consume))
-        if self.formula is not None:
-            self._sample_names = {id(p): n for n, p in (module.named_parameters() if module else [])}
-            self._hooks.append(inner.register_step_pre_hook(self._before_update))
-            self._hooks.append(inner.register_step_post_hook(self._after_update))
+        self._sample_names = self.updates.names if self.formula is not None else {}
         self._signs: dict[Any, torch.Tensor] = {}
-        self._samples: dict[tuple[int, Any], torch.Tensor] = {}
         self.pending_replay: dict[str, Any] | None = None
         self.replaying = False
         self.arm(None)
@@ -181,10 +152,8 @@ class StepProbe:
         self.local: dict[int, torch.Tensor] = {}
         self.last: dict[int, torch.Tensor] = {}
         self.consumed: dict[int, torch.Tensor] = {}
-        self.update: dict[str, Any] | None = None
-        self.update_samples: list[dict[str, Any]] | None = None
-        self._pre: list[tuple[Any, dict[str, Any], torch.Tensor, dict[str, torch.Tensor]]] = []
         self.armed = self._due(step)
+        self.updates.arm(self.armed and self._due_check())
         self.hooked: set[int] = set()  # a parameter that needed no gradient when armed has no local one
         if self.armed and self.accounting:
             for i, p in enumerate(self.params):
@@ -202,6 +171,7 @@ class StepProbe:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.updates.close()
 
     # ---- measuring -----------------------------------------------------------------------------------
     def _sign_vectors(self, n: int, device: torch.device) -> torch.Tensor:
@@ -249,76 +219,6 @@ class StepProbe:
                 if id(p) not in stepped:
                     measured[: PROJECTIONS + 1] = math.nan
                 self.consumed[i] = measured
-
-    def _sample_index(self, n: int, device: torch.device) -> torch.Tensor:
-        found = self._samples.get((n, device))
-        if found is None:
-            gen = torch.Generator().manual_seed(n)
-            found = self._samples[(n, device)] = torch.randint(0, n, (min(SAMPLED, n),), generator=gen).to(
-                device
-            )
-        return found
-
-    def _before_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not (self.armed and self._due_check()):
-            return
-        from .layouts import local_tensor
-
-        for group in optimizer.param_groups:
-            hp = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k in HYPER}
-            for p in group["params"]:
-                if p.grad is None or not p.requires_grad or id(p) not in self._sample_names:
-                    continue
-                local = local_tensor(p).detach().reshape(-1)
-                if not local.numel() or not local.is_floating_point():
-                    continue
-                at = self._sample_index(local.numel(), local.device)
-                state = {
-                    k: local_tensor(v).detach().reshape(-1)[at].clone()
-                    for k, v in optimizer.state.get(p, {}).items()
-                    if k in ENTRIES and isinstance(v, torch.Tensor) and v.numel() == p.numel()
-                }
-                step = optimizer.state.get(p, {}).get("step", 0)
-                self._pre.append(
-                    (
-                        p,
-                        {"tensor": self._sample_names[id(p)], "hp": hp, "step": float(step)},
-                        local_tensor(p.grad).detach().reshape(-1)[at].clone(),
-                        {"param": local[at].clone(), **state},
-                    )
-                )
-
-    def _after_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._pre:
-            return
-        from .layouts import local_tensor
-
-        samples = []
-        for p, head, grad, pre in self._pre:
-            at = self._sample_index(local_tensor(p).numel(), local_tensor(p).device)
-            post = {"param": local_tensor(p).detach().reshape(-1)[at]}
-            post.update(
-                {
-                    k: local_tensor(v).detach().reshape(-1)[at]
-                    for k, v in optimizer.state.get(p, {}).items()
-                    if k in ENTRIES and isinstance(v, torch.Tensor) and v.numel() == p.numel()
-                }
-            )
-            samples.append(
-                {
-                    **head,
-                    "grad": grad.double().tolist(),
-                    "pre": {k: v.double().tolist() for k, v in pre.items()},
-                    "post": {k: v.double().tolist() for k, v in post.items()},
-                }
-            )
-        self._pre = []
-        dtype = str(self._pre_dtype(samples)).removeprefix("torch.")
-        self.update_samples = samples
-        self.update = {**recompute_update(self.formula or "AdamW", samples, dtype), "dtype": dtype}
-
-    def _pre_dtype(self, samples: list[dict[str, Any]]) -> Any:
-        return next((p.dtype for p in self.params), "float32") if samples else "float32"
 
     def _due_check(self) -> bool:
         return self.expected is None or self.expected % self.every == 0
@@ -410,8 +310,8 @@ class StepProbe:
                 "dtype": self.dtype,
                 "max_grad_norm": self.max_grad_norm,
             }
-        if mine and self.update is not None and step % self.every == 0:
-            fields["update"], fields["update_samples"] = self.update, self.update_samples
+        if mine and self.updates.update is not None and step % self.every == 0:
+            fields["update"], fields["update_samples"] = self.updates.update, self.updates.update_samples
         if step % self.every == 0 and self.pending_replay is not None:
             fields["replay"], self.pending_replay = self.pending_replay, None
         return fields
