@@ -211,3 +211,23 @@ def test_specs_keep_torchs_defaults_and_their_dicts():
         make_optimizer(muon)
     assert muon.state_names == ("momentum_buffer", "exp_avg", "exp_avg_sq")
     assert ada.state_names == ("row_var", "col_var", "variance")
+
+
+def test_newton_schulz_gives_the_same_bits_whatever_the_blas_threads():
+    """The engine's ranks and the references (a child process with one BLAS thread, where that pays)
+    must agree to the bit: the iteration's float64 products rounded once do, with 1 and 3 threads."""
+    import os
+    import subprocess
+    import sys
+
+    program = ("import hashlib, numpy as np; from zerosim.optim_matrix import newton_schulz; "
+               "g = np.random.default_rng(0).standard_normal((1536, 384)).astype(np.float32); "
+               "x = newton_schulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7); "
+               "print(hashlib.sha256(x.tobytes()).hexdigest())")
+    digests = set()
+    for threads in ("1", "3"):
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": threads, "OMP_NUM_THREADS": threads}
+        out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+        digests.add(out.stdout.strip())
+    assert len(digests) == 1

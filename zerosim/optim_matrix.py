@@ -17,10 +17,11 @@ Two documented departures:
 * **Newton-Schulz runs in the master's dtype** (float32; float64 for a float64 model), not in
   bfloat16 as torch's ``_zeropower_via_newtonschulz`` does. The simulator asks whether sharding
   changes the step, so the iteration must be the same deterministic function for the engine and
-  for the unsharded references; its matrix products are computed by :func:`_matmul` (float64
-  products summed in a fixed order, then rounded once), never by a BLAS whose summation order
-  depends on the thread count. Against torch's bfloat16 iteration the update differs by bfloat16
-  rounding (tests/test_optim_matrix.py bounds it).
+  for the unsharded references; its matrix products are computed by :func:`_matmul` in float64
+  and rounded once to the master's dtype, so the engine's ranks (threads or processes) and the
+  references (in a child process with one BLAS thread, where that pays) get the same bits.
+  Against torch's bfloat16 iteration the update differs by bfloat16 rounding (measured in
+  tests/test_optim_matrix.py).
 * **Adafactor's factored statistics are held expanded**: ``row_var`` holds each row's value at
   every element of the row, ``col_var`` each column's at every element of the column (``variance``
   as torch holds it, for vectors; zeros elsewhere), and Muon's ``momentum_buffer`` and AdamW's
@@ -117,9 +118,9 @@ def layout_optimizer(spec: OptimizerSpec, layout: ParamLayout,
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, dtype: Any) -> np.ndarray:
-    """``a @ b`` with float64 products summed in a fixed order and rounded once to ``dtype``: the same
-    bits whatever the thread count or the caller (no BLAS)."""
-    return np.einsum("ik,kj->ij", a.astype(np.float64), b.astype(np.float64), optimize=False).astype(dtype)
+    """``a @ b`` in float64 (BLAS dgemm, which splits the output among its threads, never a sum) rounded
+    once to ``dtype``: the same bits in every rank and process of a run, whatever the thread count."""
+    return np.matmul(a.astype(np.float64), b.astype(np.float64)).astype(dtype)
 
 
 def _norm(x: np.ndarray, dtype: Any, axis: int | None = None) -> Any:
