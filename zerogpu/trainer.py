@@ -19,7 +19,9 @@ Strategies: ``"ddp"`` (no sharding), ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"h
 inside shard groups, replicated across them; ``mesh=(replicas, shard_size)``, a 2-D DeviceMesh, or
 ``"hybrid_shard:<shard size>"``), ``"hybrid_zero2"``. ``offload=OffloadConfig(...)`` (ZeRO-3
 only) keeps the parameter shards on the host tier of :class:`zerogpu.offload.OffloadManager` and
-fetches them per unit within a device budget.
+fetches them per unit within a device budget, and steps the master shard, its optimizer state and
+its gradient shard with the host tier's optimizer (:mod:`zerogpu.offload_step`; the kernel follows
+``optimizer_kernel``: the exact reference by default, torch's fused CPU kernel with ``"fused"``).
 
 Numerics: the optimizer is zerosim's torch.optim-exact SGD / Adam / AdamW (:mod:`zerosim.optim`)
 on a master copy in float32 (float64 for a float64 model; bfloat16 / float16 models train on a
@@ -56,6 +58,7 @@ from .comm_setup import hold_job, release_job
 from .module_engine import LossFn, module_engine
 from .module_run import ModuleRun
 from .module_units import UnitSpec, describe_module
+from .offload_step import HostTierStep, host_kernel_for
 from .torch_kernels import OPTIMIZER_KERNELS
 from .whole_tensor import (
     DEFAULT_WHOLE_TENSOR_PARTITIONER,
@@ -149,8 +152,10 @@ class ZeroTrainer:
     ``fn(model, inputs, targets) -> loss`` (default: the model returns its loss).
     ``optimizer_kernel``: ``"reference"`` (zerosim's exact optimizer: bitwise equal to the simulator on
     every CPU kernel), ``"torch"`` (torch.optim's default kernel for the device, what a peer's
-    ``torch.optim`` optimizer runs) or ``"fused"`` (torch's fused kernel); see
-    :mod:`zerogpu.torch_kernels`. ``layout``: ``"auto"`` (the flat even split for torch.optim's SGD,
+    ``torch.optim`` optimizer runs), ``"fused"`` (torch's fused kernel) or ``"compiled"`` (the
+    reference's operations as one torch.compile'd pass on a device, the reference on the CPU); see
+    :mod:`zerogpu.torch_kernels`. With ``offload`` it chooses the host tier's kernel
+    (:mod:`zerogpu.offload_step`). ``layout``: ``"auto"`` (the flat even split for torch.optim's SGD,
     Adam and AdamW, whole tensors for any other optimizer), ``"flat"`` or ``"whole-tensor"``; the
     whole-tensor layout's default partitioner is ``zero-redundancy`` (:mod:`zerogpu.whole_tensor`).
     """
@@ -235,9 +240,16 @@ class ZeroTrainer:
                                   "must be a zerogpu.offload.OffloadConfig")
             manager = OffloadManager(offload, device)
         self.offload = manager
+        step_optimizer: Any = whole_optimizer
+        #: with offload (flat layout): the host tier's step of the engine's shard (zerogpu.offload_step)
+        self.host_step: HostTierStep | None = None
+        if manager is not None and whole_optimizer is None:
+            host_kernel = host_kernel_for(optimizer_kernel)
+            if host_kernel is not None:
+                step_optimizer = self.host_step = HostTierStep(spec, host_kernel)
         #: the ZeRO engine (the simulator's, state and step) and its autograd-hook schedule over the model
         self.engine, self.schedule = module_engine(self.comm, run, torch_namespace(device), described,
-                                                   loss_fn or default_loss, manager, whole_optimizer)
+                                                   loss_fn or default_loss, manager, step_optimizer)
         self.described = described
         e = self.engine
         #: a master shard apart from the parameters (ZeRO-1/2, mixed precision): one buffer more in C-ZERO-004
