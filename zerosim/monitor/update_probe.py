@@ -26,7 +26,7 @@ from .layouts import local_tensor
 #: elements of each tensor whose update is recomputed (elementwise optimizers)
 SAMPLED = 8
 #: elements of whole tensors recomputed at one check (Adafactor, Muon)
-WHOLE_BUDGET = 1 << 20
+WHOLE_BUDGET = 1 << 18
 #: whole-tensor samples of a check written to the rank's file up to this many elements
 WHOLE_WRITTEN = 1 << 14
 #: the hyperparameters a formula reads from the parameter group
