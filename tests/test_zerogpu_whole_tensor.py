@@ -72,6 +72,29 @@ def test_auto_layout_follows_the_optimizer_class() -> None:
     assert choose_layout("whole-tensor", torch.optim.AdamW(w)) == "whole-tensor"
 
 
+def test_an_optimizer_spec_of_a_matrix_optimizer_takes_the_whole_tensor_layout() -> None:
+    """An OptimizerSpec names its optimizer: Adafactor's spec gets whole tensors and torch's Adafactor
+    with the spec's hyper-parameters; Muon's spec (a recipe of two optimizers) is refused naming it,
+    never silently built as AdamW on flat slices."""
+    from zerogpu.whole_tensor import optimizer_factory
+    from zerosim.optim import OptimizerSpec
+
+    spec = OptimizerSpec.parse("adafactor", lr=1e-2)
+    assert choose_layout("auto", spec) == "whole-tensor"
+    assert choose_layout("auto", OptimizerSpec.parse("muon")) == "whole-tensor"
+    assert choose_layout("auto", OptimizerSpec.parse("adamw")) == "flat"
+    with pytest.raises(ConfigError, match="adafactor is not elementwise"):
+        choose_layout("flat", spec)
+    w = torch.nn.Parameter(torch.ones(3, 2, dtype=torch.float64))
+    built = optimizer_factory(spec)([w])
+    assert isinstance(built, torch.optim.Adafactor)
+    group = built.param_groups[0]
+    assert (group["lr"], group["beta2_decay"], group["d"]) == (spec.lr, spec.beta2_decay, spec.d)
+    assert group["eps"] == (spec.eps1, spec.eps)
+    with pytest.raises(ConfigError, match="'optim'.*muon|muon.*make_optimizer"):
+        optimizer_factory(OptimizerSpec.parse("muon"))
+
+
 @pytest.mark.parametrize("optim", [{"name": "muon"}, {"name": "adafactor"}, {"name": "mine:factory"}])
 def test_the_flat_layout_with_a_matrix_optimizer_is_refused(optim: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="not elementwise"):

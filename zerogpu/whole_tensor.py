@@ -45,11 +45,11 @@ OptimizerFactory = Callable[[list[torch.Tensor]], Any]
 
 
 def is_elementwise_optimizer(optim: Any) -> bool:
-    """True for an :class:`OptimizerSpec`, a dict naming sgd / adam / adamw, or an instance of exactly
-    torch.optim.SGD / Adam / AdamW; False for anything else (Muon, Adafactor, a user's optimizer,
-    a subclass: nothing is assumed about how it combines elements)."""
+    """True for an :class:`OptimizerSpec` of sgd / adam / adamw, a dict naming one of them, or an
+    instance of exactly torch.optim.SGD / Adam / AdamW; False for anything else (Muon, Adafactor, a
+    user's optimizer, a subclass: nothing is assumed about how it combines elements)."""
     if isinstance(optim, OptimizerSpec):
-        return True
+        return optim.elementwise
     if isinstance(optim, Mapping):
         return str(optim.get("name")) in ELEMENTWISE_NAMES
     return type(optim) in ELEMENTWISE_CLASSES
@@ -102,6 +102,14 @@ def optimizer_factory(optim: Any) -> OptimizerFactory:
 
 
 def _spec_factory(spec: OptimizerSpec) -> OptimizerFactory:
+    if spec.name == "adafactor":
+        return lambda ts: torch.optim.Adafactor(ts, lr=spec.lr, beta2_decay=spec.beta2_decay,
+                                                eps=(spec.eps1, spec.eps), d=spec.d,
+                                                weight_decay=spec.weight_decay or 0.0)
+    if spec.name == "muon":
+        raise ConfigError("optim", spec.name, "an OptimizerSpec of muon names a recipe of two optimizers "
+                          "(Muon on the 2-D tensors, AdamW on the others); pass the verify protocol's dict "
+                          "with make_optimizer(params), or a torch.optim.Muon over 2-D parameters")
     if spec.name == "sgd":
         return lambda ts: torch.optim.SGD(ts, lr=spec.lr, momentum=spec.momentum, dampening=spec.dampening,
                                           nesterov=spec.nesterov, weight_decay=spec.weight_decay or 0.0)
