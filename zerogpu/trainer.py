@@ -34,6 +34,11 @@ It implements the trainer protocol of ``zerosim verify`` (``step``, ``full_param
 ``full_optimizer_state``, ``local_shards``, ``save_checkpoint`` / ``load_checkpoint``, plus
 ``declared_strategy``, ``partition_rule`` and
 ``resident_bytes`` for C-ZERO-004/005), so ``zerosim verify zerogpu-3`` checks it like any peer.
+
+Why one module of this length: it is the trainer's public face, one class whose constructor validates
+and wires every option (layout, strategy, partitioner, offload, kernel) and whose methods are the
+verify protocol's; the work each option selects lives in its own module (whole_tensor, offload_step,
+module_engine, state_dict).
 """
 
 from __future__ import annotations

@@ -36,14 +36,10 @@ from ..errors import ConfigError, require_positive_int
 from ..outputs import output_dir, write_text
 from .gpu_session import require_device
 from .monitor_layout import layout_check_times
+from .monitor_variants import ADAPTERS, OPTIONAL, VARIANTS
 
 DEFAULT_OUT = "a new reports/bench-monitor-<timestamp>/"
 JSON_NAME = "bench_monitor.json"
-#: variant -> (every, step checks on) (None: no monitor); with the step checks, ``replay_every`` is
-#: ``every``. ``off`` runs are always timed, between the monitored runs.
-VARIANTS: dict[str, tuple[int, bool] | None] = {
-    "off": None, "every=100": (100, False), "every=1": (1, False),
-    "every=100+step-checks": (100, True), "every=1+step-checks": (1, True)}
 #: the step checks' kinds, timed apart (``fields``: reading a check's findings for its row)
 STEP_KINDS = ("grad_accounting", "update", "replay", "fields")
 DEFAULT_ADAPTERS = "ddp,zero-redundancy,fsdp2,zerogpu-zero3,deepspeed-1,deepspeed-2,deepspeed-3"
@@ -196,7 +192,6 @@ def step_check_support(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run(args: Any) -> int:
     from zerogpu.launch import torch_unavailable_reason
 
-    from ..bench import monitor_rank
 
     world = require_positive_int("world", _int("world", args.world))
     settings: dict[str, Any] = {
@@ -212,8 +207,8 @@ def run(args: Any) -> int:
         "trace": bool(getattr(args, "trace", False)),
     }
     for adapter in settings["adapters"]:
-        if adapter not in monitor_rank.ADAPTERS:
-            raise ConfigError("adapters", adapter, f"must be among {', '.join(monitor_rank.ADAPTERS)}")
+        if adapter not in ADAPTERS:
+            raise ConfigError("adapters", adapter, f"must be among {', '.join(ADAPTERS)}")
     skipped = unavailable_adapters(settings["adapters"])
     settings["adapters"] = [a for a in settings["adapters"] if a not in skipped]
     layout_world = _int("layout-world", args.layout_world)
@@ -274,7 +269,6 @@ def unavailable_adapters(adapters: list[str]) -> dict[str, str]:
     """The optional adapters among ``adapters`` whose package is not installed here, with the reason
     (the install command): they are left out of the launch and reported as skipped."""
     from ..verify.adapters import missing_requirement
-    from .monitor_rank import OPTIONAL
 
     return {a: why for a in adapters if a in OPTIONAL and (why := missing_requirement(a)) is not None}
 

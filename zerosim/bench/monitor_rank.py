@@ -1,5 +1,6 @@
 """The rank side of ``zerosim bench monitor`` (under torchrun): one MLP trained by each adapter,
-without the monitor and with it in each variant of :data:`zerosim.bench.monitor.VARIANTS`, interleaved.
+without the monitor and with it in each variant of
+:data:`zerosim.bench.monitor_variants.VARIANTS`, interleaved.
 
 argv: one JSON object (adapters, variants, steps, warmup, rounds, width, depth, batch, device, result
 path; ``trace_dir``: where monitored runs write their observation files, None: nowhere). With
@@ -44,11 +45,9 @@ from ..monitor import Monitor
 from ..monitor.exchange import comm_device
 from . import monitor_probe
 from .gpu_session import synchronize
-from .monitor import VARIANTS
+from .monitor_variants import VARIANTS
 
-ADAPTERS = ("ddp", "zero-redundancy", "fsdp2", "zerogpu-zero3", "deepspeed-1", "deepspeed-2", "deepspeed-3")
 #: the adapters that need a package beyond torch (skipped, with the reason, when it is missing)
-OPTIONAL = ("deepspeed-1", "deepspeed-2", "deepspeed-3")
 MAX_NORM = 1.0
 TIMEOUT_S = 120  # a collective that waits longer ends the run (a rank died or hung)
 
