@@ -289,6 +289,9 @@ def test_the_probe_takes_whole_tensors_in_turn_and_finds_a_wrong_step_through_th
             super().step(closure)
             self.param_groups[0]["lr"] /= scale
 
+    # an instance of the base class hooks its step too: the hooks then run nested, outside Odd's change
+    # and inside it; the probe observes the outer call, the step the loop made
+    torch.optim.Muon([torch.nn.Parameter(torch.zeros(2, 2))])
     opt = Odd(model.parameters(), lr=0.02)
     monkeypatch.setattr(update_probe, "WHOLE_BUDGET", 512)  # room for one 32x16 tensor a check
     probe = update_probe.UpdateProbe(model, opt)

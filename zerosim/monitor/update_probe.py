@@ -92,6 +92,7 @@ class UpdateProbe:
     def arm(self, due: bool) -> None:
         """Observe the next step if ``due``; the last observation dropped."""
         self.due = due
+        self._depth = 0  # step calls entered and not left: a subclass's step around its base's nests them
         self.update: dict[str, Any] | None = None
         self.update_samples: list[dict[str, Any]] | None = None
         self._samples: list[dict[str, Any]] = []
@@ -151,7 +152,11 @@ class UpdateProbe:
         return {k: v.clone() for k, v in out.items()}
 
     def _before(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self.due:
+        # torch runs the hooks around every hooked class's step: a subclass whose step calls its base's
+        # (both hooked once an instance of each exists) runs them twice, nested; the outermost call is
+        # the step the loop made, so only it is observed
+        self._depth += 1
+        if not self.due or self._depth > 1:
             return
         for p, hp in self._stepped(optimizer):
             state = optimizer.state.get(p, {})
@@ -164,7 +169,8 @@ class UpdateProbe:
             self._pre.append((p, head, (grad if at is None else grad[at]).clone(), pre))
 
     def _after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if not self._pre:
+        self._depth = max(0, self._depth - 1)
+        if self._depth or not self._pre:
             return
         for p, head, grad, pre in self._pre:
             post = self._read(p, optimizer.state.get(p, {}))
