@@ -174,31 +174,38 @@ class StepProbe:
         self.updates.close()
 
     # ---- measuring -----------------------------------------------------------------------------------
-    def _sign_vectors(self, n: int, device: torch.device) -> torch.Tensor:
-        """k shared random +-1 vectors (int8, the same on every rank: a fixed seed), as long as the
-        largest parameter (fixed at construction, so a tensor's vectors never change)."""
-        found = self._signs.get(device)
+    def _sign_vectors(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        """k shared random +-1 vectors (the same on every rank: a fixed seed), as long as the largest
+        parameter (fixed at construction, so a tensor's vectors never change), kept in ``like``'s dtype
+        on its device: drawn once as int8 and converted once per dtype and device, not per projection."""
+        key = (like.device, like.dtype)
+        found = self._signs.get(key)
         if found is None:
             gen = torch.Generator().manual_seed(0x5EED)
             length = max([n, *(p.numel() for p in self.params)])
             signs = torch.randint(0, 2, (PROJECTIONS, length), generator=gen, dtype=torch.int8) * 2 - 1
-            found = self._signs[device] = signs.to(device)
+            found = self._signs[key] = signs.to(device=like.device, dtype=like.dtype)
         if found.shape[1] < n:
             raise ValueError(f"a gradient of {n} elements is longer than every parameter")
         return found
 
     def project(self, g: torch.Tensor) -> torch.Tensor:
         """[projections..., L1 norm, sum of squares] of ``g`` in float64: blocks of :data:`BLOCK`
-        elements summed in its dtype, the blocks in float64."""
+        elements summed in its dtype, the blocks in float64. Each row's block sums are taken from its
+        own elementwise product (no concatenated copy of the four rows); the block sums and the tails
+        are then stacked and summed in float64 as one (rows, blocks) tensor, as the rows always were."""
         flat = g.detach().reshape(-1)
         n = flat.numel()
-        signs = self._sign_vectors(n, flat.device)[:, :n]
-        parts = torch.cat(
-            [flat.unsqueeze(0) * signs.to(flat.dtype), flat.abs().unsqueeze(0), (flat * flat).unsqueeze(0)]
-        )
+        signs = self._sign_vectors(n, flat)
         whole = n // BLOCK * BLOCK
-        sums = parts[:, :whole].reshape(parts.shape[0], -1, BLOCK).sum(-1).to(torch.float64).sum(-1)
-        return sums + parts[:, whole:].to(torch.float64).sum(-1)
+        head, tail = flat[:whole].reshape(-1, BLOCK), flat[whole:]
+        blocks, tails = [], []
+        for j in range(PROJECTIONS):
+            blocks.append((head * signs[j, :whole].reshape(-1, BLOCK)).sum(-1))
+            tails.append(tail * signs[j, whole:n])
+        blocks += [head.abs().sum(-1), (head * head).sum(-1)]
+        tails += [tail.abs(), tail * tail]
+        return torch.stack(blocks).to(torch.float64).sum(-1) + torch.stack(tails).to(torch.float64).sum(-1)
 
     def _local(self, i: int, g: torch.Tensor) -> None:
         if self.replaying or not self.armed:
