@@ -104,3 +104,16 @@ def test_a_bit_flip_is_still_caught_in_each_setup(flipped, setup):
     first = [v for v in found if v["step"] == FLIP_AT and v["clause"] == "identical"]
     assert any(v["tensor"] == record["flipped"] and v["ranks"] == [0, 1] and "disagree" in v["text"]
                for v in first), first
+
+
+def test_a_failing_hook_of_the_monitor_never_reaches_the_loop(tmp_path):
+    """From step 5 the monitor's projection and update recompute raise on rank 1, inside the hooks it
+    put into backward and the optimizer step: the loop trains every step to the same weights as without
+    the failure, both ranks exit 0, rank 1 names the failing hook and the monitor is off on both."""
+    records = _launch(tmp_path, "hooks", ["plain", "hook-error-5"], "--steps", "12", "--every", "1")
+    for rank in (0, 1):
+        assert records[("hook-error-5", rank)]["params"] == records[("plain", 0)]["params"]
+        summary = records[("hook-error-5", rank)]["summary"]
+        # off at step 5's check, on rank 1 before the check of step 4 completed there
+        assert summary["off_reason"] is not None and summary["checks"] == 5 - rank, summary
+    assert "hook failed: ZeroDivisionError" in records[("hook-error-5", 1)]["summary"]["off_reason"]

@@ -19,7 +19,9 @@ Setups (each a loop people run; the monitor must find nothing in them):
 * ``eval``: dropout, and every EVAL_EVERY steps an evaluation pass in ``model.eval()`` under no_grad;
 * ``autocast``: the forward pass under CPU bfloat16 autocast;
 * ``skip-at-S``: ``plain`` whose rank 1 does not call ``after_step`` at step S (the last step: S =
-  steps - 1).
+  steps - 1);
+* ``hook-error-S``: ``plain`` in which, from step S on, the monitor's gradient projection and update
+  recompute raise on rank 1: inside its hooks, within ``loss.backward()`` and ``optimizer.step()``.
 
 ``--flip-at STEP`` flips one bit of rank 1's copy of the setup's :data:`FLIPPED` tensor after STEP
 (``ZEROSIM_FAULT`` bitflip, :mod:`zerosim.monitor.faults`). Every rank appends one JSON line per setup to
@@ -159,6 +161,7 @@ def run(setup: str, steps: int, every: int, out: Path, flip_at: int | None) -> d
     if flip_at is not None:
         fault = LiveFault.from_env(rank, f"bitflip:rank=1:step={flip_at}:tensor={FLIPPED[setup]}")
     skip_at = int(setup.removeprefix("skip-at-")) if setup.startswith("skip-at-") else None
+    break_at = int(setup.removeprefix("hook-error-")) if setup.startswith("hook-error-") else None
     found = []
     for step in range(steps):
         if step == ADD_AT and setup == "add-group":
@@ -171,6 +174,8 @@ def run(setup: str, steps: int, every: int, out: Path, flip_at: int | None) -> d
             with torch.no_grad():
                 loss_of(setup, ddp, *batch(setup, rank, -step - 1))
             model.train()
+        if rank == 1 and step == break_at:
+            break_monitor_hooks()
         optimizer.zero_grad()
         if setup == "no-sync":
             with ddp.no_sync():
@@ -189,6 +194,17 @@ def run(setup: str, steps: int, every: int, out: Path, flip_at: int | None) -> d
     summary = monitor.close()
     return {"setup": setup, "rank": rank, "violations": found, "summary": summary,
             "params": params_digest(model), "flipped": None if flip_at is None else FLIPPED[setup]}
+
+
+def break_monitor_hooks() -> None:
+    """The monitor's own code made to fail inside the hooks it puts into the loop's backward and step."""
+    from zerosim.monitor import step_probe, update_probe
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("a deliberately broken monitor")
+
+    step_probe.StepProbe.project = fail  # type: ignore[method-assign,assignment]
+    update_probe.recompute_update = fail  # type: ignore[assignment]
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ import torch
 
 from ..checks.grad_accounting import BLOCK
 from ..checks.update_formula import ENTRIES, FORMULAS
+from .hook_guard import HookGuard
 from .update_probe import UpdateProbe
 
 #: random +-1 vectors each gradient is projected on
@@ -121,7 +122,8 @@ class StepProbe:
         if not self.accounting:
             self.names, self.params, self.index = [], [], {}
         inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps with its local one
-        self.updates = UpdateProbe(module, inner, adapter)
+        self.guard = HookGuard()  # no hook of the probe's raises into the loop's backward or step
+        self.updates = UpdateProbe(module, inner, adapter, self.guard)
         self.formula = self.updates.formula
         off += [self.updates.off] if self.updates.off else []
         self.off = "; ".join(off) or None
@@ -129,7 +131,8 @@ class StepProbe:
         self._hooks: list[Any] = []
         self._grad_hooks: list[Any] = []
         if self.accounting and optimizer is not None:
-            self._hooks.append(optimizer.register_step_pre_hook(self._consume))
+            consume = self.guard.wrap(self._consume, "consumed-gradient")
+            self._hooks.append(optimizer.register_step_pre_hook(consume))
         self._sample_names = self.updates.names if self.formula is not None else {}
         self._signs: dict[Any, torch.Tensor] = {}
         self.pending_replay: dict[str, Any] | None = None
@@ -158,7 +161,8 @@ class StepProbe:
         if self.armed and self.accounting:
             for i, p in enumerate(self.params):
                 if p.requires_grad:
-                    self._grad_hooks.append(p.register_hook(lambda g, i=i: self._local(i, g)))
+                    local = self.guard.wrap(lambda g, i=i: self._local(i, g), "local-gradient")
+                    self._grad_hooks.append(p.register_hook(local))
                     self.hooked.add(i)
 
     def _remove_grad_hooks(self) -> None:
@@ -299,6 +303,7 @@ class StepProbe:
     def take(self, step: int) -> dict[str, Any]:
         """This rank's step-check fields for a check at ``step`` (the observation's fields): what was
         observed if the probe was armed for this step; the replay finding waiting for a check."""
+        self.guard.reraise()
         mine = self.expected is None or self.expected == step
         fields: dict[str, Any] = {"step_checks_off": self.off}
         if mine and self.consumed and self.local is not None and step % self.every == 0:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..checks.update_formula import ENTRIES, FORMULAS, WHOLE_TENSOR, recompute_update
+from .hook_guard import HookGuard
 from .layouts import local_tensor
 
 #: elements of each tensor whose update is recomputed (elementwise optimizers)
@@ -64,7 +65,7 @@ def _plain(value: Any) -> Any:
 class UpdateProbe:
     """One rank's observation of its optimizer's due steps (see the module docstring)."""
 
-    def __init__(self, module: Any, optimizer: Any, adapter: str = ""):
+    def __init__(self, module: Any, optimizer: Any, adapter: str = "", guard: HookGuard | None = None):
         self.optimizer = optimizer
         self.formula = formula_of(optimizer) if optimizer is not None else None
         self.whole = self.formula in WHOLE_TENSOR
@@ -83,8 +84,9 @@ class UpdateProbe:
                 self.off = (f"update: {len(large)} tensor(s) above {WHOLE_BUDGET:,} elements or sharded "
                             f"({large[0]} ...) are not recomputed ({self.formula} needs a whole tensor "
                             "on one host)")
-            self._hooks = [optimizer.register_step_pre_hook(self._before),
-                           optimizer.register_step_post_hook(self._after)]
+            guard = guard or HookGuard()
+            self._hooks = [optimizer.register_step_pre_hook(guard.wrap(self._before, "update (before)")),
+                           optimizer.register_step_post_hook(guard.wrap(self._after, "update (after)"))]
         self._index: dict[tuple[int, Any], torch.Tensor] = {}
         self._turn = 0
         self.arm(False)
