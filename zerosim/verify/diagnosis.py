@@ -14,6 +14,9 @@ specific first (the fixed vocabulary :data:`zerosim.verify.outcome.BUG_CLASSES`)
   (:mod:`zerosim.verify.diagnosis_groups`; checked before ``replicas-not-reduced``).
 * ``matrix-optimizer-on-shard``: a matrix optimizer (Adafactor, Muon, a user's) stepped on slices
   of its tensors (:mod:`zerosim.verify.diagnosis_matrix`).
+* ``muon-rounding-order``: a failing Muon update nearer float64 Muon of whole tensors than of the
+  ranks' row blocks: whole tensors orthogonalised, bfloat16 rounded in another order
+  (:mod:`zerosim.verify.diagnosis_matrix`).
 * ``permuted-shards``: the values are the reference's, in the wrong places (a gather in the wrong order).
 * ``clip-norm``: the divergence starts at a step where the clip binds, the phase's first such step
   (or the failing phase is the only one whose clip binds): a norm over the wrong set of elements, or,
