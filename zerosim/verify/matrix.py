@@ -112,57 +112,37 @@ def run_matrix(
     for name in names:
         if name not in ADAPTERS:
             raise ConfigError("adapter", name, f"not a built-in adapter; known: {', '.join(ADAPTERS)}")
-    cells = []
-    resume_cells = []
-    mesh_cells = []
-    accum_cells = []
-    precision_cells = []
-    optimizer_cells = []
-    model_cells = []
+    columns: dict[str, list[dict[str, Any]]] = {
+        k: [] for k in ("cells", "mesh_cells", "optimizer_cells", "model_cells", "resume_cells",
+                        "accum_cells", "precision_cells")}
+
+    def keep(column: str, cell: dict[str, Any]) -> None:
+        columns[column].append(cell)
+        if progress is not None:
+            progress(cell)
+
+    common: dict[str, Any] = {"steps": steps, "device": device, "timeout_s": timeout_s}
     for name in names:
         for world in worlds:
             for optimizer in optimizers:
-                cell = run_cell(
-                    name, optimizer, world, steps=steps, dtype=dtype, device=device, timeout_s=timeout_s
-                )
-                cells.append(cell)
-                if progress is not None:
-                    progress(cell)
+                keep("cells", run_cell(name, optimizer, world, dtype=dtype, **common))
         for world in mesh_worlds if name in HYBRID_ADAPTERS else ():
             for optimizer in optimizers:
-                cell = run_cell(name, optimizer, world, steps=steps, dtype=dtype, device=device,
-                                timeout_s=timeout_s, mesh=(world, 1))
-                mesh_cells.append(cell)
-                if progress is not None:
-                    progress(cell)
+                keep("mesh_cells", run_cell(name, optimizer, world, dtype=dtype, mesh=(world, 1), **common))
         for optimizer, world in optimizer_pairs:
-            cell = run_cell(name, optimizer, world, steps=steps, dtype=dtype, device=device,
-                            timeout_s=timeout_s)
-            cell["column"] = "optimizer"
-            optimizer_cells.append(cell)
-            if progress is not None:
-                progress(cell)
+            keep("optimizer_cells", {**run_cell(name, optimizer, world, dtype=dtype, **common),
+                                     "column": "optimizer"})
         for model, world in model_pairs:
-            cell = run_model_cell(name, model, world, steps=steps, dtype=dtype, device=device,
-                                  timeout_s=timeout_s)
-            model_cells.append(cell)
-            if progress is not None:
-                progress(cell)
+            keep("model_cells", run_model_cell(name, model, world, dtype=dtype, **common))
         for n, m in resume_pairs:
-            cell = run_resume_cell(name, n, m, steps=steps, dtype=dtype, device=device, timeout_s=timeout_s)
-            resume_cells.append(cell)
-            if progress is not None:
-                progress(cell)
+            keep("resume_cells", run_resume_cell(name, n, m, dtype=dtype, **common))
         for k, n in accum_pairs:
-            cell = run_accum_cell(name, k, n, steps=steps, dtype=dtype, device=device, timeout_s=timeout_s)
-            accum_cells.append(cell)
-            if progress is not None:
-                progress(cell)
+            keep("accum_cells", run_accum_cell(name, k, n, dtype=dtype, **common))
         for precision, n in precision_pairs:
-            cell = run_precision_cell(name, precision, n, steps=steps, device=device, timeout_s=timeout_s)
-            precision_cells.append(cell)
-            if progress is not None:
-                progress(cell)
+            keep("precision_cells", run_precision_cell(name, precision, n, **common))
+    cells, resume_cells, mesh_cells = columns["cells"], columns["resume_cells"], columns["mesh_cells"]
+    accum_cells, precision_cells = columns["accum_cells"], columns["precision_cells"]
+    optimizer_cells, model_cells = columns["optimizer_cells"], columns["model_cells"]
     return {
         "generated_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "environment": _environment(),
