@@ -104,3 +104,24 @@ def test_the_bound_is_not_vacuous_another_seed_fails(sim: list, bounds: list) ->
     other = simulate_observations(CFG.replace(seed=8))
     summary = compare_backends(other, sim, bitwise=False, bounds=bounds)
     assert not summary["agrees"] and summary["problems"]
+
+
+def test_a_wrong_implementation_fails_naming_what_it_broke(sim: list, bounds: list) -> None:
+    """Two deliberately wrong engines (faults of zerosim.engine.fault_catalog) against the bound a correct
+    backend meets: each fails, and the first problem names the state the bug broke, on the rank it broke."""
+    summed = simulate_observations(CFG.replace(fault="sum-instead-of-avg"))
+    summary = compare_backends(summed, sim, bitwise=False, bounds=bounds)
+    assert not summary["agrees"]
+    first = summary["problems"][0]
+    assert first.startswith("rank 0 step 0: grad norm"), summary["problems"]
+    # summed instead of averaged over the world (4 ranks: dividing by 4 is exact, the same additions in
+    # the same order): the norm is exactly world-size times the correct one
+    got, expected = (float(x) for x in first.split("grad norm ")[1].split(" (bound")[0].split(" vs "))
+    assert got == CFG.world_size * expected
+    assert any(p.startswith("rank 0 step 0 grads:") for p in summary["problems"])
+
+    stale = simulate_observations(CFG.replace(fault="stale-params"))  # rank 1 computes with old weights
+    summary = compare_backends(stale, sim, bitwise=False, bounds=bounds)
+    assert not summary["agrees"]
+    step0 = [p for p in summary["problems"] if " step 0" in p]
+    assert step0 and all(p.startswith("rank 1 step 0 gathered:") for p in step0), summary["problems"]

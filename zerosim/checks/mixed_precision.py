@@ -57,9 +57,9 @@ import numpy as np
 from ..observe import TrainerObservation
 from ..verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
+from .tolerance import SAFETY
 
 MIN_MOVED = 16  # elements the reference moved before all-compute-dtype masters are called no float32 master
-SAFETY = 10.0  # how many times the perturbed reference's deviation a correct trainer may be off
 MASTER_ULPS = 4.0  # float32 roundings of the new master value a trainer may do differently (p - lr u, ...)
 U32 = 2.0**-24
 STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")

@@ -44,7 +44,15 @@ from .rounding import (
 
 __all__ = ["EQUIVALENCE_TOLERANCE", "ErrorModel", "StepBounds", "Tolerance", "adam_direction_bound",
            "equivalence_tolerance", "gamma", "logged_norm_bound", "norm_relative_bound", "reduction_chain",
-           "reduction_length", "unit_roundoff"]
+           "reduction_length", "unit_roundoff", "SAFETY"]
+
+#: how many times one perturbed twin's distance from the reference a correct run may be off, wherever a
+#: bound is estimated from a perturbed twin instead of derived (a matrix optimizer in the engine,
+#: :mod:`zerosim.engine.matrix_bound`, and under ``zerosim verify``,
+#: :mod:`zerosim.verify.estimated_bound`; the normwise mixed-precision bounds,
+#: :mod:`zerosim.checks.mixed_precision`; Muon's orthogonalised update, :mod:`zerosim.checks.update_muon`).
+#: One perturbation is one sample of a correct run's spread; 10 scales it to cover the others.
+SAFETY = 10.0
 
 
 # ---- the normwise fallback ---------------------------------------------------------------------------

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from .mixed_precision import SAFETY
 from .rounding import UNIT_ROUNDOFF
+from .tolerance import SAFETY
 from .tracked import Tracked, blend
 
 #: half a bfloat16 ulp, relative: the twin's perturbation of the iteration's input

@@ -28,13 +28,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..checks.rounding import UNDERFLOW, UNIT_ROUNDOFF, gamma
+from ..checks.tolerance import SAFETY
 from ..groundtruth import GroundTruth, train_ground_truth
 from ..layout import ParamLayout
 from .config import ResolvedRun
 from .reference_steps import Reference, ReferenceStep, reduction_length
-
-#: one perturbed sample of a correct run's spread is scaled by this much
-SAFETY = 10.0
 
 
 class ReorderingPerturbation:

@@ -21,6 +21,7 @@ from ..checks.identity import check_replica_identity
 from ..checks.partition import check_partition_plan
 from ..checks.tolerance import equivalence_tolerance
 from ..checks.traffic import check_communication
+from ..contracts import STEP_CONTRACTS
 from ..cost.comm_model import CommEstimate, comm_for_run
 from ..errors import ConfigError
 from ..observe import RankObservation
@@ -28,7 +29,8 @@ from ..verdict import Verdict
 from .config import ResolvedRun, RunConfig
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
-CONTRACTS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
+#: the contracts a run is judged by, in order (:data:`zerosim.contracts.STEP_CONTRACTS`)
+CONTRACTS = STEP_CONTRACTS
 
 
 def resolve_run(cfg: RunConfig | ResolvedRun) -> ResolvedRun:

@@ -14,10 +14,13 @@ from collections.abc import Sequence
 from ..checks.equivalence import check_step_equivalence
 from ..checks.identity import check_replica_identity
 from ..checks.partition import check_partition_plan
+from ..contracts import STEP_CONTRACTS
 from ..observe import MonitorObservation
 from ..verdict import Verdict
 
-CONTRACTS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003")
+#: the step contracts a monitored run is judged by: the plan, the values and the replicas (a monitored
+#: framework declares no strategy, so memory and traffic have no model to be compared with)
+CONTRACTS = STEP_CONTRACTS[:3]
 
 
 def judge(observations: Sequence[MonitorObservation], layout: Verdict | None = None,

@@ -49,14 +49,11 @@ import numpy as np
 import torch
 
 from zerosim.checks.rounding import StepBounds, gamma
-from zerosim.checks.tolerance import ModelSizes, reduction_length, unit_roundoff
+from zerosim.checks.tolerance import SAFETY, ModelSizes, reduction_length, unit_roundoff
 from zerosim.checks.update_muon import BF16_HALF_ULP  # the perturbation that flips half the roundings
 
 from .model_source import ModelSource
 from .reference import Reference, ReferenceStep
-
-#: one perturbed sample of a correct run's spread is scaled by this much
-SAFETY = 10.0
 
 
 class TwinBound:
