@@ -233,8 +233,9 @@ class StepCounters:
         known = [i for i, (_, n, _) in enumerate(counters) if n in self.shift]
         fresh = [i for i, (_, n, _) in enumerate(counters) if n not in self.shift]
         if known:
-            shifts = torch.stack([self.shift[counters[i][1]] for i in known])
-            reference = (steps[known] + shifts).max()
+            # each counter taken by an int index (a view): a list index would be copied to the device
+            # from pageable memory, which makes the host wait
+            reference = torch.stack([steps[i] + self.shift[counters[i][1]] for i in known]).max()
         else:
             reference = None
         for i in fresh:
