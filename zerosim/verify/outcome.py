@@ -25,7 +25,7 @@ BUG_CLASSES = ("gradient-scale", "clip-norm", "unowned-elements", "overlapping-s
                "ranks-disagree", "ranks-agree-wrong", "permuted-shards", "late-divergence",
                "replicas-not-reduced", "accumulation-sum", "accumulation-dropped", "logged-norm",
                "no-fp32-master", "reduce-dtype", "loss-scale", "matrix-optimizer-on-shard",
-               "gradient-not-reduced", "muon-rounding-order")
+               "gradient-not-reduced", "muon-rounding-order", "non-finite-weights")
 
 
 @dataclass
