@@ -9,9 +9,11 @@ The layers, bottom to top (docs/architecture.md draws them):
    configuration and results, the unsharded references.
 3. backends: MPI (mpi4py) and torch.distributed (zerogpu), their launchers and rank-side programs.
 4. interface: reports, benchmarks a user starts, verify, testing helpers, the package's public names.
-5. command line: ``zerosim.cli``, alone: every argparse parser, one module per subcommand.
-6. entry points: the ``__main__`` modules ``python -m`` starts; they parse with the command line and
-   call what it names.
+5. entry points: the ``__main__`` modules of the backends and of verify, which ``python -m`` starts on
+   every rank; each takes one argument, the run file its launcher wrote, and parses nothing (given
+   options, it hands them to the command line by starting it, never by importing it).
+6. command line: ``zerosim.cli``, alone at the top (with ``zerosim.__main__``, its ``python -m zerosim``
+   shim): every argparse parser, one module per subcommand; no module below imports it.
 
 ``LAYERS`` is the one table that places every module. A new module is placed by its package's
 entry (``"zerosim.cli"`` covers ``zerosim.cli.plan``); a module no entry covers fails
@@ -30,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("zerosim", "zerogpu")
 LAYER_NAMES = ("values and plans", "contracts, checks and cost models", "comm and engine", "backends",
-               "interface (report, bench, verify, testing)", "command line", "entry points")
+               "interface (report, bench, verify, testing)", "entry points", "command line")
 
 #: module -> layer index into LAYER_NAMES; ``"pkg.*"`` places the package ``pkg`` and every module under it
 #: (a more specific entry wins: ``zerosim.comm.*`` is layer 2, ``zerosim.comm.mpi`` layer 3)
@@ -60,20 +62,15 @@ LAYERS: dict[str, int] = {
     # 4: interface
     "zerosim": 4, "zerosim.report.*": 4, "zerosim.bench.*": 4, "zerosim.verify.*": 4, "zerosim.testing.*": 4,
     "zerosim.mutants": 4, "zerosim.zoo.*": 4, "zerogpu.gpu_report": 4,
-    # 5: the command line, alone
-    "zerosim.cli.*": 5,
-    # 6: entry points: ``python -m`` of zerosim and of the backends; they parse with zerosim.cli, then call
-    # what it names (a rank entry point, a report)
-    "zerosim.__main__": 6, "zerosim.mpi.__main__": 6, "zerogpu.__main__": 6, "zerosim.verify.__main__": 6,
+    # 5: the ranks' entry points: ``python -m`` of the backends and of verify, each given one run file
+    "zerosim.mpi.__main__": 5, "zerogpu.__main__": 5, "zerosim.verify.__main__": 5,
+    # 6: the command line, alone at the top, and ``python -m zerosim``, which is nothing but its shim
+    "zerosim.cli.*": 6, "zerosim.__main__": 6,
 }
 
 #: the upward imports that remain, (importer, imported) -> why; every other upward import fails the test,
 #: and so does an entry here that no longer matches an import (remove it when its edge goes)
-ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    ("zerosim.bench.peers_rank", "zerosim.cli.rank_commands"):
-        "its ``python -m`` block parses the rank program's options with the cli's parser; external "
-        "launchers (torchrun across nodes) start this module by name, so the entry point stays here",
-}
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 
 def module_files() -> dict[str, Path]:
@@ -207,13 +204,45 @@ def test_every_allowed_upward_import_still_exists():
     assert not stale, f"ALLOWED_UPWARD entries that no longer match an upward import: {stale}"
 
 
-def test_the_command_line_is_alone_at_the_top_under_the_entry_points():
-    """Layer 5 holds the cli and nothing else; layer 6 holds every ``__main__`` module and nothing else."""
+#: the command line's package, and the one module outside it that may import it (``python -m zerosim``)
+CLI_SHIM = "zerosim.__main__"
+
+
+def test_the_command_line_is_alone_at_the_top_above_the_entry_points():
+    """Layer 6 holds the cli (and its ``python -m zerosim`` shim) and nothing else; layer 5 holds every
+    other ``__main__`` module and nothing else."""
     files = module_files()
-    cli = {m for m in files if layer_of(m) == 5}
-    assert cli == {m for m in files if m == "zerosim.cli" or m.startswith("zerosim.cli.")}
-    entry = {m for m in files if layer_of(m) == 6}
-    assert entry == {m for m in files if m.endswith(".__main__")}
+    top = {m for m in files if layer_of(m) == len(LAYER_NAMES) - 1}
+    assert top == {m for m in files if m == "zerosim.cli" or m.startswith("zerosim.cli.")} | {CLI_SHIM}
+    entry = {m for m in files if layer_of(m) == len(LAYER_NAMES) - 2}
+    assert entry == {m for m in files if m.endswith(".__main__")} - {CLI_SHIM}
+
+
+def cli_importers() -> list[str]:
+    """Every module outside ``zerosim.cli`` (and its shim) that imports a module of ``zerosim.cli``."""
+    files = module_files()
+    known = set(files)
+    return sorted(f"{m} imports {t}" for m, p in files.items()
+                  if m != CLI_SHIM and not (m == "zerosim.cli" or m.startswith("zerosim.cli."))
+                  for t in imports_of(m, p, known) if t == "zerosim.cli" or t.startswith("zerosim.cli."))
+
+
+def test_no_module_outside_the_command_line_imports_it():
+    """The ranks take a run file; a rank given options starts the command line, never imports it."""
+    problems = cli_importers()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_rank_entry_point_importing_the_command_line_is_named(tmp_path, monkeypatch):
+    """The check fails on a deliberately added parse on a rank: ``zerogpu.__main__`` importing a parser."""
+    copy_packages(tmp_path)
+    entry = tmp_path / "zerogpu" / "__main__.py"
+    entry.write_text(entry.read_text() + "\n\ndef _parse():\n    from zerosim.cli.run_options import "
+                     "torch_simulate_parser\n\n    return torch_simulate_parser()\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert cli_importers() == ["zerogpu.__main__ imports zerosim.cli.run_options"]
+    assert upward_imports() == ["zerogpu.__main__ (layer 5: entry points) imports zerosim.cli.run_options "
+                                "(layer 6: command line), a layer above it"]
 
 
 def test_a_dynamic_upward_import_is_reported(tmp_path, monkeypatch):
@@ -238,13 +267,13 @@ def test_an_upward_import_is_reported_with_both_layers(tmp_path, monkeypatch):
     monkeypatch.setitem(globals(), "ROOT", fake_root)
     problems = upward_imports()
     assert problems == ["zerosim.layout (layer 0: values and plans) imports zerosim.cli.simulate "
-                        "(layer 5: command line), a layer above it"]
+                        "(layer 6: command line), a layer above it"]
 
 
 def test_a_module_missing_from_the_table_has_no_layer():
     """A new top-level module is not placed by accident (``zerosim`` itself is an exact entry)."""
     assert layer_of("zerosim.new_concept") is None
-    assert layer_of("zerosim.cli.new_command") == 5  # a package entry places its new modules
+    assert layer_of("zerosim.cli.new_command") == 6  # a package entry places its new modules
     assert layer_of("zerosim.comm.sim") == 2 and layer_of("zerosim.comm.mpi_wire") == 3
 
 

@@ -17,7 +17,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from zerosim.engine.config import RunConfig
-from zerosim.engine.run_file import RankRun, config_path_argument, read_rank_run, write_rank_run
+from zerosim.engine.run_file import (
+    RUN_FILE_OPTIONS,
+    RankRun,
+    config_path_argument,
+    read_rank_run,
+    write_rank_run,
+)
 from zerosim.errors import ConfigError
 from zerosim.model import SimModelConfig
 from zerosim.optim import OptimizerSpec
@@ -110,10 +116,26 @@ def test_the_run_file_round_trips_and_refuses_a_tampered_one(tmp_path: Path) -> 
 
 
 def test_the_rank_argument_is_one_path_and_nothing_else() -> None:
-    assert config_path_argument(["--config", "a.json"]) == "a.json"
-    assert config_path_argument(["--config=a.json"]) == "a.json"
-    assert config_path_argument(["--config", "a.json", "--steps", "2"]) is None
+    for spelling in RUN_FILE_OPTIONS:
+        assert config_path_argument([spelling, "a.json"]) == "a.json"
+        assert config_path_argument([f"{spelling}=a.json"]) == "a.json"
+        assert config_path_argument([spelling, "a.json", "--steps", "2"]) is None
     assert config_path_argument(["--steps", "2"]) is None
+    assert config_path_argument(["--running=a.json"]) is None
+
+
+def test_a_rank_given_options_becomes_the_command_line_in_the_same_process(tmp_path: Path) -> None:
+    """A rank entry point given options parses nothing itself: the process becomes
+    ``python -m zerosim.cli.ranks``, whose parser (the torch rank's) answers with its usage and exit 2."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import sys\nfrom zerosim.engine.run_file import hand_to_command_line\n"
+                     "hand_to_command_line('zerogpu-simulate', sys.argv[1:])\n")
+    p = subprocess.run([sys.executable, str(probe), "--no-such-option"], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "RANK": "0"})
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert "torchrun --nproc-per-node N -m zerogpu simulate" in p.stderr
+    assert "unrecognized arguments: --no-such-option" in p.stderr
+    assert "Traceback" not in p.stderr
 
 
 def _tamper(path: Path, **run_fields: object) -> None:

@@ -2,7 +2,7 @@
 
 Under torchrun (one process per rank)::
 
-    torchrun --nproc-per-node N -m zerogpu simulate --config FILE   (a run file: zerosim.engine.run_file)
+    torchrun --nproc-per-node N -m zerogpu simulate --run FILE   (a run file: zerosim.engine.run_file)
     torchrun --nproc-per-node N -m zerogpu simulate [zerosim simulate options] [torch options]
     torchrun --nproc-per-node N -m zerogpu selftest-comm [--device cuda]
     torchrun --nproc-per-node N -m zerogpu equivalence [--strategies all] [--out FILE]
@@ -15,8 +15,10 @@ From an ordinary shell (starts torchrun itself)::
 Exit status (every rank alike): 0 every contract holds, 1 a contract failed, 2 bad input,
 3 a rank failed or a collective timed out. torchrun itself turns any non-zero worker into 1.
 
-Options are parsed by :mod:`zerosim.cli` (this module is the command line of the backend); a rank
-given ``--config FILE`` parses nothing and loads the run from the file.
+A rank given ``--run FILE`` (or ``--config FILE``) loads the run from the file. Given options, this
+module parses nothing: the process becomes ``python -m zerosim.cli.ranks zerogpu-COMMAND [options]``
+(:func:`zerosim.engine.run_file.rank_run_path`), the command line, which parses them once and runs the
+same rank (``report`` is a launcher and always goes there).
 """
 
 from __future__ import annotations
@@ -34,40 +36,18 @@ def main(argv: list[str] | None = None) -> NoReturn:
     argv = list(sys.argv[1:] if argv is None else argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
     if command == "simulate":
-        from zerosim.engine.run_file import config_path_argument, read_rank_run
+        from zerosim.engine.run_file import rank_run_path
+
+        path = rank_run_path(rest, "zerogpu-simulate")
+        from zerosim.engine.run_file import read_rank_run
 
         from .simulate import simulate_rank
 
-        path = config_path_argument(rest)
-        if path is not None:
-            simulate_rank(lambda: read_rank_run(path, "torch"))
-        from zerosim.cli.run_options import torch_rank_run, torch_simulate_parser
+        simulate_rank(lambda: read_rank_run(path, "torch"))
+    elif command in ("selftest-comm", "equivalence", "report", "report-gpu"):
+        from zerosim.engine.run_file import hand_to_command_line
 
-        from .rank import parse_once
-
-        args = parse_once(torch_simulate_parser(), rest)
-        simulate_rank(lambda: torch_rank_run(args))
-    elif command == "selftest-comm":
-        from zerosim.cli.gpu import selftest_parser
-
-        from .rank import parse_once
-        from .selftest import selftest_rank
-
-        selftest_rank(parse_once(selftest_parser(), rest))
-    elif command == "equivalence":
-        from zerosim.cli.run_options import equivalence_parser, torch_rank_run
-
-        from .equivalence import equivalence_rank
-        from .rank import parse_once
-
-        args = parse_once(equivalence_parser(), rest)
-        equivalence_rank(args, lambda: torch_rank_run(args))
-    elif command in ("report", "report-gpu"):
-        from zerosim.cli.gpu import report_parser
-
-        from .gpu_report import report
-
-        sys.exit(report(report_parser().parse_args(rest)))
+        hand_to_command_line("zerogpu-" + command.removesuffix("-gpu"), rest)
     elif command in ("-h", "--help"):
         print(__doc__.strip())
         sys.exit(0)

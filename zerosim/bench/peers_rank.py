@@ -3,9 +3,10 @@
 ``zerosim bench peers`` starts this program itself (``torchrun --standalone -m zerosim.bench.peers_rank
 --config FILE``: FILE holds the launch's settings as one value, :class:`zerosim.bench.peers_run.PeersRun`,
 loaded and checked on every rank; rank 0 appends one JSON line per measured adapter to the value's
-``results`` file and the launcher builds the report). Under an external launcher the same program
-runs the whole benchmark from its options and rank 0 writes ``bench_peers.json`` and
-``bench_peers.md`` under ``--out`` and prints the table::
+``results`` file and the launcher builds the report). Under an external launcher the same program,
+given options instead of the file, hands them to the command line (``python -m zerosim.cli.ranks
+peers``, the same process), which builds the same value; it runs the whole benchmark and rank 0
+writes ``bench_peers.json`` and ``bench_peers.md`` under ``--out`` and prints the table::
 
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m zerosim.bench.peers_rank --models gpt,gpt-50m --adapters ddp,fsdp2,zerogpu-3 --out reports
@@ -97,8 +98,8 @@ class CallWatchdog:
 
 def main(load: Callable[[], PeersRun]) -> NoReturn:
     """One rank of the benchmark: ``load()`` gives its settings
-    (:func:`zerosim.bench.peers_run.read_peers_run` for ``--config FILE``,
-    :func:`zerosim.cli.rank_commands.peers_rank_run` for options); bad input: one line, every rank
+    (:func:`zerosim.bench.peers_run.read_peers_run` for ``--run FILE``; the command line's
+    ``zerosim.cli.ranks peers`` builds the same value from options); bad input: one line, every rank
     exits 2."""
     from zerogpu.rank import fail_on_bad_input, run_rank
 
@@ -246,14 +247,7 @@ def _emit(args: PeersRun, record: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    from zerosim.engine.run_file import config_path_argument
+    from zerosim.engine.run_file import rank_run_path
 
-    path = config_path_argument(sys.argv[1:])
-    if path is not None:
-        run_file: str = path
-        main(lambda: read_peers_run(run_file))
-    from zerogpu.rank import parse_once
-    from zerosim.cli.rank_commands import peers_rank_parser, peers_rank_run
-
-    options = parse_once(peers_rank_parser(), sys.argv[1:])
-    main(lambda: peers_rank_run(options))
+    run_file = rank_run_path(sys.argv[1:], "peers")  # options: handed to zerosim.cli.ranks
+    main(lambda: read_peers_run(run_file))

@@ -4,10 +4,10 @@
 its private temporary folder and starts ``torchrun ... -m zerosim.bench.peers_rank --config FILE``;
 every rank loads the value (:func:`read_peers_run`) and checks it again as plain data (the same checks,
 deterministic on every rank), nothing is turned back into command-line options. Under an external
-launcher the rank program builds the same value from its own options
-(:func:`zerosim.cli.rank_commands.peers_rank_run`). A bad file is one line naming the field, exit 2
-on every rank. The settings' defaults and their checks live here, shared by the command, the launcher
-and the ranks.
+launcher the command line builds the same value from the rank program's options
+(``zerosim.cli.rank_commands.peers_rank_run``, reached through :mod:`zerosim.engine.run_file`'s
+hand-over). A bad file is one line naming the field, exit 2 on every rank. The settings' defaults
+and their checks live here, shared by the command, the launcher and the ranks.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ _PLAN_SNIPPET = """
 import io, json, sys, time
 from rich.console import Console
 from zerosim.checks.partition import check_partition_plan
-from zerosim.cli.plan import render
+from zerosim.report.plan_table import render
 from zerosim.layout import ParamLayout
 from zerosim.plan import build_plan
 from zerosim.strategy import ShardingStrategy, Topology

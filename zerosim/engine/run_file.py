@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import ConfigError
 from ..json_file import check_fields, read_settings, write_settings
@@ -105,11 +105,42 @@ def read_rank_run(path: str | os.PathLike[str], backend: str) -> RankRun:
     return job
 
 
+#: the command line of hand-started ranks (:mod:`zerosim.cli.ranks`): a rank entry point given options
+#: instead of a run file replaces itself with it (started by name, never imported: it sits above the ranks)
+RANK_COMMAND_LINE = "zerosim.cli.ranks"
+#: the spellings of the one argument a rank entry point takes: ``--run FILE`` (``--config`` and
+#: ``--run-file``, what the launchers have written, are the same argument)
+RUN_FILE_OPTIONS = ("--run", "--config", "--run-file")
+
+
 def config_path_argument(argv: list[str]) -> str | None:
-    """``PATH`` when ``argv`` is exactly ``--config PATH`` (or ``--config=PATH``), else None. The rank
-    entry points take this one argument; anything else is the command line's own options."""
-    if len(argv) == 2 and argv[0] == "--config":
+    """``PATH`` when ``argv`` is exactly ``--run PATH`` (or ``--config PATH``, ``--run-file PATH``, or
+    ``--run=PATH`` ...), else None. The rank entry points take this one argument and nothing else."""
+    if len(argv) == 2 and argv[0] in RUN_FILE_OPTIONS:
         return argv[1]
-    if len(argv) == 1 and argv[0].startswith("--config="):
+    if len(argv) == 1 and "=" in argv[0] and argv[0].split("=", 1)[0] in RUN_FILE_OPTIONS:
         return argv[0].split("=", 1)[1]
     return None
+
+
+def rank_run_path(argv: list[str], command: str) -> str:
+    """The run file a rank entry point was given (``--run FILE``). Given anything else (the options of a
+    rank a user starts by hand), this process becomes ``python -m zerosim.cli.ranks COMMAND ARGV``: the
+    command line parses them once into the same run value and runs the rank on it (C-ZERO-001..005 are
+    checked by the run either way); the interpreter's own options and the environment are kept."""
+    path = config_path_argument(argv)
+    if path is not None:
+        return path
+    hand_to_command_line(command, argv)
+
+
+def hand_to_command_line(command: str, argv: list[str]) -> NoReturn:
+    """Replace this process with ``python -m zerosim.cli.ranks COMMAND ARGV`` (same pid: a launcher that
+    started it still waits on it)."""
+    import sys
+
+    orig = list(getattr(sys, "orig_argv", [sys.executable]))
+    interpreter = orig[1:orig.index("-m")] if "-m" in orig else []
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.execv(sys.executable, [sys.executable, *interpreter, "-m", RANK_COMMAND_LINE, command, *argv])

@@ -1,9 +1,11 @@
 """``mpiexec -n N python -m zerosim.mpi simulate ...``: the MPI backend's command line, one process per rank.
 
-``simulate --config FILE`` loads the run file (:mod:`zerosim.engine.run_file`; ``zerosim simulate
---backend mpi`` writes one and starts this, ``zerosim simulate ... --write-config FILE`` writes one for
-ranks a user starts); ``simulate [options]`` takes the options of ``zerosim simulate`` instead, parsed
-once on each rank by :func:`zerosim.cli.run_options.mpi_simulate_parser`. Either way every rank runs
+``simulate --run FILE`` (or ``--config FILE``) loads the run file (:mod:`zerosim.engine.run_file`;
+``zerosim simulate --backend mpi`` writes one and starts this, ``zerosim simulate ... --write-config
+FILE`` writes one for ranks a user starts). ``simulate [options]`` (the options of ``zerosim simulate``)
+parses nothing here: the process becomes ``python -m zerosim.cli.ranks mpi-simulate [options]``
+(:func:`zerosim.engine.run_file.rank_run_path`, before MPI starts), which builds the same run value
+once on each rank. Either way every rank runs
 :func:`zerosim.mpi.simulate.simulate_rank`: rank 0 prints the same verdict table / JSON as the
 in-process simulator. Exit status, the same on every rank: 0 every contract holds, 1 a contract
 failed, 2 bad input (printed once), 3 a rank failed or a collective timed out (``rank R failed: ...``
@@ -25,31 +27,22 @@ from __future__ import annotations
 import sys
 from typing import NoReturn
 
-from ..engine.run_file import config_path_argument, read_rank_run
+from ..engine.run_file import config_path_argument, rank_run_path
 from ..errors import EXIT_BAD_INPUT, ZeroSimError
-from ..rank_messages import parse_args_on_rank
-from .rank import run_rank
-from .simulate import simulate_rank
 
-USAGE = ("usage: mpiexec -n N python -m zerosim.mpi simulate --config FILE\n"
+USAGE = ("usage: mpiexec -n N python -m zerosim.mpi simulate --run FILE\n"
          "       mpiexec -n N python -m zerosim.mpi simulate [zerosim simulate options]\n"
          "       mpiexec -n N python -m zerosim.mpi bench-worker --config FILE")
 
 
 def simulate(argv: list[str]) -> NoReturn:
-    """One rank of ``simulate``: the run from ``--config FILE``, else from the options in ``argv``."""
-    path = config_path_argument(argv)
-    if path is not None:
-        simulate_rank(lambda size: read_rank_run(path, "mpi"))
-    from mpi4py import MPI
+    """One rank of ``simulate``: the run in the file ``--run FILE`` names (options: handed to the
+    command line, which builds the same run; C-ZERO-001..005 judged on rank 0)."""
+    path = rank_run_path(argv, "mpi-simulate")  # before mpi4py: the process may be replaced
+    from ..engine.run_file import read_rank_run
+    from .simulate import simulate_rank
 
-    from ..cli.run_options import mpi_rank_run, mpi_simulate_parser
-
-    try:
-        args = parse_args_on_rank(mpi_simulate_parser(), argv, MPI.COMM_WORLD.Get_rank())
-    except SystemExit as e:  # the same on every rank: nothing started, nobody waits
-        sys.exit(e.code)
-    simulate_rank(lambda size: mpi_rank_run(args, size))
+    simulate_rank(lambda size: read_rank_run(path, "mpi"))
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -59,6 +52,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     path = config_path_argument(argv[1:])
     if argv[:1] == ["bench-worker"] and path is not None:
         from ..bench.mpi import read_mpi_bench_run, worker_main
+        from .rank import run_rank
 
         try:
             run = read_mpi_bench_run(path)

@@ -28,11 +28,11 @@ RANK_IMPORTS = (
     "zerogpu.comm",
     "zerogpu.program",
     "zerogpu.rank",
-    "zerosim.cli.rank_commands",
     "zerosim.rank_logs",
     "zerosim.verify.adapters",
     "zerosim.verify.arrival",
     "zerosim.verify.resources",
+    "zerosim.verify.run_value",
     "zerosim.verify.session",
     "zerosim.verify.targets",
 )

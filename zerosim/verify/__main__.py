@@ -1,9 +1,10 @@
-"""``torchrun --nproc-per-node N -m zerosim.verify TARGET [options]``: one rank of ``zerosim verify``.
+"""``torchrun --nproc-per-node N -m zerosim.verify --run FILE``: one rank of ``zerosim verify``.
 
-``zerosim verify`` starts its ranks with ``--run-file FILE`` (the :class:`~zerosim.verify.run_value.VerifyRun`
-it validated, as JSON); ranks a user starts give TARGET and options, parsed by
-:func:`zerosim.cli.rank_commands.verify_rank_run` into the same value. The rank itself is
-:func:`zerosim.verify.runner.rank_main`.
+The rank takes one argument, the :class:`~zerosim.verify.run_value.VerifyRun` its launcher wrote
+(``zerosim verify`` writes it and starts its ranks with ``--run-file FILE``, the same argument). Ranks a
+user starts with TARGET and options (``torchrun ... -m zerosim.verify gpt --steps 3``) hand them to the
+command line (:mod:`zerosim.cli.ranks`), which builds the same value. The rank itself is
+:func:`zerosim.verify.runner.rank_main` (C-ZERO-001..005 judged on rank 0).
 """
 
 from __future__ import annotations
@@ -11,11 +12,20 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
-    from zerogpu.rank import env_rank
-    from zerosim.cli.rank_commands import verify_rank_run
+    from zerosim.engine.run_file import rank_run_path
+
+    path = rank_run_path(sys.argv[1:], "verify")
+
+    from zerogpu.rank import env_rank, fail_on_bad_input
+    from zerosim.errors import ZeroSimError
     from zerosim.rank_logs import send_output_to_rank_log
 
+    from .run_value import read_verify_run
     from .runner import rank_main
 
     send_output_to_rank_log(env_rank())  # this rank's own output (and its children's) goes to its log file
-    rank_main(verify_rank_run(sys.argv[1:]))
+    try:
+        run = read_verify_run(path)
+    except ZeroSimError as e:
+        fail_on_bad_input(e)
+    rank_main(run)
