@@ -109,7 +109,9 @@ def make_step_optimizer(spec: OptimizerSpec, xp: ArrayNamespace, kernel: str) ->
     if kernel not in OPTIMIZER_KERNELS:
         raise ConfigError("optimizer_kernel", kernel, f"must be one of {', '.join(OPTIMIZER_KERNELS)}")
     if kernel == "reference":
-        return make_optimizer(spec, xp)
+        from .triton_kernel import make_exact_optimizer
+
+        return make_exact_optimizer(spec, xp)
     if kernel == "compiled":
         from .compiled_kernel import make_compiled_optimizer
 

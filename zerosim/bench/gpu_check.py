@@ -55,11 +55,12 @@ PERTURBABLE = ("trainer", "kernel")
 #: the GPU tests: the engine, NCCL and the report; the offload manager's pinned copies on a side stream;
 #: the monitor's digest and live runs on the device; the host optimizer stepping a gradient copied
 #: down into pinned memory, and gradient shards copied down on a side stream piece by piece; the
-#: compiled optimizer kernel against the rounding bound
+#: compiled optimizer kernel against the rounding bound; the reference optimizer's one Triton pass
+#: against the CPU's bits
 GPU_TESTS = (Path("tests") / "test_zerogpu_gpu.py", Path("tests") / "test_zerogpu_offload.py",
              Path("tests") / "test_monitor_gpu.py", Path("tests") / "test_zerogpu_host_optimizer.py",
              Path("tests") / "test_zerogpu_compiled_kernel.py",
-             Path("tests") / "test_zerogpu_offload_gradients.py")
+             Path("tests") / "test_zerogpu_offload_gradients.py", Path("tests") / "test_zerogpu_triton_kernel.py")
 
 #: each step's size on a GPU (realistic) and on the CPU (seconds on two cores)
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
