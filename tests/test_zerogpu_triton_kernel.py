@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from test_zerogpu_compiled_kernel import SPECS, _compare  # noqa: E402
+
 from zerogpu.torch_kernels import make_step_optimizer  # noqa: E402
 from zerogpu.triton_kernel import BLOCK, TritonExactAdam, adam_coefficients, triton_available  # noqa: E402
 from zerosim.optim import OptimizerSpec, make_optimizer  # noqa: E402
@@ -58,7 +59,8 @@ def test_the_one_pass_kernel_under_the_interpreter_stays_within_the_rounding_bou
                 return self.spec.name in ("adam", "adamw")
 
         for name, kw in SPECS:
-            unequal = _compare(name, kw, OnCpu(OptimizerSpec.parse(name, **kw), torch_namespace("cpu")), "cpu")
+            opt = OnCpu(OptimizerSpec.parse(name, **kw), torch_namespace("cpu"))
+            unequal = _compare(name, kw, opt, "cpu")
             print(name, kw, unequal)
             assert unequal > 0, (name, kw)
     """)

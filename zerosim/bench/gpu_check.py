@@ -60,7 +60,8 @@ PERTURBABLE = ("trainer", "kernel")
 GPU_TESTS = (Path("tests") / "test_zerogpu_gpu.py", Path("tests") / "test_zerogpu_offload.py",
              Path("tests") / "test_monitor_gpu.py", Path("tests") / "test_zerogpu_host_optimizer.py",
              Path("tests") / "test_zerogpu_compiled_kernel.py",
-             Path("tests") / "test_zerogpu_offload_gradients.py", Path("tests") / "test_zerogpu_triton_kernel.py")
+             Path("tests") / "test_zerogpu_offload_gradients.py",
+             Path("tests") / "test_zerogpu_triton_kernel.py")
 
 #: each step's size on a GPU (realistic) and on the CPU (seconds on two cores)
 SIZES: dict[str, dict[str, dict[str, Any]]] = {
