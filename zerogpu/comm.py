@@ -218,7 +218,7 @@ class TorchCommunicator:
             self._watch.issue("all_reduce", dist.all_reduce, out, op=OPS[op])
         else:
             self._watch.local("all_reduce")
-        if op == "avg":
+        if op == "avg" and self.world_size > 1:
             divide_(out, self.world_size)  # the simulator's arithmetic: the sum, then divide in place
         return self._out(out, as_numpy)
 
@@ -270,7 +270,7 @@ class TorchCommunicator:
                 out = self._reduce_scatter_fallback(t, op, c, donate)
         else:
             out = self._reduce_scatter_fallback(t, op, c, donate)
-        if op == "avg":
+        if op == "avg" and n > 1:  # x / 1 is x, bit for bit: a group of one skips the pass
             divide_(out, n)
         return self._out(out, as_numpy)
 

@@ -158,7 +158,7 @@ class PendingAllReduce:
                     self._work.wait(timeout=self._watch.timeout)
             except Exception as e:  # noqa: BLE001 - every backend error becomes ours, with a diagnosis
                 raise self._watch.error("all_reduce", self._call, e) from e
-            if self._op == "avg":
+            if self._op == "avg" and self._world_size > 1:
                 divide_(self._tensor, self._world_size)
             self._done = True
         return self._tensor
