@@ -19,43 +19,25 @@ from typing import Any
 from ..bench import peers
 from ..bench.peers_run import PeersRun
 from ..errors import ConfigError, ZeroSimError
-from ..verify.run_value import DEFAULT_TIMEOUT_S, DEVICES, DTYPES, VerifyRun, parse_mesh, read_verify_run
-from ..verify.suite import OPTIMIZERS
+from ..verify.run_value import VerifyRun, read_verify_run
 
 
 def verify_rank_parser() -> argparse.ArgumentParser:
-    """``torchrun --nproc-per-node N -m zerosim.verify TARGET [options]``."""
+    """``torchrun --nproc-per-node N -m zerosim.verify TARGET [options]``: the options of one verify run
+    (:func:`zerosim.cli.verify.add_run_arguments`, shared with ``zerosim verify``) and the rank's own."""
+    from .verify import add_run_arguments
+
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m zerosim.verify",
         description="Verify a sharded trainer against the unsharded reference (one "
         "process per rank; rank 0 reports).",
     )
-    p.add_argument("target", nargs="?", default=None, help="a built-in adapter name or MODULE:FACTORY")
+    add_run_arguments(p)
     p.add_argument("--run-file", default=None, metavar="FILE",
                    help="the whole run as one JSON value (what zerosim verify writes for its ranks); "
                    "no other option with it")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--allow-world-1", action="store_true", help="run on one rank anyway")
-    p.add_argument("--mesh", default=None, metavar="RxS", help="R replicas of S shard ranks (optim['mesh'])")
-    p.add_argument("--strict", action="store_true", help="findings fail the run")
-    p.add_argument("--dtype", default=None, choices=DTYPES,
-                   help="float64 (default) or float32; under --precision float32 (the master dtype)")
-    p.add_argument("--precision", default=None,
-                   help="bf16 or fp16: mixed precision (optim['mixed_precision'])")
-    p.add_argument("--reduce-dtype", default=None, help="under --precision: the gradient reduction dtype")
-    p.add_argument("--device", default="cpu", choices=DEVICES)
-    p.add_argument("--model", default="gpt")
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--grad-accum", type=int, default=1, metavar="K",
-                   help="micro-batches per optimizer step (K > 1 calls step_accumulated)")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S)
-    p.add_argument("--out", default=None, help="directory for report.json (rank 0)")
-    p.add_argument("--json", action="store_true", help="rank 0 prints the report as one JSON object")
+    p.add_argument("--seed", default=None)
     p.add_argument("--quiet", action="store_true", help="print nothing (the launcher reads report.json)")
-    p.add_argument(
-        "--resume-at", type=int, default=None, help="interrupt each phase after this many of its steps"
-    )
     p.add_argument("--resume-dir", default=None, help="where the checkpoints and the first run's state go")
     p.add_argument(
         "--resume-stage",
@@ -75,7 +57,8 @@ def verify_rank_parser() -> argparse.ArgumentParser:
 
 def verify_rank_run(argv: list[str]) -> VerifyRun:
     """The :class:`VerifyRun` of one verify rank: loaded from ``--run-file FILE``, or built from TARGET and
-    options. Usage errors and a bad run file: one line from rank 0, every rank exits 2."""
+    options (C-ZERO-001..005 are judged on it). Usage errors and a bad run file: one line from rank 0,
+    every rank exits 2."""
     from zerogpu.rank import fail_on_bad_input, parse_once
 
     args = parse_once(verify_rank_parser(), argv)
@@ -93,18 +76,11 @@ def verify_rank_run(argv: list[str]) -> VerifyRun:
 
 
 def verify_run_from_args(args: Any, world: int | None = None) -> VerifyRun:
-    """The value a rank's parsed options (:func:`verify_rank_parser`) describe."""
-    from .verify import precision_options
+    """The value a rank's parsed options (:func:`verify_rank_parser`) describe
+    (:func:`zerosim.cli.verify.verify_run`, the one conversion of verify's options)."""
+    from .verify import verify_run
 
-    precision, reduce_dtype, dtype = precision_options(args)
-    return VerifyRun(
-        args.target, world=world, steps=args.steps, dtype=dtype, device=args.device, model=args.model,
-        optimizers=args.optimizers, seed=args.seed, timeout_s=args.timeout, out=args.out,
-        json_output=bool(args.json), quiet=bool(args.quiet), resume_at=args.resume_at,
-        resume_dir=args.resume_dir, resume_stage=args.resume_stage, save_observations=args.save_observations,
-        allow_world_1=bool(args.allow_world_1), mesh=None if args.mesh is None else parse_mesh(args.mesh),
-        strict=bool(args.strict), grad_accum=args.grad_accum, precision=precision, reduce_dtype=reduce_dtype,
-    )
+    return verify_run(args, world)
 
 
 def peers_rank_parser() -> argparse.ArgumentParser:

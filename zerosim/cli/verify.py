@@ -14,25 +14,23 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, ZeroSimError
+
+if TYPE_CHECKING:
+    from ..verify.run_value import VerifyRun
 
 EXIT_RANK_FAILED = 3
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "verify",
-        help="check a live sharded trainer (FSDP2, ZeroRedundancyOptimizer, DeepSpeed, "
-        "yours) against C-ZERO-001..005 and 008 (007 with --resume-at)",
-        description=__doc__.split("\n\n")[0],
-    )
+def add_run_arguments(p: Any) -> None:
+    """The options of one verify run, declared once: ``zerosim verify`` and its ranks started by hand
+    (``torchrun ... -m zerosim.verify``, :func:`zerosim.cli.rank_commands.verify_rank_parser`) both take
+    them, and :func:`verify_run` turns them into the one :class:`~zerosim.verify.run_value.VerifyRun`
+    (C-ZERO-001..005, 007 and 008 are judged on it). Values stay text here; :func:`verify_run`
+    converts them, so a bad one is one line naming the field."""
     p.add_argument("target", nargs="?", default=None, help="built-in adapter name or MODULE:FACTORY")
-    p.add_argument(
-        "--world", "--world-size", dest="world", default=None,
-        help="ranks to start (default 4; under torchrun: the ranks it started)",
-    )
     p.add_argument(
         "--allow-world-1", action="store_true",
         help="run on one rank anyway (refused otherwise: one rank cannot show a sharding bug)",
@@ -93,11 +91,25 @@ def register(sub: Any) -> None:
         help="stop each phase after its K-th step, save_checkpoint on every rank, start --resume-world "
         "fresh ranks that load_checkpoint and continue; checks C-ZERO-007",
     )
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--out", default=None, help="directory that receives report.json")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check a live sharded trainer (FSDP2, ZeroRedundancyOptimizer, DeepSpeed, "
+        "yours) against C-ZERO-001..005 and 008 (007 with --resume-at)",
+        description=__doc__.split("\n\n")[0],
+    )
+    add_run_arguments(p)
+    p.add_argument(
+        "--world", "--world-size", dest="world", default=None,
+        help="ranks to start (default 4; under torchrun: the ranks it started)",
+    )
     p.add_argument(
         "--resume-world", default=None, metavar="M", help="ranks of the resumed run (default: --world)"
     )
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--out", default=None, help="directory that receives report.json")
     p.add_argument(
         "--all",
         action="store_true",
@@ -113,6 +125,28 @@ def register(sub: Any) -> None:
         "reports/verify-resume-matrix-<timestamp>/",
     )
     p.set_defaults(func=run)
+
+
+def verify_run(args: Any, world: int | None) -> VerifyRun:
+    """The :class:`~zerosim.verify.run_value.VerifyRun` the options of :func:`add_run_arguments` (and a
+    rank's own: ``seed``, ``quiet``, ``resume_dir``, ``resume_stage``, ``save_observations``, when the
+    parser has them) describe, precision resolved here and only here; not yet validated (the launcher
+    and the ranks call ``validate``). ConfigError naming the first option that is not a value."""
+    from ..verify.run_value import DEFAULT_TIMEOUT_S, VerifyRun
+
+    precision, reduce_dtype, dtype = precision_options(args)
+    timeout = _seconds(args.timeout)
+    return VerifyRun(
+        args.target, world=world, steps=_int("steps", args.steps), dtype=dtype, device=args.device,
+        model=args.model, optimizers=args.optimizers, seed=_int("seed", getattr(args, "seed", 0)) or 0,
+        timeout_s=DEFAULT_TIMEOUT_S if timeout is None else timeout, out=args.out,
+        json_output=bool(args.json), quiet=bool(getattr(args, "quiet", False)),
+        resume_at=_int("resume_at", args.resume_at), resume_dir=getattr(args, "resume_dir", None),
+        resume_stage=getattr(args, "resume_stage", None),
+        save_observations=getattr(args, "save_observations", None), allow_world_1=bool(args.allow_world_1),
+        mesh=_mesh(args.mesh), strict=bool(args.strict), grad_accum=_grad_accum(args), precision=precision,
+        reduce_dtype=reduce_dtype,
+    )
 
 
 def _int(field: str, text: Any) -> int | None:
@@ -180,51 +214,25 @@ def under_launcher() -> bool:
 
 def _run_as_rank(args: Any) -> None:
     """``torchrun ... zerosim verify TARGET``: this process is one rank (no second launch)."""
-    from ..verify.run_value import DEFAULT_TIMEOUT_S, VerifyRun
     from ..verify.runner import rank_main
 
-    world = _int("world", args.world)
     if args.resume_at is not None or args.resume_world is not None:
         raise ConfigError(
             "resume_at",
             args.resume_at,
             "resuming needs two launches; run zerosim verify --resume-at K without torchrun",
         )
-    timeout = _seconds(args.timeout)
-    precision, reduce_dtype, dtype = precision_options(args)
-    run = VerifyRun(args.target, world=world, steps=_int("steps", args.steps), dtype=dtype,
-                    device=args.device, model=args.model, optimizers=args.optimizers,
-                    timeout_s=timeout if timeout is not None else DEFAULT_TIMEOUT_S, out=args.out,
-                    json_output=bool(args.json), allow_world_1=bool(args.allow_world_1),
-                    mesh=_mesh(args.mesh), strict=bool(args.strict),
-                    grad_accum=_grad_accum(args), precision=precision, reduce_dtype=reduce_dtype)
-    rank_main(run)
+    rank_main(verify_run(args, _int("world", args.world)))
 
 
 def _verify(args: Any) -> Any:
-    from ..verify import verify
+    """Start the ranks of the run the options describe (two launches with ``--resume-at``), collect."""
+    from ..verify.runner import launch_verify
 
     world = _int("world", args.world)
-    precision, reduce_dtype, dtype = precision_options(args)
-    return verify(
-        args.target,
-        world=world if world is not None else 4,
-        steps=_int("steps", args.steps),
-        dtype=dtype,
-        device=args.device,
-        model=args.model,
-        optimizers=args.optimizers,
-        timeout_s=_seconds(args.timeout),
-        out=args.out,
-        resume_at=_int("resume_at", args.resume_at),
-        resume_world=_int("resume_world", args.resume_world),
-        allow_world_1=bool(args.allow_world_1),
-        mesh=_mesh(args.mesh),
-        strict=bool(args.strict),
-        grad_accum=_grad_accum(args),
-        precision=precision,
-        reduce_dtype=reduce_dtype,
-    )
+    run = verify_run(args, 4 if world is None else world)
+    return launch_verify(run.replace(resume_at=None), out=args.out, resume_at=run.resume_at,
+                         resume_world=_int("resume_world", args.resume_world))
 
 
 def _mesh(text: Any) -> tuple[int, int] | None:
