@@ -21,7 +21,8 @@ one JSON line to ``out/rank-NNNNN.jsonl`` (flushed and fsynced per line); rank 0
 check and writes ``out/summary.json`` at :meth:`Monitor.close`.
 
 Why one module of this length: a check is observed at one call and completed at the next, and both
-ends read the same exchanged state (layout keys, fingerprints, the pieces shared, the digest rule).
+ends read the same exchanged state (layout keys, fingerprints, the pieces shared); the check in flight
+and its digest rule are :mod:`zerosim.monitor.pending`.
 
 The monitor reads, never writes, the training state. Bad input (no process group, ``every`` or
 ``timeout`` out of range, an unknown ``on_violation``, a layout it cannot read) is one line and the
@@ -36,7 +37,6 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +70,13 @@ from .exchange import (
 )
 from .judge import judge
 from .layouts import LiveLayout, read_layout
+from .pending import PendingCheck, PieceKey, digest_rule, digested
 from .records import SUMMARY_LISTED, RunRecords
-from .row import RowBuilder, logged_number
+from .row import RowBuilder, logged_number, to_device
 from .step_probe import StepProbe, invalid_option
 from .trace import rank_file, touch_regular, write_summary
 
 ON_VIOLATION = ("log", "raise")
-#: a held piece: (tensor, start, stop) of its flat element range
-PieceKey = tuple[str, int, int]
 #: the seconds a call that is not a check step waits, once per check, for the rows of the check before
 #: it (sent by then where the step synchronises the ranks; a rank that skipped it sends at its next check)
 GRACE_S = 2.0
@@ -123,7 +122,7 @@ class Monitor(RunRecords):
                  timeout: Any = DEFAULT_TIMEOUT_S, max_grad_norm: Any = None, replay_every: Any = None):
         self.model = model
         self.overlap = bool(overlap)
-        self._pending: _Pending | None = None
+        self._pending: PendingCheck | None = None
         self.optimizer = optimizer
         deepspeed = layout_reader is None and is_deepspeed_engine(model)
         if deepspeed:  # DeepSpeed's gradient is measured inside its step, before it clips: none to undo
@@ -158,7 +157,8 @@ class Monitor(RunRecords):
         self._shared: frozenset[PieceKey] = frozenset()
         self._layout_verdict: Verdict | None = None
         self._farewell: Gather | None = None
-        self._probe: StepProbe | None = None; self._taken: dict[str, Any] = {}  # noqa: E702
+        self._probe: StepProbe | None = None
+        self._taken: dict[str, Any] = {}
         self.replay_every = replay_every
         self.max_grad_norm = max_grad_norm if max_grad_norm is not None else max_norm
         problem = invalid_option(every, on_violation, timeout, self.max_grad_norm, replay_every)
@@ -286,7 +286,7 @@ class Monitor(RunRecords):
         keys, fingerprint = self._rows.layout_keys(layout)
         values = (step, fingerprint, logged_number(loss), logged_number(grad_norm))
         row = self._row(layout, self._width, values, self._digested(layout, fingerprint))
-        self._pending = _Pending(step, keys, self._width, start_gather(row, self._group),
+        self._pending = PendingCheck(step, keys, self._width, start_gather(row, self._group),
                                  None if self.overlap else (layout, values),
                                  time.perf_counter() - t0, self._shared, self._fingerprints, self._taken)
 
@@ -299,7 +299,7 @@ class Monitor(RunRecords):
 
     def _section(self, fields: dict[str, Any]) -> Any:  # the row's step-check part
         nan = torch.full((self._step_len,), float_bits(float("nan")), dtype=torch.int64)
-        return (nan if self._probe is None else self._probe.encode(fields, self._step_len)).to(self.device)
+        return to_device(self._probe.encode(fields, self._step_len) if self._probe else nan, self.device)
 
     def _marker(self, phase: int) -> Any:  # a closing or off row, the same length as a check's
         return torch.cat([self._rows.marker(self._width, phase), self._section({})])
@@ -317,21 +317,8 @@ class Monitor(RunRecords):
             except Exception:  # noqa: BLE001 - the group itself is broken: the others time out
                 self._farewell = None
     def _digested(self, layout: LiveLayout, fingerprint: int) -> list[bool] | None:
-        """Which of its held pieces this rank digests: those another rank holds too, by the layouts
-        exchanged last; every piece (None) when its own layout has changed since, which the other ranks
-        learn only when the check completes (:meth:`_digest_rule`)."""
-        if fingerprint != self._fingerprints[self.rank]:
-            return None
-        return [(name, a, b) in self._shared for name, a, b, _ in layout.held]
-
-    @staticmethod
-    def _digest_rule(rows: list[int], shared: frozenset[PieceKey],
-                     fingerprints: list[int]) -> Callable[[int, PieceKey], bool]:
-        """Whether rank r digested a piece in rows carrying the layout fingerprints ``rows``, built by
-        :meth:`_digested` under the exchanged ``shared`` pieces and layout ``fingerprints``: a rank whose
-        row carries another fingerprint digested every piece it held."""
-        whole = [fp != fingerprints[r] for r, fp in enumerate(rows)]
-        return lambda rank, key: whole[rank] or key in shared
+        """Which of its held pieces this rank digests (:func:`~zerosim.monitor.pending.digested`)."""
+        return digested(layout, fingerprint, self._fingerprints[self.rank], self._shared)
 
     def flush(self) -> list[Violation]:
         """Complete the check still exchanging, waiting at most ``timeout``: its violations (raised as
@@ -365,7 +352,7 @@ class Monitor(RunRecords):
         if not self._agreed(table, width):
             return []
         fingerprints = table[:, width + FINGERPRINT].tolist()
-        digested = self._digest_rule(fingerprints, pending.shared, pending.fingerprints)
+        digested = digest_rule(fingerprints, pending.shared, pending.fingerprints)
         if fingerprints != self._fingerprints:  # a rank's layout changed: every rank sees it here
             self._exchange(pending.keys)
             if pending.now is not None:  # the state observed is still there: observe it again in full
@@ -379,7 +366,7 @@ class Monitor(RunRecords):
                     raise ExchangeFailed(f"the other ranks sent no row for step {step} within "
                                          f"{self.timeout:g} s")
                 self._fingerprints = table[:, width + FINGERPRINT].tolist()
-                digested = self._digest_rule(self._fingerprints, self._shared, self._fingerprints)
+                digested = digest_rule(self._fingerprints, self._shared, self._fingerprints)
             else:
                 self._fingerprints = fingerprints
                 if self._width > width:
@@ -576,25 +563,4 @@ class Monitor(RunRecords):
             if phases.count(CLOSING) == len(phases):
                 return
             self._agreed(table, self._width)  # the others' checks recorded as skipped, or an OFF seen
-
-
-@dataclass
-class _Pending:
-    """A check observed at ``step`` whose all-gather is under way: this rank's layout keys then, the row
-    width, the gather, (the layout and row values, when the check completes within the same call), the
-    seconds spent observing, and what the rows digested."""
-
-    step: int
-    keys: dict[str, Any]
-    width: int
-    gather: Gather
-    now: tuple[LiveLayout, tuple[Any, ...]] | None
-    seconds: float
-    #: the pieces shared and the layout fingerprints exchanged when the row was built (what it digested)
-    shared: frozenset[PieceKey]
-    fingerprints: list[int]
-    #: this rank's step-check fields observed for the check (:meth:`StepProbe.take`)
-    taken: dict[str, Any]
-    #: the table did not arrive within the grace of a call that was not a check step
-    waited: bool = False
 

@@ -1,0 +1,58 @@
+"""A monitor check in flight (:class:`PendingCheck`): its row's all-gather under way, and what that row
+digested. A check is observed at one ``after_step`` call and completed at a later one (or at
+``flush`` / ``close``); both ends apply the same digest rule (:func:`digested` when the row is built,
+:func:`digest_rule` when the rows are read), so every rank judges C-ZERO-003 on the same pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .exchange import Gather
+from .layouts import LiveLayout
+
+#: a held piece: (tensor, start, stop) of its flat element range
+PieceKey = tuple[str, int, int]
+
+
+def digested(layout: LiveLayout, fingerprint: int, exchanged: int,
+             shared: frozenset[PieceKey]) -> list[bool] | None:
+    """Which of its held pieces a rank digests: those another rank holds too (``shared``, by the layouts
+    exchanged last); every piece (None) when its own layout's ``fingerprint`` differs from the one it
+    ``exchanged``, which the other ranks learn only when the check completes (:func:`digest_rule`)."""
+    if fingerprint != exchanged:
+        return None
+    return [(name, a, b) in shared for name, a, b, _ in layout.held]
+
+
+def digest_rule(rows: list[int], shared: frozenset[PieceKey],
+                fingerprints: list[int]) -> Callable[[int, PieceKey], bool]:
+    """Whether rank r digested a piece in rows carrying the layout fingerprints ``rows``, built by
+    :func:`digested` under the exchanged ``shared`` pieces and layout ``fingerprints``: a rank whose
+    row carries another fingerprint digested every piece it held."""
+    whole = [fp != fingerprints[r] for r, fp in enumerate(rows)]
+    return lambda rank, key: whole[rank] or key in shared
+
+
+@dataclass
+class PendingCheck:
+    """A check observed at ``step`` whose all-gather is under way: this rank's layout keys then, the row
+    width, the gather, (the layout and row values, when the check completes within the same call), the
+    seconds spent observing, and what the rows digested."""
+
+    step: int
+    keys: dict[str, Any]
+    width: int
+    gather: Gather
+    now: tuple[LiveLayout, tuple[Any, ...]] | None
+    seconds: float
+    #: the pieces shared and the layout fingerprints exchanged when the row was built (what it digested)
+    shared: frozenset[PieceKey]
+    fingerprints: list[int]
+    #: this rank's step-check fields observed for the check (:meth:`StepProbe.take`)
+    taken: dict[str, Any]
+    #: the table did not arrive within the grace of a call that was not a check step
+    waited: bool = False
+
