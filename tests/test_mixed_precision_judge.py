@@ -20,7 +20,6 @@ from zerosim.checks.mixed_precision import (
 )
 from zerosim.observe import TrainerObservation
 from zerosim.verify.diagnosis import diagnose_mixed
-from zerosim.verify.outcome import ContractOutcome
 
 RNG = np.random.default_rng(7)
 NAMES = ("w", "v", "b")
@@ -115,7 +114,7 @@ def test_masters_held_in_bf16_fail_as_no_fp32_master() -> None:
     assert "master_dtype" in clauses
     first = next(v for v in verdict.violations if v.clause == "master_dtype")
     assert first.step == 1 and first.ranks == (0,) and first.tensor in ("w", "v")
-    outcome = ContractOutcome.from_verdict(verdict)
+    outcome = verdict
     assert [d.bug_class for d in diagnose_mixed([rec], {"C-ZERO-002": outcome})] == ["no-fp32-master"]
 
 
@@ -130,7 +129,7 @@ def test_masters_started_from_the_bf16_cast_fail_as_master_init() -> None:
     verdict = check_step_equivalence([rec])
     first = verdict.violations[0]
     assert first.clause == "master_init" and first.step == 1 and first.ranks == (0, 1)
-    found = diagnose_mixed([rec], {"C-ZERO-002": ContractOutcome.from_verdict(verdict)})
+    found = diagnose_mixed([rec], {"C-ZERO-002": verdict})
     assert [d.bug_class for d in found] == ["master-init"], found
     assert "bfloat16-cast weights" in found[0].evidence
 
@@ -153,7 +152,7 @@ def test_an_unrelated_offset_is_not_called_master_init() -> None:
     rec = _step(noise=0.5)
     verdict = check_step_equivalence([rec])
     assert not verdict.passed
-    found = diagnose_mixed([rec], {"C-ZERO-002": ContractOutcome.from_verdict(verdict)})
+    found = diagnose_mixed([rec], {"C-ZERO-002": verdict})
     assert "master-init" not in [d.bug_class for d in found]
 
 
@@ -179,7 +178,7 @@ def test_an_update_off_by_the_loss_scale_is_diagnosed_loss_scale(factor: float, 
     rec = _step(noise=1e-4, scale=1024.0, state=True, change=lambda _n, dp: dp * factor)
     verdict = check_step_equivalence([rec])
     assert not verdict.passed
-    found = diagnose_mixed([rec], {"C-ZERO-002": ContractOutcome.from_verdict(verdict)})
+    found = diagnose_mixed([rec], {"C-ZERO-002": verdict})
     assert found and found[0].bug_class == "loss-scale" and words in found[0].evidence
 
 
@@ -194,7 +193,7 @@ def test_a_skip_without_overflow_and_a_non_finite_master_fail_loss_scale() -> No
     taken.ranks[1].params["w"][0, 0] = np.nan
     verdict = check_step_equivalence([taken])
     assert [(v.clause, v.ranks) for v in verdict.violations] == [("loss_scale", (1,))]
-    found = diagnose_mixed([taken], {"C-ZERO-002": ContractOutcome.from_verdict(verdict)})
+    found = diagnose_mixed([taken], {"C-ZERO-002": verdict})
     assert [d.bug_class for d in found] == ["loss-scale"]
 
 

@@ -83,7 +83,7 @@ def test_partitioner_faults_stop_the_run_before_training() -> None:
 
 
 def test_names_touched_rejects_a_diagnostic_that_points_elsewhere() -> None:
-    v = {"contract": "C-ZERO-002", "clause": "allclose", "step": 0, "ranks": [0], "interval": [10, 20]}
+    v = {"contract": "C-ZERO-002", "clause": "allclose", "step": 0, "ranks": [0], "start": 10, "stop": 20}
     assert mutants.names_touched([v], Touched((0,), ((15, 30),)))
     assert not mutants.names_touched([v], Touched((1,), ((15, 30),)))      # another rank
     assert not mutants.names_touched([v], Touched((0,), ((20, 30),)))      # another range

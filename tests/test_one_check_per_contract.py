@@ -11,6 +11,8 @@ import inspect
 import pkgutil
 from pathlib import Path
 
+import pytest
+
 import zerosim.checks
 from zerosim.checks.judges import contract_of
 from zerosim.contracts import load_contracts
@@ -75,3 +77,53 @@ def test_the_rule_finds_a_violation_built_outside_the_checks(tmp_path: Path) -> 
                      "v = Violation('C-ZERO-004', 'bytes', 'made up here')\n"
                      "w = replace(v, contract='C-ZERO-005')\n", encoding="utf-8")
     assert _builds_violations(rogue, tmp_path) == ["rogue.py:3 Violation", "rogue.py:4 replace"]
+
+
+#: the modules that judge a whole run: the simulator's result, zerosim verify's report (its values, its
+#: resources, its resumed state) and the monitor's verdicts
+RUN_JUDGES = ("zerosim/engine/run_result.py", "zerosim/verify/evaluate.py", "zerosim/verify/resources.py",
+              "zerosim/verify/resume.py", "zerosim/monitor/judge.py")
+
+
+def _checks_imported(path: Path) -> list[str]:
+    """The contracts' checks (functions marked by ``judges``) that ``path`` imports by name."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and "checks" in node.module:
+            module = importlib.import_module(node.module if node.level == 0 else
+                                             "zerosim.checks." + node.module.split(".")[-1])
+            found += [a.name for a in node.names if contract_of(getattr(module, a.name, None))]
+    return found
+
+
+def test_runs_are_judged_through_the_one_entry_point() -> None:
+    """Every run's verdicts come from checks.judges.judge: none of the modules that judge a run imports
+    a check itself."""
+    offenders = {path: hits for path in RUN_JUDGES if (hits := _checks_imported(ROOT / path))}
+    assert not offenders, offenders
+    assert all("judge(" in (ROOT / path).read_text(encoding="utf-8")
+               or "judge_contract(" in (ROOT / path).read_text(encoding="utf-8") for path in RUN_JUDGES)
+
+
+def test_the_rule_sees_a_check_imported_directly(tmp_path: Path) -> None:
+    rogue = tmp_path / "rogue.py"
+    rogue.write_text("from zerosim.checks.identity import check_replica_identity\n"
+                     "from zerosim.checks.judges import judge\n", encoding="utf-8")
+    assert _checks_imported(rogue) == ["check_replica_identity"]
+
+
+def test_judge_calls_the_contracts_one_check() -> None:
+    """judge(contract, ...) is the contract's check on the same observations: the same verdict for a correct
+    plan and for a broken one (a partitioner that drops the remainder)."""
+    from zerosim.checks.judges import judge
+    from zerosim.engine.config import RunConfig
+
+    check = load_contracts()["C-ZERO-001"].resolve_check()
+    for fault in (None, "dropped-remainder"):
+        run = RunConfig(model="tiny", strategy="zero3", world_size=5, fault=fault).resolve()
+        plan = run.unit_plan.shard_plan
+        verdict = judge("C-ZERO-001", plan)
+        assert verdict.to_json() == check(plan).to_json()
+        assert verdict.passed == (fault is None)
+    with pytest.raises(ValueError, match="C-ZERO-999"):
+        judge("C-ZERO-999")

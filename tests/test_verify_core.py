@@ -25,10 +25,11 @@ from zerosim.checks.identity import check_replica_identity
 from zerosim.checks.partition import check_partition_plan
 from zerosim.checks.tolerance import ErrorModel, adam_direction_bound, gamma, reduction_length
 from zerosim.errors import ConfigError
-from zerosim.verify import ContractOutcome, Diagnosis, RankFailure, TrainerError, VerifyReport, verify
+from zerosim.verify import Diagnosis, RankFailure, TrainerError, VerifyReport, verify
 from zerosim.verify.diagnosis import bug_classes, diagnose
 from zerosim.verify.model import PRESETS, build_model, micro_batch, parameter_count
 from zerosim.verify.observation import StepObservation, StepRecord
+from zerosim.verify.outcome import stated
 from zerosim.verify.protocol import (
     close_trainer,
     require_trainer_object,
@@ -45,8 +46,8 @@ ADAMW = {**PHASE_CONFIGS["adamw"], "max_grad_norm": 2.0}
 
 
 def judged(check, *args):
-    """A check of zerosim.checks on the records, rendered as verify's report renders it."""
-    return ContractOutcome.from_verdict(check(*args))
+    """A check of zerosim.checks on the records: the verdict verify's report holds."""
+    return check(*args)
 
 
 def owned_ranges(records, numels, mesh=None):
@@ -626,7 +627,7 @@ def test_report_json_round_trip():
         8,
         "float64",
         {
-            "C-ZERO-002": ContractOutcome(
+            "C-ZERO-002": stated(
                 "fail",
                 "first at step 3",
                 [{"contract": "C-ZERO-002", "step": 3, "rank": 1}],
@@ -651,10 +652,11 @@ def test_human_report_lists_contracts_error_tolerance_diagnosis_and_skips():
         8,
         "float64",
         {
-            "C-ZERO-002": ContractOutcome(
+            "C-ZERO-002": stated(
                 "fail",
                 "first at step 6 (adamw), rank 1, wte.weight[3:9]: ...",
-                [],
+                [{"contract": "C-ZERO-002", "phase": "adamw", "step": 6, "rank": 1, "tensor": "wte.weight",
+                  "start": 3, "stop": 9, "message": "..."}],
                 {
                     "max_error": 2.5e-3,
                     "tolerance": 1e-14,
@@ -663,7 +665,7 @@ def test_human_report_lists_contracts_error_tolerance_diagnosis_and_skips():
                     "max_abs_error": 3e-3,
                 },
             ),
-            "C-ZERO-001": ContractOutcome("skipped", "the trainer has no local_shards()"),
+            "C-ZERO-001": stated("skipped", "the trainer has no local_shards()"),
         },
         [Diagnosis("clip-norm", "divergence starts at step 6")],
         phases=[

@@ -15,8 +15,9 @@ torch = pytest.importorskip("torch")
 from zerosim.errors import ConfigError  # noqa: E402
 from zerosim.testing import assert_trainer_verifies  # noqa: E402
 from zerosim.testing.verify import failure_message  # noqa: E402
-from zerosim.verify import ContractOutcome, Diagnosis, VerifyReport, verify  # noqa: E402
+from zerosim.verify import Diagnosis, VerifyReport, verify  # noqa: E402
 from zerosim.verify.model import build_model, parameter_count  # noqa: E402
+from zerosim.verify.outcome import stated  # noqa: E402
 
 EXAMPLE = "examples.zero1_trainer:make_trainer"
 VALUE_CONTRACTS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003")
@@ -115,9 +116,9 @@ def test_failure_message_names_every_failed_contract_and_the_classes() -> None:
         8,
         "float64",
         {
-            "C-ZERO-001": ContractOutcome("pass"),
-            "C-ZERO-002": ContractOutcome("fail", "first at step 5", [late, early], {"violation_count": 40}),
-            "C-ZERO-003": ContractOutcome(
+            "C-ZERO-001": stated("pass"),
+            "C-ZERO-002": stated("fail", "first at step 5", [late, early], {"violation_count": 40}),
+            "C-ZERO-003": stated(
                 "fail", "ranks differ", [dict(late, contract="C-ZERO-003", rank=1)]
             ),
         },

@@ -18,7 +18,7 @@ pytest.importorskip("matplotlib")
 import zerosim.verify as verify_package  # noqa: E402
 from zerosim.verify import matrix  # noqa: E402
 from zerosim.verify.errors import RankFailure  # noqa: E402
-from zerosim.verify.outcome import ContractOutcome, Diagnosis, VerifyReport  # noqa: E402
+from zerosim.verify.outcome import Diagnosis, VerifyReport, stated  # noqa: E402
 
 
 def _traffic_violation(step: int, rank: int) -> dict:
@@ -29,14 +29,14 @@ def _traffic_violation(step: int, rank: int) -> dict:
 
 def _report(adapter: str, world: int, failing_steps: list[tuple[int, int]]) -> VerifyReport:
     contracts = {
-        cid: ContractOutcome("pass") for cid in ("C-ZERO-001", "C-ZERO-003", "C-ZERO-004")
+        cid: stated("pass") for cid in ("C-ZERO-001", "C-ZERO-003", "C-ZERO-004")
     }
-    contracts["C-ZERO-002"] = ContractOutcome(
+    contracts["C-ZERO-002"] = stated(
         "pass", details={"max_error": 1e-16, "tolerance": 1e-14, "error_over_tolerance": 0.01}
     )
     contracts["C-ZERO-005"] = (
-        ContractOutcome("fail", "traffic", [_traffic_violation(s, r) for s, r in failing_steps])
-        if failing_steps else ContractOutcome("pass")
+        stated("fail", "traffic", [_traffic_violation(s, r) for s, r in failing_steps])
+        if failing_steps else stated("pass")
     )
     return VerifyReport(adapter, world, 4, "float64", contracts)
 
@@ -96,7 +96,7 @@ def test_mesh_column_runs_hybrid_adapters_on_the_world_by_1_mesh_and_counts_find
         report = _report(adapter, world, [])
         if adapter == "ddp":
             finding = {**_traffic_violation(2, 0), "clause": "ring_model"}
-            report.contracts["C-ZERO-005"] = ContractOutcome("finding", "traffic", [finding])
+            report.contracts["C-ZERO-005"] = stated("finding", "traffic", [finding])
         return report
 
     monkeypatch.setattr(verify_package, "verify", fake_verify)
@@ -120,7 +120,7 @@ def test_the_accumulation_column_runs_each_adapter_with_grad_accum_and_renders(
         report = fake(adapter, **options)  # type: ignore[arg-type]
         if adapter == "ddp":  # right values, traffic off the model: a pass that counts its finding
             finding = {**_traffic_violation(2, 0), "clause": "ring_model"}
-            report.contracts["C-ZERO-005"] = ContractOutcome("finding", "traffic", [finding])
+            report.contracts["C-ZERO-005"] = stated("finding", "traffic", [finding])
         return report
 
     monkeypatch.setattr(verify_package, "verify", recording)
@@ -200,7 +200,7 @@ def test_the_optimizer_and_model_columns_run_each_adapter_once_per_column_and_sh
         if adapter == "fsdp2" and optimizers == ("adafactor",):  # every phase refused: "unsupported"
             report.phases = [{"name": "adafactor", "status": "skipped", "reason": _FSDP2_ADAFACTOR}]
         if adapter == "fsdp2" and optimizers == ("muon",):
-            report.contracts["C-ZERO-002"] = ContractOutcome(
+            report.contracts["C-ZERO-002"] = stated(
                 "fail", "off", [{**_traffic_violation(1, 0), "contract": "C-ZERO-002"}],
                 details={"error_over_tolerance": 1.1e8})
             report.diagnosis = [Diagnosis("muon-rounding-order", "0.05 from whole, 0.61 from row blocks")]

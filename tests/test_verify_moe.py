@@ -30,7 +30,6 @@ from zerosim.verify.model_moe import MOE_CONFIG, route  # noqa: E402
 from zerosim.verify.model_source import model_source  # noqa: E402
 from zerosim.verify.observation import StepObservation, StepRecord  # noqa: E402
 from zerosim.verify.optimizers import PHASE_CONFIGS  # noqa: E402
-from zerosim.verify.outcome import ContractOutcome  # noqa: E402
 from zerosim.verify.reference import Reference, make_optimizer  # noqa: E402
 
 SGD = dict(PHASE_CONFIGS["sgd"])
@@ -133,9 +132,9 @@ def moe_records(world: int, steps: int, bug: str | None = None) -> list[StepReco
 
 def diagnosis_of(records: list[StepRecord]) -> list:
     contracts = {
-        "C-ZERO-002": ContractOutcome.from_verdict(check_step_equivalence(records)),
-        "C-ZERO-003": ContractOutcome.from_verdict(check_replica_identity(records)),
-        "C-ZERO-008": ContractOutcome.from_verdict(check_logged_norm(records, {"sgd": 2.0**-53})),
+        "C-ZERO-002": check_step_equivalence(records),
+        "C-ZERO-003": check_replica_identity(records),
+        "C-ZERO-008": check_logged_norm(records, {"sgd": 2.0**-53}),
     }
     return diagnose(records, contracts)
 

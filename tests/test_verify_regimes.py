@@ -19,9 +19,10 @@ from tests.test_verify_core import (
     records_for,
 )
 from zerosim.errors import ConfigError
+from zerosim.verdict import Verdict
 from zerosim.verify.diagnosis import bug_classes, diagnose
 from zerosim.verify.model import build_model, micro_batch
-from zerosim.verify.outcome import ContractOutcome, VerifyReport, mark_findings
+from zerosim.verify.outcome import VerifyReport, mark_findings, stated
 from zerosim.verify.reference import choose_clip, make_optimizer
 from zerosim.verify.render import render_text
 from zerosim.verify.run_value import VerifyRun, parse_mesh
@@ -50,7 +51,7 @@ def hybrid_ranges(replicas: int, shard: int) -> list[dict[str, list[tuple[int, i
     return [slices[r % shard] for r in range(replicas * shard)]
 
 
-def ownership(shards, mesh=None) -> ContractOutcome:
+def ownership(shards, mesh=None) -> Verdict:
     world = len(shards)
     traj = data_parallel_steps(SGD, world, 1)
     records = records_for(SGD, world, 1, [traj] * world, shards=shards)
@@ -179,8 +180,8 @@ def _report(contracts: dict, strict: bool = False) -> VerifyReport:
 def test_traffic_off_the_model_in_a_correct_run_is_a_finding_and_strict_fails_it():
     def contracts():
         return {
-            "C-ZERO-002": ContractOutcome("pass", "", [], {"max_error": 1e-16, "tolerance": 1e-15}),
-            "C-ZERO-005": ContractOutcome("fail", "rank 0 received ...", [_traffic_violation()]),
+            "C-ZERO-002": stated("pass", "", [], {"max_error": 1e-16, "tolerance": 1e-15}),
+            "C-ZERO-005": stated("fail", "rank 0 received ...", [_traffic_violation()]),
         }
 
     report = _report(contracts())
@@ -198,11 +199,11 @@ def test_traffic_off_the_model_in_a_correct_run_is_a_finding_and_strict_fails_it
 
 def test_traffic_is_a_failure_when_a_value_is_wrong_or_the_clause_is_not_efficiency():
     report = _report({
-        "C-ZERO-003": ContractOutcome("fail", "ranks differ", [{"clause": "bitwise", "step": 1, "rank": 1}]),
-        "C-ZERO-005": ContractOutcome("fail", "rank 0 received ...", [_traffic_violation()]),
+        "C-ZERO-003": stated("fail", "ranks differ", [{"clause": "bitwise", "step": 1, "rank": 1}]),
+        "C-ZERO-005": stated("fail", "rank 0 received ...", [_traffic_violation()]),
     })
     assert report.contracts["C-ZERO-005"].status == "fail" and report.verdict == "fail"
-    report = _report({"C-ZERO-005": ContractOutcome("fail", "", [_traffic_violation("dtype")])})
+    report = _report({"C-ZERO-005": stated("fail", "", [_traffic_violation("dtype")])})
     assert report.contracts["C-ZERO-005"].status == "fail" and not report.findings
 
 
@@ -212,7 +213,7 @@ def test_a_failure_shows_one_error_figure_and_its_bound():
              "message": "parameter: 4 of 96 elements beyond tolerance "
              "(worst error 0.0045 vs tolerance 1.5e-15)"}
     later = {**first, "step": 5, "error": 9.0, "tolerance": 3e-15}
-    outcome = ContractOutcome("fail", "first at step 3 (sgd), rank 1, wte.weight[0:4]: " + first["message"],
+    outcome = stated("fail", "first at step 3 (sgd), rank 1, wte.weight[0:4]: " + first["message"],
                               [later, first], {"max_error": 9.0, "tolerance": 3e-15,
                                                "error_over_tolerance": 3e15, "worst": "step 5",
                                                "max_abs_error": 11.0})
@@ -248,7 +249,7 @@ def test_mesh_text_and_world_one():
 def test_the_header_names_accumulation_the_mesh_and_the_precision_policy():
     """What evaluate records in ``extra`` for --grad-accum, --mesh and --precision appears in the first line,
     and a full-precision run says its dtype alone."""
-    outcome = ContractOutcome("pass", "", [], {"max_error": 1e-16, "tolerance": 1e-15, "worst": "step 2"})
+    outcome = stated("pass", "", [], {"max_error": 1e-16, "tolerance": 1e-15, "worst": "step 2"})
     report = VerifyReport("fsdp2-hybrid", 4, 8, "float32", {"C-ZERO-002": outcome})
     report.extra.update(grad_accum=3, mesh=[4, 1], mixed_precision={"param_dtype": "float16",
                         "reduce_dtype": "bfloat16", "loss_scale": {"init": 65536.0}})

@@ -25,6 +25,7 @@ from zerosim.checks.holdings import (  # noqa: E402
 )
 from zerosim.checks.traffic import TrafficModel, check_communication  # noqa: E402
 from zerosim.layout import ParamLayout, TensorSpec  # noqa: E402
+from zerosim.verdict import Verdict  # noqa: E402
 from zerosim.verify.model import build_model  # noqa: E402
 from zerosim.verify.resources import (  # noqa: E402
     PhaseResources,
@@ -50,7 +51,7 @@ def test_storage_bytes_counts_each_storage_once_and_skips_step_counters() -> Non
     assert storage_bytes([*views, flat, other, torch.tensor(5.0), None]) == 10 * 8 + 3 * 4
 
 
-def check_memory(strategy, layout, dtype_bytes, world, per_rank, *, phase=None, step=None, **plan) -> dict:
+def check_memory(strategy, layout, dtype_bytes, world, per_rank, *, phase=None, step=None, **plan) -> Verdict:
     """C-ZERO-004's check on resident bytes as the report renders it."""
     judged = check_holdings(per_rank, ResidentPlan(strategy, layout, dtype_bytes, world, **plan), phase=phase,
                             step=step)
@@ -58,7 +59,7 @@ def check_memory(strategy, layout, dtype_bytes, world, per_rank, *, phase=None, 
 
 
 def check_traffic(strategy, layout, dtype_bytes, world, per_rank, *, phase=None, first_step=1,
-                  **model) -> dict:
+                  **model) -> Verdict:
     """C-ZERO-005's ring-model check on counted traffic as the report renders it."""
     judged = check_communication(per_rank, TrafficModel(strategy, layout, dtype_bytes, world, **model),
                                  phase=phase, first_step=first_step)
@@ -111,13 +112,13 @@ def test_a_rank_above_its_plan_fails_naming_rank_kind_and_bytes() -> None:
         phase="sgd",
         step=3,
     )
-    assert out["status"] == "fail"
-    (v,) = out["violations"]
+    assert out.status == "fail"
+    (v,) = out.violations
     assert (v["rank"], v["tensor"], v["step"], v["got"] - v["expected"]) == (1, "optimizer", 3, 8)
     assert "rank 1 keeps" in v["message"] and "8 more" in v["message"]
 
 
-def _summary(reduce: Fraction, gather: Fraction) -> dict:
+def _summary(reduce: Fraction, gather: Fraction) -> Verdict:
     return {
         "reduce": {"sent": reduce, "received": reduce},
         "gather": {"sent": gather, "received": gather},
@@ -130,12 +131,12 @@ def test_traffic_of_a_double_all_reduce_fails_and_the_ring_value_passes() -> Non
     lay = _layout()
     ring = Fraction(2 * (2 - 1), 2) * 26 * 8  # DDP: one all-reduce of every gradient, 2(N-1)/N * S
     good = check_traffic("ddp", lay, 8, 2, [[_summary(ring, Fraction(0))]] * 2)
-    assert good["status"] == "pass"
+    assert good.status == "pass"
     bad = check_traffic(
         "ddp", lay, 8, 2, [[_summary(ring, Fraction(0)), _summary(2 * ring, Fraction(0))]] * 2, first_step=5
     )
-    assert bad["status"] == "fail"
-    assert {(v["rank"], v["step"], v["tensor"]) for v in bad["violations"]} == {
+    assert bad.status == "fail"
+    assert {(v["rank"], v["step"], v["tensor"]) for v in bad.violations} == {
         (0, 6, "reduce"),
         (1, 6, "reduce"),
     }
@@ -153,7 +154,7 @@ def test_an_unobserved_traffic_class_is_not_judged_and_says_why() -> None:
         partitioner="zero-redundancy",
         unobserved={"gather": "bound before the counter"},
     )
-    assert out["status"] == "pass" and "gather not judged: bound before the counter" in out["reason"]
+    assert out.status == "pass" and "gather not judged: bound before the counter" in out.reason
 
 
 # ---- under a mixed-precision policy: element sizes from the policy (pure) -------------------------------
@@ -181,16 +182,16 @@ def test_zero3_under_bf16_gathers_bf16_copies_and_reduces_in_reduce_dtype() -> N
     bf16_gathers, f32_reduce = Fraction(2 * 15 * 2), Fraction(15 * 4)
     summary = {**_summary(f32_reduce, bf16_gathers), "collectives": _records("float32", "bfloat16")}
     verdict, out = _judge_policy("zero3", "fsdp", [[summary]] * 2)
-    assert out["status"] == "pass", out["reason"]
+    assert out.status == "pass", out.reason
     assert verdict.details["param_bytes"] == 2 and verdict.details["grad_bytes"] == 4
     # the same bytes against the float32 model of the run's masters: the finding the policy removes
     plain = check_traffic("zero3", _layout(), 4, 2, [[summary]] * 2, partitioner="fsdp")
-    assert plain["status"] == "fail" and {v["tensor"] for v in plain["violations"]} == {"gather"}
+    assert plain.status == "fail" and {v["tensor"] for v in plain.violations} == {"gather"}
     # gathers that move float32 masters into a bf16 forward move twice the bytes: off the model
     f32_gathers = {**_summary(f32_reduce, 2 * bf16_gathers), "collectives": _records("float32", "float32")}
     _, wide = _judge_policy("zero3", "fsdp", [[f32_gathers]] * 2)
-    assert wide["status"] == "fail"
-    assert {(v["rank"], v["tensor"]) for v in wide["violations"]} == {(0, "gather"), (1, "gather")}
+    assert wide.status == "fail"
+    assert {(v["rank"], v["tensor"]) for v in wide.violations} == {(0, "gather"), (1, "gather")}
 
 
 def test_a_reduction_in_bf16_under_a_float32_policy_fails_both_clauses() -> None:
@@ -203,7 +204,7 @@ def test_a_reduction_in_bf16_under_a_float32_policy_fails_both_clauses() -> None
     # the same records under a policy that reduces in bfloat16 pass
     policy = {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
     _, out = _judge_policy("zero3", "fsdp", [[bf16_reduce]] * 2, policy)
-    assert out["status"] == "pass", out["reason"]
+    assert out.status == "pass", out.reason
 
 
 def test_zero2_exchange_after_the_step_may_move_masters_or_compute_copies() -> None:
@@ -211,22 +212,22 @@ def test_zero2_exchange_after_the_step_may_move_masters_or_compute_copies() -> N
     reduce = Fraction(15 * 4)
     for gathered in (Fraction(15 * 2), Fraction(11 * 2), Fraction(15 * 4), Fraction(11 * 4)):
         _, out = _judge_policy("zero2", "fsdp", [[_summary(reduce, gathered)]] * 2)
-        assert out["status"] == "pass", (gathered, out["reason"])
+        assert out.status == "pass", (gathered, out.reason)
     _, twice = _judge_policy("zero2", "fsdp", [[_summary(reduce, Fraction(2 * 15 * 4))]] * 2)
-    assert twice["status"] == "fail" and twice["violations"][0]["tensor"] == "gather"
+    assert twice.status == "fail" and twice.violations[0]["tensor"] == "gather"
 
 
 def test_a_skipped_step_may_exchange_nothing_after_it_and_only_that_step() -> None:
     reduce, gathered = Fraction(15 * 4), Fraction(15 * 2)
     steps = [_summary(reduce, Fraction(0)), _summary(reduce, gathered)]
     _, out = _judge_policy("zero2", "fsdp", [steps] * 2, skipped_steps=frozenset({1}))
-    assert out["status"] == "pass", out["reason"]
+    assert out.status == "pass", out.reason
     _, not_skipped = _judge_policy("zero2", "fsdp", [steps] * 2, skipped_steps=frozenset({2}))
-    assert {(v["step"], v["tensor"]) for v in not_skipped["violations"]} == {(1, "gather")}
+    assert {(v["step"], v["tensor"]) for v in not_skipped.violations} == {(1, "gather")}
     # ZeRO-3 gathers for the forward whether or not the step is taken
     _, z3 = _judge_policy("zero3", "fsdp", [[_summary(reduce, Fraction(0))]] * 2,
                           skipped_steps=frozenset({1}))
-    assert z3["status"] == "fail"
+    assert z3.status == "fail"
 
 
 def test_skipped_steps_are_those_whose_masters_did_not_change() -> None:
@@ -245,7 +246,7 @@ def test_skipped_steps_are_those_whose_masters_did_not_change() -> None:
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def live(tmp_path_factory: pytest.TempPathFactory) -> Verdict:
     reason = torch_unavailable_reason()
     if reason:
         pytest.skip(reason)
@@ -255,7 +256,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return datafile.load(out)
 
 
-def _outcomes(live: dict, name: str, optim: str, declared: str | None = None) -> dict:
+def _outcomes(live: dict, name: str, optim: str, declared: str | None = None) -> Verdict:
     run = live[(name, optim)]
     info = dict(run["ranks"][0]["info"])
     if declared is not None:
@@ -309,7 +310,7 @@ def test_ddp_declared_as_zero3_fails_memory_on_params_and_grads_and_traffic_on_g
 
 
 @pytest.fixture(scope="module")
-def live_deepspeed(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def live_deepspeed(tmp_path_factory: pytest.TempPathFactory) -> Verdict:
     from zerosim.verify.adapters import missing_requirement
 
     reason = torch_unavailable_reason() or missing_requirement("deepspeed-1")

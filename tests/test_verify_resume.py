@@ -18,7 +18,6 @@ torch = pytest.importorskip("torch")
 from tests.test_verify_bad_input import error_line, run_verify  # noqa: E402
 from zerosim.checks.checkpoint import ResumedTrainer, check_checkpoint_equivalence  # noqa: E402
 from zerosim.verify.observation import StepObservation  # noqa: E402
-from zerosim.verify.outcome import violation_json  # noqa: E402
 from zerosim.verify.protocol import STATE_NAMES  # noqa: E402
 from zerosim.verify.reference import Reference  # noqa: E402
 from zerosim.verify.resume import SNAPSHOT_FILE, read_first_run  # noqa: E402
@@ -83,7 +82,7 @@ def test_round_trip_names_a_lost_state_and_a_changed_element() -> None:
     ]
     resumed = ResumedTrainer({"adamw": saved}, {"adamw": loaded}, {"adamw": 2}, STATE_NAMES)
     verdict = check_checkpoint_equivalence([], resumed)
-    listed = [violation_json(v) for v in verdict.violations]
+    listed = [v.to_json() for v in verdict.violations]
     found = {(v["rank"], v["tensor"], v["start"], v["stop"]) for v in listed}
     assert found == {(0, "w[step]", 0, 1), (1, "w", 4, 5), (1, "w[exp_avg_sq]", 0, 6), (1, "w[step]", 0, 1)}
     missing = next(v for v in listed if v["tensor"] == "w[exp_avg_sq]")
@@ -245,7 +244,7 @@ def test_resume_column_cells_files_and_exit_status(monkeypatch: pytest.MonkeyPat
     import zerosim.verify as verify_package
     from zerosim.verify import matrix
     from zerosim.verify.errors import RankFailure
-    from zerosim.verify.outcome import ContractOutcome, VerifyReport
+    from zerosim.verify.outcome import VerifyReport, stated
 
     seen = []
 
@@ -254,16 +253,16 @@ def test_resume_column_cells_files_and_exit_status(monkeypatch: pytest.MonkeyPat
         if adapter == "fsdp2" and resume_world == 2:
             raise RankFailure(0, "stand-in failure")
         lost = adapter == "torch-zero"
-        c7 = ContractOutcome(
+        c7 = stated(
             "fail" if lost else "pass",
             "first at step 2 (sgd), rank 0, w[momentum_buffer][0:3]: lost" if lost else "",
             [{"step": 2, "rank": 0, "tensor": "w[momentum_buffer]"}] if lost else [],
             {"error_over_tolerance": 0.01, "round_trip_violations": 1 if lost else 0},
         )
-        contracts = {"C-ZERO-002": ContractOutcome("pass"), "C-ZERO-007": c7}
+        contracts = {"C-ZERO-002": stated("pass"), "C-ZERO-007": c7}
         if adapter == "ddp":  # right values, traffic off the model: the cell counts its finding
             finding = {"contract": "C-ZERO-005", "clause": "ring_model", "step": 3, "rank": 0}
-            contracts["C-ZERO-005"] = ContractOutcome("finding", "traffic", [finding])
+            contracts["C-ZERO-005"] = stated("finding", "traffic", [finding])
         phases = [{"name": "sgd", "status": "ran"}, {"name": "adamw", "status": "ran"}]
         return VerifyReport(adapter, world, 8, "float64", contracts, phases=phases)
 

@@ -27,7 +27,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +127,7 @@ def run_trainer_mutant(target: str, world: int, timeout_s: float = 300.0) -> dic
             "diagnostic": _verify_line(first, at_first[0]) if first is not None and at_first else None}
 
 
-def _verify_line(contract: str, v: dict[str, Any]) -> str:
+def _verify_line(contract: str, v: Mapping[str, Any]) -> str:
     where = " ".join(f"{k}={v[k]}" for k in ("step", "rank", "tensor") if v.get(k) is not None)
     span = f" elements [{v['start']}, {v['stop']})" if v.get("start") is not None else ""
     return f"{contract} {where}{span}: {v.get('message', '')}"
@@ -188,8 +188,9 @@ def names_touched(violations: Sequence[dict[str, Any]], touched: Touched) -> boo
             continue
         if touched.intervals is None:
             return True
-        iv = v.get("interval")
-        if iv and any(iv[0] < e and s < iv[1] for s, e in touched.intervals):
+        start, stop = v.get("start"), v.get("stop")
+        if start is not None and stop is not None and any(
+                start < e and s < stop for s, e in touched.intervals):
             return True
     return False
 
@@ -198,7 +199,7 @@ def _line(v: dict[str, Any]) -> str:
     where = [f"step={v['step']}" if v.get("step") is not None else "",
              "rank=" + ",".join(map(str, v.get("ranks") or ())) if v.get("ranks") else "",
              f"tensor={v['tensor']}" if v.get("tensor") else "",
-             f"range=[{v['interval'][0]}, {v['interval'][1]})" if v.get("interval") else ""]
+             f"range=[{v['start']}, {v['stop']})" if v.get("start") is not None else ""]
     return " ".join([v["contract"], v["clause"], *[w for w in where if w]]) + f": {v['message']}"
 
 

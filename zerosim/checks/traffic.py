@@ -248,6 +248,23 @@ def check_communication(
     return verdict
 
 
+def with_reduce_dtype(ring_model: Verdict, reduce_dtype: Sequence[Verdict]) -> Verdict:
+    """C-ZERO-005's one verdict on a live trainer's run, from its two clauses judged apart: ``ring_model``
+    per phase (``zerosim verify``'s resources, or skipped where no strategy was declared) and
+    ``reduce_dtype`` per phase and step (once each phase's arithmetic dtype is known). A gradient
+    reduction in another dtype fails the contract, listed first and named in the reason; without one
+    the ``ring_model`` verdict stands as it is."""
+    wrong = [v for verdict in reduce_dtype for v in verdict.violations]
+    if not wrong:
+        return ring_model
+    note = f"{wrong[0].message} ({len(wrong)} rank/step/collective triples in another dtype)"
+    if ring_model.status == "fail":
+        note += f"; {ring_model.reason}"
+    details = {k: v for k, v in ring_model.details.items() if k != "skipped"}
+    return Verdict(CONTRACT, [*wrong, *ring_model.violations],
+                   ring_model.checked + sum(v.checked for v in reduce_dtype), details, note=note)
+
+
 def _within_model(
     per_rank_traffic: Sequence[Sequence[Mapping[str, Any] | None]], model: TrafficModel, phase: str | None,
     first_step: int,

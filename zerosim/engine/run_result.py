@@ -15,12 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..checks.equivalence import check_step_equivalence
-from ..checks.holdings import OwnershipExpectation, check_holdings
-from ..checks.identity import check_replica_identity
-from ..checks.partition import check_partition_plan
+from ..checks.holdings import OwnershipExpectation
+from ..checks.judges import judge
 from ..checks.tolerance import equivalence_tolerance
-from ..checks.traffic import check_communication
 from ..contracts import STEP_CONTRACTS
 from ..cost.comm_model import CommEstimate, comm_for_run
 from ..errors import ConfigError
@@ -29,7 +26,7 @@ from ..verdict import Verdict
 from .config import ResolvedRun, RunConfig
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
-#: the contracts a run is judged by, in order (:data:`zerosim.contracts.STEP_CONTRACTS`)
+#: the contracts a run is judged by, in order (the one list: :data:`zerosim.contracts.STEP_CONTRACTS`)
 CONTRACTS = STEP_CONTRACTS
 
 
@@ -75,9 +72,9 @@ def plan_verdict(run: ResolvedRun) -> Verdict:
     matrix optimizer's whole-tensor layout also on the run's StatePlan, whose ``whole_tensor`` clause
     holds every tensor's optimizer state whole on one rank of each shard group."""
     context = {"partitioner": run.unit_plan.partitioner, "shard_group_size": run.k}
-    verdict = check_partition_plan(run.unit_plan.shard_plan, context=context)
+    verdict = judge("C-ZERO-001", run.unit_plan.shard_plan, context=context)
     if getattr(run, "matrix_layout", None) == "whole-tensor" and run.strategy.shards_optimizer:
-        verdict.extend(check_partition_plan(run.state_plan))
+        verdict.extend(judge("C-ZERO-001", run.state_plan))
     return verdict
 
 
@@ -86,7 +83,7 @@ def plan_refused_result(run: ResolvedRun, verdict: Verdict) -> RunResult:
     not run (their verdicts say so)."""
     verdicts = {"C-ZERO-001": verdict}
     for contract in CONTRACTS[1:]:
-        verdicts[contract] = Verdict(contract, details={"skipped": "not trained: the plan breaks C-ZERO-001"})
+        verdicts[contract] = Verdict.skipped(contract, "not trained: the plan breaks C-ZERO-001")
     return RunResult(run.describe(), verdicts, [])
 
 
@@ -246,7 +243,7 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
     references_used: dict[str, Any] = {"independent": independent}
     if full:
         tol = equivalence_tolerance(run.precision.name)
-        v2 = check_step_equivalence(obs, independent, layout=layout, tolerance=tol)
+        v2 = judge("C-ZERO-002", obs, independent, layout=layout, tolerance=tol)
         v2.details = {"ground_truth": dict(v2.details)}
         if bitwise:
             if "ordered" not in done:
@@ -254,7 +251,7 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
                 done["ordered"] = ordered_reference(run)
                 timings["ordered_reference_s"] = time.perf_counter() - t
             ordered = references_used["ordered"] = done["ordered"]
-            vb = check_step_equivalence(obs, ordered, layout=layout, bitwise=True)
+            vb = judge("C-ZERO-002", obs, ordered, layout=layout, bitwise=True)
             v2.extend(vb)
             v2.details["ordered_reference"] = dict(vb.details)
         v2.details["bitwise_required"] = bitwise
@@ -263,12 +260,12 @@ def evaluate(cfg: RunConfig | ResolvedRun, observations: Sequence[RankObservatio
                                             "run with observe='full' to compare shard values"})
     verdicts["C-ZERO-002"] = v2
     phase("C-ZERO-003", 1)
-    verdicts["C-ZERO-003"] = check_replica_identity(obs, layout=layout)
+    verdicts["C-ZERO-003"] = judge("C-ZERO-003", obs, layout=layout)
     phase("C-ZERO-004", 2)
-    verdicts["C-ZERO-004"] = check_holdings(obs, ownership_expectation(run), layout=layout)
+    verdicts["C-ZERO-004"] = judge("C-ZERO-004", obs, ownership_expectation(run), layout=layout)
     phase("C-ZERO-005", 3)
     estimate = comm_for_run(run)
-    verdicts["C-ZERO-005"] = check_communication(obs, estimate, reduce_dtype=run.precision.master_dtype)
+    verdicts["C-ZERO-005"] = judge("C-ZERO-005", obs, estimate, reduce_dtype=run.precision.master_dtype)
     phase("done", 4)
     return RunResult(
         run.describe(), verdicts, step_metrics(obs, independent), estimate, obs, timings, references_used

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..checks.equivalence import check_step_equivalence
-from ..checks.identity import check_replica_identity
-from ..checks.partition import check_partition_plan
+from ..checks.judges import judge as judge_contract
 from ..contracts import STEP_CONTRACTS
 from ..observe import MonitorObservation
 from ..verdict import Verdict
@@ -28,9 +26,9 @@ def judge(observations: Sequence[MonitorObservation], layout: Verdict | None = N
     """The three verdicts, in contract order; ``layout``: C-ZERO-001's verdict already computed for these
     observations' layout (the live monitor judges a layout once, when it first sees it); ``identity``:
     C-ZERO-003's, already computed (the live monitor compares digests vectorised first)."""
-    return [layout if layout is not None else check_partition_plan(observations),
-            check_step_equivalence(observations),
-            identity if identity is not None else check_replica_identity(observations)]
+    return [layout if layout is not None else judge_contract("C-ZERO-001", observations),
+            judge_contract("C-ZERO-002", observations),
+            identity if identity is not None else judge_contract("C-ZERO-003", observations)]
 
 
 def summary_line(step: int | None, verdicts: Sequence[Verdict]) -> str:

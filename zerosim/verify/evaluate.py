@@ -6,16 +6,14 @@ each step's per-element bound in the trainer's arithmetic dtype (for a matrix op
 Muon or a user's, the per-tensor bound estimated from a perturbed twin of the reference,
 :mod:`zerosim.verify.estimated_bound`) (float32 when the run is float32,
 or when the trainer keeps float32 master weights of a float64 model: every parameter exactly
-float32-representable after every step), and the contracts' checks (:mod:`zerosim.checks`:
-C-ZERO-001 :func:`~zerosim.checks.partition.check_partition_plan`, C-ZERO-002
-:func:`~zerosim.checks.equivalence.check_step_equivalence`, C-ZERO-003
-:func:`~zerosim.checks.identity.check_replica_identity`) and the diagnosis
-(:mod:`zerosim.verify.diagnosis`) run on the result, with C-ZERO-008
-:func:`~zerosim.checks.logged_norm.check_logged_norm` on the logged gradient norm. C-ZERO-004 and
-C-ZERO-005's ``ring_model`` come judged from the ranks
-(:func:`zerosim.verify.resources.resource_outcomes`); C-ZERO-005's ``reduce_dtype``
-(:func:`~zerosim.checks.traffic.check_communication` given the reduce dtype) is judged here, where each
-phase's arithmetic dtype is known: every gradient reduction must move that dtype.
+float32-representable after every step); under a mixed-precision policy the reference re-starts every
+step under the policy (:mod:`zerosim.verify.mixed_reference`). The contracts are judged through
+:func:`zerosim.checks.judges.judge` (C-ZERO-001 on the ranges, 002 on the values, 003 across the
+ranks, 008 on the logged gradient norm) and the diagnosis (:mod:`zerosim.verify.diagnosis`) reads the
+verdicts. C-ZERO-004 and C-ZERO-005's ``ring_model`` come judged from the ranks
+(:func:`zerosim.verify.resources.resource_outcomes`); C-ZERO-005's ``reduce_dtype`` is judged here,
+where each phase's arithmetic dtype is known (every gradient reduction must move that dtype), and the
+two clauses make one verdict in :func:`zerosim.checks.traffic.with_reduce_dtype`.
 """
 
 from __future__ import annotations
@@ -27,21 +25,19 @@ from typing import Any
 import torch
 
 from zerosim import datafile
-from zerosim.checks.equivalence import check_step_equivalence, float32_masters
-from zerosim.checks.identity import check_replica_identity
-from zerosim.checks.logged_norm import check_logged_norm
-from zerosim.checks.partition import check_partition_plan
+from zerosim.checks.equivalence import float32_masters
+from zerosim.checks.judges import judge
 from zerosim.checks.tolerance import ErrorModel, unit_roundoff
-from zerosim.checks.traffic import check_communication
+from zerosim.checks.traffic import with_reduce_dtype
 from zerosim.observe import TrainerObservation
-from zerosim.verdict import Verdict
+from zerosim.verdict import Verdict, Violation
 
 from .estimated_bound import TwinBound
 from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, policy
 from .model_source import model_source
 from .observation import StepRecord
 from .optimizers import is_elementwise
-from .outcome import ContractOutcome, VerifyReport, mark_findings, violation_json
+from .outcome import VerifyReport, mark_findings
 from .reference import Reference
 from .resume import ResumeRun, resume_outcome
 from .suite import Phase
@@ -134,21 +130,9 @@ def reduce_dtype_verdicts(
             ranks = observations.get(step, [])
             per_rank = [[obs.traffic] for obs in sorted(ranks, key=lambda o: o.rank)]
             verdicts.append(
-                check_communication(per_rank, reduce_dtype=expected, phase=phase.name, first_step=step)
+                judge("C-ZERO-005", per_rank, reduce_dtype=expected, phase=phase.name, first_step=step)
             )
     return verdicts
-
-
-def with_reduce_dtype(traffic: ContractOutcome, verdicts: list[Verdict]) -> ContractOutcome:
-    """C-ZERO-005's outcome with the ``reduce_dtype`` clause's violations: a gradient reduction in another
-    dtype fails the contract, listed first and named in the reason; a pass leaves the outcome as it was."""
-    wrong = [violation_json(v) for verdict in verdicts for v in verdict.violations]
-    if not wrong:
-        return traffic
-    reason = f"{wrong[0]['message']} ({len(wrong)} rank/step/collective triples in another dtype)"
-    if traffic.status == "fail":
-        reason += f"; {traffic.reason}"
-    return ContractOutcome("fail", reason, [*wrong, *traffic.violations], dict(traffic.details))
 
 
 def evaluate(
@@ -164,7 +148,7 @@ def evaluate(
     observations: dict[int, list[TrainerObservation]],
     base: torch.nn.Module,
     numels: dict[str, int],
-    resources: dict[str, ContractOutcome] | None = None,
+    resources: dict[str, Verdict] | None = None,
     resume: ResumeRun | None = None,
     mesh: tuple[int, int] | None = None,
     strict: bool = False,
@@ -174,54 +158,51 @@ def evaluate(
 ) -> VerifyReport:
     """The report of one run: the contracts judged on the records (C-ZERO-001 against ``mesh`` when the
     run names one), efficiency-only failures of a run whose values are right marked as findings
-    (:func:`~zerosim.verify.outcome.mark_findings`; ``strict`` makes them fail), and the diagnosis."""
-    from .diagnosis import diagnose
+    (:func:`~zerosim.verify.outcome.mark_findings`; ``strict`` makes them fail), and the diagnosis.
+    Under a mixed-precision policy the reference re-starts every step under the policy
+    (:mod:`zerosim.verify.mixed_reference`), C-ZERO-002 and C-ZERO-008 are judged by the per-tensor
+    normwise bounds (:mod:`zerosim.checks.mixed_precision`), every gradient reduction must move the
+    policy's ``reduce_dtype`` (C-ZERO-005) and the diagnosis is the mixed-precision one."""
+    from .diagnosis import diagnose, diagnose_mixed
+    from .mixed_reference import mixed_records
 
     mesh = None if mesh is None else (int(mesh[0]), int(mesh[1]))
     mixed = policy(precision, reduce_dtype)
-    if mixed is not None:
-        return _evaluate_mixed(mixed, target=target, world=world, dtype=dtype, device=device,
-                               model_name=model_name, seed=seed, phases=phases, phase_info=phase_info,
-                               observations=observations, base=base, numels=numels, resources=resources,
-                               resume=resume, mesh=mesh, strict=strict, grad_accum=grad_accum)
-
-    records = build_records(
-        phases,
-        phase_info,
-        observations,
-        base,
-        world=world,
-        dtype=dtype,
-        model_name=model_name,
-        seed=seed,
-        resume=resume,
-        grad_accum=grad_accum,
-        device=device,
-    )
-    contracts: dict[str, ContractOutcome] = {}
-    if records:
-        contracts["C-ZERO-001"] = ContractOutcome.from_verdict(
-            check_partition_plan(records, numels=numels, mesh=mesh)
-        )
-        contracts["C-ZERO-002"] = ContractOutcome.from_verdict(check_step_equivalence(records))
-        contracts["C-ZERO-003"] = ContractOutcome.from_verdict(check_replica_identity(records))
+    records: list[Any]
+    if mixed is None:
+        records = build_records(phases, phase_info, observations, base, world=world, dtype=dtype,
+                                model_name=model_name, seed=seed, resume=resume, grad_accum=grad_accum,
+                                device=device)
+        identity: list[Any] = records
         roundoff = {p["name"]: unit_roundoff(p["arithmetic"]) for p in phase_info if "arithmetic" in p}
-        contracts["C-ZERO-008"] = ContractOutcome.from_verdict(check_logged_norm(records, roundoff))
+        expected = None
+    else:
+        records = mixed_records(phases, phase_info, observations, base, model_source(model_name, seed), mixed,
+                                world=world, grad_accum=grad_accum, resume=resume, seed=seed)
+        identity = [_IdentityRecord(r.step, r.phase, r.ranks, _NamedReference(r.ref)) for r in records]
+        roundoff = {}
+        expected = {p.name: str(mixed["reduce_dtype"]) for p in phases}
+    contracts: dict[str, Verdict] = {}
+    if records:
+        contracts["C-ZERO-001"] = judge("C-ZERO-001", records, numels=numels, mesh=mesh)
+        contracts["C-ZERO-002"] = judge("C-ZERO-002", records)
+        contracts["C-ZERO-003"] = judge("C-ZERO-003", identity)
+        contracts["C-ZERO-008"] = judge("C-ZERO-008", records, roundoff)
     _add_skipped_and_resources(contracts, phase_info, resources)
-    contracts["C-ZERO-005"] = with_reduce_dtype(
-        contracts["C-ZERO-005"], reduce_dtype_verdicts(phases, phase_info, observations)
-    )
+    reduce_verdicts = reduce_dtype_verdicts(phases, phase_info, observations, expected)
+    contracts["C-ZERO-005"] = with_reduce_dtype(contracts["C-ZERO-005"], reduce_verdicts)
     if resume is not None:
         contracts["C-ZERO-007"] = resume_outcome(records, resume, {p.name: p.first_step for p in phases})
         if not resume.after_load:
             why = "; ".join(p.get("reason", "") for p in phase_info if p.get("reason"))
-            contracts["C-ZERO-007"] = ContractOutcome("skipped", f"no phase resumed: {why}")
-    total = sum(p.steps for p in phases)
+            contracts["C-ZERO-007"] = Verdict.skipped("C-ZERO-007", f"no phase resumed: {why}")
     mark_findings(contracts)
-    report = VerifyReport(
-        target, world, total, dtype, contracts, diagnose(records, contracts, mesh), device, model_name,
-        phase_info, strict=strict,
-    )
+    diagnosis = (diagnose(records, contracts, mesh) if mixed is None
+                 else diagnose_mixed(records, contracts, reduce_verdicts))
+    report = VerifyReport(target, world, sum(p.steps for p in phases), dtype, contracts, diagnosis, device,
+                          model_name, phase_info, strict=strict)
+    if mixed is not None:
+        report.extra["mixed_precision"] = mixed
     if mesh is not None:
         report.extra["mesh"] = list(mesh)
     if resume is not None:
@@ -246,52 +227,8 @@ class _IdentityRecord:
     ref: _NamedReference
 
 
-def _evaluate_mixed(mixed: dict[str, Any], *, target: str, world: int, dtype: str, device: str,
-                    model_name: str, seed: int, phases: list[Phase], phase_info: list[dict[str, Any]],
-                    observations: dict[int, list[TrainerObservation]], base: torch.nn.Module,
-                    numels: dict[str, int], resources: dict[str, ContractOutcome] | None,
-                    resume: ResumeRun | None, mesh: tuple[int, int] | None, strict: bool,
-                    grad_accum: int) -> VerifyReport:
-    """:func:`evaluate` under a mixed-precision policy: the reference re-started every step under the
-    policy (:mod:`zerosim.verify.mixed_reference`), C-ZERO-002 and C-ZERO-008 judged by the per-tensor
-    normwise bounds (:mod:`zerosim.checks.mixed_precision`), every gradient reduction in the policy's
-    ``reduce_dtype`` (C-ZERO-005), and the mixed-precision diagnosis."""
-    from .diagnosis import diagnose_mixed
-    from .mixed_reference import mixed_records
-
-    source = model_source(model_name, seed)
-    records = mixed_records(phases, phase_info, observations, base, source, mixed, world=world,
-                            grad_accum=grad_accum, resume=resume, seed=seed)
-    contracts: dict[str, ContractOutcome] = {}
-    if records:
-        contracts["C-ZERO-001"] = ContractOutcome.from_verdict(
-            check_partition_plan(records, numels=numels, mesh=mesh))
-        contracts["C-ZERO-002"] = ContractOutcome.from_verdict(check_step_equivalence(records))
-        identity = [_IdentityRecord(r.step, r.phase, r.ranks, _NamedReference(r.ref)) for r in records]
-        contracts["C-ZERO-003"] = ContractOutcome.from_verdict(check_replica_identity(identity))  # type: ignore[arg-type]
-        contracts["C-ZERO-008"] = ContractOutcome.from_verdict(check_logged_norm(records, {}))
-    _add_skipped_and_resources(contracts, phase_info, resources)
-    expected = {p.name: str(mixed["reduce_dtype"]) for p in phases}
-    reduce_verdicts = reduce_dtype_verdicts(phases, phase_info, observations, expected)
-    contracts["C-ZERO-005"] = with_reduce_dtype(contracts["C-ZERO-005"], reduce_verdicts)
-    if resume is not None:
-        contracts["C-ZERO-007"] = resume_outcome(records, resume, {p.name: p.first_step for p in phases})
-    mark_findings(contracts)
-    report = VerifyReport(target, world, sum(p.steps for p in phases), dtype, contracts,
-                          diagnose_mixed(records, contracts, reduce_verdicts), device, model_name, phase_info,
-                          strict=strict)
-    report.extra["mixed_precision"] = mixed
-    if mesh is not None:
-        report.extra["mesh"] = list(mesh)
-    if grad_accum > 1:
-        report.extra["grad_accum"] = grad_accum
-    if resume is not None:
-        report.extra["resume"] = resume.to_json()
-    return report
-
-
 #: the dataclasses a saved run is made of (:func:`zerosim.datafile.load` rebuilds these and no other)
-SAVED_TYPES = (Phase, TrainerObservation, ContractOutcome)
+SAVED_TYPES = (Phase, TrainerObservation, Verdict, Violation)
 
 
 def save_observations(path: str, run: dict[str, Any]) -> None:
@@ -312,18 +249,18 @@ def evaluate_saved(path: str) -> VerifyReport:
     return evaluate(base=base, **run)
 
 
-def _add_skipped_and_resources(contracts: dict[str, ContractOutcome], phase_info: list[dict[str, Any]],
-                               resources: dict[str, ContractOutcome] | None) -> None:
+def _add_skipped_and_resources(contracts: dict[str, Verdict], phase_info: list[dict[str, Any]],
+                               resources: dict[str, Verdict] | None) -> None:
     """C-ZERO-001/002/003/008 "skipped" when no phase ran (``contracts`` holds none of them then), and
     C-ZERO-004/005 from ``resources`` or "skipped" where no phase declared a strategy."""
     if not contracts:
         reasons = (p.get("reason", "").removesuffix(f" for {p.get('name')}") for p in phase_info)
         why = "every phase was skipped: " + "; ".join(dict.fromkeys(reasons))  # each reason once
         for cid in ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-008"):
-            contracts[cid] = ContractOutcome("skipped", why)
+            contracts[cid] = Verdict.skipped(cid, why)
     for cid in ("C-ZERO-004", "C-ZERO-005"):
-        contracts[cid] = (resources or {}).get(cid) or ContractOutcome(
-            "skipped",
+        contracts[cid] = (resources or {}).get(cid) or Verdict.skipped(
+            cid,
             "no phase ran with a declared strategy (declared_strategy): memory and traffic have no "
             "model to be compared with",
         )

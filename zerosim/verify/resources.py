@@ -14,8 +14,9 @@ declared strategy's communication model (:class:`~zerosim.checks.traffic.Traffic
 every gradient reduction is judged by the same check once the run's arithmetic dtype is known
 (:mod:`zerosim.verify.evaluate`).
 
-This module measures (:class:`ResourceProbe`, around ``step()`` on every rank) and renders the
-verdicts into the report's outcomes (:func:`resource_outcomes`, on rank 0); it judges nothing itself.
+This module measures (:class:`ResourceProbe`, around ``step()`` on every rank) and hands the
+observations to the checks (:func:`zerosim.checks.judges.judge`) on rank 0, one verdict per contract over
+every phase (:func:`resource_outcomes`); it judges nothing itself.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from zerosim.checks.holdings import MEMORY_KINDS, ResidentPlan, as_layout, check_holdings, kinds_below_plan
-from zerosim.checks.traffic import TRAFFIC_CLASSES, TrafficModel, check_communication
+from zerosim.checks.holdings import MEMORY_KINDS, ResidentPlan, as_layout, kinds_below_plan
+from zerosim.checks.judges import judge
+from zerosim.checks.traffic import TRAFFIC_CLASSES, TrafficModel
 from zerosim.verdict import Verdict
 
-from .outcome import ContractOutcome, violation_json
 from .traffic import TrafficCounter, local_tensor
 
 __all__ = [
@@ -132,39 +133,37 @@ class PhaseResources:
     steps: list[list[dict[str, Any] | None]]
 
 
-def memory_result(verdict: Verdict) -> dict[str, Any]:
-    """C-ZERO-004's verdict for one step as the report renders it: ``{"status", "reason", "violations",
-    "details"}``, the reason naming the first rank above its plan, or the kinds held below it."""
+def memory_result(verdict: Verdict) -> Verdict:
+    """C-ZERO-004's verdict for one step with the line the report shows: the first rank above its plan,
+    or the kinds held below it."""
     strategy = verdict.details["strategy"]
-    violations = [violation_json(v) for v in verdict.violations]
-    if violations:
-        reason = f"{violations[0]['message']} ({len(violations)} rank/state pairs above the plan)"
-    else:
-        reason = f"resident bytes within the {strategy} plan on every rank"
-        below = kinds_below_plan(verdict)
-        if below:
-            reason += (f"; below the plan for {', '.join(below)} "
-                       "(the peer frees or pads less than the model assumes)")
-    return {"status": "fail" if violations else "pass", "reason": reason, "violations": violations,
-            "details": dict(verdict.details)}
+    if verdict.violations:
+        verdict.note = (f"{verdict.violations[0].message} ({len(verdict.violations)} rank/state pairs above "
+                        "the plan)")
+        return verdict
+    verdict.note = f"resident bytes within the {strategy} plan on every rank"
+    below = kinds_below_plan(verdict)
+    if below:
+        verdict.note += (f"; below the plan for {', '.join(below)} "
+                         "(the peer frees or pads less than the model assumes)")
+    return verdict
 
 
-def traffic_result(verdict: Verdict, unobserved: dict[str, str] | None = None) -> dict[str, Any]:
-    """C-ZERO-005's ``ring_model`` verdict for one phase as the report renders it (see
+def traffic_result(verdict: Verdict, unobserved: dict[str, str] | None = None) -> Verdict:
+    """C-ZERO-005's ``ring_model`` verdict for one phase with the line the report shows (see
     :func:`memory_result`); a class in ``unobserved`` is named with the reason it was not judged."""
     unobserved = dict(unobserved or {})
     strategy = verdict.details["strategy"]
-    violations = [violation_json(v) for v in verdict.violations]
     judged = [c for c in TRAFFIC_CLASSES if c not in unobserved]
-    reason = (
+    verdict.note = (
         f"received bytes of {', '.join(judged)} within the {strategy} ring model on every rank and step"
-        if not violations
-        else f"{violations[0]['message']} ({len(violations)} rank/step/class triples outside the model)"
+        if not verdict.violations
+        else f"{verdict.violations[0].message} ({len(verdict.violations)} rank/step/class triples outside "
+        "the model)"
     )
     for cls, why in unobserved.items():
-        reason += f"; {cls} not judged: {why}"
-    return {"status": "fail" if violations else "pass", "reason": reason, "violations": violations,
-            "details": dict(verdict.details)}
+        verdict.note += f"; {cls} not judged: {why}"
+    return verdict
 
 
 def skipped_steps(steps: Sequence[int], masters: Mapping[int, Mapping[str, Any]],
@@ -188,15 +187,15 @@ def skipped_steps(steps: Sequence[int], masters: Mapping[int, Mapping[str, Any]]
 def resource_outcomes(
     phases: Sequence[PhaseResources], model: Any, dtype_bytes: int, world: int,
     policy: Mapping[str, Any] | None = None, overflowed: frozenset[int] = frozenset(),
-) -> dict[str, ContractOutcome]:
-    """C-ZERO-004 and C-ZERO-005 (``ring_model``) over every phase that ran, as
-    ``{"C-ZERO-004": ContractOutcome, "C-ZERO-005": ContractOutcome}``. Under a mixed-precision
+) -> dict[str, Verdict]:
+    """C-ZERO-004 and C-ZERO-005 (``ring_model``) over every phase that ran, one verdict each:
+    ``{"C-ZERO-004": Verdict, "C-ZERO-005": Verdict}``. Under a mixed-precision
     ``policy`` the traffic model takes its element sizes from the policy
     (:meth:`~zerosim.checks.traffic.TrafficModel.under_policy`; ``dtype_bytes`` is the masters'), with
     ``overflowed`` the steps the trainer skipped; what a trainer declares in ``wire_bytes`` still wins."""
     layout = as_layout(model)
-    memory: list[dict[str, Any]] = []
-    traffic: list[dict[str, Any]] = []
+    memory: list[Verdict] = []
+    traffic: list[Verdict] = []
     skipped: dict[str, str] = {}
     for ph in phases:
         info = ph.info
@@ -214,7 +213,8 @@ def resource_outcomes(
         if info.get("has_resident_bytes") and all(m is not None for step in mem_steps for m in step):
             for i, per_rank in enumerate(mem_steps):
                 memory.append(memory_result(
-                    check_holdings(
+                    judge(
+                        "C-ZERO-004",
                         per_rank,
                         ResidentPlan(
                             strategy,
@@ -252,21 +252,16 @@ def resource_outcomes(
                     grad_bytes=wire.get("grads", traffic_model.grad_bytes),
                     master_bytes=None if "params" in wire else traffic_model.master_bytes)
         traffic.append(traffic_result(
-            check_communication(per_rank, traffic_model, phase=ph.name, first_step=ph.first_step),
+            judge("C-ZERO-005", per_rank, traffic_model, phase=ph.name, first_step=ph.first_step),
             info.get("unobserved_traffic"),
         ))
     out = {}
     for cid, results in (("C-ZERO-004", memory), ("C-ZERO-005", traffic)):
         if not results:
-            out[cid] = ContractOutcome("skipped", skipped.get(cid, "no phase ran with a declared strategy"))
+            out[cid] = Verdict.skipped(cid, skipped.get(cid, "no phase ran with a declared strategy"))
             continue
-        violations = [v for r in results for v in r["violations"]]
-        failed = [r for r in results if r["status"] == "fail"]
-        reason = failed[0]["reason"] if failed else results[-1]["reason"]
-        out[cid] = ContractOutcome(
-            "fail" if violations else "pass",
-            reason,
-            violations,
-            {"checks": [r["details"] for r in results]},
-        )
+        failed = [r for r in results if r.violations]
+        out[cid] = Verdict(cid, [v for r in results for v in r.violations], sum(r.checked for r in results),
+                           {"checks": [dict(r.details) for r in results]},
+                           note=failed[0].note if failed else results[-1].note)
     return out

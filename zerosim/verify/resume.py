@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from zerosim import datafile
-from zerosim.checks.checkpoint import ResumedTrainer, check_checkpoint_equivalence
+from zerosim.checks.checkpoint import ResumedTrainer
+from zerosim.checks.judges import judge
 from zerosim.observe import TrainerObservation
+from zerosim.verdict import Verdict
 
 from .observation import StepRecord
-from .outcome import ContractOutcome
 from .protocol import STATE_NAMES
 from .suite import Phase
 
@@ -85,16 +86,15 @@ class ResumeRun:
 
 
 def resume_outcome(records: Sequence[StepRecord], resume: ResumeRun,
-                   first_steps: Mapping[str, int]) -> ContractOutcome:
-    """C-ZERO-007 over the phases that resumed, judged by
-    :func:`zerosim.checks.checkpoint.check_checkpoint_equivalence`, as the report renders it."""
+                   first_steps: Mapping[str, int]) -> Verdict:
+    """C-ZERO-007's verdict over the phases that resumed, judged by
+    :func:`zerosim.checks.checkpoint.check_checkpoint_equivalence`."""
     if not resume.after_load:
-        return ContractOutcome("skipped", "no phase resumed from a checkpoint")
+        return Verdict.skipped("C-ZERO-007", "no phase resumed from a checkpoint")
     resumed = ResumedTrainer(
         resume.before_save,
         resume.after_load,
         {phase: resume.last_step_before(first_steps[phase]) for phase in resume.after_load},
         STATE_NAMES,
     )
-    verdict = check_checkpoint_equivalence(records, resumed, **resume.to_json())
-    return ContractOutcome.from_verdict(verdict)
+    return judge("C-ZERO-007", records, resumed, **resume.to_json())
