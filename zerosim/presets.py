@@ -1,6 +1,7 @@
 """Built-in model configurations (the shapes, never the weights).
 
-Every preset names one model with one structure (``GPTConfig.structure``), used by every command:
+Every preset names one model with one structure (``GPTConfig.structure``), used by every command
+(``zerosim verify``'s torch GPTs, :data:`zerosim.verify.model_presets.PRESETS`, are the same class):
 
 * ``"gpt2"``: a GPT-2-style decoder (token + position embedding, attention and MLP with biases,
   final norm, head tied to the token embedding). ``zerosim plan``, ``memory`` and ``comm`` model it.
@@ -24,7 +25,12 @@ class GPTConfig:
     """A model's shapes. ``structure="gpt2"`` (default): a GPT-2-style decoder (token + position
     embedding, ``n_layer`` pre-norm attention + MLP blocks, final norm, lm head). ``structure="block"``:
     the simulator's block model (embedding, ``n_layer`` x [norm, MLP], final norm, untied head), which
-    uses ``vocab_size``, ``seq_len``, ``n_layer``, ``d_model``, ``mlp_ratio`` and ``dtype`` only."""
+    uses ``vocab_size``, ``seq_len``, ``n_layer``, ``d_model``, ``mlp_ratio`` and ``dtype`` only.
+
+    ``zerosim verify``'s torch GPTs (:mod:`zerosim.verify.model`) read the same value: ``mlp_width``
+    (the MLP's hidden width when it is not ``mlp_ratio * d_model``), ``batch`` (sequences per rank per
+    step) and ``small_tensors`` (the 3- and 1-element tensors that exercise tiny shards); ``vocab``,
+    ``block``, ``tied``, ``d_mlp`` and ``widest`` are their names for the shapes."""
 
     vocab_size: int
     seq_len: int
@@ -36,14 +42,43 @@ class GPTConfig:
     tied_embeddings: bool = True
     dtype: str = "float32"
     structure: str = "gpt2"
+    mlp_width: int | None = None
+    batch: int = 2
+    small_tensors: bool = False
+
+    @property
+    def vocab(self) -> int:
+        return self.vocab_size
+
+    @property
+    def block(self) -> int:
+        """The context length (``seq_len``)."""
+        return self.seq_len
+
+    @property
+    def tied(self) -> bool:
+        return self.tied_embeddings
+
+    @property
+    def d_mlp(self) -> int:
+        """The MLP's hidden width: ``mlp_width``, else ``mlp_ratio * d_model``."""
+        return self.mlp_width if self.mlp_width is not None else self.mlp_ratio * self.d_model
+
+    @property
+    def widest(self) -> int:
+        """The longest dot product in one layer (for :mod:`zerosim.checks.tolerance`'s rounding model)."""
+        return max(self.d_model, self.d_mlp, self.vocab_size, self.seq_len)
 
     def __post_init__(self) -> None:
         if self.structure not in STRUCTURES:
             raise ConfigError("structure", self.structure, f"known: {', '.join(STRUCTURES)}")
-        for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
+        for field in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio", "batch"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(field, value, "must be a positive integer")
+        width = self.mlp_width
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width <= 0):
+            raise ConfigError("mlp_width", self.mlp_width, "must be a positive integer")
         if self.d_model % self.n_head:
             raise ConfigError("n_head", self.n_head, f"must divide d_model={self.d_model}")
 

@@ -2,45 +2,33 @@
 
 The launcher of ``zerosim verify`` (and of the benchmarks that train a preset) checks ``--model``
 before any rank starts; these values are plain data, so that check costs no torch import.
-:mod:`zerosim.verify.model` builds the torch GPT from a :class:`GPTConfig`;
+:mod:`zerosim.verify.model` builds the torch GPT from a :class:`zerosim.presets.GPTConfig`;
 :mod:`zerosim.verify.model_source` builds whatever ``--model`` names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 from zerosim.errors import ConfigError, install_hint
+from zerosim.presets import GPTConfig
 
 HF_MODEL = "hf-gpt2"
 MOE_MODEL = "moe"  # the built-in mixture of experts (zerosim.verify.model_moe)
 HF_INSTALL = install_hint("hf")
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 37
-    block: int = 7
-    d_model: int = 25
-    n_head: int = 5
-    d_mlp: int = 47
-    n_layer: int = 2
-    tied: bool = False
-    batch: int = 2  # sequences per rank per step
-    small_tensors: bool = True  # small.bias (3 elements) and small.gain (1): see zerosim.verify.model
-
-    @property
-    def widest(self) -> int:
-        """The longest dot product in one layer (for :mod:`zerosim.checks.tolerance`'s rounding model)."""
-        return max(self.d_model, self.d_mlp, self.vocab, self.block)
-
-
+#: the verify GPTs, :class:`zerosim.presets.GPTConfig` values (the one model-shape type): a toy whose
+#: every width is a different prime-ish size (a transposed or mis-sliced tensor cannot hide), with the
+#: small tensors; the same tied; and a 50M-parameter model for the benchmarks
+_GPT = GPTConfig(vocab_size=37, seq_len=7, d_model=25, n_head=5, mlp_width=47, n_layer=2,
+                 tied_embeddings=False, batch=2, small_tensors=True)
 PRESETS = {
-    "gpt": GPTConfig(),
-    "gpt-tied": GPTConfig(tied=True),
-    "gpt-50m": GPTConfig(vocab=24571, block=65, d_model=511, n_head=7, d_mlp=2047, n_layer=8, batch=2,
-                         small_tensors=False),
+    "gpt": _GPT,
+    "gpt-tied": replace(_GPT, tied_embeddings=True),
+    "gpt-50m": GPTConfig(vocab_size=24571, seq_len=65, d_model=511, n_head=7, mlp_width=2047, n_layer=8,
+                         tied_embeddings=False, batch=2, small_tensors=False),
 }
 BUILT_IN_MODELS = (*PRESETS, MOE_MODEL, HF_MODEL)
 
