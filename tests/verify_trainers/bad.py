@@ -80,6 +80,8 @@ class WrongDtype(Zero1Trainer):
 
 
 class NanParameters(Zero1Trainer):
+    """Returns NaN in one element: no protocol breach, a C-ZERO-002 failure (the reference is finite)."""
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         params = super().full_parameters()
         params[_first_name(params)].reshape(-1)[0] = float("nan")

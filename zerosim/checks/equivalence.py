@@ -326,7 +326,7 @@ def _compare(
             tolerance=float(b[i]),
             where=f"step {rec.step}, rank {obs.rank}, {label}[{i}]",
         )
-    bad = err > b
+    bad = ~(err <= b)  # a NaN error (a non-finite value on one side) is beyond any bound
     if bad.any():
         start, stop = first_run(bad)
         n_bad = int(bad.sum())

@@ -66,7 +66,7 @@ def check_logged_norm(records: Sequence[TrainerStep], unit_roundoff: Mapping[str
             ratio = error / bound if bound > 0 else (math.inf if error > 0 else 0.0)
             if ratio > worst["ratio"]:
                 worst = {"ratio": ratio, "error": error, "bound": bound, "step": rec.step, "rank": obs.rank}
-            if error > bound:
+            if not error <= bound:  # a NaN norm is beyond any bound
                 out.add(
                     "logged_norm",
                     f"rank {obs.rank} logged a gradient norm of {obs.grad_norm:.9g} at step {rec.step}; the "

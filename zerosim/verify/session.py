@@ -34,7 +34,7 @@ from zerosim.observe import TrainerObservation
 from zerosim.outputs import OutputError, write_text
 
 from .errors import TrainerError
-from .mixed_precision import is_mixed, policy
+from .mixed_precision import policy
 from .model_source import model_source, to_device
 from .optimizers import describe_user_optimizer, is_user_optimizer, trainer_config
 from .protocol import (
@@ -404,18 +404,18 @@ class RankSession:
         numels: dict[str, int],
         stepped: bool = False,
     ) -> TrainerObservation:
-        loss_value = finite_loss(loss, self.rank, step, finite=not is_mixed(self.settings.precision))
+        # a non-finite value (finite=False) is data, not a protocol breach: C-ZERO-002 judges it against the
+        # reference and the diagnosis non-finite-weights names it; names, shapes and dtypes are protocol
+        loss_value = finite_loss(loss, self.rank, step, finite=False)
         grad_norm = None
         if stepped and callable(getattr(trainer, "last_grad_norm", None)):
             self.where = f"step {step} ({phase.name}): last_grad_norm()"
-            grad_norm = logged_norm(trainer.last_grad_norm(), self.rank, step,
-                                    finite=not is_mixed(self.settings.precision))
+            grad_norm = logged_norm(trainer.last_grad_norm(), self.rank, step, finite=False)
         self.where = f"step {step} ({phase.name}): full_parameters()"
         self.arrivals.mark(self.where)
         raw = trainer.full_parameters()
         params = _as_arrays(raw, "full_parameters", self.rank)
-        finite = not is_mixed(self.settings.precision)
-        validate_parameters(params, expected, self.rank, finite=finite)
+        validate_parameters(params, expected, self.rank, finite=False)
         state = None
         if callable(getattr(trainer, "full_optimizer_state", None)):
             self.where = f"step {step} ({phase.name}): full_optimizer_state()"
@@ -430,7 +430,7 @@ class RankSession:
                 n: _as_arrays(e, f"full_optimizer_state()[{n!r}]", self.rank) if isinstance(e, dict) else e
                 for n, e in raw_state.items()
             }
-            validate_optimizer_state(state, expected, phase.name, self.rank, finite=finite)
+            validate_optimizer_state(state, expected, phase.name, self.rank, finite=False)
         shards = None
         if callable(getattr(trainer, "local_shards", None)):
             self.where = f"step {step} ({phase.name}): local_shards()"
