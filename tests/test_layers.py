@@ -46,7 +46,7 @@ LAYERS: dict[str, int] = {
     "zerosim.dotted": 0, "zerosim.text_tables": 0, "zerosim.outputs": 0, "zerosim.datafile": 0,
     "zerosim.unit_state": 0, "zerosim.json_file": 0,
     "zerosim.terminal_text": 0, "zerosim.untrusted_files": 0, "zerosim.observation_fields": 0,
-    "zerosim.int_text": 0,
+    "zerosim.int_text": 0, "zerosim.run_value": 0,
     # 1: contracts, pure checks, cost models
     "zerosim.contracts": 1, "zerosim.checks.*": 1, "zerosim.check_impl": 1, "zerosim.cost.*": 1,
     "zerosim.checks.rounding": 1,

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
-from ..json_file import check_fields, read_settings, write_settings
 from ..outputs import output_file, write_text
+from ..run_value import RunValue
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 VARIANTS = ("raw", "ours", "ours_new", "ours_raise", "raw_again")
@@ -49,7 +49,7 @@ MPI_BENCH_RUN_FORMAT = "zerosim-bench-mpi-run/1"
 
 
 @dataclass(frozen=True)
-class MpiBenchRun:
+class MpiBenchRun(RunValue):
     """What every rank of one ``bench mpi`` launch needs, as one value: the buffer sizes, the repeats, the
     time each measurement fills and the file rank 0 writes its rows to. The command writes it to a file
     in its private temporary folder and starts ``python -m zerosim.mpi bench-worker --config FILE``."""
@@ -59,15 +59,12 @@ class MpiBenchRun:
     target_ms: float
     out: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {"format": MPI_BENCH_RUN_FORMAT, "sizes": list(self.sizes), "repeats": self.repeats,
-                "target_ms": self.target_ms, "out": self.out}
+    FORMAT = MPI_BENCH_RUN_FORMAT
+    WHAT = "bench mpi run file"
 
     @classmethod
-    def from_json(cls, data: Any) -> MpiBenchRun:
-        """The value ``data`` describes, every field checked (ConfigError naming the first bad one)."""
-        fields = check_fields(data, ("format", "sizes", "repeats", "target_ms", "out"), MPI_BENCH_RUN_FORMAT,
-                              "bench mpi run file")
+    def from_fields(cls, fields: dict[str, Any]) -> MpiBenchRun:
+        """The value of the file's fields, every one checked (ConfigError naming the first bad one)."""
         sizes = fields.get("sizes")
         if not isinstance(sizes, list) or not sizes:
             raise ConfigError("sizes", sizes, "expected a non-empty list of byte counts")
@@ -85,7 +82,7 @@ class MpiBenchRun:
 
 def read_mpi_bench_run(path: str) -> MpiBenchRun:
     """The :class:`MpiBenchRun` in ``path``; ConfigError naming the file or the field if it is not one."""
-    return MpiBenchRun.from_json(read_settings(path, "bench mpi run file"))
+    return MpiBenchRun.read(path)
 
 
 def buffer_sizes(min_bytes: int, max_bytes: int) -> list[int]:
@@ -118,10 +115,8 @@ def run(args: Any) -> int:
     with tempfile.TemporaryDirectory(prefix="zerosim-bench-mpi-") as tmp:
         for n in args.ranks:
             part = Path(tmp) / f"ranks{n}.json"
-            run_file = write_settings(
-                MpiBenchRun(tuple(sizes), args.repeats, float(args.target_ms), str(part)).to_json(),
-                Path(tmp) / f"ranks{n}.run.json",
-            )
+            run_file = MpiBenchRun(tuple(sizes), args.repeats, float(args.target_ms), str(part)).write(
+                Path(tmp) / f"ranks{n}.run.json")
             argv = ["-m", "zerosim.mpi", "bench-worker", "--config", str(run_file)]
             print(
                 f"launching mpiexec -n {n} ({len(sizes)} sizes x {len(COLLECTIVES)} collectives)...",

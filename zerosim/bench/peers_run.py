@@ -15,12 +15,12 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
-from ..json_file import check_fields, read_settings, write_settings
+from ..run_value import RunValue
 
 PEERS_RUN_FORMAT = "zerosim-bench-peers-run/1"
 DEFAULT_MODELS = ("gpt", "gpt-50m")
@@ -137,7 +137,7 @@ def validate_run(*, steps: Any, warmup: Any, dtype: Any, device: Any, optimizer:
 
 
 @dataclass(frozen=True)
-class PeersRun:
+class PeersRun(RunValue):
     """What every rank of one ``bench peers`` launch needs: the models and adapters in order, the
     timing settings, where to start in the (round, adapter) order and which adapters to leave out (they
     failed in an earlier launch), and where rank 0 writes (``results``: one JSON line per adapter for
@@ -159,18 +159,12 @@ class PeersRun:
     out: str | None = None
     results: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        for key in ("models", "adapters", "skip"):
-            data[key] = list(data[key])
-        return {"format": PEERS_RUN_FORMAT, **data}
+    FORMAT = PEERS_RUN_FORMAT
+    WHAT = "bench peers run file"
 
     @classmethod
-    def from_json(cls, data: Any) -> PeersRun:
-        """The value ``data`` describes, every field checked (ConfigError naming the first bad one)."""
-        known = ("format", *cls.__dataclass_fields__)
-        fields = dict(check_fields(data, known, PEERS_RUN_FORMAT, "bench peers run file"))
-        fields.pop("format")
+    def from_fields(cls, fields: dict[str, Any]) -> PeersRun:
+        """The value of the file's fields, every one checked (ConfigError naming the first bad one)."""
         for key in ("models", "adapters"):
             if key not in fields:
                 raise ConfigError(key, None, "the run file names none")
@@ -210,9 +204,9 @@ class PeersRun:
 
 def write_peers_run(run: PeersRun, path: str | os.PathLike[str]) -> Path:
     """``run`` as JSON in ``path`` (renamed into place)."""
-    return write_settings(run.to_json(), path)
+    return run.write(path)
 
 
 def read_peers_run(path: str | os.PathLike[str]) -> PeersRun:
     """The :class:`PeersRun` in ``path``; ConfigError naming the file or the field if it is not one."""
-    return PeersRun.from_json(read_settings(path, "bench peers run file"))
+    return PeersRun.read(path)

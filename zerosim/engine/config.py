@@ -28,6 +28,7 @@ from ..partition.mutations import mutate
 from ..plan import StatePlan, build_plan
 from ..precision import Precision
 from ..presets import PRESETS, require_simulator_preset, simulator_presets
+from ..run_value import RunValue
 from ..strategy import ShardingStrategy, StrategyKind, Topology
 from . import matrix_layout as whole_tensor
 from .fault_catalog import FAULTS, refusal
@@ -51,7 +52,7 @@ MAX_SIM_RANK_MICRO_STEPS = 600_000
 
 
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(RunValue):
     """One run of the reference engine. Strings are parsed by :meth:`resolve` (``strategy="hybrid_shard:2"``).
     """
 
@@ -89,15 +90,14 @@ class RunConfig:
     zero1_grad_reduce: str = "all_reduce"
     extra: dict[str, Any] = field(default_factory=dict)
 
+    WHAT = "run config"
+
     def validate(self) -> ResolvedRun:
         """Check everything (raises ConfigError naming the field); returns the resolved run."""
         return self.resolve()
 
     def resolve(self) -> ResolvedRun:
         return ResolvedRun(self)
-
-    def replace(self, **changes: Any) -> RunConfig:
-        return replace(self, **changes)
 
     def to_json(self) -> dict[str, Any]:
         """The config as JSON-native values (objects become their dicts or names); :meth:`from_json`
@@ -116,16 +116,12 @@ class RunConfig:
         return d
 
     @classmethod
-    def from_json(cls, data: Any) -> RunConfig:
-        """The config ``data`` (a dict as :meth:`to_json` writes it) describes, validated: an unknown
-        field, a value of the wrong JSON type or an invalid run raises a ConfigError naming the field.
-        A model or optimizer given as a dict becomes a SimModelConfig / OptimizerSpec."""
-        if not isinstance(data, dict):
-            raise ConfigError("run config", type(data).__name__, "expected a JSON object of RunConfig fields")
-        known = {f.name: f for f in fields(cls)}
+    def from_fields(cls, data: dict[str, Any]) -> RunConfig:
+        """The config these fields (a dict as :meth:`to_json` writes it) describe, validated: a value of
+        the wrong JSON type or an invalid run raises a ConfigError naming the field (an unknown field:
+        :meth:`~zerosim.run_value.RunValue.from_json`). A model or optimizer given as a dict becomes a
+        SimModelConfig / OptimizerSpec."""
         for key, value in data.items():
-            if key not in known:
-                raise ConfigError(f"run config field {key!r}", value, f"unknown; known: {', '.join(known)}")
             allowed = _JSON_TYPES[key]
             if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
                 names = " or ".join(_JSON_NAMES[t] for t in allowed)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..errors import ConfigError
-from ..json_file import check_fields, read_settings, write_settings
+from ..run_value import RunValue
 from .config import RunConfig
 
 RUN_FILE_FORMAT = "zerosim-run/1"
@@ -40,7 +40,7 @@ BACKEND_DEFAULTS: dict[str, dict[str, str]] = {
 
 
 @dataclass(frozen=True)
-class RankRun:
+class RankRun(RunValue):
     """What every rank of a launched ``simulate`` needs: the run, how rank 0 reports it (``json_output``:
     JSON instead of tables; ``save_observations``: a path rank 0 writes the observations to, as plain
     data) and the backend's settings (``options``, see :data:`BACKEND_OPTIONS`)."""
@@ -51,20 +51,15 @@ class RankRun:
     save_observations: str | None = None
     options: Mapping[str, str] = field(default_factory=dict)
 
+    FORMAT = RUN_FILE_FORMAT
+
     def option(self, name: str, default: str = "") -> str:
         """The backend setting ``name``: the file's value, else the backend's default, else ``default``."""
         return self.options.get(name, BACKEND_DEFAULTS[self.backend].get(name, default))
 
-    def to_json(self) -> dict[str, Any]:
-        return {"format": RUN_FILE_FORMAT, "backend": self.backend, "run": self.run.to_json(),
-                "json_output": self.json_output, "save_observations": self.save_observations,
-                "options": dict(self.options)}
-
     @classmethod
-    def from_json(cls, data: Any) -> RankRun:
-        """The value ``data`` describes, every field checked (ConfigError naming the field)."""
-        data = check_fields(data, ("format", "backend", "run", "json_output", "save_observations", "options"),
-                            RUN_FILE_FORMAT, "run file")
+    def from_fields(cls, data: dict[str, Any]) -> RankRun:
+        """The value of the run file's fields, every one checked (ConfigError naming the field)."""
         backend = data.get("backend")
         if backend not in BACKEND_OPTIONS:
             raise ConfigError("backend", backend, f"known: {', '.join(BACKEND_OPTIONS)}")
@@ -93,12 +88,12 @@ class RankRun:
 
 def write_rank_run(job: RankRun, path: str | os.PathLike[str]) -> Path:
     """Write ``job`` to ``path`` (JSON); returns the path."""
-    return write_settings(job.to_json(), path)
+    return job.write(path)
 
 
 def read_rank_run(path: str | os.PathLike[str], backend: str) -> RankRun:
     """The :class:`RankRun` in ``path`` for ``backend``'s ranks; ConfigError naming the field if bad."""
-    job = RankRun.from_json(read_settings(path))
+    job = RankRun.read(path)
     if job.backend != backend:
         raise ConfigError("backend", job.backend, f"this run file is for the {job.backend} backend, "
                           f"these ranks run {backend}")

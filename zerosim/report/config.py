@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
+from ..run_value import RunValue
 
 DEFAULT_DP_DEGREES = tuple(2**i for i in range(11))  # 1 .. 1024
 #: The measured runs train every strategy at every listed world size in this process: at most 32
@@ -30,7 +31,7 @@ def check_measured_world_sizes(world_sizes: tuple[int, ...], field: str = "world
 
 
 @dataclass(frozen=True)
-class ReportConfig:
+class ReportConfig(RunValue):
     """Defaults: the ZeRO paper's 7.5B at N_d = 64 (modelled) and the ``tiny`` simulator model at
     world sizes 1, 2, 4, 8 (measured by the simulator, and at 2 ranks by MPI when mpi4py works and by
     torch.distributed (gloo) when torch and zerogpu work)."""
@@ -82,8 +83,19 @@ class ReportConfig:
         """The world size of the side-by-side (stacked bar, traffic) panels: the largest measured one."""
         return max(self.world_sizes)
 
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["dp_degrees"] = list(self.dp_degrees)
-        d["world_sizes"] = list(self.world_sizes)
-        return d
+    WHAT = "report config"
+
+    @classmethod
+    def from_fields(cls, values: dict[str, Any]) -> ReportConfig:
+        """The config of these JSON fields: the world-size lists back to tuples, every value then checked
+        by the constructor (ConfigError naming the field)."""
+        for key in ("dp_degrees", "world_sizes"):
+            value = values.get(key)
+            if value is not None:
+                if not isinstance(value, list):
+                    raise ConfigError(key, value, "expected a list of world sizes")
+                values[key] = tuple(value)
+        extra = values.get("extra", {})
+        if not isinstance(extra, dict):
+            raise ConfigError("extra", extra, "expected a JSON object")
+        return cls(**values)

@@ -13,7 +13,6 @@ The validation every launch shares (the launcher's and the ranks') lives here to
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosim.errors import ConfigError, require_positive_int
-from zerosim.json_file import check_fields, read_settings, write_settings
+from zerosim.run_value import RunValue
 
 from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, require_precision
 from .suite import OPTIMIZERS, build_phases
@@ -37,7 +36,7 @@ MAX_GRAD_ACCUM = 64
 
 
 @dataclass(frozen=True)
-class VerifyRun:
+class VerifyRun(RunValue):
     """Everything a rank of ``zerosim verify`` needs.
 
     ``world``: the ranks of this launch (None: whatever the launcher started). ``out``: the folder rank
@@ -77,8 +76,7 @@ class VerifyRun:
     precision: str = FULL
     reduce_dtype: str = DEFAULT_REDUCE_DTYPE
 
-    def replace(self, **changes: Any) -> VerifyRun:
-        return dataclasses.replace(self, **changes)
+    FORMAT = VERIFY_RUN_FORMAT
 
     def validate(self) -> VerifyRun:
         """This value, or ConfigError (one line naming the field and value) for the first bad field."""
@@ -106,17 +104,11 @@ class VerifyRun:
             validate_resume(self.resume_at, None, self.optimizers, self.steps, self.device)
         return self
 
-    def to_json(self) -> dict[str, Any]:
-        return {"format": VERIFY_RUN_FORMAT, **dataclasses.asdict(self)}
-
     @classmethod
-    def from_json(cls, data: Any) -> VerifyRun:
-        """The value ``data`` describes; ConfigError naming the first field that is not one."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        data = check_fields(data, ("format", *names), VERIFY_RUN_FORMAT, "run file")
-        if "target" not in data:
+    def from_fields(cls, values: dict[str, Any]) -> VerifyRun:
+        """The value of the run file's fields, validated; ConfigError naming the first that is not one."""
+        if "target" not in values:
             raise ConfigError("target", None, "the run file names no target")
-        values = {k: v for k, v in data.items() if k != "format"}
         for name in ("json_output", "quiet", "allow_world_1", "strict"):
             if name in values and not isinstance(values[name], bool):
                 raise ConfigError(name, values[name], "expected true/false")
@@ -144,12 +136,12 @@ class VerifyRun:
 
 def write_verify_run(run: VerifyRun, path: str | os.PathLike[str]) -> Path:
     """Write ``run`` to ``path`` as JSON; returns the path."""
-    return write_settings(run.to_json(), path)
+    return run.write(path)
 
 
 def read_verify_run(path: str | os.PathLike[str]) -> VerifyRun:
     """The validated :class:`VerifyRun` in ``path``; ConfigError naming the field if it is not one."""
-    return VerifyRun.from_json(read_settings(path))
+    return VerifyRun.read(path)
 
 
 # ---- validation shared by the launcher and the ranks ---------------------------------------------------
