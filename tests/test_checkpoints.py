@@ -98,9 +98,9 @@ def test_a_save_killed_before_its_index_leaves_the_previous_checkpoint_loadable(
     class Killed(Exception):
         pass
 
-    def body(engine):
-        engine.step(0)
-        engine.step(1)
+    def body(engine, schedule):
+        schedule.step(0)
+        schedule.step(1)
 
         def die():
             raise Killed("the process died between the shard files and the index")
@@ -152,7 +152,7 @@ def test_each_rank_reads_only_the_files_and_blocks_overlapping_what_it_owns(ckpt
 def load_error(d, run_cfg=None, strict=True):
     """Load on fresh engines; every rank must raise the same error and keep its state untouched."""
 
-    def body(engine):
+    def body(engine, _schedule):
         before = engine_snapshot(engine)
         try:
             load_engine_state(engine, d, strict=strict)

@@ -134,17 +134,18 @@ def test_non_finite_gradient_on_one_rank_is_reported_not_averaged(strategy, prec
 def test_a_nan_is_caught_before_any_rank_accumulates_it_so_no_rank_ever_holds_it(strategy):
     """Every rank stops at the same point with the same error, and no NaN reached any rank's state."""
     from zerosim.comm.sim import run_spmd
-    from zerosim.engine.block_schedule import block_engine
+    from zerosim.engine.block_schedule import BlockSchedule, block_rank_state
     from zerosim.xp import numpy_namespace
 
     run = RunConfig(strategy=strategy, world_size=4, steps=2, micro_batches=2,
                     inject_nan={"rank": 2, "step": 1, "tensor": "lm_head.weight", "micro": 1}).resolve()
 
     def program(comm):
-        engine = block_engine(comm, run, numpy_namespace())
+        engine = block_rank_state(comm, run, numpy_namespace())
+        schedule = BlockSchedule(engine)
         try:
             for s in range(run.steps):
-                engine.step(s)
+                schedule.step(s)
         except NonFiniteGradientError as e:
             return e, [np.asarray(a, dtype=np.float64) for a in (engine.master, engine.grad_acc,
                                                                   *engine.opt_state.values())]
@@ -157,7 +158,9 @@ def test_a_nan_is_caught_before_any_rank_accumulates_it_so_no_rank_ever_holds_it
         assert arrays and all(np.isfinite(a).all() for a in arrays), rank
 
 
-ENGINE_MODULES = ("zerosim.engine.zero", "zerosim.flat_buffers", "zerosim.engine.memory_tracker",
+ENGINE_MODULES = ("zerosim.engine.rank_state", "zerosim.engine.gradients", "zerosim.engine.step",
+                  "zerosim.engine.observation", "zerosim.engine.unit_table", "zerosim.engine.block_schedule",
+                  "zerosim.flat_buffers", "zerosim.engine.memory_tracker",
                   "zerosim.engine.faults", "zerosim.engine.fault_catalog", "zerosim.engine.config",
                   "zerosim.engine.spmd", "zerosim.engine.run_result", "zerosim.engine.run_file",
                   "zerosim.engine.injection", "zerosim.engine.wire", "zerosim.engine.engine_run")
@@ -308,7 +311,7 @@ def test_each_unit_is_gathered_only_while_it_computes_and_sharded_between_steps(
     started and not taken are IN_FLIGHT; after the step every unit is back to SHARDED. ZeRO-2 holds the
     full parameters: every unit GATHERED throughout."""
     from zerosim.comm.sim import run_spmd
-    from zerosim.engine.block_schedule import BlockSchedule, block_engine
+    from zerosim.engine.block_schedule import BlockSchedule, block_rank_state
     from zerosim.unit_state import UnitState
     from zerosim.xp import numpy_namespace
 
@@ -317,21 +320,20 @@ def test_each_unit_is_gathered_only_while_it_computes_and_sharded_between_steps(
 
     def program(run):
         def rank(comm):
-            engine = block_engine(comm, run, numpy_namespace())
-            schedule = engine.schedule
-            assert isinstance(schedule, BlockSchedule)
+            engine = block_rank_state(comm, run, numpy_namespace())
+            schedule = BlockSchedule(engine)
             seen = []
             forward = schedule.model.forward
 
             def recording(block, *args, **kwargs):
                 unit = engine.unit_by_block.get(block, engine.units.units[0])  # ZeRO-2: one unit, the model
-                states = sorted(s.value for s in engine.unit_states.values())
-                seen.append((engine.unit_states[unit.name], states))
+                states = sorted(s.value for s in engine.unit_table.values())
+                seen.append((engine.unit_table[unit.name], states))
                 return forward(block, *args, **kwargs)
 
             schedule.model.forward = recording
-            engine.step(0)
-            return schedule.runs_ahead, seen, set(engine.unit_states.values())
+            schedule.step(0)
+            return schedule.runs_ahead, seen, set(engine.unit_table.values())
         return rank
 
     run = RunConfig(strategy="zero3", world_size=2, steps=1, prefetch=0).resolve()
@@ -365,14 +367,14 @@ def test_the_finite_vote_names_the_lowest_offending_rank_and_tensor():
 
 
 def engine_subclasses(source: str) -> list[str]:
-    """Classes in ``source`` that derive from ZeroEngine (the engine is composed with a schedule)."""
+    """Classes in ``source`` that derive from RankState (a schedule holds the state; it is no kind of it)."""
     import ast
 
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ClassDef):
             bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases}
-            if "ZeroEngine" in bases:
+            if "RankState" in bases:
                 found.append(node.name)
     return found
 
@@ -386,5 +388,6 @@ def test_no_driver_or_mutant_subclasses_the_engine_and_every_fault_is_data():
     offenders = {str(p.relative_to(root)): engine_subclasses(p.read_text())
                  for package in ("zerosim", "zerogpu") for p in (root / package).rglob("*.py")}
     assert not {k: v for k, v in offenders.items() if v}
-    assert engine_subclasses("class Broken(zero.ZeroEngine):\n    pass\n") == ["Broken"]  # the scan sees one
+    broken = "class Broken(rank_state.RankState):\n    pass\n"
+    assert engine_subclasses(broken) == ["Broken"]  # the scan sees one
     assert FAULTS and all(isinstance(f, Fault) for f in FAULTS.values())

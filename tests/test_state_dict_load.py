@@ -22,10 +22,10 @@ import pytest
 from zerosim.checkpoint import broadcast as bc
 from zerosim.checks.state_dict import check_broadcast_shard
 from zerosim.comm.sim import run_spmd
-from zerosim.engine.block_schedule import BlockSchedule
 from zerosim.engine.config import RunConfig
 from zerosim.engine.fault_catalog import FAULTS
-from zerosim.engine.zero import ZeroEngine
+from zerosim.engine.observation import full_params_view
+from zerosim.engine.rank_state import RankState
 from zerosim.errors import ConfigError
 from zerosim.layout import ParamLayout
 from zerosim.observe import ShardValues
@@ -95,10 +95,10 @@ def test_only_rank_0_opens_the_file(tmp_path: Path, fmt: str, monkeypatch: pytes
     assert [ld.result.bytes_read > 0 for ld in loads] == [True, False, False, False]
 
 
-def _recording(sizes: list[int]) -> type[ZeroEngine]:
+def _recording(sizes: list[int]) -> type[RankState]:
     """An engine whose load broadcasts append their element counts to ``sizes``."""
 
-    class Recording(ZeroEngine):
+    class Recording(RankState):
         def load_comm(self) -> Any:
             comm = super().load_comm()
             real = comm.broadcast
@@ -113,10 +113,10 @@ def _recording(sizes: list[int]) -> type[ZeroEngine]:
     return Recording
 
 
-def _initial_state(run, cls: type[ZeroEngine]) -> list[tuple[np.ndarray, np.ndarray]]:
+def _initial_state(run, cls: type[RankState]) -> list[tuple[np.ndarray, np.ndarray]]:
     def program(comm: Any) -> tuple[np.ndarray, np.ndarray]:
-        e = cls(comm, run, numpy_namespace(), BlockSchedule())
-        return e.master.copy(), e.full_params_view()
+        e = cls(comm, run, numpy_namespace())
+        return e.master.copy(), full_params_view(e)
 
     return run_spmd(run.world_size, program)
 
@@ -124,7 +124,7 @@ def _initial_state(run, cls: type[ZeroEngine]) -> list[tuple[np.ndarray, np.ndar
 def test_the_engine_broadcast_load_is_bitwise_the_seed_load_and_holds_one_tensor_at_a_time() -> None:
     for strategy, world in CASES:
         precision = "bf16" if strategy == "zero2" else "fp32"
-        seed = _initial_state(_run(strategy, world, precision=precision), ZeroEngine)
+        seed = _initial_state(_run(strategy, world, precision=precision), RankState)
         run = _run(strategy, world, precision=precision, load="broadcast")
         sizes: list[int] = []
         loaded = _initial_state(run, _recording(sizes))
@@ -135,7 +135,7 @@ def test_the_engine_broadcast_load_is_bitwise_the_seed_load_and_holds_one_tensor
             assert p0.tobytes() == p1.tobytes(), (strategy, world)
 
 
-class KeepsNeighboursPieces(ZeroEngine):
+class KeepsNeighboursPieces(RankState):
     """Wrong: each rank keeps the pieces of the next rank of its shard group."""
 
     def owned_in(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -185,7 +185,7 @@ def _errors(run, state, strict: bool = True) -> list[Any]:
     """Per rank: the error text it raised (or its result) and whether its master is unchanged."""
 
     def program(comm: Any) -> tuple[str, bool, Any]:
-        e = ZeroEngine(comm, run, numpy_namespace(), BlockSchedule())
+        e = RankState(comm, run, numpy_namespace())
         before = e.master.copy()
         try:
             result = bc.broadcast_and_shard_state_dict(e, state if comm.rank == 0 else None, strict=strict)

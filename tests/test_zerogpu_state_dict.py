@@ -83,13 +83,14 @@ def test_one_rank_loads_both_formats_in_place_and_trains_on(world_of_one, tmp_pa
 def test_bf16_model_loads_a_bf16_file(world_of_one, tmp_path: Path) -> None:
     from zerogpu.state_dict import load_state_dict
     from zerogpu.trainer import ZeroTrainer
+    from zerosim.engine.observation import full_params_view
 
     src = _gpt("bfloat16", shift=0.25)
     _, path = _save(src, tmp_path)
     model = _gpt("bfloat16")
     trainer = ZeroTrainer(model, {"name": "adamw", "lr": 1e-3}, "zero3")
     load_state_dict(trainer, path)
-    work = trainer.engine.full_params_view()  # ml_dtypes bfloat16, flat in layout order
+    work = full_params_view(trainer.engine)  # ml_dtypes bfloat16, flat in layout order
     assert work.dtype.name == "bfloat16"
     want = torch.cat([src.get_parameter(t.name).detach().reshape(-1) for t in trainer.engine.layout.tensors])
     assert np.array_equal(work.astype(np.float32), want.float().numpy())

@@ -1,15 +1,16 @@
-"""The ZeRO engine driving a torch ``nn.Module``: autograd computes, the engine shards, reduces and steps.
+"""One rank's ZeRO step over a torch ``nn.Module``: autograd computes; the step functions reduce and step.
 
-:class:`ModuleSchedule` is the autograd-hook schedule of :class:`zerosim.engine.zero.ZeroEngine` (the
-engine the simulator, MPI and torchrun backends run with the block model's schedule): it drives the
-engine through a real module instead of the simulator's hand-differentiated model. The engine owns
-the sharded state and the step; this schedule owns the module's binding to it and the per-step
-state of its hooks, and calls the engine's public methods and the wire steps of
-:mod:`zerosim.engine.wire`:
+:class:`ModuleSchedule` is the autograd-hook schedule over one rank's
+:class:`zerosim.engine.rank_state.RankState` (the state the simulator, MPI and torchrun backends
+drive with the block model's schedule): it runs the step through a real module instead of the
+simulator's hand-differentiated model. The state holds the shards; the step functions of
+:mod:`zerosim.engine.gradients` and :mod:`zerosim.engine.step` do what follows the gradients; this
+schedule owns the step (its micro-batches, given as an argument), the module's binding to the state
+and the per-step state of its hooks:
 
 * **Parameters.** NO_SHARD / ZeRO-1 / ZeRO-2: every parameter's ``.data`` is a view into the
-  engine's flat replicated parameters, so the engine's in-place refresh after the step is what the
-  next forward sees. ZeRO-3 / hybrid: each unit (:mod:`zerogpu.module_units`) owns one flat
+  state's flat replicated parameters, so the in-place refresh after the step is what the next
+  forward sees. ZeRO-3 / hybrid: each unit (:mod:`zerogpu.module_units`) owns one flat
   buffer in the parameter dtype whose storage is allocated only while the unit is in use; the
   parameters are views into it. Between uses the storage has size zero: the rank holds only its
   shard, as C-ZERO-004 demands. A shard group of one rank (hybrid with shard size 1, ZeRO-3 at
@@ -20,12 +21,12 @@ state of its hooks, and calls the engine's public methods and the wire steps of
   with ``prefetch`` units gathered ahead) and unpacks it into the unit's buffer; the forward hook
   frees the buffer and hooks the unit's outputs, so the first gradient reaching them gathers the
   unit again before its backward runs. When autograd has
-  accumulated the gradient of every parameter of a unit, its gradients are reduce-scattered (the
-  engine's ``on_block_grads``) and the buffer is freed. The root unit follows the same rules, so
+  accumulated the gradient of every parameter of a unit, its gradients are reduce-scattered
+  (``accept_grads``) and the buffer is freed. The root unit follows the same rules, so
   every unit is gathered twice per step, the ZeRO-3 schedule the communication model counts.
   Refilling a storage that autograd saved for backward is done without bumping the tensor's
   version counter (FSDP does the same): the values written are the ones saved.
-* **Gradients.** Everything after the gradients is the engine's: averaging reduce-scatter or
+* **Gradients.** Everything after the gradients is the step functions': averaging reduce-scatter or
   all-reduce, accumulation, the global norm over owned elements, clipping, the optimizer step on
   the master shard, the all-gather or cast that refreshes the working parameters.
 * **NO_SHARD / ZeRO-1 overlap.** On the last micro-batch, once autograd has completed the gradients
@@ -34,7 +35,7 @@ state of its hooks, and calls the engine's public methods and the wire steps of
   gradient is started without waiting, so the bytes move while backward goes on. After backward the
   ranks agree once (one scalar) whether any of them found a non-finite gradient, naming the first,
   and the step waits for every all-reduce before the norm. No rank steps with a non-finite
-  gradient. The arithmetic is the engine's all-reduce, element for element.
+  gradient. The arithmetic is the unoverlapped all-reduce's, element for element.
   Hybrid likewise starts each unit's all-reduce over the replicate group right after the unit's
   reduce-scatter.
 
@@ -43,7 +44,7 @@ same graph. A parameter that receives no gradient in a step is reduced as zeros 
 unit order on every rank); a graph that differs between ranks (data-dependent control flow that
 skips a unit on some ranks) desynchronises the collectives and ends in the communicator's timeout.
 
-Why one module of this length: it is one driver of the engine, and the parameter binding, the
+Why one module of this length: it is one schedule of the step, and the parameter binding, the
 autograd hooks, the overlapped reductions and the offload path all read and update the same per-step
 state (which units are gathered, which gradients arrived, which reductions are in flight).
 """
@@ -60,9 +61,18 @@ from torch.utils._pytree import tree_flatten
 
 from zerosim.comm.base import Communicator
 from zerosim.engine import wire
-from zerosim.engine.zero import ZeroEngine
+from zerosim.engine.gradients import (
+    accept_grads,
+    agree_finite,
+    end_micro_batch,
+    first_nonfinite,
+    grad_reduce_op,
+)
+from zerosim.engine.rank_state import RankState
+from zerosim.engine.step import begin_step, finish_step
 from zerosim.errors import ConfigError
 from zerosim.flat_buffers import FlatUnit
+from zerosim.observe import StepObservation
 from zerosim.unit_state import UnitState
 from zerosim.xp import ArrayNamespace
 
@@ -76,32 +86,32 @@ OVERLAP_BUCKET_MIN = 1 << 20
 LossFn = Callable[[torch.nn.Module, Any, Any], torch.Tensor]
 
 
-class EngineHook:
-    """A hook registered on the module, a parameter or an output: ``engine.<method>(*bound, *args)``,
-    the engine held weakly, nothing once it is gone.
+class ScheduleHook:
+    """A hook registered on the module, a parameter or an output: ``schedule.<method>(*bound, *args)``,
+    the schedule held weakly, nothing once it is gone.
 
     torch keeps a parameter's post-accumulate-grad hooks (and a tensor's gradient hooks) on the C++
-    side, where Python's garbage collector cannot follow them. A hook that held the engine strongly
-    would make module -> parameter -> hook -> engine -> module an uncollectable cycle: every trainer
+    side, where Python's garbage collector cannot follow them. A hook that held the schedule strongly
+    would make module -> parameter -> hook -> schedule -> module an uncollectable cycle: every trainer
     built and dropped would keep its model, flat buffers and optimizer state for the life of the
     process (0.5-0.7 GB per rank for a 50M-parameter model)."""
 
-    __slots__ = ("_engine", "_method", "_bound")
+    __slots__ = ("_schedule", "_method", "_bound")
 
-    def __init__(self, engine: ModuleSchedule, method: str, *bound: Any):
-        self._engine = weakref.ref(engine)
+    def __init__(self, schedule: ModuleSchedule, method: str, *bound: Any):
+        self._schedule = weakref.ref(schedule)
         self._method = method
         self._bound = bound
 
     def __call__(self, *args: Any) -> Any:
-        engine = self._engine()
-        if engine is None:
+        schedule = self._schedule()
+        if schedule is None:
             return None
-        return getattr(engine, self._method)(*self._bound, *args)
+        return getattr(schedule, self._method)(*self._bound, *args)
 
 
 def _remove_handles(handles: list[Any]) -> None:
-    """Detach every hook the engine registered (also run when the engine is collected)."""
+    """Detach every hook the schedule registered (also run when the schedule is collected)."""
     for handle in handles:
         handle.remove()
     handles.clear()
@@ -109,13 +119,12 @@ def _remove_handles(handles: list[Any]) -> None:
 
 def module_engine(comm: Communicator, run: ModuleRun, xp: ArrayNamespace, described: ModuleUnits,
                   loss_fn: LossFn, offload: Any = None,
-                  optimizer: Any = None) -> tuple[ZeroEngine, ModuleSchedule]:
-    """One rank's engine over a torch module and the schedule that drives it (the engine holds the
-    schedule; the schedule holds the engine weakly, so dropping the engine frees both at once).
-    ``optimizer``: what steps the master shard (default: the run's flat optimizer of its kernel)."""
+                  optimizer: Any = None) -> tuple[RankState, ModuleSchedule]:
+    """One rank's state over a torch module and the schedule that runs its steps (the schedule holds
+    the state; nothing holds the schedule back). ``optimizer``: what steps the master shard (default:
+    the run's flat optimizer of its kernel)."""
     from .torch_kernels import make_step_optimizer
 
-    schedule = ModuleSchedule(described, loss_fn, run, offload)
     # the module's current parameters, read lazily: a slice copies only the tensors it covers, so a
     # ZeRO-3 rank, which only slices out its own pieces, never holds a second full copy while it starts
     layout = run.layout
@@ -123,31 +132,30 @@ def module_engine(comm: Communicator, run: ModuleRun, xp: ArrayNamespace, descri
                          layout.total_numel, xp.dtype(run.precision.master_dtype))
     if optimizer is None:
         optimizer = make_step_optimizer(run.spec, xp, run.optimizer_kernel)
-    engine = ZeroEngine(comm, run, xp, schedule, optimizer=optimizer, initial=initial)
-    return engine, schedule
+    # ZeRO-1/2: every rank's updated chunk is received straight into the parameters it covers
+    state = RankState(comm, run, xp, optimizer=optimizer, initial=initial, receives_into_params=True)
+    return state, ModuleSchedule(state, run, described, loss_fn, offload)
 
 
 class ModuleSchedule:
-    """The autograd-hook schedule of one rank's :class:`ZeroEngine` over a torch module (see the module
-    docstring), built with its engine by :func:`module_engine`. :meth:`set_batch`, then the engine's
-    ``step`` runs one optimizer step over it."""
+    """The autograd-hook schedule over one rank's :class:`RankState` and a torch module (see the module
+    docstring), built with its state by :func:`module_engine`. :meth:`step` runs one optimizer step
+    over the micro-batches it is given."""
 
     #: a trainer steps inside its user's loop: no barrier before the step (no peer trainer has one;
     #: on gloo it cost a quarter of a small model's step), each rank times its step from its own start
     align_step_start = False
     #: a trainer runs for as long as the user trains, and nothing reads older steps (verify judges)
     keeps_history = False
-    #: ZeRO-1/2: every rank's updated chunk is received straight into the parameters it covers
-    receives_into_params = True
 
-    def __init__(self, described: ModuleUnits, loss_fn: LossFn, run: ModuleRun, offload: Any = None):
+    def __init__(self, state: RankState, run: ModuleRun, described: ModuleUnits, loss_fn: LossFn,
+                 offload: Any = None):
+        self.state = state
+        self.run = run  # the state's run, whose micro-batch count each step sets
         self.described = described
         self.module = described.unit_modules["root"]
         self.loss_fn = loss_fn
         self.offload_manager = offload
-        self._batch: tuple[Any, Any] = (None, None)
-        self._batches: list[tuple[Any, Any]] | None = None  # the micro-batches of an accumulating step
-        self.module_run = run  # the engine's run, whose micro-batch count an accumulating step sets
         self._step_index = 0
         self._micro_index = 0
         self._buffers: dict[str, torch.Tensor] = {}
@@ -166,32 +174,20 @@ class ModuleSchedule:
         self._bucket_numel = 0
         self._pending: list[Any] = []
         self._local_bad = 0  # this rank's first non-finite gradient among those started (index + 1)
-        self._engine: Callable[[], ZeroEngine | None] = lambda: None
-
-    @property
-    def engine(self) -> ZeroEngine:
-        """The engine this schedule drives (held weakly: the engine holds the schedule)."""
-        engine = self._engine()
-        if engine is None:
-            raise RuntimeError("the engine this schedule drove is gone")
-        return engine
-
-    def attach(self, engine: ZeroEngine) -> None:
-        """Bind the module's parameters to the engine's buffers and register the hooks."""
-        self._engine = weakref.ref(engine)
+        # bind the module's parameters to the state's buffers and register the hooks
         # NO_SHARD / ZeRO-1: the full-gradient all-reduce is started block by block from backward
         self._overlap = self._overlap_possible()
         # hybrid: each unit's replica all-reduce is started right after its reduce-scatter
         self._overlap_replicas = self._replica_overlap_possible()
         self._bind_parameters()
-        # a module that outlives its engine keeps no hook of it (at interpreter exit nothing to do)
+        # a module that outlives its schedule keeps no hook of it (at interpreter exit nothing to do)
         weakref.finalize(self, _remove_handles, self._hooks).atexit = False
         if self.offload_manager is not None:
             self._register_offload()
 
-    # ---- parameters as views into the engine's buffers ---------------------------------------
+    # ---- parameters as views into the state's buffers ----------------------------------------
     def _bind_parameters(self) -> None:
-        e = self.engine
+        e = self.state
         params = self.described.parameters
         if not e.sharded_params:
             for t in e.layout.tensors:
@@ -203,7 +199,7 @@ class ModuleSchedule:
                     for i in block.tensor_indices:
                         name = e.layout.tensors[i].name
                         self._hooks.append(params[name].register_post_accumulate_grad_hook(
-                            EngineHook(self, "_on_overlap_grad", block.name, name)))
+                            ScheduleHook(self, "_on_overlap_grad", block.name, name)))
             return
         dtype = e.xp.dtype(e.precision.param_dtype)
         for unit in e.units.units:
@@ -211,7 +207,7 @@ class ModuleSchedule:
                 off = e.units.shard_offsets[unit.index]
                 buf = e.param_shard[off:off + unit.numel]
                 self._resident_units.add(unit.name)
-                e.unit_states[unit.name] = UnitState.GATHERED  # whole in the shard, always
+                e.unit_table.unshard(unit.name)  # whole in the shard, always
             else:
                 buf = torch.empty(unit.numel, dtype=dtype, device=e.xp.device)
             pieces = zip(unit.tensor_names, unit.tensor_offsets, unit.tensor_shapes, strict=True)
@@ -224,10 +220,11 @@ class ModuleSchedule:
         self._order = [u for u in self.described.order if u in self._buffers]
         for unit_name in self._order:
             module = self.described.unit_modules[unit_name]
-            self._hooks += [module.register_forward_pre_hook(EngineHook(self, "_on_pre_forward", unit_name)),
-                            module.register_forward_hook(EngineHook(self, "_on_post_forward", unit_name))]
+            self._hooks += [
+                module.register_forward_pre_hook(ScheduleHook(self, "_on_pre_forward", unit_name)),
+                module.register_forward_hook(ScheduleHook(self, "_on_post_forward", unit_name))]
         # after the whole forward nothing gathered ahead may wait for the next one (it would go stale)
-        self._hooks.append(self.module.register_forward_hook(EngineHook(self, "_on_forward_end")))
+        self._hooks.append(self.module.register_forward_hook(ScheduleHook(self, "_on_forward_end")))
         root, rest = self._order[:1], self._order[1:]
         if root != ["root"]:
             root, rest = [], self._order
@@ -235,13 +232,13 @@ class ModuleSchedule:
         for unit in e.units.units:
             for name in unit.tensor_names:
                 self._hooks.append(params[name].register_post_accumulate_grad_hook(
-                    EngineHook(self, "_on_unit_grad", unit.name, name)))
+                    ScheduleHook(self, "_on_unit_grad", unit.name, name)))
 
     def _resident(self, unit: FlatUnit) -> bool:
         """Whether ``unit`` lives in this rank's shard whole, in unit order: a shard group of one rank,
         an identity packing, and working parameters that are the master shard itself (no offload, no
         mixed precision: the optimizer updates them in place, so the views always see the step)."""
-        e = self.engine
+        e = self.state
         return (e.k == 1 and unit.is_identity and self.offload_manager is None
                 and e.param_shard is e.master)
 
@@ -254,8 +251,8 @@ class ModuleSchedule:
     def _materialize(self, unit_name: str, order: list[str]) -> None:
         """Gather ``unit_name`` (and ``prefetch`` units ahead along ``order``, kept packed until their
         turn) and unpack it straight into its buffer, unless it is there already."""
-        e = self.engine
-        if e.unit_states[unit_name] is UnitState.GATHERED:
+        e = self.state
+        if e.unit_table[unit_name] is UnitState.GATHERED:
             return
         buf = self._buffers[unit_name]
         position = order.index(unit_name)
@@ -264,36 +261,34 @@ class ModuleSchedule:
                 packed = self._gather_packed(e.unit_by_block[ahead], order)
                 e.tracker.alloc(f"gathered:{ahead}", "gathered", e.xp.nbytes(packed))
                 self._gathered[ahead] = packed
-                if e.unit_states[ahead] is UnitState.SHARDED:  # gathered ahead, packed until its turn
-                    e.unit_states[ahead] = UnitState.IN_FLIGHT
+                e.unit_table.start_gather(ahead)  # gathered ahead, packed until its turn
         packed = self._gathered[unit_name]
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
             wire.unpack_into(e.xp, buf, packed, e.unit_by_block[unit_name])
         self._release_packed(unit_name)
-        e.unit_states[unit_name] = UnitState.GATHERED
+        e.unit_table.unshard(unit_name)
         e.tracker.alloc(f"unit:{unit_name}", "gathered", buf.numel() * buf.element_size())
 
     def _free(self, unit_name: str) -> None:
-        e = self.engine
-        if unit_name not in self._resident_units and e.unit_states[unit_name] is UnitState.GATHERED:
+        e = self.state
+        if unit_name not in self._resident_units and e.unit_table[unit_name] is UnitState.GATHERED:
             self._buffers[unit_name].untyped_storage().resize_(0)
-            e.unit_states[unit_name] = UnitState.SHARDED
+            e.unit_table.reshard(unit_name)
             e.tracker.free(f"unit:{unit_name}")
 
     def _release_packed(self, unit_name: str) -> None:
         """Free the packed all-gather of ``unit_name`` (unpacked into its buffer, or never needed)."""
-        e = self.engine
+        e = self.state
         if self._gathered.pop(unit_name, None) is not None:
             e.tracker.free(f"gathered:{unit_name}")
-            if e.unit_states[unit_name] is UnitState.IN_FLIGHT:
-                e.unit_states[unit_name] = UnitState.SHARDED
+            e.unit_table.drop_gather(unit_name)
 
     def _drop_prefetched(self) -> None:
         for name in list(self._gathered):
             self._release_packed(name)
 
-    # ---- hooks (registered as :class:`EngineHook`) -------------------------------------------------
+    # ---- hooks (registered as :class:`ScheduleHook`) -----------------------------------------------
     def _on_pre_forward(self, unit_name: str, module: Any, args: Any) -> None:
         self._materialize(unit_name, self._order)
 
@@ -302,7 +297,7 @@ class ModuleSchedule:
         self._free(unit_name)
         if not torch.is_grad_enabled():
             return
-        regather = EngineHook(self, "_on_output_grad", unit_name)
+        regather = ScheduleHook(self, "_on_output_grad", unit_name)
         for leaf in tree_flatten(output)[0]:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 leaf.register_hook(regather)
@@ -318,7 +313,7 @@ class ModuleSchedule:
         grads = self._grads.setdefault(unit_name, {})
         grads[name] = param.grad  # type: ignore[assignment]
         param.grad = None
-        if len(grads) == len(self.engine.unit_by_block[unit_name].tensor_names):
+        if len(grads) == len(self.state.unit_by_block[unit_name].tensor_names):
             self._reduce_unit(unit_name)
 
     # ---- NO_SHARD / ZeRO-1: the all-reduce overlapped with backward ---------------------------------
@@ -326,21 +321,21 @@ class ModuleSchedule:
         """Whether the full-gradient all-reduce can start block by block during backward: a replicated
         gradient (NO_SHARD, ZeRO-1 reducing by all-reduce), more than one rank, and a communicator that
         can start an all-reduce without waiting for it."""
-        e = self.engine
+        e = self.state
         return (not e.sharded_grads and not e.zero1_reduce_scatter and e.comm.world_size > 1
                 and callable(getattr(e.comm, "all_reduce_start", None)) and e.run.inject_nan is None)
 
     def _on_overlap_grad(self, block: str, name: str, param: torch.Tensor) -> None:
         """On the last micro-batch, a gradient waits with its block's until autograd has completed
         all of them; the block is then accumulated, checked and its all-reduce started."""
-        if self._micro_index != self.engine.run.micro_batches - 1:
+        if self._micro_index != self.state.run.micro_batches - 1:
             return  # earlier micro-batches only accumulate, after backward
         got = self._arrived.setdefault(block, {})
         got[name] = param.grad  # type: ignore[assignment]
         param.grad = None
         if len(got) == self._block_sizes[block]:
             grads = self._arrived.pop(block)
-            self.engine.on_block_grads(self._step_index, self._micro_index, "model", grads)
+            accept_grads(self.state, self._step_index, self._micro_index, "model", grads)
             self._start_reduce(list(grads))
 
     def _start_reduce(self, names: list[str], *, flush: bool = False) -> None:
@@ -349,9 +344,9 @@ class ModuleSchedule:
         :data:`OVERLAP_BUCKET_MIN` elements (or on ``flush``), start the all-reduce of each contiguous
         run of it in the flat gradient. Small blocks so share one all-reduce: on a small model each
         call's latency, not its bytes, is the cost."""
-        e = self.engine
+        e = self.state
         layout = e.layout
-        bad = e.first_nonfinite({n: e.grad_acc[slice(*layout.tensor_range(n))] for n in names})
+        bad = first_nonfinite(e, {n: e.grad_acc[slice(*layout.tensor_range(n))] for n in names})
         if bad and (not self._local_bad or bad < self._local_bad):
             self._local_bad = bad
         self._started.update(names)
@@ -366,38 +361,38 @@ class ModuleSchedule:
             else:
                 runs.append([g0, g1])
         self._bucket, self._bucket_numel = [], 0
-        op = e.grad_reduce_op()
+        op = grad_reduce_op(e)
         start = e.comm.all_reduce_start  # type: ignore[attr-defined]
         self._pending.extend(start(e.grad_acc[g0:g1], op) for g0, g1 in runs)
 
     def _replica_overlap_possible(self) -> bool:
-        e = self.engine
+        e = self.state
         rep = e.replicate_comm
         return (e.hybrid and rep is not None and rep.world_size > 1 and self.offload_manager is None
                 and callable(getattr(rep, "all_reduce_start", None)) and e.run.inject_nan is None)
 
     def _start_replica_reduce(self, unit_name: str) -> None:
         """Hybrid: start averaging the unit's reduced gradient chunk over the replicate group."""
-        e = self.engine
+        e = self.state
         unit = e.unit_by_block[unit_name]
         off = e.units.shard_offsets[unit.index]
         start = e.replicate_comm.all_reduce_start  # type: ignore[union-attr]
-        self._pending.append(start(e.grad_acc[off:off + unit.chunk], e.grad_reduce_op()))
+        self._pending.append(start(e.grad_acc[off:off + unit.chunk], grad_reduce_op(e)))
         self._started_units.add(unit_name)
 
-    def settle_gradients(self, step: int) -> bool:
+    def _settle_gradients(self, step: int) -> bool:
         """Overlapped reductions: start what backward left, then wait for every all-reduce. NO_SHARD /
         ZeRO-1: element for element the arithmetic of one all-reduce of the whole gradient (only how
         gloo or NCCL groups the additions inside a call may differ), after the ranks agreed it is
         finite. Hybrid: the units backward did not reach, then every replica all-reduce (the
         arithmetic of one all-reduce of the whole shard). False when nothing was overlapped."""
-        e = self.engine
+        e = self.state
         if self._overlap:
             rest = [t.name for t in e.layout.tensors if t.name not in self._started]
             if rest or self._bucket:
                 self._start_reduce(rest, flush=True)
             bad, self._local_bad = self._local_bad, 0
-            e.agree_finite(step, bad, "detected before the step; no rank stepped with it")
+            agree_finite(e, step, bad, "detected before the step; no rank stepped with it")
             self._wait_pending()
             self._started = set()
             return True
@@ -416,11 +411,11 @@ class ModuleSchedule:
             work.wait()
 
     def _reduce_unit(self, unit_name: str) -> None:
-        e = self.engine
+        e = self.state
         unit = e.unit_by_block[unit_name]
         got = self._grads.pop(unit_name, {})
         grads = {n: got[n] if n in got else self._zero_grad(n) for n in unit.tensor_names}
-        e.on_block_grads(self._step_index, self._micro_index, unit_name, grads)
+        accept_grads(e, self._step_index, self._micro_index, unit_name, grads)
         if self._overlap_replicas and self._micro_index == e.run.micro_batches - 1:
             self._start_replica_reduce(unit_name)
         self._reduced.add(unit_name)
@@ -432,7 +427,7 @@ class ModuleSchedule:
 
     # ---- offload: the units' parameter shards through the offload manager -------------------------
     def _register_offload(self) -> None:
-        e = self.engine
+        e = self.state
         manager = self.offload_manager
         for unit in e.units.units:
             manager.register_unit(unit.name, e.param_chunk(unit))
@@ -445,7 +440,7 @@ class ModuleSchedule:
     def _gather_packed(self, unit: FlatUnit, order: list[str], comm: Communicator | None = None) -> Any:
         """The all-gather of every rank's chunk of ``unit`` (packed, rank-major); with offload the chunk
         comes from the manager's device tier, the units after it in ``order`` prefetched."""
-        e = self.engine
+        e = self.state
         comm = comm or e.shard_comm
         assert comm is not None
         if self.offload_manager is None:
@@ -456,31 +451,31 @@ class ModuleSchedule:
         self.offload_manager.release(unit.name)
         return packed
 
-    def gather_packed(self, unit: FlatUnit, comm: Communicator) -> Any:
-        """All-gather the unit's chunks over ``comm`` (the engine's full-parameter view uses it)."""
-        return self._gather_packed(unit, self._order, comm)
-
     def params_refreshed(self) -> None:
-        """With offload, the manager's host copy of every unit's shard follows the step."""
+        """After the working parameters were refreshed (a step, a load): with offload, the manager's
+        host copy of every unit's shard follows them."""
         if self.offload_manager is not None:
-            for unit in self.engine.units.units:
-                self.offload_manager.update_host(unit.name, self.engine.param_chunk(unit))
+            for unit in self.state.units.units:
+                self.offload_manager.update_host(unit.name, self.state.param_chunk(unit))
 
-    # ---- one micro-batch through the module ------------------------------------------------------
-    def set_batch(self, inputs: Any, targets: Any) -> None:
-        self._batch = (inputs, targets)
-        self._batches = None
+    # ---- one step through the module --------------------------------------------------------------
+    def step(self, step: int, batches: list[tuple[Any, Any]]) -> StepObservation:
+        """C-ZERO-002/005: one optimizer step over ``batches`` (one ``(inputs, targets)`` per
+        micro-batch, in order), reducing and averaging as the strategy does; the step's observation."""
+        s = self.state
+        self.run.micro_batches = len(batches)  # the state's run (the same object), writable here
+        start = begin_step(s, step, align=self.align_step_start)
+        losses = [self._micro_batch(step, m, batch) for m, batch in enumerate(batches)]
+        s.tracker.set_phase("reduce")
+        settled = self._settle_gradients(step)
+        obs = finish_step(s, start, losses, settled=settled, keeps_history=self.keeps_history)
+        self.params_refreshed()
+        return obs
 
-    def set_batches(self, batches: list[tuple[Any, Any]]) -> None:
-        """The next step accumulates over these micro-batches (one ``(inputs, targets)`` each, in order):
-        the engine's own micro-batch loop, reducing and averaging as its strategy does."""
-        self._batches = list(batches)
-        self.module_run.micro_batches = len(self._batches)
-
-    def micro_batch(self, step: int, micro: int) -> float:
-        """Forward and backward of the module on the batch given to :meth:`set_batch`; gradients to the
-        engine (per unit as autograd completes them under ZeRO-3, all at once otherwise)."""
-        e = self.engine
+    def _micro_batch(self, step: int, micro: int, batch: tuple[Any, Any]) -> float:
+        """Forward and backward of the module on ``batch``; gradients to the state (per unit as autograd
+        completes them under ZeRO-3, all at once otherwise)."""
+        e = self.state
         self._step_index, self._micro_index = step, micro
         self._grads, self._reduced = {}, set()
         if micro == 0 and (self._started or self._arrived or self._started_units):
@@ -490,7 +485,7 @@ class ModuleSchedule:
             self._arrived, self._started, self._pending, self._started_units = {}, set(), [], set()
             self._bucket, self._bucket_numel = [], 0
             self._local_bad = 0
-        inputs, targets = self._batches[micro] if self._batches else self._batch
+        inputs, targets = batch
         e.tracker.set_phase(f"forward[{micro}]")
         loss = self.loss_fn(self.module, inputs, targets)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -514,11 +509,11 @@ class ModuleSchedule:
                 g = arrived.get(t.name, p.grad)
                 grads[t.name] = g if g is not None else self._zero_grad(t.name)
                 p.grad = None
-            e.on_block_grads(step, micro, "model", grads)
+            accept_grads(e, step, micro, "model", grads)
         self._drop_prefetched()
-        e.on_micro_batch_end(step, micro)
+        end_micro_batch(e, step, micro)
         return float(loss.detach())
 
     def remove_hooks(self) -> None:
-        """Detach the engine from the module (the parameters stay views of its buffers)."""
+        """Detach the schedule from the module (the parameters stay views of the state's buffers)."""
         _remove_handles(self._hooks)

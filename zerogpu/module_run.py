@@ -1,6 +1,6 @@
 """What the engine reads of a run over a torch module: :class:`ModuleRun` and the module's initial flat.
 
-:class:`ModuleRun` gives :class:`zerosim.engine.zero.ZeroEngine` the fields of
+:class:`ModuleRun` gives :class:`zerosim.engine.rank_state.RankState` the fields of
 :class:`zerosim.engine.engine_run.EngineRun` for a user's model (the simulator's ``ResolvedRun`` gives
 them for a preset); :class:`ModuleFlat` reads the module's current parameters as the engine's flat
 initial parameters, a slice at a time, so each rank copies only what it keeps (C-ZERO-004).
@@ -23,7 +23,8 @@ from zerosim.strategy import ShardingStrategy
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """The run options :class:`ZeroEngine` reads from ``run.cfg`` that a module run fixes."""
+    """The run options a :class:`~zerosim.engine.rank_state.RankState` reads from ``run.cfg`` that a
+    module run fixes."""
 
     offload: bool = False
     load: str = "seed"
@@ -32,7 +33,8 @@ class EngineOptions:
 
 @dataclass
 class ModuleRun:
-    """What :class:`ZeroEngine` needs of a run, for a torch module instead of a simulator preset."""
+    """What a :class:`~zerosim.engine.rank_state.RankState` needs of a run, for a torch module instead
+    of a simulator preset."""
 
     layout: ParamLayout
     unit_plan: UnitPlan

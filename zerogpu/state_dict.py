@@ -66,6 +66,7 @@ def load_state_dict(
         for name, value in result.replicated.items():
             target = buffers[name]
             target.copy_(_to_torch(value).to(target.device).view(target.shape))
+    trainer.schedule.params_refreshed()  # the offload tier's copy of the shards follows the load
     return result
 
 

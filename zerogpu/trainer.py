@@ -13,7 +13,7 @@
 
 The forward and backward are the module's (autograd); the flat buffers, the shard plan of the
 chosen partitioner, the averaging reduce-scatter / all-reduce, the global-norm clipping, the
-optimizer step and the all-gather are :class:`zerosim.engine.zero.ZeroEngine`'s, the same code the
+optimizer step and the all-gather are :mod:`zerosim.engine.step`'s, the same code the
 simulator checks against its ground truth (:mod:`zerogpu.module_engine` says how the two meet).
 Strategies: ``"ddp"`` (no sharding), ``"zero1"``, ``"zero2"``, ``"zero3"``, ``"hybrid"`` (ZeRO-3
 inside shard groups, replicated across them; ``mesh=(replicas, shard_size)``, a 2-D DeviceMesh, or
@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from zerosim.comm.base import DEFAULT_TIMEOUT_S
+from zerosim.engine.observation import full_params_view, holdings
 from zerosim.errors import ConfigError, require_non_negative_int
 from zerosim.flat_buffers import build_unit_plan
 from zerosim.optim import OptimizerSpec
@@ -266,9 +267,7 @@ class ZeroTrainer:
     # ---- training ---------------------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> float:
         """One optimizer step on this rank's batch (the gradient is the mean over ranks); the local loss."""
-        self.schedule.set_batch(inputs, targets)
-        self.schedule.module_run.micro_batches = 1  # one batch per step again after step_accumulated
-        return self._step()
+        return self._step([(inputs, targets)])
 
     def step_accumulated(self, micro_batches: Any) -> float:
         """One optimizer step on the mean gradient of this rank's micro-batches (a list of ``(inputs,
@@ -278,11 +277,10 @@ class ZeroTrainer:
         if not batches or any(len(b) != 2 for b in batches):
             raise ConfigError("micro_batches", len(batches),
                               "give a non-empty list of (inputs, targets) pairs")
-        self.schedule.set_batches(batches)
-        return self._step()
+        return self._step(batches)
 
-    def _step(self) -> float:
-        obs = self.engine.step(self._steps)
+    def _step(self, batches: list[Any]) -> float:
+        obs = self.schedule.step(self._steps, batches)
         self._steps += 1
         self._grad_norm = float(obs.grad_norm)
         return float(obs.local_loss)
@@ -310,7 +308,7 @@ class ZeroTrainer:
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, full, as this rank computes with it next (collective under ZeRO-3)."""
-        flat = self.engine.xp.from_numpy(self.engine.full_params_view())  # bfloat16 included
+        flat = self.engine.xp.from_numpy(full_params_view(self.engine))  # bfloat16 included
         return self._split(flat.to(self.described.device))
 
     @torch.no_grad()
@@ -358,6 +356,7 @@ class ZeroTrainer:
 
         self._refuse_whole_tensor_checkpoint()
         result = load_engine_state(self.engine, directory, strict=strict)
+        self.schedule.params_refreshed()
         self._steps = int(self.engine.opt_state["step"])
         return result
 
@@ -374,7 +373,7 @@ class ZeroTrainer:
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank keeps (C-ZERO-004's measured side):
         the engine's live arrays, plus any ZeRO-3 unit buffer allocated right now (none between steps)."""
-        held = self.engine.holdings()
+        held = holdings(self.engine)
         whole_state = self.whole_optimizer.state_nbytes() if self.whole_optimizer is not None else 0
         return {
             "params": held["params"].nbytes + self.schedule.unit_resident_bytes(),

@@ -17,7 +17,7 @@ they are in use) can be read off the states:
 * ``GATHERED``: the device holds the full unit (every rank's chunk, unpacked), for the forward or
   backward computation that needs it; freed back to ``SHARDED`` after that use.
 
-Plain data (no torch, no numpy): the engine (:mod:`zerosim.engine.zero`), the autograd-hook driver
+Plain data (no torch, no numpy): the unit table (:mod:`zerosim.engine.unit_table`), the autograd-hook driver
 (:mod:`zerogpu.module_engine`) and the offload manager (:mod:`zerogpu.offload`) all use it.
 """
 

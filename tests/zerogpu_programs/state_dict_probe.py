@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from zerogpu.state_dict import DistModule, load_state_dict
 from zerogpu.trainer import ZeroTrainer
+from zerosim.engine.observation import full_params_view
 from zerosim.errors import ConfigError
 from zerosim.verify.model import build_model
 
@@ -42,7 +43,7 @@ def main() -> int:
         print(json.dumps({
             "case": f"{strategy}:{file}:{bucket}", "strategy": strategy, "rank": rank,
             "pieces": [list(p) for p in e.owned_pieces], "master": e.xp.to_numpy(e.master).tolist(),
-            "params": e.full_params_view().tolist(), "files_opened": result.files_opened,
+            "params": full_params_view(e).tolist(), "files_opened": result.files_opened,
             "bytes_read": result.bytes_read, "broadcasts": result.broadcasts,
             "largest_buffer_bytes": result.largest_buffer_bytes, "missing": result.missing_keys,
             "unexpected": result.unexpected_keys,

@@ -1,7 +1,7 @@
 """Rank-0 load of a full (unsharded) state dict: only rank 0 opens the file, tensors are broadcast one
 at a time (or in bounded buckets) and each rank keeps only the pieces its plan gives it.
 
-Collective over an engine's ranks (:class:`~zerosim.engine.zero.ZeroEngine`, whichever schedule
+Collective over an engine's ranks (:class:`~zerosim.engine.rank_state.RankState`, whichever schedule
 drives it: the block model's or :class:`zerogpu.module_engine.ModuleSchedule`):
 
 1. Rank 0 opens the state dict (a ``.safetensors`` file, a torch ``.pt`` / ``.pth`` / ``.bin`` file
@@ -13,10 +13,11 @@ drives it: the block model's or :class:`zerogpu.module_engine.ModuleSchedule`):
    did not use; then the tensors, in layout order, over the engine's :meth:`load_comm` group, one at
    a time or packed into buckets of at most ``bucket_bytes`` (a tensor larger than a bucket travels
    alone). Every rank copies its owned pieces of each arriving tensor into a staged copy of its
-   master shard (:meth:`~zerosim.engine.zero.ZeroEngine.keep_broadcast_tensor`) and drops the rest.
+   master shard (:meth:`~zerosim.engine.rank_state.RankState.keep_broadcast_tensor`) and drops the rest.
 3. A second agreement covers read errors on rank 0 during streaming; only then does every rank
    copy the staged shard into its master in place and rebuild its working parameters
-   (``refresh_params``: the ZeRO-1/2 all-gather, or the cast of the master).
+   (:func:`~zerosim.engine.step.refresh_params`: the ZeRO-1/2 all-gather, or the cast of the master;
+   a schedule that keeps a copy of them, the offloaded module's, refreshes it after the load).
 
 A rank other than 0 therefore holds at most one bucket (one tensor by default) of the full state
 dict at a time, plus its staged shard. Optimizer state is not touched, as with torch's
@@ -33,6 +34,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..dtypes import canonical_dtype, itemsize
+from ..engine.step import refresh_params
 from ..errors import ConfigError, install_hint
 from .engine_state import _agree
 
@@ -359,6 +361,6 @@ def broadcast_and_shard_state_dict(
             reader.close()
     xp.assign(engine.master, staged)
     del staged
-    engine.refresh_params()
+    refresh_params(engine)
     result.loaded = [t.name for t, p in zip(layout.tensors, present, strict=True) if p]
     return result

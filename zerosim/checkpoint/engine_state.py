@@ -1,4 +1,4 @@
-"""Save and load a :class:`~zerosim.engine.zero.ZeroEngine`'s state as a sharded checkpoint.
+"""Save and load a :class:`~zerosim.engine.rank_state.RankState`'s state as a sharded checkpoint.
 
 Saving (collective over the engine's ranks, data written by replica group 0 only): rank 0 draws a
 save id and broadcasts it; every writing rank streams its owned global ranges of the master and of
@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from ..checks.checkpoint import StateSnapshot
+from ..engine.observation import full_params_view
+from ..engine.step import refresh_params
 from ..errors import ConfigError
 from ..intervals import merge_adjacent
 from .format import (
@@ -332,7 +334,7 @@ def load_engine_state(engine: Any, directory: str | Path, *, strict: bool = True
     for s, arr in staged.items():
         xp.assign(state_array(engine, s), xp.from_numpy(arr))
     engine.opt_state["step"] = result.step
-    engine.refresh_params()
+    refresh_params(engine)
     return result
 
 
@@ -347,7 +349,7 @@ def load_full_state(engine: Any, snapshot: StateSnapshot) -> None:
             arr[pos : pos + g1 - g0] = full[g0:g1]
         xp.assign(state_array(engine, s), xp.from_numpy(arr))
     engine.opt_state["step"] = snapshot.step
-    engine.refresh_params()
+    refresh_params(engine)
 
 
 def engine_snapshot(engine: Any) -> StateSnapshot:
@@ -365,6 +367,6 @@ def engine_snapshot(engine: Any) -> StateSnapshot:
     return StateSnapshot(
         int(engine.opt_state["step"]),
         states,
-        engine.full_params_view(),
+        full_params_view(engine),
         label=f"{engine.strategy.name} world {engine.comm.world_size} rank {engine.rank}",
     )

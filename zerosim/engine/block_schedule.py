@@ -3,9 +3,11 @@
 Per micro-batch the hand-differentiated :class:`~zerosim.model.BlockModel` runs forward block by block
 and backward in reverse. ZeRO-3 gathers each block's unit before it computes (with ``prefetch`` units
 ahead) and frees it after, twice per micro-batch (forward, backward), and hands each block's gradients
-to the engine as backward produces them; the other strategies compute with the full replicated
-parameters and hand the gradients over per block. Everything after the gradients is the engine's
-(:class:`~zerosim.engine.zero.ZeroEngine`).
+to :func:`~zerosim.engine.gradients.accept_grads` as backward produces them; the other strategies
+compute with the full replicated parameters and hand the gradients over per block. The schedule
+owns the step: it opens it (:func:`~zerosim.engine.step.begin_step`), runs its micro-batches on one
+rank's :class:`~zerosim.engine.rank_state.RankState`, and ends it
+(:func:`~zerosim.engine.step.finish_step`); units change state only through the state's unit table.
 
 Run-ahead (ZeRO-3 on a communicator that can start collectives and shares their results: the
 simulator): each micro-batch *starts* its all-gathers (forward and backward, in schedule order)
@@ -19,20 +21,30 @@ accounts a gathered block when the rank takes it, as before.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
 from typing import Any
 
 from ..comm.base import Communicator
 from ..flat_buffers import FlatUnit
 from ..model import BlockModel, synthetic_batch
-from ..unit_state import UnitState
+from ..observe import StepObservation
 from ..xp import ArrayNamespace
 from . import wire
 from .engine_run import EngineRun
 from .faults import EngineFault, Hook
+from .gradients import (
+    BEFORE_REDUCTION,
+    accept_grads,
+    accumulate_chunk,
+    end_micro_batch,
+    finite_flag,
+    first_nonfinite,
+    grad_reduce_op,
+    raise_if_flagged,
+)
 from .matrix_layout import engine_optimizer
-from .zero import BEFORE_REDUCTION, ZeroEngine
+from .observation import use_gathered
+from .rank_state import RankState
+from .step import begin_step, finish_step
 
 
 def tree_nbytes(xp: ArrayNamespace, obj: Any) -> int:
@@ -46,50 +58,44 @@ def tree_nbytes(xp: ArrayNamespace, obj: Any) -> int:
     return 0
 
 
-def block_engine(comm: Communicator, run: EngineRun, xp: ArrayNamespace,
-                 fault: EngineFault | None = None) -> ZeroEngine:
-    """One rank's engine driven by the block model's schedule (what ``zerosim simulate`` runs); a matrix
-    optimizer (Muon, Adafactor) steps the tensors the rank owns whole (:mod:`.matrix_layout`)."""
-    optimizer = engine_optimizer(run, comm.rank, xp)
-    return ZeroEngine(comm, run, xp, BlockSchedule(), fault=fault, optimizer=optimizer)
+def block_rank_state(comm: Communicator, run: EngineRun, xp: ArrayNamespace,
+                     fault: EngineFault | None = None) -> RankState:
+    """One rank's state for the block model (what ``zerosim simulate`` runs); a matrix optimizer
+    (Muon, Adafactor) steps the tensors the rank owns whole (:mod:`.matrix_layout`)."""
+    return RankState(comm, run, xp, fault, optimizer=engine_optimizer(run, comm.rank, xp))
 
 
 class BlockSchedule:
-    """The block model's forward and backward, block by block, over a :class:`ZeroEngine`."""
+    """The block model's forward and backward, block by block, over one rank's :class:`RankState`."""
 
-    align_step_start = True
-    keeps_history = True
-    receives_into_params = False
-
-    def __init__(self) -> None:
+    def __init__(self, state: RankState) -> None:
+        self.state = state
+        self.model = BlockModel(state.run.model_cfg, state.xp)
         self._gathered: dict[str, tuple[Any, Any, dict[str, Any]]] = {}  # block -> (packed, flat, views)
         self._phase = "forward"
         self._started_gathers: dict[tuple[str, int], Any] = {}  # (phase, unit index) -> pending all-gather
         # (unit, pending finite vote, pending reduce-scatter), in backward order
         self._started_reductions: list[tuple[FlatUnit, Any, Any]] = []
-        self.runs_ahead = False
         self._leaked: list[Any] = []  # gathered blocks a fault keeps instead of freeing
-        self._engine: Callable[[], ZeroEngine | None] = lambda: None
-
-    @property
-    def engine(self) -> ZeroEngine:
-        """The engine this schedule drives (held weakly: the engine holds the schedule)."""
-        engine = self._engine()
-        if engine is None:
-            raise RuntimeError("the engine this schedule drove is gone")
-        return engine
-
-    def attach(self, engine: ZeroEngine) -> None:
-        self._engine = weakref.ref(engine)
-        self.model = BlockModel(engine.run.model_cfg, engine.xp)
         self.runs_ahead = self._can_run_ahead()
 
+    def step(self, step: int) -> StepObservation:
+        """C-ZERO-002/005: one optimizer step: every rank starts it together, runs its micro-batches on
+        its synthetic batches, then the step's end (:func:`~zerosim.engine.step.finish_step`)."""
+        s = self.state
+        start = begin_step(s, step, align=True)
+        cfg, seed = s.run.model_cfg, s.run.seed
+        losses = [self.micro_batch(step, m, synthetic_batch(cfg, seed, step, s.rank, m))
+                  for m in range(s.run.micro_batches)]
+        return finish_step(s, start, losses)
+
     # ---- one micro-batch --------------------------------------------------------------------------
-    def micro_batch(self, step: int, micro: int) -> float:
-        """Forward and backward of one micro-batch, block by block, feeding gradients to the engine."""
-        e = self.engine
+    def micro_batch(self, step: int, micro: int, batch: tuple[Any, Any]) -> float:
+        """Forward and backward of one micro-batch (``batch``: tokens and targets), block by block,
+        handing each block's gradients to :func:`~zerosim.engine.gradients.accept_grads`."""
+        e = self.state
         xp, tr = e.xp, e.tracker
-        tokens, targets = synthetic_batch(e.run.model_cfg, e.run.seed, step, e.rank, micro)
+        tokens, targets = batch
         order = list(self.model.block_names)
         if self.runs_ahead:
             self._start_gathers(order)
@@ -119,23 +125,17 @@ class BlockSchedule:
             tr.free(f"act:{block}")
             if e.sharded_params:
                 self.release(block)
-            e.on_block_grads(step, micro, block, grads, defer=defer)
+            accept_grads(e, step, micro, block, grads, defer=defer)
             del grads
         if self.runs_ahead:
             self._finish_started(step, micro)
-        e.on_micro_batch_end(step, micro)
+        end_micro_batch(e, step, micro)
         return loss
-
-    def settle_gradients(self, step: int) -> bool:
-        return False  # nothing is reduced ahead of the engine
-
-    def params_refreshed(self) -> None:
-        pass
 
     # ---- parameters of a block --------------------------------------------------------------------
     def block_params(self, block: str, step: int, order: list[str], position: int) -> dict[str, Any]:
         """The block's parameters for computing. ZeRO-3: gather it (and up to ``prefetch`` blocks ahead)."""
-        e = self.engine
+        e = self.state
         if not e.sharded_params:
             unit = e.units.units[0]
             views = {}
@@ -148,24 +148,25 @@ class BlockSchedule:
             if ahead not in self._gathered:
                 unit = e.unit_by_block[ahead]
                 assert e.shard_comm is not None
-                packed, flat = e.gather_unit(unit, e.shard_comm)
+                packed = self.gather_packed(unit, e.shard_comm)
+                flat = wire.all_gather_unit(e.xp, e.shard_comm, unit, packed, e.precision.param_dtype)
                 views = wire.tensor_views(e.xp, unit, flat)
                 nbytes = e.xp.nbytes(packed) + (0 if unit.is_identity else e.xp.nbytes(flat))
                 e.tracker.alloc(f"gathered:{ahead}", "gathered", nbytes)
                 self._gathered[ahead] = (packed, flat, views)
-                e.unit_states[ahead] = UnitState.GATHERED
-        return e.use_gathered(block, self._gathered[block][2], step)
+                e.unit_table.unshard(ahead)
+        return use_gathered(e, block, self._gathered[block][2], step)
 
     def gather_packed(self, unit: FlatUnit, comm: Communicator) -> Any:
         """All-gather the unit's parameter chunks over ``comm``. Run-ahead: the all-gather this
         micro-batch started for the unit's current phase."""
-        e = self.engine
+        e = self.state
         started = self._started_gathers.pop((self._phase, unit.index), None) if comm is e.shard_comm else None
         return comm.all_gather(e.param_chunk(unit)) if started is None else started.wait()
 
     def release(self, block: str) -> None:
         """Free a gathered block (ZeRO-3 frees after forward and after backward; a fault keeps it)."""
-        e = self.engine
+        e = self.state
         item = self._gathered.pop(block, None)
         if item is not None:
             if e.corruption(Hook.RELEASE) == "keep":
@@ -175,21 +176,16 @@ class BlockSchedule:
                 e.tracker.alloc(f"leaked:{block}:{len(self._leaked)}", "gathered", nbytes)
             else:
                 e.tracker.free(f"gathered:{block}")
-            e.unit_states[block] = self._state_after_release(block)
-
-    def _state_after_release(self, block: str) -> UnitState:
-        """A freed unit is back to its shard, unless run-ahead already started its next all-gather."""
-        index = self.engine.unit_by_block[block].index
-        if any(key[1] == index for key in self._started_gathers):
-            return UnitState.IN_FLIGHT
-        return UnitState.SHARDED
+            # back to its shard, unless run-ahead already started the unit's next all-gather
+            index = e.unit_by_block[block].index
+            e.unit_table.release(block, regathering=any(key[1] == index for key in self._started_gathers))
 
     # ---- run-ahead (see the module docstring) -----------------------------------------------------
     def _can_run_ahead(self) -> bool:
         """ZeRO-3 whose shard-group communicator can start an all-gather and a reduce-scatter and
         shares all-gather results among its members (the simulator: starting every gather of a
         micro-batch ahead then costs the process one copy of the model, not one per rank)."""
-        e = self.engine
+        e = self.state
         comm = e.shard_comm
         return (e.sharded_params and comm is not None and getattr(comm, "shares_results", False)
                 and callable(getattr(comm, "all_gather_start", None))
@@ -199,24 +195,24 @@ class BlockSchedule:
     def _start_gathers(self, order: list[str]) -> None:
         """Start the micro-batch's all-gathers in the order the schedule takes them: every block for
         the forward, then every block again for the backward."""
-        e = self.engine
+        e = self.state
         assert e.shard_comm is not None
         for phase, blocks in (("forward", order), ("backward", order[::-1])):
             for block in blocks:
                 unit = e.unit_by_block[block]
                 self._started_gathers[(phase, unit.index)] = e.shard_comm.all_gather_start(  # type: ignore[attr-defined]
                     e.param_chunk(unit))
-                e.unit_states[block] = UnitState.IN_FLIGHT
+                e.unit_table.start_gather(block)
 
     def _start_reduce_scatter(self, unit: FlatUnit, grads: dict[str, Any], packed: Any) -> None:
-        """Start the block's finite vote (the engine's ``check_finite`` all-reduce) and its
-        reduce-scatter; the packed buffer is donated."""
-        e = self.engine
+        """Start the block's finite vote (:func:`~zerosim.engine.gradients.check_finite`'s all-reduce)
+        and its reduce-scatter; the packed buffer is donated."""
+        e = self.state
         assert e.shard_comm is not None
         vote = e.control.all_reduce_start(  # type: ignore[attr-defined]
-            e.finite_flag(e.first_nonfinite(grads, packed)), "max")
+            finite_flag(e, first_nonfinite(e, grads, packed)), "max")
         reduction = e.shard_comm.reduce_scatter_start(  # type: ignore[attr-defined]
-            packed, e.grad_reduce_op(), donate=True)
+            packed, grad_reduce_op(e), donate=True)
         self._started_reductions.append((unit, vote, reduction))
 
     def _finish_started(self, step: int, micro: int) -> None:
@@ -224,13 +220,11 @@ class BlockSchedule:
         naming the same rank and tensor as waiting block by block would), and only then the reduced
         chunks are accumulated, so no rank's state ever holds a non-finite gradient. A gather the
         schedule did not take is dropped (its rendezvous completed when every rank started it)."""
-        e = self.engine
+        e = self.state
         self._started_gathers.clear()
-        for name in e.unit_states:
-            if e.unit_states[name] is UnitState.IN_FLIGHT:
-                e.unit_states[name] = UnitState.SHARDED
+        e.unit_table.drop_in_flight()
         started, self._started_reductions = self._started_reductions, []
         for _, vote, _ in started:
-            e.raise_if_flagged(step, vote.wait(), BEFORE_REDUCTION)
+            raise_if_flagged(e, step, vote.wait(), BEFORE_REDUCTION)
         for unit, _, reduction in started:
-            e.accumulate_chunk(unit, reduction.wait(), micro)
+            accumulate_chunk(e, unit, reduction.wait(), micro)

@@ -1,6 +1,6 @@
 """What the engine reads of a run, as a protocol: the one type both drivers hand the engine.
 
-:class:`~zerosim.engine.zero.ZeroEngine` needs a run's layout, unit plan, strategy, precision,
+:class:`~zerosim.engine.rank_state.RankState` needs a run's layout, unit plan, strategy, precision,
 optimizer, schedule (steps, micro-batches, prefetch), what to observe and three run options. The
 simulator's :class:`~zerosim.engine.config.ResolvedRun` provides them from a validated
 ``RunConfig``; a torch module's :class:`zerogpu.module_run.ModuleRun` provides the same fields
@@ -31,7 +31,7 @@ class RunOptions(Protocol):
 
 
 class EngineRun(Protocol):
-    """Everything :class:`~zerosim.engine.zero.ZeroEngine` reads of its run (read-only)."""
+    """Everything :class:`~zerosim.engine.rank_state.RankState` reads of its run (read-only)."""
 
     @property
     def world_size(self) -> int: ...

@@ -2,8 +2,9 @@
 
 A contract that cannot fail is a defect, so every step contract has a test where an engine fault
 makes it fail with a useful diagnostic. A fault is not a kind of engine: it is an
-:class:`EngineFault` handed to :class:`~zerosim.engine.zero.ZeroEngine` (``fault=``), which consults
-it at its hook points and behaves as the reference engine everywhere else. The catalogue
+:class:`EngineFault` held by a rank's :class:`~zerosim.engine.rank_state.RankState` (``fault=``);
+the step functions consult it at their hook points and behave as the reference engine everywhere
+else. The catalogue
 (:mod:`zerosim.engine.fault_catalog`) names each fault, the configurations where it acts and what it
 touches; :func:`~zerosim.engine.fault_catalog.engine_fault` gives the value a run's engine is handed.
 

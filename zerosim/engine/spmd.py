@@ -18,9 +18,10 @@ from ..comm.base import Communicator
 from ..comm.sim import run_spmd
 from ..observe import RankObservation
 from ..xp import numpy_namespace, torch_namespace
-from .block_schedule import block_engine
+from .block_schedule import BlockSchedule, block_rank_state
 from .config import ResolvedRun, RunConfig
 from .fault_catalog import engine_fault
+from .observation import finish_observation
 from .run_result import (
     ProgressFn,
     ReferenceJob,
@@ -47,19 +48,17 @@ def rank_program(comm: Communicator, cfg: RunConfig | ResolvedRun,
     """
     run = resolve_run(cfg)
     xp = numpy_namespace() if run.cfg.xp == "numpy" else torch_namespace(device)
-    engine = block_engine(comm, run, xp, fault=engine_fault(run))
+    state = block_rank_state(comm, run, xp, fault=engine_fault(run))
+    schedule = BlockSchedule(state)
     for s in range(run.steps):
-        engine.step(s)
+        schedule.step(s)
         if on_step is not None:
             on_step(s)
     if save_to is not None:
         from ..checkpoint.engine_state import save_engine_state
 
-        save_engine_state(engine, save_to)
-    obs = engine.obs
-    obs.memory_timeline = engine.tracker.timeline_json()
-    obs.init_peak_bytes = dict(engine.tracker.init_peak_by_location)
-    return obs
+        save_engine_state(state, save_to)
+    return finish_observation(state)
 
 
 def simulate_observations(

@@ -4,7 +4,7 @@ A unit's elements live in two orders. *Unit space* is the unit's tensors one aft
 block computes with). *Packed space* is rank-major: shard-group rank ``j``'s owned pieces of the
 unit, in its shard order, then padding, ``chunk`` elements per rank (what a reduce-scatter splits and
 an all-gather returns). These functions move between the two for every driver of the engine (the
-block model's schedule in :mod:`zerosim.engine.zero`, the autograd hooks of
+block model's schedule in :mod:`zerosim.engine.block_schedule`, the autograd hooks of
 :mod:`zerogpu.module_engine`), with arrays touched only through the ``xp`` seam. They serve
 C-ZERO-002 (each element reduced and stepped by its owner, padding never leaking: it is written
 with ``pad``) and C-ZERO-003 (an all-gather unpacked to the same full parameters on every rank).
@@ -14,8 +14,8 @@ The collective steps are functions over a flat unit and a :class:`~zerosim.comm.
 of a packed gradient and its accumulation into the rank's gradient shard, the all-reduce variants of
 NO_SHARD, ZeRO-1 and the hybrid replicate group, the all-gather of a unit's chunks, the global norm
 over owned elements (one scalar all-reduce over the shard group), clipping and the optimizer step on
-the owned shard. The engine (:class:`~zerosim.engine.zero.ZeroEngine`) decides which to call when and
-where a fault corrupts one; these functions hold no state.
+the owned shard. The step functions (:mod:`zerosim.engine.gradients`, :mod:`zerosim.engine.step`)
+decide which to call when and where a fault corrupts one; these functions hold no state.
 """
 
 from __future__ import annotations

@@ -20,15 +20,16 @@ from ..checkpoint.engine_state import (
 )
 from ..checks.checkpoint import StateSnapshot
 from ..comm.sim import run_spmd
-from ..engine.block_schedule import block_engine
+from ..engine.block_schedule import BlockSchedule, block_rank_state
 from ..engine.config import ResolvedRun, RunConfig
 from ..engine.fault_catalog import engine_fault
-from ..engine.zero import ZeroEngine
+from ..engine.rank_state import RankState
 from ..xp import numpy_namespace
 
 
-def _engine(comm: Any, run: ResolvedRun) -> ZeroEngine:
-    return block_engine(comm, run, numpy_namespace(), fault=engine_fault(run))
+def _engine(comm: Any, run: ResolvedRun) -> tuple[RankState, BlockSchedule]:
+    state = block_rank_state(comm, run, numpy_namespace(), fault=engine_fault(run))
+    return state, BlockSchedule(state)
 
 
 def _resolve(cfg: RunConfig | ResolvedRun) -> ResolvedRun:
@@ -43,9 +44,9 @@ def train_and_save(
     run = _resolve(cfg)
 
     def program(comm: Any) -> StateSnapshot:
-        engine = _engine(comm, run)
+        engine, schedule = _engine(comm, run)
         for s in range(steps):
-            engine.step(s)
+            schedule.step(s)
         if directory is not None:
             kw = {"block_bytes": block_bytes} if block_bytes else {}
             save_engine_state(engine, directory, **kw)
@@ -66,11 +67,11 @@ def load_and_snapshot(
     run = _resolve(cfg)
 
     def program(comm: Any) -> tuple[StateSnapshot, LoadResult]:
-        engine = _engine(comm, run)
+        engine, schedule = _engine(comm, run)
         result = load_engine_state(engine, directory, strict=strict)
         if continue_steps is not None:
             for s in range(*continue_steps):
-                engine.step(s)
+                schedule.step(s)
         return engine_snapshot(engine), result
 
     return run_spmd(run.world_size, program, timeout_s=run.cfg.timeout_s)
@@ -84,16 +85,16 @@ def transfer_and_continue(
     run = _resolve(cfg)
 
     def program(comm: Any) -> StateSnapshot:
-        engine = _engine(comm, run)
+        engine, schedule = _engine(comm, run)
         load_full_state(engine, snapshot)
         for s in range(*steps):
-            engine.step(s)
+            schedule.step(s)
         return engine_snapshot(engine)
 
     return run_spmd(run.world_size, program, timeout_s=run.cfg.timeout_s)
 
 
-def run_engines(cfg: RunConfig | ResolvedRun, body: Callable[[ZeroEngine], Any]) -> list[Any]:
-    """``body(engine)`` on every rank of a fresh simulated run of ``cfg``; the per-rank results."""
+def run_engines(cfg: RunConfig | ResolvedRun, body: Callable[[RankState, BlockSchedule], Any]) -> list[Any]:
+    """``body(state, schedule)`` on every rank of a fresh simulated run of ``cfg``; the per-rank results."""
     run = _resolve(cfg)
-    return run_spmd(run.world_size, lambda comm: body(_engine(comm, run)), timeout_s=run.cfg.timeout_s)
+    return run_spmd(run.world_size, lambda comm: body(*_engine(comm, run)), timeout_s=run.cfg.timeout_s)

@@ -16,11 +16,11 @@ import numpy as np
 from ..checkpoint.broadcast import BroadcastLoadResult, broadcast_and_shard_state_dict
 from ..checks.state_dict import check_broadcast_shard
 from ..comm.sim import run_spmd
-from ..engine.block_schedule import BlockSchedule
 from ..engine.config import ResolvedRun, RunConfig
 from ..engine.fault_catalog import engine_fault
 from ..engine.faults import EngineFault
-from ..engine.zero import ZeroEngine
+from ..engine.observation import full_params_view
+from ..engine.rank_state import RankState
 from ..layout import ParamLayout
 from ..observe import ShardValues
 from ..verdict import Verdict
@@ -72,7 +72,7 @@ def load_on_ranks(
     *,
     strict: bool = True,
     bucket_bytes: int = 0,
-    engine_cls: type[ZeroEngine] = ZeroEngine,
+    engine_cls: type[RankState] = RankState,
     fault: EngineFault | None = None,
     other_source: Any = None,
 ) -> list[RankLoad]:
@@ -83,11 +83,11 @@ def load_on_ranks(
     fault = fault if fault is not None else engine_fault(run)
 
     def program(comm: Any) -> RankLoad:
-        engine = engine_cls(comm, run, numpy_namespace(), BlockSchedule(), fault=fault)
+        engine = engine_cls(comm, run, numpy_namespace(), fault=fault)
         source = state if comm.rank == 0 else other_source
         result = broadcast_and_shard_state_dict(engine, source, strict=strict, bucket_bytes=bucket_bytes)
         shard = ShardValues(tuple(engine.owned_pieces), engine.xp.to_numpy(engine.master, copy=True))
-        return RankLoad(comm.rank, shard, engine.full_params_view(), result)
+        return RankLoad(comm.rank, shard, full_params_view(engine), result)
 
     return run_spmd(run.world_size, program, timeout_s=run.cfg.timeout_s)
 
