@@ -93,21 +93,16 @@ def register_check(sub: Any) -> None:
     p.set_defaults(func=bench_check.run)
 
 
-def register_peers(sub: Any) -> None:
-    """``zerosim bench peers``: its options; the work is :func:`zerosim.bench.peers.run`."""
-    p = sub.add_parser(
-        "peers",
-        help="one optimizer step under every installed adapter (ddp, torch-zero, fsdp2*, deepspeed-*, "
-        "zerogpu-*), ratios per ZeRO stage (launches torchrun)",
-        description=bench_peers.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_peers_arguments(p: Any) -> None:
+    """The options of one peers benchmark, declared once: ``zerosim bench peers`` and its ranks started
+    by hand (``torchrun ... -m zerosim.bench.peers_rank``,
+    :func:`zerosim.cli.rank_commands.peers_rank_parser`) both take them. Values stay text; each side
+    converts them with :mod:`zerosim.bench.peers_run`'s parsers, so a bad one is one line naming the
+    field."""
     p.add_argument("--models", default=",".join(bench_peers.DEFAULT_MODELS),
                    help=f"verify model presets (default {','.join(bench_peers.DEFAULT_MODELS)})")
     p.add_argument("--adapters", default=None,
                    help="comma-separated built-in adapters or MODULE:FACTORY (default: every installed one)")
-    p.add_argument("--world", "--world-size", dest="world", default=None,
-                   help="ranks (default 2 on the CPU, one per GPU with --device cuda)")
     p.add_argument("--steps", default=str(bench_peers.DEFAULT_STEPS),
                    help=f"timed steps per adapter (default {bench_peers.DEFAULT_STEPS})")
     p.add_argument("--warmup", default=str(bench_peers.DEFAULT_WARMUP),
@@ -128,6 +123,20 @@ def register_peers(sub: Any) -> None:
     p.add_argument("--out", default=None,
                    help=f"directory for {peers_report.JSON_NAME} and {peers_report.MD_NAME} "
                    f"(default {bench_peers.DEFAULT_OUT})")
+
+
+def register_peers(sub: Any) -> None:
+    """``zerosim bench peers``: its options; the work is :func:`zerosim.bench.peers.run`."""
+    p = sub.add_parser(
+        "peers",
+        help="one optimizer step under every installed adapter (ddp, torch-zero, fsdp2*, deepspeed-*, "
+        "zerogpu-*), ratios per ZeRO stage (launches torchrun)",
+        description=bench_peers.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_peers_arguments(p)
+    p.add_argument("--world", "--world-size", dest="world", default=None,
+                   help="ranks (default 2 on the CPU, one per GPU with --device cuda)")
     p.set_defaults(func=bench_peers.run)
 
 

@@ -84,28 +84,21 @@ def verify_run_from_args(args: Any, world: int | None = None) -> VerifyRun:
 
 
 def peers_rank_parser() -> argparse.ArgumentParser:
-    """``torchrun --nproc-per-node N -m zerosim.bench.peers_rank [options]``."""
+    """``torchrun --nproc-per-node N -m zerosim.bench.peers_rank [options]``: the options of one peers
+    benchmark (:func:`zerosim.cli.bench.add_peers_arguments`, shared with ``zerosim bench peers``) and
+    the rank's own."""
+    from .bench import add_peers_arguments
+
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m zerosim.bench.peers_rank",
         description="Time one optimizer step under each adapter (one process per rank; rank 0 reports).",
     )
-    p.add_argument("--models", default=",".join(peers.DEFAULT_MODELS))
-    p.add_argument("--adapters", default=None, help="comma-separated (default: every installed adapter)")
-    p.add_argument("--steps", type=int, default=peers.DEFAULT_STEPS)
-    p.add_argument("--warmup", type=int, default=peers.DEFAULT_WARMUP)
-    p.add_argument("--rounds", type=int, default=peers.DEFAULT_ROUNDS)
-    p.add_argument("--min-time", type=float, default=peers.DEFAULT_MIN_TIME_S)
+    add_peers_arguments(p)
     # not --start: torchrun would take it for an abbreviation of its own --start-method
-    p.add_argument("--from-position", type=int, default=0,
+    p.add_argument("--from-position", default="0",
                    help="skip the runs before this position of the (round, adapter) order")
     p.add_argument("--skip", default="", help="comma-separated adapters left out (they failed before)")
-    p.add_argument("--dtype", default="float32", choices=peers.DTYPES)
-    p.add_argument("--device", default="cpu", choices=peers.DEVICES)
-    p.add_argument("--optimizer", default="adamw", choices=peers.OPTIMIZERS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=peers.DEFAULT_TIMEOUT_S)
-    p.add_argument("--out", default=None,
-                   help=f"directory for the report (rank 0; default {peers.DEFAULT_OUT})")
+    p.add_argument("--seed", default="0")
     p.add_argument("--results", default=None,
                    help="rank 0 appends one JSON line per adapter here and writes no report "
                    "(how zerosim bench peers runs it)")
@@ -114,20 +107,23 @@ def peers_rank_parser() -> argparse.ArgumentParser:
 
 def peers_rank_run(args: argparse.Namespace) -> PeersRun:
     """The :class:`~zerosim.bench.peers_run.PeersRun` the options of :func:`peers_rank_parser` describe
-    (ConfigError naming the first bad one)."""
+    (ConfigError naming the first bad one; the timings it sets up serve no contract, they compare
+    trainers)."""
+    from ..dtypes import canonical_dtype
+
     run = PeersRun(
         models=tuple(peers.select_models(args.models)),
         adapters=tuple(peers.select_adapters(args.adapters)),
-        steps=args.steps,
-        warmup=args.warmup,
-        rounds=args.rounds,
-        min_time_s=args.min_time,
-        dtype=args.dtype,
+        steps=peers.parse_int("steps", args.steps),
+        warmup=peers.parse_int("warmup", args.warmup),
+        rounds=peers.parse_int("rounds", args.rounds),
+        min_time_s=peers.parse_seconds("min_time", args.min_time, allow_zero=True),
+        dtype=canonical_dtype(args.dtype, "dtype", allowed=peers.DTYPES),
         device=args.device,
         optimizer=args.optimizer,
-        seed=args.seed,
-        timeout_s=args.timeout,
-        from_position=args.from_position,
+        seed=peers.parse_int("seed", args.seed),
+        timeout_s=peers.parse_seconds("timeout", args.timeout),
+        from_position=peers.parse_int("from_position", args.from_position),
         skip=tuple(name for name in args.skip.split(",") if name),
         out=args.out,
         results=args.results,

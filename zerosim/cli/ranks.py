@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-from ..errors import EXIT_BAD_INPUT
+from ..errors import EXIT_BAD_INPUT, ConfigError
 
 
 def _zerogpu_simulate(argv: list[str]) -> NoReturn:
@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = COMMANDS.get(argv[0]) if argv else None
     if command is None:
-        print(f"error: command {argv[0] if argv else None!r} is not a rank command; known: "
-              f"{', '.join(COMMANDS)}", file=sys.stderr)
+        problem = ConfigError("command", argv[0] if argv else None, f"not a rank command; known: "
+                              f"{', '.join(COMMANDS)}")
+        print(f"error: {problem}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
     command(argv[1:])
     sys.exit(0)  # every rank command ends its process itself
