@@ -8,7 +8,9 @@
   optimizer keeps on the device, the gradient's sum of squares, a logged loss and norm left as device
   tensors) holds the same summary as the row measured from the same values on the CPU, and building it
   asks nothing of the host; a whole monitored loop at world 1 over NCCL, a check at every step with the
-  previous check completed in the same call, runs without one synchronising operation in the monitor.
+  previous check completed in the same call, runs without one synchronising operation in the monitor:
+  its step checks' values are staged to pinned host memory and carried by the next check, each finding
+  naming the step it belongs to (:mod:`zerosim.monitor.staged_reads`).
 - Live runs with the model on the GPU (tests/monitor_programs/monitor_run.py, ``MONITOR_DEVICE=cuda``):
   at world 1 over NCCL every adapter runs 200 steps fault-free with no violation and, after 30, the
   same parameters, bit for bit, as the same loop without the monitor; at world 2 (two ranks sharing
@@ -155,7 +157,7 @@ def test_a_monitored_gpu_loop_checks_every_step_without_making_the_host_wait(tmp
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).cuda()
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # step counters on the GPU
-        monitor = Monitor(ddp, optimizer, every=1, max_norm=1.0, log=lambda line: None)
+        monitor = Monitor(ddp, optimizer, every=1, max_norm=1.0, log=lambda line: None, out=tmp_path / "out")
         x, y = torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")
         found: list[str] = []
         for step in range(12):
@@ -174,6 +176,12 @@ def test_a_monitored_gpu_loop_checks_every_step_without_making_the_host_wait(tmp
         dist.destroy_process_group()
     assert found == [], found[:3]
     assert summary["checks"] == 12 and summary["violation_count"] == 0, summary["violations"][:3]
+    import json
+
+    lines = [json.loads(line) for line in (tmp_path / "out" / "rank-00000.jsonl").read_text().splitlines()]
+    # the step checks ran: each check from the second on carries the findings of the check before
+    assert all(line["update"]["step"] == line["accounting"]["step"] == line["step"] - 1
+               for line in lines[1:]), [(line["step"], sorted(line)) for line in lines[:3]]
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,12 @@ that carries it.
   sum of squares of every parameter's ``.grad`` as the optimizer takes it.
 * **The update.** :class:`~zerosim.monitor.update_probe.UpdateProbe`: the step pre- and post-hooks of
   the optimizer that steps the parameters, at sampled elements or whole sampled tensors.
+* **Reading them.** On the CPU the row's fields are read at the check that observed them
+  (:meth:`StepProbe.take`). With ``defer_reads`` (the default on a CUDA device) nothing is read back
+  during the step or at its check: the check stages the device values to pinned host memory behind a
+  CUDA event (:meth:`StepProbe.observe`, :mod:`zerosim.monitor.staged_reads`) and the next check, by
+  when the copy has landed, reads them and carries their findings, each naming the ``step`` it belongs
+  to (:meth:`StepProbe.drain` gives the last one at close).
 * **Replay** (:meth:`StepProbe.replay`): the same micro-batch's backward again, without reducing
   (``no_sync``, DDP's forward buffer sync off) and without touching ``.grad`` (``torch.autograd.grad``).
 
@@ -39,6 +45,7 @@ import torch
 from ..checks.grad_accounting import BLOCK
 from ..checks.update_formula import ENTRIES, FORMULAS
 from .hook_guard import HookGuard
+from .staged_reads import Staged, defers
 from .update_probe import UpdateProbe
 
 #: random +-1 vectors each gradient is projected on
@@ -69,8 +76,12 @@ HEAD = (
     "rep_first",
     "rep_second",
     "rep_bound",
+    "acc_step",
+    "upd_step",
 )
 PER_TENSOR = 2 * (PROJECTIONS + 2)
+
+
 def _nan(value: Any) -> float:
     return math.nan if value is None else float(value)
 
@@ -79,8 +90,36 @@ def _none(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
+class Observed:
+    """A check's observation staged to the host (C-ZERO-002 ``grad_accounting``, ``update``): the step it
+    belongs to, its values on their way (:class:`~zerosim.monitor.staged_reads.Staged`), and how the
+    update's finding is recomputed from them."""
+
+    def __init__(self, step: int, staged: Staged, dtype: str, finding: Any):
+        self.step, self.staged, self.dtype, self._finding = step, staged, dtype, finding
+
+    def fields(self) -> dict[str, Any]:
+        """The check's step-check fields (as :meth:`StepProbe.take` gives them), each finding naming
+        the ``step`` it belongs to; waits for a copy still under way."""
+        tree = self.staged.result()
+        out: dict[str, Any] = {}
+        if "accounting" in tree:
+            out["accounting"] = {**tree["accounting"], "step": self.step}
+        if "samples" in tree:
+            update, out["update_samples"] = self._finding(tree["samples"], self.dtype)
+            out["update"] = {**update, "step": self.step}
+        return out
+
+
 class StepProbe:
-    """One rank's observation of its due steps (see the module docstring)."""
+    """One rank's observation of its due steps (see the module docstring).
+
+    ``defer_reads``: read the observed values back one check later, without a wait (True), or at the
+    check (False); None: the class attribute :attr:`defer_reads`, else deferred on a CUDA device only
+    (:func:`~zerosim.monitor.staged_reads.defers`)."""
+
+    #: the default of ``defer_reads`` for every probe built (None: by the parameters' device)
+    defer_reads: bool | None = None
 
     def __init__(
         self,
@@ -90,6 +129,7 @@ class StepProbe:
         every: int,
         replay_every: int | None,
         max_grad_norm: float | None,
+        defer_reads: bool | None = None,
     ):
         from torch.distributed.tensor import DTensor
 
@@ -119,11 +159,15 @@ class StepProbe:
         if self.accounting and replay_every and not self.replay_ok:
             off.append(f"replay: {device} kernels may round a recomputed gradient differently; "
                        "torch.use_deterministic_algorithms(True) turns it on")
+        if defer_reads is None:
+            defer_reads = type(self).defer_reads
+        self.defer = defers(device) if defer_reads is None else bool(defer_reads)
+        self._staged: Observed | None = None  # the last check's observation, read at the next check
         if not self.accounting:
             self.names, self.params, self.index = [], [], {}
         inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps with its local one
         self.guard = HookGuard()  # no hook of the probe's raises into the loop's backward or step
-        self.updates = UpdateProbe(module, inner, adapter, self.guard)
+        self.updates = UpdateProbe(module, inner, adapter, self.guard, defer_reads=self.defer)
         self.formula = self.updates.formula
         off += [self.updates.off] if self.updates.off else []
         self.off = "; ".join(off) or None
@@ -301,12 +345,18 @@ class StepProbe:
         return len(HEAD) + PER_TENSOR * len(self.names)
 
     def take(self, step: int) -> dict[str, Any]:
-        """This rank's step-check fields for a check at ``step`` (the observation's fields): what was
-        observed if the probe was armed for this step; the replay finding waiting for a check."""
+        """This rank's step-check fields for a check at ``step`` (C-ZERO-002): what was observed if the
+        probe was armed for this step (deferring: what the check before observed, each finding with
+        its ``step``, while this check's observation is staged); the replay finding waiting for a
+        check."""
         self.guard.reraise()
         mine = self.expected is None or self.expected == step
         fields: dict[str, Any] = {"step_checks_off": self.off}
-        if mine and self.consumed and self.local is not None and step % self.every == 0:
+        if self.defer:
+            if step % self.every == 0:
+                previous, self._staged = self._staged, self.observe(step) if mine else None
+                fields.update(previous.fields() if previous is not None else {})
+        elif mine and self.consumed and self.local is not None and step % self.every == 0:
             nan = [math.nan] * (PROJECTIONS + 2)
             fields["accounting"] = {
                 "tensors": list(self.names),
@@ -322,11 +372,42 @@ class StepProbe:
                 "dtype": self.dtype,
                 "max_grad_norm": self.max_grad_norm,
             }
-        if mine and self.updates.update is not None and step % self.every == 0:
+        if not self.defer and mine and self.updates.update is not None and step % self.every == 0:
             fields["update"], fields["update_samples"] = self.updates.update, self.updates.update_samples
         if step % self.every == 0 and self.pending_replay is not None:
             fields["replay"], self.pending_replay = self.pending_replay, None
         return fields
+
+    def observe(self, step: int) -> Observed | None:
+        """This rank's observation of the step just checked at ``step``, its device values staged to
+        the host without a wait (C-ZERO-002 ``grad_accounting``, ``update``); None: nothing observed."""
+        tree: dict[str, Any] = {}
+        if self.consumed and self.local is not None:
+            nan = [math.nan] * (PROJECTIONS + 2)
+            tree["accounting"] = {
+                "tensors": list(self.names),
+                "local": [
+                    self.local[i]
+                    if i in self.local
+                    else ([0.0] * (PROJECTIONS + 1) + [1.0] if i in self.hooked else nan)
+                    for i in range(len(self.names))
+                ],
+                "consumed": [self.consumed.get(i, nan) for i in range(len(self.names))],
+                "dtype": self.dtype,
+                "max_grad_norm": self.max_grad_norm,
+            }
+        dtype = ""
+        if self.updates.pending is not None:
+            tree["samples"], dtype = self.updates.pending
+            self.updates.pending = None
+        return Observed(step, Staged(tree, defer=True), dtype, self.updates.finding) if tree else None
+
+    def drain(self) -> dict[str, Any]:
+        """The fields of the observation staged at the last check and not yet carried by a check
+        (C-ZERO-002; empty when none), waiting for its copy if need be: what a monitor closing sends
+        last, so that the last check's finding is judged too."""
+        staged, self._staged = self._staged, None
+        return staged.fields() if staged is not None else {}
 
     def encode(self, fields: dict[str, Any], length: int) -> torch.Tensor:
         """``fields`` (:meth:`take`) as the row's float64 section of ``length`` values, int64 bits."""
@@ -334,6 +415,7 @@ class StepProbe:
         values = np.full(length, np.nan)
         acc = fields.get("accounting")
         head["acc_has"] = float(acc is not None)
+        head["acc_step"] = _nan(acc.get("step") if acc is not None else None)
         head["n_tensors"] = len(self.names)
         head["max_grad_norm"] = _nan(self.max_grad_norm)
         head["dtype"] = DTYPES.index(self.dtype) if self.dtype in DTYPES else 0
@@ -343,6 +425,7 @@ class StepProbe:
                 values[at : at + PER_TENSOR] = acc["local"][t] + acc["consumed"][t]
         upd = fields.get("update")
         head["upd_has"] = float(upd is not None)
+        head["upd_step"] = _nan(upd.get("step") if upd is not None else None)
         if upd is not None:
             head.update(
                 upd_optimizer=FORMULAS.index(upd["optimizer"]),
@@ -399,6 +482,8 @@ class StepProbe:
                 "dtype": DTYPES[int(head["dtype"])],
                 "max_grad_norm": _none(head["max_grad_norm"]),
             }
+            if not math.isnan(head["acc_step"]):
+                fields["accounting"]["step"] = int(head["acc_step"])
         if head["upd_has"] == 1:
             t, e = int(head["upd_tensor"]), int(head["upd_entry"])
             fields["update"] = {
@@ -412,6 +497,8 @@ class StepProbe:
                 "bound": _none(head["upd_bound"]),
                 "worst_ratio": head["upd_worst"],
             }
+            if not math.isnan(head["upd_step"]):
+                fields["update"]["step"] = int(head["upd_step"])
         if head["rep_has"] == 1:
             t = int(head["rep_tensor"])
             fields["replay"] = {

@@ -10,8 +10,12 @@ Adafactor and Muon step a tensor as a whole: whole tensors, taken in turn from o
 until :data:`WHOLE_BUDGET` elements (a tensor above it is never taken, and said so); their samples are
 written to the rank's file while a check's stay under :data:`WHOLE_WRITTEN` elements, else the file
 keeps the finding only (``zerosim check trace`` then judges that finding, as the live run did). The
-finding is recomputed in float64 on the host (on an accelerator this copies the samples to the host:
-a wait for the device at due steps only).
+finding is recomputed in float64 on the host. The probe reads its samples at the step where the host is
+free to read them (``defer_reads=False``, the CPU). With ``defer_reads=True`` (the default on a CUDA
+device, :func:`~zerosim.monitor.staged_reads.defers`) it reads nothing during the step: the step
+counter and the sampled values stay on the device (:attr:`UpdateProbe.pending`) and the step probe
+stages them to the host without a wait (:mod:`zerosim.monitor.staged_reads`), to be recomputed at its
+next check (:meth:`UpdateProbe.finding`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from ..checks.update_formula import ENTRIES, FORMULAS, WHOLE_TENSOR, recompute_update
 from .hook_guard import HookGuard
 from .layouts import local_tensor
+from .row import to_device
 
 #: elements of each tensor whose update is recomputed (elementwise optimizers)
 SAMPLED = 8
@@ -53,20 +58,23 @@ def formula_of(optimizer: Any) -> str | None:
     return None
 
 
-def _plain(value: Any) -> Any:
-    """A hyperparameter as JSON holds it (a tensor's number, a tuple's list)."""
+def _plain(value: Any, keep: bool = False) -> Any:
+    """A hyperparameter as JSON holds it (a tensor's number, a tuple's list); ``keep``: a tensor kept
+    as it is, read later (:mod:`zerosim.monitor.staged_reads`)."""
     if isinstance(value, torch.Tensor):
-        return float(value)
+        return value.detach().clone() if keep else float(value)
     if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
+        return [_plain(v, keep) for v in value]
     return value
 
 
 class UpdateProbe:
     """One rank's observation of its optimizer's due steps (see the module docstring)."""
 
-    def __init__(self, module: Any, optimizer: Any, adapter: str = "", guard: HookGuard | None = None):
+    def __init__(self, module: Any, optimizer: Any, adapter: str = "", guard: HookGuard | None = None,
+                 defer_reads: bool = False):
         self.optimizer = optimizer
+        self.defer_reads = bool(defer_reads)
         self.formula = formula_of(optimizer) if optimizer is not None else None
         self.whole = self.formula in WHOLE_TENSOR
         self.names = {id(p): n for n, p in (module.named_parameters() if module is not None else [])}
@@ -98,6 +106,8 @@ class UpdateProbe:
         self.update: dict[str, Any] | None = None
         self.update_samples: list[dict[str, Any]] | None = None
         self._samples: list[dict[str, Any]] = []
+        #: deferring: the due step's samples with their values still tensors, and the dtype named
+        self.pending: tuple[list[dict[str, Any]], str] | None = None
         self._pre: list[tuple[Any, dict[str, Any], torch.Tensor, dict[str, torch.Tensor]]] = []
 
     def close(self) -> None:
@@ -109,7 +119,7 @@ class UpdateProbe:
         found = self._index.get((n, device))
         if found is None:
             gen = torch.Generator().manual_seed(n)
-            found = torch.randint(0, n, (min(SAMPLED, n),), generator=gen).to(device)
+            found = to_device(torch.randint(0, n, (min(SAMPLED, n),), generator=gen), device)
             self._index[(n, device)] = found
         return found
 
@@ -117,7 +127,7 @@ class UpdateProbe:
         """(parameter, its group's hyperparameters) of every tensor this step samples."""
         found = []
         for group in optimizer.param_groups:
-            hp = {k: _plain(v) for k, v in group.items() if k in HYPER}
+            hp = {k: _plain(v, self.defer_reads) for k, v in group.items() if k in HYPER}
             for p in group["params"]:
                 local = local_tensor(p)
                 if (p.grad is None or not p.requires_grad or id(p) not in self.names or not local.numel()
@@ -162,7 +172,11 @@ class UpdateProbe:
             return
         for p, hp in self._stepped(optimizer):
             state = optimizer.state.get(p, {})
-            head = {"tensor": self.names[id(p)], "hp": hp, "step": float(state.get("step", 0))}
+            step = state.get("step", 0)
+            # a fused optimizer keeps its counter on the device and steps it in place: kept as it is now
+            deferred = self.defer_reads and isinstance(step, torch.Tensor)
+            step = step.detach().clone() if deferred else float(step)
+            head = {"tensor": self.names[id(p)], "hp": hp, "step": step}
             if self.whole:
                 head["shape"] = list(p.shape)
             pre = self._read(p, state)
@@ -174,14 +188,24 @@ class UpdateProbe:
         self._depth = max(0, self._depth - 1)
         if self._depth or not self._pre:
             return
+        dtype = str(self._pre[0][0].dtype).removeprefix("torch.")
+        if self.defer_reads:  # the values stay tensors, read without a wait (the step probe stages them)
+            self.pending = ([{**head, "grad": grad, "pre": pre,
+                              "post": self._read(p, optimizer.state.get(p, {}))}
+                             for p, head, grad, pre in self._pre], dtype)
+            self._pre = []
+            return
         for p, head, grad, pre in self._pre:
             post = self._read(p, optimizer.state.get(p, {}))
             self._samples.append({**head, "grad": grad.double().cpu().tolist(),
                                   "pre": {k: v.double().cpu().tolist() for k, v in pre.items()},
                                   "post": {k: v.double().cpu().tolist() for k, v in post.items()}})
-        dtype = str(self._pre[0][0].dtype).removeprefix("torch.")
         self._pre = []
-        finding = recompute_update(self.formula or "AdamW", self._samples, dtype)
-        self.update = {**finding, "dtype": dtype}
-        written = sum(len(s["grad"]) for s in self._samples)
-        self.update_samples = None if self.whole and written > WHOLE_WRITTEN else self._samples
+        self.update, self.update_samples = self.finding(self._samples, dtype)
+
+    def finding(self, samples: list[dict[str, Any]], dtype: str) -> tuple[dict[str, Any], Any]:
+        """C-ZERO-002 ``update``: the finding recomputed in float64 from ``samples`` (values as lists),
+        and the samples the rank's file keeps (None: too many whole-tensor values, the finding only)."""
+        finding = recompute_update(self.formula or "AdamW", samples, dtype)
+        written = sum(len(s["grad"]) for s in samples)
+        return {**finding, "dtype": dtype}, None if self.whole and written > WHOLE_WRITTEN else samples
