@@ -43,14 +43,16 @@ def launch_imports(args: Sequence[str]) -> tuple[str, ...]:
     device that FILE names, beyond :data:`RANK_IMPORTS`
     (:data:`~zerosim.verify.adapters.CPU_RANK_IMPORTS`), for :mod:`zerogpu.rank_zygote` to import
     once before the fork; nothing for any other arguments or a file it cannot read."""
+    from ..engine.run_file import config_path_argument
     from ..errors import ConfigError
     from ..json_file import read_settings
     from .adapters import CPU_RANK_IMPORTS
 
-    if len(args) != 2 or args[0] != "--run-file":
+    path = config_path_argument(list(args))  # --run FILE, or --run-file FILE as zerosim verify writes it
+    if path is None:
         return ()
     try:
-        run = read_settings(args[1])
+        run = read_settings(path)
     except ConfigError:
         return ()
     target = run.get("target") if isinstance(run, dict) and run.get("device", "cpu") == "cpu" else None
