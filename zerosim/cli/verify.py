@@ -242,24 +242,12 @@ def _mesh(text: Any) -> tuple[int, int] | None:
 
 
 def precision_options(args: Any) -> tuple[str, str, str]:
-    """(precision, reduce_dtype, dtype) from ``--precision``, ``--reduce-dtype`` and ``--dtype``, each in
-    either spelling (bf16 or bfloat16, fp32 or float32, ...; :func:`zerosim.dtypes.precision_name`):
-    ``--precision fp32`` / ``fp64`` is full precision in that dtype; the dtype defaults to float32 (the
-    master dtype) under bf16 / fp16; ``--reduce-dtype`` without them is a ConfigError."""
-    from ..verify.mixed_precision import (
-        DEFAULT_REDUCE_DTYPE,
-        FULL,
-        precision_option,
-        reduce_dtype_option,
-        require_reduce_dtype_option,
-        resolve_dtype,
-    )
+    """(precision, reduce_dtype, dtype) from ``--precision``, ``--reduce-dtype`` and ``--dtype``
+    (:func:`zerosim.verify.mixed_precision.resolve_precision`, the one resolution)."""
+    from ..verify.mixed_precision import resolve_precision
 
-    precision, dtype = precision_option(getattr(args, "precision", None), dtype_option(args))
-    reduce_dtype = reduce_dtype_option(getattr(args, "reduce_dtype", None))
-    require_reduce_dtype_option(precision, reduce_dtype)
-    dtype = resolve_dtype(precision, dtype)
-    return (precision or FULL), (reduce_dtype or DEFAULT_REDUCE_DTYPE), dtype
+    return resolve_precision(getattr(args, "precision", None), getattr(args, "reduce_dtype", None),
+                             dtype_option(args))
 
 
 def dtype_option(args: Any) -> str | None:

@@ -93,6 +93,20 @@ def require_reduce_dtype_option(precision: str | None, reduce_dtype: str | None)
                           "applies under --precision bf16|fp16 only (full precision reduces in --dtype)")
 
 
+def resolve_precision(precision: str | None, reduce_dtype: str | None,
+                      dtype: str | None) -> tuple[str, str, str]:
+    """(precision, reduce_dtype, dtype) of a verify run (C-ZERO-005's reduction dtype among them) from
+    what a user gave, each in either spelling, None for not given: the one place they are resolved
+    (``zerosim verify``'s options and :func:`zerosim.verify.verify`'s arguments both come here).
+    ``fp32`` / ``fp64`` as the precision are full precision in that dtype; the dtype defaults to
+    float32 (the master dtype) under bf16 / fp16, else float64; a reduce dtype without bf16 / fp16 is a
+    ConfigError."""
+    precision, dtype = precision_option(precision, dtype)
+    reduce_dtype = reduce_dtype_option(reduce_dtype)
+    require_reduce_dtype_option(precision, reduce_dtype)
+    return (precision or FULL), (reduce_dtype or DEFAULT_REDUCE_DTYPE), resolve_dtype(precision, dtype)
+
+
 def require_precision(precision: Any, reduce_dtype: Any, dtype: Any, device: Any) -> None:
     """ConfigError (one line naming the field and value) unless the precision options fit together."""
     if precision not in PRECISIONS:

@@ -43,7 +43,7 @@ from zerosim.outputs import publish_files, require_output_dir, write_text
 
 from .blame import blame_rank
 from .errors import RankFailure, TrainerError
-from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, require_reduce_dtype_option, resolve_dtype
+from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, resolve_precision
 from .outcome import VerifyReport
 from .run_value import (
     DEFAULT_TIMEOUT_S,
@@ -114,9 +114,8 @@ def verify(
     ``dtype`` then defaults to float32, the master dtype.
     """
     # float32 is every run's default reduce dtype; another one needs a mixed-precision policy
-    require_reduce_dtype_option(precision, None if reduce_dtype == DEFAULT_REDUCE_DTYPE else reduce_dtype)
-    dtype = resolve_dtype(precision, dtype)
-    reduce_dtype = reduce_dtype or DEFAULT_REDUCE_DTYPE
+    precision, reduce_dtype, dtype = resolve_precision(
+        precision, None if reduce_dtype == DEFAULT_REDUCE_DTYPE else reduce_dtype, dtype)
     validate_options(world=world, steps=steps, dtype=dtype, device=device, model=model,
                      optimizers=optimizers, timeout_s=timeout_s, grad_accum=grad_accum)
     names = optimizers if isinstance(optimizers, str) else ",".join(optimizers)
