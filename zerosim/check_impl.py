@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checks.partition import CONTRACT, check_partition_plan
+from .checks.judges import judge
+from .checks.partition import CONTRACT
 from .dotted import import_dotted
 from .errors import ConfigError, ImplementationError, require_non_negative_int, require_positive_int
 from .partition import MAX_WORLD_SIZE
@@ -350,7 +351,7 @@ def _sweep(fn: PartitionFn, name: str, report: PartitionReport, balance: str | i
             table = ShardTable.from_lists([sh.intervals for sh in shards], [0] * ws)
             plan = ShardPlan(name, ws, total, tuple(shards) if table is None else table, bound,
                              "user partition function", meta)
-            verdict = check_partition_plan(plan, limit=limit_per_case)
+            verdict = judge(CONTRACT, plan, limit=limit_per_case)
             report.cases += 1
             counts = verdict.details.get("violations_by_clause", {})
             if counts:
