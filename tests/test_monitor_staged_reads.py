@@ -1,12 +1,13 @@
-"""C-ZERO-002's step checks reading their values one check later (``defer_reads``, the default on a CUDA
+"""C-ZERO-002's step checks with their values staged to the host (``defer_reads``, the default on a CUDA
 device), forced on the CPU:
 
 - :class:`~zerosim.monitor.staged_reads.Staged` gives a nest's tensor values as ``.double().cpu().tolist()``
   gives them, as they were when staged;
-- a probe that defers gives, at each check, the fields the probe that reads at once gave at the check
-  before, each finding naming the step it belongs to, and the last check's fields at :meth:`drain`;
-- a monitored loop at world 1 that defers has no violation when correct; a learning rate 3x at one
-  step is caught, by the same finding, at the next check, and the rank's file says which step it was.
+- a probe that defers stages each check's observation (:meth:`StepProbe.stage`), whose fields are, once
+  read, the fields the probe that reads at once gave at that same check, each naming its step;
+- a monitored loop at world 1 that defers posts each check's row once its values have landed: no
+  violation when correct, every line describing its own step; a learning rate 3x at one step is caught
+  by the same finding at that step, and a fault at the last step is judged at ``close()``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def _model() -> torch.nn.Module:
 
 def _probe_run(kind: str, defer: bool, steps: int) -> tuple[list[dict], StepProbe]:
     """Each check's fields of a probe on a plain loop (``kind``: AdamW with 3x its learning rate at step
-    5, or Adafactor, whose samples are whole tensors), every step checked."""
+    5, or Adafactor, whose samples are whole tensors), every step checked; deferring, each check's
+    staged observation read after the step (as the monitor reads it once the copy has landed)."""
     model = _model()
     if kind == "AdamW":
         opt: torch.optim.Optimizer = _Odd(model.parameters(), 5, lr=1e-2)
@@ -81,7 +83,10 @@ def _probe_run(kind: str, defer: bool, steps: int) -> tuple[list[dict], StepProb
         torch.nn.functional.mse_loss(model(x), y).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        taken.append(copy.deepcopy(probe.take(step)))
+        fields = probe.take(step)
+        observed = probe.stage(step)
+        assert (observed is not None) == defer
+        taken.append(copy.deepcopy({**fields, **(observed.fields() if observed is not None else {})}))
     return taken, probe
 
 
@@ -95,34 +100,29 @@ def _same(a: object, b: object) -> bool:
 
 
 @pytest.mark.parametrize("kind", ["AdamW", "Adafactor"])
-def test_a_deferring_probe_gives_each_checks_fields_at_the_next_check_and_the_last_at_drain(kind):
+def test_a_deferring_probe_stages_the_fields_the_probe_reading_at_once_gives(kind):
     steps = 7
     at_once, _ = _probe_run(kind, False, steps)
     deferred, probe = _probe_run(kind, True, steps)
     assert probe.defer and "accounting" in at_once[0] and "update" in at_once[0]
-    assert _without_step(deferred[0]) == {}  # nothing read back at the first check
-    for step in range(1, steps):
+    for step in range(steps):
         fields = deferred[step]
-        assert fields["accounting"]["step"] == fields["update"]["step"] == step - 1, fields.keys()
-        assert _same(_without_step(fields), _without_step(at_once[step - 1])), step
-        assert "step" not in at_once[step - 1]["update"]  # reading at once: the row's step is the finding's
-    last = probe.drain()
-    assert last["update"]["step"] == steps - 1 and _same(_without_step(last), _without_step(at_once[-1]))
-    assert probe.drain() == {}  # drained once
-    if kind == "AdamW":  # the learning rate 3x at step 5 is found by the same finding, one check later
-        assert at_once[5]["update"]["bad"] and deferred[6]["update"]["bad"]
-        assert deferred[6]["update"]["tensor"] == at_once[5]["update"]["tensor"]
+        assert fields["accounting"]["step"] == fields["update"]["step"] == step, fields.keys()
+        assert _same(_without_step(fields), _without_step(at_once[step])), step
+        assert "step" not in at_once[step]["update"]  # reading at once: the row's step is the finding's
+    if kind == "AdamW":  # the learning rate 3x at step 5 is found at step 5 either way
+        assert at_once[5]["update"]["bad"] and deferred[5]["update"]["bad"]
+        assert deferred[5]["update"]["tensor"] == at_once[5]["update"]["tensor"]
         assert not any(f["update"]["bad"] for t, f in enumerate(at_once) if t != 5)
 
 
-def test_a_deferred_finding_travels_in_the_row_with_its_step():
-    _, probe = _probe_run("AdamW", True, 3)
-    fields = probe.take(3)  # the probe was not armed for step 3: the fields of step 2, nothing staged
-    assert fields["update"]["step"] == fields["accounting"]["step"] == 2
+def test_a_staged_finding_travels_in_the_row_with_its_step():
+    deferred, probe = _probe_run("AdamW", True, 3)
+    fields = deferred[2]
     section = probe.encode(fields, probe.length()).numpy()
     decoded = probe.decode(section)
     assert decoded["update"]["step"] == decoded["accounting"]["step"] == 2
-    assert decoded["update"]["bad"] == fields["update"]["bad"] and probe.drain() == {}
+    assert decoded["update"]["bad"] == fields["update"]["bad"]
     immediate = _probe_run("AdamW", False, 1)[1]
     plain = immediate.decode(immediate.encode(immediate.take(0), immediate.length()).numpy())
     assert "step" not in plain["update"] and "step" not in plain["accounting"]
@@ -163,29 +163,34 @@ def _monitored(tmp_path, monkeypatch, defer: bool, spike: int | None, steps: int
     return found, summary, lines, out
 
 
-def test_a_correct_deferring_run_has_no_violation_and_each_line_names_its_findings_step(
+def test_a_correct_deferring_run_has_no_violation_and_each_line_describes_its_own_step(
         tmp_path, monkeypatch):
     from zerosim.cli import main as cli_main
 
     found, summary, lines, out = _monitored(tmp_path, monkeypatch, True, None)
-    assert found == [] and summary["violation_count"] == 0 and summary["checks"] == 10, summary
-    assert "update" not in lines[0] and "accounting" not in lines[0]
-    assert all(line["update"]["step"] == line["accounting"]["step"] == line["step"] - 1 for line in lines[1:])
-    assert cli_main(["check", "trace", str(out)]) == 0  # the trace reader takes the findings' steps
+    assert found == [] and summary["violation_count"] == 0, summary
+    # each check staged at its call, posted at the next and judged at the one after; the last at close()
+    assert [line["step"] for line in lines] == list(range(10)) and summary["checks"] == 10, summary
+    assert all(line["update"]["step"] == line["accounting"]["step"] == line["step"] for line in lines)
+    assert cli_main(["check", "trace", str(out)]) == 0
 
 
-def test_a_learning_rate_spike_is_caught_by_the_same_finding_one_check_later(tmp_path, monkeypatch):
+@pytest.mark.parametrize("spike", [6, 9])
+def test_a_learning_rate_spike_is_caught_by_the_same_finding_at_its_step(tmp_path, monkeypatch, spike):
+    """At step 6, judged two calls later; at step 9, the last step, judged at ``close()``: either way
+    the violation names the step, the tensor and the values the monitor reading at once gives."""
     from zerosim.cli import main as cli_main
 
-    at_once, _, plain, _ = _monitored(tmp_path, monkeypatch, False, 6)
-    deferred, _, lines, out = _monitored(tmp_path, monkeypatch, True, 6)
-    before = [v for _, v in at_once if v.clause == "update"]
-    after = [v for _, v in deferred if v.clause == "update"]
-    assert len(before) == len(after) == 1, (at_once, deferred)
-    assert before[0].step == 6 and after[0].step == 7  # the row of the check after the spike carries it
-    assert (after[0].tensor, after[0].expected, after[0].got) == (before[0].tensor, before[0].expected,
-                                                                  before[0].got)
-    spiked = next(line for line in lines if line["step"] == 7)["update"]
-    assert spiked["step"] == 6 and spiked["bad"] and spiked["tensor"] == before[0].tensor
-    assert plain[6]["update"]["bad"] and "step" not in plain[6]["update"]
+    at_once, plain_summary, plain, _ = _monitored(tmp_path, monkeypatch, False, spike)
+    deferred, summary, lines, out = _monitored(tmp_path, monkeypatch, True, spike)
+    before = [v for v in plain_summary["violations"] if v.get("clause") == "update"]
+    after = [v for v in summary["violations"] if v.get("clause") == "update"]
+    assert len(before) == 1 and before[0]["step"] == spike, plain_summary
+    assert after == before, (after, before)
+    # found by after_step two calls later (one call later reading at once); the last step's at close()
+    assert [step for step, _ in deferred] == ([] if spike == 9 else [spike + 2]), deferred
+    assert [step for step, _ in at_once] == ([] if spike == 9 else [spike + 1]), at_once
+    spiked = next(line for line in lines if line["step"] == spike)["update"]
+    assert spiked["step"] == spike and spiked["bad"] and spiked["tensor"] == before[0]["tensor"]
+    assert plain[spike]["update"]["bad"] and "step" not in plain[spike]["update"]
     assert cli_main(["check", "trace", str(out)]) == 1  # judged offline as live

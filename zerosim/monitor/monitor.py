@@ -70,7 +70,7 @@ from .exchange import (
 )
 from .judge import judge
 from .layouts import LiveLayout, read_layout
-from .pending import PendingCheck, PieceKey, digest_rule, digested
+from .pending import PendingCheck, PieceKey, StagedCheck, digest_rule, digested
 from .records import SUMMARY_LISTED, RunRecords
 from .row import RowBuilder, logged_number, to_device
 from .step_probe import StepProbe, invalid_option
@@ -123,6 +123,7 @@ class Monitor(RunRecords):
         self.model = model
         self.overlap = bool(overlap)
         self._pending: PendingCheck | None = None
+        self._staged: StagedCheck | None = None  # a check observed, its row not yet posted
         self.optimizer = optimizer
         deepspeed = layout_reader is None and is_deepspeed_engine(model)
         if deepspeed:  # DeepSpeed's gradient is measured inside its step, before it clips: none to undo
@@ -262,20 +263,29 @@ class Monitor(RunRecords):
             # the rows of the check before: waited for GRACE_S at the first call after it, only asked
             # about at later ones (a rank that skipped it sends its row at its next check step)
             found = self._complete(0.0 if self._pending.waited else GRACE_S)
+        if self._staged is not None and self._pending is None and self.enabled and self._staged.ready():
+            self._post_staged()  # its step checks' values have reached the host: the row goes now
+            if not self.overlap:
+                found = found + self._complete(GRACE_S)
         if not checking or not self.enabled:
             return found
-        if self._pending is not None:
+        if self._staged is not None:
+            return found  # its values have not landed yet: this step's check skips
+        if self._pending is not None and not (self._probe is not None and self._probe.defer):
             return found  # one exchange in flight at most: this step's row is not sent (that check skips)
         if self._floor is not None and step <= self._floor:
             return found  # another rank's row for this step was gathered already, and that check skipped
         self._floor = None
         self._post(step, loss, grad_norm)
-        if not self.overlap:
+        if not self.overlap and self._pending is not None and self._pending.step == step:
             found = found + self._complete(GRACE_S)
         return found
 
     def _post(self, step: int, loss: Any, grad_norm: Any) -> None:
-        """Observe this rank's state at ``step`` and post its row's all-gather."""
+        """Observe this rank's state at ``step`` and post its row's all-gather; where the step checks
+        stage their values (an accelerator), keep the row until they land (:class:`StagedCheck`). One
+        exchange in flight at most: a row that would be posted behind another is not (that check
+        skips)."""
         t0 = time.perf_counter()
         layout = self._read()
         self.adapter = layout.adapter
@@ -285,10 +295,30 @@ class Monitor(RunRecords):
                        f"a norm recomputed from the gradient ({layout.grads_note})")
         keys, fingerprint = self._rows.layout_keys(layout)
         values = (step, fingerprint, logged_number(loss), logged_number(grad_norm))
+        observed = self._probe.stage(step) if self._probe is not None else None
+        if observed is not None:  # its values are on their way to the host: the row goes once they land
+            head = self._rows.row(layout, self._width, *values, digested=self._digested(layout, fingerprint))
+            self._staged = StagedCheck(step, keys, self._width, head, observed, self._taken,
+                                       time.perf_counter() - t0, self._shared, self._fingerprints)
+            return
+        if self._pending is not None:
+            return
         row = self._row(layout, self._width, values, self._digested(layout, fingerprint))
         self._pending = PendingCheck(step, keys, self._width, start_gather(row, self._group),
                                  None if self.overlap else (layout, values),
                                  time.perf_counter() - t0, self._shared, self._fingerprints, self._taken)
+
+    def _post_staged(self) -> None:
+        """Post the staged check's row: its digests and summary, then its step-check section built from
+        the values that reached the host (waiting for them only where :meth:`flush` asks)."""
+        staged, self._staged = self._staged, None
+        assert staged is not None
+        t0 = time.perf_counter()
+        taken = staged.taken()
+        row = torch.cat([staged.head, self._section(taken)])
+        self._pending = PendingCheck(staged.step, staged.keys, staged.width, start_gather(row, self._group),
+                                     None, staged.seconds + time.perf_counter() - t0, staged.shared,
+                                     staged.fingerprints, taken)
 
     def _row(self, layout: LiveLayout, width: int, values: tuple[int, int, Any, Any], digested: Any) -> Any:
         """This rank's row: the digests and summary (:class:`RowBuilder`), then the step checks'
@@ -323,13 +353,19 @@ class Monitor(RunRecords):
     def flush(self) -> list[Violation]:
         """Complete the check still exchanging, waiting at most ``timeout``: its violations (raised as
         :class:`MonitorViolation` with ``on_violation="raise"``). :meth:`close` calls it."""
-        if not self.enabled or self._pending is None:
+        if not self.enabled or (self._pending is None and self._staged is None):
             return []
         try:
-            found = self._complete(self.timeout)
-            if self._pending is not None:
-                raise ExchangeFailed(f"the other ranks sent no row for the check of step "
-                                     f"{self._pending.step} within {self.timeout:g} s")
+            found: list[Violation] = []
+            for _ in range(2):  # the check exchanging, then the check staged behind it
+                if self._pending is None and self._staged is not None:
+                    self._post_staged()
+                if self._pending is None:
+                    break
+                found += self._complete(self.timeout)
+                if self._pending is not None:
+                    raise ExchangeFailed(f"the other ranks sent no row for the check of step "
+                                         f"{self._pending.step} within {self.timeout:g} s")
             return found
         except MonitorViolation:
             raise

@@ -12,6 +12,7 @@ from typing import Any
 
 from .exchange import Gather
 from .layouts import LiveLayout
+from .step_probe import Observed
 
 #: a held piece: (tensor, start, stop) of its flat element range
 PieceKey = tuple[str, int, int]
@@ -56,3 +57,30 @@ class PendingCheck:
     #: the table did not arrive within the grace of a call that was not a check step
     waited: bool = False
 
+
+
+@dataclass
+class StagedCheck:
+    """A check observed at ``step`` whose row is not yet posted: its digests and summary already on the
+    device (``head``), its step-check observation still landing in pinned host memory (``observed``;
+    None: nothing observed), the other step-check fields (``fields``), and what :class:`PendingCheck`
+    takes from the moment the row was built. Posted once the copy has landed, so that no check makes
+    the host wait for the device (C-ZERO-002's step checks on an accelerator)."""
+
+    step: int
+    keys: dict[str, Any]
+    width: int
+    head: Any
+    observed: Observed | None
+    fields: dict[str, Any]
+    seconds: float
+    shared: frozenset[PieceKey]
+    fingerprints: list[int]
+
+    def ready(self) -> bool:
+        """Whether its values have reached the host (never waits)."""
+        return self.observed is None or self.observed.staged.ready()
+
+    def taken(self) -> dict[str, Any]:
+        """Every step-check field of the check (waits for a copy still under way)."""
+        return {**self.fields, **(self.observed.fields() if self.observed is not None else {})}

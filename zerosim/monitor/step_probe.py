@@ -15,9 +15,9 @@ that carries it.
 * **Reading them.** On the CPU the row's fields are read at the check that observed them
   (:meth:`StepProbe.take`). With ``defer_reads`` (the default on a CUDA device) nothing is read back
   during the step or at its check: the check stages the device values to pinned host memory behind a
-  CUDA event (:meth:`StepProbe.observe`, :mod:`zerosim.monitor.staged_reads`) and the next check, by
-  when the copy has landed, reads them and carries their findings, each naming the ``step`` it belongs
-  to (:meth:`StepProbe.drain` gives the last one at close).
+  CUDA event (:meth:`StepProbe.stage`, :mod:`zerosim.monitor.staged_reads`), and the monitor posts
+  that check's row at a later call, once the copy has landed (or at ``flush``/``close``): each row
+  still describes the one step it observed.
 * **Replay** (:meth:`StepProbe.replay`): the same micro-batch's backward again, without reducing
   (``no_sync``, DDP's forward buffer sync off) and without touching ``.grad`` (``torch.autograd.grad``).
 
@@ -162,7 +162,6 @@ class StepProbe:
         if defer_reads is None:
             defer_reads = type(self).defer_reads
         self.defer = defers(device) if defer_reads is None else bool(defer_reads)
-        self._staged: Observed | None = None  # the last check's observation, read at the next check
         if not self.accounting:
             self.names, self.params, self.index = [], [], {}
         inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer steps with its local one
@@ -346,16 +345,13 @@ class StepProbe:
 
     def take(self, step: int) -> dict[str, Any]:
         """This rank's step-check fields for a check at ``step`` (C-ZERO-002): what was observed if the
-        probe was armed for this step (deferring: what the check before observed, each finding with
-        its ``step``, while this check's observation is staged); the replay finding waiting for a
-        check."""
+        probe was armed for this step (deferring: nothing observed, which :meth:`stage` sends to the
+        host instead); the replay finding waiting for a check."""
         self.guard.reraise()
         mine = self.expected is None or self.expected == step
         fields: dict[str, Any] = {"step_checks_off": self.off}
         if self.defer:
-            if step % self.every == 0:
-                previous, self._staged = self._staged, self.observe(step) if mine else None
-                fields.update(previous.fields() if previous is not None else {})
+            pass
         elif mine and self.consumed and self.local is not None and step % self.every == 0:
             nan = [math.nan] * (PROJECTIONS + 2)
             fields["accounting"] = {
@@ -402,12 +398,14 @@ class StepProbe:
             self.updates.pending = None
         return Observed(step, Staged(tree, defer=True), dtype, self.updates.finding) if tree else None
 
-    def drain(self) -> dict[str, Any]:
-        """The fields of the observation staged at the last check and not yet carried by a check
-        (C-ZERO-002; empty when none), waiting for its copy if need be: what a monitor closing sends
-        last, so that the last check's finding is judged too."""
-        staged, self._staged = self._staged, None
-        return staged.fields() if staged is not None else {}
+    def stage(self, step: int) -> Observed | None:
+        """Deferring: this rank's observation of a check at ``step`` on its way to the host
+        (:meth:`observe`), which the monitor reads once it has landed and sends in that check's row
+        (C-ZERO-002 ``grad_accounting``, ``update``); None when not deferring or nothing was observed."""
+        mine = self.expected is None or self.expected == step
+        if not self.defer or not mine or step % self.every:
+            return None
+        return self.observe(step)
 
     def encode(self, fields: dict[str, Any], length: int) -> torch.Tensor:
         """``fields`` (:meth:`take`) as the row's float64 section of ``length`` values, int64 bits."""
