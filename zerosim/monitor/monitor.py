@@ -308,17 +308,10 @@ class Monitor(RunRecords):
                                  None if self.overlap else (layout, values),
                                  time.perf_counter() - t0, self._shared, self._fingerprints, self._taken)
 
-    def _post_staged(self) -> None:
-        """Post the staged check's row: its digests and summary, then its step-check section built from
-        the values that reached the host (waiting for them only where :meth:`flush` asks)."""
+    def _post_staged(self) -> None:  # the staged check's row goes (waits for its values at flush only)
         staged, self._staged = self._staged, None
         assert staged is not None
-        t0 = time.perf_counter()
-        taken = staged.taken()
-        row = torch.cat([staged.head, self._section(taken)])
-        self._pending = PendingCheck(staged.step, staged.keys, staged.width, start_gather(row, self._group),
-                                     None, staged.seconds + time.perf_counter() - t0, staged.shared,
-                                     staged.fingerprints, taken)
+        self._pending = staged.post(self._section, self._group)
 
     def _row(self, layout: LiveLayout, width: int, values: tuple[int, int, Any, Any], digested: Any) -> Any:
         """This rank's row: the digests and summary (:class:`RowBuilder`), then the step checks'

@@ -6,11 +6,14 @@ digested. A check is observed at one ``after_step`` call and completed at a late
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .exchange import Gather
+import torch
+
+from .exchange import Gather, start_gather
 from .layouts import LiveLayout
 from .step_probe import Observed
 
@@ -81,6 +84,11 @@ class StagedCheck:
         """Whether its values have reached the host (never waits)."""
         return self.observed is None or self.observed.staged.ready()
 
-    def taken(self) -> dict[str, Any]:
-        """Every step-check field of the check (waits for a copy still under way)."""
-        return {**self.fields, **(self.observed.fields() if self.observed is not None else {})}
+    def post(self, section: Callable[[dict[str, Any]], Any], group: Any) -> PendingCheck:
+        """Post the row: the digests and summary, then the step-check ``section`` built from every
+        step-check field of the check (waiting for a copy still under way)."""
+        t0 = time.perf_counter()
+        taken = {**self.fields, **(self.observed.fields() if self.observed is not None else {})}
+        gather = start_gather(torch.cat([self.head, section(taken)]), group)
+        return PendingCheck(self.step, self.keys, self.width, gather, None,
+                            self.seconds + time.perf_counter() - t0, self.shared, self.fingerprints, taken)
