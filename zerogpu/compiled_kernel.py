@@ -41,8 +41,10 @@ from typing import Any
 
 import torch
 
-from zerosim.optim import OptimizerSpec, _scalar_for, make_optimizer
+from zerosim.optim import OptimizerSpec, make_optimizer
 from zerosim.xp import ArrayNamespace
+
+from .triton_kernel import adam_coefficients
 
 
 def adam_update_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, c: torch.Tensor,
@@ -85,15 +87,7 @@ class CompiledOptimizer:
             return
         self._reference._check(param, grad, state)
         t = int(state["step"]) + 1
-        r = _scalar_for("float32")
-        beta1, beta2 = s.betas
-        wd = s.weight_decay or 0.0
-        decay = "none" if wd == 0 else "decoupled" if s.name == "adamw" else "l2"
-        w = r(1.0 - beta1)
-        lerp_low = abs(w) < 0.5
-        bc1, bc2 = 1.0 - beta1 ** float(t), 1.0 - beta2 ** float(t)
-        coeffs = [r(1.0 - s.lr * wd) if decay == "decoupled" else r(wd), w if lerp_low else r(w - 1.0),
-                  r(beta2), r(1.0 - beta2), r(bc2**0.5), r(s.eps), r(-(s.lr / bc1))]
+        decay, lerp_low, coeffs = adam_coefficients(s, t)
         c = torch.tensor(coeffs, dtype=torch.float32, device=param.device)
         self._fn(param, grad, state["exp_avg"], state["exp_avg_sq"], c, decay, lerp_low)
         state["step"] = t
