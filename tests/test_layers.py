@@ -437,5 +437,30 @@ def test_a_long_module_without_a_reason_is_named(tmp_path, monkeypatch):
     assert [p.split(" (")[0] for p in long_modules_without_a_reason()] == ["zerosim.layout"]
 
 
+#: no module is longer than this, reason or not: past it a module is split where a concept separates
+MAX_MODULE_LINES = 600
+
+
+def modules_over_the_limit() -> list[str]:
+    """One line per module over :data:`MAX_MODULE_LINES` lines."""
+    return [f"{module} has {lines} lines, over {MAX_MODULE_LINES}: split it where a concept separates"
+            for module, path in module_files().items()
+            if (lines := path.read_text().count("\n")) > MAX_MODULE_LINES]
+
+
+def test_no_module_is_over_the_limit():
+    problems = modules_over_the_limit()
+    assert not problems, "\n".join(problems)
+
+
+def test_a_module_over_the_limit_is_named(tmp_path, monkeypatch):
+    """The check fails on a deliberately grown module, whatever its docstring says."""
+    copy_packages(tmp_path)
+    grown = tmp_path / "zerosim" / "layout.py"
+    grown.write_text(f'"""{WHY_ONE_MODULE} none."""\n' + grown.read_text() + "\n" * MAX_MODULE_LINES)
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    assert [p.split(" has ")[0] for p in modules_over_the_limit()] == ["zerosim.layout"]
+
+
 if __name__ == "__main__":
     _write_picture()
