@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from zerosim.checks.equivalence import check_step_equivalence
-from zerosim.observe import TrainerObservation
+from zerosim.values.observe import TrainerObservation
 from zerosim.verify.mixed_precision import policy
 from zerosim.verify.mixed_reference import mixed_records
 from zerosim.verify.model_source import model_source

@@ -1,4 +1,4 @@
-"""A rounding-error model of one float32 optimizer step, and the check of zerosim.optim against
+"""A rounding-error model of one float32 optimizer step, and the check of zerosim.numerics.optim against
 torch.optim that uses it (imported by test modules: pytest puts tests/ on sys.path).
 
 Why a model and not a threshold: torch's CPU kernels differ between processors (fused multiply-add
@@ -41,8 +41,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from zerosim.optim import OptimizerSpec, apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
-from zerosim.xp import numpy_namespace
+from zerosim.numerics.optim import (
+    OptimizerSpec,
+    apply_clip_,
+    clip_coefficient,
+    global_norm_from_sumsq,
+    make_optimizer,
+)
+from zerosim.numerics.xp import numpy_namespace
 
 U = 2.0**-24  # float32 unit roundoff
 DELTA = 2.0 * U  # per-operation relative error: faithful rounding

@@ -1,5 +1,5 @@
-"""The cross-backend agreement bound (zerosim/checks/agreement.py, zerosim/backend_agreement.py): it is a
-bound on reordered sums, a correct run computed another way stays within it, and one element moved
+"""The cross-backend agreement bound (zerosim/checks/agreement.py, zerosim/engine/backend_agreement.py): it is
+a bound on reordered sums, a correct run computed another way stays within it, and one element moved
 beyond its bound fails the comparison, naming the state.
 
 (The launched backends against it: tests/test_mpi_cross_backend.py, tests/test_zerogpu_torchrun.py.)
@@ -13,7 +13,6 @@ import math
 import numpy as np
 import pytest
 
-from zerosim.backend_agreement import agreement_bounds
 from zerosim.checks.agreement import (
     BITWISE_MAX_GROUP,
     bitwise_expected,
@@ -22,6 +21,7 @@ from zerosim.checks.agreement import (
     reordered_sum_bound,
 )
 from zerosim.checks.rounding import UNIT_ROUNDOFF, gamma
+from zerosim.engine.backend_agreement import agreement_bounds
 from zerosim.engine.spmd import RunConfig, simulate_observations
 
 CFG = RunConfig(model="tiny", world_size=4, strategy="zero3", steps=2, micro_batches=2, seed=7,

@@ -10,15 +10,15 @@ import textwrap
 
 import pytest
 
-from zerosim.check_impl import MAX_CALLS, MAX_RANGES, check_partition
 from zerosim.cli import main
 from zerosim.engine.config import MAX_SIM_WORLD_SIZE, RunConfig
 from zerosim.errors import ConfigError, ImplementationError
-from zerosim.layout import ParamLayout
 from zerosim.partition import MAX_INTERVALS, MAX_WORLD_SIZE, get_partitioner
-from zerosim.plan import build_plan
 from zerosim.report.config import MAX_MEASURED_RANKS, MAX_MEASURED_WORLD_SIZE, ReportConfig
-from zerosim.strategy import FULL_SHARD, NO_SHARD, Topology
+from zerosim.testing.check_impl import MAX_CALLS, MAX_RANGES, check_partition
+from zerosim.values.layout import ParamLayout
+from zerosim.values.plan import build_plan
+from zerosim.values.strategy import FULL_SHARD, NO_SHARD, Topology
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -9,13 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zerosim import ParamLayout, ShardingStrategy, Topology, build_plan, intervals
+from zerosim import ParamLayout, ShardingStrategy, Topology, build_plan
 from zerosim.checks import check_partition_plan
 from zerosim.partition import PARTITIONERS, RankShard, ShardPlan, get_partitioner
 from zerosim.partition.base import RegisteredPartitioner
-from zerosim.plan import STATE_KINDS, bytes_in
-from zerosim.strategy import StrategyKind
 from zerosim.testing.strategies import plans
+from zerosim.values import intervals
+from zerosim.values.plan import STATE_KINDS, bytes_in
+from zerosim.values.strategy import StrategyKind
 
 
 def plan_of(per_rank, total, bound=1, padding=None, **meta):

@@ -25,7 +25,7 @@ import zerosim.checkpoint.engine_state as engine_state
 import zerosim.checkpoint.resharding as reshard_mod
 from zerosim.checkpoint import reshard
 from zerosim.checks.checkpoint import CONTRACT, StateSnapshot, check_checkpoint_equivalence
-from zerosim.contracts import get_contract
+from zerosim.checks.contracts import get_contract
 from zerosim.engine.config import RunConfig
 from zerosim.testing.checkpoint_runs import load_and_snapshot, train_and_save, transfer_and_continue
 

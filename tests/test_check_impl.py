@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from zerosim import ConfigError, OptimizerShard, check_partition
-from zerosim.check_impl import DEFAULT_TOTALS, DEFAULT_WORLD_SIZES, as_intervals, load_impl
 from zerosim.errors import ImplementationError
+from zerosim.testing.check_impl import DEFAULT_TOTALS, DEFAULT_WORLD_SIZES, as_intervals, load_impl
 
 SMALL_WS = range(1, 9)
 SMALL_TOTALS = (0, 1, 5, 7, 10, 97)
@@ -170,7 +170,7 @@ def test_load_impl_errors(tmp_path, monkeypatch):
     with pytest.raises(ImplementationError, match="no attribute"):
         load_impl("examples.my_partitioner:nope")
     with pytest.raises(ImplementationError, match="not callable"):
-        load_impl("zerosim.check_impl:DEFAULT_TOTALS")
+        load_impl("zerosim.testing.check_impl:DEFAULT_TOTALS")
     broken = tmp_path / "broken_part.py"
     broken.write_text("raise RuntimeError('boom at import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -21,7 +21,7 @@ from zerosim.checks.checkpoint import check_checkpoint_equivalence
 from zerosim.cli import main
 from zerosim.engine.config import RunConfig
 from zerosim.errors import ConfigError
-from zerosim.model import SimModelConfig
+from zerosim.numerics.model import SimModelConfig
 from zerosim.testing.checkpoint_runs import load_and_snapshot, run_engines, train_and_save
 
 BLOCK = 4096

@@ -14,8 +14,8 @@ import pytest
 
 from zerosim.cli import build_parser, main
 from zerosim.cli.verify import precision_options
-from zerosim.dtypes import precision_name
 from zerosim.errors import ConfigError
+from zerosim.values.dtypes import precision_name
 
 #: every subcommand, with the words that reach its own parser and its required arguments
 COMMANDS = [["plan"], ["check", "partition"], ["simulate"], ["mutants"], ["memory", "--world", "2"],

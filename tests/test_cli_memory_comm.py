@@ -270,7 +270,7 @@ def test_memory_compare_deepspeed_degrades_to_the_labelled_formula_without_deeps
 
 def test_a_broken_deepspeed_install_falls_back_to_the_formula(monkeypatch):
     import zerosim.cost.deepspeed_compare as dsc
-    from zerosim.layout import ParamLayout
+    from zerosim.values.layout import ParamLayout
 
     def broken(*args, **kwargs):
         raise ImportError("libcudart.so.12: cannot open shared object file")

@@ -10,9 +10,9 @@ import pytest
 
 from zerosim.cli import main
 from zerosim.engine.config import RunConfig
-from zerosim.layout import ParamLayout
-from zerosim.model import SimModelConfig, sim_layout
-from zerosim.presets import PRESETS, simulator_presets
+from zerosim.numerics.model import SimModelConfig, sim_layout
+from zerosim.values.layout import ParamLayout
+from zerosim.values.presets import PRESETS, simulator_presets
 
 
 def run(capsys, *argv):
@@ -198,7 +198,7 @@ def test_check_partition_builtin_at_10_12_by_1024(capsys):
     (["--impl", "examples.nope:fn"], "cannot import 'examples.nope'"),
     (["--impl", "examples.my_partitioner:nope"], "has no attribute 'nope'"),
     (["--impl", "no_colon"], "invalid impl="),
-    (["--impl", "zerosim.check_impl:as_intervals"], "raised TypeError"),
+    (["--impl", "zerosim.testing.check_impl:as_intervals"], "raised TypeError"),
     (["--impl", "examples.my_partitioner:even_split", "--world-size", "0"], "invalid world_size=0"),
     (["--impl", "examples.my_partitioner:even_split", "--total", "-1"], "invalid total=-1"),
     (["--impl", "examples.my_partitioner:even_split", "--total", "ten"], "invalid total='ten'"),

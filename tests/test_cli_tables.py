@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from zerosim.cli import main
-from zerosim.text_tables import fitting_width, print_table, table_text
+from zerosim.files.text_tables import fitting_width, print_table, table_text
 
 HEADERS = ("ranks", "sim step (s, median)", "unsharded step (s, median)", "ratio median", "ratio min",
            "target", "process peak (MB)", "sum of rank peaks (MB)", "peak / sum")

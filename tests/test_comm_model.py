@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 import zerosim
 from zerosim.cost.comm_model import comm_per_step, packed_unit_sizes
 from zerosim.errors import ConfigError
-from zerosim.flat_buffers import build_unit_plan
-from zerosim.layout import ParamLayout
 from zerosim.partition import PARTITIONERS, get_partitioner
-from zerosim.strategy import ShardingStrategy, Topology
+from zerosim.values.flat_buffers import build_unit_plan
+from zerosim.values.layout import ParamLayout
+from zerosim.values.strategy import ShardingStrategy, Topology
 
 PSI = 3 * 2**20 * 5  # divisible by every world size used below (up to 1024): no padding
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zerosim.contracts import default_contracts_dir, get_contract, load_contract, load_contracts
+from zerosim.checks.contracts import default_contracts_dir, get_contract, load_contract, load_contracts
 from zerosim.errors import ConfigError, ZeroSimError
 
 SPEC_FILES = sorted(default_contracts_dir().glob("*.toml"))

@@ -1,4 +1,4 @@
-"""zerosim.datafile: what one process leaves for another comes back equal, as plain data, and a file
+"""zerosim.files.datafile: what one process leaves for another comes back equal, as plain data, and a file
 someone replaced (a pickle, a forged header, a type the reader did not name) is refused by name
 without running anything."""
 
@@ -17,8 +17,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from zerosim import datafile
-from zerosim.datafile import DataFileError
+from zerosim.files import datafile
+from zerosim.files.datafile import DataFileError
 
 
 @dataclass

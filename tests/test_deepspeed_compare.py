@@ -15,8 +15,8 @@ from zerosim.cost.deepspeed_compare import (
 from zerosim.cost.memory_model import memory_per_rank
 from zerosim.cost.memory_settings import MemorySettings
 from zerosim.errors import ConfigError
-from zerosim.layout import ParamLayout
-from zerosim.strategy import Topology
+from zerosim.values.layout import ParamLayout
+from zerosim.values.strategy import Topology
 
 
 def test_formula_matches_the_published_cases():

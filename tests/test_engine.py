@@ -11,10 +11,10 @@ from zerosim.engine.reference import ordered_reference
 from zerosim.engine.run_result import evaluate
 from zerosim.engine.spmd import run_simulated, simulate_observations
 from zerosim.errors import ConfigError, NonFiniteGradientError
-from zerosim.flat_buffers import build_unit_plan
-from zerosim.layout import ParamLayout
 from zerosim.partition import PARTITIONERS
-from zerosim.strategy import ShardingStrategy
+from zerosim.values.flat_buffers import build_unit_plan
+from zerosim.values.layout import ParamLayout
+from zerosim.values.strategy import ShardingStrategy
 
 STRATEGIES = ["no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2"]
 
@@ -135,7 +135,7 @@ def test_a_nan_is_caught_before_any_rank_accumulates_it_so_no_rank_ever_holds_it
     """Every rank stops at the same point with the same error, and no NaN reached any rank's state."""
     from zerosim.comm.sim import run_spmd
     from zerosim.engine.block_schedule import BlockSchedule, block_rank_state
-    from zerosim.xp import numpy_namespace
+    from zerosim.numerics.xp import numpy_namespace
 
     run = RunConfig(strategy=strategy, world_size=4, steps=2, micro_batches=2,
                     inject_nan={"rank": 2, "step": 1, "tensor": "lm_head.weight", "micro": 1}).resolve()
@@ -160,7 +160,7 @@ def test_a_nan_is_caught_before_any_rank_accumulates_it_so_no_rank_ever_holds_it
 
 ENGINE_MODULES = ("zerosim.engine.rank_state", "zerosim.engine.gradients", "zerosim.engine.step",
                   "zerosim.engine.observation", "zerosim.engine.unit_table", "zerosim.engine.block_schedule",
-                  "zerosim.flat_buffers", "zerosim.engine.memory_tracker",
+                  "zerosim.values.flat_buffers", "zerosim.engine.memory_tracker",
                   "zerosim.engine.faults", "zerosim.engine.fault_catalog", "zerosim.engine.config",
                   "zerosim.engine.spmd", "zerosim.engine.run_result", "zerosim.engine.run_file",
                   "zerosim.engine.injection", "zerosim.engine.wire", "zerosim.engine.engine_run")
@@ -168,7 +168,7 @@ ENGINE_MODULES = ("zerosim.engine.rank_state", "zerosim.engine.gradients", "zero
 
 @pytest.mark.parametrize("module", ENGINE_MODULES)
 def test_the_engine_imports_no_numpy(module):
-    """The per-rank engine reaches arrays only through the xp seam (zerosim.xp) and other ranks only
+    """The per-rank engine reaches arrays only through the xp seam (zerosim.numerics.xp) and other ranks only
     through the Communicator, which is what lets MPI and torch run it unchanged. (reference.py, the
     unsharded evaluator, is numpy by design and never runs on a rank.)"""
     import ast
@@ -225,7 +225,7 @@ def test_packing_by_one_gather_and_by_slice_copies_gives_the_same_bits(world):
     import dataclasses
 
     from zerosim.engine import wire
-    from zerosim.xp import numpy_namespace
+    from zerosim.numerics.xp import numpy_namespace
 
     layout = ParamLayout.from_config("tiny")
     plan = build_unit_plan(layout, ShardingStrategy.parse("zero3"), "fsdp", world)
@@ -282,7 +282,7 @@ def test_run_ahead_changes_no_bit_no_byte_of_traffic_and_no_accounted_peak(strat
 def test_run_ahead_computes_each_ranks_micro_batch_in_one_piece(monkeypatch):
     """Serial schedule, ZeRO-3: every rank's forward and backward of a micro-batch run without another
     rank computing in between (its activations stay in cache), lowest rank first."""
-    from zerosim.model import BlockModel
+    from zerosim.numerics.model import BlockModel
 
     trace: list[tuple[int, str]] = []
     for name in ("forward", "backward"):
@@ -312,8 +312,8 @@ def test_each_unit_is_gathered_only_while_it_computes_and_sharded_between_steps(
     full parameters: every unit GATHERED throughout."""
     from zerosim.comm.sim import run_spmd
     from zerosim.engine.block_schedule import BlockSchedule, block_rank_state
-    from zerosim.unit_state import UnitState
-    from zerosim.xp import numpy_namespace
+    from zerosim.numerics.xp import numpy_namespace
+    from zerosim.values.unit_state import UnitState
 
     if not run_ahead:
         monkeypatch.setattr(BlockSchedule, "_can_run_ahead", lambda self: False)
@@ -354,7 +354,7 @@ def test_the_finite_vote_names_the_lowest_offending_rank_and_tensor():
     import itertools
 
     from zerosim.engine import finite_vote
-    from zerosim.xp import numpy_namespace
+    from zerosim.numerics.xp import numpy_namespace
 
     xp, world, tensors = numpy_namespace(), 3, 4
     assert finite_vote.offender(float(finite_vote.vote(xp, 0, 1, world, tensors)[0]), world, tensors) is None

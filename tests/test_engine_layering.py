@@ -71,7 +71,7 @@ def test_the_rank_state_holds_no_schedule_and_no_reference_back():
     from zerosim.comm.sim import run_spmd
     from zerosim.engine.block_schedule import BlockSchedule, block_rank_state
     from zerosim.engine.config import RunConfig
-    from zerosim.xp import numpy_namespace
+    from zerosim.numerics.xp import numpy_namespace
 
     run = RunConfig(strategy="zero3", world_size=2, steps=1).resolve()
 

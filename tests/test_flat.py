@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from zerosim.errors import ConfigError
-from zerosim.flat import flatten, unflatten
-from zerosim.model import SimModelConfig, init_params, sim_layout
+from zerosim.numerics.flat import flatten, unflatten
+from zerosim.numerics.model import SimModelConfig, init_params, sim_layout
 
 TINY = SimModelConfig.from_preset("tiny")
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch_probes import alive, kill_and_expect_ranks_gone, sleeping_launch
-from zerosim.launching import run_process_group
+from zerosim.processes.launching import run_process_group
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork server: Linux only")

@@ -154,9 +154,9 @@ def test_cost_plan_and_verify_functions_refuse_bad_arguments_with_our_error(entr
     """The functions behind memory, comm, plan and verify: positional junk in, ZeroSimError (or a
     result) out."""
     from zerosim.cost import comm_model, memory_model
-    from zerosim.layout import ParamLayout, TensorSpec
-    from zerosim.plan import build_plan
-    from zerosim.strategy import ShardingStrategy, Topology
+    from zerosim.values.layout import ParamLayout, TensorSpec
+    from zerosim.values.plan import build_plan
+    from zerosim.values.strategy import ShardingStrategy, Topology
     from zerosim.verify.runner import validate_options
 
     def call() -> None:

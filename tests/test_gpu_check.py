@@ -23,7 +23,7 @@ from zerosim.bench.gpu_check import (  # noqa: E402
     _verify_read,
     run_step,
 )
-from zerosim.launching import GroupRun  # noqa: E402
+from zerosim.processes.launching import GroupRun  # noqa: E402
 
 pytestmark = pytest.mark.torchdist
 CUDA = torch.cuda.is_available()

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from zerosim.errors import ConfigError
-from zerosim.flat import flatten, unflatten
-from zerosim.groundtruth import global_batch, train_ground_truth
-from zerosim.model import BlockModel, SimModelConfig, init_params, sim_layout, synthetic_batch
-from zerosim.optim import OptimizerSpec, make_optimizer
-from zerosim.xp import numpy_namespace
+from zerosim.numerics.flat import flatten, unflatten
+from zerosim.numerics.groundtruth import global_batch, train_ground_truth
+from zerosim.numerics.model import BlockModel, SimModelConfig, init_params, sim_layout, synthetic_batch
+from zerosim.numerics.optim import OptimizerSpec, make_optimizer
+from zerosim.numerics.xp import numpy_namespace
 
 TINY = SimModelConfig.from_preset("tiny")
 ADAM = OptimizerSpec.parse("adam", lr=1e-3)

@@ -1,5 +1,5 @@
 """A command that does not finish removes what it made for itself: the output folders it created and
-left empty (:func:`zerosim.outputs.remove_unused_output_dirs`), and, when interrupted while it runs
+left empty (:func:`zerosim.files.outputs.remove_unused_output_dirs`), and, when interrupted while it runs
 ranks, every temporary folder and log of its launches (``zerogpu-status-*``, ``zerosim-ranks-*.log``,
 ``zerogpu-fork-*``); never a folder that existed before it, nor one that holds anything."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from zerosim import outputs
+from zerosim.files import outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 GUARD_S = 300.0  # the interrupted command ends in seconds; reaching this is the failure

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from zerosim.errors import ConfigError
-from zerosim.launching import DEFAULT_LAUNCH_TIMEOUT_S, launch_timeout_from_env, run_process_group
+from zerosim.processes.launching import DEFAULT_LAUNCH_TIMEOUT_S, launch_timeout_from_env, run_process_group
 
 
 def test_a_launch_that_outlives_its_timeout_is_killed_with_its_children(tmp_path):

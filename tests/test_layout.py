@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 
 from zerosim import ConfigError, GPTConfig, ParamLayout, TensorSpec
-from zerosim.layout import infer_block
-from zerosim.model import SimModelConfig, sim_layout
-from zerosim.presets import PRESETS, simulator_presets
+from zerosim.numerics.model import SimModelConfig, sim_layout
 from zerosim.testing.strategies import layouts
+from zerosim.values.layout import infer_block
+from zerosim.values.presets import PRESETS, simulator_presets
 
 
 # Published parameter counts of the GPT-2 family (tied embeddings, biases): Hugging Face model cards.
@@ -180,7 +180,7 @@ def test_from_module_rejects_non_modules():
 
 
 def test_importing_zerosim_does_not_import_torch_or_hypothesis():
-    code = ("import sys, zerosim, zerosim.layout, zerosim.cli; "
+    code = ("import sys, zerosim, zerosim.values.layout, zerosim.cli; "
             "print('torch' in sys.modules, 'hypothesis' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -12,8 +12,8 @@ from zerosim.cost.memory_settings import MemorySettings, parse_offload
 from zerosim.cost.shard_sizes import parse_param_count, shard_sizes
 from zerosim.cost.units import format_bytes, format_value, to_unit
 from zerosim.errors import ConfigError
-from zerosim.layout import ParamLayout
-from zerosim.strategy import ShardingStrategy, Topology
+from zerosim.values.layout import ParamLayout
+from zerosim.values.strategy import ShardingStrategy, Topology
 
 PSI = 7_500_000_000
 ND = 64

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from zerosim.engine.spmd import RunConfig, simulate_observations
-from zerosim.model import SimModelConfig
+from zerosim.numerics.model import SimModelConfig
 from zerosim.report.measure import (
     memory_comparison,
     modelled_for_run,

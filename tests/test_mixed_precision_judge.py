@@ -18,7 +18,7 @@ from zerosim.checks.mixed_precision import (
     round_to_compute_dtype,
     update_bound,
 )
-from zerosim.observe import TrainerObservation
+from zerosim.values.observe import TrainerObservation
 from zerosim.verify.diagnosis import diagnose_mixed
 
 RNG = np.random.default_rng(7)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from zerosim.errors import ConfigError
-from zerosim.model import (
+from zerosim.numerics.model import (
     BlockModel,
     SimModelConfig,
     init_params,
@@ -20,7 +20,7 @@ from zerosim.model import (
     synthetic_batch,
     target_multiplier,
 )
-from zerosim.presets import get_preset
+from zerosim.values.presets import get_preset
 
 TINY = SimModelConfig.from_preset("tiny")
 H = 1e-5

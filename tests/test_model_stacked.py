@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from zerosim.errors import ConfigError
-from zerosim.flat import flatten, unflatten
-from zerosim.groundtruth import STACK_ELEMENTS, local_gradients
-from zerosim.model import BlockModel, SimModelConfig, init_params, sim_layout, synthetic_batch
-from zerosim.precision import Precision
+from zerosim.numerics.flat import flatten, unflatten
+from zerosim.numerics.groundtruth import STACK_ELEMENTS, local_gradients
+from zerosim.numerics.model import BlockModel, SimModelConfig, init_params, sim_layout, synthetic_batch
+from zerosim.numerics.precision import Precision
 
 SHAPES = [
     {},
@@ -58,7 +58,7 @@ def test_local_gradients_in_rank_major_order_across_stacks(monkeypatch: pytest.M
     layout = sim_layout(cfg)
     prec = Precision.parse("bf16")
     params = unflatten(prec.to_params(flatten(init_params(cfg, 0), layout), "numpy"), layout)
-    monkeypatch.setattr("zerosim.groundtruth.STACK_ELEMENTS", 2 * layout.total_numel)
+    monkeypatch.setattr("zerosim.numerics.groundtruth.STACK_ELEMENTS", 2 * layout.total_numel)
     assert STACK_ELEMENTS > 2 * layout.total_numel  # the default would run all six in one stack
     rows, sizes = [], []
     for losses, stack in local_gradients(model, params, prec, cfg, 4, 1, 3, 2):

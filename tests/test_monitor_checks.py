@@ -21,7 +21,7 @@ from zerosim.errors import ConfigError
 from zerosim.monitor.digest import CHUNKS, tensor_digest
 from zerosim.monitor.trace import append_line, rank_file
 from zerosim.monitor.trace_reader import read_trace
-from zerosim.observe import MonitorObservation
+from zerosim.values.observe import MonitorObservation
 
 NUMELS = {"w": 8, "b": 4}
 

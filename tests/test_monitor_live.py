@@ -162,7 +162,7 @@ def test_hsdp_and_zerogpu_hybrid_at_world_4(world4):
     # HSDP: the two replicas of each shard split its gradient for the norm, so the four ranks' slices
     # cover every element of every tensor once and all four ranks contribute to the recomputed norm
     from zerosim.checks.live_state import norm_contributors
-    from zerosim.observe import MonitorObservation
+    from zerosim.values.observe import MonitorObservation
 
     first = [MonitorObservation.from_json(json.loads(
         (tmp / "flip-hsdp" / f"rank-{r:05d}.jsonl").read_text().splitlines()[0])) for r in range(4)]

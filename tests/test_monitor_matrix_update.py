@@ -21,8 +21,8 @@ from zerogpu.launch import run_ranks, torch_unavailable_reason
 from zerosim.checks.identity import check_replica_identity
 from zerosim.checks.update_formula import FORMULAS, recompute_update
 from zerosim.errors import ConfigError
-from zerosim.observation_fields import UPDATE_FORMULAS
-from zerosim.observe import MonitorObservation
+from zerosim.values.observation_fields import UPDATE_FORMULAS
+from zerosim.values.observe import MonitorObservation
 
 PROGRAM = str(Path(__file__).parent / "monitor_programs" / "matrix_update_faults.py")
 STATE = ("momentum_buffer", "row_var", "col_var", "variance")

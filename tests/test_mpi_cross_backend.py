@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 
-from zerosim import datafile
-from zerosim.backend_agreement import agreement_bounds
 from zerosim.checks.agreement import bitwise_expected, compare_backends
+from zerosim.engine.backend_agreement import agreement_bounds
 from zerosim.engine.spmd import RunConfig, simulate_observations
+from zerosim.files import datafile
 from zerosim.mpi.launch import mpi_unavailable_reason, run_mpiexec
-from zerosim.observe import STORED_TYPES
+from zerosim.values.observe import STORED_TYPES
 
 REASON = mpi_unavailable_reason()
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(REASON is not None, reason=f"MPI unavailable: {REASON}")]
@@ -47,7 +47,7 @@ CASES = [
 
 def test_every_strategy_is_compared_at_2_and_4_ranks() -> None:
     """The case list itself: no strategy may drop out of the cross-backend comparison unnoticed."""
-    from zerosim.strategy import ShardingStrategy, StrategyKind
+    from zerosim.values.strategy import ShardingStrategy, StrategyKind
 
     for world in (2, 4):
         kinds = {ShardingStrategy.parse(s).kind for w, s, e in CASES if w == world and not e}

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from zerosim import mutants
 from zerosim.cli import main
 from zerosim.engine.config import RunConfig
 from zerosim.engine.fault_catalog import FAULTS, Fault, Touched
 from zerosim.errors import ConfigError
-from zerosim.strategy import StrategyKind
+from zerosim.report import mutants
+from zerosim.values.strategy import StrategyKind
 
 #: the bug classes a verification harness must catch, each by a named mutant
 REQUIRED = {

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import zerosim.checks
+from zerosim.checks.contracts import load_contracts
 from zerosim.checks.judges import contract_of
-from zerosim.contracts import load_contracts
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKS_DIR = ROOT / "zerosim" / "checks"
@@ -73,7 +73,7 @@ def test_nothing_outside_zerosim_checks_builds_a_contracts_violations() -> None:
 def test_the_rule_finds_a_violation_built_outside_the_checks(tmp_path: Path) -> None:
     # a deliberately wrong module: a verdict's violation built by hand, and one relabelled as another contract
     rogue = tmp_path / "rogue.py"
-    rogue.write_text("from dataclasses import replace\nfrom zerosim.verdict import Violation\n"
+    rogue.write_text("from dataclasses import replace\nfrom zerosim.values.verdict import Violation\n"
                      "v = Violation('C-ZERO-004', 'bytes', 'made up here')\n"
                      "w = replace(v, contract='C-ZERO-005')\n", encoding="utf-8")
     assert _builds_violations(rogue, tmp_path) == ["rogue.py:3 Violation", "rogue.py:4 replace"]
@@ -82,7 +82,7 @@ def test_the_rule_finds_a_violation_built_outside_the_checks(tmp_path: Path) -> 
 #: the modules that judge a whole run: the simulator's result, zerosim verify's report (its values, its
 #: resources, its resumed state), the monitor's verdicts and a user's partition function's cases
 RUN_JUDGES = ("zerosim/engine/run_result.py", "zerosim/verify/evaluate.py", "zerosim/verify/resources.py",
-              "zerosim/verify/resume.py", "zerosim/monitor/judge.py", "zerosim/check_impl.py")
+              "zerosim/verify/resume.py", "zerosim/monitor/judge.py", "zerosim/testing/check_impl.py")
 
 
 def _checks_imported(path: Path) -> list[str]:

@@ -1,5 +1,5 @@
 """The optimizer-vs-torch check (tests/optim_rounding.py) fails on real optimizer bugs and names the
-step, the array and the element: deliberately wrong optimizers (subclasses of zerosim.optim's, built
+step, the array and the element: deliberately wrong optimizers (subclasses of zerosim.numerics.optim's, built
 here only) are run through the same teacher-forced and free-running checks as the real ones."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import optim_rounding
 import pytest
 from optim_rounding import free_running_run, teacher_forced_run
 
-from zerosim import optim
-from zerosim.optim import OptimizerSpec
+from zerosim.numerics import optim
+from zerosim.numerics.optim import OptimizerSpec
 
 pytest.importorskip("torch")
 

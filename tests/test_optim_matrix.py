@@ -1,4 +1,5 @@
-"""The numpy Muon and Adafactor (zerosim.optim_matrix) against torch 2.13's torch.optim.Muon / Adafactor.
+"""The numpy Muon and Adafactor (zerosim.numerics.optim_matrix) against torch 2.13's torch.optim.Muon /
+Adafactor.
 
 Bounds, derived from the arithmetic that differs (u = 2^-24, gamma_n = n u / (1 - n u)):
 
@@ -25,8 +26,14 @@ import numpy as np
 import pytest
 
 from zerosim.errors import ConfigError
-from zerosim.optim import OptimizerSpec, make_optimizer
-from zerosim.optim_matrix import MatrixOptimizer, TensorSlot, adjusted_lr, sliced_slots, whole_tensor_slots
+from zerosim.numerics.optim import OptimizerSpec, make_optimizer
+from zerosim.numerics.optim_matrix import (
+    MatrixOptimizer,
+    TensorSlot,
+    adjusted_lr,
+    sliced_slots,
+    whole_tensor_slots,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -154,14 +161,14 @@ def test_a_sharded_step_on_whole_tensors_is_bitwise_the_full_step():
 
 
 def whole_tensor_slots_for(pieces):
-    from zerosim.layout import ParamLayout, TensorSpec
+    from zerosim.values.layout import ParamLayout, TensorSpec
 
     layout = ParamLayout(tuple(TensorSpec(f"t{i}", shape) for i, shape in enumerate(SHAPES)))
     return whole_tensor_slots(layout, pieces)
 
 
 def test_slices_of_a_matrix_are_stepped_as_something_else():
-    from zerosim.layout import ParamLayout, TensorSpec
+    from zerosim.values.layout import ParamLayout, TensorSpec
 
     layout = ParamLayout((TensorSpec("w", (4, 8)), TensorSpec("b", (8,))))
     # rows 0-1 of w are stepped as a 2 x 8 matrix, its last 12 elements as one row, b as it is
@@ -220,7 +227,7 @@ def test_newton_schulz_gives_the_same_bits_whatever_the_blas_threads():
     import subprocess
     import sys
 
-    program = ("import hashlib, numpy as np; from zerosim.optim_matrix import newton_schulz; "
+    program = ("import hashlib, numpy as np; from zerosim.numerics.optim_matrix import newton_schulz; "
                "g = np.random.default_rng(0).standard_normal((1536, 384)).astype(np.float32); "
                "x = newton_schulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7); "
                "print(hashlib.sha256(x.tobytes()).hexdigest())")

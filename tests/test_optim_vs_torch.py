@@ -50,8 +50,14 @@ from optim_rounding import (
 
 from zerosim.checks.rounding import UNDERFLOW, UNIT_ROUNDOFF
 from zerosim.errors import ConfigError
-from zerosim.optim import OptimizerSpec, apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
-from zerosim.xp import numpy_namespace
+from zerosim.numerics.optim import (
+    OptimizerSpec,
+    apply_clip_,
+    clip_coefficient,
+    global_norm_from_sumsq,
+    make_optimizer,
+)
+from zerosim.numerics.xp import numpy_namespace
 
 torch = pytest.importorskip("torch")
 
@@ -222,7 +228,7 @@ def test_sgd_momentum_buffer_first_step_copies_gradient():
 
 def test_chunked_update_changes_no_bit(monkeypatch):
     """The step runs in CHUNK-sized pieces on CPU; any chunk size gives the same bits."""
-    from zerosim import optim
+    from zerosim.numerics import optim
 
     for name in ("sgd", "adam"):
         spec = OptimizerSpec.parse(name, lr=1e-2, **({"momentum": 0.9} if name == "sgd" else {}))
@@ -329,8 +335,8 @@ def _spacing16(x: np.ndarray, precision: str) -> np.ndarray:
 @pytest.mark.parametrize("precision", sorted(MIXED))
 @pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
 def test_mixed_precision_step_matches_torch_master_weights_recipe(precision, name):
-    """The engine's mixed precision (zerosim.precision) against the usual torch recipe: an fp32 master
-    ``Parameter`` stepped by torch.optim, the model computing with ``master.to(bf16/fp16)``, its 16-bit
+    """The engine's mixed precision (zerosim.numerics.precision) against the usual torch recipe: an fp32
+    master ``Parameter`` stepped by torch.optim, the model computing with ``master.to(bf16/fp16)``, its 16-bit
     gradient upcast into ``master.grad``; clipping on. Teacher-forced (both start each step from
     torch's master and state). Exact, on any processor: the casts of one master are the same 16-bit
     bits (round to nearest even on both sides), and so are the 16-bit gradients (``0.5 x`` is exact,
@@ -338,7 +344,7 @@ def test_mixed_precision_step_matches_torch_master_weights_recipe(precision, nam
     model's ``2 e``. The next working copies: round-to-nearest is monotone and moves a value by at most
     half a 16-bit spacing, so they are bitwise equal wherever the two masters are, and elsewhere
     ``|w - w'| <= |master - master'| + spacing16(max(|w|, |w'|))``."""
-    from zerosim.precision import Precision
+    from zerosim.numerics.precision import Precision
 
     prec = Precision.parse(precision)
     tdtype = getattr(torch, MIXED[precision])

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from zerosim import outputs
 from zerosim.cli import main
 from zerosim.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE
-from zerosim.outputs import OutputError
+from zerosim.files import outputs
+from zerosim.files.outputs import OutputError
 
 ROOT = Path(__file__).resolve().parents[1]
 

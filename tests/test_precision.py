@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from zerosim.errors import ConfigError
-from zerosim.flat import flatten, unflatten
-from zerosim.groundtruth import train_ground_truth
-from zerosim.model import BlockModel, SimModelConfig, init_params, sim_layout, synthetic_batch
-from zerosim.optim import OptimizerSpec
-from zerosim.precision import Precision
+from zerosim.numerics.flat import flatten, unflatten
+from zerosim.numerics.groundtruth import train_ground_truth
+from zerosim.numerics.model import BlockModel, SimModelConfig, init_params, sim_layout, synthetic_batch
+from zerosim.numerics.optim import OptimizerSpec
+from zerosim.numerics.precision import Precision
 
 TINY = SimModelConfig.from_preset("tiny")
 # Unit roundoff of the 16-bit formats: bf16 keeps 8 significand bits, fp16 11.

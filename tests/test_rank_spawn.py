@@ -22,8 +22,8 @@ import pytest
 
 from tests.launch_probes import alive, kill_and_expect_ranks_gone, sleeping_launch
 from zerogpu.launch import torch_unavailable_reason
-from zerosim.launching import run_process_group
-from zerosim.owned_processes import new_owner_token
+from zerosim.processes.launching import run_process_group
+from zerosim.processes.owned_processes import new_owner_token
 
 TORCH_REASON = torch_unavailable_reason()
 pytestmark = pytest.mark.skipif(TORCH_REASON is not None, reason=f"torch unavailable: {TORCH_REASON}")

@@ -25,8 +25,8 @@ from zerosim.engine.run_file import (
     write_rank_run,
 )
 from zerosim.errors import ConfigError
-from zerosim.model import SimModelConfig
-from zerosim.optim import OptimizerSpec
+from zerosim.numerics.model import SimModelConfig
+from zerosim.numerics.optim import OptimizerSpec
 
 STRATEGIES = ("no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2")
 
@@ -220,7 +220,7 @@ def test_a_tampered_verify_run_names_the_field_and_value(tmp_path: Path, field: 
 
 
 def test_a_verify_run_file_that_is_not_one_is_refused(tmp_path: Path) -> None:
-    from zerosim.json_file import MAX_SETTINGS_BYTES
+    from zerosim.files.json_file import MAX_SETTINGS_BYTES
     from zerosim.verify.run_value import read_verify_run
 
     huge = tmp_path / "huge.json"

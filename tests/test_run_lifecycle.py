@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from zerosim.launching import run_process_group, run_streamed
 from zerosim.mpi.launch import mpi_unavailable_reason
+from zerosim.processes.launching import run_process_group, run_streamed
 
 GUARD_S = 240  # a command that has not ended by then has hung
 GONE_WITHIN_S = 5.0  # after the command returned, its processes are gone by then (SIGKILL is asynchronous)

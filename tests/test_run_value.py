@@ -13,7 +13,7 @@ from zerosim.engine.config import RunConfig
 from zerosim.engine.run_file import RankRun
 from zerosim.errors import ConfigError
 from zerosim.report.config import ReportConfig
-from zerosim.run_value import RunValue
+from zerosim.values.run_value import RunValue
 from zerosim.verify.run_value import VerifyRun
 
 #: one value of each run type (every field a non-default where the type allows it cheaply)

@@ -13,12 +13,12 @@ import pytest
 from zerosim.bench.scale import fit_exponent, total_for
 from zerosim.checks.partition import check_partition_plan
 from zerosim.cli import main
-from zerosim.intervals import sweep, sweep_arrays
-from zerosim.layout import ParamLayout
 from zerosim.partition import MAX_WORLD_SIZE, PARTITIONERS, get_partitioner
 from zerosim.partition.base import RankShard, ShardPlan, ShardTable
-from zerosim.plan import RankStates, build_plan, bytes_before, bytes_in, shard_columns
-from zerosim.strategy import ShardingStrategy, Topology
+from zerosim.values.intervals import sweep, sweep_arrays
+from zerosim.values.layout import ParamLayout
+from zerosim.values.plan import RankStates, build_plan, bytes_before, bytes_in, shard_columns
+from zerosim.values.strategy import ShardingStrategy, Topology
 
 
 def _as_tuples(plan: ShardPlan) -> ShardPlan:

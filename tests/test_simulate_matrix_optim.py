@@ -13,7 +13,7 @@ import pytest
 
 from zerosim.engine.spmd import RunConfig, run_simulated
 from zerosim.errors import ConfigError
-from zerosim.optim import OptimizerSpec
+from zerosim.numerics.optim import OptimizerSpec
 
 CONTRACTS = ("C-ZERO-001", "C-ZERO-002", "C-ZERO-003", "C-ZERO-004", "C-ZERO-005")
 
@@ -189,7 +189,7 @@ def test_c_zero_001_judges_the_whole_tensor_state_plan():
     from zerosim.engine.run_result import plan_verdict
     from zerosim.partition import get_partitioner
     from zerosim.partition.base import RegisteredPartitioner
-    from zerosim.plan import build_plan
+    from zerosim.values.plan import build_plan
 
     run = RunConfig(optimizer="muon", strategy="zero3", world_size=4).resolve()
     correct = plan_verdict(run)

@@ -27,10 +27,10 @@ from zerosim.engine.fault_catalog import FAULTS
 from zerosim.engine.observation import full_params_view
 from zerosim.engine.rank_state import RankState
 from zerosim.errors import ConfigError
-from zerosim.layout import ParamLayout
-from zerosim.observe import ShardValues
+from zerosim.numerics.xp import numpy_namespace
 from zerosim.testing.state_dict_runs import check_load, load_on_ranks, plan_pieces, random_state_dict
-from zerosim.xp import numpy_namespace
+from zerosim.values.layout import ParamLayout
+from zerosim.values.observe import ShardValues
 
 STRATEGIES = ("no_shard", "zero1", "zero2", "zero3", "hybrid_shard:2", "hybrid_shard_zero2:2")
 CASES = [(s, n) for s in STRATEGIES for n in (1, 2, 3, 4) if not (s.startswith("hybrid") and n % 2)]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from zerosim.checks import tolerance
-from zerosim.contracts import load_contracts
+from zerosim.checks.contracts import load_contracts
 from zerosim.engine.config import RunConfig
 from zerosim.engine.fault_catalog import FAULTS
 from zerosim.engine.run_result import evaluate

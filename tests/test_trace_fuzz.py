@@ -36,7 +36,7 @@ from hypothesis import strategies as st
 
 from zerosim.cli import main
 from zerosim.monitor.trace import append_line, rank_file
-from zerosim.observe import MonitorObservation
+from zerosim.values.observe import MonitorObservation
 
 EXAMPLES = int(os.environ.get("ZEROSIM_FUZZ_EXAMPLES", "200"))
 EXAMPLE_TIMEOUT_S = 10  #: an example that takes longer is a hang (each folder holds a few kB)

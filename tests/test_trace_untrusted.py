@@ -21,7 +21,7 @@ from zerosim.cli import main as cli_main
 from zerosim.errors import ConfigError
 from zerosim.monitor.trace import append_line, rank_file
 from zerosim.monitor.trace_reader import MAX_LINE_BYTES, MAX_TRACE_BYTES, read_trace
-from zerosim.observe import MonitorObservation
+from zerosim.values.observe import MonitorObservation
 
 NUMELS = {"w": 8, "b": 4}
 STEPS = (0, 5, 10)

@@ -1,5 +1,5 @@
-"""One verdict type (zerosim.verdict.Verdict) for every command, with one JSON shape for a violation: the
-simulator's run result and verify's report write the same keys, and a verdict read back from its JSON is
+"""One verdict type (zerosim.values.verdict.Verdict) for every command, with one JSON shape for a violation:
+the simulator's run result and verify's report write the same keys, and a verdict read back from its JSON is
 the verdict that wrote it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from zerosim.engine.spmd import RunConfig, run_simulated
-from zerosim.verdict import STATUSES, Verdict, Violation
+from zerosim.values.verdict import STATUSES, Verdict, Violation
 from zerosim.verify.outcome import VerifyReport, mark_findings, stated
 
 #: the keys every violation's JSON has, whichever check and command wrote it

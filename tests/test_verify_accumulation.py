@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 from zerosim.checks.logged_norm import check_logged_norm  # noqa: E402
 from zerosim.checks.tolerance import logged_norm_bound  # noqa: E402
 from zerosim.errors import ConfigError  # noqa: E402
-from zerosim.observe import TrainerObservation  # noqa: E402
+from zerosim.values.observe import TrainerObservation  # noqa: E402
 from zerosim.verify.adapters import ADAPTERS, missing_requirement  # noqa: E402
 from zerosim.verify.model import build_model, micro_batch  # noqa: E402
 from zerosim.verify.reference import Reference  # noqa: E402

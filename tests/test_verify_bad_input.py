@@ -124,7 +124,7 @@ def test_bad_target_under_torchrun_is_exit_2_on_every_rank() -> None:
 def test_bad_target_under_an_external_torchrun_is_exit_2_on_every_rank() -> None:
     """The documented external path (``torchrun ... -m zerosim.verify TARGET``): the ranks run under
     a real torchrun unchanged; rank 0 says why once and every rank exits 2, which torchrun lists."""
-    from zerosim.launching import run_process_group
+    from zerosim.processes.launching import run_process_group
 
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}

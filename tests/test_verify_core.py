@@ -262,7 +262,7 @@ def test_identity_names_the_odd_rank_out(sgd_correct):
 def test_live_trainer_verdicts_use_the_contracts_own_clauses(sgd_correct):
     """The checks of zerosim.checks judge a live trainer's records into Violations whose clauses are
     those the contract's spec names; a bug (one rank's bias off by 1e-6) is named in the Violation."""
-    from zerosim.contracts import get_contract
+    from zerosim.checks.contracts import get_contract
 
     world, traj = sgd_correct
     bad = copy.deepcopy(traj)

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from tests.test_verify_bad_input import run_verify  # noqa: E402
 from tests.verify_trainers.non_finite import BROKEN_ELEMENT, BROKEN_STEP, BROKEN_TENSOR  # noqa: E402
-from zerosim.observe import TrainerObservation  # noqa: E402
+from zerosim.values.observe import TrainerObservation  # noqa: E402
 from zerosim.verify.diagnosis import bug_classes, non_finite  # noqa: E402
 
 TARGET = "tests.verify_trainers.non_finite"

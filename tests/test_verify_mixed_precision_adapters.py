@@ -20,8 +20,8 @@ pytest.importorskip("torch")
 import torch  # noqa: E402
 
 from zerogpu.launch import run_ranks, torch_unavailable_reason  # noqa: E402
-from zerosim import datafile  # noqa: E402
 from zerosim.errors import ConfigError  # noqa: E402
+from zerosim.files import datafile  # noqa: E402
 from zerosim.verify.adapters._mixed_precision import (  # noqa: E402
     DynamicLossScale,
     mixed_policy,

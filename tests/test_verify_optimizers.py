@@ -154,7 +154,7 @@ def _muon_record(off: str):
 
     import numpy as np
 
-    from zerosim.observe import TrainerObservation
+    from zerosim.values.observe import TrainerObservation
     from zerosim.verify.observation import StepRecord
 
     ref = {"w": np.zeros((4, 3)), "b": np.zeros(4)}

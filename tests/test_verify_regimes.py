@@ -19,7 +19,7 @@ from tests.test_verify_core import (
     records_for,
 )
 from zerosim.errors import ConfigError
-from zerosim.verdict import Verdict
+from zerosim.values.verdict import Verdict
 from zerosim.verify.diagnosis import bug_classes, diagnose
 from zerosim.verify.model import build_model, micro_batch
 from zerosim.verify.outcome import VerifyReport, mark_findings, stated

@@ -16,7 +16,6 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from zerogpu.launch import run_ranks, torch_unavailable_reason  # noqa: E402
-from zerosim import datafile  # noqa: E402
 from zerosim.checks.holdings import (  # noqa: E402
     ResidentPlan,
     check_holdings,
@@ -24,8 +23,9 @@ from zerosim.checks.holdings import (  # noqa: E402
     strategy_from_declared,
 )
 from zerosim.checks.traffic import TrafficModel, check_communication  # noqa: E402
-from zerosim.layout import ParamLayout, TensorSpec  # noqa: E402
-from zerosim.verdict import Verdict  # noqa: E402
+from zerosim.files import datafile  # noqa: E402
+from zerosim.values.layout import ParamLayout, TensorSpec  # noqa: E402
+from zerosim.values.verdict import Verdict  # noqa: E402
 from zerosim.verify.model import build_model  # noqa: E402
 from zerosim.verify.resources import (  # noqa: E402
     PhaseResources,

@@ -141,7 +141,7 @@ def test_a_load_that_drops_the_optimizer_state_fails_c_zero_007_naming_the_tenso
 
 
 def test_the_first_launchs_snapshot_round_trips_as_plain_data(tmp_path: Path) -> None:
-    from zerosim import datafile
+    from zerosim.files import datafile
     from zerosim.verify.suite import build_phases
 
     phases = build_phases(("adamw",), 4)
@@ -160,7 +160,7 @@ def test_the_first_launchs_snapshot_round_trips_as_plain_data(tmp_path: Path) ->
 
 
 def test_a_pickle_in_place_of_the_snapshot_is_refused_without_running(tmp_path: Path) -> None:
-    from zerosim.datafile import DataFileError
+    from zerosim.files.datafile import DataFileError
 
     (tmp_path / SNAPSHOT_FILE).write_bytes(pickle.dumps({"world": _RunsCode(tmp_path / "ran")}))
     with pytest.raises(DataFileError, match=SNAPSHOT_FILE):
@@ -169,8 +169,8 @@ def test_a_pickle_in_place_of_the_snapshot_is_refused_without_running(tmp_path: 
 
 
 def test_a_snapshot_of_another_shape_is_refused(tmp_path: Path) -> None:
-    from zerosim import datafile
-    from zerosim.datafile import DataFileError
+    from zerosim.files import datafile
+    from zerosim.files.datafile import DataFileError
 
     wrong = {"world": "3", "phases": [], "phase_info": [], "observations": {}}
     datafile.save(tmp_path / SNAPSHOT_FILE, wrong)
@@ -179,8 +179,8 @@ def test_a_snapshot_of_another_shape_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_saved_run_to_re_evaluate_is_read_as_plain_data_only(tmp_path: Path) -> None:
-    from zerosim import datafile
-    from zerosim.datafile import DataFileError
+    from zerosim.files import datafile
+    from zerosim.files.datafile import DataFileError
     from zerosim.verify.evaluate import evaluate_saved
 
     saved = tmp_path / "observations.safetensors"
@@ -195,7 +195,7 @@ def test_a_saved_run_to_re_evaluate_is_read_as_plain_data_only(tmp_path: Path) -
 
 
 def test_publishing_copies_the_runs_files_and_deletes_nothing(tmp_path: Path) -> None:
-    from zerosim.outputs import publish_files
+    from zerosim.files.outputs import publish_files
 
     run_dir, out = tmp_path / "run", tmp_path / "D"
     run_dir.mkdir()

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from zerosim.errors import ConfigError
-from zerosim.flat import flatten
-from zerosim.groundtruth import train_ground_truth
-from zerosim.model import BlockModel, SimModelConfig, init_params, sim_layout, synthetic_batch
-from zerosim.optim import OptimizerSpec, make_optimizer
-from zerosim.xp import get_namespace, namespace_of, numpy_namespace, torch_namespace
+from zerosim.numerics.flat import flatten
+from zerosim.numerics.groundtruth import train_ground_truth
+from zerosim.numerics.model import BlockModel, SimModelConfig, init_params, sim_layout, synthetic_batch
+from zerosim.numerics.optim import OptimizerSpec, make_optimizer
+from zerosim.numerics.xp import get_namespace, namespace_of, numpy_namespace, torch_namespace
 
 torch = pytest.importorskip("torch")
 
@@ -129,7 +129,7 @@ def test_the_in_place_numpy_update_is_bitwise_the_generic_one(name, opts, dtype,
     (``_update_into``); the generic ``_update`` (what torch and other dtypes run) must give the same
     bits: chunk boundaries (a 1000-element chunk over 2503 elements), zeros, subnormals, huge and
     non-finite gradients included. ``betas=(0.6, ...)`` takes lerp's other branch (weight >= 0.5)."""
-    import zerosim.optim as optim
+    import zerosim.numerics.optim as optim
 
     monkeypatch.setattr(optim, "CHUNK", 1000)
     spec = OptimizerSpec.parse(name, lr=1e-2, **opts)
@@ -158,7 +158,7 @@ def test_the_in_place_numpy_update_is_bitwise_the_generic_one(name, opts, dtype,
 def test_a_subclass_overriding_only_the_generic_update_runs_its_own_update():
     """A variant (here a deliberately wrong one) that overrides ``_update`` must not be bypassed by
     the in-place numpy form of its parent's update."""
-    from zerosim.optim import AdamW
+    from zerosim.numerics.optim import AdamW
 
     class NoBiasCorrection(AdamW):
         def _update(self, p, g, st, t):
@@ -290,12 +290,12 @@ def test_the_numpy_namespace_is_numpy_itself_and_imports_none_of_its_unused_subm
     import subprocess
     import sys
 
-    from zerosim.xp import NUMPY_IS_ARRAY_API
+    from zerosim.numerics.xp import NUMPY_IS_ARRAY_API
 
     if not NUMPY_IS_ARRAY_API:
         pytest.skip(f"numpy {np.__version__} predates the 2023.12 array API: array_api_compat wraps it")
     assert numpy_namespace().xp is np
-    code = ("import sys; from zerosim.xp import numpy_namespace; numpy_namespace(); "
+    code = ("import sys; from zerosim.numerics.xp import numpy_namespace; numpy_namespace(); "
             "print(sorted(m for m in ('numpy.f2py', 'numpy.testing', 'numpy.ma') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out

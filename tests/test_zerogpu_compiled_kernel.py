@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 
 from zerogpu.compiled_kernel import CompiledOptimizer  # noqa: E402
 from zerogpu.torch_kernels import make_step_optimizer  # noqa: E402
-from zerosim.optim import OptimizerSpec, make_optimizer  # noqa: E402
-from zerosim.xp import torch_namespace  # noqa: E402
+from zerosim.numerics.optim import OptimizerSpec, make_optimizer  # noqa: E402
+from zerosim.numerics.xp import torch_namespace  # noqa: E402
 
 SPECS = [("adamw", {"lr": 1e-3, "weight_decay": 0.01}), ("adam", {"lr": 1e-3, "weight_decay": 0.01}),
          ("adam", {"lr": 1e-3}), ("adamw", {"lr": 1e-3, "betas": (0.3, 0.999)})]  # last: lerp's other branch

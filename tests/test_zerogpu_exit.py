@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from zerosim.launching import run_process_group
+from zerosim.processes.launching import run_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "examples" / "zerotrainer_quickstart.py"

@@ -115,10 +115,10 @@ def test_every_strategy_over_nccl_at_world_2(tmp_path: Path) -> None:
 
 
 def test_division_by_a_number_is_correctly_rounded_on_the_gpu() -> None:
-    """``zerosim.xp.divide_`` on the GPU gives the CPU's (IEEE) quotient bit for bit, for float32 and
+    """``zerosim.numerics.xp.divide_`` on the GPU gives the CPU's (IEEE) quotient bit for bit, for float32 and
     float64, by divisors whose reciprocal is inexact: what keeps the reference optimizer's denominator,
     the micro-batch mean and the communicator's average the same bits on every device."""
-    from zerosim.xp import divide_
+    from zerosim.numerics.xp import divide_
 
     for dtype in (torch.float32, torch.float64):
         x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(5), dtype=dtype)

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 from zerogpu.host_optimizer import HostOptimizer, fused_kernel_is_exact  # noqa: E402
 from zerosim.errors import ConfigError  # noqa: E402
-from zerosim.optim import OptimizerSpec  # noqa: E402
+from zerosim.numerics.optim import OptimizerSpec  # noqa: E402
 
 SPECS = [
     ("adamw", {"lr": 1e-3, "weight_decay": 0.01}),
@@ -110,7 +110,7 @@ def test_fused_host_kernel_without_fma_stays_within_the_rounding_bound(name, kw,
 
 def _reference_step_from(spec: OptimizerSpec, got: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The reference's third step from the fused run's values before it."""
-    from zerosim.optim import make_optimizer
+    from zerosim.numerics.optim import make_optimizer
 
     opt = make_optimizer(spec, "numpy")
     p = got["before_param"].copy()

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 
 from zerogpu.torch_kernels import OPTIMIZER_KERNELS, make_step_optimizer  # noqa: E402
 from zerosim.errors import ConfigError  # noqa: E402
-from zerosim.optim import OptimizerSpec, make_optimizer  # noqa: E402
-from zerosim.xp import torch_namespace  # noqa: E402
+from zerosim.numerics.optim import OptimizerSpec, make_optimizer  # noqa: E402
+from zerosim.numerics.xp import torch_namespace  # noqa: E402
 
 N = 1031  # not a multiple of any SIMD width: the kernels' scalar tails run too
 STEPS = 4

@@ -611,7 +611,7 @@ def test_cuda_prefetch_on_a_side_stream_returns_exact_bits_within_the_budget() -
 def test_each_unit_goes_offloaded_in_flight_in_use_sharded_and_back() -> None:
     """One state per unit: a prefetch puts it in flight, a fetch in use, a release back to its resident
     shard, an eviction or an update of its host values back to the host tier only."""
-    from zerosim.unit_state import UnitState
+    from zerosim.values.unit_state import UnitState
 
     mgr = manager(32, {"a": 4, "b": 4, "c": 4}, depth=1)  # room for two units
     assert {mgr.state_of(n) for n in "abc"} == {UnitState.OFFLOADED}

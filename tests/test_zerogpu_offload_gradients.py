@@ -11,7 +11,7 @@ from zerogpu.host_optimizer import HostOptimizer  # noqa: E402
 from zerogpu.offload_gradients import GradientOffload  # noqa: E402
 from zerogpu.offload_plan import plan_step  # noqa: E402
 from zerosim.errors import ConfigError  # noqa: E402
-from zerosim.optim import OptimizerSpec  # noqa: E402
+from zerosim.numerics.optim import OptimizerSpec  # noqa: E402
 
 UNITS = [("embed", 96), ("b0", 41), ("b1", 40), ("b2", 40), ("head", 67)]  # elements, odd lengths included
 SPEC = OptimizerSpec.parse("adamw", lr=1e-3, weight_decay=0.01)

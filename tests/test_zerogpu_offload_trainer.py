@@ -85,7 +85,7 @@ def test_no_offload_no_host_step(world_of_one) -> None:
 
 def test_the_host_step_refuses_a_shard_off_the_cpu_and_an_unknown_kernel() -> None:
     from zerogpu.offload_step import HostTierStep
-    from zerosim.optim import OptimizerSpec
+    from zerosim.numerics.optim import OptimizerSpec
 
     spec = OptimizerSpec.parse("adamw", lr=1e-2)
     with pytest.raises(ConfigError, match="offload.host_kernel"):

@@ -161,9 +161,9 @@ def test_two_ranks_keep_exactly_their_shards_and_only_rank_0_opens_the_file(tmp_
     from zerogpu.module_units import describe_module
     from zerogpu.trainer import resolve_strategy
     from zerosim.checks.state_dict import check_broadcast_shard
-    from zerosim.flat_buffers import build_unit_plan
-    from zerosim.observe import ShardValues
     from zerosim.partition import get_partitioner
+    from zerosim.values.flat_buffers import build_unit_plan
+    from zerosim.values.observe import ShardValues
 
     if torch_unavailable_reason():
         pytest.skip(torch_unavailable_reason())

@@ -1,7 +1,7 @@
 """zerogpu.ZeroTrainer: the engine around a torch module, its arithmetic, offload and its bad input.
 
 * At two ranks the trainer is **bitwise** equal to the engine's arithmetic repeated in numpy (rank-order
-  sum / world size, zerosim.optim's step, clipping), for every strategy, SGD with momentum and AdamW
+  sum / world size, zerosim.numerics.optim's step, clipping), for every strategy, SGD with momentum and AdamW
   with a binding clip: a two-term sum is commutative, so gloo's order cannot differ. At more ranks gloo
   groups the additions its own way; ``zerosim verify zerogpu-*`` judges those runs against the derived
   bound (tests/test_verify_adapters.py).

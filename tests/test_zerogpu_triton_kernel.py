@@ -21,8 +21,8 @@ from test_zerogpu_compiled_kernel import SPECS, _compare  # noqa: E402
 
 from zerogpu.torch_kernels import make_step_optimizer  # noqa: E402
 from zerogpu.triton_kernel import BLOCK, TritonExactAdam, adam_coefficients, triton_available  # noqa: E402
-from zerosim.optim import OptimizerSpec, make_optimizer  # noqa: E402
-from zerosim.xp import torch_namespace  # noqa: E402
+from zerosim.numerics.optim import OptimizerSpec, make_optimizer  # noqa: E402
+from zerosim.numerics.xp import torch_namespace  # noqa: E402
 
 
 def test_the_reference_kernel_on_the_cpu_is_zerosims_optimizer():
@@ -57,8 +57,8 @@ def test_the_one_pass_kernel_under_the_interpreter_stays_within_the_rounding_bou
         sys.path.insert(0, sys.argv[1])
         from test_zerogpu_compiled_kernel import SPECS, _compare
         from zerogpu.triton_kernel import TritonExactAdam
-        from zerosim.optim import OptimizerSpec
-        from zerosim.xp import torch_namespace
+        from zerosim.numerics.optim import OptimizerSpec
+        from zerosim.numerics.xp import torch_namespace
 
         class OnCpu(TritonExactAdam):
             def _one_pass(self, param, grad, state):  # the interpreter runs on CPU tensors

@@ -25,11 +25,11 @@ from zerosim.checks.holdings import ResidentPlan, check_holdings, whole_tensor_s
 from zerosim.checks.partition import check_partition_plan  # noqa: E402
 from zerosim.cost.optimizer_state import split_tensors  # noqa: E402
 from zerosim.errors import ConfigError  # noqa: E402
-from zerosim.layout import ParamLayout  # noqa: E402
-from zerosim.observe import TrainerObservation  # noqa: E402
 from zerosim.partition import RankShard, get_partitioner  # noqa: E402
-from zerosim.plan import build_plan  # noqa: E402
-from zerosim.strategy import ShardingStrategy, Topology  # noqa: E402
+from zerosim.values.layout import ParamLayout  # noqa: E402
+from zerosim.values.observe import TrainerObservation  # noqa: E402
+from zerosim.values.plan import build_plan  # noqa: E402
+from zerosim.values.strategy import ShardingStrategy, Topology  # noqa: E402
 from zerosim.verify import verify  # noqa: E402
 from zerosim.verify.optimizers import phase_config  # noqa: E402
 
@@ -77,7 +77,7 @@ def test_an_optimizer_spec_of_a_matrix_optimizer_takes_the_whole_tensor_layout()
     with the spec's hyper-parameters; Muon's spec (a recipe of two optimizers) is refused naming it,
     never silently built as AdamW on flat slices."""
     from zerogpu.whole_tensor import optimizer_factory
-    from zerosim.optim import OptimizerSpec
+    from zerosim.numerics.optim import OptimizerSpec
 
     spec = OptimizerSpec.parse("adafactor", lr=1e-2)
     assert choose_layout("auto", spec) == "whole-tensor"
@@ -245,7 +245,7 @@ def test_the_owner_steps_its_tensors_where_the_shard_stores_them(strategy: str, 
     """Every rank's owned views, cut from a master shard packed as the engine packs it (unit after
     unit), hold exactly the tensors' values; under ZeRO-3 and hybrid the root unit (stem and head)
     comes first in the shard, so a block's tensor read at its global flat offset would hold the head."""
-    from zerosim.flat_buffers import build_unit_plan
+    from zerosim.values.flat_buffers import build_unit_plan
 
     layout = describe_module(Sandwich()).layout
     flat = torch.arange(layout.total_numel, dtype=torch.float64)

@@ -16,7 +16,7 @@ The agreement it requires is derived, not observed (:mod:`zerosim.checks.agreeme
   and with ``--xp torch`` the model's matrix products run in torch's BLAS (CPU) or cuBLAS (GPU, TF32
   off), whose blockings add in another order than numpy's. The summation error bound of the additions
   that may be ordered apart, propagated through clipping and the optimizer by the rounding model
-  C-ZERO-002 uses (:func:`zerosim.backend_agreement.agreement_bounds`).
+  C-ZERO-002 uses (:func:`zerosim.engine.backend_agreement.agreement_bounds`).
 - Traffic counters and holdings: always identical, call for call and byte for byte.
 
 The contract verdicts (C-ZERO-002 against the independent ground truth with its own bound) are the
@@ -28,9 +28,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from zerosim.backend_agreement import agreement_bounds
 from zerosim.checks import agreement
-from zerosim.observe import RankObservation
+from zerosim.engine.backend_agreement import agreement_bounds
+from zerosim.values.observe import RankObservation
 
 
 def bitwise_expected(run: Any, xp: str) -> bool:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from zerosim.comm.base import DEFAULT_TIMEOUT_S, REDUCE_OPS, TrafficCounter
 from zerosim.errors import CollectiveError, ConfigError
-from zerosim.xp import divide_, torch_namespace
+from zerosim.numerics.xp import divide_, torch_namespace
 
 from .comm_decompose import (
     ALL_GATHER_MODES,

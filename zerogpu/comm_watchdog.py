@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from zerosim.errors import CollectiveError, CollectiveTimeout
-from zerosim.xp import divide_
+from zerosim.numerics.xp import divide_
 
 from .comm_setup import Job
 

@@ -1,6 +1,6 @@
 """``optimizer_kernel="compiled"``: the reference's update as one fused device pass (torch.compile).
 
-zerosim's reference optimizer (:mod:`zerosim.optim`) emulates each float32 operation of torch's
+zerosim's reference optimizer (:mod:`zerosim.numerics.optim`) emulates each float32 operation of torch's
 single-tensor kernel exactly, which on a GPU costs several passes over the shard (float64
 temporaries for the emulated fused multiply-adds). This kernel writes the same operations, in the
 same order and with the same float32-rounded coefficients, as one elementwise function of
@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from zerosim.optim import OptimizerSpec, make_optimizer
-from zerosim.xp import ArrayNamespace
+from zerosim.numerics.optim import OptimizerSpec, make_optimizer
+from zerosim.numerics.xp import ArrayNamespace
 
 from .triton_kernel import adam_coefficients
 

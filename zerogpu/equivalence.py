@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from zerosim.contracts import STEP_CONTRACTS
+from zerosim.checks.contracts import STEP_CONTRACTS
 from zerosim.engine.run_file import RankRun
 from zerosim.errors import ConfigError, ZeroSimError
-from zerosim.observe import RankObservation
-from zerosim.outputs import write_text
+from zerosim.files.outputs import write_text
+from zerosim.values.observe import RankObservation
 
 
 def default_strategies(world_size: int) -> list[str]:

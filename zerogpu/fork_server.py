@@ -166,7 +166,7 @@ def start_fork_server(env: Mapping[str, str]) -> ForkServer:
     is ``env``'s, ``$ZEROGPU_FORK_SERVER`` naming it, its socket in a new 0700 folder; it ends with this
     process, however that ends, and removes the socket and the folder. Point launches at it by putting
     ``server.address`` in their ``$ZEROGPU_FORK_SERVER``."""
-    from zerosim.owned_processes import parent_death_preexec
+    from zerosim.processes.owned_processes import parent_death_preexec
 
     folder = tempfile.mkdtemp(prefix="zerogpu-fork-")
     address = os.path.join(folder, "socket")

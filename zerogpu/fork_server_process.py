@@ -7,8 +7,8 @@ travels on it; :mod:`zerogpu.fork_server` is the requester's side and starts thi
 launch it accepts it forks a child that becomes exactly what ``python -u -m zerogpu.rank_zygote
 REPORT_FD WORLD -- ARGV`` is once its imports are done, and runs :func:`zerogpu.rank_zygote.serve` in it:
 the launch's environment in ``os.environ`` and in ``/proc/<pid>/environ`` (where
-:func:`zerosim.owned_processes.end_owned` finds the launch's owner token; the command line there is the
-zygote's too), the launch's folder as working folder and as ``sys.path[0]`` (then ``$PYTHONPATH``), a
+:func:`zerosim.processes.owned_processes.end_owned` finds the launch's owner token; the command line there is
+the zygote's too), the launch's folder as working folder and as ``sys.path[0]`` (then ``$PYTHONPATH``), a
 session of its own, SIGTERM when the server dies. The child runs nothing of the launch until its
 requester confirmed it still waits (the protocol's ``run``); when the requester's connection closes
 (the launcher died, even by SIGKILL), the child's session gets SIGTERM, then SIGKILL after

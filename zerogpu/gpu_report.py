@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from zerosim.contracts import STEP_CONTRACTS
+from zerosim.checks.contracts import STEP_CONTRACTS
 from zerosim.errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError, require_positive_int
-from zerosim.outputs import write_text
+from zerosim.files.outputs import write_text
 
 
 def resolve_world(args: Any) -> tuple[int, str]:

@@ -11,13 +11,13 @@ can be asynchronous), and steps them with one of :data:`HOST_KERNELS`:
   gradient and state once and writes them once, parallel over torch's intra-op threads. This is the
   kernel DeepSpeed's CPUAdam is: ``zerosim bench host-adam`` measures it against torch.optim.AdamW's
   for-loop and foreach kernels and zerosim's exact reference.
-- ``"reference"``: zerosim's exact optimizer (:mod:`zerosim.optim`), which emulates each float32
+- ``"reference"``: zerosim's exact optimizer (:mod:`zerosim.numerics.optim`), which emulates each float32
   operation of torch's single-tensor kernel, fused multiply-adds included.
 
 Rounding. Both kernels compute the same formula in the same order of operations: AdamW
 ``p *= 1 - lr wd``; ``m = lerp(m, g, 1 - b1)``; ``v = v b2 + ((1 - b2) g) g``;
 ``p += (-step_size m) / (sqrt(v) / sqrt(bc2) + eps)``, the coefficients rounded to float32 as torch
-rounds them (Adam: ``g += wd p``; SGD as in :class:`zerosim.optim.SGD`). They differ only in
+rounds them (Adam: ``g += wd p``; SGD as in :class:`zerosim.numerics.optim.SGD`). They differ only in
 whether a multiply-add is rounded once or twice: the reference rounds ``a * b + c`` once (torch's
 ``lerp`` / ``addcmul`` / ``add(alpha=)`` on a CPU with FMA), and the fused kernel's vector loop also
 rounds it once where torch's CPU build runs with FMA (``ATEN_CPU_CAPABILITY`` ``avx2`` or
@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 from zerosim.errors import ConfigError, require_non_negative_int
-from zerosim.optim import OptimizerSpec
-from zerosim.xp import torch_namespace
+from zerosim.numerics.optim import OptimizerSpec
+from zerosim.numerics.xp import torch_namespace
 
 from .torch_kernels import make_step_optimizer
 
@@ -69,7 +69,7 @@ def _host_tensor(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 class HostOptimizer:
     """A rank's master shard, gradient buffer and optimizer state on the host, stepped in place.
 
-    ``spec``: the optimizer (:class:`zerosim.optim.OptimizerSpec`); ``n``: the shard's elements;
+    ``spec``: the optimizer (:class:`zerosim.numerics.optim.OptimizerSpec`); ``n``: the shard's elements;
     ``kernel``: one of :data:`HOST_KERNELS`; ``pin_memory``: pin every host buffer (needs CUDA), so
     :meth:`receive_grad` from a GPU and a copy of :attr:`master` to a GPU can be ``non_blocking``.
     """
@@ -78,7 +78,7 @@ class HostOptimizer:
                  dtype: str = "float32"):
         if not isinstance(spec, OptimizerSpec):
             raise ConfigError("host_optimizer.spec", type(spec).__name__,
-                              "must be a zerosim.optim.OptimizerSpec")
+                              "must be a zerosim.numerics.optim.OptimizerSpec")
         require_non_negative_int("host_optimizer.n", n)
         if kernel not in HOST_KERNELS:
             raise ConfigError("host_optimizer.kernel", kernel, f"must be one of {', '.join(HOST_KERNELS)}")
@@ -104,7 +104,8 @@ class HostOptimizer:
     def over(cls, spec: OptimizerSpec, master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], *,
              kernel: str = "fused") -> HostOptimizer:
         """A host optimizer over buffers the caller already holds (no copy): ``master`` and ``grad``
-        flat CPU tensors of one dtype, ``state`` a dict as :meth:`zerosim.optim` ``init_state`` makes."""
+        flat CPU tensors of one dtype, ``state`` a dict as :meth:`zerosim.numerics.optim` ``init_state``
+        makes."""
         for field, t in (("master", master), ("grad", grad)):
             if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dim() != 1:
                 raise ConfigError(f"host_optimizer.{field}", type(t).__name__,

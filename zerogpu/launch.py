@@ -7,7 +7,7 @@ port the kernel picked), not through a ``torchrun`` process, which saves an inte
 torch per launch; a rank program runs unchanged under either. Every launch has a wall-clock timeout;
 at its end, on expiry or on a stop signal, the ranks (each in a session of its own) and whatever
 they started get SIGTERM, then SIGKILL, so nothing outlives the launch
-(:func:`zerosim.launching.run_process_group`, shared with the mpiexec launcher).
+(:func:`zerosim.processes.launching.run_process_group`, shared with the mpiexec launcher).
 
 Exit status: each rank writes its status to ``$ZEROGPU_STATUS_DIR/rank<R>``
 (:func:`zerogpu.rank.record_status`; a rank whose status every rank agreed on exits 0, as it did for
@@ -18,7 +18,7 @@ status a rank wrote (1 a contract failed, 2 bad input), 124 when the launch outl
 ``zerosim simulate --backend torch`` (:func:`launch_simulate`) writes the run to one file the ranks
 load (:mod:`zerosim.engine.run_file`), streams rank 0's output and ends with the ranks' own one-line
 verdict on a failure; the rest of the ranks' standard error (tracebacks) goes to a log named in that
-line (:func:`zerosim.launching.run_streamed`). A rank killed by a signal is named from how each rank
+line (:func:`zerosim.processes.launching.run_streamed`). A rank killed by a signal is named from how each rank
 ended (:func:`zerogpu.spawn.diagnose_rank_death`): ``rank 1 failed: killed by signal 9 (SIGKILL)``,
 exit 3.
 """
@@ -42,14 +42,14 @@ from zerosim.errors import (
     install_hint,
     require_positive_int,
 )
-from zerosim.launching import (
+from zerosim.processes.launching import (
     finish_launch,
     launch_timeout_from_env,
     require_launch_timeout,
     run_process_group,
     run_streamed,
 )
-from zerosim.rank_logs import RANK_LOG_DIR_ENV
+from zerosim.processes.rank_logs import RANK_LOG_DIR_ENV
 
 from .rank import STATUS_DIR_ENV
 from .rank_zygote import torch_distributed_unavailable
@@ -103,8 +103,8 @@ def run_ranks(n: int, argv: Sequence[str], timeout_s: float, *, env: dict[str, s
     processes behind, whatever the ranks start. ``argv`` is what follows torchrun's options
     (``["-m", "zerogpu", "simulate", ...]``). ``env`` is merged over ``os.environ`` (``OMP_NUM_THREADS``
     defaults to 1: ranks share the cores). ``rank_log_dir``: the folder (created) where a rank program
-    that calls :func:`zerosim.rank_logs.send_output_to_rank_log` (``zerosim.verify`` does) writes its
-    output, ``rank<R>.log``, instead of the launch's stdout and stderr."""
+    that calls :func:`zerosim.processes.rank_logs.send_output_to_rank_log` (``zerosim.verify`` does) writes
+    its output, ``rank<R>.log``, instead of the launch's stdout and stderr."""
     require_positive_int("world_size", n)
     require_launch_timeout(timeout_s)
     spawn = RankSpawn(n, argv)

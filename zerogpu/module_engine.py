@@ -71,10 +71,10 @@ from zerosim.engine.gradients import (
 from zerosim.engine.rank_state import RankState
 from zerosim.engine.step import begin_step, finish_step
 from zerosim.errors import ConfigError
-from zerosim.flat_buffers import FlatUnit
-from zerosim.observe import StepObservation
-from zerosim.unit_state import UnitState
-from zerosim.xp import ArrayNamespace
+from zerosim.numerics.xp import ArrayNamespace
+from zerosim.values.flat_buffers import FlatUnit
+from zerosim.values.observe import StepObservation
+from zerosim.values.unit_state import UnitState
 
 from .module_run import ModuleFlat, ModuleRun
 from .module_units import ModuleUnits

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from zerosim.flat_buffers import UnitPlan
-from zerosim.layout import ParamLayout
-from zerosim.optim import OptimizerSpec
-from zerosim.precision import Precision
-from zerosim.strategy import ShardingStrategy
+from zerosim.numerics.optim import OptimizerSpec
+from zerosim.numerics.precision import Precision
+from zerosim.values.flat_buffers import UnitPlan
+from zerosim.values.layout import ParamLayout
+from zerosim.values.strategy import ShardingStrategy
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from zerosim.errors import ConfigError
-from zerosim.layout import ParamLayout, TensorSpec
+from zerosim.values.layout import ParamLayout, TensorSpec
 
 ROOT_UNIT = "root"
 UnitSpec = Sequence[str] | Callable[[str, nn.Module], bool] | None

@@ -81,7 +81,7 @@ from typing import Any
 import torch
 
 from zerosim.errors import ConfigError, require_positive_int
-from zerosim.unit_state import UnitState
+from zerosim.values.unit_state import UnitState
 
 from .offload_config import DEVICE_BUDGET_FIELD, HOST_BUDGET_FIELD, OffloadBudgetError, OffloadConfig
 

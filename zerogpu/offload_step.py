@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from zerosim.errors import ConfigError
-from zerosim.optim import OptimizerSpec, make_optimizer
-from zerosim.xp import torch_namespace
+from zerosim.numerics.optim import OptimizerSpec, make_optimizer
+from zerosim.numerics.xp import torch_namespace
 
 from .host_optimizer import HOST_KERNELS, HostOptimizer
 

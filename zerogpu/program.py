@@ -20,7 +20,7 @@ from typing import Any
 from zerosim.engine.config import ResolvedRun
 from zerosim.engine.spmd import rank_program
 from zerosim.errors import ConfigError
-from zerosim.observe import RankObservation
+from zerosim.values.observe import RankObservation
 
 _EXIT_KEY = "zerogpu/exit"
 EXIT_WAIT_S = 1800.0  # how long ranks wait for rank 0's evaluation (rank 0 dying ends the job sooner)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from zerosim.errors import EXIT_BAD_INPUT, EXIT_RUN_FAILED, ZeroSimError
-from zerosim.rank_messages import parse_args_on_rank, rank_failure_message
+from zerosim.processes.rank_messages import parse_args_on_rank, rank_failure_message
 
 STATUS_DIR_ENV = "ZEROGPU_STATUS_DIR"
 

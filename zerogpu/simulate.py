@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from zerosim import datafile
 from zerosim.engine.run_file import RankRun
 from zerosim.errors import ZeroSimError
+from zerosim.files import datafile
 
 
 def resolve_setup(job: RankRun) -> tuple[Any, str, str]:

@@ -1,7 +1,7 @@
 """Starting the ranks of one single-node torch.distributed job directly, as ``torchrun --standalone`` would.
 
-:class:`RankSpawn` is a :class:`zerosim.launching.Launch`: it starts ``python -u ARGV`` once per rank,
-each rank in a session of its own with the environment torchrun gives its workers (``RANK``,
+:class:`RankSpawn` is a :class:`zerosim.processes.launching.Launch`: it starts ``python -u ARGV`` once per
+rank, each rank in a session of its own with the environment torchrun gives its workers (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
 ``ROLE_RANK``, ``ROLE_WORLD_SIZE``, ``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING``; ``OMP_NUM_THREADS`` stays the caller's), so a rank program runs
@@ -22,7 +22,7 @@ process itself plays the agent's two parts, which saves one interpreter that imp
   (:class:`RankExits`); when one failed, the same is written as a few lines at the end of the
   launch's standard error (:meth:`RankExits.summary`), where torchrun printed its failure summary.
 
-Stopping, timeouts and signals are :mod:`zerosim.launching`'s (each rank also carries the launch's
+Stopping, timeouts and signals are :mod:`zerosim.processes.launching`'s (each rank also carries the launch's
 owner token and, on Linux, SIGTERM on this process's death), so nothing outlives the launch.
 Serves the "distributed runs never hang; a failing rank ends the run non-zero naming it" rule.
 """
@@ -41,8 +41,8 @@ from datetime import timedelta
 from typing import IO, Any
 
 from zerogpu.fork_server import ServedZygote, request_zygote, server_address
-from zerosim.launching import death_line, signal_description, start_owned
-from zerosim.owned_processes import end_owned, with_owner_token
+from zerosim.processes.launching import death_line, signal_description, start_owned
+from zerosim.processes.owned_processes import end_owned, with_owner_token
 
 from .rank_zygote import STORE_HOST, STORE_TIMEOUT_S
 

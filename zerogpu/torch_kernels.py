@@ -1,7 +1,7 @@
 """The optimizer update on torch.optim's own kernels, for the engine's flat master shard.
 
 :class:`ZeroTrainer` steps its optimizer shard with zerosim's reference optimizers by default
-(:mod:`zerosim.optim`): every float32 operation emulated so that numpy and torch, and every CPU
+(:mod:`zerosim.numerics.optim`): every float32 operation emulated so that numpy and torch, and every CPU
 kernel, give the same bits, which is what makes the trainer bitwise equal to the simulator. That
 exactness costs several float64 passes per element. ``optimizer_kernel="torch"`` or ``"fused"``
 runs the same update with torch.optim's functional ``sgd`` / ``adam`` / ``adamw`` instead: the
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from zerosim.errors import ConfigError
-from zerosim.optim import OptimizerSpec, make_optimizer
-from zerosim.xp import ArrayNamespace
+from zerosim.numerics.optim import OptimizerSpec, make_optimizer
+from zerosim.numerics.xp import ArrayNamespace
 
 #: ``optimizer_kernel`` values: zerosim's exact emulation, torch.optim's default kernel, torch's fused
 #: kernel, the reference's operations compiled into one device pass (the exact reference on the CPU:
@@ -49,7 +49,7 @@ class TorchKernelOptimizer:
 
     def step(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
         """One step of ``spec`` in place on ``param`` and ``state`` (``state["step"]`` counts as in
-        :mod:`zerosim.optim`); serves C-ZERO-002 with torch.optim's kernels.
+        :mod:`zerosim.numerics.optim`); serves C-ZERO-002 with torch.optim's kernels.
 
         On CPU the single-tensor kernel runs chunk by chunk (:data:`CPU_CHUNK` elements), so each of
         its passes over param, grad and state stays in cache instead of streaming the whole shard

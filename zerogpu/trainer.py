@@ -23,7 +23,7 @@ fetches them per unit within a device budget, and steps the master shard, its op
 its gradient shard with the host tier's optimizer (:mod:`zerogpu.offload_step`; the kernel follows
 ``optimizer_kernel``: the exact reference by default, torch's fused CPU kernel with ``"fused"``).
 
-Numerics: the optimizer is zerosim's torch.optim-exact SGD / Adam / AdamW (:mod:`zerosim.optim`)
+Numerics: the optimizer is zerosim's torch.optim-exact SGD / Adam / AdamW (:mod:`zerosim.numerics.optim`)
 on a master copy in float32 (float64 for a float64 model; bfloat16 / float16 models train on a
 float32 master). Given the same gradients, a step is bitwise equal to the simulator's engine; the
 gradients are autograd's, and the reduction order is the communicator's (bitwise equal to the
@@ -52,12 +52,12 @@ import torch.distributed as dist
 from zerosim.comm.base import DEFAULT_TIMEOUT_S
 from zerosim.engine.observation import full_params_view, holdings
 from zerosim.errors import ConfigError, require_non_negative_int
-from zerosim.flat_buffers import build_unit_plan
-from zerosim.optim import OptimizerSpec
+from zerosim.numerics.optim import OptimizerSpec
+from zerosim.numerics.precision import Precision
+from zerosim.numerics.xp import torch_namespace
 from zerosim.partition import get_partitioner
-from zerosim.precision import Precision
-from zerosim.strategy import ShardingStrategy
-from zerosim.xp import torch_namespace
+from zerosim.values.flat_buffers import build_unit_plan
+from zerosim.values.strategy import ShardingStrategy
 
 from .comm import TorchCommunicator
 from .comm_setup import hold_job, release_job

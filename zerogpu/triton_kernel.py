@@ -1,6 +1,6 @@
 """The exact optimizer's Adam/AdamW update as one Triton pass over a flat shard on a GPU (C-ZERO-002).
 
-zerosim's reference optimizer (:mod:`zerosim.optim`) writes torch's single-tensor Adam as a sequence
+zerosim's reference optimizer (:mod:`zerosim.numerics.optim`) writes torch's single-tensor Adam as a sequence
 of float32 operations, each rounded once: products, sums, a correctly rounded square root and
 divisions, and two fused multiply-adds (torch's ``lerp`` and ``addcmul``). Run as torch operations
 on a device that is eleven passes over the shard, with float64 temporaries for the emulated
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.optim import OptimizerSpec, _scalar_for, make_optimizer
-from zerosim.xp import ArrayNamespace
+from zerosim.numerics.optim import OptimizerSpec, _scalar_for, make_optimizer
+from zerosim.numerics.xp import ArrayNamespace
 
 #: elements per Triton program (a power of two: 8 warps x 32 threads x 8 float32 each)
 BLOCK = 2048
@@ -95,8 +95,8 @@ DECAY_CODES = {"none": 0, "decoupled": 1, "l2": 2}
 
 def adam_coefficients(spec: OptimizerSpec, t: int) -> tuple[str, bool, list[float]]:
     """The decay kind, the ``lerp`` branch and the float32 coefficients ``[wd, w, b2, 1 - b2,
-    sqrt(1 - b2^t), eps, -lr / (1 - b1^t)]`` of step ``t``, formed as :class:`zerosim.optim.Adam` forms
-    them (bias corrections in float64 on the host, each coefficient then rounded to float32)."""
+    sqrt(1 - b2^t), eps, -lr / (1 - b1^t)]`` of step ``t``, formed as :class:`zerosim.numerics.optim.Adam`
+    forms them (bias corrections in float64 on the host, each coefficient then rounded to float32)."""
     r = _scalar_for("float32")
     beta1, beta2 = spec.betas
     wd = spec.weight_decay or 0.0
@@ -146,7 +146,7 @@ class TritonExactAdam:
 
     def step(self, param: Any, grad: Any, state: dict[str, Any]) -> None:
         """One step in place on ``param`` and ``state`` (``state["step"]`` counts as in
-        :mod:`zerosim.optim`): C-ZERO-002's full optimizer step on the owned elements."""
+        :mod:`zerosim.numerics.optim`): C-ZERO-002's full optimizer step on the owned elements."""
         if not self._one_pass(param, grad, state):
             self._reference.step(param, grad, state)
             return

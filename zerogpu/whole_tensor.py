@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from zerosim.errors import ConfigError
-from zerosim.flat_buffers import UnitPlan
-from zerosim.layout import ParamLayout
-from zerosim.optim import OptimizerSpec, _real
+from zerosim.numerics.optim import OptimizerSpec, _real
 from zerosim.partition.base import ShardPlan
+from zerosim.values.flat_buffers import UnitPlan
+from zerosim.values.layout import ParamLayout
 
 #: ``layout=`` values of ZeroTrainer
 LAYOUTS = ("auto", "flat", "whole-tensor")

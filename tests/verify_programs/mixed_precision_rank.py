@@ -1,6 +1,6 @@
 """Rank program for tests/test_verify_mixed_precision.py: each named built-in adapter trains the
 built-in GPT (float32, the master dtype) for two steps in full precision and under bf16, five under fp16,
-with traffic counted; rank 0 stores what each run showed (zerosim.datafile).
+with traffic counted; rank 0 stores what each run showed (zerosim.files.datafile).
 
 Per (adapter, precision): whether the masters before the first step are the float32 model the
 factory received (bitwise), the dtype the model's head computed in, the dtypes of the gradient
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerosim import datafile
+from zerosim.files import datafile
 from zerosim.verify.model import build_model, micro_batch
 from zerosim.verify.protocol import close_trainer
 from zerosim.verify.suite import PHASE_CONFIGS

@@ -1,6 +1,6 @@
 """Rank program for tests/test_verify_resources.py: each built-in adapter (and a deliberately wrong one)
 steps the built-in GPT twice under a ResourceProbe; rank 0 stores every rank's observations
-(zerosim.datafile).
+(zerosim.files.datafile).
 
 Run under torchrun: ``resources_rank.py OUT_FILE ADAPTER[,ADAPTER...]``.
 """
@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from zerosim import datafile
+from zerosim.files import datafile
 from zerosim.verify.adapters.ddp import DDPTrainer
 from zerosim.verify.adapters.fsdp2 import make_grad_op_trainer, make_hybrid_trainer
 from zerosim.verify.adapters.fsdp2 import make_trainer as make_fsdp2

@@ -17,7 +17,7 @@ from trainer_probe import Probe, gradients
 
 from zerogpu.trainer import ZeroTrainer
 from zerosim.errors import NonFiniteGradientError
-from zerosim.optim import OptimizerSpec
+from zerosim.numerics.optim import OptimizerSpec
 
 
 def main() -> int:

@@ -24,9 +24,9 @@ from zerogpu.module_units import describe_module
 from zerogpu.offload import OffloadConfig
 from zerogpu.trainer import ZeroTrainer
 from zerosim.checks.rounding import UNIT_ROUNDOFF, OptimizerHyper, RoundingBound, StepValues
-from zerosim.optim import make_optimizer
+from zerosim.numerics.optim import make_optimizer
+from zerosim.numerics.xp import torch_namespace
 from zerosim.verify.model import build_model, micro_batch
-from zerosim.xp import torch_namespace
 
 STEPS = 3
 OPTIM = {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1}

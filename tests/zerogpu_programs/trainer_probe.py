@@ -4,7 +4,7 @@ The probe's loss is ``sum_t (p_t * G_t).sum()``, so autograd's gradient of ``p_t
 (a seeded float32 array per rank and step). One parameter of block 1 is never used (gradient zero),
 so the engine's path for blocks autograd never completes runs too. What remains is the engine: the
 averaging reduction, the global-norm clip and the optimizer step. Rank 0 repeats that arithmetic on
-the full flat vector in numpy (rank-order sum divided by the world size, :mod:`zerosim.optim`) and
+the full flat vector in numpy (rank-order sum divided by the world size, :mod:`zerosim.numerics.optim`) and
 prints one JSON line per (strategy, optimizer): the largest difference of parameters and optimizer
 state. At two ranks a sum is one commutative addition, so the difference must be exactly 0; at more
 ranks gloo adds in its own order and the test allows the reordering bound instead. Each line also
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zerogpu.trainer import ZeroTrainer
-from zerosim.optim import OptimizerSpec, clip_coefficient, global_norm_from_sumsq, make_optimizer
+from zerosim.numerics.optim import OptimizerSpec, clip_coefficient, global_norm_from_sumsq, make_optimizer
 
 SHAPES = {"a.weight": (7, 5), "a.bias": (7,), "blocks.0.w": (11, 3), "blocks.1.w": (13,),
           "blocks.1.unused": (4,), "head.w": (3, 3)}

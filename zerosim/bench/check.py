@@ -27,10 +27,10 @@ import numpy as np
 
 from ..checks.partition import check_partition_plan
 from ..errors import ConfigError, require_positive_int
-from ..layout import ParamLayout
-from ..outputs import output_file, write_text
+from ..files.outputs import output_file, write_text
 from ..partition import get_partitioner
 from ..partition.base import ShardPlan
+from ..values.layout import ParamLayout
 
 DEFAULT_OUT = "a new reports/bench-check-<timestamp>/bench_check.json"
 
@@ -101,7 +101,7 @@ def try_flag_allocation(total: int, mem: dict[str, int]) -> dict[str, Any]:
 
 def run(args: Any) -> int:
     from ..cost.units import format_bytes
-    from ..int_text import parse_int_expr, parse_int_list
+    from ..files.int_text import parse_int_expr, parse_int_list
 
     total = parse_int_expr(str(args.total), "total")
     if total < 0:

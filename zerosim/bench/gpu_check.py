@@ -1,7 +1,7 @@
 """``zerosim gpu-check``: one prepared command that proves the CUDA paths on one GPU, within 8 minutes.
 
 Six steps, each in its own process group with its own wall-clock limit (killed whole when it outlives
-it, :func:`zerosim.launching.run_process_group`), all within :data:`TOTAL_LIMIT_S`:
+it, :func:`zerosim.processes.launching.run_process_group`), all within :data:`TOTAL_LIMIT_S`:
 
 1. ``tests``: the GPU tests (:data:`GPU_TESTS`, marker ``gpu``) under pytest;
 2. ``report``: ``python -m zerogpu report --world-size 1``: the engine on the device against the
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EXIT_CONTRACT_FAILED, EXIT_LAUNCH_TIMEOUT, EXIT_OK, ConfigError
-from ..launching import GroupRun, run_process_group
+from ..processes.launching import GroupRun, run_process_group
 from .gpu_session import write_json
 
 TOTAL_LIMIT_S = 480.0  #: the whole check on a GPU: 8 minutes

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import require_positive_int
-from ..outputs import output_file, write_text
+from ..files.outputs import output_file, write_text
 
 DEFAULT_OUT = "a new reports/bench-host-adam-<timestamp>/bench_host_adam.json"
 DEFAULT_ELEMENTS = 50_000_000  #: about gpt-50m's parameters: one rank's whole master at world 1
@@ -49,7 +49,7 @@ BASELINE = "torch-forloop"
 
 
 def _spec() -> Any:
-    from zerosim.optim import OptimizerSpec
+    from zerosim.numerics.optim import OptimizerSpec
 
     from .optimizer_bandwidth import SPEC
 

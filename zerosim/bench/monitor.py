@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
-from ..outputs import output_dir, write_text
+from ..files.outputs import output_dir, write_text
 from .gpu_session import require_device
 from .monitor_layout import layout_check_times
 from .monitor_variants import ADAPTERS, OPTIONAL, VARIANTS

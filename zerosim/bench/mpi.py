@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
-from ..outputs import output_file, write_text
-from ..run_value import RunValue
+from ..files.outputs import output_file, write_text
+from ..values.run_value import RunValue
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 VARIANTS = ("raw", "ours", "ours_new", "ours_raise", "raw_again")
@@ -165,7 +165,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..text_tables import print_table
+    from ..files.text_tables import print_table
 
     table = Table(title="MpiCommunicator vs raw mpi4py (GB/s = full buffer / time; ratio = raw time / ours)")
     for col in (

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
-from ..outputs import output_file, write_text
+from ..files.outputs import output_file, write_text
 
 DEFAULT_OUT = "a new reports/bench-offload-<timestamp>/bench_offload.json"
 DEVICES = ("cpu", "cuda")

@@ -63,8 +63,8 @@ def _arrays(n: int, device: Any, seed: int) -> dict[str, Any]:
 
 def _optimizer(kernel: str, device: str) -> Any:
     from zerogpu.torch_kernels import make_step_optimizer
-    from zerosim.optim import OptimizerSpec
-    from zerosim.xp import torch_namespace
+    from zerosim.numerics.optim import OptimizerSpec
+    from zerosim.numerics.xp import torch_namespace
 
     spec = OptimizerSpec.parse("adamw", **{k: v for k, v in SPEC.items() if k != "name"})
     return make_step_optimizer(spec, torch_namespace(device), kernel)

@@ -56,9 +56,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..dtypes import canonical_dtype
 from ..errors import EXIT_RUN_FAILED, ConfigError, require_positive_int
-from ..outputs import output_dir
+from ..files.outputs import output_dir
+from ..values.dtypes import canonical_dtype
 from .peers_method import default_world, environment, sequence, stage_of
 from .peers_report import build_report, print_report, write_report
 from .peers_run import (  # noqa: F401 (the command's settings and their checks, used as peers.X)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..outputs import output_dir, write_text
+from ..files.outputs import output_dir, write_text
 from .peers_method import (
     MAX_GRAD_NORM,
     STAGE_ORDER,
@@ -204,7 +204,7 @@ def print_report(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..text_tables import print_table
+    from ..files.text_tables import print_table
 
     title = (f"one {report['optimizer']['name']} step, {report['dtype']}, world {report['world']} "
              f"({report['backend']}); {_timing_words(report)}")

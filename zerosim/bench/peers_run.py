@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
-from ..run_value import RunValue
+from ..values.run_value import RunValue
 
 PEERS_RUN_FORMAT = "zerosim-bench-peers-run/1"
 DEFAULT_MODELS = ("gpt", "gpt-50m")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
-from ..outputs import output_file, save_figure, write_text
+from ..files.outputs import output_file, save_figure, write_text
 
 DEFAULT_OUT = "a new reports/bench-scale-<timestamp>/bench_scale.json"
 DEFAULT_SIM_WORLD_SIZES = "8,32,128,512,1024"
@@ -44,9 +44,9 @@ import io, json, sys, time
 from rich.console import Console
 from zerosim.checks.partition import check_partition_plan
 from zerosim.report.plan_table import render
-from zerosim.layout import ParamLayout
-from zerosim.plan import build_plan
-from zerosim.strategy import ShardingStrategy, Topology
+from zerosim.values.layout import ParamLayout
+from zerosim.values.plan import build_plan
+from zerosim.values.strategy import ShardingStrategy, Topology
 total, ws = int(sys.argv[1]), int(sys.argv[2])
 t0 = time.perf_counter()
 layout = ParamLayout.from_list([("flat", (total,))], name=f"flat-{total}")
@@ -63,7 +63,7 @@ print(json.dumps({"seconds": t3 - t0, "build_s": t1 - t0, "check_s": t2 - t1, "r
 _CHECK_SNIPPET = """
 import json, statistics, sys, time
 from zerosim.checks.partition import check_partition_plan
-from zerosim.layout import ParamLayout
+from zerosim.values.layout import ParamLayout
 from zerosim.partition import get_partitioner
 total, ws = int(sys.argv[1]), int(sys.argv[2])
 t0 = time.perf_counter()
@@ -161,7 +161,7 @@ def _exponents(points: list[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def run(args: Any) -> int:
-    from ..int_text import parse_int_list
+    from ..files.int_text import parse_int_list
 
     series = [s.strip() for s in str(args.series).split(",") if s.strip()]
     for s in series:

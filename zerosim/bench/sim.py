@@ -32,11 +32,11 @@ from typing import Any
 
 from ..engine.config import ResolvedRun, RunConfig
 from ..errors import ConfigError
-from ..flat import flatten, unflatten
-from ..model import BlockModel, init_params, synthetic_batch
-from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
-from ..outputs import output_file, write_text
-from ..xp import numpy_namespace
+from ..files.outputs import output_file, write_text
+from ..numerics.flat import flatten, unflatten
+from ..numerics.model import BlockModel, init_params, synthetic_batch
+from ..numerics.optim import apply_clip_, clip_coefficient, global_norm_from_sumsq, make_optimizer
+from ..numerics.xp import numpy_namespace
 
 DEFAULT_OUT = "a new reports/bench-sim-<timestamp>/bench_sim.json"
 
@@ -209,7 +209,7 @@ def run(args: Any) -> int:
 def _print_table(report: dict[str, Any], out: Path) -> None:
     from rich.table import Table
 
-    from ..text_tables import print_table
+    from ..files.text_tables import print_table
 
     t = Table(title=f"zerosim bench sim: {report['model']} {report['strategy']} ({report['partitioner']})")
     for col in ("ranks", "sim step (s, median)", "unsharded step (s, median)", "ratio median", "ratio min",

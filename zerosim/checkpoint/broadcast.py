@@ -33,9 +33,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..dtypes import canonical_dtype, itemsize
 from ..engine.step import refresh_params
 from ..errors import ConfigError, install_hint
+from ..values.dtypes import canonical_dtype, itemsize
 from .engine_state import _agree
 
 #: safetensors dtype codes -> canonical dtype names

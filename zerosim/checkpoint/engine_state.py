@@ -30,7 +30,7 @@ from ..checks.checkpoint import StateSnapshot
 from ..engine.observation import full_params_view
 from ..engine.step import refresh_params
 from ..errors import ConfigError
-from ..intervals import merge_adjacent
+from ..values.intervals import merge_adjacent
 from .format import (
     DEFAULT_BLOCK_BYTES,
     CheckpointIndex,

@@ -1,7 +1,7 @@
 """How a checkpoint's files are opened: regular files inside the checkpoint directory, nothing else.
 
 A checkpoint directory is input a user may not control (copied from elsewhere, on a shared disk), so
-every file the format reads goes through :func:`open_member` (:mod:`zerosim.untrusted_files` with the
+every file the format reads goes through :func:`open_member` (:mod:`zerosim.files.untrusted_files` with the
 checkpoint's wording):
 
 * the name is a plain file name (no path separator, no NUL, not ``.`` or ``..``), so the file is an
@@ -24,9 +24,9 @@ import stat
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .. import untrusted_files
 from ..errors import ConfigError
-from ..untrusted_files import MAX_INT_DIGITS, READ_CHUNK, json_depth
+from ..files import untrusted_files
+from ..files.untrusted_files import MAX_INT_DIGITS, READ_CHUNK, json_depth
 
 __all__ = ["MAX_INT_DIGITS", "MAX_JSON_DEPTH", "READ_CHUNK", "checkpoint_directory", "json_depth",
            "member_problem", "open_member", "parse_json_strict", "plain_name_problem", "read_bounded"]

@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import itemsize
 from ..errors import ConfigError
+from ..values.dtypes import itemsize
 from .files import member_problem, open_member
 from .index import (
     DEFAULT_BLOCK_BYTES,

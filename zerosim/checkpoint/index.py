@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..dtypes import itemsize
 from ..errors import ConfigError
-from ..layout import ParamLayout, TensorSpec
+from ..values.dtypes import itemsize
+from ..values.layout import ParamLayout, TensorSpec
 from .files import checkpoint_directory, member_problem, open_member, parse_json_strict, read_bounded
 
 FORMAT_NAME = "zerosim-sharded-checkpoint"

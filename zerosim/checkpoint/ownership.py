@@ -7,10 +7,10 @@ ranks its own owned global ranges. Every rank reads what it owns under its own p
 
 from __future__ import annotations
 
-from ..flat_buffers import build_unit_plan
-from ..intervals import merge_adjacent
-from ..layout import ParamLayout
-from ..strategy import ShardingStrategy
+from ..values.flat_buffers import build_unit_plan
+from ..values.intervals import merge_adjacent
+from ..values.layout import ParamLayout
+from ..values.strategy import ShardingStrategy
 
 Range = tuple[int, int]
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import ConfigError, require_positive_int
 from ..partition import get_partitioner
-from ..strategy import ShardingStrategy
+from ..values.strategy import ShardingStrategy
 from .files import checkpoint_directory
 from .format import (
     DEFAULT_BLOCK_BYTES,

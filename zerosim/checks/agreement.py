@@ -21,7 +21,7 @@ in its own. Nothing else: every other operation is the same IEEE operation on th
 - Traffic counters and holdings: always identical, call for call and byte for byte.
 
 :func:`compare_backends` applies the bound to two lists of rank observations; the bound of a run is
-built by :func:`zerosim.backend_agreement.agreement_bounds`.
+built by :func:`zerosim.engine.backend_agreement.agreement_bounds`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..observe import RankObservation, ShardValues
+from ..values.observe import RankObservation, ShardValues
 from .rounding import UNIT_ROUNDOFF, gamma
 
 #: the largest reduction group whose result is the same in every order: one IEEE addition is commutative

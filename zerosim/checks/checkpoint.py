@@ -6,7 +6,7 @@ payloads differ):
 
 * the engine's runs: two :class:`StateSnapshot` of flat arrays;
 * a live trainer (a :class:`ResumedTrainer`): the saved trainer's and every loaded rank's
-  :class:`~zerosim.observe.TrainerObservation` (parameters and optimizer state by tensor name) for the
+  :class:`~zerosim.values.observe.TrainerObservation` (parameters and optimizer state by tensor name) for the
   round trip, and the run's steps after the resume, judged by C-ZERO-002's check, for the continuation.
 
 A :class:`StateSnapshot` is what a run holds at one point, gathered to full flat arrays (padding
@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import ParamLayout
-from ..observe import TrainerObservation, TrainerStep
-from ..verdict import Verdict
+from ..values.layout import ParamLayout
+from ..values.observe import TrainerObservation, TrainerStep
+from ..values.verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .equivalence import check_step_equivalence
 from .judges import judges
@@ -105,7 +105,7 @@ def check_checkpoint_equivalence(
     ``round_trip`` or ``resume``; ``context`` is attached to every violation.
 
     A live trainer: ``got`` is its :class:`ResumedTrainer` and ``expected`` the run's
-    :class:`~zerosim.observe.TrainerStep` records (each with its reference values and bounds).
+    :class:`~zerosim.values.observe.TrainerStep` records (each with its reference values and bounds).
     ``round_trip``: bitwise; ``continuation``: every step of ``expected`` after the resume judged by
     C-ZERO-002's check, re-labelled. Details: C-ZERO-002's error figures, the round-trip violation
     count, the continued steps, and ``details``.

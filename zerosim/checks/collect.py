@@ -1,6 +1,7 @@
-"""The one violation collector every contract check fills: it builds each :class:`~zerosim.verdict.Violation`,
-keeps at most ``per_clause`` of each clause and at most ``total`` in all, and counts the rest, so a
-check that finds a million bad elements still returns a verdict a person can read.
+"""The one violation collector every contract check fills: it builds each
+:class:`~zerosim.values.verdict.Violation`, keeps at most ``per_clause`` of each clause and at most ``total``
+in all, and counts the rest, so a check that finds a million bad elements still returns a verdict a person can
+read.
 
 Every check in :mod:`zerosim.checks` (C-ZERO-001..007) reports through it; what a verdict does not
 list is counted in its details (:meth:`ViolationCollector.not_listed_by_clause`).
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..verdict import Verdict, Violation
+from ..values.verdict import Verdict, Violation
 
 #: violations a live trainer's verdict lists in all (``zerosim verify``); the rest are counted in its details
 MAX_LISTED = 64

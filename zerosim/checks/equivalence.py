@@ -2,17 +2,17 @@
 :func:`check_step_equivalence`, for the engine's runs (simulate, mpi, torch), for live trainers
 (``zerosim verify``) and for monitored runs (:mod:`zerosim.monitor`).
 
-* **The engine's runs** (:class:`~zerosim.observe.RankObservation`): every rank's shard of the float32
+* **The engine's runs** (:class:`~zerosim.values.observe.RankObservation`): every rank's shard of the float32
   master and of every optimizer state equals the reference at the same global positions, every step:
   bitwise against the same-reduction-order reference, within the per-element rounding bound the
   independent ground truth carries (:mod:`zerosim.checks.rounding`) against it, else within the
   normwise fallback (:mod:`zerosim.checks.tolerance`). Padding stays exactly zero. Step counters agree
   exactly, grad norm and clip factor within their bounds. Where the reference went non-finite, the
   comparison stops (outcome "diverged", not a violation).
-* **Live trainers** (:class:`~zerosim.observe.TrainerStep`): every rank's full parameters, and its
+* **Live trainers** (:class:`~zerosim.values.observe.TrainerStep`): every rank's full parameters, and its
   optimizer state where exposed, within the per-element bound of :class:`~zerosim.checks.tolerance.ErrorModel`
   of the unsharded reference at every step; Adam's ``step`` counter exactly equal.
-* **Monitored runs** (:class:`~zerosim.observe.MonitorObservation`, no reference beside them): what
+* **Monitored runs** (:class:`~zerosim.values.observe.MonitorObservation`, no reference beside them): what
   can be judged of the optimizer without one (:mod:`zerosim.checks.live_state`: state present and
   finite, step counters and logged gradient norms agreeing).
 
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import ParamLayout
-from ..observe import MonitorObservation, RankObservation, ShardValues, TrainerObservation, TrainerStep
-from ..verdict import Verdict
+from ..values.layout import ParamLayout
+from ..values.observe import MonitorObservation, RankObservation, ShardValues, TrainerObservation, TrainerStep
+from ..values.verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .judges import judges
 from .live_state import _monitor_state
@@ -50,7 +50,7 @@ def check_step_equivalence(
 ) -> Verdict:
     """C-ZERO-002: what every rank trains equals the unsharded reference, step by step.
 
-    The engine's runs: ``observations`` are :class:`~zerosim.observe.RankObservation` and
+    The engine's runs: ``observations`` are :class:`~zerosim.values.observe.RankObservation` and
     ``reference.steps[s]`` holds the full ``master``, ``state`` (by name), ``optimizer_step``,
     ``grad_norm``, ``clip_coef`` and optionally ``grads``. ``bitwise`` demands identical bits (same
     reduction order). Otherwise a step that carries per-element ``bounds`` (by kind: "master",
@@ -59,13 +59,13 @@ def check_step_equivalence(
     :data:`~zerosim.checks.tolerance.EQUIVALENCE_TOLERANCE`). A reference with ``diverged_at = s`` is
     compared on the steps before s only; the verdict's outcome is then "diverged".
 
-    Live trainers: ``observations`` are :class:`~zerosim.observe.TrainerStep` records, each carrying
+    Live trainers: ``observations`` are :class:`~zerosim.values.observe.TrainerStep` records, each carrying
     its reference values and per-element bounds (``reference`` is not used); clauses ``allclose``
     (a parameter or state element beyond its bound) and ``step_counter``. Under a mixed-precision
     policy they are :class:`~zerosim.checks.mixed_precision.MixedPrecisionStep` records, judged by the
     per-tensor normwise update error (:mod:`zerosim.checks.mixed_precision`).
 
-    Monitored runs: ``observations`` are :class:`~zerosim.observe.MonitorObservation` per rank and
+    Monitored runs: ``observations`` are :class:`~zerosim.values.observe.MonitorObservation` per rank and
     check (``reference`` is not used); clauses ``state_present``, ``state_finite``, ``step_counter``
     and ``grad_norm`` (:mod:`zerosim.checks.live_state`).
     """

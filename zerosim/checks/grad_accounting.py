@@ -33,7 +33,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..observe import MonitorObservation
+from ..values.observe import MonitorObservation
 from .collect import ViolationCollector
 from .rounding import UNIT_ROUNDOFF, gamma
 

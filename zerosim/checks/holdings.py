@@ -2,7 +2,7 @@
 check, :func:`check_holdings`, for the engine's runs (simulate on numpy, mpi and torch) and for live
 trainers (``zerosim verify``). Which one it judges follows from the expectation it is given.
 
-* **The engine's runs** (:class:`~zerosim.observe.RankObservation` per rank and an
+* **The engine's runs** (:class:`~zerosim.values.observe.RankObservation` per rank and an
   :class:`OwnershipExpectation` built from the plan): what each rank holds, measured from its live
   arrays, is exactly the plan's intervals (clause ``intervals``), with the engine's packing padding
   (``padding``), at the right bytes (``bytes``); the memory tracker agrees (``tracker``); transient
@@ -31,13 +31,13 @@ from ..cost.memory_settings import OPTIMIZER_STATES
 from ..cost.optimizer_state import is_elementwise, owned_whole_tensors, state_numel
 from ..cost.shard_sizes import shard_sizes
 from ..errors import ConfigError
-from ..flat_buffers import build_unit_plan
-from ..intervals import first_difference
-from ..layout import ParamLayout
-from ..observe import RankObservation
 from ..partition import get_partitioner
-from ..strategy import ShardingStrategy
-from ..verdict import Verdict
+from ..values.flat_buffers import build_unit_plan
+from ..values.intervals import first_difference
+from ..values.layout import ParamLayout
+from ..values.observe import RankObservation
+from ..values.strategy import ShardingStrategy
+from ..values.verdict import Verdict
 from .collect import ViolationCollector
 from .judges import judges
 from .mismatch import step_clauses, step_verdict, tensor_at
@@ -50,7 +50,7 @@ MEMORY_KINDS = ("params", "grads", "optimizer")
 class OwnershipExpectation:
     """What the plan says a rank must hold, and the byte rules of the run (built by the engine's evaluate)."""
 
-    plan: Any                 # zerosim.plan.StatePlan
+    plan: Any                 # zerosim.values.plan.StatePlan
     padding: dict[str, list[int]]  # kind -> per-rank padding the engine's packing stores
     bytes_per_element: dict[str, int]  # kind -> bytes per stored element summed over arrays of that kind
     peak_live_param_bound: list[int] | None = None  # per rank (sharded params only)
@@ -88,7 +88,7 @@ def check_holdings(
 ) -> Verdict:
     """C-ZERO-004 (see the module docstring).
 
-    The engine's runs: ``observations`` are :class:`~zerosim.observe.RankObservation` per rank and
+    The engine's runs: ``observations`` are :class:`~zerosim.values.observe.RankObservation` per rank and
     ``expect`` an :class:`OwnershipExpectation`; ``layout`` names the tensor of a wrong interval.
     A live trainer: ``observations[r]`` = ``{"params", "grads", "optimizer"}`` bytes rank ``r`` keeps at
     the end of ``step`` (of ``phase``) and ``expect`` its :class:`ResidentPlan`.
@@ -278,7 +278,7 @@ def planned_bytes(
 def packed_stored_numel(layout: ParamLayout, strategy: ShardingStrategy, world: int,
                         partitioner: str | None) -> int:
     """Elements every rank stores of one sharded state when each unit is packed to the shard group's
-    largest share (:func:`zerosim.flat_buffers.build_unit_plan`'s chunks, padding included)."""
+    largest share (:func:`zerosim.values.flat_buffers.build_unit_plan`'s chunks, padding included)."""
     if strategy.shard_group_size(world) == 1:
         return layout.total_numel
     return build_unit_plan(layout, strategy, partitioner or "fsdp", world).shard_numel

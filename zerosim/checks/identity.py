@@ -1,14 +1,14 @@
 """C-ZERO-003, after each step every rank computes with identical, current weights: one check,
 :func:`check_replica_identity`, for the engine's runs and for live trainers (``zerosim verify``).
 
-* **The engine's runs** (:class:`~zerosim.observe.RankObservation`): every rank's gathered working
+* **The engine's runs** (:class:`~zerosim.values.observe.RankObservation`): every rank's gathered working
   parameters are bitwise equal (clause ``identical``), and equal the working-dtype cast of the master
   assembled from its shard group's shards (clause ``matches_master``: ranks that are all equally
   stale fail too).
-* **Live trainers** (:class:`~zerosim.observe.TrainerStep`): every rank's full parameters are bitwise
+* **Live trainers** (:class:`~zerosim.values.observe.TrainerStep`): every rank's full parameters are bitwise
   equal after every step (clause ``identical``); the odd rank out is named, ranks being compared with
   the bit pattern most of them hold.
-* **Monitored runs** (:class:`~zerosim.observe.MonitorObservation`): every rank that holds a piece of a
+* **Monitored runs** (:class:`~zerosim.values.observe.MonitorObservation`): every rank that holds a piece of a
   tensor (the same flat element range) holds a piece with the same digest (clause ``identical``), the
   odd rank out named the same way; where no copy is held by more ranks than every other (two ranks
   that differ), the ranks are said to disagree and none is named; either way, a rank whose own update
@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..layout import ParamLayout
-from ..observe import MonitorObservation, RankObservation, TrainerStep, digest
-from ..verdict import Verdict
-from ..xp import numpy_namespace
+from ..numerics.xp import numpy_namespace
+from ..values.layout import ParamLayout
+from ..values.observe import MonitorObservation, RankObservation, TrainerStep, digest
+from ..values.verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .judges import judges
 from .mismatch import (
@@ -50,9 +50,9 @@ def check_replica_identity(
 ) -> Verdict:
     """C-ZERO-003: every rank's weights after each step are bitwise identical (see the module docstring).
 
-    ``observations``: the engine's :class:`~zerosim.observe.RankObservation` per rank, or a live
-    trainer's :class:`~zerosim.observe.TrainerStep` records, or a monitored run's
-    :class:`~zerosim.observe.MonitorObservation` per rank and check.
+    ``observations``: the engine's :class:`~zerosim.values.observe.RankObservation` per rank, or a live
+    trainer's :class:`~zerosim.values.observe.TrainerStep` records, or a monitored run's
+    :class:`~zerosim.values.observe.MonitorObservation` per rank and check.
     """
     if observations and isinstance(observations[0], MonitorObservation):
         return _digest_identity(observations, CONTRACT)  # type: ignore[arg-type]

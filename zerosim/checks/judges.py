@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from ..verdict import Verdict
+    from ..values.verdict import Verdict
 
 F = TypeVar("F", bound=Callable[..., Any])
 

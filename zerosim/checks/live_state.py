@@ -1,8 +1,8 @@
 """C-ZERO-002 on a monitored run (:mod:`zerosim.monitor`): what can be judged of the optimizer without an
 unsharded reference beside it; the part of :func:`zerosim.checks.equivalence.check_step_equivalence`
-that reads :class:`~zerosim.observe.MonitorObservation`.
+that reads :class:`~zerosim.values.observe.MonitorObservation`.
 
-Per check (one step), over the ranks' :class:`~zerosim.observe.MonitorObservation`:
+Per check (one step), over the ranks' :class:`~zerosim.values.observe.MonitorObservation`:
 
 * ``state_present``: every rank keeps optimizer state for every element it owns;
 * ``state_finite``: every state value is finite;
@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from ..observe import MonitorObservation
-from ..verdict import Verdict
+from ..values.observe import MonitorObservation
+from ..values.verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .grad_accounting import accounting_violations
 from .replay import replay_violations

@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from ..observe import TrainerStep
-from ..verdict import Verdict
+from ..values.observe import TrainerStep
+from ..values.verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .judges import judges
 from .tolerance import logged_norm_bound

@@ -54,8 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from ..observe import TrainerObservation
-from ..verdict import Verdict
+from ..values.observe import TrainerObservation
+from ..values.verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .tolerance import SAFETY
 

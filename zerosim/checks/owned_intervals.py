@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..verdict import Verdict
+from ..values.verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 
 CONTRACT = "C-ZERO-001"

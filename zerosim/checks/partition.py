@@ -26,12 +26,12 @@ what it is given:
 
 * a :class:`~zerosim.partition.base.ShardPlan` (a partitioner's plan, a user's partition function
   swept by :func:`zerosim.check_partition`, a benchmark's plans): the clauses above;
-* a :class:`~zerosim.plan.StatePlan` (the engine's plan, before it trains): the same clauses inside
+* a :class:`~zerosim.values.plan.StatePlan` (the engine's plan, before it trains): the same clauses inside
   every shard group for params, grads and optimizer state, and replicas holding identical shards
   (``replicas``);
-* the element ranges a live trainer's ranks own: :class:`~zerosim.observe.TrainerStep` records with
+* the element ranges a live trainer's ranks own: :class:`~zerosim.values.observe.TrainerStep` records with
   every tensor's element count (``zerosim verify``), or a monitored run's
-  :class:`~zerosim.observe.MonitorObservation` (:mod:`zerosim.checks.partition_ranges`).
+  :class:`~zerosim.values.observe.MonitorObservation` (:mod:`zerosim.checks.partition_ranges`).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 
 from ..cost.optimizer_state import WHOLE_TENSOR_PARTITIONERS, split_tensors
-from ..intervals import clip, first_difference, outside, sweep, sweep_arrays
-from ..observe import MonitorObservation
 from ..partition.base import RankShard, ShardPlan, ShardTable
-from ..verdict import Verdict, Violation
+from ..values.intervals import clip, first_difference, outside, sweep, sweep_arrays
+from ..values.observe import MonitorObservation
+from ..values.verdict import Verdict, Violation
 from .collect import ViolationCollector
 from .judges import judges
 from .partition_ranges import _monitor_layout, _owned_ranges
@@ -80,7 +80,7 @@ def check_partition_plan(
     """
     if isinstance(plan, ShardPlan):
         return _shard_plan(plan, limit=limit, context=context)
-    from ..plan import StatePlan
+    from ..values.plan import StatePlan
 
     if isinstance(plan, StatePlan):
         return _state_plan(plan, limit=limit)
@@ -277,7 +277,7 @@ def _state_plan(state_plan: Any, *, limit: int = 20) -> Verdict:
     group (ranks with the same local index in their shard groups) holds identical shards
     (clause ``replicas``): a hybrid plan whose replicas differ would silently diverge.
     """
-    from ..plan import STATE_KINDS, RankStates
+    from ..values.plan import STATE_KINDS, RankStates
 
     strategy, topo = state_plan.strategy, state_plan.topology
     total = state_plan.layout.total_numel
@@ -361,12 +361,12 @@ def _check_derived(state_plan: Any, sharded: dict[str, bool], limit: int) -> Ver
     """:func:`_state_plan` for a plan whose every rank's holding is derived from its one ShardPlan.
 
     Rank ``r`` holds local rank ``r % k``'s shard for sharded kinds and ``[0, total)`` for
-    replicated ones (:class:`zerosim.plan.RankStates`), so every shard group holds the very same
+    replicated ones (:class:`zerosim.values.plan.RankStates`), so every shard group holds the very same
     shards and every replicate group identical ones: the shard plan and the whole-space shard are
     each checked once, in full, and stand for every group. Returns None when a check fails, so the
     caller reports each group's findings with its global ranks.
     """
-    from ..plan import STATE_KINDS
+    from ..values.plan import STATE_KINDS
 
     strategy, topo = state_plan.strategy, state_plan.topology
     total = state_plan.layout.total_numel

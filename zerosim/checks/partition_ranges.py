@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ..observe import MonitorObservation, TrainerStep
-from ..verdict import Verdict
+from ..values.observe import MonitorObservation, TrainerStep
+from ..values.verdict import Verdict
 from .collect import MAX_LISTED, ViolationCollector
 from .mismatch import first_run, runs
 from .owned_intervals import owned_intervals_verdict

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..observe import MonitorObservation
+from ..values.observe import MonitorObservation
 from .collect import ViolationCollector
 
 CLASSES = ("transient", "persistent")

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import ParamLayout
-from ..observe import ShardValues
-from ..verdict import Verdict
+from ..values.layout import ParamLayout
+from ..values.observe import ShardValues
+from ..values.verdict import Verdict
 from .collect import ViolationCollector
 from .judges import judges
 

@@ -3,7 +3,7 @@ dtype the run's policy names: one check, :func:`check_communication`, for the en
 numpy, mpi and torch) and for live trainers (``zerosim verify``). Which one it judges follows from the
 observations it is given.
 
-* **The engine's runs** (:class:`~zerosim.observe.RankObservation` per rank and the communication
+* **The engine's runs** (:class:`~zerosim.values.observe.RankObservation` per rank and the communication
   estimate of :func:`zerosim.cost.comm_model.comm_per_step`): each rank's data traffic per step, per
   group kind and collective (calls, bytes sent, bytes received), equals the ring model exactly (clause
   ``ring_model``); given the policy's reduce dtype, every gradient reduction moved that dtype (clause
@@ -50,10 +50,10 @@ from fractions import Fraction
 from typing import Any
 
 from ..cost.comm_model import comm_per_step
-from ..layout import ParamLayout
-from ..observe import RankObservation, StepObservation
-from ..strategy import ShardingStrategy, StrategyKind, Topology
-from ..verdict import Verdict
+from ..values.layout import ParamLayout
+from ..values.observe import RankObservation, StepObservation
+from ..values.strategy import ShardingStrategy, StrategyKind, Topology
+from ..values.verdict import Verdict
 from .collect import ViolationCollector
 from .holdings import as_layout, stored_numel, strategy_from_declared
 from .judges import judges
@@ -215,7 +215,7 @@ def check_communication(
 ) -> Verdict:
     """C-ZERO-005 (see the module docstring).
 
-    The engine's runs: ``observations`` are :class:`~zerosim.observe.RankObservation` per rank and
+    The engine's runs: ``observations`` are :class:`~zerosim.values.observe.RankObservation` per rank and
     ``model`` the run's communication estimate (``ring_model``, exact); with ``reduce_dtype`` every
     gradient reduction must have moved that dtype.
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..observe import MonitorObservation
+from ..values.observe import MonitorObservation
 from .collect import ViolationCollector
 from .rounding import UNIT_ROUNDOFF, bias_correction_error
 from .tracked import Tracked, blend

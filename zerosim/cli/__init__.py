@@ -4,9 +4,9 @@ Each subcommand lives in its own module ``zerosim.cli.<name>`` exposing
 ``register(subparsers) -> None``; the registered parser's ``func(args) -> int`` runs it.
 A ZeroSimError or an OSError anywhere becomes ``error: <message>`` on stderr and exit status 2
 (:func:`main`). SIGINT, SIGTERM and SIGHUP end the command and every process it started
-(:mod:`zerosim.stop_signals`, :mod:`zerosim.owned_processes`) with one line and exit status 130, 143
-or 129. A command that does not finish (interrupted, or an error) removes the output folders it
-made and left empty (:func:`zerosim.outputs.remove_unused_output_dirs`).
+(:mod:`zerosim.processes.stop_signals`, :mod:`zerosim.processes.owned_processes`) with one line and exit
+status 130, 143 or 129. A command that does not finish (interrupted, or an error) removes the output folders
+it made and left empty (:func:`zerosim.files.outputs.remove_unused_output_dirs`).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import os
 import sys
 
 from ..errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_INTERRUPTED, ZeroSimError
-from ..outputs import describe_os_error, remove_unused_output_dirs
-from ..owned_processes import OWNER_ENV, end_owned, new_owner_token, with_owner_token
-from ..stop_signals import StopSignal, stop_signals_handled
+from ..files.outputs import describe_os_error, remove_unused_output_dirs
+from ..processes.owned_processes import OWNER_ENV, end_owned, new_owner_token, with_owner_token
+from ..processes.stop_signals import StopSignal, stop_signals_handled
 from ._parser import OneLineParser
 from ._stdout import GuardedStdout, StdoutError, silence_stdout
 

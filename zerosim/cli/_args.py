@@ -1,5 +1,5 @@
 """What every command that prints to a pipe shares: :func:`pipe_safe`. (Integers written as text are
-parsed by :mod:`zerosim.int_text`.)"""
+parsed by :mod:`zerosim.files.int_text`.)"""
 
 from __future__ import annotations
 

@@ -12,7 +12,11 @@ import sys
 import time
 from typing import Any
 
-from ..check_impl import (
+from ..checks.partition import CONTRACT, check_partition_plan
+from ..errors import ConfigError, require_non_negative_int, require_positive_int
+from ..files.int_text import parse_int_list
+from ..partition import PARTITIONERS, get_partitioner
+from ..testing.check_impl import (
     BALANCE_MODES,
     DEFAULT_CALL_TIMEOUT_S,
     DEFAULT_TOTALS,
@@ -21,13 +25,9 @@ from ..check_impl import (
     check_sweep_size,
     describe_ints,
 )
-from ..checks.partition import CONTRACT, check_partition_plan
-from ..errors import ConfigError, require_non_negative_int, require_positive_int
-from ..int_text import parse_int_list
-from ..layout import ParamLayout
-from ..partition import PARTITIONERS, get_partitioner
-from ..presets import PRESETS
-from ..verdict import Violation
+from ..values.layout import ParamLayout
+from ..values.presets import PRESETS
+from ..values.verdict import Violation
 from ._args import pipe_safe
 from .violation_groups import DEFAULT_CASES_PER_KIND, grouped_lines
 

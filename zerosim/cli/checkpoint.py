@@ -27,7 +27,7 @@ from typing import Any
 from ..checkpoint.resharding import inspect_checkpoint, reshard
 from ..cost.units import format_bytes
 from ..errors import EXIT_CHECKPOINT_CORRUPT, EXIT_OK
-from ..terminal_text import printable
+from ..files.terminal_text import printable
 from ._args import pipe_safe
 
 

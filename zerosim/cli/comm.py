@@ -74,7 +74,7 @@ def build_estimates(args) -> list[tuple[CommEstimate, dict[str, Any]]]:
 def render_table(rows: list[tuple[CommEstimate, dict[str, Any]]], unit: str) -> str:
     from rich.table import Table
 
-    from ..text_tables import table_text
+    from ..files.text_tables import table_text
 
     first = rows[0][0]
     table = Table(title=(f"Per-rank traffic per step, {first.numel:,} params, world {first.world_size} "

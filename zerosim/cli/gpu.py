@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ..engine.config import XP_NAMES
 from ..engine.run_file import BACKEND_OPTIONS
-from ..precision import PRECISION_NAMES
-from ..presets import simulator_presets
+from ..numerics.precision import PRECISION_NAMES
+from ..values.presets import simulator_presets
 
 #: where ``python -m zerogpu report`` writes by default
 DEFAULT_REPORT_OUT = Path("reports/gpu")

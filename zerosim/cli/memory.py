@@ -18,8 +18,8 @@ from ..cost.memory_settings import OFFLOAD_CHOICES, OPTIMIZER_STATES, PRECISIONS
 from ..cost.shard_sizes import parse_param_count
 from ..cost.units import UNITS, format_value, parse_unit
 from ..errors import ConfigError, install_hint
-from ..layout import ParamLayout
-from ..strategy import ShardingStrategy, StrategyKind, Topology
+from ..values.layout import ParamLayout
+from ..values.strategy import ShardingStrategy, StrategyKind, Topology
 
 
 # ---- shared argument handling (used by ``zerosim comm`` too) ---------------------------------
@@ -175,7 +175,7 @@ def estimates_json(estimates: list[MemoryEstimate]) -> dict[str, Any]:
 def render_table(estimates: list[MemoryEstimate], unit: str) -> str:
     from rich.table import Table
 
-    from ..text_tables import table_text
+    from ..files.text_tables import table_text
 
     unit = parse_unit(unit)
     first = estimates[0]
@@ -240,7 +240,7 @@ def render_deepspeed_table(report: dict[str, Any], unit: str) -> str:
     """
     from rich.table import Table
 
-    from ..text_tables import table_text
+    from ..files.text_tables import table_text
 
     real = all(r["ds_real"] is not None for r in report["rows"])
     source = "real" if real else "formula restated by zerosim"

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from ..outputs import output_dir
+from ..files.outputs import output_dir
 
 
 def register(sub: Any) -> None:
@@ -36,7 +36,7 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import mutants
+    from ..report import mutants
 
     faults = mutants.select(args.only)
     trainers = mutants.trainer_mutants(args.trainers) if args.trainers else []
@@ -70,7 +70,7 @@ def _print_table(matrix: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from ..text_tables import print_table
+    from ..files.text_tables import print_table
 
     table = Table(title=f"mutants on {matrix['backend']}: first failing step per contract (plan = before "
                         "training)")

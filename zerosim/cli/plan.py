@@ -15,13 +15,13 @@ from typing import Any
 
 from ..checks.partition import check_partition_plan
 from ..cost.shard_sizes import parse_param_count
-from ..dtypes import canonical_dtype
-from ..layout import ParamLayout
 from ..partition import PARTITIONERS
-from ..plan import build_plan
-from ..presets import PRESETS
 from ..report.plan_table import DEFAULT_MAX_ROWS, plan_json, render
-from ..strategy import ShardingStrategy, Topology
+from ..values.dtypes import canonical_dtype
+from ..values.layout import ParamLayout
+from ..values.plan import build_plan
+from ..values.presets import PRESETS
+from ..values.strategy import ShardingStrategy, Topology
 from ._args import pipe_safe
 
 

@@ -109,7 +109,7 @@ def peers_rank_run(args: argparse.Namespace) -> PeersRun:
     """The :class:`~zerosim.bench.peers_run.PeersRun` the options of :func:`peers_rank_parser` describe
     (ConfigError naming the first bad one; the timings it sets up serve no contract, they compare
     trainers)."""
-    from ..dtypes import canonical_dtype
+    from ..values.dtypes import canonical_dtype
 
     run = PeersRun(
         models=tuple(peers.select_models(args.models)),

@@ -63,7 +63,7 @@ def _mpi_simulate(argv: list[str]) -> NoReturn:
     from mpi4py import MPI
 
     from ..mpi.simulate import simulate_rank
-    from ..rank_messages import parse_args_on_rank
+    from ..processes.rank_messages import parse_args_on_rank
     from .run_options import mpi_rank_run, mpi_simulate_parser
 
     try:
@@ -76,7 +76,7 @@ def _mpi_simulate(argv: list[str]) -> NoReturn:
 def _verify(argv: list[str]) -> NoReturn:
     from zerogpu.rank import env_rank
 
-    from ..rank_logs import send_output_to_rank_log
+    from ..processes.rank_logs import send_output_to_rank_log
     from ..verify.runner import rank_main
     from .rank_commands import verify_rank_run
 

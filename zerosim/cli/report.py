@@ -12,9 +12,9 @@ from pathlib import Path
 
 from ..cost.shard_sizes import parse_param_count
 from ..errors import ConfigError
-from ..outputs import require_output_dir
-from ..presets import PRESETS, require_simulator_preset, simulator_presets
+from ..files.outputs import require_output_dir
 from ..report.config import check_measured_world_sizes
+from ..values.presets import PRESETS, require_simulator_preset, simulator_presets
 from .memory import positive_int
 
 

@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from ..comm.sim import SCHEDULES
-from ..dtypes import precision_name
 from ..engine.config import XP_NAMES, RunConfig
 from ..engine.fault_catalog import FAULTS
 from ..engine.run_file import BACKEND_OPTIONS, RankRun
 from ..errors import ConfigError
-from ..precision import PRECISION_NAMES
-from ..presets import simulator_presets
+from ..numerics.precision import PRECISION_NAMES
+from ..values.dtypes import precision_name
+from ..values.presets import simulator_presets
 
 STRATEGY_HELP = ("no_shard|ddp|zero1|zero2|zero3|full_shard|shard_grad_op|hybrid_shard[:K]|"
                  "hybrid_shard_zero2[:K] (default full_shard)")

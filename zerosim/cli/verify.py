@@ -252,7 +252,7 @@ def precision_options(args: Any) -> tuple[str, str, str]:
 
 def dtype_option(args: Any) -> str | None:
     """``--dtype`` in either spelling (float32 or fp32, float64 or fp64), canonical; None when not given."""
-    from ..dtypes import canonical_dtype
+    from ..values.dtypes import canonical_dtype
     from ..verify.run_value import DTYPES
 
     text = getattr(args, "dtype", None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from ..verdict import Violation
+from ..values.verdict import Violation
 
 #: cases listed under each kind unless ``--limit`` says otherwise
 DEFAULT_CASES_PER_KIND = 3

@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from ..errors import EXIT_RUN_FAILED
-from ..outputs import output_dir
+from ..files.outputs import output_dir
 
 
 def register(sub: Any) -> None:

@@ -24,8 +24,8 @@ from fractions import Fraction
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
-from ..layout import ParamLayout
-from ..strategy import ShardingStrategy, StrategyKind, Topology
+from ..values.layout import ParamLayout
+from ..values.strategy import ShardingStrategy, StrategyKind, Topology
 
 GROUP_KINDS = ("world", "shard", "replicate")
 ZERO1_GRAD_REDUCE = ("all_reduce", "reduce_scatter")  # the same names as RunConfig.zero1_grad_reduce
@@ -228,12 +228,12 @@ def _ring_successor(kind: str, rank: int, n: int, k: int, step: int = 1) -> int 
 def packed_unit_sizes(
     layout: ParamLayout, strategy: ShardingStrategy, partitioner: str, world_size: int
 ) -> list[int]:
-    """``k * c_u`` for every non-empty unit, exactly as :func:`zerosim.flat_buffers.build_unit_plan`
+    """``k * c_u`` for every non-empty unit, exactly as :func:`zerosim.values.flat_buffers.build_unit_plan`
     pads them (``c_u`` = the most elements any rank owns of unit ``u``), vectorised: O(intervals)."""
     import numpy as np
 
-    from ..flat_buffers import unit_tensor_groups
     from ..partition import get_partitioner
+    from ..values.flat_buffers import unit_tensor_groups
 
     k = strategy.shard_group_size(world_size)
     plan = get_partitioner(partitioner)(layout, k)

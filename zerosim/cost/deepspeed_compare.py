@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, install_hint, require_non_negative_int, require_positive_int
-from ..layout import ParamLayout
-from ..strategy import ShardingStrategy, StrategyKind, Topology
+from ..values.layout import ParamLayout
+from ..values.strategy import ShardingStrategy, StrategyKind, Topology
 from .memory_model import memory_per_rank
 from .memory_settings import MemorySettings
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, require_non_negative_int
-from ..layout import ParamLayout
-from ..strategy import ShardingStrategy, StrategyKind, Topology
+from ..values.layout import ParamLayout
+from ..values.strategy import ShardingStrategy, StrategyKind, Topology
 from .memory_settings import MemorySettings
 from .shard_sizes import ModelTensors, ShardSizes, ceil_div, model_tensors, shard_sizes, uniform_shard_sizes
 
@@ -201,8 +201,8 @@ def _block_units(t: ModelTensors, k: int, partitioner: str | None) -> list[UnitB
 
 def _engine_units(t: ModelTensors, strategy: ShardingStrategy, world_size: int,
                   partitioner: str | None) -> tuple[int, list[UnitBytes], str]:
-    """The reference engine's packing (``zerosim.flat_buffers``): exact, built from the plan."""
-    from ..flat_buffers import build_unit_plan
+    """The reference engine's packing (``zerosim.values.flat_buffers``): exact, built from the plan."""
+    from ..values.flat_buffers import build_unit_plan
 
     if t.layout is None:
         raise ConfigError(

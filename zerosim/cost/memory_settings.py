@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..dtypes import SHORT_NAMES
 from ..errors import ConfigError, require_non_negative_int
-from ..strategy import ShardingStrategy
+from ..values.dtypes import SHORT_NAMES
+from ..values.strategy import ShardingStrategy
 from .comm_model import ZERO1_GRAD_REDUCE
 
 
@@ -62,7 +62,7 @@ PRECISIONS: dict[str, PrecisionSpec] = {
         "bf16-pure", 2, 2, 0, 2, "pure bf16: params, grads and optimizer states bf16, no master"
     ),
 }
-# "fp16" / "bf16" name the reference engine's policies (zerosim.precision): 16-bit params, fp32 grads
+# "fp16" / "bf16" name the reference engine's policies (zerosim.numerics.precision): 16-bit params, fp32 grads
 _PRECISION_ALIASES = {"paper": "mixed", "fp16-mixed": "mixed", "amp": "mixed", "bf16mixed": "bf16-mixed",
                       "bf16": "bf16-fp32grads", "fp16": "fp16-fp32grads", "bf16-fp32-grads": "bf16-fp32grads",
                       "fp16-fp32-grads": "fp16-fp32grads", "float32": "fp32", "pure-bf16": "bf16-pure"}
@@ -74,14 +74,15 @@ _OPTIMIZER_ALIASES = {"sgd_momentum": "sgd-momentum", "sgdm": "sgd-momentum", "m
 OFFLOAD_CHOICES = ("none", "optimizer", "grads+optimizer", "params+optimizer", "params+grads+optimizer")
 
 
-#: the reference engine's precision policies (zerosim.precision.Precision) in this model's terms: the
+#: the reference engine's precision policies (zerosim.numerics.precision.Precision) in this model's terms: the
 #: engine keeps gradients in float32 (upcast before reduction) and a float32 master when mixed.
 ENGINE_PRECISION = {"fp32": "fp32", "bf16": "bf16-fp32grads", "fp16": "fp16-fp32grads"}
 
 
 def canonical_precision(name: str) -> str:
     """A recipe of :data:`PRECISIONS` by its name or an alias; a plain dtype in either spelling (bfloat16
-    or bf16, float32 or fp32: :func:`zerosim.dtypes.precision_name`) names the engine's policy of it."""
+    or bf16, float32 or fp32: :func:`zerosim.values.dtypes.precision_name`) names the engine's policy of
+    it."""
     key = str(name).strip().lower().replace("_", "-")
     key = _PRECISION_ALIASES.get(key, key)
     if key not in PRECISIONS and key in SHORT_NAMES:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
-from ..layout import ParamLayout
-from ..strategy import ShardingStrategy, Topology
+from ..values.layout import ParamLayout
+from ..values.strategy import ShardingStrategy, Topology
 from .memory_model import MemoryEstimate, memory_per_rank
 from .memory_settings import MemorySettings
 

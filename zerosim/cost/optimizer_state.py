@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import ParamLayout, TensorSpec
 from ..partition.base import ShardPlan
+from ..values.layout import ParamLayout, TensorSpec
 
 #: optimizers whose update of an element depends on that element alone (any flat split is correct)
 ELEMENTWISE = ("sgd", "adam", "adamw")

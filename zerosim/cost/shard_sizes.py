@@ -16,7 +16,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
-from ..layout import ParamLayout
+from ..values.layout import ParamLayout
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The block model's schedule: the driver ``zerosim simulate`` (and mpiexec, torchrun) runs.
 
-Per micro-batch the hand-differentiated :class:`~zerosim.model.BlockModel` runs forward block by block
-and backward in reverse. ZeRO-3 gathers each block's unit before it computes (with ``prefetch`` units
+Per micro-batch the hand-differentiated :class:`~zerosim.numerics.model.BlockModel` runs forward block by
+block and backward in reverse. ZeRO-3 gathers each block's unit before it computes (with ``prefetch`` units
 ahead) and frees it after, twice per micro-batch (forward, backward), and hands each block's gradients
 to :func:`~zerosim.engine.gradients.accept_grads` as backward produces them; the other strategies
 compute with the full replicated parameters and hand the gradients over per block. The schedule
@@ -24,10 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm.base import Communicator
-from ..flat_buffers import FlatUnit
-from ..model import BlockModel, synthetic_batch
-from ..observe import StepObservation
-from ..xp import ArrayNamespace
+from ..numerics.model import BlockModel, synthetic_batch
+from ..numerics.xp import ArrayNamespace
+from ..values.flat_buffers import FlatUnit
+from ..values.observe import StepObservation
 from . import wire
 from .engine_run import EngineRun
 from .faults import EngineFault, Hook

@@ -18,18 +18,18 @@ from typing import Any
 from ..comm.sim import SCHEDULES
 from ..cost.comm_model import ZERO1_GRAD_REDUCE
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
-from ..flat_buffers import UnitPlan, build_unit_plan
-from ..layout import ParamLayout
-from ..model import SimModelConfig, sim_layout
-from ..optim import OptimizerSpec
+from ..numerics.model import SimModelConfig, sim_layout
+from ..numerics.optim import OptimizerSpec
+from ..numerics.precision import Precision
 from ..partition import get_partitioner
 from ..partition.base import RegisteredPartitioner
 from ..partition.mutations import mutate
-from ..plan import StatePlan, build_plan
-from ..precision import Precision
-from ..presets import PRESETS, require_simulator_preset, simulator_presets
-from ..run_value import RunValue
-from ..strategy import ShardingStrategy, StrategyKind, Topology
+from ..values.flat_buffers import UnitPlan, build_unit_plan
+from ..values.layout import ParamLayout
+from ..values.plan import StatePlan, build_plan
+from ..values.presets import PRESETS, require_simulator_preset, simulator_presets
+from ..values.run_value import RunValue
+from ..values.strategy import ShardingStrategy, StrategyKind, Topology
 from . import matrix_layout as whole_tensor
 from .fault_catalog import FAULTS, refusal
 from .injection import NanInjection, resolve_injection
@@ -119,7 +119,7 @@ class RunConfig(RunValue):
     def from_fields(cls, data: dict[str, Any]) -> RunConfig:
         """The config these fields (a dict as :meth:`to_json` writes it) describe, validated: a value of
         the wrong JSON type or an invalid run raises a ConfigError naming the field (an unknown field:
-        :meth:`~zerosim.run_value.RunValue.from_json`). A model or optimizer given as a dict becomes a
+        :meth:`~zerosim.values.run_value.RunValue.from_json`). A model or optimizer given as a dict becomes a
         SimModelConfig / OptimizerSpec."""
         for key, value in data.items():
             allowed = _JSON_TYPES[key]

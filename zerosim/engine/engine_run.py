@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from ..flat_buffers import UnitPlan
-from ..layout import ParamLayout
-from ..optim import OptimizerSpec
-from ..precision import Precision
-from ..strategy import ShardingStrategy
+from ..numerics.optim import OptimizerSpec
+from ..numerics.precision import Precision
+from ..values.flat_buffers import UnitPlan
+from ..values.layout import ParamLayout
+from ..values.strategy import ShardingStrategy
 
 
 class RunOptions(Protocol):

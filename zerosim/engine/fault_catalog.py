@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..strategy import StrategyKind
+from ..values.strategy import StrategyKind
 from .faults import EngineFault, Hook
 
 FAULTY_RANK = 1  # the rank that misbehaves in single-rank faults (rank 0 when the world has one rank)
@@ -190,9 +190,9 @@ def _other_groups(run: Any) -> Touched:
 def _partition_touch(mutation: str) -> Callable[[Any], Touched]:
     def touch(run: Any) -> Touched:
         """The elements whose owners the mutation changed (and the ranks that own them either way)."""
-        from ..intervals import merge_adjacent
         from ..partition import get_partitioner
         from ..partition.mutations import MUTATIONS
+        from ..values.intervals import merge_adjacent
 
         rule = get_partitioner(run.partitioner)
         good = rule(run.layout, run.k)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from ..layout import ParamLayout
-from ..xp import ArrayNamespace
+from ..numerics.xp import ArrayNamespace
+from ..values.layout import ParamLayout
 
 
 def tensor_index(layout: ParamLayout, name: str) -> int:

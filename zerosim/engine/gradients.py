@@ -32,8 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import NonFiniteGradientError
-from ..flat_buffers import FlatUnit
-from ..xp import divide_
+from ..numerics.xp import divide_
+from ..values.flat_buffers import FlatUnit
 from . import finite_vote, wire
 from .faults import Hook
 from .rank_state import RankState

@@ -29,14 +29,14 @@ import numpy as np
 
 from ..checks.rounding import UNDERFLOW, UNIT_ROUNDOFF, gamma
 from ..checks.tolerance import SAFETY
-from ..groundtruth import GroundTruth, train_ground_truth
-from ..layout import ParamLayout
+from ..numerics.groundtruth import GroundTruth, train_ground_truth
+from ..values.layout import ParamLayout
 from .config import ResolvedRun
 from .reference_steps import Reference, ReferenceStep, reduction_length
 
 
 class ReorderingPerturbation:
-    """``perturb(step, grad, terms)`` for :func:`zerosim.groundtruth.train_ground_truth`: moves every
+    """``perturb(step, grad, terms)`` for :func:`zerosim.numerics.groundtruth.train_ground_truth`: moves every
     element of the float32 mean gradient by its reordering term (module docstring), seeded signs."""
 
     def __init__(self, run: ResolvedRun, sign: float = 1.0):

@@ -1,7 +1,7 @@
 """The whole-tensor layout: where a run whose optimizer is not elementwise puts its tensors.
 
 An elementwise optimizer (SGD, Adam, AdamW) may step any flat slice of the model, so every partitioner's
-even flat split is correct. Muon and Adafactor (:mod:`zerosim.optim_matrix`) need each tensor whole:
+even flat split is correct. Muon and Adafactor (:mod:`zerosim.numerics.optim_matrix`) need each tensor whole:
 when the optimizer state is sharded over a shard group of more than one rank, every tensor goes
 whole, with its state, to one owner rank, which steps it; the gradients are reduced, the norm
 summed and the updated parameters gathered exactly as in the flat layout (the unit plan packs
@@ -15,7 +15,7 @@ whatever the partitioner owns). :func:`resolve_partitioner` picks the partition 
 
 ``matrix_layout="flat-slices"`` (``RunConfig.extra``, ``zerosim simulate --matrix-layout``) is the
 deliberately wrong layout: the named partitioner as it is, every rank stepping its slices of a
-tensor as if they were the tensor (:func:`zerosim.optim_matrix.sliced_slots`). C-ZERO-002 fails it.
+tensor as if they were the tensor (:func:`zerosim.numerics.optim_matrix.sliced_slots`). C-ZERO-002 fails it.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from ..flat_buffers import UnitPlan
-from ..layout import ParamLayout
-from ..optim import OptimizerSpec
-from ..optim_matrix import MatrixOptimizer, sliced_slots, whole_tensor_slots
+from ..numerics.optim import OptimizerSpec
+from ..numerics.optim_matrix import MatrixOptimizer, sliced_slots, whole_tensor_slots
+from ..numerics.xp import ArrayNamespace
 from ..partition import get_partitioner
 from ..partition.base import RegisteredPartitioner
-from ..strategy import ShardingStrategy
-from ..xp import ArrayNamespace
+from ..values.flat_buffers import UnitPlan
+from ..values.layout import ParamLayout
+from ..values.strategy import ShardingStrategy
 
 #: ``matrix_layout`` values: the correct one first
 MATRIX_LAYOUTS = ("whole-tensor", "flat-slices")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from ..observe import StepMemory
+from ..values.observe import StepMemory
 
 CATEGORIES = ("params", "grads", "optimizer", "gathered", "grad_buffers", "activations")
 LOCATIONS = ("device", "host")

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm.base import Communicator
-from ..flat_buffers import FlatUnit
-from ..intervals import merge_adjacent
-from ..observe import Holding, RankObservation, ShardValues, StepObservation, TrafficItem, digest
+from ..values.flat_buffers import FlatUnit
+from ..values.intervals import merge_adjacent
+from ..values.observe import Holding, RankObservation, ShardValues, StepObservation, TrafficItem, digest
 from . import wire
 from .faults import Hook
 from .rank_state import RankState

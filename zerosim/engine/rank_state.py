@@ -24,12 +24,12 @@ from typing import Any
 
 from ..comm.base import Communicator
 from ..errors import ConfigError
-from ..flat import flatten
-from ..flat_buffers import FlatUnit
-from ..model import init_params
-from ..observe import RankObservation
-from ..optim import make_optimizer
-from ..xp import ArrayNamespace
+from ..numerics.flat import flatten
+from ..numerics.model import init_params
+from ..numerics.optim import make_optimizer
+from ..numerics.xp import ArrayNamespace
+from ..values.flat_buffers import FlatUnit
+from ..values.observe import RankObservation
 from . import wire
 from .engine_run import EngineRun
 from .faults import EngineFault, Hook

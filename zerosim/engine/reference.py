@@ -3,7 +3,7 @@
 Two of them, for two different questions:
 
 * :func:`independent_reference` adapts the model helper's ground truth
-  (:func:`zerosim.groundtruth.train_ground_truth`): the model trained unsharded on the
+  (:func:`zerosim.numerics.groundtruth.train_ground_truth`): the model trained unsharded on the
   concatenation of every rank's micro-batches. It shares no reduction code with the engine, so
   agreeing with it within the derived per-element rounding bound (:mod:`zerosim.checks.rounding`,
   propagated step by step from the ground truth's own values: :func:`rounding_bound`) says the
@@ -26,13 +26,13 @@ import numpy as np
 
 from ..checks.rounding import UNDERFLOW, UNIT_ROUNDOFF, OptimizerHyper, RoundingBound, StepBounds, StepValues
 from ..comm.sim import reduce_in_rank_order
-from ..flat import flatten, unflatten
-from ..groundtruth import GroundTruth, local_gradients, mean_gradient, train_ground_truth
-from ..layout import ParamLayout
-from ..model import BlockModel, init_params
-from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq
-from ..optim_matrix import layout_optimizer
-from ..xp import numpy_namespace
+from ..numerics.flat import flatten, unflatten
+from ..numerics.groundtruth import GroundTruth, local_gradients, mean_gradient, train_ground_truth
+from ..numerics.model import BlockModel, init_params
+from ..numerics.optim import apply_clip_, clip_coefficient, global_norm_from_sumsq
+from ..numerics.optim_matrix import layout_optimizer
+from ..numerics.xp import numpy_namespace
+from ..values.layout import ParamLayout
 from .config import ResolvedRun
 from .matrix_bound import matrix_independent_reference
 from .reference_steps import Reference, ReferenceStep, reduction_length

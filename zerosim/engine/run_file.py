@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..errors import ConfigError
-from ..run_value import RunValue
+from ..values.run_value import RunValue
 from .config import RunConfig
 
 RUN_FILE_FORMAT = "zerosim-run/1"

@@ -17,7 +17,7 @@ from .run_result import RunResult
 
 def _titles() -> dict[str, str]:
     try:
-        from ..contracts import load_contracts
+        from ..checks.contracts import load_contracts
 
         return {k: v.title for k, v in load_contracts().items()}
     except Exception:  # noqa: BLE001 - titles are decoration; a missing contracts/ dir must not break a run
@@ -76,7 +76,7 @@ def render(result: RunResult, as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from ..text_tables import print_table
+    from ..files.text_tables import print_table
 
     console = Console()
     c = result.config

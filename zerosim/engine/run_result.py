@@ -15,18 +15,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks.contracts import STEP_CONTRACTS
 from ..checks.holdings import OwnershipExpectation
 from ..checks.judges import judge
 from ..checks.tolerance import equivalence_tolerance
-from ..contracts import STEP_CONTRACTS
 from ..cost.comm_model import CommEstimate, comm_for_run
 from ..errors import ConfigError
-from ..observe import RankObservation
-from ..verdict import Verdict
+from ..values.observe import RankObservation
+from ..values.verdict import Verdict
 from .config import ResolvedRun, RunConfig
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
-#: the contracts a run is judged by, in order (the one list: :data:`zerosim.contracts.STEP_CONTRACTS`)
+#: the contracts a run is judged by, in order (the one list: :data:`zerosim.checks.contracts.STEP_CONTRACTS`)
 CONTRACTS = STEP_CONTRACTS
 
 

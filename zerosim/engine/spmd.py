@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ..comm.base import Communicator
 from ..comm.sim import run_spmd
-from ..observe import RankObservation
-from ..xp import numpy_namespace, torch_namespace
+from ..numerics.xp import numpy_namespace, torch_namespace
+from ..values.observe import RankObservation
 from .block_schedule import BlockSchedule, block_rank_state
 from .config import ResolvedRun, RunConfig
 from .fault_catalog import engine_fault

@@ -3,7 +3,7 @@
 Plain functions over :class:`~zerosim.engine.rank_state.RankState`. A schedule opens the step
 (:func:`begin_step`), runs its micro-batches (handing gradients to :mod:`zerosim.engine.gradients`),
 then calls :func:`finish_step`, which returns the step's
-:class:`~zerosim.observe.StepObservation`. After the gradients (C-ZERO-005 counts each collective):
+:class:`~zerosim.values.observe.StepObservation`. After the gradients (C-ZERO-005 counts each collective):
 
 * the global gradient norm is the float64 sum of squares over the elements each rank *owns*
   (padding excluded), all-reduced once over the shard group (replicas hold identical reduced
@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..flat_buffers import FlatUnit
-from ..observe import StepObservation
+from ..values.flat_buffers import FlatUnit
+from ..values.observe import StepObservation
 from . import wire
 from .faults import Hook
 from .gradients import finish_accumulation, reduce_full_grad, replicate_reduce

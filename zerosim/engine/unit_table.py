@@ -1,7 +1,7 @@
 """The unit table: where each flat unit's parameters are on one rank, and the only code that writes it.
 
 Every driver of the engine (the block model's schedule, the autograd hooks over a torch module)
-moves a unit between the states of :class:`~zerosim.unit_state.UnitState` through these methods
+moves a unit between the states of :class:`~zerosim.values.unit_state.UnitState` through these methods
 and no other way, so the transitions a rank's units may take are read here in one place:
 
 * ``unshard``: the full unit is unpacked for the computation that needs it (-> ``GATHERED``).
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from ..unit_state import UnitState
+from ..values.unit_state import UnitState
 
 
 class UnitTable:

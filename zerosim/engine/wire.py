@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..comm.base import Communicator
-from ..flat_buffers import FlatUnit, UnitPlan
-from ..optim import apply_clip_, clip_coefficient, global_norm_from_sumsq
-from ..xp import ArrayNamespace
+from ..numerics.optim import apply_clip_, clip_coefficient, global_norm_from_sumsq
+from ..numerics.xp import ArrayNamespace
+from ..values.flat_buffers import FlatUnit, UnitPlan
 
 
 def pack_grads(xp: ArrayNamespace, unit: FlatUnit, grads: dict[str, Any], dtype: str, pad: float) -> Any:

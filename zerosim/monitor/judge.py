@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..checks.contracts import STEP_CONTRACTS
 from ..checks.judges import judge as judge_contract
-from ..contracts import STEP_CONTRACTS
-from ..observe import MonitorObservation
-from ..verdict import Verdict
+from ..values.observe import MonitorObservation
+from ..values.verdict import Verdict
 
 #: the step contracts a monitored run is judged by: the plan, the values and the replicas (a monitored
 #: framework declares no strategy, so memory and traffic have no model to be compared with)

@@ -47,8 +47,8 @@ import torch.distributed as dist
 from ..checks.identity import check_replica_identity
 from ..checks.partition import check_partition_plan
 from ..errors import ConfigError
-from ..observe import MonitorObservation, ranges_from_json
-from ..verdict import Verdict, Violation
+from ..values.observe import MonitorObservation, ranges_from_json
+from ..values.verdict import Verdict, Violation
 from .deepspeed_layout import DeepSpeedReader, is_deepspeed_engine
 from .digest import digest_text
 from .exchange import (

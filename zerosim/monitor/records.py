@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..observe import MonitorObservation
-from ..verdict import Verdict, Violation
+from ..values.observe import MonitorObservation
+from ..values.verdict import Verdict, Violation
 from .judge import CONTRACTS, summary_line
 from .trace import append_line
 

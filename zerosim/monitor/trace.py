@@ -5,8 +5,8 @@ Only regular files are written (a FIFO, a device or a symbolic link where a file
 with an ``OSError``, never opened for writing, so writing never blocks); the monitor reports a failure
 once, on the rank it happened on.
 
-``rank-NNNNN.jsonl``: one :class:`~zerosim.observe.MonitorObservation` per line (plus ``monitor_s``, the
-check's wall time); ``summary.json``: rank 0's summary, written to a temporary file and renamed.
+``rank-NNNNN.jsonl``: one :class:`~zerosim.values.observe.MonitorObservation` per line (plus ``monitor_s``,
+the check's wall time); ``summary.json``: rank 0's summary, written to a temporary file and renamed.
 :mod:`zerosim.monitor.trace_reader` reads a folder of them back for ``zerosim check trace``.
 """
 

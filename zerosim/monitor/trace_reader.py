@@ -1,7 +1,7 @@
 """``zerosim check trace``'s reading of a monitor's folder, as untrusted input.
 
 A trace folder may come from anywhere (copied, cut short by a killed run, edited), so it is read as the
-checkpoint reader reads a checkpoint (:mod:`zerosim.untrusted_files`):
+checkpoint reader reads a checkpoint (:mod:`zerosim.files.untrusted_files`):
 
 * only regular files inside the folder named ``rank-NNNNN.jsonl`` are read (a symbolic link, a FIFO, a
   device or a directory of that name is refused without being followed or opened for long); other
@@ -12,7 +12,7 @@ checkpoint reader reads a checkpoint (:mod:`zerosim.untrusted_files`):
 * each line is strict JSON (UTF-8, no duplicate key, integers of at most 20 digits, nesting at most
   :data:`MAX_LINE_DEPTH` deep, measured before the parser recurses; ``NaN`` / ``Infinity`` read, since
   the monitor writes a non-finite loss or norm as such), and every field is checked for its type and
-  range (:meth:`~zerosim.observe.MonitorObservation.from_json`);
+  range (:meth:`~zerosim.values.observe.MonitorObservation.from_json`);
 * one world: every line states the same world size W, its rank is its file's, and the files are
   exactly ranks 0..W-1; no rank lists a step twice.
 
@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..observation_fields import MAX_WORLD
-from ..observe import MonitorObservation
-from ..terminal_text import printable
-from ..untrusted_files import lstat_problem, open_regular, parse_json_strict
+from ..files.terminal_text import printable
+from ..files.untrusted_files import lstat_problem, open_regular, parse_json_strict
+from ..values.observation_fields import MAX_WORLD
+from ..values.observe import MonitorObservation
 from .trace import RANK_FILE
 
 MAX_LINE_BYTES = 64 << 20  #: one observation line (a model of 100,000 tensors writes about 20 MB)

@@ -13,7 +13,7 @@ printed once, then ``MPI_Abort``).
 
 MPI-only options: ``--timeout-mode abort|raise`` (how a collective timeout is detected, see
 :mod:`zerosim.comm.mpi`; default ``$ZEROSIM_MPI_TIMEOUT_MODE`` or ``abort``) and
-``--save-observations PATH`` (rank 0 stores the observations of every rank, :mod:`zerosim.datafile`).
+``--save-observations PATH`` (rank 0 stores the observations of every rank, :mod:`zerosim.files.datafile`).
 The collective
 timeout itself is the run's ``timeout_s`` (``--timeout`` of ``zerosim simulate``). ``--world-size``
 defaults to the number of ranks mpiexec started; a different value is an error.

@@ -8,14 +8,14 @@ point detects and reports.
 
 Every launch has a wall-clock timeout. ``mpiexec`` runs in its own session (process group); on
 timeout the whole group gets SIGTERM, then SIGKILL, so no rank outlives the launch
-(:func:`zerosim.launching.run_process_group`, shared with the torchrun launcher).
+(:func:`zerosim.processes.launching.run_process_group`, shared with the torchrun launcher).
 
 ``zerosim simulate --backend mpi`` (:func:`launch_simulate`) writes the run to one file the ranks
 load (:mod:`zerosim.engine.run_file`), streams rank 0's output and ends with
 the ranks' own one-line verdict on a failure; MPICH's noise (``Abort(3) on node ...``, the
 "BAD TERMINATION" banner it prints on stdout when a rank dies) goes to a log named in that line. A
 rank killed by a signal is named from the banner's process id and the ids the ranks recorded
-(:func:`zerosim.rank_messages.record_pid`): ``rank 1 failed: killed by signal 9 (SIGKILL)``, exit 3.
+(:func:`zerosim.processes.rank_messages.record_pid`): ``rank 1 failed: killed by signal 9 (SIGKILL)``, exit 3.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from ..errors import (
     install_hint,
     require_positive_int,
 )
-from ..launching import (
+from ..processes.launching import (
     death_line,
     finish_launch,
     launch_timeout_from_env,
@@ -48,7 +48,7 @@ from ..launching import (
     run_process_group,
     run_streamed,
 )
-from ..rank_messages import RANK_DIR_ENV, read_pids
+from ..processes.rank_messages import RANK_DIR_ENV, read_pids
 
 _KILL_GRACE_S = 3.0
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from ..errors import EXIT_RUN_FAILED
-from ..rank_messages import rank_failure_message
+from ..processes.rank_messages import rank_failure_message
 
 
 def run_rank(body: Callable[[], int]) -> NoReturn:

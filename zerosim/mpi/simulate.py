@@ -18,10 +18,10 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .. import datafile
 from ..engine.run_file import RankRun
 from ..errors import EXIT_BAD_INPUT, ConfigError, ZeroSimError
-from ..rank_messages import record_pid
+from ..files import datafile
+from ..processes.rank_messages import record_pid
 from .rank import run_rank
 
 #: the MPI timeout mode of ranks whose run does not name one (abort or raise, :mod:`zerosim.comm.mpi`)

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, require_positive_int
-from ..intervals import Interval, merge_adjacent
-from ..layout import ParamLayout
+from ..values.intervals import Interval, merge_adjacent
+from ..values.layout import ParamLayout
 from .base import RankShard, ShardPlan, ShardTable
 
 #: The largest shard group a built-in partitioner splits over. A ShardPlan holds its shards as numpy

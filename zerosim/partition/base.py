@@ -13,7 +13,7 @@ from typing import Any, Protocol, overload
 import numpy as np
 
 from ..errors import ConfigError
-from ..layout import ParamLayout
+from ..values.layout import ParamLayout
 
 Interval = tuple[int, int]  # half-open [start, end) in the flat index space
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..intervals import Interval
-from ..layout import ParamLayout
+from ..values.intervals import Interval
+from ..values.layout import ParamLayout
 from ._common import ceil_div, check_args, check_interval_count, make_flat_plan, make_plan
 from .base import ShardPlan, ShardTable, register_partitioner
 

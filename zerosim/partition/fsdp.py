@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 
-from ..intervals import Interval
-from ..layout import ParamLayout
+from ..values.intervals import Interval
+from ..values.layout import ParamLayout
 from ._common import ceil_div, check_args, check_interval_count, make_plan
 from .base import ShardPlan, register_partitioner
 

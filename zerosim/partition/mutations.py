@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from ..layout import ParamLayout
+from ..values.layout import ParamLayout
 from .base import RankShard, RegisteredPartitioner, ShardPlan
 
 Rule = Callable[[ParamLayout, int], ShardPlan]

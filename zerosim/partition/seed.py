@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, require_non_negative_int, require_positive_int, require_rank
-from ..intervals import Interval, merge_adjacent
-from ..layout import Block, ParamLayout
+from ..values.intervals import Interval, merge_adjacent
+from ..values.layout import Block, ParamLayout
 from ._common import ceil_div, check_args, make_flat_plan, make_plan
 from .base import ShardPlan, ShardTable, register_partitioner
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import heapq
 
-from ..intervals import Interval
-from ..layout import ParamLayout
+from ..values.intervals import Interval
+from ..values.layout import ParamLayout
 from ._common import check_args, make_plan
 from .base import ShardPlan, register_partitioner
 

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from ..cost.deepspeed_compare import compare_with_deepspeed
-from ..layout import ParamLayout
-from ..outputs import write_text
+from ..files.outputs import write_text
+from ..values.layout import ParamLayout
 from . import figures
 from .config import ReportConfig
 from .figure_data import (

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, require_positive_int
-from ..run_value import RunValue
+from ..values.run_value import RunValue
 
 DEFAULT_DP_DEGREES = tuple(2**i for i in range(11))  # 1 .. 1024
 #: The measured runs train every strategy at every listed world size in this process: at most 32

@@ -20,7 +20,7 @@ from ..cost.memory_settings import MemorySettings
 from ..cost.memory_timeline import modelled_step_timeline
 from ..engine.config import RunConfig
 from ..engine.spmd import simulate_observations
-from ..strategy import Topology
+from ..values.strategy import Topology
 from . import figures
 from .config import ReportConfig
 from .measure import (

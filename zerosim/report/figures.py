@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 from ..cost.units import UNITS, to_unit  # noqa: E402
-from ..outputs import save_figure  # noqa: E402
+from ..files.outputs import save_figure  # noqa: E402
 
 CATEGORY_COLORS = {
     "params": "#4C72B0",

@@ -6,7 +6,7 @@ import datetime as _dt
 from pathlib import Path
 from typing import Any
 
-from ..outputs import write_text
+from ..files.outputs import write_text
 from .config import ReportConfig
 
 

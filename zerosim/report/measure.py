@@ -19,14 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import datafile
 from ..cost.comm_model import comm_for_run
 from ..cost.memory_model import MemoryEstimate, memory_per_rank
 from ..cost.memory_settings import ENGINE_PRECISION, MemorySettings
 from ..engine.config import ResolvedRun, RunConfig
 from ..errors import ConfigError
-from ..observe import STORED_TYPES, RankObservation
-from ..strategy import Topology
+from ..files import datafile
+from ..values.observe import STORED_TYPES, RankObservation
+from ..values.strategy import Topology
 
 MODEL_STATE = ("params", "grads", "optimizer_states")
 _HOLDING_KIND = {"params": "params", "grads": "grads", "optimizer_states": "optimizer"}

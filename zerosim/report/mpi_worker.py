@@ -4,7 +4,7 @@
 
 Every rank runs the engine's SPMD program (:func:`zerosim.engine.spmd.rank_program`) on an
 :class:`~zerosim.comm.mpi.MpiCommunicator`; rank 0 gathers the observations (once per run, not the
-data path) and stores them in ``OUT`` (:mod:`zerosim.datafile`) for
+data path) and stores them in ``OUT`` (:mod:`zerosim.files.datafile`) for
 :func:`zerosim.report.measure.run_under_mpi`. A failing rank aborts the whole job
 (:func:`zerosim.mpi.rank.run_rank`).
 """
@@ -32,7 +32,7 @@ def main(argv: list[str]) -> None:
         observation = rank_program(comm, cfg)
         observations = world.gather(observation, root=0)
         if world.Get_rank() == 0:
-            from .. import datafile
+            from ..files import datafile
 
             datafile.save(out_path, observations)
         world.Barrier()

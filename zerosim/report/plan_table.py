@@ -14,7 +14,7 @@ import numpy as np
 
 from ..checks.partition import CONTRACT
 from ..cost.units import format_bytes
-from ..plan import STATE_KINDS, StatePlan, bytes_in
+from ..values.plan import STATE_KINDS, StatePlan, bytes_in
 
 ADAM_BYTES = 8  # m + v in fp32 per element: OptimizerShard.shard_memory_bytes's accounting
 DEFAULT_MAX_ROWS = 16
@@ -23,13 +23,13 @@ DEFAULT_MAX_ROWS = 16
 class RankColumns:
     """Every rank's numbers as arrays over the world (no per-rank Python objects).
 
-    A plan built by :func:`zerosim.plan.build_plan` holds one ShardPlan: local rank ``r % k``'s
+    A plan built by :func:`zerosim.values.plan.build_plan` holds one ShardPlan: local rank ``r % k``'s
     numbers are computed once per local rank and spread to every shard group; any other StatePlan is
     read rank by rank.
     """
 
     def __init__(self, plan: StatePlan):
-        from ..plan import RankStates, shard_columns
+        from ..values.plan import RankStates, shard_columns
 
         self.plan = plan
         topo, layout = plan.topology, plan.layout
@@ -141,7 +141,7 @@ def render(plan: StatePlan, verdict: Any, check_ms: float, max_rows: int | None 
     from rich.console import Console
     from rich.table import Table
 
-    from ..text_tables import print_table
+    from ..files.text_tables import print_table
 
     if console is None:
         console = Console(width=None if sys.stdout.isatty() else 220, highlight=False)

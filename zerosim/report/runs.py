@@ -15,8 +15,8 @@ from ..engine.config import RunConfig
 from ..engine.reference import ordered_reference
 from ..engine.run_result import evaluate
 from ..engine.spmd import simulate_observations
-from ..model import SimModelConfig
-from ..strategy import Topology
+from ..numerics.model import SimModelConfig
+from ..values.strategy import Topology
 from .config import ReportConfig
 from .measure import (
     equivalence_errors,

@@ -5,7 +5,7 @@ The report's torch.distributed measurement: every rank runs the engine's SPMD pr
 (:func:`zerosim.engine.spmd.rank_program`, torch arrays) on a gloo
 :class:`zerogpu.comm.TorchCommunicator`, once per configuration in ``CONFIGS_JSON`` (a JSON list of
 ``RunConfig.to_json()`` values, each loaded by ``RunConfig.from_json``); rank 0 collects every
-rank's observations and stores ``[[obs per rank] per config]`` in ``OUT`` (:mod:`zerosim.datafile`)
+rank's observations and stores ``[[obs per rank] per config]`` in ``OUT`` (:mod:`zerosim.files.datafile`)
 for :func:`zerosim.report.measure.run_under_torch`. A failing rank ends the whole job
 (:func:`zerogpu.rank.run_rank`).
 """
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
             dist.all_gather_object(gathered, observation)
             collected.append(gathered)
         if comm.rank == 0:
-            from .. import datafile
+            from ..files import datafile
 
             datafile.save(out_path, collected)
         dist.barrier()

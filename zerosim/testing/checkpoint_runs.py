@@ -24,7 +24,7 @@ from ..engine.block_schedule import BlockSchedule, block_rank_state
 from ..engine.config import ResolvedRun, RunConfig
 from ..engine.fault_catalog import engine_fault
 from ..engine.rank_state import RankState
-from ..xp import numpy_namespace
+from ..numerics.xp import numpy_namespace
 
 
 def _engine(comm: Any, run: ResolvedRun) -> tuple[RankState, BlockSchedule]:

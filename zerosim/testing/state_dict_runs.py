@@ -21,10 +21,10 @@ from ..engine.fault_catalog import engine_fault
 from ..engine.faults import EngineFault
 from ..engine.observation import full_params_view
 from ..engine.rank_state import RankState
-from ..layout import ParamLayout
-from ..observe import ShardValues
-from ..verdict import Verdict
-from ..xp import numpy_namespace
+from ..numerics.xp import numpy_namespace
+from ..values.layout import ParamLayout
+from ..values.observe import ShardValues
+from ..values.verdict import Verdict
 
 
 @dataclass

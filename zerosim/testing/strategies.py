@@ -16,11 +16,11 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from ..layout import ParamLayout, TensorSpec
 from ..partition import PARTITIONERS
 from ..partition.base import ShardPlan
-from ..plan import StatePlan, build_plan
-from ..strategy import ShardingStrategy, StrategyKind, Topology
+from ..values.layout import ParamLayout, TensorSpec
+from ..values.plan import StatePlan, build_plan
+from ..values.strategy import ShardingStrategy, StrategyKind, Topology
 
 DTYPES = ("float32", "bfloat16", "float16")
 EDGE_TOTALS = (0, 1, 2, 3, 7, 63, 64, 65, 1023, 1025, 1_000_003, 10**12, 2**61 - 1)

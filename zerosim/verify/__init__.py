@@ -28,7 +28,7 @@ RANK_IMPORTS = (
     "zerogpu.comm",
     "zerogpu.program",
     "zerogpu.rank",
-    "zerosim.rank_logs",
+    "zerosim.processes.rank_logs",
     "zerosim.verify.adapters",
     "zerosim.verify.arrival",
     "zerosim.verify.resources",
@@ -45,7 +45,7 @@ def launch_imports(args: Sequence[str]) -> tuple[str, ...]:
     once before the fork; nothing for any other arguments or a file it cannot read."""
     from ..engine.run_file import config_path_argument
     from ..errors import ConfigError
-    from ..json_file import read_settings
+    from ..files.json_file import read_settings
     from .adapters import CPU_RANK_IMPORTS
 
     path = config_path_argument(list(args))  # --run FILE, or --run-file FILE as zerosim verify writes it

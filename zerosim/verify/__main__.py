@@ -18,7 +18,7 @@ if __name__ == "__main__":
 
     from zerogpu.rank import env_rank, fail_on_bad_input
     from zerosim.errors import ZeroSimError
-    from zerosim.rank_logs import send_output_to_rank_log
+    from zerosim.processes.rank_logs import send_output_to_rank_log
 
     from .run_value import read_verify_run
     from .runner import rank_main

@@ -17,7 +17,7 @@ no report, from the most to the least telling:
 * a ``rank R failed: ...`` line in a rank's log, then the last lines of the first log that has any
   (the launch's own output when no rank wrote a word: a rank that could not even start).
 
-Every line names the folder of the ranks' own output (:mod:`zerosim.rank_logs`). Serves the "a
+Every line names the folder of the ranks' own output (:mod:`zerosim.processes.rank_logs`). Serves the "a
 failing rank ends the run non-zero naming it" rule: the line says what happened, not what it looks
 like from the rank that noticed.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosim.errors import CollectiveError
-from zerosim.rank_logs import failure_lines, log_tail, rank_log_path
+from zerosim.processes.rank_logs import failure_lines, log_tail, rank_log_path
 
 _KIND_ORDER = {"raised": 0, "hang": 1, "peer": 2}
 

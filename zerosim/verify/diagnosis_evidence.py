@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from zerosim.observe import TrainerObservation
+from zerosim.values.observe import TrainerObservation
 
 from .observation import StepRecord
 

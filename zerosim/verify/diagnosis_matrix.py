@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zerosim.observe import TrainerObservation
+from zerosim.values.observe import TrainerObservation
 
 from .observation import StepRecord
 from .optimizers import is_elementwise

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from zerosim.observe import TrainerObservation
+from zerosim.values.observe import TrainerObservation
 
 from .diagnosis_evidence import failing, majority, params_key, ranges
 from .observation import StepRecord

@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
-from zerosim import datafile
 from zerosim.checks.equivalence import float32_masters
 from zerosim.checks.judges import judge
 from zerosim.checks.tolerance import ErrorModel, unit_roundoff
 from zerosim.checks.traffic import with_reduce_dtype
-from zerosim.observe import TrainerObservation
-from zerosim.verdict import Verdict, Violation
+from zerosim.files import datafile
+from zerosim.values.observe import TrainerObservation
+from zerosim.values.verdict import Verdict, Violation
 
 from .estimated_bound import TwinBound
 from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, policy
@@ -227,13 +227,13 @@ class _IdentityRecord:
     ref: _NamedReference
 
 
-#: the dataclasses a saved run is made of (:func:`zerosim.datafile.load` rebuilds these and no other)
+#: the dataclasses a saved run is made of (:func:`zerosim.files.datafile.load` rebuilds these and no other)
 SAVED_TYPES = (Phase, TrainerObservation, Verdict, Violation)
 
 
 def save_observations(path: str, run: dict[str, Any]) -> None:
     """Store what :func:`evaluate` needs besides the model (rebuilt from its name and seed) in ``path``
-    as plain data (:mod:`zerosim.datafile`)."""
+    as plain data (:mod:`zerosim.files.datafile`)."""
     datafile.save(path, run)
 
 

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosim.errors import ConfigError
-from zerosim.outputs import write_text
+from zerosim.files.outputs import write_text
 
 from .adapters import ADAPTERS, HYBRID_ADAPTERS, installed_adapters
 from .matrix_cells import (
@@ -207,7 +207,7 @@ def write_matrix(matrix: dict[str, Any], out_dir: str | Path) -> dict[str, Path]
     alone goes to ``verify-resume-matrix.json`` and ``.md``, of the mixed-precision columns alone
     to ``verify-precision-matrix.*``, of the optimizer and model columns alone to
     ``verify-columns-matrix.*``. Each file is written next to its
-    target and renamed over it (:mod:`zerosim.outputs`)."""
+    target and renamed over it (:mod:`zerosim.files.outputs`)."""
     out = Path(out_dir)
     stem = "verify-matrix" if matrix["cells"] else "verify-columns-matrix" if columns_only(matrix) else (
         "verify-precision-matrix" if matrix.get("precision_cells") and not matrix.get("resume_cells")
@@ -299,7 +299,7 @@ def run_cli(args: Any, timeout_s: float | None) -> int:
     ``--device`` and ``--timeout`` apply to every cell; the worlds are 2 and 4, the resume pairs
     2 -> 3 and 4 -> 2, the steps and model the defaults. ``--resume-matrix``: the resume column
     alone. Every option is checked, and the output directory made, before the first cell."""
-    from zerosim.outputs import output_dir
+    from zerosim.files.outputs import output_dir
 
     from .runner import validate_options
 

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from zerosim.outputs import save_figure
+from zerosim.files.outputs import save_figure
 
 from .matrix_cells import RESUME_AT
 from .matrix_precision import render_precision_markdown

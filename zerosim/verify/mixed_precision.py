@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerosim.dtypes import canonical_dtype, precision_name
 from zerosim.errors import ConfigError
+from zerosim.values.dtypes import canonical_dtype, precision_name
 
 FULL = "full"
 PRECISIONS = (FULL, "bf16", "fp16")

@@ -2,7 +2,7 @@
 
 The launcher of ``zerosim verify`` (and of the benchmarks that train a preset) checks ``--model``
 before any rank starts; these values are plain data, so that check costs no torch import.
-:mod:`zerosim.verify.model` builds the torch GPT from a :class:`zerosim.presets.GPTConfig`;
+:mod:`zerosim.verify.model` builds the torch GPT from a :class:`zerosim.values.presets.GPTConfig`;
 :mod:`zerosim.verify.model_source` builds whatever ``--model`` names.
 """
 
@@ -12,14 +12,14 @@ from dataclasses import replace
 from typing import Any
 
 from zerosim.errors import ConfigError, install_hint
-from zerosim.presets import GPTConfig
+from zerosim.values.presets import GPTConfig
 
 HF_MODEL = "hf-gpt2"
 MOE_MODEL = "moe"  # the built-in mixture of experts (zerosim.verify.model_moe)
 HF_INSTALL = install_hint("hf")
 
 
-#: the verify GPTs, :class:`zerosim.presets.GPTConfig` values (the one model-shape type): a toy whose
+#: the verify GPTs, :class:`zerosim.values.presets.GPTConfig` values (the one model-shape type): a toy whose
 #: every width is a different prime-ish size (a transposed or mis-sliced tensor cannot hide), with the
 #: small tensors; the same tied; and a 50M-parameter model for the benchmarks
 _GPT = GPTConfig(vocab_size=37, seq_len=7, d_model=25, n_head=5, mlp_width=47, n_layer=2,

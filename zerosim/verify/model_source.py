@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerosim.dotted import import_dotted
 from zerosim.errors import ConfigError, ZeroSimError
+from zerosim.files.dotted import import_dotted
 
 from .model import PRESETS, build_model, micro_batch, torch_dtype
 from .model_moe import MOE_CONFIG, moe_factory

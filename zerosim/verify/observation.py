@@ -1,8 +1,8 @@
 """What ``zerosim verify`` observes: each rank's values after each step, with the reference's beside them.
 
-A rank's observation is :class:`zerosim.observe.TrainerObservation` (named ``StepObservation`` here
+A rank's observation is :class:`zerosim.values.observe.TrainerObservation` (named ``StepObservation`` here
 too); a :class:`StepRecord` puts a step's observations beside the reference and the derived bound
-(it is a :class:`zerosim.observe.TrainerStep`). Plain data (numpy arrays), so the checks
+(it is a :class:`zerosim.values.observe.TrainerStep`). Plain data (numpy arrays), so the checks
 (:mod:`zerosim.checks`) and the diagnosis (:mod:`zerosim.verify.diagnosis`) are pure functions,
 testable on synthetic observations.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerosim.checks.tolerance import StepBounds
-from zerosim.observe import TrainerObservation
+from zerosim.values.observe import TrainerObservation
 
 from .reference import ReferenceStep
 

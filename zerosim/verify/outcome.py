@@ -1,12 +1,12 @@
-"""What ``zerosim verify`` returns: a :class:`VerifyReport` of one :class:`~zerosim.verdict.Verdict` per
-contract and a ranked list of :class:`Diagnosis` (likely bug classes with their evidence). Pure data,
+"""What ``zerosim verify`` returns: a :class:`VerifyReport` of one :class:`~zerosim.values.verdict.Verdict`
+per contract and a ranked list of :class:`Diagnosis` (likely bug classes with their evidence). Pure data,
 JSON both ways.
 
 The contracts are judged by :mod:`zerosim.checks` (one check per contract); the report holds their
 verdicts as they are, the type the simulator and the monitor report too. A verdict's JSON is
-:meth:`~zerosim.verdict.Verdict.to_json` (``status`` "pass" | "fail" | "finding" | "skipped" |
+:meth:`~zerosim.values.verdict.Verdict.to_json` (``status`` "pass" | "fail" | "finding" | "skipped" |
 "diverged", ``reason``, ``violations``, ``details``, and ``contract``, ``passed``, ``outcome``,
-``diverged_at``, ``checked``); a violation's is :meth:`~zerosim.verdict.Violation.to_json`:
+``diverged_at``, ``checked``); a violation's is :meth:`~zerosim.values.verdict.Violation.to_json`:
 ``contract``, ``phase`` ("sgd" | "adamw"), ``step`` (1-based, global over the phases), ``rank``,
 ``ranks``, ``tensor`` (its name in ``model.named_parameters()``), ``start`` / ``stop`` (a half-open
 element range of the flattened tensor), ``expected``, ``got``, ``error``, ``tolerance``, ``message``,
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from zerosim.verdict import Verdict, Violation, where
+from zerosim.values.verdict import Verdict, Violation, where
 
 #: the clauses that judge efficiency against the declared strategy's model, not the values: memory
 #: above the plan (C-ZERO-004 ``bytes``), traffic outside the ring model (C-ZERO-005 ``ring_model``)

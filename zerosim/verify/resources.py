@@ -31,7 +31,7 @@ import numpy as np
 from zerosim.checks.holdings import MEMORY_KINDS, ResidentPlan, as_layout, kinds_below_plan
 from zerosim.checks.judges import judge
 from zerosim.checks.traffic import TRAFFIC_CLASSES, TrafficModel
-from zerosim.verdict import Verdict
+from zerosim.values.verdict import Verdict
 
 from .traffic import TrafficCounter, local_tensor
 

@@ -22,24 +22,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zerosim import datafile
 from zerosim.checks.checkpoint import ResumedTrainer
 from zerosim.checks.judges import judge
-from zerosim.observe import TrainerObservation
-from zerosim.verdict import Verdict
+from zerosim.files import datafile
+from zerosim.values.observe import TrainerObservation
+from zerosim.values.verdict import Verdict
 
 from .observation import StepRecord
 from .protocol import STATE_NAMES
 from .suite import Phase
 
-#: what the first world's rank 0 leaves for the resumed run's rank 0 (:mod:`zerosim.datafile`: plain data
-#: that cannot execute code when read), in the run's private resume folder
+#: what the first world's rank 0 leaves for the resumed run's rank 0 (:mod:`zerosim.files.datafile`: plain
+#: data that cannot execute code when read), in the run's private resume folder
 SNAPSHOT_FILE = "first-run.safetensors"
 
 
 def read_first_run(path: Path) -> dict[str, Any]:
     """What the first launch saved (``world``, ``phases``, ``phase_info``, ``observations``), read as plain
-    data (:func:`zerosim.datafile.load`: no code runs); DataFileError naming the file if it is not that."""
+    data (:func:`zerosim.files.datafile.load`: no code runs); DataFileError naming the file if it is not
+    that."""
     first = datafile.load(path, types=(Phase, TrainerObservation))
     shape_ok = (
         isinstance(first, dict)

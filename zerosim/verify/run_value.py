@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from zerosim.errors import ConfigError, require_positive_int
-from zerosim.run_value import RunValue
+from zerosim.values.run_value import RunValue
 
 from .mixed_precision import DEFAULT_REDUCE_DTYPE, FULL, require_precision
 from .suite import OPTIMIZERS, build_phases

@@ -6,7 +6,7 @@ then starts N ranks of ``python -m zerosim.verify TARGET ...`` as ``torchrun --s
 current directory on every rank's ``PYTHONPATH``. Rank 0 writes ``report.json`` (or ``error.json``)
 into the run directory; each failing rank writes ``failure-rank<R>.json`` naming the rank to blame.
 Each rank's own output goes to ``rank<R>.log`` in ``--out``'s ``logs/`` (a temporary folder without
-``--out``, kept when a rank failed), never through the launcher (:mod:`zerosim.rank_logs`); the
+``--out``, kept when a rank failed), never through the launcher (:mod:`zerosim.processes.rank_logs`); the
 failure line (:mod:`zerosim.verify.blame`) names the folder.
 
 Each rank: ``init_process_group`` (gloo on the CPU, NCCL with ``--device cuda``; every collective
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from zerosim.errors import ConfigError, ZeroSimError
-from zerosim.outputs import publish_files, require_output_dir, write_text
+from zerosim.files.outputs import publish_files, require_output_dir, write_text
 
 from .blame import blame_rank
 from .errors import RankFailure, TrainerError

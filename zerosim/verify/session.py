@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from zerosim import datafile
 from zerosim.errors import ConfigError
-from zerosim.observe import TrainerObservation
-from zerosim.outputs import OutputError, write_text
+from zerosim.files import datafile
+from zerosim.files.outputs import OutputError, write_text
+from zerosim.values.observe import TrainerObservation
 
 from .errors import TrainerError
 from .mixed_precision import policy

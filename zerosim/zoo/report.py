@@ -1,7 +1,7 @@
 """The zoo's report: ``zoo.json``, ``zoo.md`` and ``zoo.png`` (entries x {verify, monitor, twin}).
 
 Written into the run's folder (``reports/zoo-<timestamp>/`` or ``--out``), each file next to its
-target and renamed over it (:mod:`zerosim.outputs`). The markdown sets the figures beside the
+target and renamed over it (:mod:`zerosim.files.outputs`). The markdown sets the figures beside the
 published ones of TrainCheck (OSDI '25) and TTrace (arXiv 2506.09280), and lists every entry with
 what each judge said of the bug and of its fixed twin.
 """
@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..outputs import output_dir, save_figure, write_text
+from ..files.outputs import output_dir, save_figure, write_text
 from .catalogue import CATCH, FINDING, MISS
 
 #: the published figures the zoo's are set beside (each paper's own numbers, not re-measured here)

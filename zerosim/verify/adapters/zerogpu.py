@@ -15,8 +15,8 @@ reference optimizer, which is what a peer's ``torch.optim`` optimizer runs. The 
 runnable by name but are not part of ``verify --all``.
 
 Mixed precision (``optim["mixed_precision"]``) maps onto zerosim's own policy
-(:mod:`zerosim.precision`): the model is cast to ``param_dtype`` (bfloat16) before the engine is built,
-which makes the engine keep float32 master shards, upcast every gradient to float32 before reducing
+(:mod:`zerosim.numerics.precision`): the model is cast to ``param_dtype`` (bfloat16) before the engine is
+built, which makes the engine keep float32 master shards, upcast every gradient to float32 before reducing
 and accumulating it, and cast the stepped masters down into the working parameters.
 :class:`MixedZeroTrainer` then writes the float32 values the model arrived with into the master shards
 (the engine would otherwise start from the bfloat16-rounded ones) and returns the masters from
