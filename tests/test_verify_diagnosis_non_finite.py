@@ -78,3 +78,28 @@ def test_diagnosis_blames_only_values_where_the_reference_is_finite() -> None:
     found = non_finite([rec])
     assert bug_classes(found) == ["non-finite-weights"]
     assert "at step 1 (sgd) rank 0's full_parameters() hold -inf in w[1]" in found[0].evidence
+
+
+def test_c_zero_002_fails_a_one_sided_non_finite_value_and_passes_one_the_reference_shares() -> None:
+    """The live-trainer comparison, pure: a non-finite value where the float64 reference is finite (or
+    of another kind: +inf against NaN) is beyond any bound; the same non-finite value on both sides (the
+    reference diverged too) is agreement, whatever the bound there says."""
+    from zerosim.checks.equivalence import _trainer_equivalence
+
+    ref = np.array([np.inf, np.nan, -np.inf, 1.0])
+    bound = np.array([np.nan, np.nan, np.inf, 1e-6])
+
+    def verdict(got: np.ndarray):
+        rank0 = TrainerObservation("sgd", 1, 0, 0.0, {"w": got})
+        rec = SimpleNamespace(step=1, phase="sgd", ranks=[rank0],
+                              ref=SimpleNamespace(params={"w": ref}, state={}),
+                              bounds=SimpleNamespace(params={"w": bound}, state={}))
+        return _trainer_equivalence([rec], "C-ZERO-002")
+
+    assert verdict(ref.copy()).passed
+    for i, wrong in ((0, -np.inf), (1, np.inf), (2, 0.0), (3, np.nan)):
+        got = ref.copy()
+        got[i] = wrong
+        broken = verdict(got)
+        assert not broken.passed, (i, wrong)
+        assert (broken.violations[0]["start"], broken.violations[0]["tensor"]) == (i, "w"), broken.violations
