@@ -82,7 +82,9 @@ def test_the_rule_finds_a_violation_built_outside_the_checks(tmp_path: Path) -> 
 #: the modules that judge a whole run: the simulator's result, zerosim verify's report (its values, its
 #: resources, its resumed state), the monitor's verdicts and a user's partition function's cases
 RUN_JUDGES = ("zerosim/engine/run_result.py", "zerosim/verify/evaluate.py", "zerosim/verify/resources.py",
-              "zerosim/verify/resume.py", "zerosim/monitor/judge.py", "zerosim/testing/check_impl.py")
+              "zerosim/verify/resume.py", "zerosim/monitor/judge.py", "zerosim/monitor/monitor.py",
+              "zerosim/testing/check_impl.py", "zerosim/testing/state_dict_runs.py", "zerosim/cli/check.py",
+              "zerosim/cli/plan.py", "zerosim/bench/check.py")
 
 
 def _checks_imported(path: Path) -> list[str]:

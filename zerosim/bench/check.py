@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks.partition import check_partition_plan
+from ..checks.judges import judge
 from ..errors import ConfigError, require_positive_int
 from ..files.outputs import output_file, write_text
 from ..partition import get_partitioner
@@ -122,8 +122,8 @@ def run(args: Any) -> int:
     t0 = time.perf_counter()
     big = seed_plan(total, ws)
     build_s = time.perf_counter() - t0
-    verdict = check_partition_plan(big)
-    times = _time(lambda: check_partition_plan(big), repeats)
+    verdict = judge("C-ZERO-001", big)
+    times = _time(lambda: judge("C-ZERO-001", big), repeats)
     ours = {
         "total": total,
         "world_size": ws,
@@ -147,7 +147,7 @@ def run(args: Any) -> int:
     for n in flag_sizes:
         plan = seed_plan(n, ws)
         flag_s = min(_time(lambda plan=plan: flag_check(plan), 3))
-        ival_s = min(_time(lambda plan=plan: check_partition_plan(plan), 5))
+        ival_s = min(_time(lambda plan=plan: judge("C-ZERO-001", plan), 5))
         side.append({"total": n, "world_size": ws, "flag_ms": flag_s * 1e3, "interval_ms": ival_s * 1e3,
                      "flag_bytes": n, "ratio_flag_over_interval": flag_s / ival_s if ival_s else None})
         print(

@@ -12,7 +12,8 @@ import sys
 import time
 from typing import Any
 
-from ..checks.partition import CONTRACT, check_partition_plan
+from ..checks.judges import judge
+from ..checks.partition import CONTRACT
 from ..errors import ConfigError, require_non_negative_int, require_positive_int
 from ..files.int_text import parse_int_list
 from ..partition import PARTITIONERS, get_partitioner
@@ -157,7 +158,7 @@ def _check_builtin(args: argparse.Namespace, world_sizes: list[int] | None, tota
             t0 = time.perf_counter()
             plan = partitioner(layout, ws)
             t1 = time.perf_counter()
-            verdict = check_partition_plan(plan)
+            verdict = judge(CONTRACT, plan)
             t2 = time.perf_counter()
             n = sum(verdict.details.get("violations_by_clause", {}).values())
             n_violations += n

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from ..checks.partition import check_partition_plan
+from ..checks.judges import judge
 from ..cost.shard_sizes import parse_param_count
 from ..partition import PARTITIONERS
 from ..report.plan_table import DEFAULT_MAX_ROWS, plan_json, render
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     strategy.shard_group_size(topology.world_size)  # validates a hybrid size against the world size
     plan = build_plan(layout, strategy, args.partitioner, topology)
     t0 = time.perf_counter()
-    verdict = check_partition_plan(plan)
+    verdict = judge("C-ZERO-001", plan)
     check_ms = (time.perf_counter() - t0) * 1e3
     if args.json:
         json.dump(plan_json(plan, verdict, check_ms, args.intervals), sys.stdout, indent=2)

@@ -44,8 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..checks.identity import check_replica_identity
-from ..checks.partition import check_partition_plan
+from ..checks.judges import judge as judge_contract
 from ..errors import ConfigError
 from ..values.observe import MonitorObservation, ranges_from_json
 from ..values.verdict import Verdict, Violation
@@ -408,8 +407,8 @@ class Monitor(RunRecords):
                                           pending.taken)
                         for r in range(self.world)]
         if self._layout_verdict is None:
-            self._layout_verdict = check_partition_plan(observations)
-        identity = check_replica_identity(observations) if mismatched else \
+            self._layout_verdict = judge_contract("C-ZERO-001", observations)
+        identity = judge_contract("C-ZERO-003", observations) if mismatched else \
             Verdict("C-ZERO-003", details={"violation_count": 0})
         identity.checked = self._compared
         verdicts = judge(observations, self._layout_verdict, identity)

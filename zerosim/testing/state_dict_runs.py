@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..checkpoint.broadcast import BroadcastLoadResult, broadcast_and_shard_state_dict
-from ..checks.state_dict import check_broadcast_shard
+from ..checks.judges import judge
 from ..comm.sim import run_spmd
 from ..engine.config import ResolvedRun, RunConfig
 from ..engine.fault_catalog import engine_fault
@@ -104,7 +104,8 @@ def check_load(run: ResolvedRun, state: Mapping[str, Any], loads: list[RankLoad]
                context: dict[str, Any] | None = None) -> Verdict:
     """C-ZERO-006 on the ranks of ``run`` after loading ``state``."""
     full = full_flat(run.layout, state, run.precision.master_dtype)
-    return check_broadcast_shard(
+    return judge(
+        "C-ZERO-006",
         full, run.layout, {ld.rank: ld.shard for ld in loads}, plan_pieces(run),
         {ld.rank: ld.params for ld in loads}, context,
     )
