@@ -107,6 +107,15 @@ def test_runs_are_judged_through_the_one_entry_point() -> None:
                or "judge_contract(" in (ROOT / path).read_text(encoding="utf-8") for path in RUN_JUDGES)
 
 
+def test_no_module_outside_the_checks_imports_a_contracts_check() -> None:
+    """Beyond the run judges: every module of zerosim and zerogpu outside zerosim.checks reaches a
+    contract's check through judge() only."""
+    modules = [p for p in sorted((ROOT / "zerosim").rglob("*.py")) + sorted((ROOT / "zerogpu").rglob("*.py"))
+               if CHECKS_DIR not in p.parents]
+    offenders = {str(p.relative_to(ROOT)): hits for p in modules if (hits := _checks_imported(p))}
+    assert not offenders, offenders
+
+
 def test_the_rule_sees_a_check_imported_directly(tmp_path: Path) -> None:
     rogue = tmp_path / "rogue.py"
     rogue.write_text("from zerosim.checks.identity import check_replica_identity\n"
