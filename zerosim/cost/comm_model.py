@@ -1,14 +1,15 @@
 """Closed-form communication per optimizer step: what every rank sends and receives, per collective.
 
-C-ZERO-005's expected value (the engine's measured traffic must equal it exactly) and what
-``zerosim comm`` prints. It follows the engine's collective schedule (:mod:`zerosim.engine.zero`)
-and the ring attribution of :mod:`zerosim.comm.base`; per strategy: NO_SHARD all-reduces the
-gradient (``2(N-1)/N Psi`` elements sent per rank), ZeRO-1 all-reduces or reduce-scatters it and
-all-gathers the parameters (``3(N-1)/N`` or ``2(N-1)/N Psi``), ZeRO-2 reduce-scatters and all-gathers
-(``2(N-1)/N Psi``), ZeRO-3 gathers twice and reduce-scatters per unit (``3(N-1)/N Psi``), hybrid
-strategies do that inside the shard group and all-reduce a ``1/k`` shard across replicas. The
-schedule with micro-batches, padding and dtypes, the hybrid intra/inter-node split and the paper's
-accounting are derived in docs/cost-model.md. Control traffic (``*.control`` groups) is reported apart.
+C-ZERO-005's expected value (the engine's measured traffic must equal it exactly) and what ``zerosim
+comm`` prints. It follows the engine's collective schedule (:mod:`zerosim.engine.step`,
+:mod:`zerosim.engine.gradients`) and the ring attribution of :mod:`zerosim.comm.base`; per strategy:
+NO_SHARD all-reduces the gradient (``2(N-1)/N Psi`` elements sent per rank), ZeRO-1 all-reduces or
+reduce-scatters it and all-gathers the parameters (``3(N-1)/N`` or ``2(N-1)/N Psi``), ZeRO-2
+reduce-scatters and all-gathers (``2(N-1)/N Psi``), ZeRO-3 gathers twice and reduce-scatters per unit
+(``3(N-1)/N Psi``), hybrid strategies do that inside the shard group and all-reduce a ``1/k`` shard
+across replicas. The schedule with micro-batches, padding and dtypes, the hybrid intra/inter-node split
+and the paper's accounting are derived in docs/cost-model.md. Control traffic (``*.control`` groups) is
+reported apart.
 
 Cost: O(tensors + ranks) to build the padded units from the partitioner's plan (O(1) given a plain
 parameter count), so 10^12 parameters x 1024 ranks answer instantly.
