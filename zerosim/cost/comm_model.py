@@ -1,7 +1,7 @@
 """Closed-form communication per optimizer step: what every rank sends and receives, per collective.
 
-C-ZERO-005's expected value (the engine's measured traffic must equal it exactly) and what ``zerosim
-comm`` prints. It follows the engine's collective schedule (:mod:`zerosim.engine.step`,
+C-ZERO-005's expected value (the engine's measured traffic must equal it exactly) and what
+``zerosim comm`` prints. It follows the engine's collective schedule (:mod:`zerosim.engine.step`,
 :mod:`zerosim.engine.gradients`) and the ring attribution of :mod:`zerosim.comm.base`; per strategy:
 NO_SHARD all-reduces the gradient (``2(N-1)/N Psi`` elements sent per rank), ZeRO-1 all-reduces or
 reduce-scatters it and all-gathers the parameters (``3(N-1)/N`` or ``2(N-1)/N Psi``), ZeRO-2
