@@ -69,9 +69,16 @@ def test_the_kernel_equals_torch_optim_on_the_same_flat_tensor(monkeypatch, kern
 
 
 def test_the_reference_kernel_is_zerosims_own_optimizer() -> None:
-    spec = OptimizerSpec("adamw", lr=1e-3)
+    """SGD: the reference itself; Adam/AdamW: the reference, or a kernel with its bits
+    (tests/test_zerogpu_exact_optimizer.py)."""
+    from zerogpu.exact_optimizer import FusedPrefixAdam
+
     xp = torch_namespace("cpu")
-    assert type(make_step_optimizer(spec, xp, "reference")) is type(make_optimizer(spec, xp))
+    sgd = OptimizerSpec("sgd", lr=1e-3)
+    assert type(make_step_optimizer(sgd, xp, "reference")) is type(make_optimizer(sgd, xp))
+    adamw = OptimizerSpec("adamw", lr=1e-3)
+    exact = (type(make_optimizer(adamw, xp)), FusedPrefixAdam)
+    assert isinstance(make_step_optimizer(adamw, xp, "reference"), exact)
     assert OPTIMIZER_KERNELS == ("reference", "torch", "fused", "compiled")
 
 

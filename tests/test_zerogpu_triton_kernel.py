@@ -25,10 +25,12 @@ from zerosim.numerics.optim import OptimizerSpec, make_optimizer  # noqa: E402
 from zerosim.numerics.xp import torch_namespace  # noqa: E402
 
 
-def test_the_reference_kernel_on_the_cpu_is_zerosims_optimizer():
-    spec = OptimizerSpec.parse("adamw", lr=1e-3)
+def test_the_reference_kernel_on_the_cpu_is_never_the_triton_pass():
+    spec = OptimizerSpec.parse("sgd", lr=1e-3)
     opt = make_step_optimizer(spec, torch_namespace("cpu"), "reference")
     assert type(opt) is type(make_optimizer(spec, torch_namespace("cpu")))
+    assert not isinstance(make_step_optimizer(OptimizerSpec.parse("adamw", lr=1e-3), torch_namespace("cpu"),
+                                              "reference"), TritonExactAdam)
 
 
 def test_the_coefficients_are_the_reference_optimizers_float32_values():

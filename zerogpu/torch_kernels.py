@@ -114,7 +114,7 @@ def make_step_optimizer(spec: OptimizerSpec, xp: ArrayNamespace, kernel: str) ->
     if kernel not in OPTIMIZER_KERNELS:
         raise ConfigError("optimizer_kernel", kernel, f"must be one of {', '.join(OPTIMIZER_KERNELS)}")
     if kernel == "reference":
-        from .triton_kernel import make_exact_optimizer
+        from .exact_optimizer import make_exact_optimizer
 
         return make_exact_optimizer(spec, xp)
     if kernel == "compiled":

@@ -155,10 +155,3 @@ class TritonExactAdam:
         adam_pass(param, grad, state["exp_avg"], state["exp_avg_sq"], self.spec, t)
         state["step"] = t
 
-
-def make_exact_optimizer(spec: OptimizerSpec, xp: ArrayNamespace) -> Any:
-    """``optimizer_kernel="reference"``: zerosim's exact optimizer; on a CUDA device with Triton, its
-    Adam/AdamW update as one Triton pass with the same bits (:class:`TritonExactAdam`)."""
-    if xp.backend == "torch" and str(xp.device).startswith("cuda") and triton_available():
-        return TritonExactAdam(spec, xp)
-    return make_optimizer(spec, xp)
