@@ -66,4 +66,15 @@ def kill_and_expect_ranks_gone(launcher: subprocess.Popen, pids: list[int], with
     deadline = time.monotonic() + within_s
     while any(alive_check(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(alive_check(p) for p in pids), "a rank outlived its launcher"
+    left = [p for p in pids if alive_check(p)]
+    assert not left, f"a rank outlived its launcher by {within_s:g} s: {[_status(p) for p in left]}"
+
+
+def _status(pid: int) -> str:
+    """``pid``, its state and its parent, from /proc (what a failure needs to say which hop failed)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return f"pid {pid} state {fields[0].decode()} parent {fields[1].decode()}"
+    except OSError:
+        return f"pid {pid} gone"

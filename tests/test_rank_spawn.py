@@ -131,7 +131,7 @@ def test_ranks_end_when_their_launcher_is_killed_by_sigkill(tmp_path: Path) -> N
     """No handler runs on SIGKILL: each rank asked the kernel for SIGTERM when its launcher dies (the
     launch's own forking process, not a fork server's: that path is tests/test_fork_server.py's)."""
     with sleeping_launch(tmp_path, {**os.environ, "ZEROGPU_FORK_SERVER": "off"}, GUARD_S) as (launcher, pids):
-        kill_and_expect_ranks_gone(launcher, pids, 10)
+        kill_and_expect_ranks_gone(launcher, pids, 30)  # two hops: launcher -> zygote -> ranks
 
 
 _WHAT_A_RANK_SEES = """import os, sys, time
