@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from zerogpu.compiled_kernel import CompiledOptimizer  # noqa: E402
-from zerogpu.torch_kernels import make_step_optimizer  # noqa: E402
+from zerogpu.optimizer_kernels import make_step_optimizer  # noqa: E402
 from zerosim.numerics.optim import OptimizerSpec, make_optimizer  # noqa: E402
 from zerosim.numerics.xp import torch_namespace  # noqa: E402
 

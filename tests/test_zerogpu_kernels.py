@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from zerogpu.torch_kernels import OPTIMIZER_KERNELS, make_step_optimizer  # noqa: E402
+from zerogpu.optimizer_kernels import OPTIMIZER_KERNELS, make_step_optimizer  # noqa: E402
 from zerosim.errors import ConfigError  # noqa: E402
 from zerosim.numerics.optim import OptimizerSpec, make_optimizer  # noqa: E402
 from zerosim.numerics.xp import torch_namespace  # noqa: E402

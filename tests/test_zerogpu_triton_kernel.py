@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 from test_zerogpu_compiled_kernel import SPECS, _compare  # noqa: E402
 
-from zerogpu.torch_kernels import make_step_optimizer  # noqa: E402
+from zerogpu.optimizer_kernels import make_step_optimizer  # noqa: E402
 from zerogpu.triton_kernel import BLOCK, TritonExactAdam, adam_coefficients, triton_available  # noqa: E402
 from zerosim.numerics.optim import OptimizerSpec, make_optimizer  # noqa: E402
 from zerosim.numerics.xp import torch_namespace  # noqa: E402

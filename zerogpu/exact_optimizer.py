@@ -25,6 +25,9 @@ from typing import Any
 from zerosim.numerics.optim import OptimizerSpec, make_optimizer
 from zerosim.numerics.xp import ArrayNamespace
 
+from .torch_kernels import TorchKernelOptimizer, fused_kernel_is_exact
+from .triton_kernel import TritonExactAdam, triton_available
+
 #: the fused CPU kernel's work unit (64 bytes of float32): a prefix of a multiple of it has no tail
 FUSED_UNIT = 16
 
@@ -36,8 +39,6 @@ class FusedPrefixAdam:
     module docstring); anything else steps through the reference."""
 
     def __init__(self, spec: OptimizerSpec, xp: ArrayNamespace):
-        from .torch_kernels import TorchKernelOptimizer
-
         self.spec = spec
         self.xp = xp
         self._reference = make_optimizer(spec, xp)
@@ -76,9 +77,6 @@ class FusedPrefixAdam:
 def make_exact_optimizer(spec: OptimizerSpec, xp: ArrayNamespace) -> Any:
     """``optimizer_kernel="reference"``: zerosim's exact optimizer by the fastest kernel that gives its
     bits here (module docstring)."""
-    from .host_optimizer import fused_kernel_is_exact
-    from .triton_kernel import TritonExactAdam, triton_available
-
     device = str(xp.device or "cpu")
     if xp.backend == "torch" and device.startswith("cuda") and triton_available():
         return TritonExactAdam(spec, xp)

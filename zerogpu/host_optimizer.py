@@ -47,19 +47,12 @@ from zerosim.errors import ConfigError, require_non_negative_int
 from zerosim.numerics.optim import OptimizerSpec
 from zerosim.numerics.xp import torch_namespace
 
-from .torch_kernels import make_step_optimizer
+from .optimizer_kernels import make_step_optimizer
+from .torch_kernels import FMA_CAPABILITIES, fused_kernel_is_exact
 
 #: host kernels: torch's fused CPU kernel (one vectorised pass) and zerosim's exact reference
 HOST_KERNELS = ("fused", "reference")
-#: torch CPU capabilities whose vector loops run fused multiply-adds (the fused kernel is then bitwise
-#: equal to the reference; measured on AVX2 and AVX-512, see the module docstring)
-FMA_CAPABILITIES = ("AVX2", "AVX512")
-
-
-def fused_kernel_is_exact() -> bool:
-    """Whether torch's CPU kernels here run with fused multiply-adds, where ``"fused"`` is bitwise the
-    reference on its vector loop (``ATEN_CPU_CAPABILITY`` avx2 or avx512, on a CPU that has them)."""
-    return str(torch.backends.cpu.get_cpu_capability()).upper() in FMA_CAPABILITIES
+__all__ = ["FMA_CAPABILITIES", "HOST_KERNELS", "HostOptimizer", "fused_kernel_is_exact"]
 
 
 def _host_tensor(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:

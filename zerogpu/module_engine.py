@@ -123,7 +123,7 @@ def module_engine(comm: Communicator, run: ModuleRun, xp: ArrayNamespace, descri
     """One rank's state over a torch module and the schedule that runs its steps (the schedule holds
     the state; nothing holds the schedule back). ``optimizer``: what steps the master shard (default:
     the run's flat optimizer of its kernel)."""
-    from .torch_kernels import make_step_optimizer
+    from .optimizer_kernels import make_step_optimizer
 
     # the module's current parameters, read lazily: a slice copies only the tensors it covers, so a
     # ZeRO-3 rank, which only slices out its own pieces, never holds a second full copy while it starts

@@ -44,7 +44,7 @@ class ModuleRun:
     spec: OptimizerSpec
     partitioner: str
     prefetch: int = 1
-    optimizer_kernel: str = "reference"  # see zerogpu.torch_kernels.OPTIMIZER_KERNELS
+    optimizer_kernel: str = "reference"  # see zerogpu.optimizer_kernels.OPTIMIZER_KERNELS
     zero1_reduce_scatter: bool = False
     steps: int = 1
     micro_batches: int = 1

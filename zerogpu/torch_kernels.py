@@ -22,14 +22,12 @@ from typing import Any
 
 import torch
 
-from zerosim.errors import ConfigError
 from zerosim.numerics.optim import OptimizerSpec, make_optimizer
 from zerosim.numerics.xp import ArrayNamespace
 
-#: ``optimizer_kernel`` values: zerosim's exact emulation, torch.optim's default kernel, torch's fused
-#: kernel, the reference's operations compiled into one device pass (the exact reference on the CPU:
-#: :mod:`zerogpu.compiled_kernel`)
-OPTIMIZER_KERNELS = ("reference", "torch", "fused", "compiled")
+#: torch CPU capabilities whose vector loops run fused multiply-adds (torch's fused CPU kernel is then
+#: bitwise equal to the reference on its vector loop: :mod:`zerogpu.host_optimizer`)
+FMA_CAPABILITIES = ("AVX2", "AVX512")
 #: elements per call of the single-tensor kernel on CPU (512 KiB of float32 per array: cache-resident)
 CPU_CHUNK = 1 << 17
 
@@ -109,16 +107,8 @@ class TorchKernelOptimizer:
                 kept.copy_(first)
 
 
-def make_step_optimizer(spec: OptimizerSpec, xp: ArrayNamespace, kernel: str) -> Any:
-    """The engine's optimizer for ``optimizer_kernel=kernel`` (see :data:`OPTIMIZER_KERNELS`)."""
-    if kernel not in OPTIMIZER_KERNELS:
-        raise ConfigError("optimizer_kernel", kernel, f"must be one of {', '.join(OPTIMIZER_KERNELS)}")
-    if kernel == "reference":
-        from .exact_optimizer import make_exact_optimizer
-
-        return make_exact_optimizer(spec, xp)
-    if kernel == "compiled":
-        from .compiled_kernel import make_compiled_optimizer
-
-        return make_compiled_optimizer(spec, xp)
-    return TorchKernelOptimizer(spec, xp, fused=kernel == "fused")
+def fused_kernel_is_exact() -> bool:
+    """Whether torch's CPU kernels here run with fused multiply-adds, where its fused CPU kernel is
+    bitwise the reference on its vector loop (``ATEN_CPU_CAPABILITY`` avx2 or avx512, on a CPU that has
+    them): asked of torch, never assumed from the processor."""
+    return str(torch.backends.cpu.get_cpu_capability()).upper() in FMA_CAPABILITIES

@@ -65,7 +65,7 @@ from .module_engine import LossFn, module_engine
 from .module_run import ModuleRun
 from .module_units import UnitSpec, describe_module
 from .offload_step import HostTierStep, host_kernel_for
-from .torch_kernels import OPTIMIZER_KERNELS
+from .optimizer_kernels import OPTIMIZER_KERNELS
 from .whole_tensor import (
     DEFAULT_WHOLE_TENSOR_PARTITIONER,
     WholeTensorOptimizer,

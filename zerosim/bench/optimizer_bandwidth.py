@@ -2,7 +2,7 @@
 
 ``python -m zerosim.cli.gpu_check_steps optimizer_bandwidth --device cuda --elements N --out FILE``: one flat
 float32 shard of ``N`` elements (parameter, gradient, ``exp_avg``, ``exp_avg_sq``) on the device,
-stepped by each kernel the engine can run (:data:`zerogpu.torch_kernels.OPTIMIZER_KERNELS`:
+stepped by each kernel the engine can run (:data:`zerogpu.optimizer_kernels.OPTIMIZER_KERNELS`:
 ``reference``, zerosim's exact optimizer and ZeroTrainer's default; ``torch``; ``fused``;
 ``compiled``, the reference's operations fused into one pass by torch.compile, the exact reference
 on a CPU), and a
@@ -62,7 +62,7 @@ def _arrays(n: int, device: Any, seed: int) -> dict[str, Any]:
 
 
 def _optimizer(kernel: str, device: str) -> Any:
-    from zerogpu.torch_kernels import make_step_optimizer
+    from zerogpu.optimizer_kernels import make_step_optimizer
     from zerosim.numerics.optim import OptimizerSpec
     from zerosim.numerics.xp import torch_namespace
 
@@ -147,7 +147,7 @@ def check_kernel(kernel: str, device: str, perturb: bool, t: int = 3) -> dict[st
 def measure(device: str, n: int, repeats: int, perturb: bool) -> dict[str, Any]:
     import torch
 
-    from zerogpu.torch_kernels import OPTIMIZER_KERNELS
+    from zerogpu.optimizer_kernels import OPTIMIZER_KERNELS
 
     from ..monitor.digest import tensor_digest
 
