@@ -63,11 +63,11 @@ def test_the_optimizer_kernel_chooses_the_host_tiers_kernel(world_of_one, kernel
         if host is None:  # torch.optim's single-tensor kernel: the engine's own optimizer steps
             assert trainer.host_step is None
             return
-        assert trainer.host_step is not None and trainer.engine.opt is trainer.host_step
+        assert trainer.host_step is not None and trainer.state.opt is trainer.host_step
         hosted = trainer.host_step.host
         assert hosted is not None and hosted.kernel == host and trainer.host_step.steps == 1
         # the host optimizer steps the engine's own buffers: no copy of the master or the state
-        assert hosted.master is trainer.engine.master and hosted.state is trainer.engine.opt_state
+        assert hosted.master is trainer.state.master and hosted.state is trainer.state.opt_state
     finally:
         trainer.close()
 

@@ -90,9 +90,9 @@ def test_bf16_model_loads_a_bf16_file(world_of_one, tmp_path: Path) -> None:
     model = _gpt("bfloat16")
     trainer = ZeroTrainer(model, {"name": "adamw", "lr": 1e-3}, "zero3")
     load_state_dict(trainer, path)
-    work = full_params_view(trainer.engine)  # ml_dtypes bfloat16, flat in layout order
+    work = full_params_view(trainer.state)  # ml_dtypes bfloat16, flat in layout order
     assert work.dtype.name == "bfloat16"
-    want = torch.cat([src.get_parameter(t.name).detach().reshape(-1) for t in trainer.engine.layout.tensors])
+    want = torch.cat([src.get_parameter(t.name).detach().reshape(-1) for t in trainer.state.layout.tensors])
     assert np.array_equal(work.astype(np.float32), want.float().numpy())
 
 

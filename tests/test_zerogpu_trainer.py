@@ -84,13 +84,25 @@ def test_a_bfloat16_model_trains_on_a_float32_master(world_of_one, strategy: str
     model = _gpt().to(torch.bfloat16)
     trainer = ZeroTrainer(model, {"name": "adamw", "lr": 1e-3}, strategy)
     trainer.step(*_batches(1)[0])
-    assert trainer.engine.master.dtype == torch.float32
-    master = trainer.engine.master  # the rank's packed float32 shard
+    assert trainer.state.master.dtype == torch.float32
+    master = trainer.state.master  # the rank's packed float32 shard
     full = trainer.full_parameters()
     assert all(t.dtype == torch.bfloat16 for t in full.values())
-    flat = torch.cat([full[t.name].reshape(-1) for t in trainer.engine.layout.tensors])
-    for g0, g1, pos in trainer.engine.owned_pieces:  # the weights are the master rounded to bfloat16
+    flat = torch.cat([full[t.name].reshape(-1) for t in trainer.state.layout.tensors])
+    for g0, g1, pos in trainer.state.owned_pieces:  # the weights are the master rounded to bfloat16
         assert torch.equal(flat[g0:g1], master[pos:pos + g1 - g0].to(torch.bfloat16))
+
+
+def test_the_rank_state_is_state_and_engine_is_its_earlier_name(world_of_one) -> None:
+    from zerogpu.trainer import ZeroTrainer
+    from zerosim.engine.rank_state import RankState
+
+    trainer = ZeroTrainer(_gpt(), {"name": "adamw", "lr": 1e-3}, "zero1")
+    assert isinstance(trainer.state, RankState)
+    assert trainer.engine is trainer.state
+    with pytest.raises(AttributeError):
+        trainer.engine = trainer.state  # read-only: the attribute is ``state``
+    trainer.close()
 
 
 def test_zero3_frees_every_unit_between_steps(world_of_one) -> None:
@@ -120,7 +132,7 @@ def test_a_shard_group_of_one_keeps_its_units_as_views_of_the_shard(world_of_one
     a, b = resident.full_parameters(), gathered.full_parameters()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resident.schedule.unit_resident_bytes() == 0 == gathered.schedule.unit_resident_bytes()
-    base = resident.engine.param_shard.untyped_storage().data_ptr()
+    base = resident.state.param_shard.untyped_storage().data_ptr()
     assert all(p.untyped_storage().data_ptr() == base for p in resident_model.parameters())
     assert all(p.untyped_storage().nbytes() == 0 for p in gathered_model.parameters())
 
@@ -165,7 +177,7 @@ def test_offload_is_bitwise_the_run_without_it_and_stays_within_its_device_budge
 
     plain_model, off_model = _gpt(), _gpt()
     plain = ZeroTrainer(plain_model, {"name": "adamw", "lr": 1e-2}, "zero3")
-    units = plain.engine.units.units
+    units = plain.state.units.units
     itemsize = 4
     sizes = sorted(u.chunk * itemsize for u in units)
     budget = sizes[-1] + sizes[-2]  # the two largest units: eviction must run every step

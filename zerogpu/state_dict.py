@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from zerosim.checkpoint.broadcast import BroadcastLoadResult, broadcast_and_shard_state_dict
+from zerosim.engine.rank_state import RankState
 from zerosim.errors import ConfigError
 
 StateDictSource = str | Path | Mapping[str, Any]
@@ -54,14 +55,14 @@ def load_state_dict(
     steps). ``source`` is read on rank 0 only: a file path or an in-memory mapping of tensors; other
     ranks may pass None. Returns this rank's result (``missing_keys``, ``unexpected_keys``, files
     opened, bytes read, broadcasts)."""
-    engine = getattr(trainer, "engine", None)
+    state = getattr(trainer, "state", None)
     module = getattr(trainer, "model", None)
-    if engine is None or not isinstance(module, torch.nn.Module):
+    if not isinstance(state, RankState) or not isinstance(module, torch.nn.Module):
         raise ConfigError("trainer", type(trainer).__name__, "must be a zerogpu.ZeroTrainer")
     buffers = _persistent_buffers(module)
     spec = {name: (tuple(b.shape), str(b.dtype).removeprefix("torch.")) for name, b in buffers.items()}
     with torch.no_grad():
-        result = broadcast_and_shard_state_dict(engine, source, strict=strict, bucket_bytes=bucket_bytes,
+        result = broadcast_and_shard_state_dict(state, source, strict=strict, bucket_bytes=bucket_bytes,
                                                 replicated=spec)
         for name, value in result.replicated.items():
             target = buffers[name]

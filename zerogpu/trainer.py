@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from zerosim.comm.base import DEFAULT_TIMEOUT_S
 from zerosim.engine.observation import full_params_view, holdings
+from zerosim.engine.rank_state import RankState
 from zerosim.errors import ConfigError, require_non_negative_int
 from zerosim.numerics.optim import OptimizerSpec
 from zerosim.numerics.precision import Precision
@@ -253,16 +254,22 @@ class ZeroTrainer:
             host_kernel = host_kernel_for(optimizer_kernel)
             if host_kernel is not None:
                 step_optimizer = self.host_step = HostTierStep(spec, host_kernel)
-        #: the ZeRO engine (the simulator's, state and step) and its autograd-hook schedule over the model
-        self.engine, self.schedule = module_engine(self.comm, run, torch_namespace(device), described,
-                                                   loss_fn or default_loss, manager, step_optimizer)
+        #: this rank's engine state (the simulator's RankState: buffers, optimizer state, communicators)
+        #: and the autograd-hook schedule that runs the engine's steps over the model
+        self.state, self.schedule = module_engine(self.comm, run, torch_namespace(device), described,
+                                                  loss_fn or default_loss, manager, step_optimizer)
         self.described = described
-        e = self.engine
+        e = self.state
         #: a master shard apart from the parameters (ZeRO-1/2, mixed precision): one buffer more in C-ZERO-004
         self.master_copy = not (e.master is e.param_shard or e.master is e.params_full)
         self._steps = 0
         hold_job(self.comm.job)  # released by close()
         self._closed = False
+
+    @property
+    def engine(self) -> RankState:
+        """The earlier name of :attr:`state` (this rank's engine state), kept for existing code."""
+        return self.state
 
     # ---- training ---------------------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> float:
@@ -308,15 +315,15 @@ class ZeroTrainer:
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter, full, as this rank computes with it next (collective under ZeRO-3)."""
-        flat = self.engine.xp.from_numpy(full_params_view(self.engine))  # bfloat16 included
+        flat = self.state.xp.from_numpy(full_params_view(self.state))  # bfloat16 included
         return self._split(flat.to(self.described.device))
 
     @torch.no_grad()
     def full_optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """torch.optim-named state of every parameter, full (collective when the state is sharded)."""
         if self.whole_optimizer is not None:
-            return gather_tensor_state(self.whole_optimizer, self.engine.layout, self.described.device)
-        e = self.engine
+            return gather_tensor_state(self.whole_optimizer, self.state.layout, self.described.device)
+        e = self.state
         arrays = {}
         for name in e.run.spec.state_names:
             arr = e.opt_state[name]
@@ -346,7 +353,7 @@ class ZeroTrainer:
         from zerosim.checkpoint import save_engine_state
 
         self._refuse_whole_tensor_checkpoint()
-        return save_engine_state(self.engine, directory)
+        return save_engine_state(self.state, directory)
 
     def load_checkpoint(self, directory: Any, *, strict: bool = True) -> Any:
         """Load a checkpoint saved at any world size and strategy (collective, between steps). The
@@ -355,14 +362,14 @@ class ZeroTrainer:
         from zerosim.checkpoint import load_engine_state
 
         self._refuse_whole_tensor_checkpoint()
-        result = load_engine_state(self.engine, directory, strict=strict)
+        result = load_engine_state(self.state, directory, strict=strict)
         self.schedule.params_refreshed()
-        self._steps = int(self.engine.opt_state["step"])
+        self._steps = int(self.state.opt_state["step"])
         return result
 
     def local_shards(self) -> dict[str, list[tuple[int, int]]]:
         """Half-open ranges of each flattened parameter whose optimizer state this rank owns (C-ZERO-001)."""
-        e = self.engine
+        e = self.state
         out: dict[str, list[tuple[int, int]]] = {}
         for t in e.layout.tensors:
             g0, g1 = e.layout.tensor_range(t.name)
@@ -373,7 +380,7 @@ class ZeroTrainer:
     def resident_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank keeps (C-ZERO-004's measured side):
         the engine's live arrays, plus any ZeRO-3 unit buffer allocated right now (none between steps)."""
-        held = holdings(self.engine)
+        held = holdings(self.state)
         whole_state = self.whole_optimizer.state_nbytes() if self.whole_optimizer is not None else 0
         return {
             "params": held["params"].nbytes + self.schedule.unit_resident_bytes(),
@@ -389,7 +396,7 @@ class ZeroTrainer:
         return out
 
     def _split(self, flat: Any) -> dict[str, torch.Tensor]:
-        layout = self.engine.layout
+        layout = self.state.layout
         out = {}
         for t in layout.tensors:
             g0, g1 = layout.tensor_range(t.name)

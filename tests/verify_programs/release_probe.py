@@ -1,5 +1,6 @@
 """Under torchrun: every adapter named is built, stepped twice and dropped, twice over; each rank
-reports whether the trainer, its model and (for ZeroTrainer) its engine were collected.
+reports whether the trainer, its model and its engine state (ZeroTrainer) or engine (DeepSpeed) were
+collected.
 
 ``release_probe.py MODE ADAPTER[,ADAPTER...]``: MODE ``close`` calls the trainer's optional
 ``close()`` first (what ``zerosim verify`` and ``zerosim bench peers`` do), ``drop`` only deletes it.
@@ -16,6 +17,7 @@ import weakref
 
 import torch.distributed as dist
 
+from zerogpu.trainer import ZeroTrainer
 from zerosim.bench.peers_method import optim_config
 from zerosim.verify.model import build_model, micro_batch
 from zerosim.verify.protocol import close_trainer
@@ -39,7 +41,9 @@ def main() -> int:
             for step in (1, 2):
                 trainer.step(*micro_batch(rank, step))
             refs = {"trainer": weakref.ref(trainer), "model": weakref.ref(model)}
-            if getattr(trainer, "engine", None) is not None:
+            if isinstance(trainer, ZeroTrainer):
+                refs["state"] = weakref.ref(trainer.state)
+            elif getattr(trainer, "engine", None) is not None:  # a DeepSpeed adapter's engine
                 refs["engine"] = weakref.ref(trainer.engine)
             if mode == "close":
                 close_trainer(trainer)

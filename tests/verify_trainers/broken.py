@@ -324,9 +324,9 @@ class OptimizerStateDroppedOnLoad(ZeroTrainer):
 
     def load_checkpoint(self, directory: object, *, strict: bool = True) -> object:
         result = super().load_checkpoint(directory, strict=strict)
-        for name in self.engine.run.spec.state_names:
-            self.engine.opt_state[name].zero_()
-        self.engine.opt_state["step"] = 0
+        for name in self.state.run.spec.state_names:
+            self.state.opt_state[name].zero_()
+        self.state.opt_state["step"] = 0
         self._steps = 0
         return result
 

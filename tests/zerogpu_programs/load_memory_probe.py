@@ -59,7 +59,7 @@ def load(directory: Path) -> None:
         model.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS))
     model = model.to_empty(device="cpu")
     trainer = ZeroTrainer(model, {"name": "sgd", "lr": 0.1}, "zero3")
-    e = trainer.engine
+    e = trainer.state
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     dist.barrier()

@@ -39,7 +39,7 @@ def main() -> int:
         trainer = ZeroTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy)
         source = directory / (file if rank == 0 else "absent.safetensors")
         result = load_state_dict(trainer, source, bucket_bytes=bucket)
-        e = trainer.engine
+        e = trainer.state
         print(json.dumps({
             "case": f"{strategy}:{file}:{bucket}", "strategy": strategy, "rank": rank,
             "pieces": [list(p) for p in e.owned_pieces], "master": e.xp.to_numpy(e.master).tolist(),
@@ -51,13 +51,13 @@ def main() -> int:
         trainer.schedule.remove_hooks()
     model = build_model("gpt-tied", "float32")
     trainer = ZeroTrainer(model, torch.optim.SGD(model.parameters(), lr=0.1), "zero3")
-    before = trainer.engine.xp.to_numpy(trainer.engine.master, copy=True)
+    before = trainer.state.xp.to_numpy(trainer.state.master, copy=True)
     try:
         DistModule(trainer).load_state_dict(directory / "short.safetensors" if rank == 0 else None)
         error = ""
     except ConfigError as err:
         error = str(err)
-    unchanged = bool((trainer.engine.xp.to_numpy(trainer.engine.master) == before).all())
+    unchanged = bool((trainer.state.xp.to_numpy(trainer.state.master) == before).all())
     print(json.dumps({"case": "strict", "rank": rank, "error": error, "unchanged": unchanged}), file=out,
           flush=True)
     out.close()

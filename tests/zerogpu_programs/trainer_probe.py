@@ -94,7 +94,7 @@ def main() -> int:
             trainer = ZeroTrainer(model, spec, strategy)
             for step in range(STEPS):
                 trainer.step({n: torch.from_numpy(g) for n, g in gradients(rank, step).items()})
-            names = [t.name for t in trainer.engine.layout.tensors]
+            names = [t.name for t in trainer.state.layout.tensors]
             full = trainer.full_parameters()
             state = trainer.full_optimizer_state()
             if rank == 0:
@@ -105,9 +105,9 @@ def main() -> int:
                     got_s = torch.cat([state[n][key].reshape(-1) for n in names]).numpy()
                     diffs[key] = float(np.max(np.abs(got_s - want_state[key])))
                 scale = float(np.max(np.abs(want)))
-                records = trainer.engine.comm.traffic.records
+                records = trainer.state.comm.traffic.records
                 data_all_reduces = sum(r.calls for (group, kind), r in records.items()
-                                       if kind == "all_reduce" and group == trainer.engine.comm.group_name)
+                                       if kind == "all_reduce" and group == trainer.state.comm.group_name)
                 print(json.dumps({"strategy": strategy, "optimizer": opt_name, "world": world,
                                   "diffs": diffs, "scale": scale,
                                   "data_all_reduces_per_step": data_all_reduces / STEPS}), flush=True)

@@ -101,7 +101,7 @@ def measure(args: Any) -> dict[str, Any]:
 
     plain = ZeroTrainer(model(), optim, "zero3")
     itemsize = 4
-    chunks = sorted(u.chunk * itemsize for u in plain.engine.units.units)
+    chunks = sorted(u.chunk * itemsize for u in plain.state.units.units)
     budget = sum(chunks[-args.budget_units:])
     offloaded = ZeroTrainer(model(), optim, "zero3",
                             offload=OffloadConfig(device_budget_bytes=budget, prefetch_depth=args.prefetch))
@@ -123,7 +123,7 @@ def measure(args: Any) -> dict[str, Any]:
     assert manager is not None
     memory, perf = manager.memory_stats(), manager.performance_stats()
     medians = {k: statistics.median(v) for k, v in times.items()}
-    units = [(u.name, u.chunk * itemsize) for u in plain.engine.units.units]
+    units = [(u.name, u.chunk * itemsize) for u in plain.state.units.units]
     plan = plan_step(units, budget, prefetch_depth=args.prefetch)
     sweep = [{"budget_units": k, "prefetch_depth": d, **plan_step(units, sum(chunks[-k:]), prefetch_depth=d)
               .to_dict()} for k in sorted({2, 3, len(chunks)}) if k <= len(chunks) for d in (1, 2)]

@@ -83,7 +83,7 @@ class LiveFault:
             words ^= 1 << min(self.plan.bit, 8 * flat.element_size() - 1)
         if self._now(step, "zero-state"):
             if _is_trainer(model):
-                state = model.engine.opt_state
+                state = model.state.opt_state
                 for key, value in state.items():
                     if key == "step":
                         state[key] = 0
@@ -115,7 +115,7 @@ def _param(model: Any, name: str | None) -> Any:
 
 def _trainer_piece(trainer: Any, name: str | None) -> torch.Tensor:
     """The engine's array holding this rank's copy of ``name`` (full, or its owned piece)."""
-    e = trainer.engine
+    e = trainer.state
     g0, g1 = e.layout.tensor_range(name)
     if e.params_full is not None:
         return e.params_full[g0:g1]

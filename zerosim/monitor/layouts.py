@@ -238,7 +238,7 @@ def _zero_redundancy_layout(module: torch.nn.Module, optimizer: Any) -> LiveLayo
 
 
 def _zero_trainer_layout(trainer: Any) -> LiveLayout:
-    e = trainer.engine
+    e = trainer.state
     layout = LiveLayout(f"zerogpu-{trainer.strategy.name}",
                         numels={t.name: t.numel for t in e.layout.tensors})
     ranges = {t.name: e.layout.tensor_range(t.name) for t in e.layout.tensors}

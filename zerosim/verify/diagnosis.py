@@ -75,6 +75,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from zerosim.values.verdict import Verdict
+
 from .diagnosis_evidence import (
     failing,
     first_sgd_update,
@@ -90,13 +92,13 @@ from .diagnosis_matrix import matrix_optimizer_on_shard
 from .diagnosis_mixed import diagnose_mixed
 from .diagnosis_placement import disagree, overlap, permuted, rank_local, replicas_not_reduced, unowned
 from .observation import StepRecord
-from .outcome import ContractOutcome, Diagnosis
+from .outcome import Diagnosis
 
 __all__ = ["bug_classes", "diagnose", "diagnose_mixed"]
 
 
 def diagnose(
-    records: Sequence[StepRecord], contracts: dict[str, ContractOutcome], mesh: tuple[int, int] | None = None
+    records: Sequence[StepRecord], contracts: dict[str, Verdict], mesh: tuple[int, int] | None = None
 ) -> list[Diagnosis]:
     """Every bug class whose signature the observations show, most specific first (module docstring);
     ``mesh`` = (replicas, shard group size) when the run names one."""

@@ -11,10 +11,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from zerosim.values.verdict import Verdict
+
 from .diagnosis_evidence import first_sgd_update, flat
 from .diagnosis_groups import common_factor as _common_factor
 from .observation import StepRecord
-from .outcome import ContractOutcome, Diagnosis
+from .outcome import Diagnosis
 
 FACTOR_AGREEMENT = 0.9  # share of the large-gradient elements that must show the same factor (within 1%)
 
@@ -78,7 +80,7 @@ def gradient_scale(records: Sequence[StepRecord]) -> list[Diagnosis]:
     ]
 
 
-def logged_norm(records: Sequence[StepRecord], outcome: ContractOutcome | None) -> list[Diagnosis]:
+def logged_norm(records: Sequence[StepRecord], outcome: Verdict | None) -> list[Diagnosis]:
     """``logged-norm`` when C-ZERO-008 failed; names the rank's own elements when the logged norm is
     the norm of the reference's gradient over exactly the ranges that rank owns."""
     if outcome is None or outcome.status != "fail":

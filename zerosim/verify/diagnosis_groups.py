@@ -28,8 +28,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from zerosim.values.verdict import Verdict
+
 from .observation import StepRecord
-from .outcome import ContractOutcome, Diagnosis
+from .outcome import Diagnosis
 
 FACTOR_AGREEMENT = 0.9  # share of the large-gradient elements that must show the same factor (within 1%)
 NORM_MATCH = 1e-6  # relative agreement of a logged norm with a group's complement norm
@@ -148,7 +150,7 @@ def group_not_reduced(rec: StepRecord) -> list[Diagnosis]:
     )]
 
 
-def group_logged_norm(records: Sequence[StepRecord], outcome: ContractOutcome | None) -> list[Diagnosis]:
+def group_logged_norm(records: Sequence[StepRecord], outcome: Verdict | None) -> list[Diagnosis]:
     """``logged-norm`` naming the group left out (module docstring), when the logged norm is the norm of
     the reference's gradient over every tensor but one group."""
     if outcome is None or outcome.status != "fail":

@@ -12,10 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from .outcome import ContractOutcome, Diagnosis
+from zerosim.values.verdict import Verdict
+
+from .outcome import Diagnosis
 
 
-def diagnose_mixed(records: Sequence[Any], contracts: dict[str, ContractOutcome],
+def diagnose_mixed(records: Sequence[Any], contracts: dict[str, Verdict],
                    reduce_verdicts: Sequence[Any] = ()) -> list[Diagnosis]:
     """The mixed-precision classes (module docstring) from :class:`~zerosim.checks.mixed_precision.
     MixedPrecisionStep` records, the contract outcomes and C-ZERO-005's ``reduce_dtype`` verdicts."""

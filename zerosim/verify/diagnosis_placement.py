@@ -11,13 +11,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from zerosim.values.observe import TrainerObservation
+from zerosim.values.verdict import Verdict
 
 from .diagnosis_evidence import failing, majority, params_key, ranges
 from .observation import StepRecord
-from .outcome import ContractOutcome, Diagnosis
+from .outcome import Diagnosis
 
 
-def overlap(own: ContractOutcome | None) -> list[Diagnosis]:
+def overlap(own: Verdict | None) -> list[Diagnosis]:
     if own is None or own.status != "fail":
         return []
     for v in own.violations:
@@ -32,7 +33,7 @@ def overlap(own: ContractOutcome | None) -> list[Diagnosis]:
     return []
 
 
-def unowned(records: Sequence[StepRecord], own: ContractOutcome | None) -> list[Diagnosis]:
+def unowned(records: Sequence[StepRecord], own: Verdict | None) -> list[Diagnosis]:
     if own is not None:
         for v in own.violations:
             if v.get("clause") == "coverage":
@@ -190,7 +191,7 @@ def rank_local(rec: StepRecord) -> list[Diagnosis]:
     ]
 
 
-def disagree(records: Sequence[StepRecord], contracts: dict[str, ContractOutcome]) -> list[Diagnosis]:
+def disagree(records: Sequence[StepRecord], contracts: dict[str, Verdict]) -> list[Diagnosis]:
     ident = contracts.get("C-ZERO-003")
     if ident is None or ident.status != "fail":
         return []

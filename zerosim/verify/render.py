@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .outcome import ContractOutcome, VerifyReport
+from zerosim.values.verdict import Verdict
+
+from .outcome import VerifyReport
 
 MAX_FINDINGS_LISTED = 8
 
@@ -58,7 +60,7 @@ def _layout(report: VerifyReport) -> str:
     return "".join(f", {p}" for p in parts)
 
 
-def _closest_approach(c2: ContractOutcome, mixed: bool) -> str:
+def _closest_approach(c2: Verdict, mixed: bool) -> str:
     """The line under the table naming where C-ZERO-002 came closest to its bound: per element (and the
     largest absolute error anywhere) in full precision, per tensor (and the median update error) under
     a mixed-precision policy, whose bound is normwise."""
@@ -113,7 +115,7 @@ def render_text(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
-def _figures(c: ContractOutcome) -> tuple[object, object, object]:
+def _figures(c: Verdict) -> tuple[object, object, object]:
     """(error, tolerance, error / tolerance) of a contract's row: for a failure, the first violation's
     (the figures its reason quotes), so a failure shows one error and its bound; else the closest
     approach to the bound over the run."""

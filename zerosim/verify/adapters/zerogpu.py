@@ -56,7 +56,7 @@ class MixedZeroTrainer(ZeroTrainer):
     @torch.no_grad()
     def _write_masters(self, masters: dict[str, torch.Tensor]) -> None:
         """This rank's pieces of the float32 values into the engine's master shard."""
-        e = self.engine
+        e = self.state
         flat = torch.empty(e.layout.total_numel, dtype=torch.float32)
         for t in e.layout.tensors:
             g0, g1 = e.layout.tensor_range(t.name)
@@ -67,7 +67,7 @@ class MixedZeroTrainer(ZeroTrainer):
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """The float32 masters, full (collective when they are sharded)."""
-        e = self.engine
+        e = self.state
         arr = e.master
         if e.sharded_optim:
             assert e.shard_comm is not None
