@@ -154,20 +154,23 @@ def test_zero2_and_zero1_transients_follow_the_engine_schedule():
     assert c.transient == {"backward_end": 1003 * 2 + 1004 * 4, "refresh": 1004 * 2}
     c = memory_per_rank(1003, "zero2", 4, MemorySettings("bf16", grad_bucket_numel=100)).per_rank
     assert c.transient["backward_end"] == 1003 * 2 + 100 * 4
+    # all-reduce ZeRO-1 steps a view of its accumulation buffer: only the all-gather is transient
     c = memory_per_rank(1003, "zero1", 4, MemorySettings("fp32")).per_rank
-    assert c.transient == {"optimizer": 251 * 4, "refresh": 1004 * 4 + 251 * 4}
+    assert c.transient == {"refresh": 1004 * 4}
     assert memory_per_rank(1003, "no_shard", 4).per_rank.transient == {}
 
 
 def test_zero1_reduce_scatter_holds_the_packed_gradient_and_the_chunk_at_once():
     """DeepSpeed stage 1 (``zero1_grad_reduce="reduce_scatter"``): during the reduce the packed full fp32
-    gradient and the rank's reduced fp32 chunk are live together; the rest of the step is as all-reduce."""
+    gradient and the rank's reduced fp32 chunk are live together, and the chunk, a buffer of its own,
+    stays live until the params are refreshed (all-reduce ZeRO-1 steps a view of its accumulation
+    buffer instead)."""
     settings = MemorySettings("bf16", zero1_grad_reduce="reduce_scatter")  # bf16 params, fp32 grads
     c = memory_per_rank(1003, "zero1", 4, settings).per_rank
     assert c.transient == {"reduce": 1004 * 4 + 251 * 4, "optimizer": 251 * 4, "refresh": 1004 * 2 + 251 * 4}
     assert c.transient_device == 1004 * 4 + 251 * 4
     default = memory_per_rank(1003, "zero1", 4, MemorySettings("bf16")).per_rank
-    assert "reduce" not in default.transient and default.transient_device == 1004 * 2 + 251 * 4
+    assert "reduce" not in default.transient and default.transient_device == 1004 * 2
     assert (c.params, c.grads, c.optimizer_states) == (
         default.params,
         default.grads,

@@ -65,7 +65,8 @@ from zerosim.engine.gradients import (
     accept_grads,
     agree_finite,
     end_micro_batch,
-    first_nonfinite,
+    first_nonfinite_accumulated,
+    full_grad_reduce_op,
     grad_reduce_op,
 )
 from zerosim.engine.rank_state import RankState
@@ -346,7 +347,7 @@ class ModuleSchedule:
         call's latency, not its bytes, is the cost."""
         e = self.state
         layout = e.layout
-        bad = first_nonfinite(e, {n: e.grad_acc[slice(*layout.tensor_range(n))] for n in names})
+        bad = first_nonfinite_accumulated(e, names)
         if bad and (not self._local_bad or bad < self._local_bad):
             self._local_bad = bad
         self._started.update(names)
@@ -354,14 +355,9 @@ class ModuleSchedule:
         self._bucket_numel += sum(g1 - g0 for g0, g1 in map(layout.tensor_range, names))
         if not flush and self._bucket_numel < OVERLAP_BUCKET_MIN:
             return
-        runs: list[list[int]] = []
-        for g0, g1 in sorted(layout.tensor_range(n) for n in self._bucket):
-            if runs and runs[-1][1] == g0:
-                runs[-1][1] = g1
-            else:
-                runs.append([g0, g1])
+        runs = e.grad_order.runs(self._bucket)
         self._bucket, self._bucket_numel = [], 0
-        op = grad_reduce_op(e)
+        op = full_grad_reduce_op(e)
         start = e.comm.all_reduce_start  # type: ignore[attr-defined]
         self._pending.extend(start(e.grad_acc[g0:g1], op) for g0, g1 in runs)
 

@@ -236,11 +236,13 @@ def transient_phases(strategy: ShardingStrategy, settings: MemorySettings, total
     * SHARD_GRAD_OP / HYBRID_SHARD_ZERO2, ``backward_end``: the micro-batch's unsharded gradients in
       the param dtype (``P * pb``) plus the packed flat gradient (``packed * gb``, or
       ``grad_bucket_numel * gb`` for bucketed implementations); ``refresh``: the all-gathered params.
-    * SHARD_OPTIMIZER, ``optimizer``: the rank's gradient chunk (``chunk * gb``), which stays live
-      through ``refresh``: the all-gathered params plus that chunk. With
-      ``zero1_grad_reduce="reduce_scatter"`` (DeepSpeed stage 1) also ``reduce``: the packed (padded)
-      full gradient plus the reduced chunk it is scattered into (``packed * gb + chunk * gb``); the
-      all-reduce variant reduces the accumulation buffer in place.
+    * SHARD_OPTIMIZER, ``refresh``: the all-gathered params. The all-reduce variant reduces the
+      accumulation buffer in place and steps a view of it (each rank's owned gradient is one range
+      of it: :mod:`zerosim.engine.grad_order`), so nothing else is transient. With
+      ``zero1_grad_reduce="reduce_scatter"`` (DeepSpeed stage 1) the rank's gradient chunk
+      (``chunk * gb``) is a buffer of its own: ``reduce`` holds the packed (padded) full gradient
+      plus the reduced chunk it is scattered into (``packed * gb + chunk * gb``), ``optimizer`` the
+      chunk, which stays live through ``refresh`` (the all-gathered params plus that chunk).
     * NO_SHARD: none.
     """
     pb, gb, d = settings.spec.param_bytes, settings.spec.grad_bytes, settings.prefetch_depth
@@ -263,8 +265,10 @@ def transient_phases(strategy: ShardingStrategy, settings: MemorySettings, total
         else:
             if settings.zero1_grad_reduce == "reduce_scatter":
                 out["reduce"] = packed * gb + shard_numel * gb  # packed input and chunk output live together
-            out["optimizer"] = shard_numel * gb
-            out["refresh"] = packed * pb + shard_numel * gb  # the chunk lives until the params are refreshed
+                out["optimizer"] = shard_numel * gb
+                out["refresh"] = packed * pb + shard_numel * gb  # the chunk lives until the refresh
+            else:  # the owned gradient is a view of the accumulation buffer
+                out["refresh"] = packed * pb
     return out
 
 

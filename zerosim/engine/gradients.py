@@ -8,7 +8,10 @@ shard group size; :mod:`zerosim.cost.comm_model` predicts exactly this, C-ZERO-0
 
 * NO_SHARD: gradients accumulated locally; one ``all_reduce(avg)`` of the flat gradient over the
   world after the last micro-batch (:func:`reduce_full_grad`).
-* SHARD_OPTIMIZER (ZeRO-1): the same all-reduce, or with ``zero1_grad_reduce="reduce_scatter"``
+* SHARD_OPTIMIZER (ZeRO-1): the same all-reduce, as a sum, of a gradient kept in shard order
+  (:mod:`zerosim.engine.grad_order`): each rank then divides only the range it owns, in place
+  (:func:`owned_grad`: the same division, element for element, on 1/n of the elements), or with
+  ``zero1_grad_reduce="reduce_scatter"``
   (DeepSpeed stage 1, the paper's P_os) one ``reduce_scatter(avg)`` of the packed full gradient into
   the rank's chunk after the last micro-batch.
 * SHARD_GRAD_OP (ZeRO-2): after each micro-batch, ``reduce_scatter(avg)`` of the packed flat
@@ -51,6 +54,34 @@ def grad_reduce_op(s: RankState) -> str:
     return "sum" if s.corruption(Hook.GRAD_REDUCE_OP) else "avg"
 
 
+def averages_owned_chunk(s: RankState) -> bool:
+    """All-reduce ZeRO-1: the full gradient is all-reduced as a sum and only the owned chunk is
+    averaged (:func:`owned_grad`), since nothing reads the rest of the reduced gradient."""
+    return s.all_reduce_zero1
+
+
+def full_grad_reduce_op(s: RankState) -> str:
+    """The op of the all-reduce of the full gradient (NO_SHARD, all-reduce ZeRO-1): the mean, or for
+    all-reduce ZeRO-1 the sum, its division left to :func:`owned_grad` (bug class 1: no division)."""
+    op = grad_reduce_op(s)
+    return "sum" if averages_owned_chunk(s) else op
+
+
+def owned_grad(s: RankState) -> Any:
+    """All-reduce ZeRO-1, after the all-reduce: this rank's owned elements of the reduced gradient,
+    divided by the group size (C-ZERO-002: the mean, as an all-reduce ``avg`` gives it; bug class 1
+    sums and so divides by nothing). In shard order (:mod:`zerosim.engine.grad_order`) a view of
+    ``grad_acc`` without the shard's trailing padding, divided in place; otherwise the packed chunk,
+    divided as it is copied out."""
+    n = s.comm.world_size
+    divisor = n if grad_reduce_op(s) == "avg" and n > 1 else None
+    if s.grad_order.kind == "layout":
+        return s.own_chunk(s.grad_acc, divisor)
+    lo, hi = s.grad_order.owned
+    view = s.grad_acc[lo:hi]
+    return view if divisor is None else divide_(view, divisor)
+
+
 def pad_value(s: RankState) -> float:
     """What packed gradient padding is filled with: zero (bug class 8: padding leaking into values)."""
     return 1.0 if s.corruption(Hook.PADDING) else 0.0
@@ -64,6 +95,20 @@ def check_finite(s: RankState, step: int, named: dict[str, Any], flat: Any | Non
 def first_nonfinite(s: RankState, named: dict[str, Any], flat: Any | None = None) -> int:
     """This rank's first non-finite gradient among ``named`` (layout index + 1; 0: none)."""
     return finite_vote.first_nonfinite(s.xp, s.layout, named, flat)
+
+
+def first_nonfinite_accumulated(s: RankState, names: list[str], whole: bool = False) -> int:
+    """This rank's first non-finite gradient among ``names`` in the full flat gradient ``grad_acc``
+    (NO_SHARD, ZeRO-1), wherever :attr:`RankState.grad_order` placed each one (layout index + 1;
+    0: none); ``whole``: ``names`` are every tensor, so one pass over the buffer settles the common
+    case."""
+    xp = s.xp
+    if whole and xp.isfinite_all(s.grad_acc):
+        return 0
+    for name in names:
+        if not all(xp.isfinite_all(view) for view, _, _ in s.grad_order.views(s.grad_acc, name)):
+            return finite_vote.tensor_index(s.layout, s.layout.aliases.get(name, name)) + 1
+    return 0
 
 
 def agree_finite(s: RankState, step: int, bad: int, when: str) -> None:
@@ -108,29 +153,25 @@ def accept_grads(s: RankState, step: int, micro: int, block: str, grads: dict[st
         s.micro_grads.update(grads)
         s.tracker.alloc("gradbuf:micro", "grad_buffers",
                            sum(xp.nbytes(g) for g in s.micro_grads.values()))
-    else:
+    else:  # the full flat gradient, each tensor where grad_order places it
         for name, g in grads.items():
-            g0, g1 = s.layout.tensor_range(name)
-            view = s.grad_acc[g0:g1]
             flat = xp.reshape(g, (-1,))
-            if micro == 0:
-                xp.assign(view, flat)
-            else:
-                view += xp.astype(flat, s.state_dtype)
+            for view, a, b in s.grad_order.views(s.grad_acc, name):
+                if micro == 0:
+                    xp.assign(view, flat[a:b])
+                else:
+                    view += xp.astype(flat[a:b], s.state_dtype)
 
 
 def reduce_full_grad(s: RankState, step: int) -> Any | None:
     """NO_SHARD / ZeRO-1, after the last micro-batch: every rank agrees the accumulated full gradient
     is finite, then it is averaged over the world (all-reduce, in ``grad_acc``), or reduce-scattered
     into this rank's chunk (``zero1_reduce_scatter``: the chunk is returned; otherwise None)."""
-    named = {
-        t.name: s.grad_acc[g0 : g0 + t.numel]
-        for t, g0 in zip(s.layout.tensors, s.layout.offsets, strict=True)
-    }
-    check_finite(s, step, named, s.grad_acc)
+    names = [t.name for t in s.layout.tensors]
+    agree_finite(s, step, first_nonfinite_accumulated(s, names, whole=True), BEFORE_REDUCTION)
     if s.zero1_reduce_scatter:
         return _reduce_scatter_full_grad(s)
-    s.grad_acc = wire.all_reduce_grads(s.comm, s.grad_acc, grad_reduce_op(s))
+    s.grad_acc = wire.all_reduce_grads(s.comm, s.grad_acc, full_grad_reduce_op(s))
     return None
 
 

@@ -33,6 +33,7 @@ from ..values.observe import RankObservation
 from . import wire
 from .engine_run import EngineRun
 from .faults import EngineFault, Hook
+from .grad_order import GradOrder
 from .memory_tracker import MemoryTracker
 from .rank_groups import make_groups
 from .unit_table import UnitTable
@@ -141,8 +142,19 @@ class RankState:
             self.params_full = params_full if params_full is not None else self.master
         n_grad = self.units.shard_numel if self.sharded_grads else self.total
         self.grad_acc = xp.zeros(n_grad, self.state_dtype)
+        # where each tensor's gradient lives in grad_acc: all-reduce ZeRO-1 keeps each rank's owned
+        # gradient contiguous (shard order), everything else tensor after tensor
+        shard_order = None
+        if self.all_reduce_zero1:
+            shard_order = GradOrder.shard_order(self.layout, self.units, self.local)
+        self.grad_order = shard_order or GradOrder.layout_order(self.layout)
         self.opt_state = self.opt.init_state(self.master.shape[0], self.state_dtype)
         self._track_state()
+
+    @property
+    def all_reduce_zero1(self) -> bool:
+        """ZeRO-1 reducing its full gradient with one all-reduce (not ``zero1_reduce_scatter``)."""
+        return self.sharded_optim and not self.sharded_grads and not self.zero1_reduce_scatter
 
     @property
     def separate_full_params(self) -> bool:
@@ -260,14 +272,15 @@ class RankState:
         (a full-state-dict assembly in reverse order reloads another rank's shard)."""
         return self.k - 1 - local_rank if self.corruption(Hook.STATE_ASSEMBLY) else local_rank
 
-    def own_chunk(self, full: Any) -> Any:
-        """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array."""
+    def own_chunk(self, full: Any, divisor: int | None = None) -> Any:
+        """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array
+        (``divisor``: each owned element divided by it as it is copied)."""
         cached = self.__dict__.get("_padding_cache")
         if cached is None or cached[0] is not self.owned_pieces:
             spans = wire.padding_spans(self.owned_pieces, self.units.shard_numel)
             cached = self.__dict__["_padding_cache"] = (self.owned_pieces, spans)
         return wire.own_chunk(self.xp, full, self.owned_pieces, cached[1], self.units.shard_numel,
-                              self.state_dtype)
+                              self.state_dtype, divisor)
 
     def param_chunk(self, unit: FlatUnit) -> Any:
         """This rank's chunk of ``unit`` in its working-parameter shard (what an all-gather sends)."""

@@ -162,8 +162,8 @@ def ordered_reference(run: ResolvedRun) -> Reference:
         total = reduce.result()
         if m_count > 1:
             total /= m_count
-        # norm exactly as the ranks sum it (reduce-scatter ZeRO-1 holds only its chunk, like ZeRO-2)
-        if strategy.shards_grads or run.zero1_reduce_scatter:
+        # norm exactly as the ranks sum it: each over its owned elements wherever the optimizer is sharded
+        if strategy.shards_optimizer:
             partial = []
             for j in range(k):
                 local = 0.0

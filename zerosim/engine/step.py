@@ -7,8 +7,9 @@ then calls :func:`finish_step`, which returns the step's
 
 * the global gradient norm is the float64 sum of squares over the elements each rank *owns*
   (padding excluded), all-reduced once over the shard group (replicas hold identical reduced
-  gradients: summing over them would over-count); NO_SHARD and all-reduce ZeRO-1 hold the full
-  reduced gradient and need no collective for it;
+  gradients: summing over them would over-count); all-reduce ZeRO-1 holds the full reduced
+  gradient but sums only its owned chunk too, which halves that pass at world 2 for one scalar
+  all-reduce; NO_SHARD sums its full gradient and needs no collective for it;
 * clipping by that norm, then the optimizer step on the master shard (C-ZERO-002);
 * the refresh of the working parameters: ZeRO-1/2 one ``all_gather`` of the updated chunks, ZeRO-3
   the cast (or copy) of the shard, mixed-precision NO_SHARD the cast of the master.
@@ -27,7 +28,13 @@ from ..values.flat_buffers import FlatUnit
 from ..values.observe import StepObservation
 from . import wire
 from .faults import Hook
-from .gradients import finish_accumulation, reduce_full_grad, replicate_reduce
+from .gradients import (
+    averages_owned_chunk,
+    finish_accumulation,
+    owned_grad,
+    reduce_full_grad,
+    replicate_reduce,
+)
 from .observation import holdings, observe, snapshot, traffic_delta
 from .rank_state import RankState
 
@@ -70,17 +77,19 @@ def finish_step(s: RankState, start: StepStart, losses: list[float], *, settled:
     elif s.hybrid and s.replicate_comm is not None:
         s.grad_acc = replicate_reduce(s, s.grad_acc)
     tr.alloc("grads", "grads", xp.nbytes(s.grad_acc), s.optimizer_location if s.sharded_grads else "device")
-    finish_accumulation(s, s.grad_acc if grad_shard is None else grad_shard)
+    if averages_owned_chunk(s):  # the owned part of the summed full gradient, averaged
+        grad = owned_grad(s)
+        if s.grad_order.kind == "layout":  # a packed copy, not a view of grad_acc
+            tr.alloc("grad_chunk", "grad_buffers", xp.nbytes(grad))
+    else:
+        grad = s.grad_acc if grad_shard is None else grad_shard
+    finish_accumulation(s, grad)
     # ---- norm, clip, step ---------------------------------------------------------------------
     tr.set_phase("optimizer")
-    if s.sharded_grads or grad_shard is not None:
-        grad = s.grad_acc if grad_shard is None else grad_shard
+    if s.sharded_optim:
         sumsq = global_sumsq(s, wire.owned_sumsq(xp, grad, s.units, s.local))
     else:
-        sumsq = xp.sum_of_squares(s.grad_acc)
-        grad = s.own_chunk(s.grad_acc) if s.sharded_optim else s.grad_acc
-        if grad is not s.grad_acc:
-            tr.alloc("grad_chunk", "grad_buffers", xp.nbytes(grad))
+        sumsq = xp.sum_of_squares(grad)
     norm, coef = wire.clip_(xp, grad, sumsq, s.run.spec.max_grad_norm, s.state_dtype)
     optimizer_step(s, grad)
     s.stepped_grad = grad
@@ -121,8 +130,18 @@ def global_sumsq(s: RankState, local: float) -> float:
 
 
 def optimizer_step(s: RankState, grad: Any) -> None:
-    """The optimizer step on the master shard (C-ZERO-002); bug class 11 advances the counter twice."""
-    wire.optimizer_step(s.opt, s.master, grad, s.opt_state)
+    """The optimizer step on the master shard (C-ZERO-002); bug class 11 advances the counter twice.
+    A gradient shorter than the shard (all-reduce ZeRO-1's view, which stops before the shard's
+    trailing padding) steps the same leading elements of the master and the state: the padding has
+    zero gradient, parameter and state, and an elementwise update leaves it zero."""
+    n = int(s.master.shape[0])
+    if int(grad.shape[0]) == n:
+        wire.optimizer_step(s.opt, s.master, grad, s.opt_state)
+    else:
+        m = int(grad.shape[0])
+        state = {**s.opt_state, **{name: s.opt_state[name][:m] for name in s.run.spec.state_names}}
+        wire.optimizer_step(s.opt, s.master[:m], grad, state)
+        s.opt_state["step"] = state["step"]
     if s.corruption(Hook.OPTIMIZER_STEP) == "count-twice":
         s.opt_state["step"] += 1
 
