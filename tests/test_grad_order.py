@@ -93,3 +93,22 @@ def test_the_engine_keeps_all_reduce_zero1_in_shard_order(strategy, kind):
     kinds = run_spmd(2, lambda comm: block_rank_state(comm, run, numpy_namespace()).grad_order.kind,
                      timeout_s=30)
     assert kinds == [kind, kind]
+
+
+@pytest.mark.parametrize("local_max", [0, 1 << 40])
+def test_zero1_norm_summed_locally_or_all_reduced_is_the_same_bits(monkeypatch, local_max):
+    """All-reduce ZeRO-1 adds every rank's owned sum of squares in rank order either way: each rank by
+    itself (a small gradient) or through one scalar all-reduce. Both runs equal the ordered reference
+    bit for bit, clip included, so the two give the same norm and the same weights."""
+    from run_assertions import assert_all_pass
+
+    from zerosim.engine import step as step_functions
+    from zerosim.engine.config import RunConfig
+    from zerosim.engine.spmd import run_simulated
+
+    monkeypatch.setattr(step_functions, "LOCAL_NORM_MAX_NUMEL", local_max)
+    result = run_simulated(RunConfig(strategy="zero1", world_size=3, steps=3, micro_batches=2,
+                                     max_grad_norm=0.5))
+    assert_all_pass(result)
+    assert result.verdicts["C-ZERO-002"].details["bitwise_required"] is True
+    assert result.steps[0]["clip_coef"] < 1.0  # the norm decided the update

@@ -340,22 +340,22 @@ class ModuleSchedule:
             self._start_reduce(list(grads))
 
     def _start_reduce(self, names: list[str], *, flush: bool = False) -> None:
-        """Note this rank's first non-finite gradient among ``names`` (no collective: the ranks agree
-        once, in :meth:`settle_gradients`, before anyone steps) and queue them; once the queue holds
-        :data:`OVERLAP_BUCKET_MIN` elements (or on ``flush``), start the all-reduce of each contiguous
-        run of it in the flat gradient. Small blocks so share one all-reduce: on a small model each
-        call's latency, not its bytes, is the cost."""
+        """Queue ``names``; once the queue holds :data:`OVERLAP_BUCKET_MIN` elements (or on
+        ``flush``), note this rank's first non-finite gradient among them (no collective: the ranks
+        agree once, in :meth:`settle_gradients`, before anyone steps) and start the all-reduce of
+        each contiguous run of them in the flat gradient. Small blocks so share one all-reduce, and
+        one finiteness pass per run: on a small model each call's latency, not its bytes, is the cost."""
         e = self.state
         layout = e.layout
-        bad = first_nonfinite_accumulated(e, names)
-        if bad and (not self._local_bad or bad < self._local_bad):
-            self._local_bad = bad
         self._started.update(names)
         self._bucket.extend(names)
         self._bucket_numel += sum(g1 - g0 for g0, g1 in map(layout.tensor_range, names))
         if not flush and self._bucket_numel < OVERLAP_BUCKET_MIN:
             return
         runs = e.grad_order.runs(self._bucket)
+        bad = first_nonfinite_accumulated(e, self._bucket, runs)
+        if bad and (not self._local_bad or bad < self._local_bad):
+            self._local_bad = bad
         self._bucket, self._bucket_numel = [], 0
         op = full_grad_reduce_op(e)
         start = e.comm.all_reduce_start  # type: ignore[attr-defined]

@@ -38,6 +38,7 @@ class GradOrder:
     kind: str  # "layout" | "shard"
     placements: dict[str, tuple[Placement, ...]]
     owned: tuple[int, int]  # this rank's owned elements in the buffer (shard order); (0, total) otherwise
+    regions: tuple[tuple[int, int], ...] = ()  # shard order: every rank's owned range, in rank order
 
     @classmethod
     def layout_order(cls, layout: ParamLayout) -> GradOrder:
@@ -52,7 +53,7 @@ class GradOrder:
         """Every shard-group rank's owned elements in turn, in the order of its packed shard (None
         when some rank's shard has padding before one of its real elements)."""
         spans: list[tuple[int, int, int]] = []  # (global start, global end, buffer position)
-        base, owned = 0, (0, 0)
+        base, regions = 0, []
         for j in range(plan.k):
             pieces = plan.owned_global(j)
             at = 0
@@ -61,8 +62,7 @@ class GradOrder:
                     return None
                 spans.append((g0, g1, base + pos))
                 at += g1 - g0
-            if j == local:
-                owned = (base, base + at)
+            regions.append((base, base + at))
             base += at
         if base != layout.total_numel:
             return None
@@ -72,7 +72,7 @@ class GradOrder:
             t1 = t0 + t.numel
             placements[t.name] = tuple((max(g0, t0) - t0, min(g1, t1) - t0, dst + max(g0, t0) - g0)
                                        for g0, g1, dst in spans if g0 < t1 and g1 > t0)
-        return cls("shard", _with_aliases(placements, layout), owned)
+        return cls("shard", _with_aliases(placements, layout), regions[local], tuple(regions))
 
     def views(self, buffer: Any, name: str) -> list[tuple[Any, int, int]]:
         """``(view of buffer, start, end)`` for each range of tensor ``name``'s flattened gradient."""

@@ -67,19 +67,20 @@ def full_grad_reduce_op(s: RankState) -> str:
     return "sum" if averages_owned_chunk(s) else op
 
 
-def owned_grad(s: RankState) -> Any:
+def owned_grad(s: RankState, whole: bool = False) -> Any:
     """All-reduce ZeRO-1, after the all-reduce: this rank's owned elements of the reduced gradient,
     divided by the group size (C-ZERO-002: the mean, as an all-reduce ``avg`` gives it; bug class 1
     sums and so divides by nothing). In shard order (:mod:`zerosim.engine.grad_order`) a view of
-    ``grad_acc`` without the shard's trailing padding, divided in place; otherwise the packed chunk,
-    divided as it is copied out."""
+    ``grad_acc`` without the shard's trailing padding, divided in place (``whole``: the whole
+    buffer is divided, every rank's range); otherwise the packed chunk, divided as it is copied out."""
     n = s.comm.world_size
     divisor = n if grad_reduce_op(s) == "avg" and n > 1 else None
     if s.grad_order.kind == "layout":
         return s.own_chunk(s.grad_acc, divisor)
     lo, hi = s.grad_order.owned
-    view = s.grad_acc[lo:hi]
-    return view if divisor is None else divide_(view, divisor)
+    if divisor is not None:
+        divide_(s.grad_acc if whole else s.grad_acc[lo:hi], divisor)
+    return s.grad_acc[lo:hi]
 
 
 def pad_value(s: RankState) -> float:
@@ -97,18 +98,18 @@ def first_nonfinite(s: RankState, named: dict[str, Any], flat: Any | None = None
     return finite_vote.first_nonfinite(s.xp, s.layout, named, flat)
 
 
-def first_nonfinite_accumulated(s: RankState, names: list[str], whole: bool = False) -> int:
-    """This rank's first non-finite gradient among ``names`` in the full flat gradient ``grad_acc``
-    (NO_SHARD, ZeRO-1), wherever :attr:`RankState.grad_order` placed each one (layout index + 1;
-    0: none); ``whole``: ``names`` are every tensor, so one pass over the buffer settles the common
-    case."""
-    xp = s.xp
-    if whole and xp.isfinite_all(s.grad_acc):
+def first_nonfinite_accumulated(s: RankState, names: list[str],
+                                runs: list[tuple[int, int]] | None = None) -> int:
+    """This rank's non-finite gradient of lowest layout index among ``names`` in the full flat
+    gradient ``grad_acc`` (NO_SHARD, ZeRO-1), wherever :attr:`RankState.grad_order` placed each one
+    (layout index + 1; 0: none). ``runs``, the buffer ranges ``names`` occupy, are checked first, one
+    pass each; only when one of them is not finite is each tensor searched."""
+    xp, acc = s.xp, s.grad_acc
+    if runs is not None and all(xp.isfinite_all(acc[lo:hi]) for lo, hi in runs):
         return 0
-    for name in names:
-        if not all(xp.isfinite_all(view) for view, _, _ in s.grad_order.views(s.grad_acc, name)):
-            return finite_vote.tensor_index(s.layout, s.layout.aliases.get(name, name)) + 1
-    return 0
+    bad = [finite_vote.tensor_index(s.layout, s.layout.aliases.get(name, name)) for name in names
+           if not all(xp.isfinite_all(view) for view, _, _ in s.grad_order.views(acc, name))]
+    return min(bad) + 1 if bad else 0
 
 
 def agree_finite(s: RankState, step: int, bad: int, when: str) -> None:
@@ -168,7 +169,8 @@ def reduce_full_grad(s: RankState, step: int) -> Any | None:
     is finite, then it is averaged over the world (all-reduce, in ``grad_acc``), or reduce-scattered
     into this rank's chunk (``zero1_reduce_scatter``: the chunk is returned; otherwise None)."""
     names = [t.name for t in s.layout.tensors]
-    agree_finite(s, step, first_nonfinite_accumulated(s, names, whole=True), BEFORE_REDUCTION)
+    whole = [(0, s.total)]
+    agree_finite(s, step, first_nonfinite_accumulated(s, names, whole), BEFORE_REDUCTION)
     if s.zero1_reduce_scatter:
         return _reduce_scatter_full_grad(s)
     s.grad_acc = wire.all_reduce_grads(s.comm, s.grad_acc, full_grad_reduce_op(s))

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..numerics.xp import SUMSQ_CHUNK
 from ..values.flat_buffers import FlatUnit
 from ..values.observe import StepObservation
 from . import wire
@@ -37,6 +38,10 @@ from .gradients import (
 )
 from .observation import holdings, observe, snapshot, traffic_delta
 from .rank_state import RankState
+
+#: all-reduce ZeRO-1: up to this many gradient elements each rank sums every rank's range itself
+#: (one sum-of-squares chunk: less work than the round trip of a scalar all-reduce)
+LOCAL_NORM_MAX_NUMEL = SUMSQ_CHUNK
 
 
 @dataclass(frozen=True)
@@ -77,16 +82,21 @@ def finish_step(s: RankState, start: StepStart, losses: list[float], *, settled:
     elif s.hybrid and s.replicate_comm is not None:
         s.grad_acc = replicate_reduce(s, s.grad_acc)
     tr.alloc("grads", "grads", xp.nbytes(s.grad_acc), s.optimizer_location if s.sharded_grads else "device")
+    local_norm = norm_is_local(s)
     if averages_owned_chunk(s):  # the owned part of the summed full gradient, averaged
-        grad = owned_grad(s)
+        grad = owned_grad(s, whole=local_norm)
         if s.grad_order.kind == "layout":  # a packed copy, not a view of grad_acc
             tr.alloc("grad_chunk", "grad_buffers", xp.nbytes(grad))
     else:
         grad = s.grad_acc if grad_shard is None else grad_shard
-    finish_accumulation(s, grad)
+    finish_accumulation(s, s.grad_acc if local_norm else grad)
     # ---- norm, clip, step ---------------------------------------------------------------------
     tr.set_phase("optimizer")
-    if s.sharded_optim:
+    if local_norm:  # every rank's owned sum, in rank order, as the scalar all-reduce would add them
+        sumsq = 0.0
+        for j, (lo, hi) in enumerate(s.grad_order.regions):
+            sumsq += wire.owned_sumsq(xp, s.grad_acc[lo:hi], s.units, j)
+    elif s.sharded_optim:
         sumsq = global_sumsq(s, wire.owned_sumsq(xp, grad, s.units, s.local))
     else:
         sumsq = xp.sum_of_squares(grad)
@@ -116,6 +126,16 @@ def finish_step(s: RankState, start: StepStart, losses: list[float], *, settled:
     if s.run.cfg.reshard_at == step:
         reshard_round_trip(s)
     return obs
+
+
+def norm_is_local(s: RankState) -> bool:
+    """All-reduce ZeRO-1 on a gradient of at most :data:`LOCAL_NORM_MAX_NUMEL` elements: every rank
+    holds every rank's reduced range, so it averages them all and adds every rank's owned sum of
+    squares itself, in rank order, instead of waiting on a scalar all-reduce (whose latency is the
+    larger cost at that size). The same float64 sums added in the same order: the same norm."""
+    fault = s.fault  # a norm fault keeps the collective on every rank, so that all ranks call it alike
+    return (s.all_reduce_zero1 and s.grad_order.kind == "shard" and s.total <= LOCAL_NORM_MAX_NUMEL
+            and (fault is None or fault.hook is not Hook.GLOBAL_NORM))
 
 
 def global_sumsq(s: RankState, local: float) -> float:
