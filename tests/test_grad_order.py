@@ -71,9 +71,10 @@ def test_layout_order_is_tensor_after_tensor_and_merges_adjacent_runs():
     assert order.runs(reversed(names[:2])) == [(0, layout.tensors[0].numel + layout.tensors[1].numel)]
 
 
-def test_a_shard_with_padding_before_a_real_element_keeps_layout_order():
+def test_a_shard_with_padding_before_a_real_element_has_no_shard_order():
     """ZeRO-3's per-block units pad each unit's chunk: a rank's real elements are not one range, so
-    shard order is refused (None) and the engine would keep layout order."""
+    shard order is refused (None). ZeRO-1's plan is one unit, which pads only at the end (the
+    property test above)."""
     layout = ParamLayout.from_config("tiny")
     plan = build_unit_plan(layout, ShardingStrategy.parse("zero3"), "fsdp", 3)
     assert any(u.padding(j) for u in plan.units[:-1] for j in range(3))  # the premise: inner padding

@@ -117,17 +117,14 @@ def test_every_strategy_over_nccl_at_world_2(tmp_path: Path) -> None:
 def test_division_by_a_number_is_correctly_rounded_on_the_gpu() -> None:
     """``zerosim.numerics.xp.divide_`` on the GPU gives the CPU's (IEEE) quotient bit for bit, for float32 and
     float64, by divisors whose reciprocal is inexact: what keeps the reference optimizer's denominator,
-    the micro-batch mean, the communicator's average and all-reduce ZeRO-1's owned chunk (``divide_into``)
-    the same bits on every device."""
-    from zerosim.numerics.xp import divide_, divide_into
+    the micro-batch mean and the communicator's average the same bits on every device."""
+    from zerosim.numerics.xp import divide_
 
     for dtype in (torch.float32, torch.float64):
         x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(5), dtype=dtype)
         for divisor in (3, 7, 10, 0.9994998749374609):
             on_gpu = divide_(x.cuda(), divisor).cpu()
             assert torch.equal(on_gpu, divide_(x.clone(), divisor)), (dtype, divisor)
-            into = divide_into(torch.empty_like(x).cuda(), x.cuda(), divisor).cpu()
-            assert torch.equal(into, on_gpu), (dtype, divisor)
 
 
 def test_offload_on_the_gpu_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -13,9 +13,9 @@ elements in that buffer is the engine's to choose:
   the optimizer steps on a view of the buffer, where layout order needs a copy of the owned pieces
   out of it (C-ZERO-002: the same elements, the same arithmetic).
 
-Shard order needs every rank's packed shard to hold its real elements first and its padding last
-(true of a plan of one unit, which is what ZeRO-1 uses); a plan with padding inside a rank's shard
-keeps layout order.
+Shard order needs every rank's packed shard to hold its real elements first and its padding last:
+true of a plan of one unit, which is what ZeRO-1 uses (:meth:`GradOrder.shard_order` returns None
+for a plan with padding inside a rank's shard).
 """
 
 from __future__ import annotations

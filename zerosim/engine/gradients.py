@@ -54,29 +54,21 @@ def grad_reduce_op(s: RankState) -> str:
     return "sum" if s.corruption(Hook.GRAD_REDUCE_OP) else "avg"
 
 
-def averages_owned_chunk(s: RankState) -> bool:
-    """All-reduce ZeRO-1: the full gradient is all-reduced as a sum and only the owned chunk is
-    averaged (:func:`owned_grad`), since nothing reads the rest of the reduced gradient."""
-    return s.all_reduce_zero1
-
-
 def full_grad_reduce_op(s: RankState) -> str:
     """The op of the all-reduce of the full gradient (NO_SHARD, all-reduce ZeRO-1): the mean, or for
-    all-reduce ZeRO-1 the sum, its division left to :func:`owned_grad` (bug class 1: no division)."""
-    op = grad_reduce_op(s)
-    return "sum" if averages_owned_chunk(s) else op
+    all-reduce ZeRO-1 the sum, its division left to :func:`owned_grad`, since nothing reads the rest
+    of the reduced gradient (bug class 1: no division)."""
+    return "sum" if s.all_reduce_zero1 else grad_reduce_op(s)
 
 
 def owned_grad(s: RankState, whole: bool = False) -> Any:
     """All-reduce ZeRO-1, after the all-reduce: this rank's owned elements of the reduced gradient,
     divided by the group size (C-ZERO-002: the mean, as an all-reduce ``avg`` gives it; bug class 1
-    sums and so divides by nothing). In shard order (:mod:`zerosim.engine.grad_order`) a view of
-    ``grad_acc`` without the shard's trailing padding, divided in place (``whole``: the whole
-    buffer is divided, every rank's range); otherwise the packed chunk, divided as it is copied out."""
+    sums and so divides by nothing): a view of ``grad_acc``, whose shard order
+    (:mod:`zerosim.engine.grad_order`) keeps them in one range, without the shard's trailing
+    padding, divided in place (``whole``: the whole buffer is divided, every rank's range)."""
     n = s.comm.world_size
     divisor = n if grad_reduce_op(s) == "avg" and n > 1 else None
-    if s.grad_order.kind == "layout":
-        return s.own_chunk(s.grad_acc, divisor)
     lo, hi = s.grad_order.owned
     if divisor is not None:
         divide_(s.grad_acc if whole else s.grad_acc[lo:hi], divisor)

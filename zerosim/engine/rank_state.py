@@ -143,11 +143,13 @@ class RankState:
         n_grad = self.units.shard_numel if self.sharded_grads else self.total
         self.grad_acc = xp.zeros(n_grad, self.state_dtype)
         # where each tensor's gradient lives in grad_acc: all-reduce ZeRO-1 keeps each rank's owned
-        # gradient contiguous (shard order), everything else tensor after tensor
-        shard_order = None
+        # gradient contiguous (shard order; its plan is one unit, whose shards pad only at the end),
+        # everything else tensor after tensor
+        self.grad_order = GradOrder.layout_order(self.layout)
         if self.all_reduce_zero1:
             shard_order = GradOrder.shard_order(self.layout, self.units, self.local)
-        self.grad_order = shard_order or GradOrder.layout_order(self.layout)
+            assert shard_order is not None, "a ZeRO-1 plan of one unit pads each shard only at its end"
+            self.grad_order = shard_order
         self.opt_state = self.opt.init_state(self.master.shape[0], self.state_dtype)
         self._track_state()
 
@@ -272,15 +274,14 @@ class RankState:
         (a full-state-dict assembly in reverse order reloads another rank's shard)."""
         return self.k - 1 - local_rank if self.corruption(Hook.STATE_ASSEMBLY) else local_rank
 
-    def own_chunk(self, full: Any, divisor: int | None = None) -> Any:
-        """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array
-        (``divisor``: each owned element divided by it as it is copied)."""
+    def own_chunk(self, full: Any) -> Any:
+        """This rank's packed chunk (owned elements in shard order, zero padding) of a full flat array."""
         cached = self.__dict__.get("_padding_cache")
         if cached is None or cached[0] is not self.owned_pieces:
             spans = wire.padding_spans(self.owned_pieces, self.units.shard_numel)
             cached = self.__dict__["_padding_cache"] = (self.owned_pieces, spans)
         return wire.own_chunk(self.xp, full, self.owned_pieces, cached[1], self.units.shard_numel,
-                              self.state_dtype, divisor)
+                              self.state_dtype)
 
     def param_chunk(self, unit: FlatUnit) -> Any:
         """This rank's chunk of ``unit`` in its working-parameter shard (what an all-gather sends)."""

@@ -30,7 +30,6 @@ from ..values.observe import StepObservation
 from . import wire
 from .faults import Hook
 from .gradients import (
-    averages_owned_chunk,
     finish_accumulation,
     owned_grad,
     reduce_full_grad,
@@ -83,10 +82,8 @@ def finish_step(s: RankState, start: StepStart, losses: list[float], *, settled:
         s.grad_acc = replicate_reduce(s, s.grad_acc)
     tr.alloc("grads", "grads", xp.nbytes(s.grad_acc), s.optimizer_location if s.sharded_grads else "device")
     local_norm = norm_is_local(s)
-    if averages_owned_chunk(s):  # the owned part of the summed full gradient, averaged
+    if s.all_reduce_zero1:  # the owned part of the summed full gradient, averaged in place
         grad = owned_grad(s, whole=local_norm)
-        if s.grad_order.kind == "layout":  # a packed copy, not a view of grad_acc
-            tr.alloc("grad_chunk", "grad_buffers", xp.nbytes(grad))
     else:
         grad = s.grad_acc if grad_shard is None else grad_shard
     finish_accumulation(s, s.grad_acc if local_norm else grad)
@@ -134,7 +131,7 @@ def norm_is_local(s: RankState) -> bool:
     squares itself, in rank order, instead of waiting on a scalar all-reduce (whose latency is the
     larger cost at that size). The same float64 sums added in the same order: the same norm."""
     fault = s.fault  # a norm fault keeps the collective on every rank, so that all ranks call it alike
-    return (s.all_reduce_zero1 and s.grad_order.kind == "shard" and s.total <= LOCAL_NORM_MAX_NUMEL
+    return (s.all_reduce_zero1 and s.total <= LOCAL_NORM_MAX_NUMEL
             and (fault is None or fault.hook is not Hook.GLOBAL_NORM))
 
 

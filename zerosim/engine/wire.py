@@ -24,7 +24,7 @@ from typing import Any
 
 from ..comm.base import Communicator
 from ..numerics.optim import apply_clip_, clip_coefficient, global_norm_from_sumsq
-from ..numerics.xp import ArrayNamespace, divide_into
+from ..numerics.xp import ArrayNamespace
 from ..values.flat_buffers import FlatUnit, UnitPlan
 
 
@@ -163,17 +163,11 @@ def padding_spans(pieces: tuple[tuple[int, int, int], ...], size: int) -> tuple[
 
 
 def own_chunk(xp: ArrayNamespace, full: Any, pieces: tuple[tuple[int, int, int], ...],
-              padding: tuple[tuple[int, int], ...], size: int, dtype: str,
-              divisor: int | None = None) -> Any:
-    """A rank's packed chunk of a full flat array: its owned pieces in shard order, zero padding;
-    with ``divisor``, each owned element divided by it on the way (one pass, not a copy and a
-    division)."""
+              padding: tuple[tuple[int, int], ...], size: int, dtype: str) -> Any:
+    """A rank's packed chunk of a full flat array: its owned pieces in shard order, zero padding."""
     out = xp.empty(size, dtype)
     for g0, g1, pos in pieces:
-        if divisor is None:
-            xp.assign(out[pos:pos + g1 - g0], full[g0:g1])
-        else:
-            divide_into(out[pos:pos + g1 - g0], full[g0:g1], divisor)
+        xp.assign(out[pos:pos + g1 - g0], full[g0:g1])
     for p0, p1 in padding:
         xp.assign(out[p0:p1], xp.zeros(p1 - p0, dtype))
     return out

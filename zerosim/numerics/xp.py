@@ -325,20 +325,6 @@ def divide_(x: Any, divisor: float) -> Any:
     return x
 
 
-def divide_into(out: Any, x: Any, divisor: float) -> Any:
-    """``out[...] = x / divisor`` in one pass, with :func:`divide_`'s rounding (bit for bit what
-    copying ``x`` into ``out`` and then dividing ``out`` in place gives); returns ``out``."""
-    if isinstance(x, np.ndarray):
-        np.divide(x, divisor, out=out)
-        return out
-    device = x.device
-    if device.type != "cpu" and x.dtype.is_floating_point and x.element_size() >= 4:
-        _torch().div(x, _torch().full((), divisor, dtype=x.dtype, device=device), out=out)
-    else:
-        _torch().div(x, divisor, out=out)
-    return out
-
-
 def _shape(shape: int | Sequence[int]) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)):
         return (int(shape),)
