@@ -51,6 +51,7 @@ from zerosim.numerics.xp import divide_, torch_namespace
 
 from .comm_decompose import (
     ALL_GATHER_MODES,
+    DECOMPOSE_REDUCE_SCATTER_MIN,
     DIRECT_GATHER_MIN,
     OPS,
     REDUCE_SCATTER_MODES,
@@ -251,7 +252,7 @@ class TorchCommunicator:
         n = self.world_size
         c = t.shape[0] // n
         self._traffic.reduce_scatter(t)
-        path = self._reduce_scatter_path()
+        path = self._reduce_scatter_path(int(t.shape[0]))
         if n == 1:
             self._watch.local("reduce_scatter")
             out = t if donate else t.clone()
@@ -274,11 +275,12 @@ class TorchCommunicator:
             divide_(out, n)
         return self._out(out, as_numpy)
 
-    def _reduce_scatter_path(self) -> str:
-        """``native``, ``reduce`` or ``all_reduce`` (see the module docstring)."""
+    def _reduce_scatter_path(self, numel: int) -> str:
+        """``native``, ``reduce`` or ``all_reduce`` for a reduce-scatter of ``numel`` elements (see
+        :mod:`zerogpu.comm_decompose`)."""
         if self.reduce_scatter_mode != "auto":
             return self.reduce_scatter_mode
-        if self._on_gloo:
+        if self._on_gloo and numel >= DECOMPOSE_REDUCE_SCATTER_MIN:
             return "reduce"
         return "all_reduce" if self._job.native_reduce_scatter is False else "native"
 
