@@ -78,9 +78,14 @@ def test_sum_instead_of_mean_fails_equivalence_naming_state_step_rank_and_tensor
     assert_diagnostic(first(r, "C-ZERO-002", "bitwise"), "C-ZERO-002")
 
 
-def test_rank_local_clipping_fails_equivalence():
+@pytest.mark.parametrize("strategy, extra", [("zero2", {}), ("zero1", {}),
+                                             ("zero1", {"zero1_grad_reduce": "reduce_scatter"})])
+def test_rank_local_clipping_fails_equivalence(strategy, extra):
+    """Bug class 3 wherever the ranks sum owned elements for the norm: ZeRO-2, and ZeRO-1 (which
+    sums its owned range whether it all-reduces the gradient or reduce-scatters it)."""
     r = run_simulated(
-        RunConfig(strategy="zero2", world_size=4, steps=2, max_grad_norm=0.05, fault="local-norm-clip")
+        RunConfig(strategy=strategy, world_size=4, steps=2, max_grad_norm=0.05, fault="local-norm-clip",
+                  **extra)
     )
     assert "C-ZERO-002" in failing(r)
     clauses = {v.clause for v in r.verdicts["C-ZERO-002"].violations}

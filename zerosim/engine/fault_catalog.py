@@ -239,7 +239,7 @@ FAULTS: dict[str, Fault] = {
               corrupts=EngineFault(Hook.ACCUMULATION_AVERAGE, "skip")),
         Fault("local-norm-clip", "engine", "",
               "clip with the rank-local norm of the shard", ("C-ZERO-002",),
-              _all(_sharded_grads, _needs_shard_group, _needs_clip),
+              _all(_sharded_optim, _needs_shard_group, _needs_clip),
               {**_ZERO3, "max_grad_norm": 0.05}, bug_class="3",
               corrupts=EngineFault(Hook.GLOBAL_NORM, "rank-local")),
         Fault("norm-over-replicas", "engine", "",
