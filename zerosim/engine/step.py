@@ -151,11 +151,10 @@ def optimizer_step(s: RankState, grad: Any) -> None:
     A gradient shorter than the shard (all-reduce ZeRO-1's view, which stops before the shard's
     trailing padding) steps the same leading elements of the master and the state: the padding has
     zero gradient, parameter and state, and an elementwise update leaves it zero."""
-    n = int(s.master.shape[0])
-    if int(grad.shape[0]) == n:
+    m = int(grad.shape[0])
+    if m == int(s.master.shape[0]):
         wire.optimizer_step(s.opt, s.master, grad, s.opt_state)
     else:
-        m = int(grad.shape[0])
         state = {**s.opt_state, **{name: s.opt_state[name][:m] for name in s.run.spec.state_names}}
         wire.optimizer_step(s.opt, s.master[:m], grad, state)
         s.opt_state["step"] = state["step"]
